@@ -1,0 +1,47 @@
+"""fastdata: preprocess once into compact uint8 shards, serve whole batches, normalise on the GPU.
+
+The public API is listed in ``__all__``. Names are imported on first use (PEP 562), so that the
+``fastdata preprocess`` command and its worker processes never import torch; optional backends
+(``fastdata.dali``) are never imported from here.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+try:
+    from importlib.metadata import PackageNotFoundError, version
+    __version__ = version("fastdata")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+_EXPORTS = {
+    "ChecksumError": "fastdata.errors",
+    "ConfigError": "fastdata.errors",
+    "DiskFullError": "fastdata.errors",
+    "FastdataError": "fastdata.errors",
+    "FormatError": "fastdata.errors",
+    "ImageDecodeError": "fastdata.errors",
+    "ImagePreprocessConfig": "fastdata.preprocess.images",
+    "MissingDependencyError": "fastdata.errors",
+    "OutputError": "fastdata.errors",
+    "SourceError": "fastdata.errors",
+    "VersionError": "fastdata.errors",
+    "describe": "fastdata.manifest",
+    "load_manifest": "fastdata.manifest",
+    "preprocess_images": "fastdata.preprocess.images",
+    "verify": "fastdata.manifest",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fastdata' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

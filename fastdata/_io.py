@@ -1,0 +1,123 @@
+"""Small file-system helpers: atomic writes, hashing writers, safe paths, disk-full errors."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import DiskFullError, FormatError, OutputError
+
+HASH_NAME = "sha256"  # ~1.8 GB/s here with SHA-NI; blake2b measured at 0.9 GB/s on the same machine
+_COPY_BLOCK = 16 << 20
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def new_hash() -> "hashlib._Hash":
+    return hashlib.new(HASH_NAME)
+
+
+def hash_file(path: Path, progress: Any = None) -> str:
+    """Hex digest of a file, read in 16 MiB blocks; ``progress.update(n)`` is called per block."""
+    h = new_hash()
+    with open(path, "rb") as f:
+        while block := f.read(_COPY_BLOCK):
+            h.update(block)
+            if progress is not None:
+                progress.update(len(block))
+    return h.hexdigest()
+
+
+def disk_error(exc: OSError, path: Path) -> OutputError:
+    """Turn an ``OSError`` raised while writing ``path`` into a user-facing error."""
+    if exc.errno in _FULL_ERRNOS:
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        return DiskFullError(
+            f"no space left while writing {path} ({os.strerror(exc.errno)}; {free / 2**20:.1f} MiB free): "
+            "free some space and rerun the same command, which resumes from the last complete shard"
+        )
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
+
+
+class HashingWriter:
+    """Writes a file under ``<name>.tmp``, hashing the bytes as they go; ``commit()`` renames it.
+
+    Until ``commit()`` nothing carries the final name, so an interrupted run leaves only ``.tmp`` files.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.hash = new_hash()
+        self.size = 0
+        try:
+            self._f = open(self.tmp, "wb")
+        except OSError as exc:
+            raise disk_error(exc, self.tmp) from exc
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            self._f.write(view)
+        except OSError as exc:
+            self.abort()
+            raise disk_error(exc, self.tmp) from exc
+        self.hash.update(view)
+        self.size += view.nbytes
+
+    def commit(self) -> dict[str, Any]:
+        """fsync, rename to the final name; returns ``{"path", "bytes", "sha256"}``."""
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise disk_error(exc, self.path) from exc
+        return {"path": self.path.name, "bytes": self.size, HASH_NAME: self.hash.hexdigest()}
+
+    def abort(self) -> None:
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> dict[str, Any]:
+    w = HashingWriter(path)
+    w.write(data)
+    return w.commit()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """JSON with sorted keys and a trailing newline, so equal objects give equal bytes."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (a crash after rename keeps the new name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """``root / rel`` for a path taken from a manifest, refusing anything that escapes ``root``."""
+    p = Path(rel)
+    if not rel or p.is_absolute() or ".." in p.parts:
+        raise FormatError(f"manifest path {rel!r} is not a plain relative path inside {root}: refusing to use it")
+    full = (root / p).resolve()
+    if not full.is_relative_to(root.resolve()):
+        raise FormatError(f"manifest path {rel!r} resolves to {full}, outside {root}: refusing to use it")
+    return root / p
+
+
+def iter_blocks(path: Path, start: int = 0) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        f.seek(start)
+        while block := f.read(_COPY_BLOCK):
+            yield block

@@ -1,0 +1,125 @@
+"""The ``fastdata`` command: argparse subcommands that build the library's config objects.
+
+A :class:`FastdataError` becomes one line on stderr and exit status 1, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import FastdataError
+
+
+def _preprocess_images(args: argparse.Namespace) -> int:
+    from .preprocess.images import ImagePreprocessConfig, preprocess_images, summary
+
+    config = ImagePreprocessConfig(
+        src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
+        shard_size=args.shard_size, on_error=args.on_error, quality=args.quality, overwrite=args.overwrite,
+        progress=not args.quiet)
+    manifest = preprocess_images(config)
+    print(summary(manifest), file=sys.stderr)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .manifest import load_manifest, total_bytes, verify
+    from .progress import progress_bar
+
+    manifest = load_manifest(args.path)
+    bar = progress_bar(total=total_bytes(manifest), desc="verify", unit="B", unit_scale=True, enabled=not args.quiet)
+    try:
+        problems = verify(args.path, bar.update)
+    finally:
+        bar.close()
+    if problems:
+        print(f"{args.path}: {len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: OK, {len(manifest['files'])} files intact")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .manifest import describe
+
+    info = describe(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return 0
+    print(f"path:      {info['path']}")
+    print(f"format:    {info['format']} (version {info['format_version']}, fastdata {info['fastdata_version']})")
+    print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"] else ""))
+    for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
+        if key in info:
+            print(f"{key + ':':<13} {info[key]}")
+    print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
+    print(f"params:    {json.dumps(info['params'])}")
+    print(f"source:    {info['source']['kind']} {info['source']['path']}")
+    if "classes" in info:
+        print(f"classes:   {len(info['classes'])}")
+        for name, count in info["classes"].items():
+            print(f"  {count:>8}  {name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .preprocess.decode import RESIZE_MODES
+    from .preprocess.images import FORMATS, ON_ERROR
+
+    parser = argparse.ArgumentParser(prog="fastdata", description="Preprocess once, then train without waiting on data.")
+    parser.add_argument("--version", action="version", version=f"fastdata {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
+    pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
+    img = pre_sub.add_parser("images", help="image folder or path,label CSV -> uint8 .npy shards or JPEG LMDB")
+    img.add_argument("src", type=Path, help="ImageFolder tree (one sub-folder per class) or a path,label .csv")
+    img.add_argument("out", type=Path, help="output dataset folder")
+    img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
+    img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop", help="npy: how to reach SxS")
+    img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
+    img.add_argument("--workers", type=int, default=None, help="decoding processes (default: all cores)")
+    img.add_argument("--shard-size", type=int, default=1024, help="samples per shard (default 1024)")
+    img.add_argument("--on-error", choices=ON_ERROR, default="skip", help="unreadable images: skip (default) or fail")
+    img.add_argument("--quality", type=int, default=90, help="lmdb: JPEG quality (default 90)")
+    img.add_argument("--overwrite", action="store_true", help="replace a dataset made with other arguments")
+    img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    img.set_defaults(func=_preprocess_images)
+
+    ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
+    ver.add_argument("path", type=Path)
+    ver.add_argument("--quiet", action="store_true")
+    ver.set_defaults(func=_verify)
+
+    ins = sub.add_parser("inspect", help="what a dataset folder holds")
+    ins.add_argument("path", type=Path)
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.set_defaults(func=_inspect)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+                        format="fastdata: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except FastdataError as exc:
+        print(f"fastdata: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastdata: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+

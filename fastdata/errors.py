@@ -1,0 +1,46 @@
+"""Errors raised by fastdata.
+
+Every error a user can cause is a :class:`FastdataError`; the CLI prints its message on one line
+and exits non-zero, so messages say what went wrong, where, and what to do about it.
+"""
+from __future__ import annotations
+
+
+class FastdataError(Exception):
+    """Base class of every error fastdata raises on purpose."""
+
+
+class SourceError(FastdataError):
+    """The preprocessing source (image folder, CSV list) is missing, empty or malformed."""
+
+
+class ImageDecodeError(FastdataError):
+    """One input image could not be decoded (truncated, empty, not an image...)."""
+
+
+class OutputError(FastdataError):
+    """The output folder cannot be written, or holds something we must not overwrite."""
+
+
+class DiskFullError(OutputError):
+    """The disk filled up while writing; nothing that looks finished was left behind."""
+
+
+class FormatError(FastdataError):
+    """A dataset folder or one of its files is not what its manifest says."""
+
+
+class VersionError(FormatError):
+    """A manifest was written by a format version this fastdata cannot read."""
+
+
+class ChecksumError(FormatError):
+    """A file's bytes do not match the checksum recorded in the manifest."""
+
+
+class MissingDependencyError(FastdataError):
+    """An optional dependency is not installed; the message names the pip extra."""
+
+
+class ConfigError(FastdataError, ValueError):
+    """An argument has a bad value; the message names the argument and echoes the value."""

@@ -1,0 +1,143 @@
+"""JPEG store in LMDB: one record per sample, keys ``b"%012d" % i`` (they sort in sample order), labels in
+``labels.npy`` beside it. Values are plain JPEG bytes; nothing is pickled.
+
+Writing goes through resumable parts (``part-K.npy`` blobs with offsets) in the run's partial folder;
+the LMDB is then built in one append-only pass with a fixed commit pattern. LMDB page contents depend on
+the write history, so this is what makes the output byte-identical for any worker count and after resume.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .._io import HASH_NAME, disk_error, hash_file, write_bytes_atomic
+from .base import UnitWriter, npy_bytes
+
+LMDB_NAME = "images.lmdb"
+LABELS_NAME = "labels.npy"
+_COMMIT_EVERY = 1024  # records per write transaction while building (fixed: part of the byte layout)
+
+
+def key(i: int) -> bytes:
+    return b"%012d" % i
+
+
+def part_names(k: int) -> tuple[str, str, str]:
+    return f"part-{k:05d}.npy", f"part-{k:05d}-offsets.npy", f"part-{k:05d}-labels.npy"
+
+
+class JpegPartWriter(UnitWriter):
+    """Collects JPEG bytes of one part in memory (~25 KB a sample) and writes its three files atomically."""
+
+    def __init__(self, parts_dir: Path, part_size: int, first_part: int = 0) -> None:
+        super().__init__(part_size, first_part)
+        self.parts_dir = Path(parts_dir)
+        self._blobs: list[bytes] = []
+
+    def _open_unit(self) -> None:
+        self._blobs = []
+
+    def _write(self, samples: Sequence[bytes]) -> None:
+        self._blobs.extend(samples)
+
+    def _commit(self, labels: np.ndarray) -> list[dict[str, Any]]:
+        offsets = np.zeros(len(self._blobs) + 1, dtype="<i8")
+        np.cumsum([len(b) for b in self._blobs], out=offsets[1:])
+        blob = np.frombuffer(b"".join(self._blobs), dtype=np.uint8)
+        names = part_names(self.index)
+        self._blobs = []
+        return [write_bytes_atomic(self.parts_dir / names[0], npy_bytes(blob)),
+                write_bytes_atomic(self.parts_dir / names[1], npy_bytes(offsets)),
+                write_bytes_atomic(self.parts_dir / names[2], npy_bytes(labels))]
+
+
+def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[bytes], np.ndarray]]:
+    for k in range(count):
+        data, offs, labels = (np.load(parts_dir / n, allow_pickle=False) for n in part_names(k))
+        yield [data[offs[i]:offs[i + 1]].tobytes() for i in range(len(offs) - 1)], labels
+
+
+def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
+    """Write ``images.lmdb`` and ``labels.npy`` from ``count`` parts; returns their manifest entries."""
+    import lmdb
+
+    payload = sum((parts_dir / part_names(k)[0]).stat().st_size for k in range(count))
+    # Values over a page go to overflow pages (up to 4 KiB waste each); 1.5x + 64 MiB has room for that.
+    map_size = int(payload * 1.5) + (64 << 20)
+    path, tmp = out / LMDB_NAME, out / (LMDB_NAME + ".tmp")
+    while True:
+        tmp.unlink(missing_ok=True)
+        try:
+            labels = _write_lmdb(lmdb, tmp, map_size, iter_parts(parts_dir, count))
+            break
+        except lmdb.MapFullError:
+            map_size *= 2  # deterministic: the same data always takes the same retries
+        except lmdb.Error as exc:  # py-lmdb reports a full disk as a plain lmdb.Error with the OS message
+            tmp.unlink(missing_ok=True)
+            code = errno.ENOSPC if "space" in str(exc).lower() else errno.EIO
+            raise disk_error(OSError(code, str(exc)), tmp) from exc
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise disk_error(exc, tmp) from exc
+    entry = {"path": LMDB_NAME, "bytes": tmp.stat().st_size, HASH_NAME: hash_file(tmp)}
+    os.replace(tmp, path)
+    return [entry, write_bytes_atomic(out / LABELS_NAME, npy_bytes(labels))]
+
+
+def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[bytes], np.ndarray]]) -> np.ndarray:
+    env = lmdb.open(str(tmp), subdir=False, map_size=map_size, lock=False, meminit=True, sync=True,
+                    metasync=True, max_dbs=0)
+    all_labels, i = [], 0
+    try:
+        txn = env.begin(write=True)
+        for blobs, labels in parts:
+            all_labels.append(labels)
+            for blob in blobs:
+                txn.put(key(i), blob, append=True)
+                i += 1
+                if i % _COMMIT_EVERY == 0:
+                    txn.commit()
+                    txn = env.begin(write=True)
+        txn.commit()
+        env.sync(True)
+    except BaseException:
+        env.close()
+        raise
+    env.close()
+    return np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
+
+
+class LmdbReader:
+    """Read-only access to ``images.lmdb``, opened lazily per process (safe in DataLoader workers)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._env: Any = None
+        self._pid = -1
+
+    def _open(self) -> Any:
+        if self._env is None or self._pid != os.getpid():  # an env must never cross a fork
+            import lmdb
+
+            self._env = lmdb.open(str(self.path), subdir=False, readonly=True, lock=False, readahead=False,
+                                  meminit=False, max_readers=1024)
+            self._pid = os.getpid()
+        return self._env
+
+    def get(self, i: int) -> bytes:
+        with self._open().begin(buffers=False) as txn:
+            value = txn.get(key(i))
+        if value is None:
+            raise KeyError(f"{self.path} has no record {i}")
+        return value
+
+    def get_many(self, indices: Sequence[int]) -> list[bytes]:
+        with self._open().begin(buffers=False) as txn:
+            return [txn.get(key(int(i))) for i in indices]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_env": None, "_pid": -1}

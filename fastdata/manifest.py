@@ -1,0 +1,116 @@
+"""``manifest.json``: what a dataset folder holds, how it was made, and the checksum of every file.
+
+The manifest is written last (atomically), so a folder without one is an unfinished run. Readers call
+:func:`load_manifest`, which refuses unknown formats and versions before anything else is read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ._io import HASH_NAME, hash_file, safe_join, write_json_atomic
+from .errors import FormatError, VersionError
+
+MANIFEST_NAME = "manifest.json"
+PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
+IMAGES_NPY = "fastdata.images.npy"
+IMAGES_LMDB = "fastdata.images.lmdb"
+# format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1}
+
+
+def fastdata_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def new_manifest(fmt: str, **fields: Any) -> dict[str, Any]:
+    return {"format": fmt, "format_version": FORMAT_VERSIONS[fmt], "fastdata_version": fastdata_version(), **fields}
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    write_json_atomic(Path(root) / MANIFEST_NAME, manifest)
+
+
+def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
+    """Read and validate ``root/manifest.json``; ``formats`` restricts which formats are accepted."""
+    root = Path(root)
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise FormatError(f"{root} is not a folder: pass a dataset folder made by `fastdata preprocess`")
+    if not path.is_file():
+        hint = " (an unfinished run: rerun the same `fastdata preprocess` to resume)" if (
+            root / PARTIAL_DIR).exists() else ""
+        raise FormatError(f"{root} has no {MANIFEST_NAME}: it is not a fastdata dataset{hint}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path} is not valid JSON ({exc}): the manifest is damaged") from exc
+    if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
+        raise FormatError(f"{path} lacks 'format'/'format_version': not a fastdata manifest")
+    fmt, version = manifest["format"], manifest["format_version"]
+    if fmt not in FORMAT_VERSIONS:
+        raise FormatError(f"{path}: unknown format {fmt!r}; this fastdata reads {sorted(FORMAT_VERSIONS)}")
+    if not isinstance(version, int) or version > FORMAT_VERSIONS[fmt] or version < 1:
+        raise VersionError(
+            f"{path}: {fmt} version {version!r} was written by fastdata {manifest.get('fastdata_version', '?')}; "
+            f"this fastdata {fastdata_version()} reads up to version {FORMAT_VERSIONS[fmt]}: upgrade fastdata"
+        )
+    if formats is not None and fmt not in formats:
+        raise FormatError(f"{root} holds {fmt}, but this reader needs one of {list(formats)}")
+    if not isinstance(manifest.get("files"), list):
+        raise FormatError(f"{path} has no 'files' list: the manifest is damaged")
+    for entry in manifest["files"]:
+        safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
+    return manifest
+
+
+
+def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None) -> list[str]:
+    """Re-hash every file the manifest lists; returns one line per problem (empty when intact)."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    problems = []
+    for entry in manifest["files"]:
+        path = safe_join(root, entry["path"])
+        if not path.is_file():
+            problems.append(f"{entry['path']}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} (truncated or replaced)")
+            if progress:
+                progress(entry["bytes"])
+            continue
+        digest = hash_file(path, _Counter(progress) if progress else None)
+        if digest != entry[HASH_NAME]:
+            problems.append(f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)")
+    return problems
+
+
+class _Counter:
+    def __init__(self, fn: Callable[[int], None]) -> None:
+        self.update = fn
+
+
+def total_bytes(manifest: dict[str, Any]) -> int:
+    return sum(int(e["bytes"]) for e in manifest["files"])
+
+
+def describe(root: Path | str) -> dict[str, Any]:
+    """What ``fastdata inspect`` shows: format, counts per class, shape, dtype, bytes, parameters."""
+    root = Path(root)
+    m = load_manifest(root)
+    out = {k: m.get(k) for k in ("format", "format_version", "fastdata_version", "num_samples", "params", "source")}
+    if "classes" in m:
+        out["classes"] = dict(zip(m["classes"], m.get("class_counts", [])))
+    for k in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
+        if k in m:
+            out[k] = m[k]
+    out["files"] = len(m["files"])
+    out["bytes"] = total_bytes(m)
+    out["skipped"] = len(m.get("skipped", []))
+    out["path"] = str(root)
+    return out

@@ -1,0 +1,1 @@
+"""Offline preprocessing: ``images`` (decode, resize, shard) and its helpers."""

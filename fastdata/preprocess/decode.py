@@ -1,0 +1,135 @@
+"""Turn one image file into the upright RGB pixels a person would see, resized once, with high quality.
+
+Large JPEGs are decoded at reduced scale (``Image.draft``: libjpeg's DCT scaling, 2-8x fewer pixels to
+decode) and resized with ``reducing_gap`` (``Image.reduce`` first), so a 4000 px photo costs little more
+than a 500 px one. Everything here is deterministic, so outputs are byte-identical across runs.
+"""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from ..errors import ImageDecodeError
+
+RESIZE_MODES = ("center-crop", "squash", "pad")
+BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white, as a viewer shows them
+PAD_VALUE = (0, 0, 0)  # "pad" letterboxes with black
+RESAMPLE = Image.Resampling.LANCZOS
+REDUCING_GAP = 3.0  # Pillow: results indistinguishable from a full resample at 3.0
+
+
+def _scale(w: int, h: int, size: int, mode: str) -> float:
+    """Factor the whole image is scaled by before cropping/padding (>= 1 means no reduction)."""
+    if mode == "center-crop":
+        return size / min(w, h)
+    if mode == "squash":
+        return max(size / w, size / h)
+    if mode == "pad":
+        return size / max(w, h)
+    if mode == "shorter-side":  # LMDB: shorter side at most `size`, never upscaled
+        return min(1.0, size / min(w, h))
+    raise ValueError(f"unknown resize mode {mode!r}")
+
+
+def open_rgb(path: Path | str, size: int, mode: str) -> Image.Image:
+    """Decode ``path`` to an upright RGB image, at the smallest scale still >= what ``mode`` needs."""
+    try:
+        img = Image.open(path)
+        w, h = img.size
+        s = _scale(w, h, size, mode)
+        if s < 1 and img.format == "JPEG":
+            img.draft(img.mode, (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
+        img.load()
+        img = _upright(img)
+        return to_rgb(img)
+    except ImageDecodeError:
+        raise
+    except (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError, EOFError) as exc:
+        # Pillow reports damage through many types: truncated data (OSError), bad headers (SyntaxError)...
+        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:  # noqa: BLE001 - a damaged EXIF block must not cost the pixels; keep them as stored
+        return img
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB: alpha composited on :data:`BACKGROUND`, 16-bit scaled (not clipped)."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        return Image.fromarray(_to_uint8(np.asarray(img), mode), "L").convert("RGB")
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in img.info)
+    if has_alpha:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def _to_uint8(arr: np.ndarray, mode: str) -> np.ndarray:
+    if mode == "F":
+        top = 1.0 if float(np.nanmax(arr, initial=0.0)) <= 1.0 else 255.0
+        return np.clip(np.nan_to_num(arr) * (255.0 / top) + 0.5, 0, 255).astype(np.uint8)
+    # 16-bit samples keep their high byte (x >> 8), as Pillow itself does for 48-bit RGB PNGs.
+    wide = arr.astype(np.int64)
+    if mode == "I" and wide.max(initial=0) > 65535:  # a true 32-bit image: scale its range down
+        wide = wide * 65535 // int(wide.max())
+    return (np.clip(wide, 0, 65535) >> 8).astype(np.uint8)
+
+
+def resize(img: Image.Image, size: int, mode: str) -> Image.Image:
+    """Resize an RGB image to ``size``x``size`` by ``mode`` (see :data:`RESIZE_MODES`)."""
+    w, h = img.size
+    if mode == "center-crop":
+        m = min(w, h)
+        box = ((w - m) / 2, (h - m) / 2, (w + m) / 2, (h + m) / 2)  # resample only the pixels we keep
+        return img.resize((size, size), RESAMPLE, box=box, reducing_gap=REDUCING_GAP)
+    if mode == "squash":
+        return img.resize((size, size), RESAMPLE, reducing_gap=REDUCING_GAP)
+    if mode == "pad":
+        s = size / max(w, h)
+        nw, nh = min(size, max(1, round(w * s))), min(size, max(1, round(h * s)))
+        canvas = Image.new("RGB", (size, size), PAD_VALUE)
+        canvas.paste(img.resize((nw, nh), RESAMPLE, reducing_gap=REDUCING_GAP), ((size - nw) // 2, (size - nh) // 2))
+        return canvas
+    raise ValueError(f"unknown resize mode {mode!r}; expected one of {RESIZE_MODES}")
+
+
+def load_array(path: Path | str, size: int, mode: str) -> np.ndarray:
+    """``path`` -> ``(size, size, 3)`` uint8 HWC, the npy-shard sample."""
+    return np.asarray(resize(open_rgb(path, size, mode), size, mode))
+
+
+def load_jpeg(path: Path | str, size: int, quality: int) -> bytes:
+    """``path`` -> baseline RGB JPEG bytes with the shorter side at most ``size`` (aspect kept), the LMDB record."""
+    img = open_rgb(path, size, "shorter-side")
+    w, h = img.size
+    if min(w, h) > size:
+        s = size / min(w, h)
+        img = img.resize((max(size, round(w * s)), max(size, round(h * s))), RESAMPLE, reducing_gap=REDUCING_GAP)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def decode_jpeg(data: bytes, size: int) -> np.ndarray:
+    """LMDB record -> ``(size, size, 3)`` uint8 centre crop (the CPU-decode path of the LMDB reader)."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        s = _scale(w, h, size, "center-crop")
+        if s < 1:
+            img.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
+        img = to_rgb(img)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
+    return np.asarray(resize(img, size, "center-crop"))

@@ -1,0 +1,254 @@
+"""``fastdata preprocess images``: an image folder or CSV list -> uint8 .npy shards or a JPEG LMDB.
+
+Decoding runs in worker processes over chunks of files; results are written in source order, so the
+output is byte-identical for any worker count. Completed units (shards / LMDB parts) are journaled, so a
+killed run resumes; the manifest is written last.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from .._io import disk_error, fsync_dir
+from ..errors import ConfigError, ImageDecodeError, OutputError
+from ..formats import image_shards, lmdb_store
+from ..formats.base import LABEL_DTYPE
+from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, PARTIAL_DIR, new_manifest, write_manifest
+from . import decode, journal
+from .parallel import default_workers, ordered_map
+from .sources import Source, discover
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("npy", "lmdb")
+ON_ERROR = ("skip", "fail")
+_MAX_CHUNK = 64  # files per worker task: ~12 MB of 256px pixels, small next to the pipe's bandwidth
+# What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
+_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images\.lmdb|labels\.npy|"
+                    + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
+
+
+@dataclass(frozen=True)
+class ImagePreprocessConfig:
+    """Everything ``fastdata preprocess images`` takes; validated on construction."""
+
+    src: Path
+    out: Path
+    size: int = 256
+    resize: str = "center-crop"
+    format: str = "npy"
+    workers: Optional[int] = None  # None: every core this process may use
+    shard_size: int = 1024
+    on_error: str = "skip"
+    quality: int = 90
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src", Path(self.src))
+        object.__setattr__(self, "out", Path(self.out))
+        _check(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
+        _check(self.resize in decode.RESIZE_MODES, "resize", self.resize, f"one of {decode.RESIZE_MODES}")
+        _check(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
+        _check(self.workers is None or (isinstance(self.workers, int) and self.workers >= 1), "workers",
+               self.workers, "a positive integer")
+        _check(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
+               "a positive integer")
+        _check(self.on_error in ON_ERROR, "on_error", self.on_error, f"one of {ON_ERROR}")
+        _check(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
+
+    def output_params(self) -> dict[str, Any]:
+        """The parameters that shape the output bytes (not workers, progress or overwrite)."""
+        params = {"size": self.size, "format": self.format, "shard_size": self.shard_size, "on_error": self.on_error}
+        if self.format == "npy":
+            params["resize"] = self.resize
+        else:
+            params["quality"] = self.quality
+        return params
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {expected}, got {name}={value!r}")
+
+
+def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
+    """Run (or resume) preprocessing; returns the manifest. Reruns with the same arguments are no-ops."""
+    source = discover(config.src)
+    params = config.output_params()
+    fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
+    out = config.out
+    done = _prepare_output(out, fingerprint, config.overwrite)
+    if done is not None:
+        log.info("%s is already complete with these arguments", out)
+        return done
+    partial = journal.partial_dir(out)
+    jr = journal.load(partial)
+    if jr is None or jr.fingerprint != fingerprint:
+        journal.remove_partial(out)
+        jr = journal.Journal(fingerprint)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise disk_error(exc, partial) from exc
+    jr.keep_intact(out, partial)
+    if jr.units:
+        log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
+    _run(config, source, jr, partial)
+    return _finish(config, source, jr, partial, params, fingerprint)
+
+
+def _prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
+    names = [p.name for p in out.iterdir()]
+    if not names:
+        return None
+    foreign = [n for n in names if not _OWNED.match(n)]
+    ours = MANIFEST_NAME in names or PARTIAL_DIR in names
+    if foreign and not ours:
+        raise OutputError(f"output {out} is not empty and is not a fastdata dataset (it holds {foreign[:3]}): "
+                          "choose a new or empty folder")
+    if MANIFEST_NAME in names and not overwrite:
+        if journal.read_fingerprint(out) == fingerprint:
+            return json.loads((out / MANIFEST_NAME).read_text())
+        raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
+                          "pass --overwrite to replace it, or choose another output folder")
+    pending = journal.load(journal.partial_dir(out))
+    if pending is not None and pending.fingerprint != fingerprint and not overwrite:
+        raise OutputError(f"{out} holds an unfinished run with another source or other parameters: rerun that "
+                          "command to finish it, or pass --overwrite to start this one")
+    if overwrite:
+        for name in names:
+            if _OWNED.match(name):
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return None
+
+
+def _chunks(start: int, stop: int, workers: int) -> list[tuple[int, int]]:
+    size = max(1, min(_MAX_CHUNK, -(-(stop - start) // (workers * 4))))
+    return [(a, min(a + size, stop)) for a in range(start, stop, size)]
+
+
+def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path) -> None:
+    from ..progress import progress_bar
+
+    workers = config.workers or default_workers()
+    if config.format == "npy":
+        writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
+    else:
+        writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units))
+    start, total = jr.source_end, len(source.paths)
+    skipped = list(jr.skipped)
+    tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality)
+             for a, b in _chunks(start, total, workers)]
+    bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
+    try:
+        for ok_src, payload, failures in ordered_map(_work, tasks, workers):
+            for idx, reason in failures:
+                if config.on_error == "fail":
+                    raise ImageDecodeError(f"cannot decode {source.root / source.paths[idx]}: {reason} "
+                                           "(use --on-error skip to leave such files out)")
+                skipped.append({"index": idx, "path": source.paths[idx], "reason": reason})
+            labels = np.asarray([source.labels[i] for i in ok_src], dtype=LABEL_DTYPE)
+            for unit in writer.append(payload, labels, np.asarray(ok_src)):
+                jr.add(_tag(unit, config.format), skipped, partial)
+            bar.update(len(ok_src) + len(failures))
+        for unit in writer.finish():
+            jr.add(_tag(unit, config.format), skipped, partial)
+        jr.skipped = skipped
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def _tag(unit: dict[str, Any], fmt: str) -> dict[str, Any]:
+    unit["in_partial"] = fmt == "lmdb"  # LMDB parts live in the partial folder, npy shards in OUT itself
+    return unit
+
+
+def _work(task: tuple) -> tuple[list[int], Any, list[tuple[int, str]]]:
+    """Worker: decode one chunk. Returns (source indices decoded, their samples, [(index, reason)] failed)."""
+    root, paths, first, fmt, size, resize, quality = task
+    ok: list[int] = []
+    failures: list[tuple[int, str]] = []
+    samples: Any = np.empty((len(paths), size, size, 3), np.uint8) if fmt == "npy" else []
+    for j, rel in enumerate(paths):
+        path = Path(root) / rel
+        try:
+            if fmt == "npy":
+                samples[len(ok)] = decode.load_array(path, size, resize)
+            else:
+                samples.append(decode.load_jpeg(path, size, quality))
+        except ImageDecodeError as exc:
+            failures.append((first + j, str(exc)))
+            continue
+        except OSError as exc:  # the file vanished or cannot be read: the same policy as a bad image
+            failures.append((first + j, f"{type(exc).__name__}: {exc.strerror or exc}"))
+            continue
+        ok.append(first + j)
+    if fmt == "npy":
+        samples = samples[:len(ok)]
+    return ok, samples, failures
+
+
+def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path,
+            params: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+    out = config.out
+    n = jr.num_samples
+    if n == 0:
+        first = jr.skipped[0] if jr.skipped else {"path": "?", "reason": "?"}
+        raise ImageDecodeError(f"none of the {len(source.paths)} images in {source.location} could be decoded "
+                               f"(first: {first['path']}: {first['reason']})")
+    if config.format == "npy":
+        files = [f for u in jr.units for f in u["files"]]
+        labels = [np.load(out / image_shards.labels_name(u["index"]), allow_pickle=False) for u in jr.units]
+        fmt, extra = IMAGES_NPY, {
+            "sample_shape": [config.size, config.size, 3], "dtype": image_shards.IMAGE_DTYPE.str, "layout": "NHWC",
+            "shard_size": config.shard_size,
+            "shards": [{"images": image_shards.images_name(u["index"]), "labels": image_shards.labels_name(u["index"]),
+                        "samples": u["samples"]} for u in jr.units]}
+    else:
+        files = lmdb_store.build(out, partial, len(jr.units))
+        labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)]
+        fmt, extra = IMAGES_LMDB, {"lmdb": lmdb_store.LMDB_NAME, "labels": lmdb_store.LABELS_NAME,
+                                   "key_format": "%012d", "encoding": "jpeg", "max_short_side": config.size}
+    all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
+    counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
+    manifest = new_manifest(
+        fmt, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
+        files=files, params=params, fingerprint=fingerprint,
+        source={"kind": source.kind, "path": str(source.location.resolve()), "num_files": len(source.paths)},
+        skipped=[{"path": s["path"], "reason": s["reason"]} for s in jr.skipped], **extra)
+    write_manifest(out, manifest)
+    journal.remove_partial(out)
+    fsync_dir(out)
+    return manifest
+
+
+def summary(manifest: dict[str, Any], limit: int = 10) -> str:
+    """The one-paragraph report the CLI prints on stderr (skipped files named)."""
+    lines = [f"{manifest['num_samples']} samples in {len(manifest['classes'])} classes -> {manifest['format']}"]
+    skipped = manifest.get("skipped", [])
+    if skipped:
+        lines.append(f"skipped {len(skipped)} unreadable file(s) (all listed in {MANIFEST_NAME}):")
+        lines += [f"  {s['path']}: {s['reason']}" for s in skipped[:limit]]
+        if len(skipped) > limit:
+            lines.append(f"  ... and {len(skipped) - limit} more")
+    return "\n".join(lines)

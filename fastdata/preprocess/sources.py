@@ -1,0 +1,110 @@
+"""Find the images to preprocess: an ImageFolder tree or a CSV list of ``path,label`` rows."""
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SourceError
+
+# torchvision's IMG_EXTENSIONS plus .gif and .jfif; matched case-insensitively.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",
+                              ".gif"})
+
+
+@dataclass(frozen=True)
+class Source:
+    """The ordered list of input images. ``paths`` are relative to ``root``; sample order is list order."""
+
+    kind: str  # "folder" or "csv"
+    location: Path  # the folder, or the CSV file
+    root: Path  # the folder paths are relative to
+    paths: list[str]
+    labels: list[int]
+    classes: list[str]
+
+    def fingerprint(self) -> str:
+        """Hash of the file list, labels and classes: a resumed run must see the same source."""
+        h = hashlib.sha256()
+        for part in (str(self.location.resolve()), "\0".join(self.classes), "\0".join(self.paths),
+                     ",".join(map(str, self.labels))):
+            h.update(part.encode("utf-8", "surrogateescape") + b"\1")
+        return h.hexdigest()
+
+
+def is_image_name(name: str) -> bool:
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def discover(src: Path | str) -> Source:
+    """An ImageFolder tree when ``src`` is a folder, a ``path,label`` list when it is a ``.csv`` file."""
+    src = Path(src)
+    if not src.exists():
+        raise SourceError(f"source {src} does not exist: pass an image folder (one sub-folder per class) or a .csv list")
+    if src.is_dir():
+        source = _from_folder(src)
+    elif src.suffix.lower() == ".csv":
+        source = _from_csv(src)
+    else:
+        raise SourceError(f"source {src} is a file but not a .csv list: pass an image folder or a path,label .csv")
+    if not source.paths:
+        raise SourceError(f"source {src} holds no image files (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return source
+
+
+def _from_folder(root: Path) -> Source:
+    try:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError as exc:
+        raise SourceError(f"cannot list source folder {root}: {exc.strerror}") from exc
+    if not classes:
+        raise SourceError(f"source folder {root} has no class sub-folders: put each class's images in its own folder")
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = Path(dirpath).relative_to(root)
+            for fname in sorted(filenames):
+                if is_image_name(fname):
+                    paths.append((rel / fname).as_posix())
+                    labels.append(label)
+    return Source("folder", root, root, paths, labels, classes)
+
+
+def _from_csv(path: Path) -> Source:
+    root = path.parent.resolve()
+    rows: list[tuple[str, str]] = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            for lineno, row in enumerate(csv.reader(f), start=1):
+                if not row or all(not c.strip() for c in row):
+                    continue
+                if lineno == 1 and [c.strip().lower() for c in row] == ["path", "label"]:
+                    continue
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    raise SourceError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
+                rel = row[0].strip()
+                full = (root / rel).resolve()
+                if Path(rel).is_absolute() or not full.is_relative_to(root):
+                    raise SourceError(f"{path}:{lineno}: {rel!r} is outside the list's folder {root}; "
+                                      "paths must be relative to the CSV's folder")
+                rows.append((full.relative_to(root).as_posix(), row[1].strip()))
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save the list as UTF-8 CSV") from exc
+    except csv.Error as exc:
+        raise SourceError(f"{path}: malformed CSV ({exc})") from exc
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
+    names = [label for _, label in rows]
+    if names and all(n.isdigit() for n in names):
+        # Integer labels keep their ids; classes are "0".."max" so ids and names agree.
+        ids = [int(n) for n in names]
+        classes = [str(i) for i in range(max(ids) + 1)]
+    else:
+        classes = sorted(set(names))
+        index = {c: i for i, c in enumerate(classes)}
+        ids = [index[n] for n in names]
+    kept = [(p, i) for (p, _), i in zip(rows, ids) if is_image_name(os.path.basename(p))]
+    return Source("csv", path, root, [p for p, _ in kept], [i for _, i in kept], classes)

@@ -1,0 +1,18 @@
+"""Progress bars: tqdm on stderr, off with ``--quiet`` and on every rank but 0."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+
+def is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def progress_bar(*, total: int, desc: str, unit: str, enabled: bool = True, initial: int = 0,
+                 unit_scale: bool = False) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
+                disable=not (enabled and is_main_rank()), dynamic_ncols=True, leave=False)
