@@ -1,0 +1,106 @@
+"""Shared fixtures: real image files of every awkward kind, written with Pillow into tmp_path."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = False
+    if any("cuda" in item.keywords for item in items):
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    has_dali = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "dali" in item.keywords and not has_dali:
+            item.add_marker(pytest.mark.skip(reason="needs nvidia-dali (pip install fastdata[dali])"))
+
+
+def write_png_rgb16(path: Path, rgb: np.ndarray) -> None:
+    """A 48-bit RGB PNG written by hand (Pillow cannot write one): ``rgb`` is (H, W, 3) uint16."""
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
+
+
+def quadrants(w: int, h: int) -> np.ndarray:
+    """Upright test picture: red top-left, green top-right, blue bottom-left, white bottom-right."""
+    img = np.zeros((h, w, 3), np.uint8)
+    img[: h // 2, : w // 2] = (255, 0, 0)
+    img[: h // 2, w // 2:] = (0, 255, 0)
+    img[h // 2:, : w // 2] = (0, 0, 255)
+    img[h // 2:, w // 2:] = (255, 255, 255)
+    return img
+
+
+def save_with_orientation(path: Path, upright: np.ndarray, orientation: int) -> None:
+    """Store ``upright`` sideways as a camera would, with the EXIF tag that tells viewers how to turn it."""
+    img = Image.fromarray(upright)
+    stored = {6: img.transpose(Image.Transpose.ROTATE_90), 8: img.transpose(Image.Transpose.ROTATE_270)}[orientation]
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(path, quality=95, exif=exif.tobytes())
+
+
+@pytest.fixture
+def awkward_folder(tmp_path: Path) -> Path:
+    """An ImageFolder tree with every awkward case; class folders sort as ``a_modes``, ``b_exif``, ``ñandú``."""
+    root = tmp_path / "src"
+    modes, exif, uni = root / "a_modes", root / "b_exif", root / "ñandú"
+    for d in (modes, exif, uni):
+        d.mkdir(parents=True)
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(modes / "cmyk.jpg", quality=95)
+    Image.new("L", (40, 30), 100).save(modes / "gray.png")
+    pal = Image.new("P", (40, 30), 0)
+    pal.putpalette([10, 200, 30] + [0] * 765)
+    pal.save(modes / "palette.png")
+    Image.new("RGBA", (40, 30), (255, 0, 0, 128)).save(modes / "rgba.png")
+    Image.new("LA", (40, 30), (0, 0)).save(modes / "la.png")  # fully transparent: pure background
+    Image.fromarray(np.full((30, 40), 32768, np.uint16)).save(modes / "gray16.png")
+    write_png_rgb16(modes / "rgb16.png", np.broadcast_to(np.array([65535, 32768, 256], np.uint16), (30, 40, 3)))
+    save_with_orientation(exif / "rot6.jpg", quadrants(60, 40), 6)
+    save_with_orientation(exif / "rot8.jpg", quadrants(60, 40), 8)
+    Image.fromarray(quadrants(60, 40)).save(exif / "upright.JPG", quality=95)
+    Image.new("RGB", (50, 50), (7, 8, 9)).save(uni / "日本語.png")
+    good = io.BytesIO()
+    Image.fromarray(quadrants(64, 64)).save(good, "JPEG")
+    (uni / "truncated.jpg").write_bytes(good.getvalue()[: len(good.getvalue()) // 2])
+    (uni / "empty.png").write_bytes(b"")
+    (uni / "garbage.webp").write_bytes(np.random.default_rng(0).integers(0, 256, 5000, np.uint8).tobytes())
+    (uni / "notes.txt").write_text("not an image")
+    (uni / ".hidden.jpg").write_bytes(good.getvalue())
+    (root / ".hidden_class").mkdir()
+    (root / ".hidden_class" / "x.jpg").write_bytes(good.getvalue())
+    return root
+
+
+AWKWARD_GOOD = ["a_modes/cmyk.jpg", "a_modes/gray.png", "a_modes/gray16.png", "a_modes/la.png",
+                "a_modes/palette.png", "a_modes/rgb16.png", "a_modes/rgba.png",
+                "b_exif/rot6.jpg", "b_exif/rot8.jpg", "b_exif/upright.JPG", "ñandú/日本語.png"]
+AWKWARD_BAD = ["ñandú/empty.png", "ñandú/garbage.webp", "ñandú/truncated.jpg"]
+
+
+@pytest.fixture
+def photo_folder(tmp_path: Path) -> Path:
+    """Photo-like JPEGs in 3 classes (synthetic, made locally)."""
+    from fastdata.synthetic import make_image_folder
+
+    root = tmp_path / "photos"
+    make_image_folder(root, num_classes=3, per_class=14, sizes=((120, 90), (90, 120), (100, 100)))
+    return root

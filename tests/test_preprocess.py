@@ -1,0 +1,205 @@
+"""``fastdata preprocess images`` end to end: real files in, shards/LMDB out, through the CLI."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import AWKWARD_BAD, AWKWARD_GOOD
+from fastdata.cli import main
+from fastdata.preprocess import decode
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastdata", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_npy_output_values_labels_and_manifest(awkward_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["preprocess", "images", str(awkward_folder), str(out), "--size", "24", "--shard-size", "4",
+                 "--workers", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 3" in err and "truncated.jpg" in err and "Traceback" not in err
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "fastdata.images.npy" and m["format_version"] == 1
+    assert m["num_samples"] == len(AWKWARD_GOOD) and m["sample_shape"] == [24, 24, 3] and m["dtype"] == "|u1"
+    assert m["classes"] == ["a_modes", "b_exif", "ñandú"] and m["class_counts"] == [7, 3, 1]
+    assert sorted(s["path"] for s in m["skipped"]) == AWKWARD_BAD
+    shards = sorted(out.glob("images-*.npy"))
+    assert [p.name for p in shards] == ["images-00000.npy", "images-00001.npy", "images-00002.npy"]
+    images = np.concatenate([np.load(p, mmap_mode="r") for p in shards])  # plain numpy, no fastdata
+    labels = np.concatenate([np.load(p) for p in sorted(out.glob("labels-*.npy"))])
+    assert images.shape == (11, 24, 24, 3) and images.dtype == np.uint8 and labels.dtype == np.dtype("<i8")
+    assert labels.tolist() == [0] * 7 + [1] * 3 + [2]
+    for i, rel in enumerate(AWKWARD_GOOD):  # sample i is the i-th good file, pixels as decode gives them
+        assert np.array_equal(images[i], decode.load_array(awkward_folder / rel, 24, "center-crop")), rel
+    assert images[1].min() == images[1].max() == 100  # gray.png
+    assert not (out / ".fastdata-partial").exists() and not list(out.glob("*.tmp"))
+
+
+def test_lmdb_output_records_and_labels(awkward_folder, tmp_path):
+    out = tmp_path / "lm"
+    assert main(["preprocess", "images", str(awkward_folder), str(out), "--format", "lmdb", "--size", "32",
+                 "--workers", "1", "--quiet"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "fastdata.images.lmdb" and m["num_samples"] == len(AWKWARD_GOOD)
+    assert np.load(out / "labels.npy").tolist() == [0] * 7 + [1] * 3 + [2]
+    env = lmdb.open(str(out / "images.lmdb"), subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        keys = [k for k, _ in txn.cursor()]
+        assert keys == [b"%012d" % i for i in range(len(AWKWARD_GOOD))]
+        rot6 = Image.open(io.BytesIO(txn.get(keys[AWKWARD_GOOD.index("b_exif/rot6.jpg")])))
+    assert rot6.format == "JPEG" and rot6.size == (48, 32)  # upright 60x40 -> shorter side 32, aspect kept
+    assert np.abs(np.asarray(rot6, int)[4:12, 4:18].mean(axis=(0, 1)) - (255, 0, 0)).max() < 25  # red top-left
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt):
+    (photo_folder / "class_1" / "broken.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    outs = []
+    for w in (1, 2):
+        out = tmp_path / f"w{w}"
+        assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "32", "--shard-size", "5",
+                     "--format", fmt, "--workers", str(w), "--quiet"]) == 0
+        outs.append(tree_bytes(out))
+    assert outs[0] == outs[1] and len(outs[0]) >= 3  # lmdb: images.lmdb, labels.npy, manifest.json
+
+
+def _kill_midway(cmd: list[str], out: Path, min_units: int) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = out / ".fastdata-partial" / "journal.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if len(json.loads(journal.read_text())["units"]) >= min_units:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
+    from fastdata.synthetic import make_image_folder
+
+    src = tmp_path / "src"
+    make_image_folder(src, num_classes=2, per_class=60, sizes=((640, 480), (480, 640)))
+    args = [str(src), "--size", "48", "--shard-size", "8", "--format", fmt, "--workers", "1", "--quiet"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
+    _kill_midway([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]], out, 3)
+    kept = {p.name: p.stat().st_ino for p in out.glob("images-*.npy")} if fmt == "npy" else {
+        p.name: p.stat().st_ino for p in (out / ".fastdata-partial").glob("part-*.npy")}
+    assert len(kept) >= 3
+    assert main(["preprocess", "images", args[0], str(out), *args[1:]]) == 0
+    assert tree_bytes(out) == tree_bytes(ref)
+    if fmt == "npy":  # the complete shards were kept, not rewritten
+        assert all((out / name).stat().st_ino == ino for name, ino in kept.items())
+
+
+def test_rerun_same_args_is_noop_other_args_refused_unless_overwrite(photo_folder, tmp_path):
+    out = tmp_path / "out"
+
+    def args(*extra: str) -> list[str]:
+        return ["preprocess", "images", str(photo_folder), str(out), "--quiet", *extra]
+
+    assert main(args("--size", "16")) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(args("--size", "16")) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    r = run_cli(*args("--size", "20"))
+    assert r.returncode == 1 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
+    assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (16, 16, 3)  # refused: untouched
+    assert main(args("--size", "20", "--overwrite")) == 0
+    assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (20, 20, 3)
+
+
+def test_on_error_fail_names_the_file_without_traceback(awkward_folder, tmp_path):
+    r = run_cli("preprocess", "images", awkward_folder, tmp_path / "o", "--on-error", "fail", "--workers", "1",
+                "--quiet")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fastdata: error:")]
+    assert len(lines) == 1 and "empty.png" in lines[0]
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def _file(p: Path) -> Path:
+    p.write_text("x")
+    return p
+
+
+def _dir(p: Path) -> Path:
+    p.mkdir()
+    return p
+
+
+BAD_ARGS = {  # name: (source, output, what the one-line error says)
+    "missing source": (lambda t, ok: t / "missing", lambda t: t / "o", "does not exist"),
+    "empty source": (lambda t, ok: _dir(t / "e"), lambda t: t / "o", "no class sub-folders"),
+    "output is a file": (lambda t, ok: ok, lambda t: _file(t / "f"), "not a folder"),
+    "output under a file": (lambda t, ok: ok, lambda t: _file(t / "f") / "sub", "cannot create output folder"),
+    "output holds other files": (lambda t, ok: ok, lambda t: _file(_dir(t / "busy") / "mine.txt").parent, "not empty"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGS)
+def test_bad_arguments_give_one_line_errors(photo_folder, tmp_path, case):
+    make_src, make_out, needle = BAD_ARGS[case]
+    out = make_out(tmp_path)
+    r = run_cli("preprocess", "images", make_src(tmp_path, photo_folder), out, "--quiet")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    if case == "output holds other files":
+        assert [p.name for p in out.iterdir()] == ["mine.txt"]  # nothing of the user's touched, nothing added
+
+
+def test_bad_csv_row_is_one_line_error(tmp_path):
+    (tmp_path / "l.csv").write_text("a.jpg,1\n../../x.jpg,2\n")
+    r = run_cli("preprocess", "images", tmp_path / "l.csv", tmp_path / "o")
+    assert r.returncode == 1 and "l.csv:2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_invalid_option_values(photo_folder, tmp_path, capsys):
+    assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "o"), "--shard-size", "0"]) == 1
+    assert "shard_size=0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path):
+    import resource
+
+    out, ref = tmp_path / "out", tmp_path / "ref"
+
+    def args(dest: Path) -> list[str]:
+        return ["preprocess", "images", str(photo_folder), str(dest), "--size", "32", "--shard-size", "8",
+                "--workers", "1", "--quiet"]
+
+    def small_disk() -> None:  # no file may grow past 20 kB; a shard is 8 x 32 x 32 x 3 = 24.6 kB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
+
+    r = subprocess.run([sys.executable, "-m", "fastdata", *args(out)], capture_output=True, text=True,
+                       preexec_fn=small_disk, timeout=300)
+    assert r.returncode == 1 and "no space left" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (out / "manifest.json").exists() and not list(out.glob("images-*.npy*"))  # nothing looks finished
+    assert main(args(out)) == 0 and main(args(ref)) == 0
+    assert tree_bytes(out) == tree_bytes(ref)

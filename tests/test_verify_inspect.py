@@ -1,0 +1,96 @@
+"""``fastdata verify`` / ``inspect`` and the manifest reader's refusals."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastdata.cli import main
+from fastdata.errors import FormatError, VersionError
+from fastdata.manifest import load_manifest
+
+
+@pytest.fixture(params=["npy", "lmdb"])
+def dataset(request, photo_folder, tmp_path) -> Path:
+    out = tmp_path / "ds"
+    assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "16", "--shard-size", "16",
+                 "--format", request.param, "--workers", "1", "--quiet"]) == 0
+    return out
+
+
+def _data_file(ds: Path) -> Path:
+    return ds / ("images-00001.npy" if (ds / "images-00001.npy").exists() else "images.lmdb")
+
+
+def test_verify_intact(dataset, capsys):
+    assert main(["verify", str(dataset), "--quiet"]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_verify_catches_a_flipped_byte(dataset, capsys):
+    f = _data_file(dataset)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f.name in err and "mismatch" in err
+
+
+def test_verify_catches_truncated_and_missing_files(dataset, capsys):
+    f = _data_file(dataset)
+    f.write_bytes(f.read_bytes()[:-10])
+    (dataset / "labels-00000.npy" if (dataset / "labels-00000.npy").exists() else dataset / "labels.npy").unlink()
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"{f.name}: " in err and "truncated" in err and "missing" in err
+
+
+def _edit_manifest(ds: Path, **changes) -> None:
+    m = json.loads((ds / "manifest.json").read_text())
+    m.update(changes)
+    (ds / "manifest.json").write_text(json.dumps(m))
+
+
+def test_manifest_paths_may_not_escape_the_folder(dataset, capsys):
+    m = json.loads((dataset / "manifest.json").read_text())
+    m["files"][0]["path"] = "../../../etc/passwd"
+    (dataset / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="not a plain relative path"):
+        load_manifest(dataset)
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    assert "refusing" in capsys.readouterr().err
+
+
+def test_newer_format_version_is_refused_naming_the_writer(dataset):
+    _edit_manifest(dataset, format_version=99, fastdata_version="9.9.9")
+    with pytest.raises(VersionError, match=r"version 99 was written by fastdata 9\.9\.9.*upgrade fastdata"):
+        load_manifest(dataset)
+
+
+def test_not_a_dataset(tmp_path, capsys):
+    (tmp_path / "plain").mkdir()
+    assert main(["inspect", str(tmp_path / "plain")]) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+    (tmp_path / "plain" / "manifest.json").write_text("{not json")
+    assert main(["verify", str(tmp_path / "plain")]) == 1
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_inspect_text_and_json(dataset, capsys):
+    assert main(["inspect", str(dataset)]) == 0
+    text = capsys.readouterr().out
+    assert "samples:   42" in text and "class_2" in text and "MiB" in text
+    assert main(["inspect", str(dataset), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_samples"] == 42 and info["classes"] == {"class_0": 14, "class_1": 14, "class_2": 14}
+    assert info["bytes"] == sum(p.stat().st_size for p in dataset.iterdir() if p.name != "manifest.json")
+    assert info["params"]["size"] == 16
+
+
+def test_python_dash_m_and_version():
+    r = subprocess.run([sys.executable, "-m", "fastdata", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("fastdata ")
