@@ -68,6 +68,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, per_class=args.per_class)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .preprocess.decode import RESIZE_MODES
     from .preprocess.images import FORMATS, ON_ERROR
@@ -101,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("path", type=Path)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=_inspect)
+    demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, read it back, report speed")
+    demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")
+    demo.add_argument("--per-class", type=int, default=100, help="images per class (4 classes)")
+    demo.set_defaults(func=_demo)
     return parser
 
 

@@ -55,7 +55,8 @@ def open_rgb(path: Path | str, size: int, mode: str) -> Image.Image:
 
 def _upright(img: Image.Image) -> Image.Image:
     try:
-        return ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)  # in place: the copying form costs ~0.9 ms per 500x375 image
+        return img
     except Exception:  # noqa: BLE001 - a damaged EXIF block must not cost the pixels; keep them as stored
         return img
 

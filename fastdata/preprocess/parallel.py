@@ -34,8 +34,10 @@ def ordered_map(fn: Callable[[Any], Any], tasks: Iterable[Any], workers: int) ->
     if workers == 1:
         yield from map(fn, tasks)
         return
-    # spawn: workers import only what the task needs (numpy, Pillow), never torch, and inherit no threads.
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_ignore_sigint) as pool:
+    # fork where it exists, as torch's DataLoader does: workers start in ~1 ms instead of ~0.3 s, and a
+    # user's script needs no `if __name__ == "__main__"` guard. Workers run only Pillow/numpy code.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_ignore_sigint) as pool:
         it = iter(tasks)
         pending = deque(pool.submit(fn, t) for _, t in zip(range(2 * workers), it))
         try:
