@@ -1,0 +1,130 @@
+"""The sample order every fastdata backend serves: fixed by ``(seed, epoch)``, split across DDP ranks,
+resumable mid-epoch, even with another world size.
+
+NOTE [epoch plan]: an epoch is the permutation ``perm`` of ``range(N)`` drawn from ``(seed, epoch)``.
+A resumed epoch starts at a global position ``start``: the samples still due are ``rest = perm[start:]``.
+Without ``drop_last``, ``rest`` is padded with its own first samples up to a multiple of the world size
+(at most ``world - 1`` repeats, as ``DistributedSampler`` does); with ``drop_last`` it is cut to a
+multiple of ``world * batch_size`` (nothing repeats, every batch is full). Rank ``r`` takes
+``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
+``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+
+def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments when given, else ``torch.distributed``'s, else ``(0, 1)``."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ConfigError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
+    return rank, world_size
+
+
+class DistributedBatchSampler:
+    """Batches of sample indices for one rank; usable as a ``DataLoader(batch_sampler=...)``.
+
+    Every rank yields the same number of batches (so DDP never hangs). ``state_dict()`` records how far
+    the epoch got; ``load_state_dict()`` resumes at the next unseen sample (see NOTE [epoch plan]).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got batch_size={batch_size!r}")
+        if not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+        self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
+        self.drop_last = drop_last
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.epoch = 0
+        self.start = 0  # global position this epoch (re)starts from
+        self.served = 0  # batches handed out since `start` (kept up to date by the consumer, see advance())
+
+    # -- the plan -------------------------------------------------------------------------------------
+    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The whole epoch's order (all ranks), int64."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_samples).astype(np.int64)
+
+    def _rest(self) -> np.ndarray:
+        rest = self.permutation()[self.start:]
+        w = self.world_size
+        if self.drop_last:
+            return rest[: len(rest) // (w * self.batch_size) * (w * self.batch_size)]
+        if len(rest) % w:
+            rest = np.concatenate([rest, np.resize(rest, w - len(rest) % w)])  # repeat the first ones
+        return rest
+
+    def rank_indices(self) -> np.ndarray:
+        """This rank's samples for the rest of the epoch, in order."""
+        return self._rest()[self.rank::self.world_size]
+
+    def batches(self) -> Iterator[np.ndarray]:
+        """This rank's batches from the current position (int64 arrays; does not advance the state)."""
+        mine = self.rank_indices()
+        first = self.served * self.batch_size
+        for i in range(first, len(mine), self.batch_size):
+            yield mine[i:i + self.batch_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches():
+            self.advance()
+            yield batch.tolist()
+        self.end_epoch()
+
+    def __len__(self) -> int:
+        """Batches this rank serves in the rest of the current epoch."""
+        return -(-len(self.rank_indices()) // self.batch_size) - self.served
+
+    # -- progress and resumption ----------------------------------------------------------------------
+    def advance(self, batches: int = 1) -> None:
+        """Record that ``batches`` more batches were handed to the consumer."""
+        self.served += batches
+
+    def end_epoch(self) -> None:
+        """The epoch was served in full: the next one starts from its beginning."""
+        self.epoch += 1
+        self.start = self.served = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (as ``DistributedSampler.set_epoch``); a resumed position is kept for its epoch."""
+        if epoch != self.epoch:
+            self.epoch, self.start, self.served = epoch, 0, 0
+
+    def position(self) -> int:
+        """Global position reached: every sample of ``perm[:position]`` has been served by some rank."""
+        return min(self.num_samples, self.start + self.served * self.batch_size * self.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_samples") != self.num_samples:
+            raise ConfigError(f"the state is for {state.get('num_samples')} samples but this dataset has "
+                              f"{self.num_samples}: it belongs to another dataset")
+        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
+            raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}; "
+                              f"this sampler has seed={self.seed}, shuffle={self.shuffle}: the order would differ")
+        self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
+        if self.start >= self.num_samples:
+            self.end_epoch_from(self.epoch)
+
+    def end_epoch_from(self, epoch: int) -> None:
+        self.epoch, self.start, self.served = epoch + 1, 0, 0

@@ -1,0 +1,112 @@
+"""The epoch plan: exactly-once coverage across ranks, padding / drop_last, determinism, resumption."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fastdata.errors import ConfigError
+from fastdata.sampler import DistributedBatchSampler
+
+
+def epoch_batches(n, b, world, drop_last, epoch=0, seed=0, shuffle=True):
+    out = []
+    for r in range(world):
+        s = DistributedBatchSampler(n, b, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=r, world_size=world)
+        s.set_epoch(epoch)
+        out.append(list(s))
+    return out
+
+
+@pytest.mark.parametrize("n, b, world", [(100, 8, 1), (100, 8, 2), (101, 8, 3), (7, 4, 4), (64, 16, 4), (5, 3, 8)])
+def test_every_sample_once_per_epoch_with_padding(n, b, world):
+    per_rank = epoch_batches(n, b, world, drop_last=False)
+    assert len({len(batches) for batches in per_rank}) == 1  # equal batch counts: DDP never hangs
+    assert len({sum(map(len, batches)) for batches in per_rank}) == 1  # equal sample counts
+    seen = Counter(i for batches in per_rank for batch in batches for i in batch)
+    assert set(seen) == set(range(n))
+    repeats = sum(seen.values()) - n
+    assert repeats == (-n) % world and repeats <= world - 1
+    assert all(len(b_) == b for batches in per_rank for b_ in batches[:-1])
+
+
+@pytest.mark.parametrize("n, b, world", [(100, 8, 1), (100, 8, 2), (101, 8, 3), (64, 16, 4)])
+def test_drop_last_serves_full_batches_without_repeats(n, b, world):
+    per_rank = epoch_batches(n, b, world, drop_last=True)
+    flat = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(flat) == len(set(flat)) == n // (world * b) * world * b
+    assert all(len(batch) == b for batches in per_rank for batch in batches)
+    assert len({len(batches) for batches in per_rank}) == 1
+
+
+def test_order_fixed_by_seed_and_epoch():
+    a = epoch_batches(50, 7, 2, False, epoch=3, seed=5)
+    assert a == epoch_batches(50, 7, 2, False, epoch=3, seed=5)
+    assert a != epoch_batches(50, 7, 2, False, epoch=4, seed=5)
+    assert a != epoch_batches(50, 7, 2, False, epoch=3, seed=6)
+    assert [i for b in epoch_batches(10, 3, 1, False, shuffle=False)[0] for i in b] == list(range(10))
+
+
+def test_len_and_epoch_advance():
+    s = DistributedBatchSampler(10, 3, rank=0, world_size=1)
+    assert len(s) == 4
+    first = list(s)
+    assert s.epoch == 1 and len(s) == 4 and list(s) != first
+
+
+@pytest.mark.parametrize("n, b, w1, w2, k, drop_last", [
+    (100, 8, 2, 2, 3, False), (100, 8, 2, 3, 2, False), (101, 4, 3, 2, 5, False), (100, 8, 1, 4, 6, False),
+    (100, 8, 2, 3, 2, True), (37, 5, 4, 1, 1, False)])
+def test_resume_mid_epoch_covers_the_rest_once(n, b, w1, w2, k, drop_last):
+    """World w1 serves k batches per rank; a new world w2 resumes and serves the rest of the epoch."""
+    first, states = [], []
+    for r in range(w1):
+        s = DistributedBatchSampler(n, b, seed=1, drop_last=drop_last, rank=r, world_size=w1)
+        s.set_epoch(2)
+        it = iter(s)
+        first += [i for _, batch in zip(range(k), it) for i in batch]
+        states.append(s.state_dict())
+    assert all(st == states[0] for st in states)  # every rank agrees where the epoch got to
+    second, counts = [], []
+    for r in range(w2):
+        s = DistributedBatchSampler(n, b, seed=1, drop_last=drop_last, rank=r, world_size=w2)
+        s.load_state_dict(states[0])
+        s.set_epoch(2)  # the usual loop calls set_epoch; it keeps the resumed position
+        batches = list(s)
+        counts.append(len(batches))
+        second += [i for batch in batches for i in batch]
+        assert s.epoch == 3
+    assert len(set(counts)) == 1
+    assert len(first) == len(set(first))  # no repeats before the cut (k batches stay inside the epoch)
+    both = Counter(first + second)
+    if drop_last:
+        assert max(both.values()) == 1
+    else:
+        assert set(both) == set(range(n))
+        assert sum(both.values()) - n <= w2 - 1  # only the resumed world's padding repeats
+
+
+def test_state_from_another_dataset_is_refused():
+    s = DistributedBatchSampler(10, 2, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="another dataset"):
+        s.load_state_dict(DistributedBatchSampler(11, 2, rank=0, world_size=1).state_dict())
+    with pytest.raises(ConfigError, match="seed"):
+        s.load_state_dict(DistributedBatchSampler(10, 2, seed=3, rank=0, world_size=1).state_dict())
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"batch_size": 0}, "batch_size=0"), ({"rank": 2, "world_size": 2}, "rank=2"),
+                                            ({"num_samples": 0}, "num_samples=0")])
+def test_bad_arguments_name_the_value(kwargs, needle):
+    args = {"num_samples": 10, "batch_size": 2, "rank": 0, "world_size": 1, **kwargs}
+    with pytest.raises(ConfigError, match=needle):
+        DistributedBatchSampler(args.pop("num_samples"), args.pop("batch_size"), **args)
+
+
+def test_usable_as_dataloader_batch_sampler():
+    import torch
+
+    ds = torch.utils.data.TensorDataset(torch.arange(20))
+    s = DistributedBatchSampler(20, 6, rank=0, world_size=1)
+    got = [b[0].tolist() for b in torch.utils.data.DataLoader(ds, batch_sampler=s)]
+    assert sorted(i for b in got for i in b) == list(range(20)) and [len(b) for b in got] == [6, 6, 6, 2]
