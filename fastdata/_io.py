@@ -81,7 +81,10 @@ class HashingWriter:
         return {"path": self.path.name, "bytes": self.size, HASH_NAME: self.hash.hexdigest()}
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()  # flushing buffered bytes can fail again on a full disk; the file goes anyway
+        except OSError:
+            pass
         self.tmp.unlink(missing_ok=True)
 
 

@@ -88,6 +88,13 @@ class DistributedBatchSampler:
             yield batch.tolist()
         self.end_epoch()
 
+    def epoch_batches(self) -> int:
+        """Batches this rank serves in a whole epoch (the same on every rank)."""
+        n, w, b = self.num_samples, self.world_size, self.batch_size
+        if self.drop_last:
+            return n // (w * b)
+        return -(-(-(-n // w)) // b)
+
     def __len__(self) -> int:
         """Batches this rank serves in the rest of the current epoch."""
         return -(-len(self.rank_indices()) // self.batch_size) - self.served

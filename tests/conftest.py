@@ -14,15 +14,15 @@ from PIL import Image
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = False
-    if any("cuda" in item.keywords for item in items):
+    if any(item.get_closest_marker("cuda") for item in items):
         import torch
 
         has_cuda = torch.cuda.is_available()
     has_dali = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
     for item in items:
-        if "cuda" in item.keywords and not has_cuda:
+        if item.get_closest_marker("cuda") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "dali" in item.keywords and not has_dali:
+        if item.get_closest_marker("dali") and not has_dali:
             item.add_marker(pytest.mark.skip(reason="needs nvidia-dali (pip install fastdata[dali])"))
 
 
@@ -104,3 +104,51 @@ def photo_folder(tmp_path: Path) -> Path:
     root = tmp_path / "photos"
     make_image_folder(root, num_classes=3, per_class=14, sizes=((120, 90), (90, 120), (100, 100)))
     return root
+
+
+INDEXED_N, INDEXED_SIZE, INDEXED_SHARD = 100, 8, 16
+
+
+def sample_ids(x) -> np.ndarray:
+    """Recover the sample index encoded in an indexed dataset's pixels (see indexed_source)."""
+    px = np.asarray(x)[..., 0, 0, :].astype(float)
+    return (np.rint(px[..., 0] / 25) * 10 + np.rint(px[..., 1] / 25)).astype(np.int64)
+
+
+def index_colour(i: int) -> tuple[int, int, int]:
+    """Steps of 25 per level survive JPEG's colour rounding (a few units) on flat colour."""
+    return (i // 10 * 25, i % 10 * 25, 9)
+
+
+def indexed_source(root: Path, n: int = INDEXED_N, size: int = INDEXED_SIZE) -> Path:
+    """A CSV list of ``n`` (<= 100) uniform size x size PNGs; sample i has colour index_colour(i), label i % 3."""
+    root.mkdir(parents=True)
+    rows = []
+    for i in range(n):
+        Image.new("RGB", (size, size), index_colour(i)).save(root / f"{i:05d}.png")
+        rows.append(f"{i:05d}.png,{i % 3}")
+    (root / "list.csv").write_text("\n".join(rows) + "\n")
+    return root / "list.csv"
+
+
+@pytest.fixture(scope="session")
+def indexed_datasets(tmp_path_factory) -> dict[str, Path]:
+    """``{"npy": folder, "lmdb": folder}`` of the indexed source; npy has 7 shards of 16 (the last of 4)."""
+    from fastdata.cli import main
+
+    base = tmp_path_factory.mktemp("indexed")
+    csv = indexed_source(base / "src")
+    out = {}
+    for fmt in ("npy", "lmdb"):
+        out[fmt] = base / fmt
+        assert main(["preprocess", "images", str(csv), str(out[fmt]), "--size", str(INDEXED_SIZE), "--format", fmt,
+                     "--shard-size", str(INDEXED_SHARD), "--workers", "1", "--quiet", "--quality", "95"]) == 0
+    return out
+
+
+@pytest.fixture
+def npy_copy(indexed_datasets, tmp_path) -> Path:
+    """A private copy of the indexed npy dataset, for tests that damage it."""
+    import shutil
+
+    return Path(shutil.copytree(indexed_datasets["npy"], tmp_path / "ds"))

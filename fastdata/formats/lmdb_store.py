@@ -111,33 +111,37 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[
     return np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
 
 
+_ENVS: dict[str, Any] = {}  # path -> env: py-lmdb allows one open environment per file and process
+_ENVS_PID = -1
+
+
+def _env(path: Path) -> Any:
+    global _ENVS_PID
+    if _ENVS_PID != os.getpid():  # an environment must never cross a fork: reopen in the child
+        _ENVS.clear()
+        _ENVS_PID = os.getpid()
+    key = str(Path(path).resolve())
+    if key not in _ENVS:
+        import lmdb
+
+        _ENVS[key] = lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False, meminit=False,
+                               max_readers=1024)
+    return _ENVS[key]
+
+
 class LmdbReader:
-    """Read-only access to ``images.lmdb``, opened lazily per process (safe in DataLoader workers)."""
+    """Read-only access to ``images.lmdb``, opened lazily in each process (safe in DataLoader workers)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._env: Any = None
-        self._pid = -1
-
-    def _open(self) -> Any:
-        if self._env is None or self._pid != os.getpid():  # an env must never cross a fork
-            import lmdb
-
-            self._env = lmdb.open(str(self.path), subdir=False, readonly=True, lock=False, readahead=False,
-                                  meminit=False, max_readers=1024)
-            self._pid = os.getpid()
-        return self._env
 
     def get(self, i: int) -> bytes:
-        with self._open().begin(buffers=False) as txn:
+        with _env(self.path).begin(buffers=False) as txn:
             value = txn.get(key(i))
         if value is None:
             raise KeyError(f"{self.path} has no record {i}")
         return value
 
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
-        with self._open().begin(buffers=False) as txn:
+        with _env(self.path).begin(buffers=False) as txn:
             return [txn.get(key(int(i))) for i in indices]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_env": None, "_pid": -1}

@@ -1,0 +1,298 @@
+"""FastDataset: preprocessed uint8 images served as whole batches from page cache, RAM, /dev/shm or GPU.
+
+NOTE [gather]: a batch is one vectorised gather, never a Python loop over samples. ``ram``/``shm``/``cuda``
+hold the dataset as one contiguous ``(N, S, S, 3)`` array, so a batch is one ``np.take`` (or one
+``index_select`` on the device) straight into the output buffer. ``mmap`` keeps one memory map per
+shard: indices are grouped by shard, one ``take`` per shard touched; when each shard's indices are
+contiguous in the request (FastLoader sorts every batch, see loader.py) each ``take`` writes straight
+into its slice of the output. ``np.take`` releases the GIL, so loader threads gather in parallel.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import shm
+from ._io import HASH_NAME, hash_file, new_hash, safe_join
+from .errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
+from .formats.base import npy_header
+from .formats.lmdb_store import LmdbReader
+from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
+from .preprocess.decode import decode_jpeg
+
+STORAGE = ("mmap", "ram", "shm", "cuda")
+Indices = Union[Sequence[int], np.ndarray, torch.Tensor, slice]
+
+
+class FastDataset(torch.utils.data.Dataset):
+    """A dataset folder made by ``fastdata preprocess images``, as a map-style torch dataset.
+
+    ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``; ``ds[list]`` and :meth:`get_batch` gather a whole
+    batch in one read. ``storage``: ``"mmap"`` (default; the page cache is shared by every process),
+    ``"ram"`` (one contiguous copy in this process), ``"shm"`` (one copy per machine in /dev/shm, shared
+    by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
+    An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (centre crop).
+    ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
+    """
+
+    def __init__(self, path: Union[str, Path], *, storage: str = "mmap", device: Union[str, torch.device] = "cuda",
+                 size: Optional[int] = None, verify: Optional[bool] = None,
+                 shm_dir: Optional[Union[str, Path]] = None) -> None:
+        if storage not in STORAGE:
+            raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
+        self.root = Path(path)
+        self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
+        self.storage = storage
+        self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
+        self._shm_dir = shm_dir
+        self.is_lmdb = self.manifest["format"] == IMAGES_LMDB
+        if self.is_lmdb and storage != "mmap":
+            raise ConfigError(f"storage={storage!r} needs an npy dataset; {self.root} is an LMDB of JPEGs, read "
+                              "(memory-mapped) and decoded per batch: use storage='mmap'")
+        if size is not None and not self.is_lmdb:
+            raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
+                              f"{self.manifest['sample_shape']} samples already")
+        self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
+        self._check_sizes()
+        self._verify = verify if verify is not None else storage in ("ram", "cuda")
+        if self._verify:  # ram/cuda hash the image shards while loading them: one read, not two
+            self._verify_files(skip=self._image_files() if storage in ("ram", "cuda") else set())
+        self._labels = self._load_labels()
+        self._open()
+
+    # -- metadata -------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest["classes"])
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label (int64), like torchvision's ``ImageFolder.targets``."""
+        return self._labels
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return (self.size, self.size, 3) if self.is_lmdb else tuple(self.manifest["sample_shape"])
+
+    sample_dtype = torch.uint8
+
+    def __repr__(self) -> str:
+        return (f"FastDataset({str(self.root)!r}, storage={self.storage!r}, samples={len(self)}, "
+                f"shape={self.sample_shape})")
+
+    # -- opening --------------------------------------------------------------------------------------
+    def _check_sizes(self) -> None:
+        for f in self.manifest["files"]:
+            p = safe_join(self.root, f["path"])
+            if not p.is_file():
+                raise FormatError(f"{p} is missing: the dataset is incomplete; re-run `fastdata preprocess`")
+            if p.stat().st_size != f["bytes"]:
+                raise ChecksumError(f"{p} has {p.stat().st_size} bytes but the manifest says {f['bytes']}: "
+                                    "truncated or replaced; re-run `fastdata preprocess`")
+
+    def _image_files(self) -> set[str]:
+        return set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
+
+    def _verify_files(self, skip: set[str]) -> None:
+        for f in self.manifest["files"]:
+            if f["path"] not in skip and hash_file(safe_join(self.root, f["path"])) != f[HASH_NAME]:
+                _checksum_mismatch(self.root / f["path"])
+
+    def _load_labels(self) -> np.ndarray:
+        if self.is_lmdb:
+            names = [self.manifest["labels"]]
+        else:
+            names = [s["labels"] for s in self.manifest["shards"]]
+        labels = np.concatenate([np.load(safe_join(self.root, n), allow_pickle=False) for n in names])
+        if labels.shape != (len(self),) or labels.dtype != np.int64:
+            raise FormatError(f"{self.root}: labels have shape {labels.shape} and dtype {labels.dtype}, expected "
+                              f"({len(self)},) int64: the dataset is damaged")
+        labels.setflags(write=False)
+        return labels
+
+    def _open(self) -> None:
+        self._shards: list[np.ndarray] = []
+        self._flat: Optional[np.ndarray] = None
+        self._dev: Optional[torch.Tensor] = None
+        self._dev_labels: Optional[torch.Tensor] = None
+        self._reader: Optional[LmdbReader] = None
+        if self.is_lmdb:
+            self._reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
+        elif self.storage == "mmap":
+            self._shards = [self._map_shard(s) for s in self.manifest["shards"]]
+        elif self.storage == "shm":
+            self._flat = self._map_shm()
+        else:
+            self._flat = self._read_into_ram()
+            if self.storage == "cuda":
+                self._dev = torch.from_numpy(self._flat).to(self.device)
+                self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
+                self._flat = None  # the host copy is not needed any more
+
+    def _map_shard(self, shard: dict[str, Any]) -> np.ndarray:
+        arr = np.load(safe_join(self.root, shard["images"]), mmap_mode="r", allow_pickle=False)
+        want = (shard["samples"], *self.sample_shape)
+        if arr.shape != want or arr.dtype != np.uint8:
+            raise FormatError(f"{self.root / shard['images']} holds {arr.shape} {arr.dtype}, the manifest says "
+                              f"{want} uint8: the dataset is damaged; re-run `fastdata preprocess`")
+        return arr
+
+    def _shard_bodies(self) -> list[tuple[str, int]]:
+        """(file, header length) of every image shard, in order: where the raw pixel rows start."""
+        out = []
+        for s in self.manifest["shards"]:
+            out.append((s["images"], len(npy_header((s["samples"], *self.sample_shape), np.dtype(np.uint8)))))
+        return out
+
+    def _read_into_ram(self) -> np.ndarray:
+        need = len(self) * int(np.prod(self.sample_shape))
+        avail = _available_memory()
+        if avail is not None and need > avail:
+            warnings.warn(f"storage='{self.storage}' loads {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
+                          "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
+                          "avoid a private copy", ResourceWarning, stacklevel=3)
+        flat = np.empty((len(self), *self.sample_shape), np.uint8)
+        view, pos = memoryview(flat.reshape(-1)), 0
+        sums = {f["path"]: f[HASH_NAME] for f in self.manifest["files"]}
+        for rel, skip in self._shard_bodies():
+            with open(safe_join(self.root, rel), "rb") as f:
+                head = f.read(skip)
+                n = os.fstat(f.fileno()).st_size - skip
+                got = f.readinto(view[pos:pos + n])
+                if got != n:
+                    raise ChecksumError(f"{self.root / rel} ended early ({got} of {n} bytes): truncated")
+                if self._verify:
+                    h = new_hash()
+                    h.update(head)
+                    h.update(view[pos:pos + n])
+                    if h.hexdigest() != sums[rel]:
+                        _checksum_mismatch(self.root / rel)
+                pos += n
+        return flat
+
+    def _map_shm(self) -> np.ndarray:
+        header = npy_header((len(self), *self.sample_shape), np.dtype(np.uint8))
+        path = shm.ensure_copy(self.root, self.manifest, self._shard_bodies(), header, self._shm_dir)
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        if arr.shape != (len(self), *self.sample_shape):
+            raise FormatError(f"{path} holds {arr.shape}, expected {(len(self), *self.sample_shape)}: remove it with "
+                              "`fastdata shm remove` and retry")
+        return arr
+
+    # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
+    # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_flat", "_dev", "_dev_labels",
+                                                                      "_reader")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    # -- reading --------------------------------------------------------------------------------------
+    def _indices(self, indices: Indices) -> np.ndarray:
+        if isinstance(indices, slice):
+            return np.arange(len(self), dtype=np.int64)[indices]
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu().numpy()
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+            raise IndexError(f"indices must be a 1-D sequence of integers, got shape {idx.shape} dtype {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"index out of range for a dataset of {n} samples (got {idx.min()}..{idx.max()})")
+        return np.where(idx < 0, idx + n, idx)
+
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``indices`` at once: ``(B, S, S, 3)`` uint8 and ``(B,)`` int64 (see NOTE [gather]).
+
+        ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the images; the result is ``out[:B]``.
+        """
+        if self._dev is not None:
+            idx_t = (indices.to(self.device) if isinstance(indices, torch.Tensor) else
+                     torch.from_numpy(self._indices(indices)).to(self.device))
+            if idx_t.dtype != torch.int64:
+                idx_t = idx_t.long()
+            x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)
+            return x, self._dev_labels[idx_t]
+        idx = self._indices(indices)
+        b = len(idx)
+        if out is not None:
+            if out.dtype != torch.uint8 or tuple(out.shape[1:]) != self.sample_shape or out.shape[0] < b or \
+                    not out.is_contiguous() or out.device.type != "cpu":
+                raise ConfigError(f"out must be a contiguous CPU uint8 tensor of shape (>={b}, "
+                                  f"{', '.join(map(str, self.sample_shape))}), got {tuple(out.shape)} {out.dtype} "
+                                  f"on {out.device}")
+            x = out[:b]
+        else:
+            x = torch.empty((b, *self.sample_shape), dtype=torch.uint8)
+        dst = x.numpy()
+        if self._flat is not None:
+            np.take(self._flat, idx, axis=0, out=dst)
+        elif self._reader is not None:
+            self._decode_into(idx, dst)
+        else:
+            self._gather_shards(idx, dst)
+        return x, torch.from_numpy(self._labels[idx])
+
+    def _gather_shards(self, idx: np.ndarray, dst: np.ndarray) -> None:
+        ss = int(self.manifest["shard_size"])
+        shard = idx // ss
+        rows = idx - shard * ss
+        if len(idx) == 0:
+            return
+        starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
+        if len(starts) == len(np.unique(shard)):  # each shard one contiguous run: take straight into dst
+            for a, b in zip(starts, np.r_[starts[1:], len(idx)]):
+                np.take(self._shards[shard[a]], rows[a:b], axis=0, out=dst[a:b])
+            return
+        for s in np.unique(shard):  # interleaved shards: one take per shard, then one scatter
+            mask = shard == s
+            dst[mask] = np.take(self._shards[s], rows[mask], axis=0)
+
+    def _decode_into(self, idx: np.ndarray, dst: np.ndarray) -> None:
+        # JPEG decoding is per image by nature; Pillow releases the GIL, so loader threads decode in parallel.
+        assert self._reader is not None and self.size is not None
+        for j, blob in enumerate(self._reader.get_many(idx)):
+            try:
+                dst[j] = decode_jpeg(blob, self.size)
+            except ImageDecodeError as exc:
+                raise ImageDecodeError(f"{self._reader.path}: sample {idx[j]} is not a decodable JPEG ({exc}): "
+                                       "run `fastdata verify` on the dataset") from exc
+
+    def __getitem__(self, index: Union[int, Indices]) -> tuple[torch.Tensor, Any]:
+        if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            x, y = self.get_batch([int(index)])
+            return x[0], y[0]
+        return self.get_batch(index)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """torch's batched-fetch hook: a list of samples, built from one :meth:`get_batch`."""
+        x, y = self.get_batch(indices)
+        return list(zip(x.unbind(0), y.unbind(0)))
+
+
+def _checksum_mismatch(path: Path) -> None:
+    raise ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): "
+                        "run `fastdata verify` and re-run `fastdata preprocess`")
+
+
+def _available_memory() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

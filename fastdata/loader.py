@@ -1,0 +1,181 @@
+"""FastLoader: whole batches gathered by background threads into a ring of preallocated buffers.
+
+NOTE [ring]: the loader owns ``num_threads + prefetch`` buffer slots (pinned when CUDA is available, so
+host-to-device copies can be ``non_blocking``). A slot is refilled only after its consumer released it.
+Plain iteration releases a batch when the next one is requested: **a yielded batch is valid until the
+next** ``next()`` (keep it longer with ``copy=True`` or ``.clone()``). ``iter_manual()`` hands out
+``(x, y, release)`` instead, for consumers such as CUDAPrefetcher that must hold a buffer until an
+asynchronous copy from it completed.
+
+Every batch's indices are served in ascending order (a batch is a set of samples for SGD; sorted reads
+are sequential in the page cache and let a multi-shard gather write each shard's rows in place).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, FastdataError
+from .sampler import DistributedBatchSampler
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class FastLoader:
+    """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
+    in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable)."""
+
+    def __init__(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 *, num_threads: Optional[int] = None, prefetch: int = 2, pin_memory: Optional[bool] = None,
+                 copy: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        for attr in ("get_batch", "sample_shape", "sample_dtype", "__len__"):
+            if not hasattr(dataset, attr):
+                raise ConfigError(f"dataset must provide get_batch(), sample_shape and sample_dtype (a FastDataset or "
+                                  f"TokenDataset), got dataset={type(dataset).__name__} without {attr!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ConfigError(f"num_threads must be a positive integer, got num_threads={num_threads!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0, got prefetch={prefetch!r}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
+                                               drop_last=drop_last, rank=rank, world_size=world_size)
+        self.num_threads = num_threads or min(4, os.cpu_count() or 1)
+        self.prefetch = prefetch
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.copy = copy
+        self.on_device = getattr(dataset, "device", torch.device("cpu")).type != "cpu"
+        self._ring: list[Batch] = []
+        self._active: Optional[weakref.ref] = None
+
+    # -- proxies and state --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches this rank serves in a whole epoch."""
+        return self.sampler.epoch_batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch got to, counting only batches already handed to the consumer."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._close_active()
+        self.sampler.load_state_dict(state)
+
+    @property
+    def slots(self) -> int:
+        return self.num_threads + self.prefetch
+
+    # -- iteration ------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        if self.on_device:
+            return self._iter_device()
+        return self._iter_auto()
+
+    def _iter_auto(self) -> Iterator[Batch]:
+        for x, y, release in self.iter_manual():
+            yield (x.clone(), y.clone()) if self.copy else (x, y)
+            release()
+
+    def _iter_device(self) -> Iterator[Batch]:
+        # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads.
+        self._close_active()
+        for idx in self.sampler.batches():
+            x, y = self.dataset.get_batch(torch.from_numpy(np.sort(idx)))
+            self.sampler.advance()
+            yield x, y
+        self.sampler.end_epoch()
+
+    def iter_manual(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
+        """Yield ``(x, y, release)``; the slot behind ``x`` is refilled only after ``release()`` is called."""
+        self._close_active()
+        gen = self._produce()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _close_active(self) -> None:
+        # The ring is shared: a second live iterator would refill buffers the first one still hands out.
+        old = self._active() if self._active is not None else None
+        if old is not None:
+            old.close()
+        self._active = None
+
+    def _ensure_ring(self) -> list[Batch]:
+        if len(self._ring) != self.slots:
+            shape = (self.batch_size, *self.dataset.sample_shape)
+            self._ring = [(torch.empty(shape, dtype=self.dataset.sample_dtype, pin_memory=self.pin_memory),
+                           torch.empty(self.batch_size, dtype=torch.int64, pin_memory=self.pin_memory))
+                          for _ in range(self.slots)]
+        return self._ring
+
+    def _fill(self, slot: int, idx: np.ndarray) -> int:
+        x_buf, y_buf = self._ring[slot]
+        _, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
+        y_buf[: len(idx)].copy_(y)
+        return len(idx)
+
+    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
+        ring = self._ensure_ring()
+        batches = self.sampler.batches()
+        free: deque[int] = deque(range(self.slots))
+        pending: deque[tuple[int, Future]] = deque()
+        lock = threading.Lock()
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fastdata-loader")
+        exhausted = False
+
+        def top_up() -> None:
+            nonlocal exhausted
+            while not exhausted:
+                with lock:
+                    if not free:
+                        return
+                    slot = free.popleft()
+                idx = next(batches, None)
+                if idx is None:
+                    exhausted = True
+                    with lock:
+                        free.appendleft(slot)
+                    return
+                pending.append((slot, pool.submit(self._fill, slot, idx)))
+
+        def releaser(slot: int) -> Callable[[], None]:
+            done = False
+
+            def release() -> None:
+                nonlocal done
+                if not done:
+                    done = True
+                    with lock:
+                        free.append(slot)
+            return release
+
+        try:
+            top_up()
+            while pending:
+                slot, fut = pending.popleft()
+                n = fut.result()  # re-raises a worker's error here, in the consumer's thread
+                self.sampler.advance()
+                x_buf, y_buf = ring[slot]
+                yield x_buf[:n], y_buf[:n], releaser(slot)
+                top_up()
+                if not pending and not exhausted:
+                    raise FastdataError(f"all {self.slots} FastLoader buffers are held by the consumer: call "
+                                        "release() for each batch from iter_manual() once it is done with it")
+            self.sampler.end_epoch()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return (f"FastLoader({self.dataset!r}, batch_size={self.batch_size}, threads={self.num_threads}, "
+                f"slots={self.slots}, pinned={self.pin_memory}, rank={self.sampler.rank}/{self.sampler.world_size})")

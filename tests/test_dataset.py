@@ -1,0 +1,170 @@
+"""FastDataset: values in every storage mode, batch gathers, torch DataLoader drop-in, damaged shards."""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import INDEXED_N, INDEXED_SIZE, sample_ids
+from fastdata import shm
+from fastdata.dataset import FastDataset
+from fastdata.errors import ChecksumError, ConfigError, FormatError
+
+MODES = ["mmap", "ram", "shm", "cuda"]
+
+
+def open_ds(path, storage, tmp_path, **kw) -> FastDataset:
+    if storage == "shm":
+        kw.setdefault("shm_dir", tmp_path / "shm")
+        (tmp_path / "shm").mkdir(exist_ok=True)
+    if storage == "cuda":
+        kw.setdefault("device", "cpu")  # the same index_select code path; the GPU run uses device="cuda"
+    return FastDataset(path, storage=storage, **kw)
+
+
+@pytest.mark.parametrize("storage", MODES)
+def test_values_match_the_npy_files(indexed_datasets, tmp_path, storage):
+    root = indexed_datasets["npy"]
+    ds = open_ds(root, storage, tmp_path)
+    ref = np.concatenate([np.load(p) for p in sorted(root.glob("images-*.npy"))])
+    labels = np.concatenate([np.load(p) for p in sorted(root.glob("labels-*.npy"))])
+    assert len(ds) == INDEXED_N and ds.classes == ["0", "1", "2"] and ds.targets.tolist() == labels.tolist()
+    x, y = ds[37]
+    assert x.shape == (INDEXED_SIZE, INDEXED_SIZE, 3) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    assert np.array_equal(x.numpy(), ref[37]) and int(y) == 37 % 3
+    idx = np.array([99, 3, 40, 17, 16, 15, 3, -1])  # across shards, unsorted, repeated, negative
+    xb, yb = ds.get_batch(idx)
+    assert xb.shape == (8, INDEXED_SIZE, INDEXED_SIZE, 3) and yb.dtype == torch.int64
+    assert np.array_equal(xb.numpy(), ref[idx]) and yb.tolist() == labels[idx].tolist()
+    assert sample_ids(xb).tolist() == [99, 3, 40, 17, 16, 15, 3, 99]
+    sorted_idx = np.arange(10, 60, 3)  # sorted: the one-copy path, one take per shard into its slice
+    assert np.array_equal(ds.get_batch(sorted_idx)[0].numpy(), ref[sorted_idx])
+    assert np.array_equal(ds[[5, 6]][0].numpy(), ref[[5, 6]]) and np.array_equal(ds[2:5][0].numpy(), ref[2:5])
+    assert np.array_equal(ds.get_batch(torch.tensor([8, 1]))[0].numpy(), ref[[8, 1]])
+
+
+@pytest.mark.parametrize("storage", ["mmap", "ram", "shm"])
+def test_get_batch_into_a_given_buffer(indexed_datasets, tmp_path, storage):
+    ds = open_ds(indexed_datasets["npy"], storage, tmp_path)
+    buf = torch.zeros((10, INDEXED_SIZE, INDEXED_SIZE, 3), dtype=torch.uint8)
+    x, y = ds.get_batch([4, 90, 33], out=buf)
+    assert x.data_ptr() == buf.data_ptr() and sample_ids(buf[:3]).tolist() == [4, 90, 33]
+    with pytest.raises(ConfigError, match="out must be"):
+        ds.get_batch(list(range(11)), out=buf)
+
+
+def test_bad_indices_and_arguments(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+    with pytest.raises(IndexError, match="out of range"):
+        ds.get_batch([0, INDEXED_N])
+    with pytest.raises(IndexError):
+        ds[-INDEXED_N - 1]
+    with pytest.raises(ConfigError, match="storage must be one of"):
+        FastDataset(indexed_datasets["npy"], storage="disk")
+    with pytest.raises(ConfigError, match="size=32 only applies to LMDB"):
+        FastDataset(indexed_datasets["npy"], size=32)
+    with pytest.raises(ConfigError, match="needs an npy dataset"):
+        FastDataset(indexed_datasets["lmdb"], storage="ram")
+    with pytest.raises(FormatError, match="not a fastdata dataset"):
+        FastDataset(indexed_datasets["npy"].parent / "src")
+
+
+def test_lmdb_decodes_on_the_cpu(indexed_datasets):
+    ds = FastDataset(indexed_datasets["lmdb"])
+    assert ds.sample_shape == (INDEXED_SIZE, INDEXED_SIZE, 3) and len(ds) == INDEXED_N
+    xb, yb = ds.get_batch([0, 51, 99])
+    assert sample_ids(xb).tolist() == [0, 51, 99] and yb.tolist() == [0, 0, 0]
+    assert np.abs(xb[:, :, :, 2].numpy().astype(int) - 9).max() <= 4  # JPEG: within a few units on flat colour
+    small = FastDataset(indexed_datasets["lmdb"], size=4)
+    assert small[3][0].shape == (4, 4, 3)
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_torch_dataloader_drop_in_with_workers(indexed_datasets, fmt):
+    ds = FastDataset(indexed_datasets[fmt])
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+    seen, labels = [], []
+    for x, y in loader:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (INDEXED_SIZE, INDEXED_SIZE, 3)
+        seen += sample_ids(x).tolist()
+        labels += y.tolist()
+    assert sorted(seen) == list(range(INDEXED_N)) and labels == [i % 3 for i in seen]
+
+
+def test_dataloader_with_batch_sampler_and_no_auto_batching(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), batch_size=30, drop_last=False)
+    batches = list(torch.utils.data.DataLoader(ds, sampler=sampler, batch_size=None))
+    assert [len(b[0]) for b in batches] == [30, 30, 30, 10]
+    assert sample_ids(torch.cat([b[0] for b in batches])).tolist() == list(range(INDEXED_N))
+
+
+@pytest.mark.parametrize("storage", ["mmap", "ram"])
+def test_pickles_without_its_pixels(indexed_datasets, storage):
+    ds = FastDataset(indexed_datasets["npy"], storage=storage)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000  # configuration only; the receiver maps or loads the data itself
+    assert sample_ids(pickle.loads(blob).get_batch([7, 70])[0]).tolist() == [7, 70]
+
+
+@pytest.mark.parametrize("storage", MODES)
+def test_truncated_shard_is_refused(npy_copy, tmp_path, storage):
+    f = npy_copy / "images-00002.npy"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ChecksumError, match=r"images-00002\.npy has .* truncated"):
+        open_ds(npy_copy, storage, tmp_path)
+
+
+@pytest.mark.parametrize("storage, kw", [("ram", {}), ("cuda", {}), ("shm", {}), ("mmap", {"verify": True})])
+def test_tampered_shard_is_refused(npy_copy, tmp_path, storage, kw):
+    f = npy_copy / "images-00003.npy"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"images-00003\.npy does not match its checksum"):
+        open_ds(npy_copy, storage, tmp_path, **kw)
+    if storage == "shm":
+        assert shm.list_copies(tmp_path / "shm") == [] and not list((tmp_path / "shm").glob("*.tmp*"))
+
+
+def test_shm_one_copy_shared_by_two_processes(indexed_datasets, tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    code = ("import sys, os; from fastdata.dataset import FastDataset; "
+            "ds = FastDataset(sys.argv[1], storage='shm', shm_dir=sys.argv[2]); "
+            "x, _ = ds.get_batch([5, 77]); print(ds._flat.filename, *x[:, 0, 0, :2].flatten().tolist())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(indexed_datasets["npy"]), str(d)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and outs[0][1:] == ["0", "125", "175", "175"]  # same file; index_colour(5), (77)
+    copies = shm.list_copies(d)
+    assert len(copies) == 1 and copies[0]["bytes"] == 128 + INDEXED_N * INDEXED_SIZE * INDEXED_SIZE * 3
+    assert len(list(d.glob("*.npy"))) == 1
+    assert shm.remove_copies([], d) == [copies[0]["id"]] and shm.list_copies(d) == []
+
+
+def test_shm_copy_is_reused_and_named_after_the_data(indexed_datasets, npy_copy, tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    a = FastDataset(indexed_datasets["npy"], storage="shm", shm_dir=d)
+    b = FastDataset(npy_copy, storage="shm", shm_dir=d)  # same bytes elsewhere: the same copy
+    assert a._flat.filename == b._flat.filename and len(shm.list_copies(d)) == 1
+
+
+def test_shm_full_disk_is_a_clear_error(indexed_datasets, tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    code = ("import resource, signal, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000)); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); from fastdata.dataset import FastDataset; "
+            "from fastdata.errors import FastdataError\n"
+            "try: FastDataset(sys.argv[1], storage='shm', shm_dir=sys.argv[2])\n"
+            "except FastdataError as e: print(e)")
+    r = subprocess.run([sys.executable, "-c", code, str(indexed_datasets["npy"]), str(d)], capture_output=True,
+                       text=True, timeout=120)
+    assert "no space left" in r.stdout and r.returncode == 0, r.stdout + r.stderr
+    assert list(d.glob("*.npy*")) == []  # nothing half-written that looks finished

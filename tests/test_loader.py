@@ -1,0 +1,180 @@
+"""FastLoader: values, epoch coverage, ring-buffer contract, resume, threads and memory hygiene."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import INDEXED_N, sample_ids
+from fastdata.dataset import FastDataset
+from fastdata.errors import ConfigError, FastdataError
+from fastdata.loader import FastLoader
+
+
+@pytest.fixture
+def ds(indexed_datasets):
+    return FastDataset(indexed_datasets["npy"])
+
+
+def epoch_ids(loader) -> list[list[int]]:
+    return [sample_ids(x).tolist() for x, _ in loader]
+
+
+def loader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-loader")]
+
+
+def test_batches_values_labels_and_order(ds):
+    loader = FastLoader(ds, 16, shuffle=True, seed=3, num_threads=2)
+    assert len(loader) == 7 and loader.dataset is ds and loader.batch_size == 16
+    batches = list(loader)
+    assert [len(x) for x, _ in batches] == [16] * 6 + [4]
+    for x, y in batches:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (8, 8, 3) and y.dtype == torch.int64
+    ids = [sample_ids(x).tolist() for x, _ in [(x.clone(), y) for x, y in FastLoader(ds, 16, seed=3, copy=True)]]
+    assert sorted(i for b in ids for i in b) == list(range(INDEXED_N))
+    # each batch is the sampler's batch, served in ascending order
+    expected = [sorted(b) for b in FastLoader(ds, 16, seed=3).sampler]
+    assert ids == expected
+    for x, y in FastLoader(ds, 16, seed=3, copy=True):
+        assert y.tolist() == [i % 3 for i in sample_ids(x).tolist()]
+
+
+def test_same_order_for_any_thread_count_and_storage(indexed_datasets, tmp_path):
+    ref = epoch_ids(FastLoader(FastDataset(indexed_datasets["npy"]), 10, seed=1, num_threads=1, copy=True))
+    for threads in (2, 4):
+        assert epoch_ids(FastLoader(FastDataset(indexed_datasets["npy"], storage="ram"), 10, seed=1,
+                                    num_threads=threads, copy=True)) == ref
+    dev = FastDataset(indexed_datasets["npy"], storage="cuda", device="cpu")
+    assert epoch_ids(FastLoader(dev, 10, seed=1)) == ref
+
+
+def test_epochs_reshuffle_and_set_epoch_is_deterministic(ds):
+    loader = FastLoader(ds, 25, seed=0, copy=True)
+    e0, e1 = epoch_ids(loader), epoch_ids(loader)
+    assert e0 != e1
+    loader.set_epoch(0)
+    assert epoch_ids(loader) == e0
+
+
+def test_copy_mode_batches_stay_valid_and_default_mode_reuses_buffers(ds):
+    kept = list(FastLoader(ds, 10, shuffle=False, copy=True))
+    assert [sample_ids(x).tolist() for x, _ in kept] == [list(range(i, i + 10)) for i in range(0, 100, 10)]
+    ptrs = {x.data_ptr() for x, _ in FastLoader(ds, 10, shuffle=False, num_threads=1, prefetch=1)}
+    assert len(ptrs) == 2  # the default mode cycles through its ring of num_threads + prefetch slots
+
+
+def test_manual_release_holds_the_buffer_until_released(ds):
+    loader = FastLoader(ds, 10, shuffle=False, num_threads=1, prefetch=1)
+    it = loader.iter_manual()
+    x0, _, release0 = next(it)
+    x1, _, release1 = next(it)  # both slots now held
+    assert sample_ids(x0).tolist() == list(range(10)) and sample_ids(x1).tolist() == list(range(10, 20))
+    with pytest.raises(FastdataError, match="buffers are held"):
+        next(it)
+    it = loader.iter_manual()
+    seen = []
+    for x, _, release in it:
+        seen += sample_ids(x).tolist()
+        release()
+    assert sorted(seen) == list(range(20, 100))  # the abandoned iterator had consumed two batches
+
+
+@pytest.mark.parametrize("threads_before, threads_after, storage_after", [(2, 1, "ram"), (1, 3, "mmap")])
+def test_state_dict_resumes_mid_epoch(indexed_datasets, threads_before, threads_after, storage_after):
+    a = FastLoader(FastDataset(indexed_datasets["npy"]), 8, seed=5, num_threads=threads_before, copy=True)
+    a.set_epoch(1)
+    it = iter(a)
+    first = [sample_ids(next(it)[0]).tolist() for _ in range(4)]
+    state = a.state_dict()
+    assert state["position"] == 32 and state["epoch"] == 1  # prefetched batches do not count
+    b = FastLoader(FastDataset(indexed_datasets["npy"], storage=storage_after), 8, seed=5, num_threads=threads_after)
+    b.load_state_dict(state)
+    b.set_epoch(1)
+    rest = epoch_ids(b)
+    flat = [i for batch in first + rest for i in batch]
+    assert sorted(flat) == list(range(INDEXED_N))
+    assert b.state_dict()["epoch"] == 2 and b.state_dict()["position"] == 0
+
+
+def test_breaking_early_or_raising_leaks_no_threads(ds):
+    before = loader_threads()
+    for x, _ in FastLoader(ds, 10, num_threads=3):
+        break
+    gc.collect()
+    assert loader_threads() == before
+    with pytest.raises(RuntimeError, match="boom"):
+        for x, _ in FastLoader(ds, 10, num_threads=3):
+            raise RuntimeError("boom")
+    gc.collect()
+    assert loader_threads() == before
+
+
+def test_a_new_iterator_closes_the_previous_one(ds):
+    loader = FastLoader(ds, 10, shuffle=False, num_threads=2)
+    it1 = iter(loader)
+    next(it1)
+    it2 = iter(loader)
+    assert sample_ids(next(it2)[0]).tolist() == list(range(10, 20))  # continues where the epoch got to
+    with pytest.raises(StopIteration):
+        next(it1)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_memory_stays_flat_over_1000_iterations(ds):
+    loader = FastLoader(ds, 32, num_threads=2)
+    for _ in range(20):  # warm up allocator and ring
+        for _ in loader:
+            pass
+    start, steps = _rss(), 0
+    while steps < 1000:
+        for _ in loader:
+            steps += 1
+    gc.collect()
+    assert _rss() - start < 8 << 20, f"RSS grew by {(_rss() - start) / 2**20:.1f} MiB over {steps} batches"
+
+
+def test_worker_errors_reach_the_consumer(indexed_datasets, tmp_path):
+    import shutil
+
+    from fastdata.errors import ImageDecodeError
+    from fastdata.formats.lmdb_store import LmdbReader
+
+    root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
+    blob = LmdbReader(root / "images.lmdb").get(5)
+    data = (root / "images.lmdb").read_bytes()
+    at = data.find(blob)
+    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])  # record 5 loses its JPEG header
+    loader = FastLoader(FastDataset(root), 10, shuffle=False, num_threads=2)
+    with pytest.raises(ImageDecodeError, match="sample 5 is not a decodable JPEG"):
+        list(loader)
+    gc.collect()
+    assert loader_threads() == []
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"batch_size": 0}, "batch_size=0"), ({"num_threads": 0}, "num_threads=0"),
+                                            ({"prefetch": -1}, "prefetch=-1")])
+def test_arguments_are_validated(ds, kwargs, needle):
+    args = {"batch_size": 4, **kwargs}
+    with pytest.raises(ConfigError, match=needle):
+        FastLoader(ds, **args)
+    with pytest.raises(ConfigError, match="get_batch"):
+        FastLoader(torch.utils.data.TensorDataset(torch.zeros(3)), 2)
+
+
+def test_drop_last_and_world_size(ds):
+    loader = FastLoader(ds, 16, drop_last=True, rank=1, world_size=3)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 2 and all(len(x) == 16 for x, _ in batches)
+
+
+def test_lmdb_dataset_through_the_loader(indexed_datasets):
+    ids = epoch_ids(FastLoader(FastDataset(indexed_datasets["lmdb"]), 32, seed=2, num_threads=2, copy=True))
+    assert sorted(i for b in ids for i in b) == list(range(INDEXED_N))
