@@ -68,6 +68,29 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shm(args: argparse.Namespace) -> int:
+    from . import shm
+
+    if args.action == "list":
+        copies = shm.list_copies(args.dir)
+        for c in copies:
+            print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}")
+        print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.shm_dir(args.dir)}", file=sys.stderr)
+        return 0
+    if not args.ids and not args.all:
+        print("fastdata: error: name the copies to remove (ids from `fastdata shm list`) or pass --all",
+              file=sys.stderr)
+        return 2
+    removed = shm.remove_copies([] if args.all else args.ids, args.dir)
+    missing = sorted(set(args.ids) - set(removed))
+    for cid in removed:
+        print(f"removed {cid}")
+    if missing:
+        print(f"fastdata: error: no copy named {', '.join(missing)} in {shm.shm_dir(args.dir)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -108,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("path", type=Path)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=_inspect)
+    sh = sub.add_parser("shm", help="list or remove the per-machine dataset copies in /dev/shm")
+    sh.add_argument("action", choices=("list", "remove"))
+    sh.add_argument("ids", nargs="*", help="remove: ids of the copies (see `fastdata shm list`)")
+    sh.add_argument("--all", action="store_true", help="remove: every copy")
+    sh.add_argument("--dir", type=Path, default=None, help="shm folder (default $FASTDATA_SHM_DIR or /dev/shm)")
+    sh.set_defaults(func=_shm)
+
     demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, read it back, report speed")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")
     demo.add_argument("--per-class", type=int, default=100, help="images per class (4 classes)")

@@ -6,6 +6,8 @@ hold the dataset as one contiguous ``(N, S, S, 3)`` array, so a batch is one ``n
 shard: indices are grouped by shard, one ``take`` per shard touched; when each shard's indices are
 contiguous in the request (FastLoader sorts every batch, see loader.py) each ``take`` writes straight
 into its slice of the output. ``np.take`` releases the GIL, so loader threads gather in parallel.
+Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with the default
+``mode="raise"`` numpy writes into a temporary and copies it to ``out`` (2.0 vs 13.9 GB/s measured here).
 """
 from __future__ import annotations
 
@@ -238,7 +240,7 @@ class FastDataset(torch.utils.data.Dataset):
             x = torch.empty((b, *self.sample_shape), dtype=torch.uint8)
         dst = x.numpy()
         if self._flat is not None:
-            np.take(self._flat, idx, axis=0, out=dst)
+            np.take(self._flat, idx, axis=0, out=dst, mode="clip")
         elif self._reader is not None:
             self._decode_into(idx, dst)
         else:
@@ -254,11 +256,11 @@ class FastDataset(torch.utils.data.Dataset):
         starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
         if len(starts) == len(np.unique(shard)):  # each shard one contiguous run: take straight into dst
             for a, b in zip(starts, np.r_[starts[1:], len(idx)]):
-                np.take(self._shards[shard[a]], rows[a:b], axis=0, out=dst[a:b])
+                np.take(self._shards[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
             return
         for s in np.unique(shard):  # interleaved shards: one take per shard, then one scatter
             mask = shard == s
-            dst[mask] = np.take(self._shards[s], rows[mask], axis=0)
+            dst[mask] = np.take(self._shards[s], rows[mask], axis=0, mode="clip")
 
     def _decode_into(self, idx: np.ndarray, dst: np.ndarray) -> None:
         # JPEG decoding is per image by nature; Pillow releases the GIL, so loader threads decode in parallel.

@@ -168,3 +168,27 @@ def test_shm_full_disk_is_a_clear_error(indexed_datasets, tmp_path):
                        text=True, timeout=120)
     assert "no space left" in r.stdout and r.returncode == 0, r.stdout + r.stderr
     assert list(d.glob("*.npy*")) == []  # nothing half-written that looks finished
+
+
+def test_shm_cli_lists_and_removes(indexed_datasets, tmp_path, capsys):
+    from fastdata.cli import main
+
+    d = tmp_path / "shm"
+    d.mkdir()
+    FastDataset(indexed_datasets["npy"], storage="shm", shm_dir=d)
+    assert main(["shm", "list", "--dir", str(d)]) == 0
+    out = capsys.readouterr()
+    cid = out.out.split()[0]
+    assert str(indexed_datasets["npy"]) in out.out and "1 copy" in out.err
+    assert main(["shm", "remove", "nope", "--dir", str(d)]) == 1
+    assert main(["shm", "remove", "--dir", str(d)]) == 2
+    assert main(["shm", "remove", cid, "--dir", str(d)]) == 0 and list(d.iterdir()) == []
+
+
+def test_public_api():
+    import fastdata
+
+    assert fastdata.__all__ == sorted(fastdata.__all__)
+    for name in fastdata.__all__:
+        assert getattr(fastdata, name) is not None
+    assert fastdata.FastDataset is FastDataset

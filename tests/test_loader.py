@@ -178,3 +178,22 @@ def test_drop_last_and_world_size(ds):
 def test_lmdb_dataset_through_the_loader(indexed_datasets):
     ids = epoch_ids(FastLoader(FastDataset(indexed_datasets["lmdb"]), 32, seed=2, num_threads=2, copy=True))
     assert sorted(i for b in ids for i in b) == list(range(INDEXED_N))
+
+
+@pytest.mark.cuda
+def test_cuda_storage_gathers_on_the_gpu(indexed_datasets):
+    cpu = FastDataset(indexed_datasets["npy"])
+    gpu = FastDataset(indexed_datasets["npy"], storage="cuda", device="cuda")
+    idx = torch.tensor([3, 99, 42], device="cuda")
+    x, y = gpu.get_batch(idx)
+    assert x.device.type == "cuda" and y.device.type == "cuda"
+    assert torch.equal(x.cpu(), cpu.get_batch([3, 99, 42])[0]) and y.tolist() == [0, 0, 0]
+    ids = epoch_ids(FastLoader(gpu, 16, seed=4))
+    assert ids == epoch_ids(FastLoader(cpu, 16, seed=4, copy=True))
+
+
+@pytest.mark.cuda
+def test_ring_buffers_are_pinned_when_cuda_is_available(ds):
+    loader = FastLoader(ds, 16)
+    x, y = next(iter(loader))
+    assert loader.pin_memory and x.is_pinned() and y.is_pinned()

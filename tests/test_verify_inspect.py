@@ -94,3 +94,9 @@ def test_inspect_text_and_json(dataset, capsys):
 def test_python_dash_m_and_version():
     r = subprocess.run([sys.executable, "-m", "fastdata", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("fastdata ")
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--per-class", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "preprocessed 32 images" in out and "verify: OK" in out and "FastLoader" in out and "total time" in out
