@@ -29,7 +29,7 @@ class _PillowFiles:
     def __getitem__(self, i: int) -> Any:
         import torch
 
-        return torch.from_numpy(load_array(self.files[i], self.size, "center-crop")), 0
+        return torch.from_numpy(load_array(self.files[i], self.size, "center-crop").copy()), 0  # PIL arrays are read-only
 
 
 def _loader_speeds(src: Path, data: Path, size: int, batch_size: int, seed: int) -> tuple[float, float]:
