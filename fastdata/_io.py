@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import DiskFullError, FormatError, OutputError
 
@@ -20,14 +20,14 @@ def new_hash() -> "hashlib._Hash":
     return hashlib.new(HASH_NAME)
 
 
-def hash_file(path: Path, progress: Any = None) -> str:
-    """Hex digest of a file, read in 16 MiB blocks; ``progress.update(n)`` is called per block."""
+def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> str:
+    """Hex digest of a file, read in 16 MiB blocks; ``on_block(n)`` is called per block (progress bars)."""
     h = new_hash()
     with open(path, "rb") as f:
         while block := f.read(_COPY_BLOCK):
             h.update(block)
-            if progress is not None:
-                progress.update(len(block))
+            if on_block is not None:
+                on_block(len(block))
     return h.hexdigest()
 
 

@@ -84,15 +84,10 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None) -
             if progress:
                 progress(entry["bytes"])
             continue
-        digest = hash_file(path, _Counter(progress) if progress else None)
+        digest = hash_file(path, progress)
         if digest != entry[HASH_NAME]:
             problems.append(f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)")
     return problems
-
-
-class _Counter:
-    def __init__(self, fn: Callable[[int], None]) -> None:
-        self.update = fn
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:

@@ -130,8 +130,5 @@ class DistributedBatchSampler:
             raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}; "
                               f"this sampler has seed={self.seed}, shuffle={self.shuffle}: the order would differ")
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
-        if self.start >= self.num_samples:
-            self.end_epoch_from(self.epoch)
-
-    def end_epoch_from(self, epoch: int) -> None:
-        self.epoch, self.start, self.served = epoch + 1, 0, 0
+        if self.start >= self.num_samples:  # saved at the very end of an epoch: the next one is due
+            self.end_epoch()
