@@ -16,7 +16,10 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 _EXPORTS = {
+    "CUDAPrefetcher": "fastdata.prefetch",
+    "CenterCrop": "fastdata.gpu_transforms",
     "ChecksumError": "fastdata.errors",
+    "Compose": "fastdata.gpu_transforms",
     "ConfigError": "fastdata.errors",
     "DiskFullError": "fastdata.errors",
     "DistributedBatchSampler": "fastdata.sampler",
@@ -27,7 +30,11 @@ _EXPORTS = {
     "ImageDecodeError": "fastdata.errors",
     "ImagePreprocessConfig": "fastdata.preprocess.images",
     "MissingDependencyError": "fastdata.errors",
+    "Normalize": "fastdata.gpu_transforms",
     "OutputError": "fastdata.errors",
+    "RandomCrop": "fastdata.gpu_transforms",
+    "RandomHorizontalFlip": "fastdata.gpu_transforms",
+    "RandomResizedCrop": "fastdata.gpu_transforms",
     "SourceError": "fastdata.errors",
     "VersionError": "fastdata.errors",
     "describe": "fastdata.manifest",

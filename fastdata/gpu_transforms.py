@@ -1,0 +1,211 @@
+"""Batched image transforms for any device: one random draw per sample, no Python loop over samples.
+
+Images are NCHW tensors (the channels_last view of a uint8 NHWC batch is fine), in pixel units: uint8,
+or float in 0..255. Geometric transforms come first; :class:`Normalize` ends a pipeline and gives
+``(x / 255 - mean) / std`` in one fused multiply-add. Every random transform draws its parameters for
+the whole batch from the ``generator`` it is called with (CUDAPrefetcher seeds one per batch from
+``(seed, epoch, position)``, so a resumed run draws the same augmentations), then applies them with
+batched tensor operations. ``params`` and ``apply`` are separate so tests can check the math against
+a per-sample reference with the very same draws.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+Size = Union[int, tuple[int, int]]
+
+
+def _pair(size: Size, name: str) -> tuple[int, int]:
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    if len(hw) != 2 or not all(isinstance(v, int) and v > 0 for v in hw):
+        raise ConfigError(f"{name} must be a positive int or (height, width), got {name}={size!r}")
+    return hw  # type: ignore[return-value]
+
+
+class Transform:
+    """A batched transform: ``t(x, generator)`` -> transformed batch."""
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class Compose(Transform):
+    """Apply ``transforms`` in order, all drawing from the same generator."""
+
+    def __init__(self, transforms: Sequence[Transform]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        for t in self.transforms:
+            x = t(x, generator)
+        return x
+
+
+class RandomHorizontalFlip(Transform):
+    """Mirror each sample left-right with probability ``p``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"p must be in [0, 1], got p={p!r}")
+        self.p = p
+
+    def params(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        return torch.rand(x.shape[0], generator=generator, device=x.device) < self.p
+
+    def apply(self, x: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+        return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        return self.apply(x, self.params(x, generator))
+
+
+class CenterCrop(Transform):
+    """Crop the centre ``size`` (offsets rounded as torchvision does)."""
+
+    def __init__(self, size: Size) -> None:
+        self.size = _pair(size, "size")
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        (h, w), (H, W) = self.size, x.shape[-2:]
+        if h > H or w > W:
+            raise ConfigError(f"CenterCrop size {self.size} is larger than the images ({H}, {W})")
+        top, left = int(round((H - h) / 2.0)), int(round((W - w) / 2.0))
+        return x[:, :, top:top + h, left:left + w]
+
+
+class RandomCrop(Transform):
+    """Pad by ``padding`` (with ``fill``), then crop ``size`` at a random offset per sample (CIFAR style)."""
+
+    def __init__(self, size: Size, padding: int = 0, fill: float = 0) -> None:
+        self.size = _pair(size, "size")
+        if not isinstance(padding, int) or padding < 0:
+            raise ConfigError(f"padding must be an integer >= 0, got padding={padding!r}")
+        self.padding, self.fill = padding, fill
+
+    def params(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        (h, w), (H, W), p = self.size, x.shape[-2:], self.padding
+        if h > H + 2 * p or w > W + 2 * p:
+            raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images ({H + 2 * p}, {W + 2 * p})")
+        u = torch.rand(x.shape[0], 2, generator=generator, device=x.device)
+        span = torch.tensor([H + 2 * p - h + 1, W + 2 * p - w + 1], device=x.device)
+        return (u * span).long()  # (B, 2): top, left in the padded image
+
+    def apply(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        (h, w), p, b = self.size, self.padding, x.shape[0]
+        if p:
+            x = F.pad(x, (p, p, p, p), value=self.fill)
+        rows = offsets[:, :1] + torch.arange(h, device=x.device)  # (B, h)
+        cols = offsets[:, 1:] + torch.arange(w, device=x.device)  # (B, w)
+        batch = torch.arange(b, device=x.device).view(-1, 1, 1)
+        # Advanced indexing puts the indexed dims first: (B, h, w, C), i.e. NCHW with channels_last strides.
+        return x[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        return self.apply(x, self.params(x, generator))
+
+
+class RandomResizedCrop(Transform):
+    """Crop a random area/aspect box per sample and resize it to ``size`` (the ImageNet recipe).
+
+    Boxes follow torchvision's rule (10 tries of area ~ U(scale), log-aspect ~ U(log ratio), else the
+    centre crop clamped to ``ratio``), drawn for the whole batch at once; all boxes are resampled in one
+    ``grid_sample`` (bilinear, no antialiasing). The output is float in pixel units.
+    """
+
+    def __init__(self, size: Size, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
+        self.size = _pair(size, "size")
+        if not (0 < scale[0] <= scale[1] <= 1):
+            raise ConfigError(f"scale must satisfy 0 < min <= max <= 1, got scale={scale!r}")
+        if not (0 < ratio[0] <= ratio[1]):
+            raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
+        self.scale, self.ratio = tuple(scale), tuple(ratio)
+
+    def params(self, x: torch.Tensor, generator: Optional[torch.Generator], tries: int = 10) -> torch.Tensor:
+        """(B, 4) float boxes: top, left, height, width (whole pixels)."""
+        b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
+        u = torch.rand(b, tries, 4, generator=generator, device=dev)
+        area = H * W * (self.scale[0] + u[..., 0] * (self.scale[1] - self.scale[0]))
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(lo + u[..., 1] * (hi - lo))
+        w = torch.round(torch.sqrt(area * aspect))
+        h = torch.round(torch.sqrt(area / aspect))
+        ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+        first = torch.argmax(ok.int(), dim=1)  # the first try that fits (0 when none does: see fallback)
+        pick = lambda t: t.gather(1, first[:, None]).squeeze(1)  # noqa: E731
+        h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
+        top = torch.floor(uy * (H - h + 1))
+        left = torch.floor(ux * (W - w + 1))
+        fallback = ~ok.any(dim=1)  # blended with torch.where rather than tested: no host sync on a GPU
+        fw, fh = self._fallback(H, W)
+        h = torch.where(fallback, torch.full_like(h, fh), h)
+        w = torch.where(fallback, torch.full_like(w, fw), w)
+        top = torch.where(fallback, torch.full_like(top, (H - fh) // 2), top)
+        left = torch.where(fallback, torch.full_like(left, (W - fw) // 2), left)
+        return torch.stack([top, left, h, w], dim=1)
+
+    def _fallback(self, H: int, W: int) -> tuple[int, int]:
+        in_ratio = W / H
+        if in_ratio < self.ratio[0]:
+            return W, int(round(W / self.ratio[0]))
+        if in_ratio > self.ratio[1]:
+            return int(round(H * self.ratio[1])), H
+        return W, H
+
+    def apply(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        (oh, ow), (H, W), b = self.size, x.shape[-2:], x.shape[0]
+        top, left, h, w = boxes.unbind(1)
+        theta = torch.zeros(b, 2, 3, device=x.device, dtype=torch.float32)
+        theta[:, 0, 0] = w / W
+        theta[:, 0, 2] = (2 * left + w) / W - 1
+        theta[:, 1, 1] = h / H
+        theta[:, 1, 2] = (2 * top + h) / H - 1
+        grid = F.affine_grid(theta, [b, x.shape[1], oh, ow], align_corners=False)
+        xf = x if x.is_floating_point() else x.float()
+        return F.grid_sample(xf, grid.to(xf.dtype), mode="bilinear", padding_mode="border", align_corners=False)
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        return self.apply(x, self.params(x, generator))
+
+
+class Normalize(Transform):
+    """Pixel units -> ``(x / 255 - mean) / std`` (mean, std in 0-1 units, torchvision's convention),
+    computed in float32 as one multiply-add and cast to ``dtype``. ``mean=None`` gives ``x / 255``."""
+
+    def __init__(self, mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if (mean is None) != (std is None):
+            raise ConfigError(f"give both mean and std, or neither; got mean={mean!r}, std={std!r}")
+        if std is not None and any(s <= 0 for s in std):
+            raise ConfigError(f"std must be positive, got std={std!r}")
+        if not dtype.is_floating_point:
+            raise ConfigError(f"dtype must be a floating type, got dtype={dtype}")
+        self.mean, self.std, self.dtype = mean, std, dtype
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _coefficients(self, device: torch.device, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._cache:
+            mean = torch.tensor(self.mean if self.mean is not None else [0.0] * channels, dtype=torch.float64)
+            std = torch.tensor(self.std if self.std is not None else [1.0] * channels, dtype=torch.float64)
+            scale, shift = 1.0 / (255.0 * std), -mean / std
+            self._cache[device] = (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
+        return self._cache[device]
+
+    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        scale, shift = self._coefficients(x.device, x.shape[1])
+        if scale.shape[1] != x.shape[1]:
+            raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")
+        out = torch.addcmul(shift, x.float(), scale)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)

@@ -1,0 +1,196 @@
+"""CUDAPrefetcher: batches copied to the GPU on a side stream, converted and augmented there, one step ahead.
+
+NOTE [prefetch]: for each batch, on one side stream created once per prefetcher: host tensors (pinned;
+FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``;
+an event marks the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the
+permute of NHWC is channels_last: no copy), the transforms run and :class:`Normalize` casts and
+normalises in one multiply-add; a second event marks the batch ready. The consumer's stream waits on
+that event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used
+there, so it never hands their memory to another tensor too early. A FastLoader buffer is released
+only after its copy event completed (polled with ``query()``; a targeted ``event.synchronize()`` only
+when the loader would otherwise run out of buffers). ``depth`` batches are in flight while the model
+computes on the current one. ``device="cpu"`` runs the same conversion synchronously.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
+
+Release = Optional[Callable[[], None]]
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested tuple/list/dict; other leaves pass through."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_walk(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def is_image(t: torch.Tensor) -> bool:
+    """Only 4-D uint8 tensors are images (NHWC); token batches and labels are not."""
+    return t.dtype == torch.uint8 and t.ndim == 4
+
+
+class CUDAPrefetcher:
+    """Wrap any iterable of batches (FastLoader, DataLoader, list, generator) and yield them on ``device``,
+    images as normalised ``dtype`` NCHW channels_last, other integer tensors as int64."""
+
+    def __init__(self, loader: Any, device: Union[str, torch.device] = "cuda", *,
+                 mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
+                 normalize: bool = True, dtype: torch.dtype = torch.float32, transforms: Optional[Transform] = None,
+                 depth: int = 1, seed: int = 0) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' or install a CUDA build")
+        if not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
+        self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype)
+        self.transforms, self.depth, self.seed = transforms, depth, seed
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._epoch_counter = 0
+        self._generator: Optional[torch.Generator] = None
+
+    # -- proxies --------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.loader, "set_epoch"):
+            self.loader.set_epoch(epoch)
+        self._epoch_counter = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    # -- per-batch randomness -------------------------------------------------------------------------
+    def _position(self) -> tuple[int, int]:
+        """(epoch, global position) of the batch just fetched, from a FastLoader's sampler when there is one."""
+        s = getattr(self.loader, "sampler", None)
+        if s is not None and hasattr(s, "served") and hasattr(s, "start"):
+            return s.epoch, s.start + (s.served - 1) * s.batch_size * s.world_size
+        return self._epoch_counter, self._batch_in_epoch
+
+    def _seeded(self) -> torch.Generator:
+        epoch, pos = self._position()
+        seed = int(np.random.SeedSequence([self.seed, epoch, pos]).generate_state(1)[0])
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+        return self._generator.manual_seed(seed)
+
+    # -- conversion (the same math on every device) ---------------------------------------------------
+    def convert(self, batch: Any, generator: Optional[torch.Generator] = None) -> Any:
+        """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64."""
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if is_image(t):
+                x = t.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
+                if self.transforms is not None:
+                    x = self.transforms(x, generator)
+                return self.normalize(x).contiguous(memory_format=torch.channels_last)
+            if not t.is_floating_point() and t.dtype != torch.bool:
+                return t.long()
+            return t
+        return _walk(batch, one)
+
+    # -- iteration ------------------------------------------------------------------------------------
+    def _source(self) -> Iterator[tuple[Any, Release]]:
+        manual = getattr(self.loader, "iter_manual", None)
+        if manual is not None and self.device.type == "cuda":
+            for x, y, release in manual():
+                yield (x, y), release
+        else:
+            for batch in self.loader:
+                yield batch, None
+
+    def __iter__(self) -> Iterator[Any]:
+        self._batch_in_epoch = 0
+        it = self._iter_cuda() if self.device.type == "cuda" else self._iter_sync()
+        yield from it
+        self._epoch_counter += 1
+
+    def _iter_sync(self) -> Iterator[Any]:
+        for batch, _ in self._source():
+            gen = self._seeded() if self.transforms is not None else None
+            self._batch_in_epoch += 1
+            moved = _walk(batch, lambda t: t.to(self.device, copy=True))  # never alias a loader buffer
+            yield self.convert(moved, gen)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:  # one stream for the prefetcher's lifetime (a new one per epoch leaks)
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _iter_cuda(self) -> Iterator[Any]:
+        stream = self._side_stream()
+        source = self._source()
+        ready: deque[tuple[Any, torch.cuda.Event]] = deque()
+        held: deque[tuple[torch.cuda.Event, Release, Any]] = deque()  # host buffers still being read
+        slots = getattr(self.loader, "slots", None)
+
+        def reclaim(force_one: bool = False) -> None:
+            while held and (force_one or held[0][0].query()):
+                event, release, _host = held.popleft()
+                if force_one:
+                    event.synchronize()  # waits for this one copy, not for the device
+                    force_one = False
+                if release is not None:
+                    release()
+
+        def enqueue() -> bool:
+            if slots is not None and len(held) >= slots - 1:
+                reclaim(force_one=True)  # the loader needs a buffer back to keep producing
+            item = next(source, None)
+            if item is None:
+                return False
+            batch, release = item
+            gen = self._seeded() if self.transforms is not None else None
+            self._batch_in_epoch += 1
+            host = _walk(batch, lambda t: t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory())
+            with torch.cuda.stream(stream):
+                moved = _walk(host, lambda t: t.to(self.device, non_blocking=True))
+                copied = torch.cuda.Event()
+                copied.record(stream)
+                out = self.convert(moved, gen)
+                done = torch.cuda.Event()
+                done.record(stream)
+            held.append((copied, release, host))  # `host` keeps pageable-then-pinned copies alive
+            ready.append((out, done))
+            return True
+
+        try:
+            for _ in range(self.depth):
+                if not enqueue():
+                    break
+            while ready:
+                out, done = ready.popleft()
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(done)
+                _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
+                reclaim()
+                enqueue()
+                yield out
+        finally:
+            while held:
+                reclaim(force_one=True)

@@ -1,0 +1,110 @@
+"""Batched transforms against straightforward per-sample references, with the very same random draws."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdata.errors import ConfigError
+from fastdata.gpu_transforms import (CenterCrop, Compose, Normalize, RandomCrop, RandomHorizontalFlip,
+                                     RandomResizedCrop)
+
+
+def batch(b=6, h=20, w=24, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    nhwc = torch.randint(0, 256, (b, h, w, 3), generator=g, dtype=torch.uint8)
+    return nhwc.permute(0, 3, 1, 2)  # the channels_last view CUDAPrefetcher hands to transforms
+
+
+def gen(seed=1) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_flip_matches_per_sample_reference():
+    x, t = batch(), RandomHorizontalFlip(0.5)
+    flip = t.params(x, gen())
+    assert 0 < int(flip.sum()) < len(flip)  # this draw flips some and keeps others
+    out = t.apply(x, flip)
+    for b in range(len(x)):
+        assert torch.equal(out[b], x[b].flip(-1) if flip[b] else x[b])
+    assert out.dtype == torch.uint8
+
+
+def test_random_crop_with_padding_matches_reference():
+    x, t = batch(), RandomCrop(16, padding=4)
+    off = t.params(x, gen())
+    assert off.min() >= 0 and off[:, 0].max() <= 20 + 8 - 16 and off[:, 1].max() <= 24 + 8 - 16
+    out = t.apply(x, off)
+    assert out.shape == (6, 3, 16, 16) and out.is_contiguous(memory_format=torch.channels_last)
+    for b in range(len(x)):
+        padded = F.pad(x[b], (4, 4, 4, 4))
+        top, left = off[b].tolist()
+        assert torch.equal(out[b], padded[:, top:top + 16, left:left + 16])
+
+
+def test_center_crop():
+    x = batch(h=21, w=24)
+    out = CenterCrop((10, 12))(x)
+    assert torch.equal(out, x[:, :, 6:16, 6:18])  # round((21-10)/2) = 6 (round half to even), (24-12)/2 = 6
+
+
+def test_random_resized_crop_matches_crop_then_interpolate():
+    x, t = batch(b=8, h=40, w=48).float(), RandomResizedCrop(16, scale=(0.3, 1.0))
+    boxes = t.params(x, gen(3))
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 40).all() and (left + w <= 48).all()
+    assert ((h * w) / (40 * 48)).min() >= 0.3 - 0.05
+    out = t.apply(x, boxes)
+    assert out.shape == (8, 3, 16, 16) and out.dtype == torch.float32
+    for b in range(8):
+        t0, l0, hh, ww = (int(v) for v in boxes[b])
+        ref = F.interpolate(x[b:b + 1, :, t0:t0 + hh, l0:l0 + ww], size=(16, 16), mode="bilinear",
+                            align_corners=False)[0]
+        # Inside the box the two sample the same points; at the edge grid_sample may read the pixel just
+        # outside the box where interpolate clamps to the box: compare the interior exactly-ish.
+        assert torch.allclose(out[b, :, 1:-1, 1:-1], ref[:, 1:-1, 1:-1], atol=1e-3), b
+
+
+def test_random_resized_crop_falls_back_to_centre_when_nothing_fits():
+    x, t = batch(b=4, h=10, w=40).float(), RandomResizedCrop(8, scale=(0.99, 1.0), ratio=(1.0, 1.0))
+    boxes = t.params(x, gen())  # a 1:1 box of 99% of a 10x40 image can never fit
+    assert boxes.tolist() == [[0.0, 15.0, 10.0, 10.0]] * 4
+
+
+def test_normalize_values_and_dtypes():
+    x = batch()
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    ref = (x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    out = Normalize(mean, std)(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, atol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = Normalize(mean, std, dtype)(x)
+        assert low.dtype == dtype and torch.allclose(low.float(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(Normalize(None, None)(x), x.float() / 255)
+
+
+def test_compose_is_reproducible_with_the_same_generator():
+    x = batch()
+    t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
+    assert torch.equal(t(x, gen(5)), t(x, gen(5)))
+    assert not torch.equal(t(x, gen(5)), t(x, gen(6)))
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: RandomHorizontalFlip(2), "p must be"), (lambda: RandomCrop(0), "size must be"),
+    (lambda: RandomCrop(8, padding=-1), "padding"), (lambda: RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),
+    (lambda: Normalize((0.5,), None), "both mean and std"), (lambda: Normalize(dtype=torch.int32), "floating")])
+def test_bad_arguments(make, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make()
+
+
+@pytest.mark.cuda
+def test_deterministic_parts_are_bit_equal_on_the_gpu():
+    x = batch()
+    for t in (Normalize(), CenterCrop(10), Normalize(dtype=torch.bfloat16)):
+        assert torch.equal(t(x.cuda()).cpu(), t(x))
+    flip, crop = RandomHorizontalFlip(), RandomCrop(16, padding=4)
+    f, o = flip.params(x, gen()), crop.params(x, gen())
+    assert torch.equal(flip.apply(x.cuda(), f.cuda()).cpu(), flip.apply(x, f))
+    assert torch.equal(crop.apply(x.cuda(), o.cuda()).cpu(), crop.apply(x, o))

@@ -1,0 +1,139 @@
+"""CUDAPrefetcher: the conversion math (CPU path, which runs the same code), nesting, proxies, determinism."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from conftest import INDEXED_N, sample_ids
+from fastdata.dataset import FastDataset
+from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+from fastdata.loader import FastLoader
+from fastdata.prefetch import CUDAPrefetcher
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def by_hand(x_nhwc: torch.Tensor) -> torch.Tensor:
+    x = x_nhwc.permute(0, 3, 1, 2).double() / 255
+    return ((x - torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1))
+            / torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_values_shapes_dtypes_channels_last(dtype, tol):
+    x = torch.randint(0, 256, (4, 6, 5, 3), dtype=torch.uint8)
+    y = torch.tensor([1, 0, 2, 1], dtype=torch.int32)
+    (out, labels), = list(CUDAPrefetcher([(x, y)], device="cpu", dtype=dtype))
+    assert out.shape == (4, 3, 6, 5) and out.dtype == dtype
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(out.double(), by_hand(x), atol=tol, rtol=tol)
+    assert labels.dtype == torch.int64 and labels.tolist() == [1, 0, 2, 1]
+
+
+def test_normalize_false_gives_unit_floats():
+    x = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
+    (out,), = list(CUDAPrefetcher([(x,)], device="cpu", normalize=False))
+    assert torch.allclose(out, x.permute(0, 3, 1, 2).float() / 255)
+
+
+def test_nested_batches_and_non_images():
+    Pair = collections.namedtuple("Pair", "img tokens")
+    img = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
+    tokens = torch.randint(0, 60000, (2, 9), dtype=torch.int32).to(torch.uint16)
+    batch = {"a": Pair(img, tokens), "b": [torch.ones(3), "name", 7], "mask": torch.zeros(2, 5, dtype=torch.uint8)}
+    (out,) = list(CUDAPrefetcher([batch], device="cpu"))
+    assert isinstance(out["a"], Pair) and out["a"].img.shape == (2, 3, 4, 4) and out["a"].img.dtype == torch.float32
+    assert out["a"].tokens.dtype == torch.int64 and torch.equal(out["a"].tokens, tokens.long())  # never normalised
+    assert out["b"][1:] == ["name", 7] and torch.equal(out["b"][0], torch.ones(3))
+    assert out["mask"].dtype == torch.int64  # a 2-D uint8 tensor is not an image
+
+
+def test_empty_loader_yields_nothing():
+    assert list(CUDAPrefetcher([], device="cpu")) == []
+
+
+def test_proxies_and_fastloader_round_trip(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+    loader = FastLoader(ds, 16, seed=2)
+    pf = CUDAPrefetcher(loader, device="cpu")
+    assert len(pf) == len(loader) == 7 and pf.dataset is ds and pf.sampler is loader.sampler
+    pf.set_epoch(3)
+    assert loader.sampler.epoch == 3
+    seen, kept = [], []
+    for x, y in pf:
+        assert x.dtype == torch.float32 and x.shape[1:] == (3, 8, 8) and y.dtype == torch.int64
+        kept.append(x)  # outputs are owned: they stay valid after the loader refills its buffers
+    for x in kept:
+        back = torch.round((x.permute(0, 2, 3, 1) * torch.tensor(STD) + torch.tensor(MEAN)) * 255)
+        seen += sample_ids(back.to(torch.uint8)).tolist()
+    assert sorted(seen) == list(range(INDEXED_N))
+    assert pf.state_dict() == loader.state_dict()
+
+
+def augmenting(ds, seed=0):
+    return CUDAPrefetcher(FastLoader(ds, 10, seed=1), device="cpu", seed=seed,
+                          transforms=Compose([RandomResizedCrop(6), RandomHorizontalFlip()]))
+
+
+def test_augmentations_reproducible_and_resumable(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+    run1 = [x for x, _ in augmenting(ds)]
+    run2 = [x for x, _ in augmenting(ds)]
+    assert all(torch.equal(a, b) for a, b in zip(run1, run2)) and run1[0].shape == (10, 3, 6, 6)
+    assert not torch.equal(run1[0], [x for x, _ in augmenting(ds, seed=9)][0])
+    # stop after 4 batches, resume from the state: the remaining batches get the same augmentations
+    pf = augmenting(ds)
+    it = iter(pf)
+    for _ in range(4):
+        next(it)
+    state = pf.state_dict()
+    resumed = augmenting(ds)
+    resumed.load_state_dict(state)
+    rest = [x for x, _ in resumed]
+    assert len(rest) == 6 and all(torch.equal(a, b) for a, b in zip(rest, run1[4:]))
+
+
+def test_bad_arguments():
+    from fastdata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="depth"):
+        CUDAPrefetcher([], device="cpu", depth=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            CUDAPrefetcher([], device="cuda")
+
+
+@pytest.mark.cuda
+def test_gpu_batches_match_the_host_source_under_heavy_buffer_reuse(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+    loader = FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0)  # 2 slots: constant reuse
+    pf = CUDAPrefetcher(loader, device="cuda", normalize=False, depth=2)
+    ref = CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device="cpu", normalize=False)
+    for epoch in range(3):
+        pf.set_epoch(epoch)
+        ref.set_epoch(epoch)
+        for (x, y), (xr, yr) in zip(pf, ref):
+            assert x.device.type == "cuda" and torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
+    assert pf._stream is not None  # one side stream, created once
+    stream = pf._stream
+    list(pf)
+    assert pf._stream is stream
+
+
+@pytest.mark.cuda
+def test_gpu_memory_flat_over_1000_iterations(indexed_datasets):
+    pf = CUDAPrefetcher(FastLoader(FastDataset(indexed_datasets["npy"]), 16), device="cuda",
+                        dtype=torch.bfloat16, transforms=Compose([RandomResizedCrop(8), RandomHorizontalFlip()]))
+    steps = 0
+    for _ in range(3):
+        for x, _ in pf:
+            steps += 1
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    while steps < 1000:
+        for x, _ in pf:
+            steps += 1
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - start < 1 << 20
