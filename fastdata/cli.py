@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .errors import FastdataError
+from .errors import ConfigError, FastdataError
 
 
 def _preprocess_images(args: argparse.Namespace) -> int:
@@ -91,6 +91,34 @@ def _shm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .pipeline import ImagePipeline, build
+    from .train import TrainConfig, Trainer, init_distributed, parse_duration
+
+    cfg = TrainConfig(
+        epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
+        optimizer=args.optimizer, weight_decay=args.weight_decay, schedule=args.schedule,
+        warmup_steps=args.warmup_steps, label_smoothing=args.label_smoothing, amp=args.amp, accum=args.accum,
+        clip=args.clip, compile=args.compile, sync_bn=args.sync_bn,
+        checkpoint_dir=str(args.checkpoint) if args.checkpoint else None, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, val_every=args.val_every, val_every_steps=args.val_every_steps,
+        early_stop_patience=args.early_stop_patience, early_stop_min_delta=args.early_stop_min_delta,
+        log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,
+        profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet)
+    info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
+    if cfg.amp == "fp16" and info.device.type != "cuda":
+        raise ConfigError("--amp fp16 needs a CUDA device (GradScaler); use --amp bf16 or none on the CPU")
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    pipe = ImagePipeline(data=args.data, model=args.model, batch_size=args.batch_size, val=args.val,
+                         val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
+                         augment=args.augment, crop=args.crop, seed=args.seed)
+    model, train, val = build(pipe, info.device)
+    Trainer(model, train, val, config=cfg).fit()
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -137,6 +165,45 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--all", action="store_true", help="remove: every copy")
     sh.add_argument("--dir", type=Path, default=None, help="shm folder (default $FASTDATA_SHM_DIR or /dev/shm)")
     sh.set_defaults(func=_shm)
+
+    tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
+    tr.add_argument("data", type=Path, help="dataset folder made by `fastdata preprocess`")
+    tr.add_argument("--val", type=Path, default=None, help="validation dataset folder")
+    tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
+    tr.add_argument("--model", default="resnet18", help="cnn-small, resnet18, resnet50")
+    tr.add_argument("--epochs", type=int, default=10)
+    tr.add_argument("--batch-size", type=int, default=256, help="per process")
+    tr.add_argument("--lr", type=float, default=0.1)
+    tr.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    tr.add_argument("--weight-decay", type=float, default=5e-4)
+    tr.add_argument("--schedule", choices=("cosine", "onecycle", "constant"), default="cosine")
+    tr.add_argument("--warmup-steps", type=int, default=0)
+    tr.add_argument("--label-smoothing", type=float, default=0.0)
+    tr.add_argument("--amp", choices=("bf16", "fp16", "none"), default="none")
+    tr.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
+    tr.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
+    tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default="mmap")
+    tr.add_argument("--threads", type=int, default=None, help="loader threads")
+    tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
+    tr.add_argument("--crop", type=int, default=None, help="rrc-flip output side")
+    tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
+    tr.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--max-time", default=None, help="DD:HH:MM:SS or seconds")
+    tr.add_argument("--early-stop-patience", type=int, default=0)
+    tr.add_argument("--early-stop-min-delta", type=float, default=0.0)
+    tr.add_argument("--val-every", type=int, default=1, help="validate every N epochs")
+    tr.add_argument("--val-every-steps", type=int, default=0)
+    tr.add_argument("--sync-bn", action="store_true")
+    tr.add_argument("--compile", action="store_true")
+    tr.add_argument("--profile", type=int, default=0, metavar="N", help="profile the first N steps")
+    tr.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--log-every", type=int, default=50)
+    tr.add_argument("--log-file", type=Path, default=None, help="JSONL metrics")
+    tr.add_argument("--quiet", action="store_true")
+    tr.set_defaults(func=_train)
 
     demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, read it back, report speed")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")

@@ -298,3 +298,36 @@ def _available_memory() -> Optional[int]:
     except OSError:
         pass
     return None
+
+
+class DatasetView:
+    """Some samples of a dataset (a train/validation split), served by FastLoader like the dataset itself."""
+
+    def __init__(self, base: FastDataset, indices: np.ndarray) -> None:
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.sample_shape, self.sample_dtype, self.device = base.sample_shape, base.sample_dtype, base.device
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.base.classes
+
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu().numpy()
+        return self.base.get_batch(self.indices[np.asarray(indices, dtype=np.int64)], out)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        return self.base[int(self.indices[i])]
+
+
+def split(ds: FastDataset, val_fraction: float, seed: int = 0) -> tuple[DatasetView, DatasetView]:
+    """A deterministic random split by ``seed``: ``(train, val)`` with ``round(len * val_fraction)`` in val."""
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in (0, 1), got val_fraction={val_fraction!r}")
+    perm = np.random.default_rng((seed, 0x5E1)).permutation(len(ds))
+    n_val = max(1, round(len(ds) * val_fraction))
+    return DatasetView(ds, np.sort(perm[n_val:])), DatasetView(ds, np.sort(perm[:n_val]))

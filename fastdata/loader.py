@@ -28,6 +28,10 @@ from .sampler import DistributedBatchSampler
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def _noop() -> None:
+    pass
+
+
 class FastLoader:
     """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
     in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable)."""
@@ -98,6 +102,8 @@ class FastLoader:
     def iter_manual(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
         """Yield ``(x, y, release)``; the slot behind ``x`` is refilled only after ``release()`` is called."""
         self._close_active()
+        if self.on_device:  # device batches are fresh tensors from index_select: nothing to hand back
+            return ((x, y, _noop) for x, y in self._iter_device())
         gen = self._produce()
         self._active = weakref.ref(gen)
         return gen

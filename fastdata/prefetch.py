@@ -61,6 +61,7 @@ class CUDAPrefetcher:
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
         self._generator: Optional[torch.Generator] = None
+        self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
 
     # -- proxies --------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -80,7 +81,12 @@ class CUDAPrefetcher:
         self._epoch_counter = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        """The loader's state as the consumer sees it: batches fetched ahead but not yet handed out
+        (``depth`` of them on a GPU) are not counted, so a resume serves them again."""
+        state = dict(self.loader.state_dict())
+        if self._unserved and "position" in state:
+            state["epoch"], state["position"] = self._unserved[0]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
@@ -117,7 +123,7 @@ class CUDAPrefetcher:
     # -- iteration ------------------------------------------------------------------------------------
     def _source(self) -> Iterator[tuple[Any, Release]]:
         manual = getattr(self.loader, "iter_manual", None)
-        if manual is not None and self.device.type == "cuda":
+        if manual is not None and self.device.type == "cuda":  # hold FastLoader buffers until copied
             for x, y, release in manual():
                 yield (x, y), release
         else:
@@ -165,6 +171,7 @@ class CUDAPrefetcher:
             if item is None:
                 return False
             batch, release = item
+            self._unserved.append(self._position())
             gen = self._seeded() if self.transforms is not None else None
             self._batch_in_epoch += 1
             host = _walk(batch, lambda t: t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory())
@@ -190,7 +197,9 @@ class CUDAPrefetcher:
                 _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
                 reclaim()
                 enqueue()
+                self._unserved.popleft()
                 yield out
         finally:
+            self._unserved.clear()
             while held:
                 reclaim(force_one=True)

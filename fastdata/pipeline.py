@@ -1,0 +1,78 @@
+"""Assemble an image training run from a few options: dataset, split, loaders, GPU transforms, model.
+
+Used by ``fastdata train``, ``fastdata demo`` and the benchmarks, so they all run the same pipeline:
+FastDataset -> FastLoader (DDP-aware) -> CUDAPrefetcher (normalise + augment on the device) -> model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .dataset import FastDataset, split
+from .errors import ConfigError
+from .gpu_transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
+from .loader import FastLoader
+from .models import create_model
+from .prefetch import CUDAPrefetcher
+
+AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
+
+
+@dataclass(frozen=True)
+class ImagePipeline:
+    """Options of an image-classification run (batch size is per process, as under torchrun)."""
+
+    data: Path
+    model: str = "resnet18"
+    batch_size: int = 256
+    val: Optional[Path] = None
+    val_fraction: float = 0.0
+    storage: str = "mmap"
+    threads: Optional[int] = None
+    augment: str = "flip"
+    crop: Optional[int] = None  # rrc-flip: output side (default 7/8 of the stored side)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.augment not in AUGMENT:
+            raise ConfigError(f"augment must be one of {AUGMENT}, got augment={self.augment!r}")
+        if self.val is not None and self.val_fraction:
+            raise ConfigError("give --val DATA or --val-fraction, not both")
+
+
+def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Optional[Transform]]:
+    """(train, eval) GPU transforms for ``p.augment`` on ``side`` x ``side`` images."""
+    if p.augment == "none":
+        return None, None
+    if p.augment == "flip":
+        return RandomHorizontalFlip(), None
+    if p.augment == "crop-flip":  # CIFAR style: pad 1/8, random crop back, flip
+        return Compose([RandomCrop(side, padding=max(1, side // 8)), RandomHorizontalFlip()]), None
+    crop = p.crop or side * 7 // 8
+    return Compose([RandomResizedCrop(crop), RandomHorizontalFlip()]), CenterCrop(crop)
+
+
+def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
+    ds = FastDataset(p.data, storage=p.storage, device=device if p.storage == "cuda" else "cuda")
+    train_ds: Any = ds
+    val_ds: Any = None
+    if p.val is not None:
+        val_ds = FastDataset(p.val, storage=p.storage, device=device if p.storage == "cuda" else "cuda")
+        if val_ds.classes != ds.classes:
+            raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
+    elif p.val_fraction:
+        train_ds, val_ds = split(ds, p.val_fraction, p.seed)
+    side = ds.sample_shape[0]
+    train_tf, eval_tf = transforms(p, side)
+    train = CUDAPrefetcher(FastLoader(train_ds, p.batch_size, shuffle=True, seed=p.seed, num_threads=p.threads),
+                           device=device, transforms=train_tf, seed=p.seed)
+    val = None
+    if val_ds is not None:
+        val = CUDAPrefetcher(FastLoader(val_ds, p.batch_size, shuffle=False, num_threads=p.threads), device=device,
+                             transforms=eval_tf)
+    model = create_model(p.model, num_classes=len(ds.classes))
+    return model, train, val

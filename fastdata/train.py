@@ -1,0 +1,533 @@
+"""The training loop: AMP, DDP under torchrun, accumulation, clipping, checkpoints, early stopping.
+
+One readable loop (``Trainer.fit``): every technique is visible where it happens. Metrics stay on the
+device and are synchronised once per log interval; the data stall (time the step waited for its batch,
+measured with CUDA events on a GPU) is reported with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ConfigError, FastdataError, FormatError
+from .models import is_convnet
+
+AMP = ("bf16", "fp16", "none")
+
+
+def parse_duration(text: str | float | int | None) -> Optional[float]:
+    """Seconds from ``DD:HH:MM:SS`` / ``HH:MM:SS`` / ``MM:SS`` / a number of seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    try:
+        parts = [float(p) for p in str(text).split(":")]
+    except ValueError:
+        raise ConfigError(f"max_time must look like DD:HH:MM:SS or a number of seconds, got {text!r}") from None
+    if len(parts) > 4:
+        raise ConfigError(f"max_time must look like DD:HH:MM:SS, got {text!r}")
+    return sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the loop does, validated on construction. Batch size belongs to the loader (per process)."""
+
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    max_time: Optional[float] = None  # seconds (parse_duration turns "00:12:00:00" into seconds)
+    lr: float = 0.1
+    optimizer: str = "sgd"  # "sgd" (momentum, nesterov) or "adamw"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4  # applied to weights only: never to norms or biases
+    schedule: str = "cosine"  # "cosine" (after warm-up), "onecycle", "constant"
+    warmup_steps: int = 0
+    label_smoothing: float = 0.0
+    amp: str = "none"
+    accum: int = 1
+    clip: Optional[float] = None
+    channels_last: bool = True
+    compile: bool = False
+    sync_bn: bool = False
+    cudnn_benchmark: bool = True
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # optimizer steps; 0: at epoch ends and when stopping
+    resume: bool = False
+    val_every: int = 1  # epochs (0: never at epoch ends)
+    val_every_steps: int = 0
+    early_stop_patience: int = 0  # validations without improvement of val loss before stopping (0: off)
+    early_stop_min_delta: float = 0.0
+    log_every: int = 50
+    log_file: Optional[str] = None
+    profile_steps: int = 0
+    device: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name} must be {expected}, got {name}={getattr(self, name)!r}")
+        need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "a positive integer")
+        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        need(self.max_time is None or self.max_time > 0, "max_time", "positive seconds")
+        need(self.lr > 0, "lr", "positive")
+        need(self.optimizer in ("sgd", "adamw"), "optimizer", "'sgd' or 'adamw'")
+        need(self.schedule in ("cosine", "onecycle", "constant"), "schedule", "'cosine', 'onecycle' or 'constant'")
+        need(self.amp in AMP, "amp", f"one of {AMP}")
+        need(isinstance(self.accum, int) and self.accum >= 1, "accum", "a positive integer")
+        need(self.clip is None or self.clip > 0, "clip", "positive")
+        need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
+        need(self.log_every >= 1, "log_every", "a positive integer")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
+    group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device: use --device cpu")
+        dev = torch.device("cuda", local) if device == "cuda" else torch.device(device)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local, dev)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weights only: norms' scales and all biases (1-D parameters) are exempt."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if cfg.schedule == "onecycle":  # linear up for 30%, then cosine down to 0
+            peak = max(1, int(0.3 * total_steps))
+            if step < peak:
+                return 0.04 + 0.96 * step / peak
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - peak) / max(1, total_steps - peak))))
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if out.ndim == 3:  # language model: (B, T, V) logits, (B, T) targets
+            out, target = out.flatten(0, 1), target.flatten()
+        return F.cross_entropy(out, target, label_smoothing=label_smoothing)
+    return loss
+
+
+class Trainer:
+    """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
+
+    Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved
+    here). Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
+    """
+
+    def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+        cfg = self.cfg = config
+        self.dist = init_distributed(cfg.device)
+        self.device = self.dist.device
+        if cfg.amp == "fp16" and self.device.type != "cuda":
+            raise ConfigError("amp='fp16' needs a CUDA device (GradScaler); use amp='bf16' or 'none' on the CPU")
+        if cfg.amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.channels_last = cfg.channels_last and is_convnet(model)
+        model = model.to(self.device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
+        if cfg.sync_bn and self.dist.world_size > 1:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model = model  # the module whose weights are saved
+        if self.dist.world_size > 1:  # DDP broadcasts rank 0's weights: every rank starts identical
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.ddp = model if self.dist.world_size > 1 else None
+        self.forward = torch.compile(model) if cfg.compile else model
+        if cfg.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
+                                             momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+        else:
+            self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
+        self.steps_per_epoch = max(1, math.ceil(len(train_loader) / cfg.accum))
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+        self.loss_fn = loss_fn or default_loss(cfg.label_smoothing)
+        self.epoch = self.step = 0
+        self.best: Optional[float] = None
+        self.bad_evals = 0
+        self.history: list[dict[str, Any]] = []
+        self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
+        self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
+        if cfg.resume:
+            self.load_checkpoint()
+
+    # -- small helpers --------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _to_device(self, t: torch.Tensor, image: bool = False) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        return t.contiguous(memory_format=torch.channels_last) if image and self.channels_last and t.ndim == 4 else t
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self._log_file is not None:
+            with open(self._log_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _reduce(self, *values: torch.Tensor) -> list[float]:
+        """Sum across ranks and bring to the host: the one sync of a log interval."""
+        stacked = torch.stack([v.double() for v in values])
+        if self.dist.world_size > 1:
+            dist.all_reduce(stacked)
+        return stacked.tolist()
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        cfg, model = self.cfg, self.forward
+        start = time.monotonic()
+        stop: Optional[str] = None
+        bar = self._progress()
+        profiler = self._start_profiler()
+        while self.epoch < cfg.epochs and stop is None:
+            if hasattr(self.train_loader, "set_epoch"):
+                self.train_loader.set_epoch(self.epoch)
+            model.train()
+            meter = _Meter(self.device)
+            micro = 0
+            batches = iter(self.train_loader)
+            while True:
+                meter.wait_begin()
+                batch = next(batches, None)  # the only place the loop can wait for data
+                if batch is None:
+                    break
+                x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
+                meter.wait_end()
+                micro += 1
+                last_micro = micro % cfg.accum == 0
+                # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
+                sync = contextlib.nullcontext() if (self.ddp is None or last_micro) else self.ddp.no_sync()
+                with sync:
+                    with self._autocast():
+                        out = model(x)
+                        loss = self.loss_fn(out, y)
+                    self.scaler.scale(loss / cfg.accum).backward()
+                meter.add(loss.detach(), out.detach(), y)
+                if last_micro:
+                    self._optimizer_step()
+                    stop = self._after_step(meter, start, bar, profiler)
+                    if stop:
+                        break
+            if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
+                self._optimizer_step()
+            if meter.has_data():
+                self._log_interval(meter, bar)  # the epoch's last, partial interval
+            if stop is None:
+                self.epoch += 1
+                if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
+                    stop = self._validate_and_check()
+                self.save_checkpoint()
+        if stop in ("max_steps", "max_time", "early_stop"):
+            self.save_checkpoint()
+        self._stop_profiler(profiler)
+        if bar is not None:
+            bar.close()
+        summary = {"event": "end", "reason": stop or "epochs", "epoch": self.epoch, "step": self.step,
+                   "time_s": time.monotonic() - start,
+                   "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
+        self._log(summary)
+        if self.dist.main and cfg.progress:
+            print(f"stopped ({summary['reason']}) after {self.step} steps in {summary['time_s']:.1f} s; "
+                  f"data stall {summary['data_stall_pct']:.1f}%")
+        return self.history
+
+    def _optimizer_step(self) -> None:
+        cfg = self.cfg
+        if cfg.clip is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # frees gradient memory instead of writing zeros
+        self.scheduler.step()
+        self.step += 1
+
+    def _after_step(self, meter: "_Meter", start: float, bar: Any, profiler: Any) -> Optional[str]:
+        cfg = self.cfg
+        if profiler is not None:
+            profiler.step()
+            if self.step == cfg.profile_steps:
+                self._stop_profiler(profiler)
+        if self.step % cfg.log_every == 0:
+            self._log_interval(meter, bar)
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
+            if self._validate_and_check():
+                return "early_stop"
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return "max_steps"
+        if cfg.max_time and time.monotonic() - start >= cfg.max_time:
+            return "max_time"
+        return None
+
+    def _log_interval(self, meter: "_Meter", bar: Any) -> None:
+        loss_sum, correct, count = self._reduce(meter.loss_sum, meter.correct, meter.count)
+        waited, total = meter.wait_and_total()
+        self._waited, self._busy = self._waited + waited, self._busy + total
+        stall = 100 * waited / max(total, 1e-9)
+        rate = count / max(1e-9, meter.elapsed()) / self.dist.world_size
+        record = {"event": "train", "epoch": self.epoch, "step": self.step, "loss": loss_sum / max(1, count),
+                  "accuracy": correct / max(1, count), "lr": self.scheduler.get_last_lr()[0],
+                  "samples_per_s": rate * self.dist.world_size, "data_stall_pct": stall}
+        self._log(record)
+        if bar is not None:
+            bar.update(self.step - bar.n)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['samples_per_s']:.0f}", stall=f"{stall:.1f}%")
+        meter.reset()
+
+    # -- validation and early stopping ----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, loader: Any = None) -> dict[str, float]:
+        """Loss and accuracy over ``loader`` (the validation loader), summed over every rank's shard."""
+        loader = loader if loader is not None else self.val_loader
+        self.forward.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        for batch in loader:
+            x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
+            with self._autocast():
+                out = self.forward(x)
+                loss = self.loss_fn(out, y)
+            n = y.numel()
+            loss_sum += loss.double() * n
+            correct += (out.argmax(-1) == y).sum()
+            count += n
+        self.forward.train()
+        loss_sum_, correct_, count_ = self._reduce(loss_sum, correct, count)
+        return {"val_loss": loss_sum_ / max(1, count_), "val_accuracy": correct_ / max(1, count_)}
+
+    def _validate_and_check(self) -> Optional[str]:
+        metrics = self.evaluate()
+        self._log({"event": "val", "epoch": self.epoch, "step": self.step, **metrics})
+        if self.dist.main and self.cfg.progress:
+            print(f"epoch {self.epoch} step {self.step}: val loss {metrics['val_loss']:.4f}, "
+                  f"accuracy {100 * metrics['val_accuracy']:.1f}%")
+        if self.best is None or self.best - metrics["val_loss"] > self.cfg.early_stop_min_delta:
+            self.best, self.bad_evals = metrics["val_loss"], 0
+            return None
+        self.bad_evals += 1
+        if self.cfg.early_stop_patience and self.bad_evals >= self.cfg.early_stop_patience:
+            return "early_stop"
+        return None
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _checkpoint_path(self) -> Optional[Path]:
+        return Path(self.cfg.checkpoint_dir) / "checkpoint.pt" if self.cfg.checkpoint_dir else None
+
+    def save_checkpoint(self) -> None:
+        """Everything needed to continue exactly here, written atomically by rank 0. No pickled code:
+        it loads with ``torch.load(weights_only=True)``."""
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
+        if self.dist.main:
+            np_state = np.random.get_state()
+            state = {
+                "model": self.model.state_dict(), "model_class": type(self.model).__name__,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
+                "best": self.best, "bad_evals": self.bad_evals, "config": asdict(self.cfg),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            }
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+        if self.dist.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self) -> bool:
+        """Continue from ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
+        path = self._checkpoint_path()
+        if path is None:
+            raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
+        if not path.is_file():
+            return False
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
+            raise FormatError(f"cannot read checkpoint {path}: {exc}") from exc
+        if state.get("model_class") != type(self.model).__name__:
+            raise FormatError(f"checkpoint {path} holds a {state.get('model_class')}, not a {type(self.model).__name__}: "
+                              "resume with the same --model, or use another --checkpoint folder")
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else str(exc)
+            raise FormatError(f"checkpoint {path} does not fit this model ({first}): resume with the same model "
+                              "and dataset, or use another --checkpoint folder") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
+            self.train_loader.load_state_dict(state["loader"])
+        self.epoch, self.step, self.best, self.bad_evals = state["epoch"], state["step"], state["best"], state["bad_evals"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        random.setstate(rng["python"])
+        name, keys, *rest = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+        if self.dist.main and self.cfg.progress:
+            print(f"resumed from {path}: epoch {self.epoch}, step {self.step}")
+        return True
+
+    # -- progress bar and profiler --------------------------------------------------------------------
+    def _progress(self) -> Any:
+        if not (self.cfg.progress and self.dist.main):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _start_profiler(self) -> Any:
+        if not self.cfg.profile_steps:
+            return None
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=acts)
+        prof.__enter__()
+        prof.fastdata_wait0 = self._waited  # type: ignore[attr-defined]
+        prof.fastdata_t0 = time.perf_counter()  # type: ignore[attr-defined]
+        return prof
+
+    def _stop_profiler(self, prof: Any) -> None:
+        if prof is None or getattr(prof, "fastdata_done", False):
+            return
+        prof.__exit__(None, None, None)
+        prof.fastdata_done = True
+        wall = time.perf_counter() - prof.fastdata_t0
+        waited = self._waited - prof.fastdata_wait0
+        if self.dist.main:
+            out = Path(self.cfg.checkpoint_dir or ".") / "trace.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out))
+            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=10))
+            print(f"profiled {self.cfg.profile_steps} steps: trace in {out}; waiting for data "
+                  f"{100 * waited / max(wall, 1e-9):.1f}% of the time")
+
+
+class _Meter:
+    """Per-interval sums kept on the device (no sync per step) and data-wait timing.
+
+    On a GPU the wait is measured with CUDA events on the current stream: from the end of the previous
+    step's work to the point where the batch is usable, which includes the device idling while the host
+    waits for the loader. On the CPU it is wall time around ``next()``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        z = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
+        self.loss_sum, self.correct, self.count = z(), z(), z()
+        self.t0 = time.perf_counter()
+        self._steps = 0
+        self.waited = 0.0
+        self.events: list[tuple[Any, Any]] = []
+        if self.cuda:
+            self.first = torch.cuda.Event(enable_timing=True)
+            self.first.record()
+
+    def wait_begin(self) -> None:
+        if self.cuda:
+            self._e0 = torch.cuda.Event(enable_timing=True)
+            self._e0.record()
+        else:
+            self._t = time.perf_counter()
+
+    def wait_end(self) -> None:
+        if self.cuda:
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record()
+            self.events.append((self._e0, e1))
+        else:
+            self.waited += time.perf_counter() - self._t
+
+    def add(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> None:
+        self._steps += 1
+        n = y.numel()
+        self.loss_sum += loss.double() * n
+        if out.ndim == y.ndim + 1:
+            self.correct += (out.argmax(-1) == y).sum()
+        self.count += n
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def has_data(self) -> bool:
+        return self._steps > 0
+
+    def wait_and_total(self) -> tuple[float, float]:
+        """(seconds waiting for data, seconds in this interval); on a GPU, syncs on the last event once."""
+        total = self.elapsed()
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+            self.waited = sum(a.elapsed_time(b) for a, b in self.events) / 1000
+            total = self.first.elapsed_time(self.events[-1][1]) / 1000 or total
+        return self.waited, total
