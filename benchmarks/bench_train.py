@@ -1,0 +1,126 @@
+"""One epoch of the same model on the same images: the plain PyTorch recipe vs fastdata, same run.
+
+(a) what a user writes today: a Dataset that opens each JPEG with Pillow, resizes, crops, makes a float
+tensor and normalises it; DataLoader(num_workers=all cores, pin_memory on CUDA); ``.to(device)`` per step.
+(b) fastdata: the preprocessed uint8 shards -> FastLoader -> CUDAPrefetcher (normalise + flip on the device)
+-> Trainer (the `fastdata train` loop). Same model (cnn-small), init, batch size, optimiser and lr.
+Prints both epoch times, the speed-up and each data-stall % (time waiting for the next batch / epoch time).
+Preprocessing is a one-off cost, reported on its own line.
+
+    python benchmarks/bench_train.py [--images 2048] [--size 64] [--batch-size 64] [--device auto]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import fastdata
+from fastdata.models import create_model
+from fastdata.pipeline import ImagePipeline, build
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
+from fastdata.synthetic import make_image_folder
+from fastdata.train import TrainConfig, Trainer, init_distributed
+
+MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+
+
+class PlainFolder(torch.utils.data.Dataset):
+    def __init__(self, files: list[Path], labels: list[int], size: int) -> None:
+        self.files, self.labels, self.size = files, labels, size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        img = Image.open(self.files[i]).convert("RGB")
+        w, h = img.size
+        s = self.size / min(w, h)
+        img = img.resize((max(self.size, round(w * s)), max(self.size, round(h * s))), Image.Resampling.BILINEAR)
+        left, top = (img.width - self.size) // 2, (img.height - self.size) // 2
+        x = torch.from_numpy(np.asarray(img.crop((left, top, left + self.size, top + self.size))).copy())
+        x = x.permute(2, 0, 1).float() / 255
+        if torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return (x - MEAN) / STD, self.labels[i]
+
+
+def plain_epoch(files, labels, size, batch, device, lr, classes) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = create_model("cnn-small", num_classes=classes).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = torch.utils.data.DataLoader(PlainFolder(files, labels, size), batch, shuffle=True,
+                                         num_workers=os.cpu_count() or 1, pin_memory=device.type == "cuda")
+    waited, t0 = 0.0, time.perf_counter()
+    it = iter(loader)
+    while True:
+        t = time.perf_counter()
+        batch_ = next(it, None)
+        if batch_ is None:
+            break
+        x, y = batch_[0].to(device), batch_[1].to(device)
+        waited += time.perf_counter() - t
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    return total, 100 * waited / total
+
+
+def fastdata_epoch(data: Path, batch: int, device: torch.device, lr: float) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model, train, _ = build(ImagePipeline(data=data, model="cnn-small", batch_size=batch, storage="ram",
+                                          augment="flip"), device)
+    trainer = Trainer(model, train, config=TrainConfig(epochs=1, lr=lr, momentum=0.9, weight_decay=0.0,
+                                                       schedule="constant", device=device.type, progress=False,
+                                                       log_every=10))
+    t0 = time.perf_counter()
+    history = trainer.fit()
+    return time.perf_counter() - t0, history[-1]["data_stall_pct"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=2048)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    device = init_distributed(args.device).device
+    scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-train-"))
+    try:
+        classes = 8
+        files = make_image_folder(scratch / "jpeg", num_classes=classes, per_class=args.images // classes,
+                                  sizes=((500, 375), (375, 500)))
+        labels = [i // (args.images // classes) for i in range(len(files))]
+        t = time.perf_counter()
+        preprocess_images(ImagePreprocessConfig(src=scratch / "jpeg", out=scratch / "ds", size=args.size,
+                                                progress=False))
+        t_pre = time.perf_counter() - t
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "none"
+        print(f"fastdata {fastdata.__version__}, torch {torch.__version__}, {os.cpu_count()} cores, GPU {gpu}, "
+              f"device {device}, {len(files)} JPEGs 500x375 -> {args.size}px, cnn-small, batch {args.batch_size}")
+        print(f"one-off preprocessing: {t_pre:.1f} s ({len(files) / t_pre:.0f} images/s)")
+        a_time, a_stall = plain_epoch(files, labels, args.size, args.batch_size, device, 0.05, classes)
+        b_time, b_stall = fastdata_epoch(scratch / "ds", args.batch_size, device, 0.05)
+        print(f"(a) DataLoader + Pillow + float tensors: epoch {a_time:.2f} s, data stall {a_stall:.1f}%")
+        print(f"(b) fastdata (FastLoader + CUDAPrefetcher + Trainer): epoch {b_time:.2f} s, data stall {b_stall:.1f}%")
+        print(f"speed-up {a_time / b_time:.2f}x per epoch; including the one-off preprocessing "
+              f"{a_time / (b_time + t_pre):.2f}x for one epoch, {5 * a_time / (5 * b_time + t_pre):.2f}x for five")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

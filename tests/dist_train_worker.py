@@ -1,0 +1,22 @@
+"""Run by test_train.py (under torchrun, or alone): train a BN-free MLP for a few steps, save rank 0's weights.
+
+argv: DATASET OUT.pt BATCH ACCUM STEPS
+"""
+import sys
+
+import torch
+
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+from fastdata.prefetch import CUDAPrefetcher
+from fastdata.train import TrainConfig, Trainer, init_distributed
+
+data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+info = init_distributed("cpu")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+loader = CUDAPrefetcher(FastLoader(FastDataset(data), batch, seed=3), device="cpu")
+cfg = TrainConfig(epochs=5, max_steps=steps, lr=0.2, accum=accum, device="cpu", progress=False, schedule="constant")
+Trainer(model, loader, config=cfg).fit()
+if info.rank == 0:
+    torch.save(model.state_dict(), out)

@@ -1,0 +1,196 @@
+"""The training loop with real processes: DDP equivalence, accumulation, kill + resume, stops, checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdata.cli import main
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+from fastdata.models import create_model
+from fastdata.prefetch import CUDAPrefetcher
+from fastdata.train import TrainConfig, Trainer, parse_duration
+
+WORKER = Path(__file__).parent / "dist_train_worker.py"
+
+
+def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps: int = 5) -> dict:
+    out = tmp_path / f"w{nproc}-b{batch}-a{accum}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
+           str(data), str(out), str(batch), str(accum), str(steps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_at_half_batch_equal_one_rank_at_full_batch(indexed_datasets, tmp_path):
+    one = worker(tmp_path, indexed_datasets["npy"], 1, 16, 1)
+    two = worker(tmp_path, indexed_datasets["npy"], 2, 8, 1)
+    start = worker(tmp_path, indexed_datasets["npy"], 1, 16, 1, steps=1)
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-6), k
+    assert not torch.allclose(one["1.weight"], start["1.weight"])  # the runs really moved the weights
+
+
+@pytest.mark.slow
+def test_accumulation_equals_one_big_step(indexed_datasets, tmp_path):
+    big = worker(tmp_path, indexed_datasets["npy"], 1, 16, 1)
+    accumulated = worker(tmp_path, indexed_datasets["npy"], 1, 4, 4)
+    for k in big:
+        assert torch.allclose(big[k], accumulated[k], atol=1e-6), k
+
+
+@pytest.fixture(scope="module")
+def small_images(tmp_path_factory) -> Path:
+    from fastdata.synthetic import make_image_folder
+
+    base = tmp_path_factory.mktemp("train")
+    make_image_folder(base / "src", num_classes=3, per_class=16, sizes=((48, 40),))
+    assert main(["preprocess", "images", str(base / "src"), str(base / "ds"), "--size", "32", "--workers", "1",
+                 "--quiet"]) == 0
+    return base / "ds"
+
+
+def train_args(data: Path, *extra: str) -> list[str]:
+    return ["train", str(data), "--model", "cnn-small", "--batch-size", "8", "--lr", "0.05", "--device", "cpu",
+            "--quiet", *extra]
+
+
+def load_ckpt(folder: Path) -> dict:
+    return torch.load(folder / "checkpoint.pt", weights_only=True)  # no pickled code: loads weights-only
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights(small_images, tmp_path):
+    common = ["--epochs", "100", "--max-steps", "40", "--checkpoint-every", "2", "--augment", "crop-flip",
+              "--model", "resnet18"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert main(train_args(small_images, *common, "--checkpoint", str(ref))) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "fastdata", *train_args(small_images, *common, "--checkpoint",
+                                                                           str(run))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    step, deadline = 0, time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            step = load_ckpt(run)["step"]
+        except Exception:  # noqa: BLE001 - not written yet
+            step = 0
+        if step >= 8:
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = load_ckpt(run)["step"]
+    assert 8 <= killed_at < 40, "the run finished before it could be killed"
+    assert load_ckpt(run)["loader"]["position"] > 0 or killed_at % 6 == 0  # mid-epoch (6 steps an epoch)
+    assert main(train_args(small_images, *common, "--checkpoint", str(run), "--resume")) == 0
+    a, b = load_ckpt(ref), load_ckpt(run)
+    assert a["step"] == b["step"] == 40
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_stops_at_max_steps_and_checkpoint_is_complete(small_images, tmp_path):
+    assert main(train_args(small_images, "--max-steps", "7", "--epochs", "50", "--checkpoint", str(tmp_path))) == 0
+    ck = load_ckpt(tmp_path)
+    assert ck["step"] == 7 and ck["epoch"] == 1  # 6 steps an epoch (48 images / 8)
+    assert set(ck) >= {"model", "optimizer", "scheduler", "scaler", "loader", "rng", "epoch", "step", "config"}
+    assert ck["loader"]["position"] == 8 and ck["loader"]["epoch"] == 1
+
+
+def test_stops_at_max_time(small_images, tmp_path):
+    t = time.monotonic()
+    log = tmp_path / "log.jsonl"
+    assert main(train_args(small_images, "--max-time", "1.5", "--epochs", "100000", "--checkpoint", str(tmp_path),
+                           "--log-file", str(log))) == 0
+    assert time.monotonic() - t < 30
+    end = json.loads(log.read_text().splitlines()[-1])
+    assert end["reason"] == "max_time" and 1.5 <= end["time_s"] < 10 and load_ckpt(tmp_path)["step"] == end["step"]
+
+
+def test_early_stopping_on_validation_loss(small_images, tmp_path):
+    log = tmp_path / "log.jsonl"
+    assert main(train_args(small_images, "--val-fraction", "0.25", "--epochs", "20", "--early-stop-patience", "2",
+                           "--early-stop-min-delta", "10", "--log-file", str(log))) == 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    vals = [e for e in events if e["event"] == "val"]
+    assert len(vals) == 3 and events[-1]["reason"] == "early_stop" and events[-1]["epoch"] == 3
+
+
+def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
+    log = tmp_path / "log.jsonl"
+    assert main(train_args(small_images, "--amp", "bf16", "--epochs", "2", "--log-every", "2",
+                           "--log-file", str(log))) == 0
+    train = [json.loads(line) for line in log.read_text().splitlines() if '"train"' in line]
+    assert train and all(0 < r["loss"] < 10 and 0 <= r["data_stall_pct"] <= 100 for r in train)
+    assert {"samples_per_s", "lr", "accuracy", "step"} <= set(train[0])
+
+
+def test_learning_rate_schedules_and_weight_decay_groups():
+    from fastdata.train import lr_lambda, param_groups
+
+    cos = lr_lambda(TrainConfig(warmup_steps=10), 110)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(60) == pytest.approx(0.5)
+    assert cos(110) == pytest.approx(0.0, abs=1e-9)
+    one = lr_lambda(TrainConfig(schedule="onecycle"), 100)
+    assert one(0) < 0.1 and one(30) == pytest.approx(1.0) and one(100) == pytest.approx(0.0, abs=1e-9)
+    groups = param_groups(create_model("cnn-small", num_classes=3), 0.1)
+    assert all(p.ndim > 1 for p in groups[0]["params"]) and all(p.ndim <= 1 for p in groups[1]["params"])
+    assert groups[1]["weight_decay"] == 0.0
+    assert parse_duration("00:12:00:00") == 12 * 3600 and parse_duration("1:30") == 90
+
+
+def test_clipping_and_accumulation_in_python(small_images):
+    torch.manual_seed(0)
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader,
+                config=TrainConfig(max_steps=3, accum=2, clip=0.5, progress=False, device="cpu"))
+    t.fit()
+    assert t.step == 3 and all(p.grad is None for p in t.model.parameters())  # zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "/nonexistent/data"], "not a folder"),
+    (None, "unknown model 'vgg99'"),
+    (None, "--amp fp16 needs a CUDA device"),
+])
+def test_bad_input_is_one_clear_line(small_images, args, needle):
+    if args is None:
+        args = train_args(small_images, "--model", "vgg99") if "vgg" in needle else \
+            train_args(small_images, "--amp", "fp16")
+    r = subprocess.run([sys.executable, "-m", "fastdata", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
+    assert main(train_args(small_images, "--max-steps", "1", "--checkpoint", str(tmp_path))) == 0
+    r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--model", "resnet18",
+                                                                      "--checkpoint", str(tmp_path), "--resume")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "holds a SmallCNN, not a ResNet" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.cuda
+def test_fp16_gradscaler_channels_last_and_stall_on_gpu(small_images, tmp_path):
+    log = tmp_path / "log.jsonl"
+    assert main(["train", str(small_images), "--model", "resnet18", "--batch-size", "8", "--amp", "fp16",
+                 "--epochs", "2", "--log-every", "2", "--log-file", str(log), "--device", "cuda", "--quiet"]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(0 <= r["data_stall_pct"] <= 100 for r in records if r["event"] == "train")
+    model = create_model("resnet18", num_classes=3)
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cuda")
+    t = Trainer(model, loader, config=TrainConfig(max_steps=2, amp="fp16", progress=False, device="cuda"))
+    t.fit()
+    assert next(t.model.parameters()).is_cuda
+    assert t.model.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
