@@ -194,3 +194,11 @@ def test_fp16_gradscaler_channels_last_and_stall_on_gpu(small_images, tmp_path):
     assert next(t.model.parameters()).is_cuda
     assert t.model.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
+
+
+def test_profile_writes_a_trace_and_reports_the_data_wait(small_images, tmp_path, capsys):
+    assert main(["train", str(small_images), "--model", "cnn-small", "--batch-size", "8", "--device", "cpu",
+                 "--max-steps", "4", "--profile", "3", "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "trace.json").stat().st_size > 1000
+    assert "aten::" in out and "profiled 3 steps" in out and "waiting for data" in out
