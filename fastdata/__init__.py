@@ -36,10 +36,15 @@ _EXPORTS = {
     "RandomHorizontalFlip": "fastdata.gpu_transforms",
     "RandomResizedCrop": "fastdata.gpu_transforms",
     "SourceError": "fastdata.errors",
+    "TextPreprocessConfig": "fastdata.preprocess.text",
+    "TokenDataset": "fastdata.tokens",
+    "TrainConfig": "fastdata.train",
+    "Trainer": "fastdata.train",
     "VersionError": "fastdata.errors",
     "describe": "fastdata.manifest",
     "load_manifest": "fastdata.manifest",
     "preprocess_images": "fastdata.preprocess.images",
+    "preprocess_text": "fastdata.preprocess.text",
     "verify": "fastdata.manifest",
 }
 __all__ = sorted(_EXPORTS)

@@ -26,6 +26,17 @@ def _preprocess_images(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preprocess_text(args: argparse.Namespace) -> int:
+    from .preprocess.text import TextPreprocessConfig, preprocess_text, summary
+
+    config = TextPreprocessConfig(src=args.src, out=args.out, tokenizer=args.tokenizer, field=args.field,
+                                  val_fraction=args.val_fraction, workers=args.workers, on_error=args.on_error,
+                                  shard_tokens=args.shard_tokens, seed=args.seed, overwrite=args.overwrite,
+                                  progress=not args.quiet)
+    print(summary(preprocess_text(config)), file=sys.stderr)
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from .manifest import load_manifest, total_bytes, verify
     from .progress import progress_bar
@@ -54,13 +65,21 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"path:      {info['path']}")
     print(f"format:    {info['format']} (version {info['format_version']}, fastdata {info['fastdata_version']})")
-    print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"] else ""))
+    if info.get("num_samples") is not None:
+        print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"]
+                                                     else ""))
     for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
         if key in info:
             print(f"{key + ':':<13} {info[key]}")
     print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
     print(f"params:    {json.dumps(info['params'])}")
-    print(f"source:    {info['source']['kind']} {info['source']['path']}")
+    print(f"source:    {info['source'].get('kind', 'text')} {info['source']['path']}")
+    if "splits" in info:
+        t = info["tokenizer"]
+        print(f"tokenizer: {t['spec']} ({t['kind']}, vocab {t['vocab_size']}, end-of-document id {t['eos_id']})")
+        for name, sp in info["splits"].items():
+            print(f"{name + ':':<10} {sp['tokens']:,} tokens, {sp['documents']:,} documents, {sp['shards']} shards")
+        print(f"bytes/token: {info['bytes_per_token']:.2f}")
     if "classes" in info:
         print(f"classes:   {len(info['classes'])}")
         for name, count in info["classes"].items():
@@ -94,7 +113,8 @@ def _shm(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from .pipeline import ImagePipeline, build
+    from .manifest import TOKENS, load_manifest
+    from .pipeline import ImagePipeline, build, build_lm
     from .train import TrainConfig, Trainer, init_distributed, parse_duration
 
     cfg = TrainConfig(
@@ -111,10 +131,14 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.amp == "fp16" and info.device.type != "cuda":
         raise ConfigError("--amp fp16 needs a CUDA device (GradScaler); use --amp bf16 or none on the CPU")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
-    pipe = ImagePipeline(data=args.data, model=args.model, batch_size=args.batch_size, val=args.val,
-                         val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
-                         augment=args.augment, crop=args.crop, seed=args.seed)
-    model, train, val = build(pipe, info.device)
+    if load_manifest(args.data)["format"] == TOKENS:
+        model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
+                                     args.threads, args.seed, info.device)
+    else:
+        pipe = ImagePipeline(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
+                             val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
+                             augment=args.augment, crop=args.crop, seed=args.seed)
+        model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
     return 0
 
@@ -150,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     img.set_defaults(func=_preprocess_images)
 
+    txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) -> uint16/uint32 token shards")
+    txt.add_argument("src", type=Path, help="a .txt/.jsonl file (optionally .gz) or a folder of them")
+    txt.add_argument("out", type=Path, help="output dataset folder")
+    txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
+    txt.add_argument("--field", default="text", help="jsonl: the field holding the document")
+    txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
+    txt.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    txt.add_argument("--on-error", choices=("skip", "fail"), default="skip")
+    txt.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 64 Mi)")
+    txt.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    txt.add_argument("--overwrite", action="store_true")
+    txt.add_argument("--quiet", action="store_true")
+    txt.set_defaults(func=_preprocess_text)
+
     ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
     ver.add_argument("path", type=Path)
     ver.add_argument("--quiet", action="store_true")
@@ -170,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("data", type=Path, help="dataset folder made by `fastdata preprocess`")
     tr.add_argument("--val", type=Path, default=None, help="validation dataset folder")
     tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
-    tr.add_argument("--model", default="resnet18", help="cnn-small, resnet18, resnet50")
+    tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
+                                                  "gpt-tiny (default for tokens)")
+    tr.add_argument("--seq-len", type=int, default=256, help="tokens: window length")
     tr.add_argument("--epochs", type=int, default=10)
     tr.add_argument("--batch-size", type=int, default=256, help="per process")
     tr.add_argument("--lr", type=float, default=0.1)

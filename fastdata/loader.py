@@ -123,14 +123,17 @@ class FastLoader:
                           for _ in range(self.slots)]
         return self._ring
 
-    def _fill(self, slot: int, idx: np.ndarray) -> int:
+    def _fill(self, slot: int, idx: np.ndarray) -> Batch:
         x_buf, y_buf = self._ring[slot]
-        _, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
-        y_buf[: len(idx)].copy_(y)
-        return len(idx)
+        n = len(idx)
+        x, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
+        if y.untyped_storage().data_ptr() == x_buf.untyped_storage().data_ptr():
+            return x, y  # targets are a view of the sample buffer (token windows: y = window[:, 1:])
+        y_buf[:n].copy_(y)
+        return x, y_buf[:n]
 
     def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
-        ring = self._ensure_ring()
+        self._ensure_ring()
         batches = self.sampler.batches()
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
@@ -168,10 +171,9 @@ class FastLoader:
             top_up()
             while pending:
                 slot, fut = pending.popleft()
-                n = fut.result()  # re-raises a worker's error here, in the consumer's thread
+                x, y = fut.result()  # re-raises a worker's error here, in the consumer's thread
                 self.sampler.advance()
-                x_buf, y_buf = ring[slot]
-                yield x_buf[:n], y_buf[:n], releaser(slot)
+                yield x, y, releaser(slot)
                 top_up()
                 if not pending and not exhausted:
                     raise FastdataError(f"all {self.slots} FastLoader buffers are held by the consumer: call "

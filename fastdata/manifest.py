@@ -16,8 +16,9 @@ MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
 IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
+TOKENS = "fastdata.tokens"
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1}
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1, TOKENS: 1}
 
 
 def fastdata_version() -> str:
@@ -101,11 +102,18 @@ def describe(root: Path | str) -> dict[str, Any]:
     out = {k: m.get(k) for k in ("format", "format_version", "fastdata_version", "num_samples", "params", "source")}
     if "classes" in m:
         out["classes"] = dict(zip(m["classes"], m.get("class_counts", [])))
+    if m["format"] == TOKENS:
+        out["tokenizer"] = m["tokenizer"]
+        out["dtype"] = m["dtype"]
+        out["splits"] = {k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["shards"])}
+                         for k, v in m["splits"].items()}
+        out["bytes_per_token"] = m["bytes_per_token"]
+        out["skipped"] = m.get("skipped_count", 0)
     for k in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
         if k in m:
             out[k] = m[k]
     out["files"] = len(m["files"])
     out["bytes"] = total_bytes(m)
-    out["skipped"] = len(m.get("skipped", []))
+    out.setdefault("skipped", len(m.get("skipped", [])))
     out["path"] = str(root)
     return out

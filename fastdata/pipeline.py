@@ -76,3 +76,21 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
                              transforms=eval_tf)
     model = create_model(p.model, num_classes=len(ds.classes))
     return model, train, val
+
+
+def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, storage: str, threads: Optional[int],
+             seed: int, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """A language-model run on a token folder: gpt-tiny over train windows, validated on the val split."""
+    from .tokens import TokenDataset
+
+    if (model or "gpt-tiny") != "gpt-tiny":
+        raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
+    train_ds = TokenDataset(data, "train", seq_len, storage=storage)
+    train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads),
+                           device=device)
+    val = None
+    val_tokens = train_ds.manifest["splits"]["val"]["tokens"]
+    if val_tokens >= seq_len + 1:
+        val = CUDAPrefetcher(FastLoader(TokenDataset(data, "val", seq_len, storage=storage), batch_size, shuffle=False,
+                                        num_threads=threads), device=device)
+    return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val

@@ -27,23 +27,23 @@ def shm_dir(override: Optional[Path | str] = None) -> Path:
     return Path(override or os.environ.get("FASTDATA_SHM_DIR", "/dev/shm"))
 
 
-def copy_id(manifest: dict[str, Any]) -> str:
-    """16 hex digits naming the dataset's bytes (hash of its files' checksums)."""
-    h = hashlib.sha256()
+def copy_id(manifest: dict[str, Any], key: str = "") -> str:
+    """16 hex digits naming the dataset's bytes (hash of its files' checksums; ``key`` names a part of it)."""
+    h = hashlib.sha256(key.encode())
     for f in manifest["files"]:
         h.update(f"{f['path']}:{f[HASH_NAME]}\n".encode())
     return h.hexdigest()[:16]
 
 
 def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, int]], header: bytes,
-                directory: Optional[Path] = None) -> Path:
+                directory: Optional[Path] = None, key: str = "") -> Path:
     """Return the path of the node's copy, making it first if no process has yet.
 
     ``payload`` lists ``(manifest file path, bytes to skip at its start)``: the bodies are concatenated
     after ``header`` (an ``.npy`` header for the whole array), so the copy is itself a plain ``.npy``.
     """
     d = shm_dir(directory)
-    cid = copy_id(manifest)
+    cid = copy_id(manifest, key)
     target = d / f"{PREFIX}{cid}.npy"
     if target.exists():
         return target

@@ -340,6 +340,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
+        language_model = False
         for batch in loader:
             x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
             with self._autocast():
@@ -349,16 +350,21 @@ class Trainer:
             loss_sum += loss.double() * n
             correct += (out.argmax(-1) == y).sum()
             count += n
+            language_model = out.ndim == 3
         self.forward.train()
         loss_sum_, correct_, count_ = self._reduce(loss_sum, correct, count)
-        return {"val_loss": loss_sum_ / max(1, count_), "val_accuracy": correct_ / max(1, count_)}
+        metrics = {"val_loss": loss_sum_ / max(1, count_), "val_accuracy": correct_ / max(1, count_)}
+        if count_ and language_model:
+            metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
+        return metrics
 
     def _validate_and_check(self) -> Optional[str]:
         metrics = self.evaluate()
         self._log({"event": "val", "epoch": self.epoch, "step": self.step, **metrics})
         if self.dist.main and self.cfg.progress:
+            ppl = f", perplexity {metrics['val_perplexity']:.2f}" if "val_perplexity" in metrics else ""
             print(f"epoch {self.epoch} step {self.step}: val loss {metrics['val_loss']:.4f}, "
-                  f"accuracy {100 * metrics['val_accuracy']:.1f}%")
+                  f"accuracy {100 * metrics['val_accuracy']:.1f}%{ppl}")
         if self.best is None or self.best - metrics["val_loss"] > self.cfg.early_stop_min_delta:
             self.best, self.bad_evals = metrics["val_loss"], 0
             return None

@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -18,10 +16,10 @@ from typing import Any, Optional
 import numpy as np
 
 from .._io import disk_error, fsync_dir
-from ..errors import ConfigError, ImageDecodeError, OutputError
+from ..errors import ConfigError, ImageDecodeError
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
-from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, PARTIAL_DIR, new_manifest, write_manifest
+from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from . import decode, journal
 from .parallel import default_workers, ordered_map
 from .sources import Source, discover
@@ -31,11 +29,6 @@ log = logging.getLogger(__name__)
 FORMATS = ("npy", "lmdb")
 ON_ERROR = ("skip", "fail")
 _MAX_CHUNK = 16  # files per worker task: ~3 MB of 256px pixels; small chunks keep the tail short
-# What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
-_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images\.lmdb|labels\.npy|"
-                    + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
-
-
 @dataclass(frozen=True)
 class ImagePreprocessConfig:
     """Everything ``fastdata preprocess images`` takes; validated on construction."""
@@ -86,7 +79,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     params = config.output_params()
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     out = config.out
-    done = _prepare_output(out, fingerprint, config.overwrite)
+    done = journal.prepare_output(out, fingerprint, config.overwrite)
     if done is not None:
         log.info("%s is already complete with these arguments", out)
         return done
@@ -104,39 +97,6 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
     _run(config, source, jr, partial)
     return _finish(config, source, jr, partial, params, fingerprint)
-
-
-def _prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
-    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
-    names = [p.name for p in out.iterdir()]
-    if not names:
-        return None
-    foreign = [n for n in names if not _OWNED.match(n)]
-    ours = MANIFEST_NAME in names or PARTIAL_DIR in names
-    if foreign and not ours:
-        raise OutputError(f"output {out} is not empty and is not a fastdata dataset (it holds {foreign[:3]}): "
-                          "choose a new or empty folder")
-    if MANIFEST_NAME in names and not overwrite:
-        if journal.read_fingerprint(out) == fingerprint:
-            return json.loads((out / MANIFEST_NAME).read_text())
-        raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
-                          "pass --overwrite to replace it, or choose another output folder")
-    pending = journal.load(journal.partial_dir(out))
-    if pending is not None and pending.fingerprint != fingerprint and not overwrite:
-        raise OutputError(f"{out} holds an unfinished run with another source or other parameters: rerun that "
-                          "command to finish it, or pass --overwrite to start this one")
-    if overwrite:
-        for name in names:
-            if _OWNED.match(name):
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return None
 
 
 def _chunks(start: int, stop: int, workers: int) -> list[tuple[int, int]]:

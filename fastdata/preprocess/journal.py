@@ -6,15 +6,21 @@ is removed once the manifest is written. A unit is trusted on resume only if its
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .._io import HASH_NAME, hash_file, write_json_atomic
+from ..errors import OutputError
 from ..manifest import MANIFEST_NAME, PARTIAL_DIR
 
 JOURNAL_NAME = "journal.json"
+# What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
+_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images\.lmdb|labels\.npy|"
+                    r"(train|val)-\d{5}\.npy|(train|val)-docs\.npy|"
+                    + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
 
 
 @dataclass
@@ -41,7 +47,7 @@ class Journal:
         """Drop units (and all after them) whose files are missing or changed since they were recorded."""
         for n, unit in enumerate(self.units):
             for f in unit["files"]:
-                base = partial if unit.get("in_partial") else out
+                base = partial if f.get("partial", unit.get("in_partial")) else out
                 p = base / f["path"]
                 if not p.is_file() or p.stat().st_size != f["bytes"] or hash_file(p) != f[HASH_NAME]:
                     del self.units[n:]
@@ -70,3 +76,36 @@ def read_fingerprint(out: Path) -> str | None:
         return json.loads((out / MANIFEST_NAME).read_text()).get("fingerprint")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
+    names = [p.name for p in out.iterdir()]
+    if not names:
+        return None
+    foreign = [n for n in names if not _OWNED.match(n)]
+    ours = MANIFEST_NAME in names or PARTIAL_DIR in names
+    if foreign and not ours:
+        raise OutputError(f"output {out} is not empty and is not a fastdata dataset (it holds {foreign[:3]}): "
+                          "choose a new or empty folder")
+    if MANIFEST_NAME in names and not overwrite:
+        if read_fingerprint(out) == fingerprint:
+            return json.loads((out / MANIFEST_NAME).read_text())
+        raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
+                          "pass --overwrite to replace it, or choose another output folder")
+    pending = load(partial_dir(out))
+    if pending is not None and pending.fingerprint != fingerprint and not overwrite:
+        raise OutputError(f"{out} holds an unfinished run with another source or other parameters: rerun that "
+                          "command to finish it, or pass --overwrite to start this one")
+    if overwrite:
+        for name in names:
+            if _OWNED.match(name):
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return None

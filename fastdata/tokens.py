@@ -1,0 +1,173 @@
+"""TokenDataset: windows of ``seq_len + 1`` tokens sliced straight from the memory-mapped token stream.
+
+``ds[i]`` gives int64 ``(x, y)`` with ``y`` = ``x`` shifted by one token. ``get_batch`` (used by FastLoader)
+keeps the stored uint16/uint32 dtype, so a batch crosses PCIe at 2 bytes a token and CUDAPrefetcher casts
+it to int64 on the GPU; its ``x`` and ``y`` are two views of one ``(B, seq_len + 1)`` window buffer.
+Window ``i`` starts at ``i * stride`` (default ``stride = seq_len``); with ``random_windows=True`` it
+starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but reproducible and resumable.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from . import shm
+from ._io import HASH_NAME, hash_file, safe_join
+from .dataset import Indices, _available_memory, _checksum_mismatch
+from .errors import ConfigError, FormatError
+from .formats.base import npy_header
+from .manifest import TOKENS, load_manifest
+from .tokenize import Tokenizer, load_tokenizer
+
+_TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
+
+
+def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
+    """Index of the shard holding each global token position (int64 throughout: no 2**31 limit)."""
+    return np.searchsorted(shard_offsets, starts, side="right") - 1
+
+
+def splitmix(seed: int, i: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of (seed, i), vectorised: the random-window offsets."""
+    with np.errstate(over="ignore"):
+        x = np.asarray(i, dtype=np.uint64) + np.uint64(seed & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """A split of a ``fastdata preprocess text`` folder as fixed-length training windows."""
+
+    def __init__(self, path: Union[str, Path], split: str = "train", seq_len: int = 1024, *,
+                 stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
+                 tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
+                 shm_dir: Optional[Union[str, Path]] = None) -> None:
+        self.root = Path(path)
+        self.manifest = load_manifest(self.root, formats=(TOKENS,))
+        if split not in self.manifest["splits"]:
+            raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
+        if storage not in ("mmap", "ram", "shm"):
+            raise ConfigError(f"storage must be 'mmap', 'ram' or 'shm' for tokens, got storage={storage!r}")
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ConfigError(f"seq_len must be a positive integer, got seq_len={seq_len!r}")
+        self.split, self.seq_len, self.storage = split, seq_len, storage
+        self.stride = stride or seq_len
+        self.random_windows, self.seed = random_windows, seed
+        self._shm_dir = shm_dir
+        info = self.manifest["tokenizer"]
+        if tokenizer is not None:
+            tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+            if (tok.kind, tok.vocab_size, tok.eos_id, tok.definition_hash) != (
+                    info["kind"], info["vocab_size"], info["eos_id"], info["definition_sha256"]):
+                raise FormatError(f"{self.root} was tokenised with {info['spec']} ({info['kind']}, vocab "
+                                  f"{info['vocab_size']}), not with {tok.spec}: use the same tokenizer")
+        self.vocab_size, self.eos_id = int(info["vocab_size"]), int(info["eos_id"])
+        self.np_dtype = np.dtype(self.manifest["dtype"])
+        self.sample_dtype = _TORCH_DTYPES[self.np_dtype]
+        self.sample_shape = (seq_len + 1,)
+        self.device = torch.device("cpu")
+        s = self.manifest["splits"][split]
+        self.num_tokens = int(s["tokens"])
+        counts = np.array([sh["tokens"] for sh in s["shards"]], dtype=np.int64)
+        self._shard_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        if self.num_tokens < seq_len + 1:
+            raise ConfigError(f"the {split} split of {self.root} has {self.num_tokens} tokens, fewer than "
+                              f"seq_len + 1 = {seq_len + 1}: use a shorter seq_len or more text")
+        self._verify = verify if verify is not None else storage == "ram"
+        self._open()
+
+    def _open(self) -> None:
+        shards = self.manifest["splits"][self.split]["shards"]
+        files = {f["path"]: f for f in self.manifest["files"]}
+        for sh in shards:
+            p = safe_join(self.root, sh["path"])
+            if not p.is_file() or p.stat().st_size != files[sh["path"]]["bytes"]:
+                raise FormatError(f"{p} is missing or truncated: re-run `fastdata preprocess text`")
+        self._flat: Optional[np.ndarray] = None
+        self._shards: list[np.ndarray] = []
+        if self.storage == "mmap":
+            self._shards = [np.load(safe_join(self.root, sh["path"]), mmap_mode="r", allow_pickle=False) for sh in shards]
+        elif self.storage == "shm":
+            bodies = [(sh["path"], len(npy_header((sh["tokens"],), self.np_dtype))) for sh in shards]
+            header = npy_header((self.num_tokens,), self.np_dtype)
+            path = shm.ensure_copy(self.root, self.manifest, bodies, header, self._shm_dir, key=self.split)
+            self._flat = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            need = self.num_tokens * self.np_dtype.itemsize
+            avail = _available_memory()
+            if avail is not None and need > avail:
+                import warnings
+                warnings.warn(f"storage='ram' loads {need / 2**30:.1f} GiB with {avail / 2**30:.1f} GiB available",
+                              ResourceWarning, stacklevel=3)
+            self._flat = np.concatenate([np.load(safe_join(self.root, sh["path"]), allow_pickle=False) for sh in shards])
+        if self._verify and self.storage != "shm":  # the shm copy is checked once, while it is made
+            for sh in shards:
+                if hash_file(safe_join(self.root, sh["path"])) != files[sh["path"]][HASH_NAME]:
+                    _checksum_mismatch(self.root / sh["path"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    # -- windows --------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return (self.num_tokens - 1 - self.seq_len) // self.stride + 1
+
+    def starts(self, indices: np.ndarray) -> np.ndarray:
+        """Global start position of each window (int64)."""
+        if self.random_windows:
+            span = np.uint64(self.num_tokens - self.seq_len)
+            return (splitmix(self.seed, indices) % span).astype(np.int64)
+        return indices.astype(np.int64) * self.stride
+
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` as two views of one ``(B, seq_len + 1)`` window buffer, in the stored dtype."""
+        idx = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        n = len(self)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"window index out of range for {n} windows (got {idx.min()}..{idx.max()})")
+        length = self.seq_len + 1
+        if out is None:
+            out = torch.empty((len(idx), length), dtype=self.sample_dtype)
+        w = out[: len(idx)]
+        self._gather(self.starts(idx), w.numpy())
+        return w[:, :-1], w[:, 1:]
+
+    def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
+        ar = np.arange(dst.shape[1], dtype=np.int64)
+        if self._flat is not None:  # one fancy-index gather of every window
+            np.take(self._flat, starts[:, None] + ar, out=dst, mode="clip")
+            return
+        first = shard_of(starts, self._shard_offsets)
+        last = shard_of(starts + dst.shape[1] - 1, self._shard_offsets)
+        inside = first == last
+        for s in np.unique(first[inside]):  # one take per shard for windows inside it
+            rows = np.flatnonzero(inside & (first == s))
+            local = starts[rows] - self._shard_offsets[s]
+            dst[rows] = np.take(self._shards[s], local[:, None] + ar, mode="clip")
+        for r in np.flatnonzero(~inside):  # the rare window that straddles a shard boundary
+            pos = starts[r] + ar
+            sh = shard_of(pos, self._shard_offsets)
+            for s in np.unique(sh):
+                m = sh == s
+                dst[r, m] = self._shards[s][pos[m] - self._shard_offsets[s]]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.get_batch([int(i)])
+        return x[0].long(), y[0].long()
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = self.get_batch(indices)
+        return list(zip(x.long().unbind(0), y.long().unbind(0)))
+
+    def __repr__(self) -> str:
+        return (f"TokenDataset({str(self.root)!r}, split={self.split!r}, seq_len={self.seq_len}, windows={len(self)}, "
+                f"tokens={self.num_tokens}, vocab={self.vocab_size})")
