@@ -105,13 +105,19 @@ class TokenDataset(torch.utils.data.Dataset):
                 warnings.warn(f"storage='ram' loads {need / 2**30:.1f} GiB with {avail / 2**30:.1f} GiB available",
                               ResourceWarning, stacklevel=3)
             self._flat = np.concatenate([np.load(safe_join(self.root, sh["path"]), allow_pickle=False) for sh in shards])
+        if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
+            self._flat, self._shards = self._shards[0], []
+        # Window views are made once here: sliding_window_view costs ~15 us, a batch of 64 windows ~10 us.
+        self._flat_windows = self._windows(self._flat) if self._flat is not None else None
+        self._shard_windows = [self._windows(a) for a in self._shards]
         if self._verify and self.storage != "shm":  # the shm copy is checked once, while it is made
             for sh in shards:
                 if hash_file(safe_join(self.root, sh["path"])) != files[sh["path"]][HASH_NAME]:
                     _checksum_mismatch(self.root / sh["path"])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows",
+                                                                     "_shard_windows")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -141,20 +147,27 @@ class TokenDataset(torch.utils.data.Dataset):
         self._gather(self.starts(idx), w.numpy())
         return w[:, :-1], w[:, 1:]
 
+    def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
+        """A (n - L + 1, L) read-only view of every window of ``arr``: no data is copied."""
+        length = self.seq_len + 1
+        return np.lib.stride_tricks.sliding_window_view(arr, length) if len(arr) >= length else None
+
     def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
-        ar = np.arange(dst.shape[1], dtype=np.int64)
-        if self._flat is not None:  # one fancy-index gather of every window
-            np.take(self._flat, starts[:, None] + ar, out=dst, mode="clip")
+        # NOTE: fancy-indexing rows of the sliding-window view copies each window as one contiguous run
+        # (14 GB/s here); an element-wise take of start + arange(L) ran at 1.4 GB/s, and np.take on the
+        # strided view tries to materialise every window.
+        if self._flat_windows is not None:
+            dst[...] = self._flat_windows[starts]
             return
+        length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
-        last = shard_of(starts + dst.shape[1] - 1, self._shard_offsets)
+        last = shard_of(starts + length - 1, self._shard_offsets)
         inside = first == last
-        for s in np.unique(first[inside]):  # one take per shard for windows inside it
+        for s in np.unique(first[inside]):  # one gather per shard for windows inside it
             rows = np.flatnonzero(inside & (first == s))
-            local = starts[rows] - self._shard_offsets[s]
-            dst[rows] = np.take(self._shards[s], local[:, None] + ar, mode="clip")
+            dst[rows] = self._shard_windows[s][starts[rows] - self._shard_offsets[s]]
         for r in np.flatnonzero(~inside):  # the rare window that straddles a shard boundary
-            pos = starts[r] + ar
+            pos = starts[r] + np.arange(length, dtype=np.int64)
             sh = shard_of(pos, self._shard_offsets)
             for s in np.unique(sh):
                 m = sh == s
