@@ -137,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
     else:
         pipe = ImagePipeline(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                              val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
-                             augment=args.augment, crop=args.crop, seed=args.seed)
+                             augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
         model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
     return 0
@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default="mmap")
     tr.add_argument("--threads", type=int, default=None, help="loader threads")
     tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
-    tr.add_argument("--crop", type=int, default=None, help="rrc-flip output side")
+    tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
+    tr.add_argument("--backend", choices=("native", "dali"), default="native",
+                    help="dali: decode an LMDB dataset's JPEGs with NVIDIA DALI (pip install 'fastdata[dali]')")
     tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
     tr.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")

@@ -324,10 +324,16 @@ class DatasetView:
         return self.base[int(self.indices[i])]
 
 
-def split(ds: FastDataset, val_fraction: float, seed: int = 0) -> tuple[DatasetView, DatasetView]:
-    """A deterministic random split by ``seed``: ``(train, val)`` with ``round(len * val_fraction)`` in val."""
+def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A deterministic random split of ``range(n)`` by ``seed``: sorted ``(train, val)`` index arrays."""
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got val_fraction={val_fraction!r}")
-    perm = np.random.default_rng((seed, 0x5E1)).permutation(len(ds))
-    n_val = max(1, round(len(ds) * val_fraction))
-    return DatasetView(ds, np.sort(perm[n_val:])), DatasetView(ds, np.sort(perm[:n_val]))
+    perm = np.random.default_rng((seed, 0x5E1)).permutation(n)
+    n_val = max(1, round(n * val_fraction))
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def split(ds: FastDataset, val_fraction: float, seed: int = 0) -> tuple[DatasetView, DatasetView]:
+    """``(train, val)`` views of ``ds`` (see :func:`split_indices`)."""
+    train, val = split_indices(len(ds), val_fraction, seed)
+    return DatasetView(ds, train), DatasetView(ds, val)

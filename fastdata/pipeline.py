@@ -35,12 +35,15 @@ class ImagePipeline:
     augment: str = "flip"
     crop: Optional[int] = None  # rrc-flip: output side (default 7/8 of the stored side)
     seed: int = 0
+    backend: str = "native"  # "dali": decode an LMDB dataset's JPEGs with NVIDIA DALI
 
     def __post_init__(self) -> None:
         if self.augment not in AUGMENT:
             raise ConfigError(f"augment must be one of {AUGMENT}, got augment={self.augment!r}")
         if self.val is not None and self.val_fraction:
             raise ConfigError("give --val DATA or --val-fraction, not both")
+        if self.backend not in ("native", "dali"):
+            raise ConfigError(f"backend must be 'native' or 'dali', got backend={self.backend!r}")
 
 
 def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Optional[Transform]]:
@@ -57,6 +60,8 @@ def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Option
 
 def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
+    if p.backend == "dali":
+        return build_dali(p, device)
     ds = FastDataset(p.data, storage=p.storage, device=device if p.storage == "cuda" else "cuda")
     train_ds: Any = ds
     val_ds: Any = None
@@ -94,3 +99,24 @@ def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, st
         val = CUDAPrefetcher(FastLoader(TokenDataset(data, "val", seq_len, storage=storage), batch_size, shuffle=False,
                                         num_threads=threads), device=device)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
+
+
+def build_dali(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
+    """The same run with an LMDB dataset decoded by DALI (GPU decode on CUDA): augmentation happens in DALI."""
+    from .dali import DALILoader
+    from .dataset import split_indices
+    from .manifest import IMAGES_LMDB, load_manifest
+
+    m = load_manifest(p.data)
+    if m["format"] != IMAGES_LMDB:
+        raise ConfigError(f"--backend dali reads JPEG LMDB datasets; {p.data} is {m['format']}: preprocess with "
+                          "--format lmdb, or use the native backend")
+    size = p.crop or m["max_short_side"] * 7 // 8
+    train_idx = val_idx = None
+    if p.val_fraction:
+        train_idx, val_idx = split_indices(m["num_samples"], p.val_fraction, p.seed)
+    train = DALILoader(p.data, p.batch_size, size=size, train=True, seed=p.seed, device=device, indices=train_idx)
+    val = None
+    if p.val is not None or val_idx is not None:
+        val = DALILoader(p.val or p.data, p.batch_size, size=size, train=False, device=device, indices=val_idx)
+    return create_model(p.model, num_classes=len(m["classes"])), train, val

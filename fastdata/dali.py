@@ -1,0 +1,167 @@
+"""DALILoader: JPEGs from a fastdata LMDB decoded by NVIDIA DALI (nvJPEG on the GPU with device "mixed").
+
+Import it explicitly (``from fastdata.dali import DALILoader``): fastdata never imports DALI by itself.
+The JPEG bytes enter the pipeline through ``fn.external_source`` in the order of fastdata's own
+:class:`~fastdata.sampler.DistributedBatchSampler`, so DALI serves the same batches as FastLoader (same
+``(seed, epoch)`` order, each batch's samples ascending, exactly once per epoch across ranks, equal batch
+counts, mid-epoch resume); DALI's own reader sharding is not used. Batches come out as CUDAPrefetcher's
+do: ``(B, 3, size, size)`` channels_last, normalised with ``mean``/``std`` in 0-1 units, int64 labels.
+Training: random-resized-crop (area 8-100%, aspect 3/4-4/3) and a random flip; evaluation: shorter side
+to ``size``, centre crop. The order of samples survives a resume exactly; DALI's random crops restart
+from the pipeline seed, so a resumed run draws other crops than the uninterrupted one would have.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ._io import safe_join
+from .errors import ConfigError, ImageDecodeError, MissingDependencyError
+from .formats.lmdb_store import LmdbReader
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
+from .manifest import IMAGES_LMDB, load_manifest
+from .sampler import DistributedBatchSampler
+
+INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
+                "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
+
+
+def _dali() -> Any:
+    try:
+        import nvidia.dali as dali
+        import nvidia.dali.fn  # noqa: F401
+        import nvidia.dali.types  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(INSTALL_HINT) from exc
+    return dali
+
+
+def looks_like_jpeg(blob: bytes) -> bool:
+    """Cheap screen before DALI sees a record: JPEG start and end markers present (catches truncation)."""
+    return len(blob) > 4 and blob[:2] == b"\xff\xd8" and blob.rstrip(b"\x00")[-2:] == b"\xff\xd9"
+
+
+class DALILoader:
+    """Batches of an LMDB dataset decoded and augmented by DALI; see the module docstring."""
+
+    def __init__(self, path: Union[str, Path], batch_size: int, *, size: int = 224, train: bool = True,
+                 shuffle: Optional[bool] = None, seed: int = 0, drop_last: bool = False,
+                 device: Union[str, torch.device] = "cuda", mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
+                 num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
+                 on_error: str = "fail", rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        self._dali = _dali()
+        self.root = Path(path)
+        self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
+        if on_error not in ("skip", "fail"):
+            raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
+        self.reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
+        self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
+        self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
+        n = len(self.labels) if self.indices is None else len(self.indices)
+        self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.sampler = DistributedBatchSampler(n, batch_size, shuffle=train if shuffle is None else shuffle,
+                                               seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
+        self.num_threads = num_threads or min(4, torch.get_num_threads())
+        self.seed = seed
+        self.skipped: list[int] = []
+        self._pipe: Any = None
+
+    # -- proxies --------------------------------------------------------------------------------------
+    @property
+    def dataset(self) -> "DALILoader":
+        return self
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest["classes"])
+
+    def __len__(self) -> int:
+        return self.sampler.epoch_batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    # -- the pipeline ---------------------------------------------------------------------------------
+    def _build(self) -> Any:
+        dali = self._dali
+        fn, types = dali.fn, dali.types
+        gpu = self.device.type == "cuda"
+        out_type = types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT  # DALI has no bf16: cast after
+        pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
+                             device_id=self.device.index or 0 if gpu else None, seed=self.seed,
+                             exec_async=False, exec_pipelined=False)  # fed then run: errors surface, never hang
+        with pipe:
+            jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, batch=True)
+            decoder = "mixed" if gpu else "cpu"
+            if self.train:
+                images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                                       random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
+                                                       num_attempts=10)
+                images = fn.resize(images, resize_x=self.size, resize_y=self.size)
+                mirror = fn.random.coin_flip(probability=0.5)
+            else:
+                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+                images = fn.resize(images, resize_shorter=self.size)
+                mirror = 0
+            out = fn.crop_mirror_normalize(images, crop=(self.size, self.size), mirror=mirror, dtype=out_type,
+                                           mean=[255 * m for m in self.mean], std=[255 * s for s in self.std],
+                                           output_layout="HWC")
+            pipe.set_outputs(out)
+        pipe.build()
+        return pipe
+
+    def _to_torch(self, out: Any) -> torch.Tensor:
+        if self.device.type == "cuda":
+            from nvidia.dali.plugin.pytorch import feed_ndarray
+
+            t = out.as_tensor()
+            x = torch.empty(t.shape(), dtype=torch.float16 if self.dtype == torch.float16 else torch.float32,
+                            device=self.device)
+            feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream(self.device))
+        else:
+            x = torch.from_numpy(np.asarray(out.as_array()))
+        x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view: channels_last, as CUDAPrefetcher yields
+        return x.to(self.dtype) if x.dtype != self.dtype else x
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._pipe is None:
+            self._pipe = self._build()
+        for idx in self.sampler.batches():
+            idx = np.sort(idx)  # the same per-batch order as FastLoader
+            rows = idx if self.indices is None else self.indices[idx]
+            blobs = self.reader.get_many(rows)
+            good = np.array([b is not None and looks_like_jpeg(b) for b in blobs], dtype=bool)
+            if not good.all():
+                bad = rows[~good].tolist()
+                if self.on_error == "fail":
+                    raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
+                                           "`fastdata verify`, or pass on_error='skip'")
+                self.skipped += bad
+            self.sampler.advance()
+            if not good.any():
+                continue
+            self._pipe.feed_input("jpegs", [np.frombuffer(b, np.uint8) for b, g in zip(blobs, good) if g])
+            try:
+                (out,) = self._pipe.run()
+            except RuntimeError as exc:
+                raise ImageDecodeError(f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
+                                       f"{str(exc).splitlines()[0]}") from exc
+            y = torch.from_numpy(self.labels[rows[good]]).to(self.device, non_blocking=True)
+            yield self._to_torch(out), y
+        self.sampler.end_epoch()

@@ -1,0 +1,132 @@
+"""DALILoader on the CPU (DALI runs without a GPU there): order, coverage, sharding, resume, parity."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import INDEXED_N, sample_ids
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+
+pytestmark = pytest.mark.dali
+UNIT = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}  # outputs in [0, 1]: pixel ids can be read back
+
+
+def ids(x: torch.Tensor) -> list[int]:
+    return sample_ids(torch.round(x.float().permute(0, 2, 3, 1) * 255).clamp(0, 255).to(torch.uint8)).tolist()
+
+
+def loader(path, **kw):
+    from fastdata.dali import DALILoader
+
+    args = {"size": 8, "train": False, "device": "cpu", **UNIT, **kw}
+    return DALILoader(path, kw.pop("batch_size", 16), **{k: v for k, v in args.items() if k != "batch_size"})
+
+
+def test_eval_shapes_values_and_every_sample_once(indexed_datasets):
+    dl = loader(indexed_datasets["lmdb"])
+    batches = list(dl)
+    assert len(dl) == len(batches) == 7 and [len(x) for x, _ in batches] == [16] * 6 + [4]
+    x, y = batches[0]
+    assert x.shape == (16, 3, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.is_contiguous(memory_format=torch.channels_last) and 0 <= float(x.min()) and float(x.max()) <= 1
+    seen = [i for x, _ in batches for i in ids(x)]
+    assert sorted(seen) == list(range(INDEXED_N))
+    assert [int(v) for _, y in batches for v in y] == [i % 3 for i in seen]
+
+
+def test_same_batches_as_fastloader_for_the_same_seed_and_epoch(indexed_datasets):
+    native = FastLoader(FastDataset(indexed_datasets["lmdb"]), 16, shuffle=True, seed=4, copy=True)
+    dali = loader(indexed_datasets["lmdb"], shuffle=True, seed=4)
+    for epoch in (0, 3):
+        native.set_epoch(epoch)
+        dali.set_epoch(epoch)
+        assert [ids(x) for x, _ in dali] == [sample_ids(x).tolist() for x, _ in native]
+
+
+def test_two_ranks_and_resume(indexed_datasets):
+    per_rank = [[i for x, _ in loader(indexed_datasets["lmdb"], shuffle=True, rank=r, world_size=2) for i in ids(x)]
+                for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) and sorted(per_rank[0] + per_rank[1]) == list(range(INDEXED_N))
+    a = loader(indexed_datasets["lmdb"], shuffle=True, seed=2)
+    it = iter(a)
+    first = [i for _ in range(3) for i in ids(next(it)[0])]
+    b = loader(indexed_datasets["lmdb"], shuffle=True, seed=2)
+    b.load_state_dict(a.state_dict())
+    rest = [i for x, _ in b for i in ids(x)]
+    assert Counter(first + rest) == Counter(range(INDEXED_N))
+
+
+def test_training_mode_augments_and_casts(indexed_datasets):
+    x, y = next(iter(loader(indexed_datasets["lmdb"], train=True, size=6, dtype=torch.bfloat16,
+                            mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))))
+    assert x.shape == (16, 3, 6, 6) and x.dtype == torch.bfloat16 and y.shape == (16,)
+
+
+def test_eval_parity_with_the_cpu_decode_path(tmp_path):
+    from PIL import Image
+
+    from fastdata.cli import main
+
+    # Smooth pictures: the two paths use different resize kernels and sub-pixel crop positions, so the
+    # comparison is of the images, not of the kernels (high-frequency stripes would differ by ~13/255).
+    yy, xx = np.mgrid[0:90, 0:120] / 120.0
+    for c in range(2):
+        (tmp_path / "src" / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            img = np.stack([200 * xx + 20 * i, 150 * yy + 40 * c, 100 + 80 * xx * yy], -1)
+            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(tmp_path / "src" / f"c{c}" / f"{i}.jpg", quality=95)
+    assert main(["preprocess", "images", str(tmp_path / "src"), str(tmp_path / "lm"), "--format", "lmdb", "--size", "48",
+                 "--workers", "1", "--quiet"]) == 0
+    dali = torch.cat([x for x, _ in loader(tmp_path / "lm", size=40, shuffle=False)])
+    ref, _ = FastDataset(tmp_path / "lm", size=40).get_batch(np.arange(len(dali)))
+    diff = (dali.permute(0, 2, 3, 1) * 255 - ref.float()).abs()
+    assert dali.shape == (12, 3, 40, 40) and float(diff.mean()) < 3.0, float(diff.mean())
+
+
+def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
+    import shutil
+
+    from fastdata.errors import ImageDecodeError
+    from fastdata.formats.lmdb_store import LmdbReader
+
+    root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
+    blob = LmdbReader(root / "images.lmdb").get(5)
+    data = (root / "images.lmdb").read_bytes()
+    at = data.find(blob)
+    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])
+    with pytest.raises(ImageDecodeError, match=r"samples \[5\]"):
+        list(loader(root))
+    dl = loader(root, on_error="skip")
+    seen = [i for x, _ in dl for i in ids(x)]
+    assert sorted(seen) == [i for i in range(INDEXED_N) if i != 5] and dl.skipped == [5]
+
+
+def test_without_dali_the_error_names_the_extra():
+    code = ("import sys; sys.modules['nvidia.dali'] = None\n"
+            "from fastdata.dali import _dali\n"
+            "from fastdata.errors import MissingDependencyError\n"
+            "try: _dali()\n"
+            "except MissingDependencyError as e: print(e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'fastdata[dali]'" in r.stdout and "nvidia-dali-cuda120" in r.stdout
+
+
+@pytest.mark.slow
+def test_fastdata_train_backend_dali(indexed_datasets, tmp_path):
+    from fastdata.cli import main
+
+    assert main(["train", str(indexed_datasets["lmdb"]), "--backend", "dali", "--model", "resnet18", "--crop", "8",
+                 "--batch-size", "16", "--max-steps", "3", "--device", "cpu", "--quiet", "--val-fraction", "0.2"]) == 0
+
+
+@pytest.mark.cuda
+def test_gpu_decode_matches_cpu_decode(indexed_datasets):
+    cpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"])])
+    gpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"], device="cuda")])
+    assert gpu.is_cuda and float((gpu.cpu() - cpu).abs().mean()) < 0.02
