@@ -128,9 +128,16 @@ def _train(args: argparse.Namespace) -> int:
         log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,
         profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet)
     info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
+    if args.config is not None:  # autotuned loader settings; explicit --storage / --threads still win
+        from .bench import load_config
+
+        tuned = load_config(args.config)
+        args.storage = args.storage or tuned["storage"]
+        args.threads = args.threads or tuned["loader"]["num_threads"]
     if cfg.amp == "fp16" and info.device.type != "cuda":
         raise ConfigError("--amp fp16 needs a CUDA device (GradScaler); use --amp bf16 or none on the CPU")
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    args.storage = args.storage or "mmap"
     if load_manifest(args.data)["format"] == TOKENS:
         model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
                                      args.threads, args.seed, info.device)
@@ -140,6 +147,33 @@ def _train(args: argparse.Namespace) -> int:
                              augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
         model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.loader:
+        report = bench.diagnose_loader(args.loader, model=args.model, batch_size=args.batch_size,
+                                       image_size=args.image_size, device=args.device, seconds=args.seconds)
+        print(f"{args.loader}: {report['steps']} steps, model step {report['work_ms']:.1f} ms, waiting "
+              f"{report['wait_ms']:.1f} ms\n{report['verdict']}")
+    elif args.data is None:
+        raise ConfigError("give a dataset folder (fastdata bench DATA) or --loader module:factory")
+    elif args.autotune:
+        report = bench.autotune(args.data, batch_size=args.batch_size, seconds=args.seconds, progress=not args.quiet)
+        print(f"best: storage={report['storage']} {report['loader']} -> {report['images_per_s']:,.0f} images/s "
+              f"(default {report['default_images_per_s']:,.0f})")
+    else:
+        report = bench.bench_pipeline(args.data, model=args.model, batch_size=args.batch_size, device=args.device,
+                                      seconds=args.seconds, progress=not args.quiet)
+        print(bench.render(report))
+        if args.plot:
+            bench.plot(report, args.plot)
+            print(f"stage chart written to {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+        print(f"figures written to {args.json}")
     return 0
 
 
@@ -222,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--amp", choices=("bf16", "fp16", "none"), default="none")
     tr.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
     tr.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
-    tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default="mmap")
+    tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default=None, help="default mmap")
     tr.add_argument("--threads", type=int, default=None, help="loader threads")
     tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
     tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
@@ -244,8 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--log-every", type=int, default=50)
     tr.add_argument("--log-file", type=Path, default=None, help="JSONL metrics")
+    tr.add_argument("--config", type=Path, default=None, help="loader settings from `fastdata bench --autotune`")
     tr.add_argument("--quiet", action="store_true")
     tr.set_defaults(func=_train)
+
+    be = sub.add_parser("bench", help="find where a training pipeline waits; --autotune the loader")
+    be.add_argument("data", type=Path, nargs="?", default=None, help="dataset folder")
+    be.add_argument("--model", default="resnet50")
+    be.add_argument("--batch-size", type=int, default=256)
+    be.add_argument("--device", default="auto")
+    be.add_argument("--seconds", type=float, default=120.0, help="time budget (default 2 minutes)")
+    be.add_argument("--loader", default=None, metavar="MODULE:FACTORY", help="diagnose your own loader")
+    be.add_argument("--image-size", type=int, default=224, help="--loader: side of the model's synthetic input")
+    be.add_argument("--autotune", action="store_true", help="search loader settings; write them with --json")
+    be.add_argument("--json", type=Path, default=None, help="write every figure (and the autotuned config)")
+    be.add_argument("--plot", type=Path, default=None, help="stage chart PNG (needs matplotlib)")
+    be.add_argument("--quiet", action="store_true")
+    be.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, read it back, report speed")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")

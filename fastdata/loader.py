@@ -59,6 +59,15 @@ class FastLoader:
         self._ring: list[Batch] = []
         self._active: Optional[weakref.ref] = None
 
+    @classmethod
+    def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
+        """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
+        The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
+        from .bench import load_config
+
+        cfg = config if isinstance(config, dict) else load_config(config)
+        return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
+
     # -- proxies and state --------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches this rank serves in a whole epoch."""

@@ -1,0 +1,346 @@
+"""``fastdata bench``: where does a training pipeline wait? Measure each stage alone, then together.
+
+Stages (each time-boxed): storage read (files from the page cache), batch gather (FastDataset.get_batch),
+the FastLoader, host-to-device copies (pinned and pageable, CUDA only), GPU transforms (normalise + flip),
+the model step on synthetic data already on the device (the ceiling) and the full pipeline. The report
+names the bounding stage and gives advice computed from the figures. ``--loader module:factory`` times a
+user's own loader against the same model step; ``--autotune`` searches loader settings for this machine.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, FastdataError
+
+
+def _timed_rate(step: Callable[[], int], seconds: float, warmup: int = 1) -> float:
+    """Items per second of ``step()`` (which returns how many items it handled), for ``seconds``."""
+    for _ in range(warmup):
+        step()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        n += step()
+    _sync()
+    return n / (time.perf_counter() - t0)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # benchmark boundaries only, never in the training hot path
+
+
+def machine() -> dict[str, Any]:
+    from . import __version__
+
+    mem = None
+    try:
+        mem = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        pass
+    return {"cores": os.cpu_count(), "memory_bytes": mem, "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": sys.version.split()[0], "torch": torch.__version__, "numpy": np.__version__,
+            "fastdata": __version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+class _Model:
+    """One training step of ``name`` on a batch already on the device (autocast bf16 on CUDA)."""
+
+    def __init__(self, name: str, num_classes: int, device: torch.device, channels_last: bool = True) -> None:
+        from .models import create_model, is_convnet
+
+        self.device = device
+        self.model = create_model(name, num_classes=num_classes).to(device)
+        self.fmt = torch.channels_last if channels_last and is_convnet(self.model) else torch.contiguous_format
+        self.model = self.model.to(memory_format=self.fmt)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.amp = device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256, device: str = "auto",
+                   seconds: float = 120.0, progress: bool = True) -> dict[str, Any]:
+    """Measure every stage of the native pipeline on ``data``; returns the report (see :func:`render`)."""
+    from .dataset import FastDataset
+    from .gpu_transforms import RandomHorizontalFlip
+    from .loader import FastLoader
+    from .prefetch import CUDAPrefetcher
+    from .progress import progress_bar
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    ds = FastDataset(data)
+    sample_bytes = int(np.prod(ds.sample_shape))
+    n_stages = 7 if dev.type == "cuda" else 5
+    box = max(0.5, seconds / (n_stages + 2))
+    bar = progress_bar(total=n_stages, desc="bench", unit="stage", enabled=progress)
+    stages: dict[str, dict[str, Any]] = {}
+    rng = np.random.default_rng(0)
+    b = min(batch_size, len(ds))
+
+    def record(name: str, img_s: float, note: str = "") -> None:
+        stages[name] = {"images_per_s": img_s, "gb_per_s": img_s * sample_bytes / 1e9, "note": note}
+        bar.update(1)
+
+    files = [ds.root / f["path"] for f in ds.manifest["files"] if f["path"].startswith("images")]
+    total_bytes = sum(p.stat().st_size for p in files)
+
+    def read_all() -> int:
+        for p in files:
+            with open(p, "rb", buffering=0) as f:
+                while f.read(16 << 20):
+                    pass
+        return int(total_bytes / sample_bytes)
+    record("storage read (page cache)", _timed_rate(read_all, box))
+    record("batch gather", _timed_rate(lambda: len(ds.get_batch(np.sort(rng.integers(0, len(ds), b)))[0]), box))
+    loader = FastLoader(ds, b)
+    record("FastLoader", _timed_rate(lambda: sum(len(x) for x, _ in loader), box))
+    x_host = torch.randint(0, 256, (b, *ds.sample_shape), dtype=torch.uint8)
+    if dev.type == "cuda":
+        pinned = x_host.pin_memory()
+        record("host-to-device copy (pinned)", _timed_rate(lambda: len(pinned.to(dev, non_blocking=True)), box))
+        record("host-to-device copy (pageable)", _timed_rate(lambda: len(x_host.to(dev)), box))
+    x_dev = x_host.to(dev)
+    convert = CUDAPrefetcher([], device=dev, transforms=RandomHorizontalFlip())
+    record("GPU transforms (normalise + flip)" if dev.type == "cuda" else "transforms (normalise + flip, CPU)",
+           _timed_rate(lambda: len(convert.convert(x_dev)), box))
+    net = _Model(model, len(ds.classes), dev)
+    xs = convert.convert(x_dev)
+    ys = torch.randint(0, len(ds.classes), (b,), device=dev)
+    ceiling = _timed_rate(lambda: (net.step(xs, ys), b)[1], box)
+    record("model step, synthetic data on the device (ceiling)", ceiling)
+    full, stall = _full_pipeline(CUDAPrefetcher(FastLoader(ds, b), device=dev, transforms=RandomHorizontalFlip()),
+                                 net, box * 2)
+    record("full pipeline", full, f"data stall {stall:.1f}%")
+    bar.close()
+    report = {"dataset": str(data), "samples": len(ds), "sample_shape": list(ds.sample_shape), "model": model,
+              "batch_size": b, "device": str(dev), "stages": stages, "ceiling_images_per_s": ceiling,
+              "data_stall_pct": stall, "machine": machine()}
+    for s in stages.values():
+        s["share_of_ceiling"] = s["images_per_s"] / ceiling
+    report["bound_by"] = bound_by(stages, ceiling, full, stall)
+    report["advice"] = advice(report, ds, dev)
+    return report
+
+
+def _full_pipeline(batches: Iterable[Any], net: _Model, seconds: float) -> tuple[float, float]:
+    waited, n, t0 = 0.0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        it = iter(batches)
+        while True:
+            t = time.perf_counter()
+            batch = next(it, None)
+            waited += time.perf_counter() - t
+            if batch is None:
+                break
+            net.step(batch[0], batch[1])
+            n += len(batch[0])
+            if time.perf_counter() - t0 >= seconds:
+                break
+    _sync()
+    total = time.perf_counter() - t0
+    return n / total, 100 * waited / total
+
+
+def bound_by(stages: dict[str, dict[str, Any]], ceiling: float, full: float, stall: float) -> str:
+    """The stage that limits the full pipeline, in words."""
+    data_stages = {k: v["images_per_s"] for k, v in stages.items() if not k.startswith(("model", "full"))}
+    slowest = min(data_stages, key=data_stages.get)
+    if data_stages[slowest] < ceiling:
+        return slowest  # a data stage alone cannot feed the model
+    if full >= 0.9 * ceiling or stall <= 10:
+        return "model compute (the data pipeline keeps up)"
+    return ("data latency: every stage alone outpaces the model, but batches arrive late "
+            "(raise the loader's prefetch or threads)")
+
+
+def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
+    """Concrete suggestions computed from the measured figures."""
+    st, ceiling, tips = report["stages"], report["ceiling_images_per_s"], []
+    dataset_bytes = report["samples"] * int(np.prod(report["sample_shape"]))
+    gather, loader = st["batch gather"]["images_per_s"], st["FastLoader"]["images_per_s"]
+    if st["storage read (page cache)"]["images_per_s"] < ceiling and dataset_bytes < 0.5 * (report["machine"]["memory_bytes"] or 0):
+        tips.append(f"the dataset ({dataset_bytes / 2**30:.1f} GiB) fits in RAM: storage='shm' (one copy per machine) "
+                    "or 'ram' avoids reading files while training")
+    if loader < ceiling and loader < 2 * gather and (os.cpu_count() or 1) > 2:
+        tips.append(f"FastLoader gives {loader:,.0f} images/s for a model that takes {ceiling:,.0f}: raise num_threads "
+                    f"(up to {os.cpu_count()}) or run `fastdata bench --autotune`")
+    if dev.type == "cuda":
+        pin, page = st["host-to-device copy (pinned)"]["gb_per_s"], st["host-to-device copy (pageable)"]["gb_per_s"]
+        if pin > 1.5 * page:
+            tips.append(f"pinned copies run at {pin:.1f} GB/s vs {page:.1f} GB/s pageable: keep pin_memory on "
+                        "(FastLoader pins by default)")
+        free = torch.cuda.mem_get_info()[0]
+        if dataset_bytes < 0.25 * free:
+            tips.append(f"the uint8 dataset ({dataset_bytes / 2**30:.1f} GiB) fits in GPU memory "
+                        f"({free / 2**30:.0f} GiB free): storage='cuda' removes host work and copies entirely")
+        tips.append("train with --amp bf16 and channels_last (the default for conv nets) to raise the ceiling")
+    if report["data_stall_pct"] > 10:
+        tips.append(f"the model waited for data {report['data_stall_pct']:.0f}% of the time: a larger batch or more "
+                    "loader threads trade memory for throughput")
+    if not tips:
+        tips.append("nothing to change: the data pipeline keeps up with the model")
+    return tips
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"{report['dataset']}: {report['samples']} samples {tuple(report['sample_shape'])}, model {report['model']}, "
+             f"batch {report['batch_size']}, device {report['device']}",
+             f"{'stage':<52} {'images/s':>11} {'GB/s':>7} {'x ceiling':>10}"]
+    for name, s in report["stages"].items():
+        lines.append(f"{name:<52} {s['images_per_s']:>11,.0f} {s['gb_per_s']:>7.2f} {s['share_of_ceiling']:>9.2f}x"
+                     + (f"  {s['note']}" if s["note"] else ""))
+    lines.append(f"data stall: {report['data_stall_pct']:.1f}%")
+    lines.append(f"bound by: {report['bound_by']}")
+    lines += [f"advice: {t}" for t in report["advice"]]
+    return "\n".join(lines)
+
+
+# -- the user's own loader --------------------------------------------------------------------------------
+def load_factory(spec: str) -> Callable[[], Any]:
+    if ":" not in spec:
+        raise ConfigError(f"--loader must look like module:factory, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises becomes one clear line
+        raise FastdataError(f"cannot import {mod_name!r} for --loader {spec}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise FastdataError(f"--loader {spec}: {mod_name} has no callable {attr!r}")
+    return factory
+
+
+def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
+                    num_classes: int = 10, device: str = "auto", seconds: float = 30.0, max_steps: int = 10_000) -> dict[str, Any]:
+    """Time how long each step waits for the user's loader vs how long the model step (on synthetic data of
+    ``batch_size`` images) takes: is the loader the bottleneck, and by how much?"""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    factory = load_factory(spec)
+    try:
+        loader = factory()
+        it = iter(loader)
+    except TypeError as exc:
+        raise FastdataError(f"--loader {spec} returned {type(loader).__name__ if 'loader' in dir() else '?'}, "
+                            f"which is not iterable: return a DataLoader or any iterable of batches") from exc
+    except Exception as exc:  # noqa: BLE001
+        raise FastdataError(f"--loader {spec} raised {type(exc).__name__}: {exc}") from exc
+    net = _Model(model, num_classes, dev)
+    x = torch.randn(batch_size, 3, image_size, image_size, device=dev).contiguous(memory_format=net.fmt)
+    y = torch.randint(0, num_classes, (batch_size,), device=dev)
+    net.step(x, y)  # warm-up outside the timed region
+    _sync()
+    waits, works, t_end = [], [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end and len(works) < max_steps:
+        t = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        except Exception as exc:  # noqa: BLE001
+            raise FastdataError(f"--loader {spec} raised {type(exc).__name__} while iterating: {exc}") from exc
+        t1 = time.perf_counter()
+        del batch
+        net.step(x, y)
+        _sync()
+        waits.append(t1 - t)
+        works.append(time.perf_counter() - t1)
+    if not works:
+        raise FastdataError(f"--loader {spec} yielded no batch in {seconds:.0f} s")
+    wait, work = float(np.mean(waits[1:] or waits)), float(np.mean(works[1:] or works))
+    share = wait / (wait + work)
+    verdict = (f"the loader is the bottleneck: each step waits {1000 * wait:.0f} ms for data, {100 * share:.0f}% of the step"
+               if share > 0.1 else
+               f"the loader keeps up: each step waits {1000 * wait:.1f} ms for data, {100 * share:.0f}% of the step")
+    return {"loader": spec, "steps": len(works), "wait_ms": 1000 * wait, "work_ms": 1000 * work, "wait_share": share,
+            "bottleneck": share > 0.1, "verdict": verdict, "model": model, "batch_size": batch_size,
+            "device": str(dev), "machine": machine()}
+
+
+# -- autotune ---------------------------------------------------------------------------------------------
+def autotune(data: Path, *, batch_size: int = 256, seconds: float = 60.0, progress: bool = True) -> dict[str, Any]:
+    """Try loader threads, prefetch depth, storage mode and pinned buffers; return the fastest configuration
+    (the default one is always among those measured, so the result is at least as fast in this run)."""
+    from .dataset import FastDataset
+    from .loader import FastLoader
+    from .progress import progress_bar
+
+    cores = os.cpu_count() or 1
+    pins = [True, False] if torch.cuda.is_available() else [False]
+    threads = sorted({1, 2, min(4, cores), cores})
+    candidates = [{"storage": s, "num_threads": t, "prefetch": p, "pin_memory": pin}
+                  for s in ("mmap", "ram") for t in threads for p in (1, 2, 4) for pin in pins]
+    default = {"storage": "mmap", "num_threads": min(4, cores), "prefetch": 2, "pin_memory": pins[0]}
+    if default not in candidates:
+        candidates.append(default)
+    box = max(0.2, seconds / len(candidates))
+    bar = progress_bar(total=len(candidates), desc="autotune", unit="config", enabled=progress)
+    datasets = {s: FastDataset(data, storage=s) for s in ("mmap", "ram")}
+    results = []
+    for c in candidates:
+        loader = FastLoader(datasets[c["storage"]], min(batch_size, len(datasets["mmap"])), num_threads=c["num_threads"],
+                            prefetch=c["prefetch"], pin_memory=c["pin_memory"])
+        results.append({**c, "images_per_s": _timed_rate(lambda: sum(len(x) for x, _ in loader), box)})
+        bar.update(1)
+    bar.close()
+    best = max(results, key=lambda r: r["images_per_s"])
+    default_rate = next(r["images_per_s"] for r in results if all(r[k] == v for k, v in default.items()))
+    return {"loader": {k: best[k] for k in ("num_threads", "prefetch", "pin_memory")}, "storage": best["storage"],
+            "batch_size": batch_size, "images_per_s": best["images_per_s"], "default": default,
+            "default_images_per_s": default_rate, "tried": results, "dataset": str(data), "machine": machine()}
+
+
+def load_config(path: Path | str) -> dict[str, Any]:
+    """Read an ``--autotune`` JSON (``{"storage", "loader": {...}, ...}``), refusing anything else."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
+        raise ConfigError(f"{path} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
+    allowed = {"num_threads", "prefetch", "pin_memory"}
+    if set(cfg["loader"]) - allowed:
+        raise ConfigError(f"{path}: unknown loader settings {sorted(set(cfg['loader']) - allowed)}")
+    return cfg
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise FastdataError("--plot needs matplotlib: pip install matplotlib") from exc
+    names = list(report["stages"])
+    rates = [report["stages"][n]["images_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
+    colours = ["tab:red" if n == report["bound_by"] else "tab:blue" for n in names[::-1]]
+    ax.barh(names[::-1], rates[::-1], color=colours)
+    ax.axvline(report["ceiling_images_per_s"], color="k", linestyle="--", label="model ceiling")
+    ax.set_xlabel("images/s")
+    ax.set_title(f"fastdata bench: bound by {report['bound_by']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,120 @@
+"""fastdata bench: stage report, bottleneck diagnosis of user loaders, autotune, JSON, bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fastdata.cli import main
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+
+LOADERS = textwrap.dedent('''
+    import time, torch
+
+    class Slow:
+        def __iter__(self):
+            while True:
+                time.sleep(0.05)   # 50 ms to make every batch
+                yield torch.zeros(8, 3, 16, 16), torch.zeros(8, dtype=torch.long)
+
+    def slow():
+        return Slow()
+
+    def fast():
+        return [(torch.zeros(8, 3, 16, 16), torch.zeros(8, dtype=torch.long))] * 1000
+
+    def broken():
+        raise ValueError("no such bucket")
+
+    def not_iterable():
+        return 42
+''')
+
+
+@pytest.fixture
+def user_loaders(tmp_path, monkeypatch):
+    (tmp_path / "myloaders.py").write_text(LOADERS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_report_names_a_bottleneck_and_json_has_every_stage(indexed_datasets, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(indexed_datasets["npy"]), "--model", "resnet18", "--batch-size", "16", "--device",
+                 "cpu", "--seconds", "6", "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "bound by: " in text and "advice: " in text and "data stall" in text
+    report = json.loads(out.read_text())
+    assert set(report["stages"]) >= {"storage read (page cache)", "batch gather", "FastLoader",
+                                     "model step, synthetic data on the device (ceiling)", "full pipeline"}
+    assert all(s["images_per_s"] > 0 for s in report["stages"].values())
+    assert report["machine"]["cores"] and report["machine"]["torch"] and report["machine"]["date"]
+    assert report["bound_by"]
+
+
+def test_slow_loader_is_diagnosed_with_the_true_wait_share(user_loaders, capsys):
+    from fastdata.bench import diagnose_loader
+
+    r = diagnose_loader("myloaders:slow", model="cnn-small", batch_size=8, image_size=16, device="cpu", seconds=3)
+    truth = 50 / (50 + r["work_ms"])  # the loader sleeps 50 ms a batch
+    assert r["bottleneck"] and abs(r["wait_share"] - truth) < 0.1 and 45 < r["wait_ms"] < 80
+    assert "the loader is the bottleneck" in r["verdict"]
+
+
+def test_fast_loader_with_slow_consumer_is_not_the_bottleneck(user_loaders):
+    from fastdata.bench import diagnose_loader
+
+    r = diagnose_loader("myloaders:fast", model="resnet18", batch_size=8, image_size=64, device="cpu", seconds=3)
+    assert not r["bottleneck"] and r["wait_share"] < 0.05 and "keeps up" in r["verdict"]
+
+
+@pytest.mark.parametrize("spec, needle", [("myloaders:broken", "raised ValueError: no such bucket"),
+                                          ("myloaders:not_iterable", "not iterable"),
+                                          ("nosuchmodule:f", "cannot import 'nosuchmodule'"),
+                                          ("myloaders", "module:factory")])
+def test_bad_loader_factories_are_one_line_errors(user_loaders, spec, needle):
+    r = subprocess.run([sys.executable, "-m", "fastdata", "bench", "--loader", spec, "--seconds", "1", "--device",
+                        "cpu"], capture_output=True, text=True, timeout=120, cwd=user_loaders)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fastdata", "bench", str(tmp_path / "nope"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "not a folder" in r.stderr
+
+
+def test_autotune_writes_a_config_fastloader_and_train_accept(indexed_datasets, tmp_path):
+    cfg = tmp_path / "best.json"
+    assert main(["bench", str(indexed_datasets["npy"]), "--autotune", "--batch-size", "16", "--seconds", "4",
+                 "--quiet", "--json", str(cfg)]) == 0
+    best = json.loads(cfg.read_text())
+    assert best["images_per_s"] >= best["default_images_per_s"] > 0  # the default was measured too
+    assert best["storage"] in ("mmap", "ram") and len(best["tried"]) >= 6
+    loader = FastLoader.from_config(FastDataset(indexed_datasets["npy"], storage=best["storage"]), 16, cfg)
+    assert loader.num_threads == best["loader"]["num_threads"] and loader.prefetch == best["loader"]["prefetch"]
+    assert sum(len(x) for x, _ in loader) == 100
+    assert main(["train", str(indexed_datasets["npy"]), "--config", str(cfg), "--model", "resnet18",
+                 "--batch-size", "16", "--max-steps", "2", "--device", "cpu", "--quiet"]) == 0
+    (tmp_path / "bad.json").write_text('{"loader": {"threads": 3}, "storage": "ram"}')
+    from fastdata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown loader settings"):
+        FastLoader.from_config(FastDataset(indexed_datasets["npy"]), 16, tmp_path / "bad.json")
+
+
+def test_plot_needs_matplotlib_or_draws(indexed_datasets, tmp_path, capsys):
+    args = ["bench", str(indexed_datasets["npy"]), "--model", "resnet18", "--batch-size", "16", "--device", "cpu",
+            "--seconds", "3", "--quiet", "--plot", str(tmp_path / "stages.png")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(args) == 1
+        assert "pip install matplotlib" in capsys.readouterr().err
+    else:
+        assert main(args) == 0 and (tmp_path / "stages.png").stat().st_size > 1000
