@@ -170,6 +170,8 @@ class Trainer:
         self.device = self.dist.device
         if cfg.amp == "fp16" and self.device.type != "cuda":
             raise ConfigError("amp='fp16' needs a CUDA device (GradScaler); use amp='bf16' or 'none' on the CPU")
+        if cfg.sync_bn and self.device.type != "cuda":
+            raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
         if cfg.amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes

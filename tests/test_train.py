@@ -23,7 +23,7 @@ WORKER = Path(__file__).parent / "dist_train_worker.py"
 
 
 def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps: int = 5) -> dict:
-    out = tmp_path / f"w{nproc}-b{batch}-a{accum}.pt"
+    out = tmp_path / f"w{nproc}-b{batch}-a{accum}-s{steps}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
            str(data), str(out), str(batch), str(accum), str(steps)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -40,6 +40,10 @@ def test_two_ranks_at_half_batch_equal_one_rank_at_full_batch(indexed_datasets, 
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-6), k
     assert not torch.allclose(one["1.weight"], start["1.weight"])  # the runs really moved the weights
+    val = {name: [json.loads((tmp_path / f"{name}.pt.val{r}.json").read_text()) for r in range(n)]
+           for name, n in (("w1-b16-a1-s5", 1), ("w2-b8-a1-s5", 2))}
+    assert val["w2-b8-a1-s5"][0] == val["w2-b8-a1-s5"][1]  # reduced across ranks: both ranks report the same
+    assert val["w2-b8-a1-s5"][0]["val_loss"] == pytest.approx(val["w1-b16-a1-s5"][0]["val_loss"], abs=1e-6)
 
 
 @pytest.mark.slow
@@ -148,6 +152,22 @@ def test_learning_rate_schedules_and_weight_decay_groups():
     assert all(p.ndim > 1 for p in groups[0]["params"]) and all(p.ndim <= 1 for p in groups[1]["params"])
     assert groups[1]["weight_decay"] == 0.0
     assert parse_duration("00:12:00:00") == 12 * 3600 and parse_duration("1:30") == 90
+
+
+def test_label_smoothing_and_sync_bn_on_cpu(small_images):
+    import torch.nn.functional as F
+
+    from fastdata.errors import ConfigError
+
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader,
+                config=TrainConfig(label_smoothing=0.2, progress=False, device="cpu"))
+    out, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
+    assert t.loss_fn(out, y) == pytest.approx(float(F.cross_entropy(out, y, label_smoothing=0.2)))
+    assert t.loss_fn(out, y) != pytest.approx(float(F.cross_entropy(out, y)))
+    with pytest.raises(ConfigError, match="SyncBatchNorm has no CPU kernel"):
+        Trainer(create_model("cnn-small", num_classes=3), loader,
+                config=TrainConfig(sync_bn=True, progress=False, device="cpu"))
 
 
 def test_clipping_and_accumulation_in_python(small_images):
