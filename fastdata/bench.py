@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -254,14 +254,13 @@ def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256
     while time.perf_counter() < t_end and len(works) < max_steps:
         t = time.perf_counter()
         try:
-            batch = next(it)
+            next(it)  # the batch itself is not needed: only how long it took to come
         except StopIteration:
             it = iter(loader)
             continue
         except Exception as exc:  # noqa: BLE001
             raise FastdataError(f"--loader {spec} raised {type(exc).__name__} while iterating: {exc}") from exc
         t1 = time.perf_counter()
-        del batch
         net.step(x, y)
         _sync()
         waits.append(t1 - t)

@@ -23,7 +23,7 @@ from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
 from .manifest import IMAGES_LMDB, load_manifest
-from .sampler import DistributedBatchSampler
+from .sampler import DistributedBatchSampler, SamplerBacked
 
 INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
                 "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
@@ -44,7 +44,7 @@ def looks_like_jpeg(blob: bytes) -> bool:
     return len(blob) > 4 and blob[:2] == b"\xff\xd8" and blob.rstrip(b"\x00")[-2:] == b"\xff\xd9"
 
 
-class DALILoader:
+class DALILoader(SamplerBacked):
     """Batches of an LMDB dataset decoded and augmented by DALI; see the module docstring."""
 
     def __init__(self, path: Union[str, Path], batch_size: int, *, size: int = 224, train: bool = True,
@@ -84,18 +84,6 @@ class DALILoader:
     @property
     def classes(self) -> list[str]:
         return list(self.manifest["classes"])
-
-    def __len__(self) -> int:
-        return self.sampler.epoch_batches()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
 
     # -- the pipeline ---------------------------------------------------------------------------------
     def _build(self) -> Any:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, FastdataError
-from .sampler import DistributedBatchSampler
+from .sampler import DistributedBatchSampler, SamplerBacked
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -32,7 +32,7 @@ def _noop() -> None:
     pass
 
 
-class FastLoader:
+class FastLoader(SamplerBacked):
     """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
     in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable)."""
 
@@ -68,20 +68,8 @@ class FastLoader:
         cfg = config if isinstance(config, dict) else load_config(config)
         return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
 
-    # -- proxies and state --------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        """Batches this rank serves in a whole epoch."""
-        return self.sampler.epoch_batches()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the epoch got to, counting only batches already handed to the consumer."""
-        return self.sampler.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._close_active()
+        self._close_active()  # an iterator still running would serve the old position
         self.sampler.load_state_dict(state)
 
     @property

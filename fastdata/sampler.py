@@ -132,3 +132,23 @@ class DistributedBatchSampler:
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
         if self.start >= self.num_samples:  # saved at the very end of an epoch: the next one is due
             self.end_epoch()
+
+
+class SamplerBacked:
+    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies."""
+
+    sampler: DistributedBatchSampler
+
+    def __len__(self) -> int:
+        """Batches this rank serves in a whole epoch."""
+        return self.sampler.epoch_batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch got to, counting only batches already handed to the consumer."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

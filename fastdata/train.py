@@ -12,9 +12,9 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError, FastdataError, FormatError
+from .errors import ConfigError, FormatError
 from .models import is_convnet
 
 AMP = ("bf16", "fp16", "none")

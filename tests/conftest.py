@@ -152,3 +152,25 @@ def npy_copy(indexed_datasets, tmp_path) -> Path:
     import shutil
 
     return Path(shutil.copytree(indexed_datasets["npy"], tmp_path / "ds"))
+
+
+def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
+    """Run ``cmd`` (a preprocess) and SIGKILL it once its journal lists ``min_units`` finished units."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal, deadline = out / ".fastdata-partial" / "journal.json", time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if len(json.loads(journal.read_text())["units"]) >= min_units:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"

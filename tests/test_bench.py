@@ -112,7 +112,9 @@ def test_plot_needs_matplotlib_or_draws(indexed_datasets, tmp_path, capsys):
     args = ["bench", str(indexed_datasets["npy"]), "--model", "resnet18", "--batch-size", "16", "--device", "cpu",
             "--seconds", "3", "--quiet", "--plot", str(tmp_path / "stages.png")]
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
+
+        assert matplotlib.__version__
     except ImportError:
         assert main(args) == 1
         assert "pip install matplotlib" in capsys.readouterr().err

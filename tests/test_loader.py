@@ -4,7 +4,6 @@ from __future__ import annotations
 import gc
 import threading
 
-import numpy as np
 import pytest
 import torch
 

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lmdb
@@ -15,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import AWKWARD_BAD, AWKWARD_GOOD
+from conftest import AWKWARD_BAD, AWKWARD_GOOD, kill_when_journaled
 from fastdata.cli import main
 from fastdata.preprocess import decode
 
@@ -80,22 +78,6 @@ def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt):
     assert outs[0] == outs[1] and len(outs[0]) >= 3  # lmdb: images.lmdb, labels.npy, manifest.json
 
 
-def _kill_midway(cmd: list[str], out: Path, min_units: int) -> None:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    journal = out / ".fastdata-partial" / "journal.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if len(json.loads(journal.read_text())["units"]) >= min_units:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
 def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
@@ -106,7 +88,7 @@ def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
     args = [str(src), "--size", "48", "--shard-size", "8", "--format", fmt, "--workers", "1", "--quiet"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
-    _kill_midway([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]], out, 3)
+    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]], out, 3)
     kept = {p.name: p.stat().st_ino for p in out.glob("images-*.npy")} if fmt == "npy" else {
         p.name: p.stat().st_ino for p in (out / ".fastdata-partial").glob("part-*.npy")}
     assert len(kept) >= 3

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from fastdata.errors import ConfigError

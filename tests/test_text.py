@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import kill_when_journaled
 from fastdata.cli import main
 from fastdata.errors import FormatError
 from fastdata.preprocess.text import is_val
@@ -168,19 +166,7 @@ def test_killed_run_resumes_to_identical_output(tmp_path):
     args = ["--workers", "1", "--shard-tokens", "400000", "--quiet", "--val-fraction", "0.1"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main(["preprocess", "text", str(src), str(ref), *args]) == 0
-    proc = subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "text", str(src), str(out), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    journal, deadline = out / ".fastdata-partial" / "journal.json", time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if len(json.loads(journal.read_text())["units"]) >= 4:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "text", str(src), str(out), *args], out, 4)
     assert main(["preprocess", "text", str(src), str(out), *args]) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in ref.iterdir()}
 
