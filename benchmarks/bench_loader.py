@@ -51,8 +51,8 @@ class PerSample(torch.utils.data.Dataset):
 class PillowFolder(torch.utils.data.Dataset):
     """The usual recipe: open the JPEG, convert, resize the shorter side, centre-crop, to a uint8 tensor."""
 
-    def __init__(self, files: list[Path], labels: list[int]) -> None:
-        self.files, self.labels = files, labels
+    def __init__(self, files: list[Path], labels: list[int], size: int = SIZE) -> None:
+        self.files, self.labels, self.size = files, labels, size
 
     def __len__(self) -> int:
         return len(self.files)
@@ -60,10 +60,11 @@ class PillowFolder(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         img = Image.open(self.files[i]).convert("RGB")
         w, h = img.size
-        s = SIZE / min(w, h)
-        img = img.resize((max(SIZE, round(w * s)), max(SIZE, round(h * s))), Image.Resampling.BILINEAR)
-        left, top = (img.width - SIZE) // 2, (img.height - SIZE) // 2
-        return torch.from_numpy(np.asarray(img.crop((left, top, left + SIZE, top + SIZE))).copy()), self.labels[i]
+        n = self.size
+        s = n / min(w, h)
+        img = img.resize((max(n, round(w * s)), max(n, round(h * s))), Image.Resampling.BILINEAR)
+        left, top = (img.width - n) // 2, (img.height - n) // 2
+        return torch.from_numpy(np.asarray(img.crop((left, top, left + n, top + n))).copy()), self.labels[i]
 
 
 def rate(make_iter, seconds: float, warmup: int = 1) -> float:
