@@ -137,3 +137,29 @@ def test_gpu_memory_flat_over_1000_iterations(indexed_datasets):
             steps += 1
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - start < 1 << 20
+
+
+@pytest.mark.cuda
+def test_h2d_copy_overlaps_compute_on_the_side_stream(tmp_path):
+    """A profiler trace shows a host-to-device copy on the prefetch stream running during a compute kernel."""
+    import json
+
+    batches = [(torch.randint(0, 256, (128, 224, 224, 3), dtype=torch.uint8).pin_memory(),
+                torch.zeros(128, dtype=torch.long)) for _ in range(6)]
+    pf = CUDAPrefetcher(batches, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(4096, 4096, device="cuda")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for x, _ in pf:
+            for _ in range(4):
+                a = torch.tanh(a @ a)  # ~ms of compute per batch on the main stream
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "gemm" in e.get("name", "").lower()]
+    assert copies and kernels
+    side = {e["args"]["stream"] for e in copies}
+    assert not side & {e["args"]["stream"] for e in kernels}  # copies never on the compute stream
+    overlap = any(c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"] for c in copies for k in kernels)
+    assert overlap, "no H2D copy ran concurrently with a compute kernel"
