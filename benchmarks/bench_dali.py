@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -22,32 +22,11 @@ import torch
 import fastdata
 from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
-from fastdata.preprocess.decode import load_array
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
 
-
-class PillowFiles(torch.utils.data.Dataset):
-    def __init__(self, files: list[Path], size: int) -> None:
-        self.files, self.size = files, size
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int):
-        return torch.from_numpy(load_array(self.files[i], self.size, "center-crop").copy()), 0
-
-
-def rate(make_iter, seconds: float) -> float:
-    for _ in make_iter():
-        break
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for x, _ in make_iter():
-            n += len(x)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_loader import PillowFolder, rate  # noqa: E402  (shared baseline and timing)
 
 
 def main() -> None:
@@ -72,8 +51,9 @@ def main() -> None:
               f"{len(files)} JPEGs 500x375 stored at shorter side 256, output {args.size}px, batch 64")
         dali = DALILoader(scratch / "lmdb", 64, size=args.size, train=False, device=device, num_threads=cores)
         native = FastLoader(FastDataset(scratch / "lmdb", size=args.size), 64, num_threads=cores)
-        plain = lambda: torch.utils.data.DataLoader(PillowFiles(files, args.size), 64, shuffle=True,  # noqa: E731
-                                                     num_workers=cores)
+        labels = [0] * len(files)
+        plain = lambda: torch.utils.data.DataLoader(PillowFolder(files, labels, args.size), 64,  # noqa: E731
+                                                     shuffle=True, num_workers=cores)
         rows = {f"DALI ({'mixed GPU' if device == 'cuda' else 'CPU'} decode)": rate(lambda: dali, args.seconds),
                 f"FastDataset LMDB CPU decode, {cores} threads": rate(lambda: native, args.seconds),
                 f"DataLoader + Pillow over the JPEG files, {cores} workers": rate(plain, args.seconds)}

@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+import sys
+
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 import fastdata
 from fastdata.models import create_model
@@ -30,27 +30,21 @@ from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
 from fastdata.train import TrainConfig, Trainer, init_distributed
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_loader import PillowFolder  # noqa: E402  (the per-sample baseline every benchmark uses)
+
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
 
-class PlainFolder(torch.utils.data.Dataset):
-    def __init__(self, files: list[Path], labels: list[int], size: int) -> None:
-        self.files, self.labels, self.size = files, labels, size
-
-    def __len__(self) -> int:
-        return len(self.files)
+class PlainFolder(PillowFolder):
+    """bench_loader's Pillow recipe, then what the recipe does next: float tensor, random flip, normalise."""
 
     def __getitem__(self, i: int):
-        img = Image.open(self.files[i]).convert("RGB")
-        w, h = img.size
-        s = self.size / min(w, h)
-        img = img.resize((max(self.size, round(w * s)), max(self.size, round(h * s))), Image.Resampling.BILINEAR)
-        left, top = (img.width - self.size) // 2, (img.height - self.size) // 2
-        x = torch.from_numpy(np.asarray(img.crop((left, top, left + self.size, top + self.size))).copy())
-        x = x.permute(2, 0, 1).float() / 255
+        img, label = super().__getitem__(i)
+        x = img.permute(2, 0, 1).float() / 255
         if torch.rand(()) < 0.5:
             x = x.flip(-1)
-        return (x - MEAN) / STD, self.labels[i]
+        return (x - MEAN) / STD, label
 
 
 def plain_epoch(files, labels, size, batch, device, lr, classes) -> tuple[float, float]:
