@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quiet", action="store_true")
     be.set_defaults(func=_bench)
 
-    demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, read it back, report speed")
+    demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, load it, train on it, report speed")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")
     demo.add_argument("--per-class", type=int, default=100, help="images per class (4 classes)")
     demo.set_defaults(func=_demo)
