@@ -60,10 +60,11 @@ class FastDataset(torch.utils.data.Dataset):
             raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
                               f"{self.manifest['sample_shape']} samples already")
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
-        self._check_sizes()
+        check_sizes(self.root, self.manifest)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
         if self._verify:  # ram/cuda hash the image shards while loading them: one read, not two
-            self._verify_files(skip=self._image_files() if storage in ("ram", "cuda") else set())
+            skip = self._image_files() if storage in ("ram", "cuda") else set()
+            verify_hashes(self.root, self.manifest, [f["path"] for f in self.manifest["files"] if f["path"] not in skip])
         self._labels = self._load_labels()
         self._open()
 
@@ -91,22 +92,8 @@ class FastDataset(torch.utils.data.Dataset):
                 f"shape={self.sample_shape})")
 
     # -- opening --------------------------------------------------------------------------------------
-    def _check_sizes(self) -> None:
-        for f in self.manifest["files"]:
-            p = safe_join(self.root, f["path"])
-            if not p.is_file():
-                raise FormatError(f"{p} is missing: the dataset is incomplete; re-run `fastdata preprocess`")
-            if p.stat().st_size != f["bytes"]:
-                raise ChecksumError(f"{p} has {p.stat().st_size} bytes but the manifest says {f['bytes']}: "
-                                    "truncated or replaced; re-run `fastdata preprocess`")
-
     def _image_files(self) -> set[str]:
         return set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
-
-    def _verify_files(self, skip: set[str]) -> None:
-        for f in self.manifest["files"]:
-            if f["path"] not in skip and hash_file(safe_join(self.root, f["path"])) != f[HASH_NAME]:
-                _checksum_mismatch(self.root / f["path"])
 
     def _load_labels(self) -> np.ndarray:
         if self.is_lmdb:
@@ -155,30 +142,8 @@ class FastDataset(torch.utils.data.Dataset):
         return out
 
     def _read_into_ram(self) -> np.ndarray:
-        need = len(self) * int(np.prod(self.sample_shape))
-        avail = _available_memory()
-        if avail is not None and need > avail:
-            warnings.warn(f"storage='{self.storage}' loads {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
-                          "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
-                          "avoid a private copy", ResourceWarning, stacklevel=3)
-        flat = np.empty((len(self), *self.sample_shape), np.uint8)
-        view, pos = memoryview(flat.reshape(-1)), 0
-        sums = {f["path"]: f[HASH_NAME] for f in self.manifest["files"]}
-        for rel, skip in self._shard_bodies():
-            with open(safe_join(self.root, rel), "rb") as f:
-                head = f.read(skip)
-                n = os.fstat(f.fileno()).st_size - skip
-                got = f.readinto(view[pos:pos + n])
-                if got != n:
-                    raise ChecksumError(f"{self.root / rel} ended early ({got} of {n} bytes): truncated")
-                if self._verify:
-                    h = new_hash()
-                    h.update(head)
-                    h.update(view[pos:pos + n])
-                    if h.hexdigest() != sums[rel]:
-                        _checksum_mismatch(self.root / rel)
-                pos += n
-        return flat
+        return load_bodies(self.root, self.manifest, self._shard_bodies(), (len(self), *self.sample_shape),
+                           np.dtype(np.uint8), self._verify, self.storage)
 
     def _map_shm(self) -> np.ndarray:
         header = npy_header((len(self), *self.sample_shape), np.dtype(np.uint8))
@@ -287,6 +252,57 @@ class FastDataset(torch.utils.data.Dataset):
 def _checksum_mismatch(path: Path) -> None:
     raise ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): "
                         "run `fastdata verify` and re-run `fastdata preprocess`")
+
+
+def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None) -> None:
+    """Refuse missing or truncated files (sizes only: cheap enough for every open)."""
+    for f in manifest["files"]:
+        if paths is not None and f["path"] not in paths:
+            continue
+        p = safe_join(root, f["path"])
+        if not p.is_file():
+            raise FormatError(f"{p} is missing: the dataset is incomplete; re-run `fastdata preprocess`")
+        if p.stat().st_size != f["bytes"]:
+            raise ChecksumError(f"{p} has {p.stat().st_size} bytes but the manifest says {f['bytes']}: "
+                                "truncated or replaced; re-run `fastdata preprocess`")
+
+
+def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
+    """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
+    sums = {f["path"]: f[HASH_NAME] for f in manifest["files"]}
+    for rel in paths:
+        if hash_file(safe_join(root, rel)) != sums[rel]:
+            _checksum_mismatch(root / rel)
+
+
+def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
+                dtype: np.dtype, verify: bool, storage: str) -> np.ndarray:
+    """One contiguous array from ``.npy`` shards given as ``(file, header length)``, in one read per file,
+    hashing each file as it is read when ``verify`` (storage="ram"/"cuda" of images and tokens)."""
+    need = int(np.prod(shape)) * dtype.itemsize
+    avail = _available_memory()
+    if avail is not None and need > avail:
+        warnings.warn(f"storage='{storage}' loads {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
+                      "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
+                      "avoid a private copy", ResourceWarning, stacklevel=4)
+    flat = np.empty(shape, dtype)
+    view, pos = memoryview(flat.reshape(-1).view(np.uint8)), 0
+    sums = {f["path"]: f[HASH_NAME] for f in manifest["files"]}
+    for rel, skip in bodies:
+        with open(safe_join(root, rel), "rb") as f:
+            head = f.read(skip)
+            n = os.fstat(f.fileno()).st_size - skip
+            got = f.readinto(view[pos:pos + n])
+            if got != n:
+                raise ChecksumError(f"{root / rel} ended early ({got} of {n} bytes): truncated")
+            if verify:
+                h = new_hash()
+                h.update(head)
+                h.update(view[pos:pos + n])
+                if h.hexdigest() != sums[rel]:
+                    _checksum_mismatch(root / rel)
+            pos += n
+    return flat
 
 
 def _available_memory() -> Optional[int]:

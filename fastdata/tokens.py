@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from . import shm
-from ._io import HASH_NAME, hash_file, safe_join
-from .dataset import Indices, _available_memory, _checksum_mismatch
+from ._io import safe_join
+from .dataset import Indices, check_sizes, load_bodies, verify_hashes
 from .errors import ConfigError, FormatError
 from .formats.base import npy_header
 from .manifest import TOKENS, load_manifest
@@ -83,37 +83,27 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def _open(self) -> None:
         shards = self.manifest["splits"][self.split]["shards"]
-        files = {f["path"]: f for f in self.manifest["files"]}
-        for sh in shards:
-            p = safe_join(self.root, sh["path"])
-            if not p.is_file() or p.stat().st_size != files[sh["path"]]["bytes"]:
-                raise FormatError(f"{p} is missing or truncated: re-run `fastdata preprocess text`")
+        paths = [sh["path"] for sh in shards]
+        check_sizes(self.root, self.manifest, paths)
+        bodies = [(sh["path"], len(npy_header((sh["tokens"],), self.np_dtype))) for sh in shards]
         self._flat: Optional[np.ndarray] = None
         self._shards: list[np.ndarray] = []
         if self.storage == "mmap":
-            self._shards = [np.load(safe_join(self.root, sh["path"]), mmap_mode="r", allow_pickle=False) for sh in shards]
-        elif self.storage == "shm":
-            bodies = [(sh["path"], len(npy_header((sh["tokens"],), self.np_dtype))) for sh in shards]
+            self._shards = [np.load(safe_join(self.root, p), mmap_mode="r", allow_pickle=False) for p in paths]
+            if self._verify:
+                verify_hashes(self.root, self.manifest, paths)
+        elif self.storage == "shm":  # the shm copy is checked once, while it is made
             header = npy_header((self.num_tokens,), self.np_dtype)
             path = shm.ensure_copy(self.root, self.manifest, bodies, header, self._shm_dir, key=self.split)
             self._flat = np.load(path, mmap_mode="r", allow_pickle=False)
-        else:
-            need = self.num_tokens * self.np_dtype.itemsize
-            avail = _available_memory()
-            if avail is not None and need > avail:
-                import warnings
-                warnings.warn(f"storage='ram' loads {need / 2**30:.1f} GiB with {avail / 2**30:.1f} GiB available",
-                              ResourceWarning, stacklevel=3)
-            self._flat = np.concatenate([np.load(safe_join(self.root, sh["path"]), allow_pickle=False) for sh in shards])
+        else:  # ram: hashed while read, one pass
+            self._flat = load_bodies(self.root, self.manifest, bodies, (self.num_tokens,), self.np_dtype,
+                                     self._verify, self.storage)
         if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
             self._flat, self._shards = self._shards[0], []
         # Window views are made once here: sliding_window_view costs ~15 us, a batch of 64 windows ~10 us.
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
         self._shard_windows = [self._windows(a) for a in self._shards]
-        if self._verify and self.storage != "shm":  # the shm copy is checked once, while it is made
-            for sh in shards:
-                if hash_file(safe_join(self.root, sh["path"])) != files[sh["path"]][HASH_NAME]:
-                    _checksum_mismatch(self.root / sh["path"])
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows",

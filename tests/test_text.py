@@ -235,3 +235,20 @@ def test_gpt_tiny_lowers_the_loss_on_repetitive_text(tmp_path):
     # unigram plateau); below that the model has learnt the repetition.
     assert train[-1] < 0.6 * train[0] and train[-1] < 1.9
     assert len(val) == 1 and val[0]["val_perplexity"] < 6
+
+
+def test_damaged_token_shards_are_refused(token_folder):
+    from fastdata.errors import ChecksumError
+
+    shard = token_folder / "train-00002.npy"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"train-00002\.npy does not match its checksum"):
+        TokenDataset(token_folder, seq_len=16, storage="ram")  # ram hashes while it reads
+    with pytest.raises(ChecksumError, match=r"train-00002\.npy does not match"):
+        TokenDataset(token_folder, seq_len=16, verify=True)
+    TokenDataset(token_folder, seq_len=16)  # mmap checks sizes only, by default
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(ChecksumError, match=r"train-00002\.npy has .* truncated"):
+        TokenDataset(token_folder, seq_len=16)
