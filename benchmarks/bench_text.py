@@ -4,10 +4,12 @@
    fastdata preprocess text (1 worker, all workers) vs a naive per-document loop with the same tokenizer
    (``ids.extend(encode(doc))``, then one ``np.array(ids, uint16)`` saved to disk).
 2. Serving (B, seq_len + 1) windows: TokenDataset.get_batch vs a memcpy of the same bytes (the ceiling)
-   vs nanoGPT's get_batch (a new np.memmap every batch, a Python list of windows, torch.stack).
+   vs the best gather of rows of the same size at random offsets (np.take of contiguous rows: the memory
+   system's limit for this access pattern) vs nanoGPT's get_batch (a new np.memmap every batch, a Python
+   list of windows, torch.stack).
 Targets (issue 7): TokenDataset >= 0.5x memcpy.
 
-    python benchmarks/bench_text.py [--mb 20] [--seq-len 1024] [--batch 64]
+    python benchmarks/bench_text.py [--mb 20] [--seq-len 1024 4096] [--batch 64]
 """
 from __future__ import annotations
 
@@ -55,10 +57,57 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
+    """Window serving vs a memcpy of the same bytes, vs the best gather of rows of the same size at random
+    offsets (``np.take`` of contiguous rows: what the memory system gives for this access pattern), and
+    vs nanoGPT's get_batch, all over the same token stream in RAM."""
+    rng = np.random.default_rng(0)
+    ds = TokenDataset(folder, seq_len=seq_len)
+    ds_ram = TokenDataset(folder, seq_len=seq_len, storage="ram")
+    length = seq_len + 1
+    src = np.concatenate([np.load(p, allow_pickle=False) for p in sorted(folder.glob("train-[0-9]*.npy"))])
+    rows = src[: len(src) // length * length].reshape(-1, length)
+    out = torch.empty((batch, length), dtype=ds.sample_dtype)
+    dst = out.numpy()
+
+    def rate(step) -> float:
+        step()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step()
+            n += batch
+        return n / (time.perf_counter() - t0)
+
+    def memcpy() -> None:
+        a = int(rng.integers(0, len(src) - dst.size))
+        np.copyto(dst.reshape(-1), src[a:a + dst.size])
+
+    def row_gather() -> None:
+        np.take(rows, rng.integers(0, len(rows), batch), axis=0, out=dst, mode="clip")
+
+    def nanogpt() -> None:  # nanoGPT train.py get_batch, CPU part
+        data = np.load(folder / "train-00000.npy", mmap_mode="r")  # "recreate np.memmap every batch ..."
+        ix = torch.randint(len(data) - seq_len - 1, (batch,))
+        torch.stack([torch.from_numpy(data[i:i + seq_len + 1].astype(np.int64)) for i in ix.tolist()])
+
+    r = {"memcpy": rate(memcpy), "row gather": rate(row_gather),
+         "TokenDataset mmap": rate(lambda: ds.get_batch(rng.integers(0, len(ds), batch), out=out)),
+         "TokenDataset ram": rate(lambda: ds_ram.get_batch(rng.integers(0, len(ds_ram), batch), out=out)),
+         "nanoGPT get_batch": rate(nanogpt)}
+    gb = length * ds.np_dtype.itemsize / 1e9
+    print(f"windows of {length} tokens ({length * ds.np_dtype.itemsize} B), batch {batch}, stream of "
+          f"{ds.num_tokens:,} tokens")
+    print(f"  {'row':<20} {'windows/s':>12} {'GB/s':>6} {'x memcpy':>9} {'x row gather':>13}")
+    for name, v in r.items():
+        print(f"  {name:<20} {v:>12,.0f} {v * gb:>6.2f} {v / r['memcpy']:>8.2f}x {v / r['row gather']:>12.2f}x")
+    print(f"  TokenDataset mmap is {r['TokenDataset mmap'] / r['nanoGPT get_batch']:.1f}x nanoGPT's get_batch; "
+          f"target (issue 7): >= 0.5x memcpy")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=20)
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
@@ -89,42 +138,8 @@ def main() -> None:
                     src=scratch / "c.jsonl", out=out, tokenizer=spec, workers=w, val_fraction=0.0, progress=False)))
             print(f"{name:<8} {mb / t_naive:>11.1f} {mb / times[1]:>12.1f} {mb / times[cores]:>12.1f} "
                   f"{t_naive / times[1]:>8.2f}x {t_naive / times[cores]:>8.2f}x")
-        ds = TokenDataset(scratch / "bytes-w1", seq_len=args.seq_len)
-        path = scratch / "bytes-w1" / "train-00000.npy"
-        n_tokens = ds.num_tokens
-        rng = np.random.default_rng(0)
-        out = torch.empty((args.batch, args.seq_len + 1), dtype=ds.sample_dtype)
-        src = np.ones(n_tokens, np.uint16)
-        dst = np.empty(args.batch * (args.seq_len + 1), np.uint16)
-
-        def rate(step) -> float:
-            step()
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < args.seconds:
-                step()
-                n += args.batch
-            return n / (time.perf_counter() - t0)
-
-        def memcpy() -> None:
-            a = int(rng.integers(0, n_tokens - len(dst)))
-            np.copyto(dst, src[a:a + len(dst)])
-
-        def ours() -> None:
-            ds.get_batch(rng.integers(0, len(ds), args.batch), out=out)
-
-        def nanogpt() -> None:  # nanoGPT train.py get_batch, CPU part
-            data = np.load(path, mmap_mode="r")  # "recreate np.memmap every batch to avoid a memory leak"
-            ix = torch.randint(len(data) - args.seq_len - 1, (args.batch,))
-            torch.stack([torch.from_numpy(data[i:i + args.seq_len + 1].astype(np.int64)) for i in ix.tolist()])
-
-        r_mem, r_ours, r_nano = rate(memcpy), rate(ours), rate(nanogpt)
-        ds_ram = TokenDataset(scratch / "bytes-w1", seq_len=args.seq_len, storage="ram")
-        r_ram = rate(lambda: ds_ram.get_batch(rng.integers(0, len(ds_ram), args.batch), out=out))
-        tok_b = (args.seq_len + 1) * 2 / 1e9
-        print(f"windows of {args.seq_len + 1} tokens, batch {args.batch}: memcpy {r_mem:,.0f} windows/s "
-              f"({r_mem * tok_b:.2f} GB/s), TokenDataset mmap {r_ours:,.0f} ({r_ours / r_mem:.2f}x memcpy, "
-              f"target >= 0.5), ram {r_ram:,.0f} ({r_ram / r_mem:.2f}x), nanoGPT get_batch {r_nano:,.0f} "
-              f"(TokenDataset mmap {r_ours / r_nano:.1f}x faster)")
+        for seq_len in args.seq_len:
+            windows(scratch / "bytes-w1", seq_len, args.batch, args.seconds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

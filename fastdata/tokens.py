@@ -101,7 +101,7 @@ class TokenDataset(torch.utils.data.Dataset):
                                      self._verify, self.storage)
         if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
             self._flat, self._shards = self._shards[0], []
-        # Window views are made once here: sliding_window_view costs ~15 us, a batch of 64 windows ~10 us.
+        # Window views are made once here: making one costs ~15 us, a batch of 64 windows ~10 us.
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
         self._shard_windows = [self._windows(a) for a in self._shards]
 
@@ -125,37 +125,55 @@ class TokenDataset(torch.utils.data.Dataset):
         return indices.astype(np.int64) * self.stride
 
     def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)`` as two views of one ``(B, seq_len + 1)`` window buffer, in the stored dtype."""
+        """``(x, y)`` as two views of one ``(B, seq_len + 1)`` window buffer, in the stored dtype.
+
+        ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the windows; the result views ``out[:B]``.
+        """
         idx = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
         n = len(self)
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             raise IndexError(f"window index out of range for {n} windows (got {idx.min()}..{idx.max()})")
-        length = self.seq_len + 1
-        if out is None:
-            out = torch.empty((len(idx), length), dtype=self.sample_dtype)
-        w = out[: len(idx)]
-        self._gather(self.starts(idx), w.numpy())
+        length, starts = self.seq_len + 1, self.starts(idx)
+        if out is not None:
+            if out.dtype != self.sample_dtype or tuple(out.shape[1:]) != self.sample_shape or \
+                    out.shape[0] < len(idx) or not out.is_contiguous() or out.device.type != "cpu":
+                raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape "
+                                  f"(>={len(idx)}, {length}), got {tuple(out.shape)} {out.dtype} on {out.device}")
+            w = out[: len(idx)]
+            self._gather(starts, w.numpy())
+        elif self._flat_windows is not None:  # the gather's own result is the batch: no second copy
+            w = torch.from_numpy(self._flat_windows[starts].view(self.np_dtype).reshape(len(idx), length))
+        else:
+            w = torch.empty((len(idx), length), dtype=self.sample_dtype)
+            self._gather(starts, w.numpy())
         return w[:, :-1], w[:, 1:]
 
     def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
-        """A (n - L + 1, L) read-only view of every window of ``arr``: no data is copied."""
+        """Every window of ``arr`` as one item of a 1-D array (a void item of ``seq_len + 1`` tokens, one token
+        apart): no data is copied, and a gather copies each window with one memcpy (see NOTE [window gather])."""
         length = self.seq_len + 1
-        return np.lib.stride_tricks.sliding_window_view(arr, length) if len(arr) >= length else None
+        if len(arr) < length:
+            return None
+        rows = np.lib.stride_tricks.sliding_window_view(arr, length)
+        return rows.view(np.dtype((np.void, length * arr.itemsize)))[:, 0]
 
     def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
-        # NOTE: fancy-indexing rows of the sliding-window view copies each window as one contiguous run
-        # (14 GB/s here); an element-wise take of start + arange(L) ran at 1.4 GB/s, and np.take on the
-        # strided view tries to materialise every window.
+        # NOTE [window gather]: indexing the 1-D view of void windows copies each window with one memcpy and
+        # runs at the speed of np.take over contiguous rows at the same random offsets, the memory system's
+        # limit for 2 KB reads (bench_text measures both). A 2-D fancy index of the sliding-window view was
+        # 10-20% slower, an element-wise take of start + arange(L) ran at 1.4 GB/s, and np.take on a strided
+        # view tries to materialise every window. The copy into ``dst`` costs another 20-30% at 2 KB windows.
+        rows = dst.view(np.dtype((np.void, dst.shape[1] * dst.itemsize)))[:, 0]
         if self._flat_windows is not None:
-            dst[...] = self._flat_windows[starts]
+            rows[...] = self._flat_windows[starts]
             return
         length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
         last = shard_of(starts + length - 1, self._shard_offsets)
         inside = first == last
         for s in np.unique(first[inside]):  # one gather per shard for windows inside it
-            rows = np.flatnonzero(inside & (first == s))
-            dst[rows] = self._shard_windows[s][starts[rows] - self._shard_offsets[s]]
+            sel = np.flatnonzero(inside & (first == s))
+            rows[sel] = self._shard_windows[s][starts[sel] - self._shard_offsets[s]]
         for r in np.flatnonzero(~inside):  # the rare window that straddles a shard boundary
             pos = starts[r] + np.arange(length, dtype=np.int64)
             sh = shard_of(pos, self._shard_offsets)

@@ -13,7 +13,7 @@ import torch
 
 from conftest import kill_when_journaled
 from fastdata.cli import main
-from fastdata.errors import FormatError
+from fastdata.errors import ConfigError, FormatError
 from fastdata.preprocess.text import is_val
 from fastdata.tokens import TokenDataset, shard_of, splitmix
 
@@ -112,6 +112,14 @@ def test_windows_are_shifted_by_one_and_match_the_stream(token_folder, tmp_path,
         assert np.array_equal(y[row].numpy(), s[i * 50 + 1: i * 50 + 51])
     xi, yi = ds[3]
     assert xi.dtype == torch.int64 and torch.equal(xi[1:], yi[:-1])
+    buf = torch.full((8, 51), 7, dtype=torch.uint16)  # into a given buffer (FastLoader's ring): the same rows
+    xb, yb = ds.get_batch(idx, out=buf)
+    assert torch.equal(xb, x) and torch.equal(yb, y) and xb.data_ptr() == buf.data_ptr()
+    assert (buf[6:] == 7).all()  # rows past the batch untouched
+    for bad in (torch.empty((8, 50), dtype=torch.uint16), torch.empty((3, 51), dtype=torch.uint16),
+                torch.empty((8, 51), dtype=torch.int64), torch.empty((51, 8), dtype=torch.uint16).t()):
+        with pytest.raises(ConfigError, match="out must be"):
+            ds.get_batch(idx, out=bad)
 
 
 def test_stride_and_random_windows(token_folder):
@@ -125,6 +133,9 @@ def test_stride_and_random_windows(token_folder):
                                                                   seed=3).starts(np.arange(10)))
     x, _ = rnd.get_batch([4])
     assert np.array_equal(x[0].numpy(), s[starts[4]:starts[4] + 32])
+    idx = np.arange(len(rnd))  # every random window, many across shard boundaries, into a buffer
+    x, _ = rnd.get_batch(idx, out=torch.empty((len(idx), 33), dtype=torch.uint16))
+    assert np.array_equal(x.numpy(), s[starts[:, None] + np.arange(32)])
 
 
 def test_fastloader_and_dataloader_serve_token_windows(token_folder):
