@@ -1,8 +1,8 @@
 """CUDAPrefetcher: batches copied to the GPU on a side stream, converted and augmented there, one step ahead.
 
 NOTE [prefetch]: for each batch, on one side stream created once per prefetcher: host tensors (pinned;
-FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``;
-an event marks the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the
+FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``
+(views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the
 permute of NHWC is channels_last: no copy), the transforms run and :class:`Normalize` casts and
 normalises in one multiply-add; a second event marks the batch ready. The consumer's stream waits on
 that event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used
@@ -35,6 +35,53 @@ def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         items = [_walk(v, fn) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: the storage elements a (non-negatively strided, non-empty) tensor reads."""
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+
+def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.Tensor]]:
+    """Copy every CPU tensor of ``batch`` to ``device`` (always a copy, never an alias of a loader buffer).
+
+    CPU tensors that view one storage, such as a token batch's ``x`` and ``y`` (one window buffer shifted by
+    one), cross once as the span of storage they cover and become the same views on ``device``: half the
+    bytes, and no host-side ``.contiguous()`` into pageable memory. With ``pin``, host memory is pinned first
+    (buffers that already are, such as FastLoader's, are used as they are) and copies are non-blocking.
+    Returns the moved batch and the host tensors read, which must stay alive until the copies complete.
+    """
+    leaves: list[torch.Tensor] = []
+    _walk(batch, leaves.append)
+    spans: dict[tuple[int, torch.dtype], list[int]] = {}  # (storage, dtype) -> [lo, hi, elements used]
+    for t in leaves:
+        if t.device.type == "cpu" and t.numel() and not t.is_contiguous() and min(t.stride()) >= 0:
+            lo, hi = _extent(t)
+            span = spans.setdefault((t.untyped_storage().data_ptr(), t.dtype), [lo, hi, 0])
+            span[0], span[1], span[2] = min(span[0], lo), max(span[1], hi), span[2] + t.numel()
+    host: list[torch.Tensor] = []
+    moved_spans: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}
+
+    def copy(src: torch.Tensor) -> torch.Tensor:
+        if pin and not src.is_pinned():
+            src = src.pin_memory()
+        host.append(src)
+        return src.to(device, non_blocking=pin, copy=True)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t.to(device, copy=True)
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        span = spans.get(key)
+        if span is not None and span[1] - span[0] <= span[2]:  # the span is no bigger than its views
+            if key not in moved_spans:
+                moved_spans[key] = (copy(t.as_strided((span[1] - span[0],), (1,), span[0])), span[0])
+            flat, lo = moved_spans[key]
+            return flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+        return copy(t if t.is_contiguous() else t.contiguous())
+
+    return _walk(batch, one), host
 
 
 def is_image(t: torch.Tensor) -> bool:
@@ -140,7 +187,7 @@ class CUDAPrefetcher:
         for batch, _ in self._source():
             gen = self._seeded() if self.transforms is not None else None
             self._batch_in_epoch += 1
-            moved = _walk(batch, lambda t: t.to(self.device, copy=True))  # never alias a loader buffer
+            moved, _ = move(batch, self.device, pin=False)
             yield self.convert(moved, gen)
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -174,15 +221,20 @@ class CUDAPrefetcher:
             self._unserved.append(self._position())
             gen = self._seeded() if self.transforms is not None else None
             self._batch_in_epoch += 1
-            host = _walk(batch, lambda t: t if t.is_pinned() or t.device.type != "cpu" else t.pin_memory())
+            on_gpu: list[torch.Tensor] = []
+            _walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
+            if on_gpu:  # made on the loader's stream (storage="cuda"): read them only once they are written
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                for t in on_gpu:
+                    t.record_stream(stream)
             with torch.cuda.stream(stream):
-                moved = _walk(host, lambda t: t.to(self.device, non_blocking=True))
+                moved, host = move(batch, self.device, pin=True)
                 copied = torch.cuda.Event()
                 copied.record(stream)
                 out = self.convert(moved, gen)
                 done = torch.cuda.Event()
                 done.record(stream)
-            held.append((copied, release, host))  # `host` keeps pageable-then-pinned copies alive
+            held.append((copied, release, host))  # `host` keeps pinned copies of pageable tensors alive
             ready.append((out, done))
             return True
 

@@ -10,7 +10,7 @@ from conftest import INDEXED_N, sample_ids
 from fastdata.dataset import FastDataset
 from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
-from fastdata.prefetch import CUDAPrefetcher
+from fastdata.prefetch import CUDAPrefetcher, move
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -48,6 +48,24 @@ def test_nested_batches_and_non_images():
     assert out["a"].tokens.dtype == torch.int64 and torch.equal(out["a"].tokens, tokens.long())  # never normalised
     assert out["b"][1:] == ["name", 7] and torch.equal(out["b"][0], torch.ones(3))
     assert out["mask"].dtype == torch.int64  # a 2-D uint8 tensor is not an image
+
+
+def test_views_of_one_buffer_cross_once_and_never_alias_it():
+    window = torch.arange(4 * 9, dtype=torch.int32).to(torch.uint16).view(4, 9)  # a token batch: x, y views
+    x, y = window[:, :-1], window[:, 1:]
+    col = torch.arange(400, dtype=torch.int16).view(20, 20)[:, 3]  # a view spanning far more than it reads
+    ones = torch.ones(1, dtype=torch.float32).expand(6)
+    (mx, my, mcol, mones), host = move((x, y, col, ones), torch.device("cpu"), pin=False)
+    assert torch.equal(mx, x) and torch.equal(my, y) and torch.equal(mcol, col) and torch.equal(mones, ones)
+    assert mx.untyped_storage().data_ptr() == my.untyped_storage().data_ptr()  # one copy for x and y...
+    assert mx.untyped_storage().nbytes() == window.numel() * 2  # ...of the window buffer, not twice its size
+    assert mcol.untyped_storage().nbytes() == 20 * 2  # the sparse view crossed as a compact copy
+    assert mones.untyped_storage().nbytes() == 4
+    (px, py), = list(CUDAPrefetcher([(x, y)], device="cpu"))
+    assert px.dtype == torch.int64 and torch.equal(px, x.long()) and torch.equal(py, y.long())
+    window.zero_()
+    assert mx[0, 1] == 1 and my[-1, -1] == 35  # copies, not aliases of the loader's buffer
+    assert len(host) == 3
 
 
 def test_empty_loader_yields_nothing():
@@ -163,3 +181,26 @@ def test_h2d_copy_overlaps_compute_on_the_side_stream(tmp_path):
     assert not side & {e["args"]["stream"] for e in kernels}  # copies never on the compute stream
     overlap = any(c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"] for c in copies for k in kernels)
     assert overlap, "no H2D copy ran concurrently with a compute kernel"
+
+
+@pytest.mark.cuda
+def test_gpu_token_windows_and_gpu_storage_match_the_cpu_path(tmp_path, indexed_datasets):
+    from fastdata.cli import main
+    from fastdata.tokens import TokenDataset
+
+    text = "".join(f"document {i} " * (i % 7 + 1) + "\n" for i in range(300))
+    (tmp_path / "t.txt").write_text(text)
+    assert main(["preprocess", "text", str(tmp_path / "t.txt"), str(tmp_path / "tok"), "--quiet",
+                 "--val-fraction", "0", "--shard-tokens", "900"]) == 0
+    tokens = TokenDataset(tmp_path / "tok", seq_len=64)
+    pf = CUDAPrefetcher(FastLoader(tokens, 8, seed=0, num_threads=2, prefetch=0), device="cuda", depth=2)
+    ref = CUDAPrefetcher(FastLoader(tokens, 8, seed=0, copy=True), device="cpu")
+    for (x, y), (xr, yr) in zip(pf, ref):  # x and y crossed as one window buffer
+        assert x.device.type == "cuda" and x.dtype == torch.int64
+        assert torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
+    images = FastDataset(indexed_datasets["npy"], storage="cuda")
+    pf = CUDAPrefetcher(FastLoader(images, 16, seed=0), device="cuda", normalize=False)
+    ref = CUDAPrefetcher(FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=0, copy=True), device="cpu",
+                         normalize=False)
+    for (x, y), (xr, yr) in zip(pf, ref):  # gathered on the GPU by the loader, read on the side stream
+        assert torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
