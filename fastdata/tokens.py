@@ -69,7 +69,8 @@ class TokenDataset(torch.utils.data.Dataset):
         self.vocab_size, self.eos_id = int(info["vocab_size"]), int(info["eos_id"])
         self.np_dtype = np.dtype(self.manifest["dtype"])
         self.sample_dtype = _TORCH_DTYPES[self.np_dtype]
-        self.sample_shape = (seq_len + 1,)
+        self.sample_shape = torch.Size((seq_len + 1,))
+        self._void = np.dtype((np.void, (seq_len + 1) * self.np_dtype.itemsize))  # one window as one item
         self.device = torch.device("cpu")
         s = self.manifest["splits"][split]
         self.num_tokens = int(s["tokens"])
@@ -130,21 +131,21 @@ class TokenDataset(torch.utils.data.Dataset):
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the windows; the result views ``out[:B]``.
         """
         idx = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-        n = len(self)
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
+        n, b, length = len(self), len(idx), self.seq_len + 1
+        if b and idx.astype(np.uint64).max() >= n:  # negative indices wrap to huge: one reduction for both ends
             raise IndexError(f"window index out of range for {n} windows (got {idx.min()}..{idx.max()})")
-        length, starts = self.seq_len + 1, self.starts(idx)
-        if out is not None:
-            if out.dtype != self.sample_dtype or tuple(out.shape[1:]) != self.sample_shape or \
-                    out.shape[0] < len(idx) or not out.is_contiguous() or out.device.type != "cpu":
+        starts = self.starts(idx)
+        if out is not None:  # cheap checks first: FastLoader calls this for every batch with its ring buffer
+            if out.dtype != self.sample_dtype or out.shape[1:] != self.sample_shape or out.shape[0] < b or \
+                    not out.is_contiguous() or out.is_cuda:
                 raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape "
-                                  f"(>={len(idx)}, {length}), got {tuple(out.shape)} {out.dtype} on {out.device}")
-            w = out[: len(idx)]
+                                  f"(>={b}, {length}), got {tuple(out.shape)} {out.dtype} on {out.device}")
+            w = out if out.shape[0] == b else out[:b]
             self._gather(starts, w.numpy())
         elif self._flat_windows is not None:  # the gather's own result is the batch: no second copy
-            w = torch.from_numpy(self._flat_windows[starts].view(self.np_dtype).reshape(len(idx), length))
+            w = torch.from_numpy(self._flat_windows[starts].view(self.np_dtype).reshape(b, length))
         else:
-            w = torch.empty((len(idx), length), dtype=self.sample_dtype)
+            w = torch.empty((b, length), dtype=self.sample_dtype)
             self._gather(starts, w.numpy())
         return w[:, :-1], w[:, 1:]
 
@@ -154,8 +155,7 @@ class TokenDataset(torch.utils.data.Dataset):
         length = self.seq_len + 1
         if len(arr) < length:
             return None
-        rows = np.lib.stride_tricks.sliding_window_view(arr, length)
-        return rows.view(np.dtype((np.void, length * arr.itemsize)))[:, 0]
+        return np.lib.stride_tricks.sliding_window_view(arr, length).view(self._void)[:, 0]
 
     def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
         # NOTE [window gather]: indexing the 1-D view of void windows copies each window with one memcpy and
@@ -163,7 +163,7 @@ class TokenDataset(torch.utils.data.Dataset):
         # limit for 2 KB reads (bench_text measures both). A 2-D fancy index of the sliding-window view was
         # 10-20% slower, an element-wise take of start + arange(L) ran at 1.4 GB/s, and np.take on a strided
         # view tries to materialise every window. The copy into ``dst`` costs another 20-30% at 2 KB windows.
-        rows = dst.view(np.dtype((np.void, dst.shape[1] * dst.itemsize)))[:, 0]
+        rows = dst.view(self._void).reshape(-1)
         if self._flat_windows is not None:
             rows[...] = self._flat_windows[starts]
             return
