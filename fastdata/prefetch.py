@@ -43,6 +43,11 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
 
 
+def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), t.dtype
+
+
 def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.Tensor]]:
     """Copy every CPU tensor of ``batch`` to ``device`` (always a copy, never an alias of a loader buffer).
 
@@ -54,14 +59,14 @@ def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.T
     """
     leaves: list[torch.Tensor] = []
     _walk(batch, leaves.append)
-    spans: dict[tuple[int, torch.dtype], list[int]] = {}  # (storage, dtype) -> [lo, hi, elements used]
+    spans: dict[tuple[int, int, torch.dtype], list[int]] = {}  # storage, dtype -> [lo, hi, elements used]
     for t in leaves:
         if t.device.type == "cpu" and t.numel() and not t.is_contiguous() and min(t.stride()) >= 0:
             lo, hi = _extent(t)
-            span = spans.setdefault((t.untyped_storage().data_ptr(), t.dtype), [lo, hi, 0])
+            span = spans.setdefault(_storage_key(t), [lo, hi, 0])
             span[0], span[1], span[2] = min(span[0], lo), max(span[1], hi), span[2] + t.numel()
     host: list[torch.Tensor] = []
-    moved_spans: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}
+    moved_spans: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]] = {}
 
     def copy(src: torch.Tensor) -> torch.Tensor:
         if pin and not src.is_pinned():
@@ -72,7 +77,7 @@ def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.T
     def one(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
             return t.to(device, copy=True)
-        key = (t.untyped_storage().data_ptr(), t.dtype)
+        key = _storage_key(t)
         span = spans.get(key)
         if span is not None and span[1] - span[0] <= span[2]:  # the span is no bigger than its views
             if key not in moved_spans:
