@@ -319,18 +319,23 @@ class Trainer:
         return None
 
     def _log_interval(self, meter: "_Meter", bar: Any) -> None:
-        loss_sum, correct, count = self._reduce(meter.loss_sum, meter.correct, meter.count)
+        samples = torch.tensor(float(meter.samples), device=self.device, dtype=torch.float64)
+        loss_sum, correct, count, samples_all = self._reduce(meter.loss_sum, meter.correct, meter.count, samples)
         waited, total = meter.wait_and_total()
         self._waited, self._busy = self._waited + waited, self._busy + total
         stall = 100 * waited / max(total, 1e-9)
-        rate = count / max(1e-9, meter.elapsed()) / self.dist.world_size
+        elapsed = max(1e-9, meter.elapsed())
         record = {"event": "train", "epoch": self.epoch, "step": self.step, "loss": loss_sum / max(1, count),
                   "accuracy": correct / max(1, count), "lr": self.scheduler.get_last_lr()[0],
-                  "samples_per_s": rate * self.dist.world_size, "data_stall_pct": stall}
+                  "samples_per_s": samples_all / elapsed, "data_stall_pct": stall}
+        if count != samples_all:  # several targets per sample (language models): report tokens too
+            record["tokens_per_s"] = count / elapsed
         self._log(record)
         if bar is not None:
             bar.update(self.step - bar.n)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", img_s=f"{record['samples_per_s']:.0f}", stall=f"{stall:.1f}%")
+            rate = {"tok_s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else \
+                {"img_s": f"{record['samples_per_s']:.0f}"}
+            bar.set_postfix(loss=f"{record['loss']:.3f}", **rate, stall=f"{stall:.1f}%")
         meter.reset()
 
     # -- validation and early stopping ----------------------------------------------------------------
@@ -494,6 +499,7 @@ class _Meter:
     def reset(self) -> None:
         z = lambda: torch.zeros((), device=self.device, dtype=torch.float64)  # noqa: E731
         self.loss_sum, self.correct, self.count = z(), z(), z()
+        self.samples = 0  # a host count (shapes are known on the host): no sync
         self.t0 = time.perf_counter()
         self._steps = 0
         self.waited = 0.0
@@ -519,6 +525,7 @@ class _Meter:
 
     def add(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> None:
         self._steps += 1
+        self.samples += y.shape[0] if y.ndim else 1
         n = y.numel()
         self.loss_sum += loss.double() * n
         if out.ndim == y.ndim + 1:

@@ -246,6 +246,8 @@ def test_gpt_tiny_lowers_the_loss_on_repetitive_text(tmp_path):
     # unigram plateau); below that the model has learnt the repetition.
     assert train[-1] < 0.6 * train[0] and train[-1] < 1.9
     assert len(val) == 1 and val[0]["val_perplexity"] < 6
+    for r in (r for r in records if r["event"] == "train"):  # windows/s and tokens/s, 32 targets per window
+        assert r["tokens_per_s"] == pytest.approx(32 * r["samples_per_s"])
 
 
 def test_damaged_token_shards_are_refused(token_folder):
