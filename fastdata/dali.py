@@ -52,7 +52,8 @@ class DALILoader(SamplerBacked):
                  device: Union[str, torch.device] = "cuda", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
                  num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
-                 on_error: str = "fail", rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None) -> None:
         self._dali = _dali()
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
@@ -70,7 +71,8 @@ class DALILoader(SamplerBacked):
         self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
         self.mean, self.std = tuple(mean), tuple(std)
         self.sampler = DistributedBatchSampler(n, batch_size, shuffle=train if shuffle is None else shuffle,
-                                               seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
+                                               seed=seed, drop_last=drop_last, pad=train if pad is None else pad,
+                                               rank=rank, world_size=world_size)
         self.num_threads = num_threads or min(4, torch.get_num_threads())
         self.seed = seed
         self.skipped: list[int] = []

@@ -34,11 +34,13 @@ def _noop() -> None:
 
 class FastLoader(SamplerBacked):
     """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
-    in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable)."""
+    in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable). ``pad=False``
+    serves every sample exactly once across ranks (for evaluation; ranks may get one batch fewer)."""
 
     def __init__(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  *, num_threads: Optional[int] = None, prefetch: int = 2, pin_memory: Optional[bool] = None,
-                 copy: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 copy: bool = False, pad: bool = True, rank: Optional[int] = None,
+                 world_size: Optional[int] = None) -> None:
         for attr in ("get_batch", "sample_shape", "sample_dtype", "__len__"):
             if not hasattr(dataset, attr):
                 raise ConfigError(f"dataset must provide get_batch(), sample_shape and sample_dtype (a FastDataset or "
@@ -50,7 +52,7 @@ class FastLoader(SamplerBacked):
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
-                                               drop_last=drop_last, rank=rank, world_size=world_size)
+                                               drop_last=drop_last, pad=pad, rank=rank, world_size=world_size)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory

@@ -77,8 +77,8 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
                            device=device, transforms=train_tf, seed=p.seed)
     val = None
     if val_ds is not None:
-        val = CUDAPrefetcher(FastLoader(val_ds, p.batch_size, shuffle=False, num_threads=p.threads), device=device,
-                             transforms=eval_tf)
+        val = CUDAPrefetcher(FastLoader(val_ds, p.batch_size, shuffle=False, pad=False, num_threads=p.threads),
+                             device=device, transforms=eval_tf)  # pad=False: every sample once across ranks
     model = create_model(p.model, num_classes=len(ds.classes))
     return model, train, val
 
@@ -97,7 +97,7 @@ def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, st
     val_tokens = train_ds.manifest["splits"]["val"]["tokens"]
     if val_tokens >= seq_len + 1:
         val = CUDAPrefetcher(FastLoader(TokenDataset(data, "val", seq_len, storage=storage), batch_size, shuffle=False,
-                                        num_threads=threads), device=device)
+                                        pad=False, num_threads=threads), device=device)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 

@@ -5,7 +5,9 @@ NOTE [epoch plan]: an epoch is the permutation ``perm`` of ``range(N)`` drawn fr
 A resumed epoch starts at a global position ``start``: the samples still due are ``rest = perm[start:]``.
 Without ``drop_last``, ``rest`` is padded with its own first samples up to a multiple of the world size
 (at most ``world - 1`` repeats, as ``DistributedSampler`` does); with ``drop_last`` it is cut to a
-multiple of ``world * batch_size`` (nothing repeats, every batch is full). Rank ``r`` takes
+multiple of ``world * batch_size`` (nothing repeats, every batch is full); with ``pad=False`` (for
+evaluation) it is neither, so every sample is served exactly once and ranks may serve one sample, and
+so one batch, fewer. Rank ``r`` takes
 ``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
 ``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
 """
@@ -35,12 +37,15 @@ def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None
 class DistributedBatchSampler:
     """Batches of sample indices for one rank; usable as a ``DataLoader(batch_sampler=...)``.
 
-    Every rank yields the same number of batches (so DDP never hangs). ``state_dict()`` records how far
+    Every rank yields the same number of batches (so DDP never hangs), except with ``pad=False``: then
+    every sample is served exactly once, for evaluation loops that run no collective per batch (such as
+    :meth:`fastdata.train.Trainer.evaluate`). ``state_dict()`` records how far
     the epoch got; ``load_state_dict()`` resumes at the next unseen sample (see NOTE [epoch plan]).
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 drop_last: bool = False, pad: bool = True, rank: Optional[int] = None,
+                 world_size: Optional[int] = None) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -48,7 +53,7 @@ class DistributedBatchSampler:
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got seed={seed!r}")
         self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
-        self.drop_last = drop_last
+        self.drop_last, self.pad = drop_last, pad
         self.rank, self.world_size = dist_rank_world(rank, world_size)
         self.epoch = 0
         self.start = 0  # global position this epoch (re)starts from
@@ -67,7 +72,7 @@ class DistributedBatchSampler:
         w = self.world_size
         if self.drop_last:
             return rest[: len(rest) // (w * self.batch_size) * (w * self.batch_size)]
-        if len(rest) % w:
+        if len(rest) % w and self.pad:
             rest = np.concatenate([rest, np.resize(rest, w - len(rest) % w)])  # repeat the first ones
         return rest
 
@@ -89,11 +94,12 @@ class DistributedBatchSampler:
         self.end_epoch()
 
     def epoch_batches(self) -> int:
-        """Batches this rank serves in a whole epoch (the same on every rank)."""
+        """Batches this rank serves in a whole epoch (the same on every rank unless ``pad=False``)."""
         n, w, b = self.num_samples, self.world_size, self.batch_size
         if self.drop_last:
             return n // (w * b)
-        return -(-(-(-n // w)) // b)
+        mine = -(-n // w) if self.pad else len(range(self.rank, n, w))
+        return -(-mine // b)
 
     def __len__(self) -> int:
         """Batches this rank serves in the rest of the current epoch."""

@@ -341,8 +341,13 @@ class Trainer:
     # -- validation and early stopping ----------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, loader: Any = None) -> dict[str, float]:
-        """Loss and accuracy over ``loader`` (the validation loader), summed over every rank's shard."""
+        """Loss and accuracy over ``loader`` (the validation loader), summed over every rank's shard.
+
+        Runs no collective per batch (the module without its DDP wrapper), so ranks may serve different
+        batch counts: a loader with ``pad=False`` gives exact metrics, each sample counted once.
+        """
         loader = loader if loader is not None else self.val_loader
+        forward = self.forward if self.ddp is None else self.model
         self.forward.eval()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -351,7 +356,7 @@ class Trainer:
         for batch in loader:
             x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
             with self._autocast():
-                out = self.forward(x)
+                out = forward(x)
                 loss = self.loss_fn(out, y)
             n = y.numel()
             loss_sum += loss.double() * n

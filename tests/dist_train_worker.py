@@ -17,12 +17,13 @@ info = init_distributed("cpu")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 loader = CUDAPrefetcher(FastLoader(FastDataset(data), batch, seed=3), device="cpu")
-val = CUDAPrefetcher(FastLoader(FastDataset(data), 10, shuffle=False), device="cpu")
+val = CUDAPrefetcher(FastLoader(FastDataset(data), 10, shuffle=False, pad=False), device="cpu")
 cfg = TrainConfig(epochs=5, max_steps=steps, lr=0.2, accum=accum, device="cpu", progress=False, schedule="constant")
 trainer = Trainer(model, loader, val, config=cfg)
+initial = trainer.evaluate()  # the same weights on every world size: the metrics must not depend on it
 trainer.fit()
 metrics = trainer.evaluate()  # every rank evaluates its shard of the val set; the sums are all-reduced
 with open(out + f".val{info.rank}.json", "w") as f:
-    json.dump(metrics, f)
+    json.dump({**metrics, "initial": initial}, f)
 if info.rank == 0:
     torch.save(model.state_dict(), out)

@@ -53,6 +53,8 @@ def test_two_ranks_and_resume(indexed_datasets):
     per_rank = [[i for x, _ in loader(indexed_datasets["lmdb"], shuffle=True, rank=r, world_size=2) for i in ids(x)]
                 for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) and sorted(per_rank[0] + per_rank[1]) == list(range(INDEXED_N))
+    three = [[i for x, _ in loader(indexed_datasets["lmdb"], rank=r, world_size=3) for i in ids(x)] for r in range(3)]
+    assert sorted(sum(three, [])) == list(range(INDEXED_N))  # evaluation on 3 ranks: 34 + 33 + 33, no repeats
     a = loader(indexed_datasets["lmdb"], shuffle=True, seed=2)
     it = iter(a)
     first = [i for _ in range(3) for i in ids(next(it)[0])]

@@ -39,6 +39,24 @@ def test_drop_last_serves_full_batches_without_repeats(n, b, world):
     assert len({len(batches) for batches in per_rank}) == 1
 
 
+@pytest.mark.parametrize("n, b, world", [(100, 8, 3), (7, 4, 4), (5, 3, 8), (33, 32, 2)])
+def test_pad_false_serves_every_sample_exactly_once(n, b, world):
+    per_rank = []
+    for r in range(world):
+        s = DistributedBatchSampler(n, b, shuffle=True, seed=1, pad=False, rank=r, world_size=world)
+        assert len(s) == s.epoch_batches()
+        per_rank.append(list(s))
+        assert len(per_rank[-1]) == s.epoch_batches()
+    flat = [i for batches in per_rank for batch in batches for i in batch]
+    assert sorted(flat) == list(range(n))  # no padded repeats
+    sizes = [sum(map(len, batches)) for batches in per_rank]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    padded = epoch_batches(n, b, world, drop_last=False, seed=1)  # the padded plan, without its repeats
+    for mine, theirs in zip(per_rank, padded):
+        a, p = [i for batch in mine for i in batch], [i for batch in theirs for i in batch]
+        assert a == p[:len(a)] and len(p) - len(a) <= 1
+
+
 def test_order_fixed_by_seed_and_epoch():
     a = epoch_batches(50, 7, 2, False, epoch=3, seed=5)
     assert a == epoch_batches(50, 7, 2, False, epoch=3, seed=5)

@@ -44,6 +44,11 @@ def test_two_ranks_at_half_batch_equal_one_rank_at_full_batch(indexed_datasets, 
            for name, n in (("w1-b16-a1-s5", 1), ("w2-b8-a1-s5", 2))}
     assert val["w2-b8-a1-s5"][0] == val["w2-b8-a1-s5"][1]  # reduced across ranks: both ranks report the same
     assert val["w2-b8-a1-s5"][0]["val_loss"] == pytest.approx(val["w1-b16-a1-s5"][0]["val_loss"], abs=1e-6)
+    worker(tmp_path, indexed_datasets["npy"], 3, 5, 1, steps=1)  # 100 val samples on 3 ranks: 34, 33, 33
+    three = [json.loads((tmp_path / f"w3-b5-a1-s1.pt.val{r}.json").read_text())["initial"] for r in range(3)]
+    assert three[0] == three[1] == three[2]
+    for key in ("val_loss", "val_accuracy"):  # exactly once per sample: no padded repeats in the metrics
+        assert three[0][key] == pytest.approx(val["w1-b16-a1-s5"][0]["initial"][key], abs=1e-6)
 
 
 @pytest.mark.slow
