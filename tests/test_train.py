@@ -227,3 +227,24 @@ def test_profile_writes_a_trace_and_reports_the_data_wait(small_images, tmp_path
     out = capsys.readouterr().out
     assert (tmp_path / "trace.json").stat().st_size > 1000
     assert "aten::" in out and "profiled 3 steps" in out and "waiting for data" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(map(__import__("shutil").which, ("c++", "g++", "clang++"))),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_compile_trains_to_the_same_weights():
+    data = [(torch.randint(0, 256, (8, 4, 4, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)),
+             torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])) for i in range(4)]
+
+    def run(compile: bool) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        cfg = TrainConfig(epochs=1, lr=0.1, device="cpu", progress=False, compile=compile, schedule="constant")
+        Trainer(model, CUDAPrefetcher(data, device="cpu"), None, config=cfg).fit()
+        return model.state_dict()  # the Trainer saves and steps the module beneath the compiled wrapper
+
+    eager, compiled = run(False), run(True)
+    assert all(torch.allclose(eager[k], compiled[k], atol=1e-5) for k in eager)
+    torch.manual_seed(0)
+    untouched = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16)).state_dict()
+    assert not torch.allclose(untouched["1.weight"], compiled["1.weight"])  # training moved the weights
