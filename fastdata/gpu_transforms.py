@@ -137,32 +137,8 @@ class RandomResizedCrop(Transform):
         """(B, 4) float boxes: top, left, height, width (whole pixels)."""
         b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
         u = torch.rand(b, tries, 4, generator=generator, device=dev)
-        area = H * W * (self.scale[0] + u[..., 0] * (self.scale[1] - self.scale[0]))
-        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = torch.exp(lo + u[..., 1] * (hi - lo))
-        w = torch.round(torch.sqrt(area * aspect))
-        h = torch.round(torch.sqrt(area / aspect))
-        ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
-        first = torch.argmax(ok.int(), dim=1)  # the first try that fits (0 when none does: see fallback)
-        pick = lambda t: t.gather(1, first[:, None]).squeeze(1)  # noqa: E731
-        h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
-        top = torch.floor(uy * (H - h + 1))
-        left = torch.floor(ux * (W - w + 1))
-        fallback = ~ok.any(dim=1)  # blended with torch.where rather than tested: no host sync on a GPU
-        fw, fh = self._fallback(H, W)
-        h = torch.where(fallback, torch.full_like(h, fh), h)
-        w = torch.where(fallback, torch.full_like(w, fw), w)
-        top = torch.where(fallback, torch.full_like(top, (H - fh) // 2), top)
-        left = torch.where(fallback, torch.full_like(left, (W - fw) // 2), left)
-        return torch.stack([top, left, h, w], dim=1)
-
-    def _fallback(self, H: int, W: int) -> tuple[int, int]:
-        in_ratio = W / H
-        if in_ratio < self.ratio[0]:
-            return W, int(round(W / self.ratio[0]))
-        if in_ratio > self.ratio[1]:
-            return int(round(H * self.ratio[1])), H
-        return W, H
+        full = lambda v: torch.full((b,), float(v), device=dev)  # noqa: E731
+        return rrc_boxes(full(H), full(W), u, self.scale, self.ratio)
 
     def apply(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
         (oh, ow), (H, W), b = self.size, x.shape[-2:], x.shape[0]
@@ -178,6 +154,39 @@ class RandomResizedCrop(Transform):
 
     def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         return self.apply(x, self.params(x, generator))
+
+
+def rrc_boxes(height: torch.Tensor, width: torch.Tensor, u: torch.Tensor, scale: tuple[float, float],
+              ratio: tuple[float, float]) -> torch.Tensor:
+    """Random-resized-crop boxes for images of per-sample ``height`` x ``width`` (B,) from uniform draws
+    ``u`` (B, tries, 4): (B, 4) float top, left, height, width in whole pixels.
+
+    torchvision's rule: the first try whose area ~ U(scale) and log-aspect ~ U(log ratio) fits, else the
+    centre crop clamped to ``ratio``. Vectorised, with no host sync (fallbacks blended with ``where``).
+    Shared by :class:`RandomResizedCrop` and the DALI backend, which feeds the boxes to the decoder.
+    """
+    H, W = height.float()[:, None], width.float()[:, None]
+    area = H * W * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(lo + u[..., 1] * (hi - lo))
+    w = torch.round(torch.sqrt(area * aspect))
+    h = torch.round(torch.sqrt(area / aspect))
+    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+    first = torch.argmax(ok.int(), dim=1)  # the first try that fits (0 when none does: see fallback)
+    pick = lambda t: t.gather(1, first[:, None]).squeeze(1)  # noqa: E731
+    h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
+    H, W = H[:, 0], W[:, 0]
+    top = torch.floor(uy * (H - h + 1))
+    left = torch.floor(ux * (W - w + 1))
+    # The fallback: the whole image, narrowed to the nearest allowed aspect ratio, centred.
+    in_ratio = W / H
+    fw = torch.where(in_ratio > ratio[1], torch.round(H * ratio[1]), W)
+    fh = torch.where(in_ratio < ratio[0], torch.round(W / ratio[0]), H)
+    fallback = ~ok.any(dim=1)
+    h, w = torch.where(fallback, fh, h), torch.where(fallback, fw, w)
+    top = torch.where(fallback, torch.div(H - fh, 2, rounding_mode="floor"), top)
+    left = torch.where(fallback, torch.div(W - fw, 2, rounding_mode="floor"), left)
+    return torch.stack([top, left, h, w], dim=1)
 
 
 class Normalize(Transform):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fastdata.errors import ConfigError
 from fastdata.gpu_transforms import (CenterCrop, Compose, Normalize, RandomCrop, RandomHorizontalFlip,
-                                     RandomResizedCrop)
+                                     RandomResizedCrop, rrc_boxes)
 
 
 def batch(b=6, h=20, w=24, seed=0) -> torch.Tensor:
@@ -69,6 +69,36 @@ def test_random_resized_crop_falls_back_to_centre_when_nothing_fits():
     x, t = batch(b=4, h=10, w=40).float(), RandomResizedCrop(8, scale=(0.99, 1.0), ratio=(1.0, 1.0))
     boxes = t.params(x, gen())  # a 1:1 box of 99% of a 10x40 image can never fit
     assert boxes.tolist() == [[0.0, 15.0, 10.0, 10.0]] * 4
+
+
+def test_rrc_boxes_per_image_size_match_torchvisions_rule_sample_by_sample():
+    import math
+
+    sizes = [(375, 500), (500, 375), (10, 40), (40, 10), (224, 224), (7, 300)]
+    H = torch.tensor([h for h, _ in sizes])
+    W = torch.tensor([w for _, w in sizes])
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    u = torch.rand(len(sizes), 10, 4, generator=gen(5))
+    u[2:4, :, 0] = 1.0  # whole-image area at a 3:4..4:3 aspect cannot fit 10x40 or 40x10: the fallback
+    boxes = rrc_boxes(H, W, u, scale, ratio)
+    for b, (h0, w0) in enumerate(sizes):  # torchvision's get_params, one image at a time, same draws
+        for k in range(10):
+            area = h0 * w0 * (scale[0] + float(u[b, k, 0]) * (scale[1] - scale[0]))
+            aspect = math.exp(math.log(ratio[0]) + float(u[b, k, 1]) * (math.log(ratio[1]) - math.log(ratio[0])))
+            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            if 0 < w <= w0 and 0 < h <= h0:
+                top, left = math.floor(float(u[b, k, 2]) * (h0 - h + 1)), math.floor(float(u[b, k, 3]) * (w0 - w + 1))
+                break
+        else:
+            if w0 / h0 < ratio[0]:
+                w, h = w0, round(w0 / ratio[0])
+            elif w0 / h0 > ratio[1]:
+                w, h = round(h0 * ratio[1]), h0
+            else:
+                w, h = w0, h0
+            top, left = (h0 - h) // 2, (w0 - w) // 2
+        assert boxes[b].tolist() == [top, left, h, w], (b, sizes[b])
+    assert boxes[2].tolist() == [0, 13, 10, 13] and boxes[3].tolist() == [13, 0, 13, 10]
 
 
 def test_normalize_values_and_dtypes():
