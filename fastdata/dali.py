@@ -7,8 +7,11 @@ The JPEG bytes enter the pipeline through ``fn.external_source`` in the order of
 counts, mid-epoch resume); DALI's own reader sharding is not used. Batches come out as CUDAPrefetcher's
 do: ``(B, 3, size, size)`` channels_last, normalised with ``mean``/``std`` in 0-1 units, int64 labels.
 Training: random-resized-crop (area 8-100%, aspect 3/4-4/3) and a random flip; evaluation: shorter side
-to ``size``, centre crop. The order of samples survives a resume exactly; DALI's random crops restart
-from the pipeline seed, so a resumed run draws other crops than the uninterrupted one would have.
+to ``size``, centre crop. The crop boxes and flips are drawn on the host from ``(seed, epoch, batch
+position, rank)`` with the same rule as :class:`~fastdata.gpu_transforms.RandomResizedCrop` (each image's
+size read from its JPEG header) and fed to DALI, which decodes only the box (``decoders.image_slice``):
+a resumed run draws exactly the crops of the uninterrupted one, which DALI's own random operators
+(seeded once per pipeline) cannot do.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, rrc_boxes
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -42,6 +45,30 @@ def _dali() -> Any:
 def looks_like_jpeg(blob: bytes) -> bool:
     """Cheap screen before DALI sees a record: JPEG start and end markers present (catches truncation)."""
     return len(blob) > 4 and blob[:2] == b"\xff\xd8" and blob.rstrip(b"\x00")[-2:] == b"\xff\xd9"
+
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
+
+
+def jpeg_size(blob: bytes) -> tuple[int, int]:
+    """``(height, width)`` from a JPEG's frame header, without decoding; ``(0, 0)`` when there is none."""
+    i, n = 2, len(blob)
+    while i + 4 <= n:
+        if blob[i] != 0xFF:
+            return 0, 0
+        marker = blob[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            i += 2
+            continue
+        if marker in _SOF and i + 9 <= n:
+            return int.from_bytes(blob[i + 5:i + 7], "big"), int.from_bytes(blob[i + 7:i + 9], "big")
+        if marker == 0xDA:  # start of scan before any frame header
+            return 0, 0
+        i += 2 + int.from_bytes(blob[i + 2:i + 4], "big")
+    return 0, 0
 
 
 class DALILoader(SamplerBacked):
@@ -99,12 +126,13 @@ class DALILoader(SamplerBacked):
         with pipe:
             jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, batch=True)
             decoder = "mixed" if gpu else "cpu"
-            if self.train:
-                images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
-                                                       random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3],
-                                                       num_attempts=10)
+            if self.train:  # boxes and flips drawn on the host (see _crops): exact on resume
+                anchor = fn.external_source(name="anchor", dtype=types.INT32, batch=True)
+                shape = fn.external_source(name="shape", dtype=types.INT32, batch=True)
+                mirror = fn.external_source(name="mirror", dtype=types.INT32, batch=True)
+                images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder, output_type=types.RGB,
+                                                 axis_names="WH")  # integer anchor/shape: absolute pixels
                 images = fn.resize(images, resize_x=self.size, resize_y=self.size)
-                mirror = fn.random.coin_flip(probability=0.5)
             else:
                 images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
                 images = fn.resize(images, resize_shorter=self.size)
@@ -129,6 +157,22 @@ class DALILoader(SamplerBacked):
         x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view: channels_last, as CUDAPrefetcher yields
         return x.to(self.dtype) if x.dtype != self.dtype else x
 
+    def _crops(self, sizes: list[tuple[int, int]], good: np.ndarray,
+               position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Crop anchors (x, y), shapes (w, h) and flips (int32) for the good samples of one batch, drawn
+        from ``(seed, epoch, position, rank)``: one draw per sample of the batch, skipped ones included,
+        so skipping a record never shifts the others' crops."""
+        s = self.sampler
+        seed = int(np.random.SeedSequence([self.seed, s.epoch, position, s.rank]).generate_state(1)[0])
+        gen = torch.Generator().manual_seed(seed)
+        u = torch.rand(len(sizes), 10, 4, generator=gen)
+        flip = torch.rand(len(sizes), generator=gen) < 0.5
+        hw = torch.tensor(sizes, dtype=torch.float32).clamp_(min=1)  # skipped samples: any size, dropped below
+        top, left, h, w = rrc_boxes(hw[:, 0], hw[:, 1], u, (0.08, 1.0), (3 / 4, 4 / 3)).int().unbind(1)
+        keep = torch.from_numpy(good)
+        return (torch.stack([left, top], 1)[keep].numpy(), torch.stack([w, h], 1)[keep].numpy(),
+                flip.to(torch.int32)[keep].numpy())
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._pipe is None:
             self._pipe = self._build()
@@ -136,17 +180,26 @@ class DALILoader(SamplerBacked):
             idx = np.sort(idx)  # the same per-batch order as FastLoader
             rows = idx if self.indices is None else self.indices[idx]
             blobs = self.reader.get_many(rows)
-            good = np.array([b is not None and looks_like_jpeg(b) for b in blobs], dtype=bool)
+            sizes = [jpeg_size(b) if b is not None and looks_like_jpeg(b) else (0, 0) for b in blobs]
+            good = np.array([h > 0 and w > 0 for h, w in sizes], dtype=bool)
             if not good.all():
                 bad = rows[~good].tolist()
                 if self.on_error == "fail":
                     raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
                                            "`fastdata verify`, or pass on_error='skip'")
                 self.skipped += bad
-            self.sampler.advance()
+            s = self.sampler
+            position = s.start + s.served * s.batch_size * s.world_size  # this batch's, before advance()
+            s.advance()
             if not good.any():
                 continue
-            self._pipe.feed_input("jpegs", [np.frombuffer(b, np.uint8) for b, g in zip(blobs, good) if g])
+            kept = [b for b, g in zip(blobs, good) if g]
+            self._pipe.feed_input("jpegs", [np.frombuffer(b, np.uint8) for b in kept])
+            if self.train:
+                anchor, shape, mirror = self._crops(sizes, good, position)
+                self._pipe.feed_input("anchor", anchor)
+                self._pipe.feed_input("shape", shape)
+                self._pipe.feed_input("mirror", mirror)
             try:
                 (out,) = self._pipe.run()
             except RuntimeError as exc:

@@ -21,6 +21,7 @@ import torch
 
 from .errors import ConfigError
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
+from .sampler import dist_rank_world
 
 Release = Optional[Callable[[], None]]
 
@@ -152,8 +153,12 @@ class CUDAPrefetcher:
         return self._epoch_counter, self._batch_in_epoch
 
     def _seeded(self) -> torch.Generator:
+        """The generator for the batch just fetched, seeded from ``(seed, epoch, position, rank)``: the same
+        draws after a resume, and different draws on each rank (ranks serve different samples)."""
         epoch, pos = self._position()
-        seed = int(np.random.SeedSequence([self.seed, epoch, pos]).generate_state(1)[0])
+        rank = getattr(getattr(self.loader, "sampler", None), "rank", None)
+        rank = dist_rank_world()[0] if rank is None else rank
+        seed = int(np.random.SeedSequence([self.seed, epoch, pos, rank]).generate_state(1)[0])
         if self._generator is None:
             self._generator = torch.Generator(device=self.device)
         return self._generator.manual_seed(seed)

@@ -70,6 +70,47 @@ def test_training_mode_augments_and_casts(indexed_datasets):
     assert x.shape == (16, 3, 6, 6) and x.dtype == torch.bfloat16 and y.shape == (16,)
 
 
+def test_training_crops_and_flips_are_exact_after_a_resume(photo_folder, tmp_path):
+    from fastdata.cli import main
+
+    assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
+                 "--workers", "1", "--quiet"]) == 0
+    kw = {"train": True, "shuffle": True, "seed": 5, "size": 24, "batch_size": 8}
+    whole = loader(tmp_path / "lm", **kw)
+    whole.set_epoch(1)
+    full = [x for x, _ in whole]
+    a = loader(tmp_path / "lm", **kw)
+    a.set_epoch(1)
+    it = iter(a)
+    head = [next(it)[0] for _ in range(2)]
+    b = loader(tmp_path / "lm", **kw)
+    b.load_state_dict(a.state_dict())
+    rest = [x for x, _ in b]
+    assert len(head) + len(rest) == len(full) == 6  # 42 photos in batches of 8
+    for got, want in zip(head + rest, full):
+        assert torch.equal(got, want)  # the same samples with the very same crops and flips
+    evaluation = loader(tmp_path / "lm", train=False, shuffle=True, seed=5, size=24, batch_size=8)
+    evaluation.set_epoch(1)
+    assert not any(torch.equal(x, e) for x, (e, _) in zip(full, evaluation))  # random crops, not the centre
+
+
+def test_crop_boxes_follow_the_rrc_rule_and_skip_nothing(indexed_datasets):
+    dl = loader(indexed_datasets["lmdb"], train=True, batch_size=64)
+    sizes = [(8, 8)] * 30 + [(90, 120)] * 34
+    good = np.ones(64, dtype=bool)
+    anchor, shape, mirror = dl._crops(sizes, good, position=64)
+    h, w = np.array(sizes).T
+    assert anchor.dtype == shape.dtype == mirror.dtype == np.int32 and anchor.shape == shape.shape == (64, 2)
+    assert (anchor >= 0).all() and (shape > 0).all()
+    assert (anchor[:, 0] + shape[:, 0] <= w).all() and (anchor[:, 1] + shape[:, 1] <= h).all()
+    assert 0 < mirror.sum() < 64 and len({tuple(s) for s in shape[30:]}) > 20  # flips mixed, boxes differ
+    assert np.array_equal(dl._crops(sizes, good, 64)[0], anchor)  # reproducible from the position...
+    assert not np.array_equal(dl._crops(sizes, good, 128)[0], anchor)  # ...and different for another batch
+    good[3] = False  # a skipped sample leaves the others' crops where they were
+    a2, s2, m2 = dl._crops(sizes, good, 64)
+    assert np.array_equal(a2, np.delete(anchor, 3, 0)) and np.array_equal(m2, np.delete(mirror, 3))
+
+
 def test_eval_parity_with_the_cpu_decode_path(tmp_path):
     from PIL import Image
 

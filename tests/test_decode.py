@@ -101,3 +101,22 @@ def test_lmdb_record_keeps_aspect_and_caps_shorter_side(tmp_path):
     assert Image.open(io.BytesIO(decode.load_jpeg(tmp_path / "small.png", 100, 90))).size == (60, 40)  # no upscale
     arr = decode.decode_jpeg(decode.load_jpeg(tmp_path / "h.png", 100, 90), 64)
     assert arr.shape == (64, 64, 3) and np.abs(arr[:, :20].astype(int) - (200, 0, 0)).max() < 20
+
+
+def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
+    import io
+
+    from PIL import Image
+
+    from fastdata.dali import jpeg_size
+
+    cases = [("RGB", (123, 45), {}), ("RGB", (45, 123), {"progressive": True}), ("L", (64, 7), {}),
+             ("RGB", (300, 200), {"exif": Image.Exif(), "icc_profile": b"\0" * 3000})]
+    for mode, size, kw in cases:
+        buf = io.BytesIO()
+        Image.new(mode, size, 90).save(buf, "JPEG", quality=90, **kw)
+        blob = buf.getvalue()
+        assert jpeg_size(blob) == (size[1], size[0]), (mode, size, kw)
+        sof = max(blob.find(b"\xff\xc0"), blob.find(b"\xff\xc2"))
+        assert jpeg_size(blob[:sof]) == (0, 0)  # cut before the frame header
+    assert jpeg_size(b"\xff\xd8" + bytes(40)) == (0, 0) and jpeg_size(b"") == (0, 0)

@@ -204,3 +204,15 @@ def test_gpu_token_windows_and_gpu_storage_match_the_cpu_path(tmp_path, indexed_
                          normalize=False)
     for (x, y), (xr, yr) in zip(pf, ref):  # gathered on the GPU by the loader, read on the side stream
         assert torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
+
+
+def test_each_rank_draws_its_own_augmentation(indexed_datasets):
+    ds = FastDataset(indexed_datasets["npy"])
+
+    def seed_after_one_batch(rank: int) -> int:
+        pf = CUDAPrefetcher(FastLoader(ds, 8, seed=1, rank=rank, world_size=2), device="cpu",
+                            transforms=RandomHorizontalFlip(), seed=7)
+        next(iter(pf))
+        return pf._seeded().initial_seed()  # the generator of the batch just served
+
+    assert seed_after_one_batch(0) == seed_after_one_batch(0) != seed_after_one_batch(1)
