@@ -24,7 +24,7 @@ import torch
 from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, rrc_boxes
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, batch_seed, rrc_boxes
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -163,8 +163,7 @@ class DALILoader(SamplerBacked):
         from ``(seed, epoch, position, rank)``: one draw per sample of the batch, skipped ones included,
         so skipping a record never shifts the others' crops."""
         s = self.sampler
-        seed = int(np.random.SeedSequence([self.seed, s.epoch, position, s.rank]).generate_state(1)[0])
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(batch_seed(self.seed, s.epoch, position, s.rank))
         u = torch.rand(len(sizes), 10, 4, generator=gen)
         flip = torch.rand(len(sizes), generator=gen) < 0.5
         hw = torch.tensor(sizes, dtype=torch.float32).clamp_(min=1)  # skipped samples: any size, dropped below

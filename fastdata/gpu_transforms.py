@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +22,12 @@ from .errors import ConfigError
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Size = Union[int, tuple[int, int]]
+
+
+def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
+    """The seed of one batch's augmentation draws: a resumed run (same world size) draws the same, and
+    each rank draws its own. Used by CUDAPrefetcher and the DALI backend."""
+    return int(np.random.SeedSequence([seed, epoch, position, rank]).generate_state(1)[0])
 
 
 def _pair(size: Size, name: str) -> tuple[int, int]:

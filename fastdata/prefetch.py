@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from .errors import ConfigError
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform, batch_seed
 from .sampler import dist_rank_world
 
 Release = Optional[Callable[[], None]]
@@ -158,10 +157,9 @@ class CUDAPrefetcher:
         epoch, pos = self._position()
         rank = getattr(getattr(self.loader, "sampler", None), "rank", None)
         rank = dist_rank_world()[0] if rank is None else rank
-        seed = int(np.random.SeedSequence([self.seed, epoch, pos, rank]).generate_state(1)[0])
         if self._generator is None:
             self._generator = torch.Generator(device=self.device)
-        return self._generator.manual_seed(seed)
+        return self._generator.manual_seed(batch_seed(self.seed, epoch, pos, rank))
 
     # -- conversion (the same math on every device) ---------------------------------------------------
     def convert(self, batch: Any, generator: Optional[torch.Generator] = None) -> Any:
