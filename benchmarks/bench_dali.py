@@ -24,6 +24,7 @@ from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
+from fastdata.train import resolve_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import PillowFolder, rate  # noqa: E402  (shared baseline and timing)
@@ -38,8 +39,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto"
-                                                                                 else args.device)
+    device = resolve_device(args.device).type
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-dali-"))
     try:
         files = make_image_folder(scratch / "jpeg", num_classes=8, per_class=args.images // 8,

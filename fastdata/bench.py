@@ -82,9 +82,9 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     from .loader import FastLoader
     from .prefetch import CUDAPrefetcher
     from .progress import progress_bar
+    from .train import resolve_device
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     ds = FastDataset(data)
     sample_bytes = int(np.prod(ds.sample_shape))
     n_stages = 7 if dev.type == "cuda" else 5
@@ -234,8 +234,9 @@ def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256
                     num_classes: int = 10, device: str = "auto", seconds: float = 30.0, max_steps: int = 10_000) -> dict[str, Any]:
     """Time how long each step waits for the user's loader vs how long the model step (on synthetic data of
     ``batch_size`` images) takes: is the loader the bottleneck, and by how much?"""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    from .train import resolve_device
+
+    dev = resolve_device(device)
     factory = load_factory(spec)
     try:
         loader = factory()

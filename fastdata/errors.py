@@ -44,3 +44,9 @@ class MissingDependencyError(FastdataError):
 
 class ConfigError(FastdataError, ValueError):
     """An argument has a bad value; the message names the argument and echoes the value."""
+
+
+def require(ok: bool, name: str, value: object, expected: str) -> None:
+    """Raise ``ConfigError("NAME must be EXPECTED, got NAME=VALUE")`` unless ``ok``: the config checks' one form."""
+    if not ok:
+        raise ConfigError(f"{name} must be {expected}, got {name}={value!r}")

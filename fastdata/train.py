@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, require
 from .models import is_convnet
 
 AMP = ("bf16", "fp16", "none")
@@ -78,8 +78,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:
-            if not ok:
-                raise ConfigError(f"{name} must be {expected}, got {name}={getattr(self, name)!r}")
+            require(ok, name, getattr(self, name), expected)
         need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "a positive integer")
         need(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
         need(self.max_time is None or self.max_time > 0, "max_time", "positive seconds")
@@ -106,13 +105,17 @@ class DistInfo:
         return self.rank == 0
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """``"auto"`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as it is."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
     group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device(device))
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device: use --device cpu")

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._io import disk_error, fsync_dir
-from ..errors import ConfigError, ImageDecodeError
+from ..errors import ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
@@ -48,15 +48,15 @@ class ImagePreprocessConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
         object.__setattr__(self, "out", Path(self.out))
-        _check(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
-        _check(self.resize in decode.RESIZE_MODES, "resize", self.resize, f"one of {decode.RESIZE_MODES}")
-        _check(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
-        _check(self.workers is None or (isinstance(self.workers, int) and self.workers >= 1), "workers",
+        require(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
+        require(self.resize in decode.RESIZE_MODES, "resize", self.resize, f"one of {decode.RESIZE_MODES}")
+        require(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
+        require(self.workers is None or (isinstance(self.workers, int) and self.workers >= 1), "workers",
                self.workers, "a positive integer")
-        _check(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
+        require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
                "a positive integer")
-        _check(self.on_error in ON_ERROR, "on_error", self.on_error, f"one of {ON_ERROR}")
-        _check(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
+        require(self.on_error in ON_ERROR, "on_error", self.on_error, f"one of {ON_ERROR}")
+        require(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
 
     def output_params(self) -> dict[str, Any]:
         """The parameters that shape the output bytes (not workers, progress or overwrite)."""
@@ -66,11 +66,6 @@ class ImagePreprocessConfig:
         else:
             params["quality"] = self.quality
         return params
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {expected}, got {name}={value!r}")
 
 
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from .._io import disk_error, fsync_dir, write_bytes_atomic
-from ..errors import ConfigError, FastdataError, SourceError
+from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..manifest import TOKENS, new_manifest, write_manifest
@@ -54,14 +54,11 @@ class TextPreprocessConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
         object.__setattr__(self, "out", Path(self.out))
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"val_fraction must be in [0, 1), got val_fraction={self.val_fraction!r}")
-        if self.on_error not in ("skip", "fail"):
-            raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={self.on_error!r}")
-        if not isinstance(self.shard_tokens, int) or self.shard_tokens < 1:
-            raise ConfigError(f"shard_tokens must be a positive integer, got shard_tokens={self.shard_tokens!r}")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"workers must be a positive integer, got workers={self.workers!r}")
+        require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction, "in [0, 1)")
+        require(self.on_error in ("skip", "fail"), "on_error", self.on_error, "'skip' or 'fail'")
+        require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens", self.shard_tokens,
+                "a positive integer")
+        require(self.workers is None or self.workers >= 1, "workers", self.workers, "a positive integer")
 
 
 def text_files(src: Path) -> list[Path]:
