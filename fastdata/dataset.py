@@ -195,12 +195,7 @@ class FastDataset(torch.utils.data.Dataset):
         idx = self._indices(indices)
         b = len(idx)
         if out is not None:
-            if out.dtype != torch.uint8 or tuple(out.shape[1:]) != self.sample_shape or out.shape[0] < b or \
-                    not out.is_contiguous() or out.device.type != "cpu":
-                raise ConfigError(f"out must be a contiguous CPU uint8 tensor of shape (>={b}, "
-                                  f"{', '.join(map(str, self.sample_shape))}), got {tuple(out.shape)} {out.dtype} "
-                                  f"on {out.device}")
-            x = out[:b]
+            x = batch_rows(out, b, torch.uint8, self.sample_shape)
         else:
             x = torch.empty((b, *self.sample_shape), dtype=torch.uint8)
         dst = x.numpy()
@@ -252,6 +247,16 @@ class FastDataset(torch.utils.data.Dataset):
 def _checksum_mismatch(path: Path) -> None:
     raise ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): "
                         "run `fastdata verify` and re-run `fastdata preprocess`")
+
+
+def batch_rows(out: torch.Tensor, b: int, dtype: torch.dtype, sample_shape: Sequence[int]) -> torch.Tensor:
+    """``out[:b]``, once ``out`` is checked to hold ``b`` samples: the caller's buffer for ``get_batch``
+    (FastLoader passes its ring buffers for every batch, so only cheap attribute checks)."""
+    if out.dtype != dtype or out.shape[1:] != tuple(sample_shape) or out.shape[0] < b or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ConfigError(f"out must be a contiguous CPU {dtype} tensor of shape (>={b}, "
+                          f"{', '.join(map(str, sample_shape))}), got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out if out.shape[0] == b else out[:b]
 
 
 def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from . import shm
 from ._io import safe_join
-from .dataset import Indices, check_sizes, load_bodies, verify_hashes
+from .dataset import Indices, batch_rows, check_sizes, load_bodies, verify_hashes
 from .errors import ConfigError, FormatError
 from .formats.base import npy_header
 from .manifest import TOKENS, load_manifest
@@ -135,12 +135,8 @@ class TokenDataset(torch.utils.data.Dataset):
         if b and idx.astype(np.uint64).max() >= n:  # negative indices wrap to huge: one reduction for both ends
             raise IndexError(f"window index out of range for {n} windows (got {idx.min()}..{idx.max()})")
         starts = self.starts(idx)
-        if out is not None:  # cheap checks first: FastLoader calls this for every batch with its ring buffer
-            if out.dtype != self.sample_dtype or out.shape[1:] != self.sample_shape or out.shape[0] < b or \
-                    not out.is_contiguous() or out.is_cuda:
-                raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape "
-                                  f"(>={b}, {length}), got {tuple(out.shape)} {out.dtype} on {out.device}")
-            w = out if out.shape[0] == b else out[:b]
+        if out is not None:
+            w = batch_rows(out, b, self.sample_dtype, self.sample_shape)
             self._gather(starts, w.numpy())
         elif self._flat_windows is not None:  # the gather's own result is the batch: no second copy
             w = torch.from_numpy(self._flat_windows[starts].view(self.np_dtype).reshape(b, length))
