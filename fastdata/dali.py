@@ -188,7 +188,7 @@ class DALILoader(SamplerBacked):
                                            "`fastdata verify`, or pass on_error='skip'")
                 self.skipped += bad
             s = self.sampler
-            position = s.start + s.served * s.batch_size * s.world_size  # this batch's, before advance()
+            position = s.batch_position(s.served)  # this batch's, before advance()
             s.advance()
             if not good.any():
                 continue

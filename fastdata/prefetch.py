@@ -147,8 +147,8 @@ class CUDAPrefetcher:
     def _position(self) -> tuple[int, int]:
         """(epoch, global position) of the batch just fetched, from a FastLoader's sampler when there is one."""
         s = getattr(self.loader, "sampler", None)
-        if s is not None and hasattr(s, "served") and hasattr(s, "start"):
-            return s.epoch, s.start + (s.served - 1) * s.batch_size * s.world_size
+        if s is not None and hasattr(s, "batch_position"):
+            return s.epoch, s.batch_position(s.served - 1)
         return self._epoch_counter, self._batch_in_epoch
 
     def _seeded(self) -> torch.Generator:

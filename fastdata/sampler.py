@@ -120,9 +120,14 @@ class DistributedBatchSampler:
         if epoch != self.epoch:
             self.epoch, self.start, self.served = epoch, 0, 0
 
+    def batch_position(self, k: int) -> int:
+        """Global position of this epoch's ``k``-th batch since ``start`` (the same on every rank): the key
+        the augmentation draws are seeded with, so they survive a resume."""
+        return self.start + k * self.batch_size * self.world_size
+
     def position(self) -> int:
         """Global position reached: every sample of ``perm[:position]`` has been served by some rank."""
-        return min(self.num_samples, self.start + self.served * self.batch_size * self.world_size)
+        return min(self.num_samples, self.batch_position(self.served))
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
