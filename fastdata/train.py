@@ -352,22 +352,17 @@ class Trainer:
         loader = loader if loader is not None else self.val_loader
         forward = self.forward if self.ddp is None else self.model
         self.forward.eval()
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        correct = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        meter = _Meter(self.device)  # the training loop's sums, on the device until the one reduce below
         language_model = False
         for batch in loader:
             x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
             with self._autocast():
                 out = forward(x)
                 loss = self.loss_fn(out, y)
-            n = y.numel()
-            loss_sum += loss.double() * n
-            correct += (out.argmax(-1) == y).sum()
-            count += n
+            meter.add(loss, out, y)
             language_model = out.ndim == 3
         self.forward.train()
-        loss_sum_, correct_, count_ = self._reduce(loss_sum, correct, count)
+        loss_sum_, correct_, count_ = self._reduce(meter.loss_sum, meter.correct, meter.count)
         metrics = {"val_loss": loss_sum_ / max(1, count_), "val_accuracy": correct_ / max(1, count_)}
         if count_ and language_model:
             metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
