@@ -71,16 +71,23 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
             raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
-    side = ds.sample_shape[0]
-    train_tf, eval_tf = transforms(p, side)
-    train = CUDAPrefetcher(FastLoader(train_ds, p.batch_size, shuffle=True, seed=p.seed, num_threads=p.threads),
-                           device=device, transforms=train_tf, seed=p.seed)
+    train_tf, eval_tf = transforms(p, ds.sample_shape[0])
+    train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
+    return create_model(p.model, num_classes=len(ds.classes)), train, val
+
+
+def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Optional[int], device: torch.device,
+            train_tf: Optional[Transform] = None,
+            eval_tf: Optional[Transform] = None) -> tuple[CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """The prefetched train loader (shuffled, padded for DDP) and validation loader (in order, ``pad=False``:
+    every sample once across ranks; None without ``val_ds``)."""
+    train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads),
+                           device=device, transforms=train_tf, seed=seed)
     val = None
     if val_ds is not None:
-        val = CUDAPrefetcher(FastLoader(val_ds, p.batch_size, shuffle=False, pad=False, num_threads=p.threads),
-                             device=device, transforms=eval_tf)  # pad=False: every sample once across ranks
-    model = create_model(p.model, num_classes=len(ds.classes))
-    return model, train, val
+        val = CUDAPrefetcher(FastLoader(val_ds, batch_size, shuffle=False, pad=False, num_threads=threads),
+                             device=device, transforms=eval_tf)
+    return train, val
 
 
 def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, storage: str, threads: Optional[int],
@@ -91,13 +98,10 @@ def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, st
     if (model or "gpt-tiny") != "gpt-tiny":
         raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
     train_ds = TokenDataset(data, "train", seq_len, storage=storage)
-    train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads),
-                           device=device)
-    val = None
-    val_tokens = train_ds.manifest["splits"]["val"]["tokens"]
-    if val_tokens >= seq_len + 1:
-        val = CUDAPrefetcher(FastLoader(TokenDataset(data, "val", seq_len, storage=storage), batch_size, shuffle=False,
-                                        pad=False, num_threads=threads), device=device)
+    val_ds = None
+    if train_ds.manifest["splits"]["val"]["tokens"] >= seq_len + 1:
+        val_ds = TokenDataset(data, "val", seq_len, storage=storage)
+    train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 
