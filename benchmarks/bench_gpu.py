@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import fastdata
-from fastdata.bench import _full_pipeline, _Model, _timed_rate, machine
+from fastdata.bench import _full_pipeline, _Model, timed_rate, machine
 from fastdata.dataset import FastDataset
 from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
@@ -41,7 +41,7 @@ def h2d(seconds: float) -> dict[str, float]:
     dev = torch.empty_like(host, device="cuda")
     out = {}
     for name, src in (("pinned", pinned), ("pageable", host)):
-        rate = _timed_rate(lambda src=src: (dev.copy_(src, non_blocking=True), 1)[1], seconds / 2)
+        rate = timed_rate(lambda src=src: (dev.copy_(src, non_blocking=True), 1)[1], seconds / 2)
         out[name] = rate * host.numel() / 1e9
     return out
 
@@ -54,7 +54,7 @@ def feed_rates(root: Path, files: list[Path], labels: list[int], model: str, cro
     x = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, classes, (batch,), device="cuda")
     aug = Compose([RandomResizedCrop(crop), RandomHorizontalFlip()])
-    rates = {"(a) synthetic on the GPU (ceiling)": _timed_rate(lambda: (net.step(x, y), batch)[1], seconds)}
+    rates = {"(a) synthetic on the GPU (ceiling)": timed_rate(lambda: (net.step(x, y), batch)[1], seconds)}
     fed = CUDAPrefetcher(FastLoader(ds, batch), device="cuda", dtype=torch.bfloat16, transforms=aug)
     rates["(b) FastLoader + CUDAPrefetcher"] = _full_pipeline(fed, net, seconds)[0]
     on_gpu = CUDAPrefetcher(FastLoader(FastDataset(root, storage="cuda", device="cuda"), batch), device="cuda",
@@ -91,7 +91,7 @@ def main() -> None:
                                                     progress=False))
         ds = FastDataset(scratch / "s256", storage="ram")
         pf = CUDAPrefetcher(FastLoader(ds, args.batch_size), device="cuda", dtype=torch.bfloat16)
-        rate = _timed_rate(lambda: sum(len(x) for x, _ in pf), args.seconds)
+        rate = timed_rate(lambda: sum(len(x) for x, _ in pf), args.seconds)
         gbs = rate * 256 * 256 * 3 / 1e9
         print(f"CUDAPrefetcher (no model): {rate:,.0f} images/s = {gbs:.1f} GB/s of uint8, "
               f"{gbs / bw['pinned']:.2f}x pinned H2D (target >= 0.9)")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import fastdata
+from fastdata.bench import timed_rate
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 from fastdata.tokenize import load_tokenizer
 from fastdata.tokens import TokenDataset
@@ -70,13 +71,8 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
     out = torch.empty((batch, length), dtype=ds.sample_dtype)
     dst = out.numpy()
 
-    def rate(step) -> float:
-        step()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            step()
-            n += batch
-        return n / (time.perf_counter() - t0)
+    def rate(step) -> float:  # windows per second
+        return timed_rate(lambda: (step(), batch)[1], seconds)
 
     def memcpy() -> None:
         a = int(rng.integers(0, len(src) - dst.size))

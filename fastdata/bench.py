@@ -23,7 +23,7 @@ import torch
 from .errors import ConfigError, FastdataError
 
 
-def _timed_rate(step: Callable[[], int], seconds: float, warmup: int = 1) -> float:
+def timed_rate(step: Callable[[], int], seconds: float, warmup: int = 1) -> float:
     """Items per second of ``step()`` (which returns how many items it handled), for ``seconds``."""
     for _ in range(warmup):
         step()
@@ -107,23 +107,23 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
                 while f.read(16 << 20):
                     pass
         return int(total_bytes / sample_bytes)
-    record("storage read (page cache)", _timed_rate(read_all, box))
-    record("batch gather", _timed_rate(lambda: len(ds.get_batch(np.sort(rng.integers(0, len(ds), b)))[0]), box))
+    record("storage read (page cache)", timed_rate(read_all, box))
+    record("batch gather", timed_rate(lambda: len(ds.get_batch(np.sort(rng.integers(0, len(ds), b)))[0]), box))
     loader = FastLoader(ds, b)
-    record("FastLoader", _timed_rate(lambda: sum(len(x) for x, _ in loader), box))
+    record("FastLoader", timed_rate(lambda: sum(len(x) for x, _ in loader), box))
     x_host = torch.randint(0, 256, (b, *ds.sample_shape), dtype=torch.uint8)
     if dev.type == "cuda":
         pinned = x_host.pin_memory()
-        record("host-to-device copy (pinned)", _timed_rate(lambda: len(pinned.to(dev, non_blocking=True)), box))
-        record("host-to-device copy (pageable)", _timed_rate(lambda: len(x_host.to(dev)), box))
+        record("host-to-device copy (pinned)", timed_rate(lambda: len(pinned.to(dev, non_blocking=True)), box))
+        record("host-to-device copy (pageable)", timed_rate(lambda: len(x_host.to(dev)), box))
     x_dev = x_host.to(dev)
     convert = CUDAPrefetcher([], device=dev, transforms=RandomHorizontalFlip())
     record("GPU transforms (normalise + flip)" if dev.type == "cuda" else "transforms (normalise + flip, CPU)",
-           _timed_rate(lambda: len(convert.convert(x_dev)), box))
+           timed_rate(lambda: len(convert.convert(x_dev)), box))
     net = _Model(model, len(ds.classes), dev)
     xs = convert.convert(x_dev)
     ys = torch.randint(0, len(ds.classes), (b,), device=dev)
-    ceiling = _timed_rate(lambda: (net.step(xs, ys), b)[1], box)
+    ceiling = timed_rate(lambda: (net.step(xs, ys), b)[1], box)
     record("model step, synthetic data on the device (ceiling)", ceiling)
     full, stall = _full_pipeline(CUDAPrefetcher(FastLoader(ds, b), device=dev, transforms=RandomHorizontalFlip()),
                                  net, box * 2)
@@ -301,7 +301,7 @@ def autotune(data: Path, *, batch_size: int = 256, seconds: float = 60.0, progre
     for c in candidates:
         loader = FastLoader(datasets[c["storage"]], min(batch_size, len(datasets["mmap"])), num_threads=c["num_threads"],
                             prefetch=c["prefetch"], pin_memory=c["pin_memory"])
-        results.append({**c, "images_per_s": _timed_rate(lambda: sum(len(x) for x, _ in loader), box)})
+        results.append({**c, "images_per_s": timed_rate(lambda: sum(len(x) for x, _ in loader), box)})
         bar.update(1)
     bar.close()
     best = max(results, key=lambda r: r["images_per_s"])
