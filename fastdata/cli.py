@@ -115,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from .manifest import TOKENS, load_manifest
     from .pipeline import ImagePipeline, build, build_lm
-    from .train import TrainConfig, Trainer, init_distributed, parse_duration
+    from .train import TrainConfig, Trainer, init_distributed, parse_duration, shutdown_distributed
 
     cfg = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
@@ -147,6 +147,7 @@ def _train(args: argparse.Namespace) -> int:
                              augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
         model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
+    shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
     return 0
 
 

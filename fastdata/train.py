@@ -128,6 +128,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local, dev)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group joined by :func:`init_distributed` once every rank got here: a process that
+    exits with gloo/nccl still connected can abort at exit ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on weights only: norms' scales and all biases (1-D parameters) are exempt."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]

@@ -10,7 +10,7 @@ import torch
 from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
-from fastdata.train import TrainConfig, Trainer, init_distributed
+from fastdata.train import TrainConfig, Trainer, init_distributed, shutdown_distributed
 
 data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 info = init_distributed("cpu")
@@ -27,3 +27,4 @@ with open(out + f".val{info.rank}.json", "w") as f:
     json.dump({**metrics, "initial": initial}, f)
 if info.rank == 0:
     torch.save(model.state_dict(), out)
+shutdown_distributed()
