@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lmdb
@@ -15,7 +17,7 @@ from PIL import Image
 
 from conftest import AWKWARD_BAD, AWKWARD_GOOD, kill_when_journaled
 from fastdata.cli import main
-from fastdata.preprocess import decode
+from fastdata.preprocess import decode, parallel
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -185,3 +187,26 @@ def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path
     assert not (out / "manifest.json").exists() and not list(out.glob("images-*.npy*"))  # nothing looks finished
     assert main(args(out)) == 0 and main(args(ref)) == 0
     assert tree_bytes(out) == tree_bytes(ref)
+
+
+def _fill_slot(task: tuple[int, float], k: int | None) -> bytes | None:
+    """A task that writes its index into its shared slot (or returns it where there is none)."""
+    i, delay = task
+    time.sleep(delay)
+    view = parallel.slot(k)
+    if view is None:
+        return bytes([i % 256]) * 64
+    view[:] = bytes([i % 256]) * len(view)
+    return None
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_ordered_map_slots_hold_each_result_until_the_next_is_asked_for(workers):
+    rng = random.Random(workers)
+    tasks = [(i, rng.random() * 0.004) for i in range(80)]
+    seen = []
+    for result, view in parallel.ordered_map(_fill_slot, tasks, workers, slot_bytes=64):
+        time.sleep(0.002)  # a slow consumer: the workers run ahead into the other slots meanwhile
+        seen.append(result if view is None else bytes(view))
+        assert result is None or view is None
+    assert seen == [bytes([i]) * 64 for i in range(80)]

@@ -21,7 +21,7 @@ from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from . import decode, journal
-from .parallel import default_workers, ordered_map
+from . import parallel
 from .sources import Source, discover
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 FORMATS = ("npy", "lmdb")
 ON_ERROR = ("skip", "fail")
 _MAX_CHUNK = 16  # files per worker task: ~3 MB of 256px pixels; small chunks keep the tail short
+_CHUNK_BYTES = 8 << 20  # and at most this many bytes of pixels (one shared slot), but at least one image
 @dataclass(frozen=True)
 class ImagePreprocessConfig:
     """Everything ``fastdata preprocess images`` takes; validated on construction."""
@@ -94,15 +95,17 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     return _finish(config, source, jr, partial, params, fingerprint)
 
 
-def _chunks(start: int, stop: int, workers: int) -> list[tuple[int, int]]:
-    size = max(1, min(_MAX_CHUNK, -(-(stop - start) // (workers * 8))))
+def _chunks(start: int, stop: int, workers: int, max_files: int) -> list[tuple[int, int]]:
+    size = max(1, min(max_files, -(-(stop - start) // (workers * 8))))
     return [(a, min(a + size, stop)) for a in range(start, stop, size)]
 
 
 def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path) -> None:
     from ..progress import progress_bar
 
-    workers = config.workers or default_workers()
+    workers = config.workers or parallel.default_workers()
+    row_bytes = config.size * config.size * 3
+    max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // row_bytes)) if config.format == "npy" else _MAX_CHUNK
     if config.format == "npy":
         writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
     else:
@@ -110,10 +113,17 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     start, total = jr.source_end, len(source.paths)
     skipped = list(jr.skipped)
     tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality)
-             for a, b in _chunks(start, total, workers)]
+             for a, b in _chunks(start, total, workers, max_files)]
+    # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
+    slot_bytes = max_files * row_bytes if config.format == "npy" else 0
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
+    results = (parallel.ordered_map(_work, tasks, workers, slot_bytes) if slot_bytes
+               else ((r, None) for r in parallel.ordered_map(_work, tasks, workers)))
     try:
-        for ok_src, payload, failures in ordered_map(_work, tasks, workers):
+        for (ok_src, payload, failures), view in results:
+            if payload is None:  # the pixels are in the shared slot
+                payload = np.frombuffer(view, np.uint8, len(ok_src) * row_bytes).reshape(
+                    len(ok_src), config.size, config.size, 3)
             for idx, reason in failures:
                 if config.on_error == "fail":
                     raise ImageDecodeError(f"cannot decode {source.root / source.paths[idx]}: {reason} "
@@ -138,12 +148,20 @@ def _tag(unit: dict[str, Any], fmt: str) -> dict[str, Any]:
     return unit
 
 
-def _work(task: tuple) -> tuple[list[int], Any, list[tuple[int, str]]]:
-    """Worker: decode one chunk. Returns (source indices decoded, their samples, [(index, reason)] failed)."""
+def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
+    """Worker: decode one chunk. Returns (source indices decoded, their samples, [(index, reason)] failed).
+
+    npy pixels go into the shared slot when there is one (the samples returned are then ``None``).
+    """
     root, paths, first, fmt, size, resize, quality = task
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
-    samples: Any = np.empty((len(paths), size, size, 3), np.uint8) if fmt == "npy" else []
+    shared = parallel.slot(slot)
+    samples: Any = []
+    if fmt == "npy":
+        shape = (len(paths), size, size, 3)
+        samples = np.empty(shape, np.uint8) if shared is None else np.frombuffer(
+            shared, np.uint8, int(np.prod(shape))).reshape(shape)
     for j, rel in enumerate(paths):
         path = Path(root) / rel
         try:
@@ -159,7 +177,7 @@ def _work(task: tuple) -> tuple[list[int], Any, list[tuple[int, str]]]:
             continue
         ok.append(first + j)
     if fmt == "npy":
-        samples = samples[:len(ok)]
+        samples = samples[:len(ok)] if shared is None else None
     return ok, samples, failures
 
 
