@@ -12,9 +12,15 @@ position, rank)`` with the same rule as :class:`~fastdata.gpu_transforms.RandomR
 size read from its JPEG header) and fed to DALI, which decodes only the box (``decoders.image_slice``):
 a resumed run draws exactly the crops of the uninterrupted one, which DALI's own random operators
 (seeded once per pipeline) cannot do.
+
+The pipeline runs with DALI's default (asynchronous, pipelined) executor: DALI pulls each batch's bytes
+and crop boxes from :meth:`DALILoader._next_batch` ``prefetch`` batches ahead of the consumer, so LMDB
+reads, header parsing and decoding overlap the training step. The sampler advances only when a batch is
+handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
 """
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -80,12 +86,14 @@ class DALILoader(SamplerBacked):
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
                  num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None) -> None:
+                 world_size: Optional[int] = None, prefetch: int = 2) -> None:
         self._dali = _dali()
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
         if on_error not in ("skip", "fail"):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an integer >= 1, got prefetch={prefetch!r}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
         self.device = torch.device(device)
@@ -101,9 +109,12 @@ class DALILoader(SamplerBacked):
                                                seed=seed, drop_last=drop_last, pad=train if pad is None else pad,
                                                rank=rank, world_size=world_size)
         self.num_threads = num_threads or min(4, torch.get_num_threads())
+        self.prefetch = prefetch
         self.seed = seed
         self.skipped: list[int] = []
         self._pipe: Any = None
+        self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
+        self._fed: deque[tuple[int, np.ndarray]] = deque()  # (batches pulled, rows) given to DALI, not yet out
 
     # -- proxies --------------------------------------------------------------------------------------
     @property
@@ -120,20 +131,23 @@ class DALILoader(SamplerBacked):
         fn, types = dali.fn, dali.types
         gpu = self.device.type == "cuda"
         out_type = types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT  # DALI has no bf16: cast after
+        # Pipelined and asynchronous (DALI's default executor): while the consumer works on batch k, DALI
+        # decodes batches k+1..k+prefetch, and pulls their bytes from _next_batch on this thread.
         pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
                              device_id=self.device.index or 0 if gpu else None, seed=self.seed,
-                             exec_async=False, exec_pipelined=False)  # fed then run: errors surface, never hang
+                             prefetch_queue_depth=self.prefetch)
         with pipe:
-            jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, batch=True)
             decoder = "mixed" if gpu else "cpu"
             if self.train:  # boxes and flips drawn on the host (see _crops): exact on resume
-                anchor = fn.external_source(name="anchor", dtype=types.INT32, batch=True)
-                shape = fn.external_source(name="shape", dtype=types.INT32, batch=True)
-                mirror = fn.external_source(name="mirror", dtype=types.INT32, batch=True)
+                jpegs, anchor, shape, mirror = fn.external_source(
+                    source=self._next_batch, num_outputs=4, batch=True,
+                    dtype=[types.UINT8, types.INT32, types.INT32, types.INT32])
                 images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder, output_type=types.RGB,
                                                  axis_names="WH")  # integer anchor/shape: absolute pixels
                 images = fn.resize(images, resize_x=self.size, resize_y=self.size)
             else:
+                (jpegs,) = fn.external_source(source=self._next_batch, num_outputs=1, batch=True,
+                                              dtype=[types.UINT8])
                 images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
                 images = fn.resize(images, resize_shorter=self.size)
                 mirror = 0
@@ -172,10 +186,12 @@ class DALILoader(SamplerBacked):
         return (torch.stack([left, top], 1)[keep].numpy(), torch.stack([w, h], 1)[keep].numpy(),
                 flip.to(torch.int32)[keep].numpy())
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._pipe is None:
-            self._pipe = self._build()
-        for idx in self.sampler.batches():
+    def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[bytes], list[tuple[int, int]], np.ndarray]]:
+        """This epoch's batches from the sampler's position: (batches pulled so far, the batch's global position,
+        rows, JPEG bytes, sizes, good mask). Only reads; the sampler advances when a batch reaches the consumer."""
+        s = self.sampler
+        first = s.served
+        for k, idx in enumerate(s.batches(), 1):
             idx = np.sort(idx)  # the same per-batch order as FastLoader
             rows = idx if self.indices is None else self.indices[idx]
             blobs = self.reader.get_many(rows)
@@ -187,23 +203,46 @@ class DALILoader(SamplerBacked):
                     raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
                                            "`fastdata verify`, or pass on_error='skip'")
                 self.skipped += bad
-            s = self.sampler
-            position = s.batch_position(s.served)  # this batch's, before advance()
-            s.advance()
+            yield k, s.batch_position(first + k - 1), rows, blobs, sizes, good
+
+    def _next_batch(self) -> tuple:
+        """DALI's source: the next batch with at least one good JPEG (raises StopIteration at the epoch's end)."""
+        assert self._feed is not None
+        for k, position, rows, blobs, sizes, good in self._feed:
             if not good.any():
                 continue
-            kept = [b for b, g in zip(blobs, good) if g]
-            self._pipe.feed_input("jpegs", [np.frombuffer(b, np.uint8) for b in kept])
-            if self.train:
-                anchor, shape, mirror = self._crops(sizes, good, position)
-                self._pipe.feed_input("anchor", anchor)
-                self._pipe.feed_input("shape", shape)
-                self._pipe.feed_input("mirror", mirror)
-            try:
-                (out,) = self._pipe.run()
-            except RuntimeError as exc:
-                raise ImageDecodeError(f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
-                                       f"{str(exc).splitlines()[0]}") from exc
-            y = torch.from_numpy(self.labels[rows[good]]).to(self.device, non_blocking=True)
-            yield self._to_torch(out), y
-        self.sampler.end_epoch()
+            self._fed.append((k, rows[good]))
+            jpegs = [np.frombuffer(b, np.uint8) for b, g in zip(blobs, good) if g]
+            if not self.train:
+                return (jpegs,)
+            return (jpegs, *self._crops(sizes, good, position))
+        raise StopIteration
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
+            self._pipe = None
+            self._pipe = self._build()
+        pipe, s, pulled = self._pipe, self.sampler, 0
+        self._feed, self._fed = self._plan(), deque()
+        try:
+            while True:
+                try:
+                    (out,) = pipe.run()  # schedules the next batch, returns the oldest
+                except StopIteration:
+                    break
+                except RuntimeError as exc:
+                    rows = self._fed[0][1].tolist() if self._fed else []
+                    raise ImageDecodeError(f"{self.reader.path}: DALI could not decode a sample of {rows[:8]}...: "
+                                           f"{str(exc).splitlines()[0]}") from exc
+                k, rows = self._fed.popleft()
+                s.advance(k - pulled)  # the batches served, all-skipped ones included
+                pulled = k
+                y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
+                yield self._to_torch(out), y
+        except BaseException:
+            if self._pipe is pipe:  # a pipeline that raised (or was abandoned) is not reused
+                self._pipe = None
+            raise
+        pipe.reset()
+        self._feed = None
+        s.end_epoch()

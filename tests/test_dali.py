@@ -150,6 +150,33 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
     assert sorted(seen) == [i for i in range(INDEXED_N) if i != 5] and dl.skipped == [5]
 
 
+def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path):
+    import shutil
+
+    from fastdata.errors import ConfigError
+    from fastdata.formats.lmdb_store import LmdbReader
+
+    root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
+    blob = LmdbReader(root / "images.lmdb").get(5)
+    data = (root / "images.lmdb").read_bytes()
+    at = data.find(blob)
+    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])
+    dl = loader(root, batch_size=1, on_error="skip", prefetch=4)  # DALI pulls 4 batches ahead of the consumer
+    it = iter(dl)
+    head = [ids(next(it)[0])[0] for _ in range(6)]
+    assert head == [0, 1, 2, 3, 4, 6] and dl.state_dict()["position"] == 7  # sample 5's batch was skipped
+    resumed = loader(root, batch_size=1, on_error="skip")
+    resumed.load_state_dict(dl.state_dict())
+    assert [i for x, _ in resumed for i in ids(x)] == list(range(7, INDEXED_N))
+    again = iter(dl)  # the abandoned iteration's loader, iterated again, goes on from where it was left
+    assert ids(next(again)[0]) == [7]
+    del it  # closing the abandoned iteration leaves the running one alone
+    assert [i for x, _ in again for i in ids(x)] == list(range(8, INDEXED_N))
+    assert [ids(x)[0] for x, _ in dl][:2] == [0, 1]  # then a new epoch
+    with pytest.raises(ConfigError, match="prefetch"):
+        loader(root, prefetch=0)
+
+
 def test_without_dali_the_error_names_the_extra():
     code = ("import sys; sys.modules['nvidia.dali'] = None\n"
             "from fastdata.dali import _dali\n"
