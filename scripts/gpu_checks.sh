@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 5 and 8, run on the `device` machine from the repository root (see
+# scripts/device_wheels.sh for getting DALI and lmdb there). Results go to $OUT (or ./gpu-out).
+#   bash scripts/gpu_checks.sh install   # reassemble /tmp/dw/*.part-NN, install DALI + lmdb + fastdata
+#   bash scripts/gpu_checks.sh tests     # pytest -m cuda (with the dali tests), the torchrun test on 2 ranks
+#   bash scripts/gpu_checks.sh bench     # bench_gpu.py, then bench_dali.py, bench_text.py, fastdata bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD
+case "${1:-}" in
+install)
+    cd /tmp/dw
+    for first in *.part-00; do
+        [ -e "$first" ] || continue
+        whl=${first%.part-00}; cat "$whl".part-* > "$whl" && rm -f "$whl".part-*
+    done
+    cd - >/dev/null
+    $PY -m pip install --no-index --find-links /tmp/dw nvidia-dali-cuda130 lmdb 2>&1 | tail -2
+    $PY -c "import nvidia.dali, lmdb, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
+torch.cuda.get_device_name())"
+    ;;
+tests)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    $PY -m pytest -p no:cacheprovider -m "cuda" -rs -v tests 2>&1 | tee "$OUT/cuda-tests.txt" | tail -40
+    $PY -m pytest -p no:cacheprovider -x -q -m "not slow" tests/test_prefetch.py tests/test_gpu_transforms.py \
+        tests/test_dali.py 2>&1 | tail -5 | tee -a "$OUT/cuda-tests.txt"
+    ;;
+bench)
+    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-10}" 2>&1 | tee "$OUT/bench_gpu.txt"
+    $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-10}" 2>&1 \
+        | tee "$OUT/bench_dali.txt"
+    $PY benchmarks/bench_text.py --mb 100 --batch 512 --seconds 3 2>&1 | tee "$OUT/bench_text.txt"
+    ;;
+*)
+    echo "usage: $0 install|tests|bench" >&2; exit 2 ;;
+esac
