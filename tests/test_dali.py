@@ -1,9 +1,11 @@
 """DALILoader on the CPU (DALI runs without a GPU there): order, coverage, sharding, resume, parity."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,17 +134,22 @@ def test_eval_parity_with_the_cpu_decode_path(tmp_path):
     assert dali.shape == (12, 3, 40, 40) and float(diff.mean()) < 3.0, float(diff.mean())
 
 
-def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
-    import shutil
-
-    from fastdata.errors import ImageDecodeError
+def corrupt_copy(src: Path, dst: Path, sample: int) -> Path:
+    """A copy of an LMDB dataset whose record ``sample`` starts with 32 zero bytes (no longer a JPEG)."""
     from fastdata.formats.lmdb_store import LmdbReader
 
-    root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
-    blob = LmdbReader(root / "images.lmdb").get(5)
+    root = shutil.copytree(src, dst)
+    blob = LmdbReader(root / "images.lmdb").get(sample)
     data = (root / "images.lmdb").read_bytes()
     at = data.find(blob)
     (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])
+    return root
+
+
+def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
+    from fastdata.errors import ImageDecodeError
+
+    root = corrupt_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
     with pytest.raises(ImageDecodeError, match=r"samples \[5\]"):
         list(loader(root))
     dl = loader(root, on_error="skip")
@@ -151,16 +158,9 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
 
 
 def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path):
-    import shutil
-
     from fastdata.errors import ConfigError
-    from fastdata.formats.lmdb_store import LmdbReader
 
-    root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
-    blob = LmdbReader(root / "images.lmdb").get(5)
-    data = (root / "images.lmdb").read_bytes()
-    at = data.find(blob)
-    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])
+    root = corrupt_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
     dl = loader(root, batch_size=1, on_error="skip", prefetch=4)  # DALI pulls 4 batches ahead of the consumer
     it = iter(dl)
     head = [ids(next(it)[0])[0] for _ in range(6)]
