@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -13,6 +14,7 @@ from .errors import DiskFullError, FormatError, OutputError
 
 HASH_NAME = "sha256"  # ~1.8 GB/s here with SHA-NI; blake2b measured at 0.9 GB/s on the same machine
 _COPY_BLOCK = 16 << 20
+_OVERLAP_BYTES = 1 << 20  # writes at least this big are hashed on a helper thread while they are written
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -46,6 +48,8 @@ class HashingWriter:
     """Writes a file under ``<name>.tmp``, hashing the bytes as they go; ``commit()`` renames it.
 
     Until ``commit()`` nothing carries the final name, so an interrupted run leaves only ``.tmp`` files.
+    Large writes are hashed on a helper thread while the write runs (both release the GIL): the
+    preprocessing parent's time per shard is then the longer of the two, not their sum.
     """
 
     def __init__(self, path: Path) -> None:
@@ -53,6 +57,7 @@ class HashingWriter:
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.hash = new_hash()
         self.size = 0
+        self._hasher: Optional[ThreadPoolExecutor] = None
         try:
             self._f = open(self.tmp, "wb")
         except OSError as exc:
@@ -60,16 +65,31 @@ class HashingWriter:
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
+        hashed = None
+        if view.nbytes >= _OVERLAP_BYTES:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fastdata-hash")
+            hashed = self._hasher.submit(self.hash.update, view)
         try:
             self._f.write(view)
         except OSError as exc:
             self.abort()
             raise disk_error(exc, self.tmp) from exc
-        self.hash.update(view)
+        finally:
+            if hashed is not None:
+                hashed.result()  # the caller may reuse `data` once this returns
+        if hashed is None:
+            self.hash.update(view)
         self.size += view.nbytes
+
+    def _stop_hasher(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
 
     def commit(self) -> dict[str, Any]:
         """fsync, rename to the final name; returns ``{"path", "bytes", "sha256"}``."""
+        self._stop_hasher()
         try:
             self._f.flush()
             os.fsync(self._f.fileno())
@@ -81,6 +101,7 @@ class HashingWriter:
         return {"path": self.path.name, "bytes": self.size, HASH_NAME: self.hash.hexdigest()}
 
     def abort(self) -> None:
+        self._stop_hasher()
         try:
             self._f.close()  # flushing buffered bytes can fail again on a full disk; the file goes anyway
         except OSError:

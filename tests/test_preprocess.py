@@ -210,3 +210,24 @@ def test_ordered_map_slots_hold_each_result_until_the_next_is_asked_for(workers)
         seen.append(result if view is None else bytes(view))
         assert result is None or view is None
     assert seen == [bytes([i]) * 64 for i in range(80)]
+
+
+def test_hashing_writer_digest_matches_the_file_for_large_and_small_writes(tmp_path):
+    import hashlib
+
+    from fastdata._io import HashingWriter
+
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3 << 20, 100, 1 << 20, 5, 2 << 20)]
+    w = HashingWriter(tmp_path / "f.bin")
+    for part in parts:
+        w.write(part)
+        part[:] = 0  # the caller may reuse its buffer as soon as write() returns
+    entry = w.commit()
+    data = (tmp_path / "f.bin").read_bytes()
+    assert entry["bytes"] == len(data) == sum(len(p) for p in parts) and not (tmp_path / "f.bin.tmp").exists()
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest() and data[:8] != bytes(8)
+    aborted = HashingWriter(tmp_path / "g.bin")
+    aborted.write(parts[0])
+    aborted.abort()
+    assert not list(tmp_path.glob("g.bin*"))
