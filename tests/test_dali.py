@@ -200,3 +200,19 @@ def test_gpu_decode_matches_cpu_decode(indexed_datasets):
     cpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"])])
     gpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"], device="cuda")])
     assert gpu.is_cuda and float((gpu.cpu() - cpu).abs().mean()) < 0.02
+
+
+@pytest.mark.cuda
+def test_gpu_training_batches_are_bf16_channels_last_and_exact_after_a_resume(indexed_datasets):
+    kw = {"train": True, "shuffle": True, "seed": 3, "device": "cuda", "dtype": torch.bfloat16, "batch_size": 16}
+    whole = [(x, y) for x, y in loader(indexed_datasets["lmdb"], **kw)]
+    x, y = whole[0]
+    assert x.is_cuda and y.is_cuda and x.dtype == torch.bfloat16 and y.dtype == torch.int64
+    assert x.shape == (16, 3, 8, 8) and x.is_contiguous(memory_format=torch.channels_last)
+    a = loader(indexed_datasets["lmdb"], **kw)
+    it = iter(a)
+    head = [next(it)[0] for _ in range(3)]
+    b = loader(indexed_datasets["lmdb"], **kw)
+    b.load_state_dict(a.state_dict())
+    for got, (want, _) in zip(head + [x for x, _ in b], whole):
+        assert torch.equal(got, want)  # nvJPEG decode and the host-drawn crops are deterministic
