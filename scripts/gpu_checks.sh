@@ -2,7 +2,7 @@
 # The GPU checks of issues 5 and 8, run on the `device` machine from the repository root (see
 # scripts/device_wheels.sh for getting DALI and lmdb there). Results go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_checks.sh install   # reassemble /tmp/dw/*.part-NN, install DALI + lmdb + fastdata
-#   bash scripts/gpu_checks.sh tests     # pytest -m cuda (with the dali tests), the torchrun test on 2 ranks
+#   bash scripts/gpu_checks.sh tests     # pytest -m cuda (cuda+dali included), then the DALI CPU tests there
 #   bash scripts/gpu_checks.sh bench     # bench_gpu.py, then bench_dali.py, bench_text.py, fastdata bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
