@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import signal
 import subprocess
@@ -231,3 +232,19 @@ def test_hashing_writer_digest_matches_the_file_for_large_and_small_writes(tmp_p
     aborted.write(parts[0])
     aborted.abort()
     assert not list(tmp_path.glob("g.bin*"))
+
+
+def _die_at_three(i: int, k: int | None) -> int:
+    if i == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+    return i
+
+
+def test_a_killed_worker_is_a_clear_error_not_a_hang():
+    from fastdata.errors import FastdataError
+
+    got = []
+    with pytest.raises(FastdataError, match="worker died .* rerun the same command"):
+        for result, _ in parallel.ordered_map(_die_at_three, range(10), 2, slot_bytes=64):
+            got.append(result)
+    assert got == list(range(len(got))) and len(got) <= 3  # results before the death, in order

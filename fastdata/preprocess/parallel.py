@@ -93,21 +93,22 @@ def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int, slot
     with ProcessPoolExecutor(workers, mp_context=mp.get_context(_start_method()), initializer=_init_worker,
                              initargs=(slots if _start_method() == "fork" else None,)) as pool:
         it = enumerate(tasks)
-        # When result i is yielded, tasks up to i + window are submitted and none beyond: slot i % count
-        # (count = window + 1) is not handed to another task before the consumer asks for result i + 1.
-        pending = deque((i, pool.submit(fn, *call(i, t))) for _, (i, t) in zip(range(_WINDOW * workers), it))
+        pending: deque[tuple[int, Any]] = deque()
         try:
+            # When result i is yielded, tasks up to i + window are submitted and none beyond: slot i % count
+            # (count = window + 1) is not handed to another task before the consumer asks for result i + 1.
+            for _, (i, t) in zip(range(_WINDOW * workers), it):
+                pending.append((i, pool.submit(fn, *call(i, t))))
             while pending:
                 i, future = pending.popleft()
-                try:
-                    r = future.result()
-                except BrokenProcessPool as exc:
-                    raise FastdataError("a preprocessing worker died (killed, or out of memory?): "
-                                        "rerun the same command to resume, perhaps with fewer --workers") from exc
+                r = future.result()
                 for j, t in it:
                     pending.append((j, pool.submit(fn, *call(j, t))))
                     break
                 yield result(i, r)
+        except BrokenProcessPool as exc:  # from result() or from submit(), whichever notices first
+            raise FastdataError("a preprocessing worker died (killed, or out of memory?): "
+                                "rerun the same command to resume, perhaps with fewer --workers") from exc
         finally:
             for _, f in pending:
                 f.cancel()
