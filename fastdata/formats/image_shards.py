@@ -7,7 +7,7 @@ and permuted to NCHW is already ``channels_last``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -45,21 +45,23 @@ class NpyShardWriter(UnitWriter):
         assert self._file is not None and samples.shape[1:] == self.sample_shape and samples.dtype == IMAGE_DTYPE
         self._file.write(np.ascontiguousarray(samples))
 
-    def _commit(self, labels: np.ndarray) -> list[dict[str, Any]]:
+    def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
         assert self._file is not None
         f, self._file = self._file, None
-        if self.rows < self.unit_size:
-            f = self._rewrite_short(f)
-        entry = f.commit()
-        return [entry, write_bytes_atomic(self.out / labels_name(self.index), npy_bytes(labels))]
+        rows, labels_path = self.rows, self.out / labels_name(self.index)
 
-    def _rewrite_short(self, full: HashingWriter) -> HashingWriter:
+        def commit() -> list[dict[str, Any]]:
+            g = self._rewrite_short(f, rows) if rows < self.unit_size else f
+            return [g.commit(), write_bytes_atomic(labels_path, npy_bytes(labels))]
+        return commit
+
+    def _rewrite_short(self, full: HashingWriter, rows: int) -> HashingWriter:
         full._f.close()
         body = full.tmp.with_name(full.tmp.name + ".body")
         full.tmp.replace(body)
         short = HashingWriter(full.path)
         try:
-            short.write(npy_header((self.rows, *self.sample_shape), IMAGE_DTYPE))
+            short.write(npy_header((rows, *self.sample_shape), IMAGE_DTYPE))
             skip = len(npy_header((self.unit_size, *self.sample_shape), IMAGE_DTYPE))
             for block in iter_blocks(body, skip):
                 short.write(block)
@@ -67,7 +69,7 @@ class NpyShardWriter(UnitWriter):
             body.unlink(missing_ok=True)
         return short
 
-    def abort(self) -> None:
+    def _abort_unit(self) -> None:
         if self._file is not None:
             self._file.abort()
             self._file = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -44,15 +44,17 @@ class JpegPartWriter(UnitWriter):
     def _write(self, samples: Sequence[bytes]) -> None:
         self._blobs.extend(samples)
 
-    def _commit(self, labels: np.ndarray) -> list[dict[str, Any]]:
-        offsets = np.zeros(len(self._blobs) + 1, dtype="<i8")
-        np.cumsum([len(b) for b in self._blobs], out=offsets[1:])
-        blob = np.frombuffer(b"".join(self._blobs), dtype=np.uint8)
-        names = part_names(self.index)
+    def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
+        blobs, paths = self._blobs, [self.parts_dir / n for n in part_names(self.index)]
         self._blobs = []
-        return [write_bytes_atomic(self.parts_dir / names[0], npy_bytes(blob)),
-                write_bytes_atomic(self.parts_dir / names[1], npy_bytes(offsets)),
-                write_bytes_atomic(self.parts_dir / names[2], npy_bytes(labels))]
+
+        def commit() -> list[dict[str, Any]]:
+            offsets = np.zeros(len(blobs) + 1, dtype="<i8")
+            np.cumsum([len(b) for b in blobs], out=offsets[1:])
+            blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+            return [write_bytes_atomic(paths[0], npy_bytes(blob)), write_bytes_atomic(paths[1], npy_bytes(offsets)),
+                    write_bytes_atomic(paths[2], npy_bytes(labels))]
+        return commit
 
 
 def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[bytes], np.ndarray]]:
