@@ -70,15 +70,16 @@ def test_lmdb_output_records_and_labels(awkward_folder, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
-def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt):
+def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt, monkeypatch):
     (photo_folder / "class_1" / "broken.jpg").write_bytes(b"\xff\xd8\xff garbage")
     outs = []
-    for w in (1, 2):
-        out = tmp_path / f"w{w}"
+    for w, method in ((1, "fork"), (2, "fork"), (2, "spawn")):  # spawn: pixels come back pickled
+        monkeypatch.setattr(parallel, "_start_method", lambda: method)
+        out = tmp_path / f"w{w}-{method}"
         assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "32", "--shard-size", "5",
                      "--format", fmt, "--workers", str(w), "--quiet"]) == 0
         outs.append(tree_bytes(out))
-    assert outs[0] == outs[1] and len(outs[0]) >= 3  # lmdb: images.lmdb, labels.npy, manifest.json
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) >= 3  # lmdb: images.lmdb, labels.npy, manifest.json
 
 
 @pytest.mark.slow
@@ -202,16 +203,19 @@ def _fill_slot(task: tuple[int, float], k: int | None) -> bytes | None:
     return None
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_ordered_map_slots_hold_each_result_until_the_next_is_asked_for(workers):
+@pytest.mark.parametrize("workers,method", [(1, "fork"), (2, "fork"), (3, "fork"), (2, "spawn")])
+def test_ordered_map_slots_hold_each_result_until_the_next_is_asked_for(workers, method, monkeypatch):
+    monkeypatch.setattr(parallel, "_start_method", lambda: method)  # spawn (macOS, Windows): no shared slots
     rng = random.Random(workers)
     tasks = [(i, rng.random() * 0.004) for i in range(80)]
-    seen = []
+    seen, shared = [], []
     for result, view in parallel.ordered_map(_fill_slot, tasks, workers, slot_bytes=64):
         time.sleep(0.002)  # a slow consumer: the workers run ahead into the other slots meanwhile
         seen.append(result if view is None else bytes(view))
+        shared.append(view is not None)
         assert result is None or view is None
     assert seen == [bytes([i]) * 64 for i in range(80)]
+    assert all(shared) if method == "fork" else not any(shared)
 
 
 def test_hashing_writer_digest_matches_the_file_for_large_and_small_writes(tmp_path):
