@@ -31,6 +31,7 @@ from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, batch_seed, rrc_boxes
+from .preprocess.decode import decode_jpeg
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -111,7 +112,9 @@ class DALILoader(SamplerBacked):
         self.num_threads = num_threads or min(4, torch.get_num_threads())
         self.prefetch = prefetch
         self.seed = seed
-        self.skipped: list[int] = []
+        self.skipped: list[int] = []  # samples left out under on_error="skip", each once
+        self._skipped_set: set[int] = set()
+        self._undecodable: set[int] = set()  # whole JPEGs that DALI and the host both failed to decode
         self._pipe: Any = None
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (batches pulled, rows) given to DALI, not yet out
@@ -202,7 +205,9 @@ class DALILoader(SamplerBacked):
                 if self.on_error == "fail":
                     raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
                                            "`fastdata verify`, or pass on_error='skip'")
-                self.skipped += bad
+                self._skip(bad)
+            if self._undecodable:
+                good &= ~np.isin(rows, list(self._undecodable))
             yield k, s.batch_position(first + k - 1), rows, blobs, sizes, good
 
     def _next_batch(self) -> tuple:
@@ -218,6 +223,21 @@ class DALILoader(SamplerBacked):
             return (jpegs, *self._crops(sizes, good, position))
         raise StopIteration
 
+    def _skip(self, rows: list[int]) -> None:
+        """Record samples left out (once each: a batch may be planned again after a decode error)."""
+        self.skipped += [r for r in rows if r not in self._skipped_set]
+        self._skipped_set.update(rows)
+
+    def _find_undecodable(self, rows: np.ndarray) -> list[int]:
+        """The samples of a batch that DALI failed on which the host cannot decode either (Pillow)."""
+        bad = []
+        for row, blob in zip(rows.tolist(), self.reader.get_many(rows)):
+            try:
+                decode_jpeg(blob, self.size)
+            except ImageDecodeError:
+                bad.append(row)
+        return bad
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
             self._pipe = None
@@ -230,10 +250,21 @@ class DALILoader(SamplerBacked):
                     (out,) = pipe.run()  # schedules the next batch, returns the oldest
                 except StopIteration:
                     break
-                except RuntimeError as exc:
-                    rows = self._fed[0][1].tolist() if self._fed else []
-                    raise ImageDecodeError(f"{self.reader.path}: DALI could not decode a sample of {rows[:8]}...: "
-                                           f"{str(exc).splitlines()[0]}") from exc
+                except RuntimeError as exc:  # DALI failed on the oldest batch and cannot go on
+                    rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
+                    bad = self._find_undecodable(rows) if self.on_error == "skip" else []
+                    if not bad:
+                        raise ImageDecodeError(
+                            f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
+                            f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
+                                                              " (on_error='skip' leaves out what the host cannot "
+                                                              "decode either)")) from exc
+                    self._skip(bad)  # leave them out and go on from this batch with a new pipeline
+                    self._undecodable.update(bad)
+                    self._pipe = None
+                    pipe = self._pipe = self._build()
+                    self._feed, self._fed, pulled = self._plan(), deque(), 0
+                    continue
                 k, rows = self._fed.popleft()
                 s.advance(k - pulled)  # the batches served, all-skipped ones included
                 pulled = k

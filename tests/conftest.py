@@ -174,3 +174,23 @@ def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+
+
+def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) -> Path:
+    """A copy of an LMDB dataset whose record ``sample`` starts with 32 zero bytes (no longer a JPEG), or with
+    ``huffman``, has a garbled Huffman table (a whole JPEG by its markers that no decoder can read)."""
+    import shutil
+
+    from fastdata.formats.lmdb_store import LmdbReader
+
+    root = shutil.copytree(src, dst)
+    blob = LmdbReader(root / "images.lmdb").get(sample)
+    if huffman:
+        i = blob.find(b"\xff\xc4")
+        bad = blob[:i + 5] + b"\xff" * 16 + blob[i + 21:]
+    else:
+        bad = bytes(32) + blob[32:]
+    data = (root / "images.lmdb").read_bytes()
+    at = data.find(blob)
+    (root / "images.lmdb").write_bytes(data[:at] + bad + data[at + len(blob):])
+    return root

@@ -1,17 +1,16 @@
 """DALILoader on the CPU (DALI runs without a GPU there): order, coverage, sharding, resume, parity."""
 from __future__ import annotations
 
-import shutil
+import itertools
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import INDEXED_N, sample_ids
+from conftest import INDEXED_N, corrupt_lmdb_copy, sample_ids
 from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
 
@@ -134,22 +133,10 @@ def test_eval_parity_with_the_cpu_decode_path(tmp_path):
     assert dali.shape == (12, 3, 40, 40) and float(diff.mean()) < 3.0, float(diff.mean())
 
 
-def corrupt_copy(src: Path, dst: Path, sample: int) -> Path:
-    """A copy of an LMDB dataset whose record ``sample`` starts with 32 zero bytes (no longer a JPEG)."""
-    from fastdata.formats.lmdb_store import LmdbReader
-
-    root = shutil.copytree(src, dst)
-    blob = LmdbReader(root / "images.lmdb").get(sample)
-    data = (root / "images.lmdb").read_bytes()
-    at = data.find(blob)
-    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])
-    return root
-
-
 def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
     from fastdata.errors import ImageDecodeError
 
-    root = corrupt_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
+    root = corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
     with pytest.raises(ImageDecodeError, match=r"samples \[5\]"):
         list(loader(root))
     dl = loader(root, on_error="skip")
@@ -157,10 +144,33 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
     assert sorted(seen) == [i for i in range(INDEXED_N) if i != 5] and dl.skipped == [5]
 
 
+def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_path):
+    from fastdata.cli import main
+    from fastdata.errors import ImageDecodeError
+
+    assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
+                 "--workers", "1", "--quiet"]) == 0
+    inside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "huffman", 17, huffman=True)  # fails inside DALI
+    outside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "zeroed", 17)  # caught on the host before DALI
+    with pytest.raises(ImageDecodeError, match="on_error='skip'"):
+        list(loader(inside, batch_size=8))
+    kw = {"train": True, "shuffle": True, "seed": 1, "size": 16, "batch_size": 8, "on_error": "skip", "prefetch": 3}
+    got, want = loader(inside, **kw), loader(outside, **kw)
+    for epoch in (0, 1):
+        got.set_epoch(epoch)
+        want.set_epoch(epoch)
+        served = 0
+        for a, b in itertools.zip_longest(got, want):  # the same samples, crops and flips after the restart
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and got.state_dict() == want.state_dict()
+            served += len(a[1])
+        assert served == 41  # 42 photos, one left out
+    assert got.skipped == want.skipped == [17]
+
+
 def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path):
     from fastdata.errors import ConfigError
 
-    root = corrupt_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
+    root = corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
     dl = loader(root, batch_size=1, on_error="skip", prefetch=4)  # DALI pulls 4 batches ahead of the consumer
     it = iter(dl)
     head = [ids(next(it)[0])[0] for _ in range(6)]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import INDEXED_N, INDEXED_SIZE, sample_ids
+from conftest import INDEXED_N, INDEXED_SIZE, corrupt_lmdb_copy, sample_ids
 from fastdata import shm
 from fastdata.dataset import FastDataset
-from fastdata.errors import ChecksumError, ConfigError, FormatError
+from fastdata.errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
 
 MODES = ["mmap", "ram", "shm", "cuda"]
 
@@ -81,6 +81,14 @@ def test_lmdb_decodes_on_the_cpu(indexed_datasets):
     assert np.abs(xb[:, :, :, 2].numpy().astype(int) - 9).max() <= 4  # JPEG: within a few units on flat colour
     small = FastDataset(indexed_datasets["lmdb"], size=4)
     assert small[3][0].shape == (4, 4, 3)
+
+
+@pytest.mark.parametrize("huffman", [False, True])  # not a JPEG / a whole JPEG that does not decode
+def test_lmdb_record_that_does_not_decode_is_a_clear_error(indexed_datasets, tmp_path, huffman):
+    ds = FastDataset(corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "lm", 7, huffman=huffman))
+    assert sample_ids(ds.get_batch([6, 8])[0]).tolist() == [6, 8]
+    with pytest.raises(ImageDecodeError, match="sample 7 is not a decodable JPEG.*fastdata verify"):
+        ds.get_batch([6, 7])
 
 
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])

@@ -130,7 +130,6 @@ def decode_jpeg(data: bytes, size: int) -> np.ndarray:
         s = _scale(w, h, size, "center-crop")
         if s < 1:
             img.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
-        img = to_rgb(img)
+        return np.asarray(resize(to_rgb(img), size, "center-crop"))  # Pillow decodes lazily: errors come here too
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
-    return np.asarray(resize(img, size, "center-crop"))
