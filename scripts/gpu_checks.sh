@@ -3,7 +3,8 @@
 # scripts/device_wheels.sh for getting DALI and lmdb there). Results go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_checks.sh install   # reassemble /tmp/dw/*.part-NN, install DALI + lmdb + fastdata
 #   bash scripts/gpu_checks.sh tests     # pytest -m cuda (cuda+dali included), then the DALI CPU tests there
-#   bash scripts/gpu_checks.sh bench     # bench_gpu.py, then bench_dali.py, bench_text.py, fastdata bench
+#   bash scripts/gpu_checks.sh bench     # bench_gpu.py, bench_dali.py, bench_text.py (about 7 minutes)
+#   bash scripts/gpu_checks.sh stages    # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -33,6 +34,13 @@ bench)
         | tee "$OUT/bench_dali.txt"
     $PY benchmarks/bench_text.py --mb 100 --batch 512 --seconds 3 2>&1 | tee "$OUT/bench_text.txt"
     ;;
+stages)
+    D=/tmp/fastdata-stages
+    $PY -c "from fastdata.synthetic import make_image_folder as m; m('$D/jpeg', num_classes=8, per_class=256)"
+    $PY -m fastdata preprocess images "$D/jpeg" "$D/npy" --size 256 --quiet
+    $PY -m fastdata bench "$D/npy" --device ${BENCH_DEVICE:-cuda} --seconds ${BENCH_SECONDS:-60} ${BENCH_ARGS:-} --json "$OUT/fastdata-bench.json" 2>&1 \
+        | tee "$OUT/fastdata-bench.txt"
+    ;;
 *)
-    echo "usage: $0 install|tests|bench" >&2; exit 2 ;;
+    echo "usage: $0 install|tests|bench|stages" >&2; exit 2 ;;
 esac
