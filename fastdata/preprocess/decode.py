@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -35,7 +36,7 @@ def _scale(w: int, h: int, size: int, mode: str) -> float:
     raise ValueError(f"unknown resize mode {mode!r}")
 
 
-def open_rgb(path: Path | str, size: int, mode: str) -> Image.Image:
+def open_rgb(path: Path | str | BinaryIO, size: int, mode: str) -> Image.Image:
     """Decode ``path`` to an upright RGB image, at the smallest scale still >= what ``mode`` needs."""
     try:
         img = Image.open(path)
@@ -105,7 +106,7 @@ def resize(img: Image.Image, size: int, mode: str) -> Image.Image:
     raise ValueError(f"unknown resize mode {mode!r}; expected one of {RESIZE_MODES}")
 
 
-def load_array(path: Path | str, size: int, mode: str) -> np.ndarray:
+def load_array(path: Path | str | BinaryIO, size: int, mode: str) -> np.ndarray:
     """``path`` -> ``(size, size, 3)`` uint8 HWC, the npy-shard sample."""
     return np.asarray(resize(open_rgb(path, size, mode), size, mode))
 
@@ -123,13 +124,6 @@ def load_jpeg(path: Path | str, size: int, quality: int) -> bytes:
 
 
 def decode_jpeg(data: bytes, size: int) -> np.ndarray:
-    """LMDB record -> ``(size, size, 3)`` uint8 centre crop (the CPU-decode path of the LMDB reader)."""
-    try:
-        img = Image.open(io.BytesIO(data))
-        w, h = img.size
-        s = _scale(w, h, size, "center-crop")
-        if s < 1:
-            img.draft("RGB", (max(1, math.ceil(w * s)), max(1, math.ceil(h * s))))
-        return np.asarray(resize(to_rgb(img), size, "center-crop"))  # Pillow decodes lazily: errors come here too
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
+    """LMDB record -> ``(size, size, 3)`` uint8 centre crop (the CPU-decode path of the LMDB reader), decoded
+    as preprocessing decodes a file (reduced-scale JPEG draft, errors as :class:`ImageDecodeError`)."""
+    return load_array(io.BytesIO(data), size, "center-crop")
