@@ -129,12 +129,21 @@ def test_gpu_batches_match_the_host_source_under_heavy_buffer_reuse(indexed_data
     loader = FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0)  # 2 slots: constant reuse
     pf = CUDAPrefetcher(loader, device="cuda", normalize=False, depth=2)
     ref = CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device="cpu", normalize=False)
+    side = pf._side_stream()
+    got, want = [], []
     for epoch in range(3):
         pf.set_epoch(epoch)
         ref.set_epoch(epoch)
         for (x, y), (xr, yr) in zip(pf, ref):
-            assert x.device.type == "cuda" and torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
-    assert pf._stream is not None  # one side stream, created once
+            with torch.cuda.stream(side):  # the next batch's copies start late while the host runs on:
+                torch.cuda._sleep(2_000_000)  # a buffer released before its copy ended would be refilled
+            got.append((x.clone(), y.clone()))  # no host sync per batch
+            want.append((xr, yr))
+    torch.cuda.synchronize()
+    assert len(got) == 3 * len(pf) and all(x.device.type == "cuda" for x, _ in got)
+    for (x, y), (xr, yr) in zip(got, want):
+        assert torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
+    assert pf._stream is side  # one side stream, created once
     stream = pf._stream
     list(pf)
     assert pf._stream is stream
