@@ -2,7 +2,7 @@
 
 Images are NCHW tensors (the channels_last view of a uint8 NHWC batch is fine), in pixel units: uint8,
 or float in 0..255. Geometric transforms come first; :class:`Normalize` ends a pipeline and gives
-``(x / 255 - mean) / std`` in one fused multiply-add. Every random transform draws its parameters for
+``(x / 255 - mean) / std`` as one multiply (casting uint8) and one add, bit-equal on CPU and GPU. Every random transform draws its parameters for
 the whole batch from the ``generator`` it is called with (CUDAPrefetcher seeds one per batch from
 ``(seed, epoch, position, rank)``, so a resumed run draws the same augmentations), then applies them with
 batched tensor operations. ``params`` and ``apply`` are separate so tests can check the math against
@@ -198,7 +198,7 @@ def rrc_boxes(height: torch.Tensor, width: torch.Tensor, u: torch.Tensor, scale:
 
 class Normalize(Transform):
     """Pixel units -> ``(x / 255 - mean) / std`` (mean, std in 0-1 units, torchvision's convention),
-    computed in float32 as one multiply-add and cast to ``dtype``. ``mean=None`` gives ``x / 255``."""
+    computed in float32 as a multiply and an add and cast to ``dtype``. ``mean=None`` gives ``x / 255``."""
 
     def __init__(self, mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -223,5 +223,7 @@ class Normalize(Transform):
         scale, shift = self._coefficients(x.device, x.shape[1])
         if scale.shape[1] != x.shape[1]:
             raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")
-        out = torch.addcmul(shift, x.float(), scale)
+        # A multiply, then an add, as two kernels: no device may fuse them into one FMA (CUDA's addcmul does,
+        # the CPU's does not), so the GPU gives the CPU's bits. Same passes as float() + addcmul.
+        out = torch.mul(x, scale).add_(shift)
         return out if self.dtype == torch.float32 else out.to(self.dtype)

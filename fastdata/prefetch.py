@@ -4,7 +4,7 @@ NOTE [prefetch]: for each batch, on one side stream created once per prefetcher:
 FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``
 (views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the
 permute of NHWC is channels_last: no copy), the transforms run and :class:`Normalize` casts and
-normalises in one multiply-add; a second event marks the batch ready. The consumer's stream waits on
+normalises (a multiply that casts, then an add); a second event marks the batch ready. The consumer's stream waits on
 that event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used
 there, so it never hands their memory to another tensor too early. A FastLoader buffer is released
 only after its copy event completed (polled with ``query()``; a targeted ``event.synchronize()`` only
