@@ -5,8 +5,8 @@ or float in 0..255. Geometric transforms come first; :class:`Normalize` ends a p
 ``(x / 255 - mean) / std`` as one multiply (casting uint8) and one add, bit-equal on CPU and GPU. Every
 random transform draws its parameters for the whole batch from the ``generator`` it is called with
 (CUDAPrefetcher seeds one per batch from ``(seed, epoch, position, rank)``, so a resumed run draws the
-same augmentations), then applies them with batched tensor operations. ``params`` and ``apply`` are separate so tests can check the math against
-a per-sample reference with the very same draws.
+same augmentations), then applies them with batched tensor operations. ``params`` and ``apply`` are
+separate so tests can check the math against a per-sample reference with the very same draws.
 """
 from __future__ import annotations
 
