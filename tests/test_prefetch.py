@@ -204,9 +204,14 @@ def test_gpu_token_windows_and_gpu_storage_match_the_cpu_path(tmp_path, indexed_
     tokens = TokenDataset(tmp_path / "tok", seq_len=64)
     pf = CUDAPrefetcher(FastLoader(tokens, 8, seed=0, num_threads=2, prefetch=0), device="cuda", depth=2)
     ref = CUDAPrefetcher(FastLoader(tokens, 8, seed=0, copy=True), device="cpu")
+    got = []
     for (x, y), (xr, yr) in zip(pf, ref):  # x and y crossed as one window buffer
+        with torch.cuda.stream(pf._side_stream()):
+            torch.cuda._sleep(2_000_000)  # late copies: a window buffer released too early would be refilled
         assert x.device.type == "cuda" and x.dtype == torch.int64
-        assert torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr)
+        got.append((x.clone(), y.clone(), xr, yr))
+    torch.cuda.synchronize()
+    assert len(got) == len(pf) and all(torch.equal(x.cpu(), xr) and torch.equal(y.cpu(), yr) for x, y, xr, yr in got)
     images = FastDataset(indexed_datasets["npy"], storage="cuda")
     pf = CUDAPrefetcher(FastLoader(images, 16, seed=0), device="cuda", normalize=False)
     ref = CUDAPrefetcher(FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=0, copy=True), device="cpu",
