@@ -19,6 +19,7 @@ from ._io import safe_join
 from .dataset import Indices, batch_rows, check_sizes, load_bodies, verify_hashes
 from .errors import ConfigError, FormatError
 from .formats.base import npy_header
+from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
 from .tokenize import Tokenizer, load_tokenizer
 
@@ -28,16 +29,6 @@ _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
     """Index of the shard holding each global token position (int64 throughout: no 2**31 limit)."""
     return np.searchsorted(shard_offsets, starts, side="right") - 1
-
-
-def splitmix(seed: int, i: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of (seed, i), vectorised: the random-window offsets."""
-    with np.errstate(over="ignore"):
-        x = np.asarray(i, dtype=np.uint64) + np.uint64(seed & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -137,13 +137,7 @@ def _jsonl(f: Any, rel: str, field: str) -> Iterator[Doc]:
 
 def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
     """Deterministic split by document position: splitmix64(seed, index) / 2**64 < fraction."""
-    x = (np.asarray(index, dtype=np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)) & np.uint64(2**64 - 1)
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
+    return (ts.splitmix(seed, index) >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
