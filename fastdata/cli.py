@@ -115,7 +115,8 @@ def _train(args: argparse.Namespace) -> int:
 
     from .manifest import TOKENS, load_manifest
     from .pipeline import ImagePipeline, build, build_lm
-    from .train import TrainConfig, Trainer, init_distributed, parse_duration, shutdown_distributed
+    from .train import (TrainConfig, Trainer, check_device, init_distributed, parse_duration,
+                        shutdown_distributed)
 
     cfg = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
@@ -134,8 +135,7 @@ def _train(args: argparse.Namespace) -> int:
         tuned = load_config(args.config)
         args.storage = args.storage or tuned["storage"]
         args.threads = args.threads or tuned["loader"]["num_threads"]
-    if cfg.amp == "fp16" and info.device.type != "cuda":
-        raise ConfigError("--amp fp16 needs a CUDA device (GradScaler); use --amp bf16 or none on the CPU")
+    check_device(cfg, info.device)  # before the data is opened
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"
     if load_manifest(args.data)["format"] == TOKENS:

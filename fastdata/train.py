@@ -128,6 +128,17 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local, dev)
 
 
+def check_device(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse settings ``device`` cannot run (``fastdata train`` calls it before opening any data)."""
+    if cfg.amp == "fp16" and device.type != "cuda":
+        raise ConfigError("--amp fp16 needs a CUDA device (GradScaler): use --amp bf16 or none on the CPU "
+                          "(amp='bf16' or 'none' in TrainConfig)")
+    if cfg.sync_bn and device.type != "cuda":
+        raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
+    if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+
+
 def shutdown_distributed() -> None:
     """Leave the process group joined by :func:`init_distributed` once every rank got here: a process that
     exits with gloo/nccl still connected can abort at exit ("terminate called without an active exception")."""
@@ -179,12 +190,7 @@ class Trainer:
         cfg = self.cfg = config
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
-        if cfg.amp == "fp16" and self.device.type != "cuda":
-            raise ConfigError("amp='fp16' needs a CUDA device (GradScaler); use amp='bf16' or 'none' on the CPU")
-        if cfg.sync_bn and self.device.type != "cuda":
-            raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
-        if cfg.amp == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+        check_device(cfg, self.device)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
         self.train_loader, self.val_loader = train_loader, val_loader
         self.channels_last = cfg.channels_last and is_convnet(model)
