@@ -62,11 +62,11 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
     if p.backend == "dali":
         return build_dali(p, device)
-    ds = FastDataset(p.data, storage=p.storage, device=device if p.storage == "cuda" else "cuda")
+    ds = FastDataset(p.data, storage=p.storage, device=device)
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
-        val_ds = FastDataset(p.val, storage=p.storage, device=device if p.storage == "cuda" else "cuda")
+        val_ds = FastDataset(p.val, storage=p.storage, device=device)
         if val_ds.classes != ds.classes:
             raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
     elif p.val_fraction:
