@@ -117,10 +117,8 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
     slot_bytes = max_files * row_bytes if config.format == "npy" else 0
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
-    results = (parallel.ordered_map(_work, tasks, workers, slot_bytes) if slot_bytes
-               else ((r, None) for r in parallel.ordered_map(_work, tasks, workers)))
     try:
-        for (ok_src, payload, failures), view in results:
+        for (ok_src, payload, failures), view in parallel.ordered_map(_work, tasks, workers, slot_bytes):
             if payload is None:  # the pixels are in the shared slot
                 payload = np.frombuffer(view, np.uint8, len(ok_src) * row_bytes).reshape(
                     len(ok_src), config.size, config.size, 3)

@@ -5,7 +5,7 @@ Results come back in task order (so output bytes never depend on the worker coun
 ``ProcessPoolExecutor`` is used rather than ``multiprocessing.Pool`` because a killed worker raises
 ``BrokenProcessPool`` there instead of hanging the run forever.
 
-Large results can skip the pipe: with ``slot_bytes``, each task gets a slot of memory shared with the
+Large results can skip the pipe: with ``slot_bytes > 0``, each task gets a slot of memory shared with the
 parent (anonymous ``MAP_SHARED``, inherited by forked workers, so it needs no ``/dev/shm`` space) and
 writes its array there instead of returning it. Pickling 3 MB of pixels, sending it through a pipe and
 unpickling it cost the parent about 0.3 ms per 256 px image, which capped a many-core run at a few
@@ -65,21 +65,23 @@ def slot(k: Optional[int]) -> Optional[memoryview]:
     return None if k is None or _slots is None else _slots.view(k)
 
 
-def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int, slot_bytes: int = 0) -> Iterator[Any]:
+def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int,
+                slot_bytes: Optional[int] = None) -> Iterator[Any]:
     """``map(fn, tasks)`` over ``workers`` processes (in-process when ``workers == 1``), in order.
 
-    With ``slot_bytes > 0``, ``fn(task, k)`` is called instead, where :func:`slot` (k) is a shared slot of
-    that many bytes (or ``None``, then ``fn`` must return its data), and the map yields
-    ``(result, view)``: ``view`` is what the task wrote, valid until the next result is asked for.
+    With ``slot_bytes`` given, ``fn(task, k)`` is called instead, where :func:`slot` (k) is a shared slot of
+    that many bytes (``None`` when ``slot_bytes`` is 0 or memory cannot be shared: then ``fn`` returns its
+    data), and the map yields ``(result, view)``: ``view`` is what the task wrote, valid until the next
+    result is asked for (``None`` without a slot).
     """
-    shared = slot_bytes > 0 and (workers == 1 or _start_method() == "fork")
+    shared = bool(slot_bytes) and (workers == 1 or _start_method() == "fork")
     slots = _Slots(_WINDOW * workers + 1, slot_bytes) if shared else None
 
     def call(i: int, t: Any) -> tuple:
-        return (t,) if not slot_bytes else (t, i % slots.count if slots else None)
+        return (t,) if slot_bytes is None else (t, i % slots.count if slots else None)
 
     def result(i: int, r: Any) -> Any:
-        return r if not slot_bytes else (r, slots.view(i % slots.count) if slots else None)
+        return r if slot_bytes is None else (r, slots.view(i % slots.count) if slots else None)
 
     if workers == 1:
         global _slots
