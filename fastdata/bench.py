@@ -240,12 +240,13 @@ def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256
     factory = load_factory(spec)
     try:
         loader = factory()
-        it = iter(loader)
-    except TypeError as exc:
-        raise FastdataError(f"--loader {spec} returned {type(loader).__name__ if 'loader' in dir() else '?'}, "
-                            f"which is not iterable: return a DataLoader or any iterable of batches") from exc
+        iterable = hasattr(loader, "__iter__") or hasattr(loader, "__getitem__")
+        it = iter(loader) if iterable else None
     except Exception as exc:  # noqa: BLE001
         raise FastdataError(f"--loader {spec} raised {type(exc).__name__}: {exc}") from exc
+    if it is None:
+        raise FastdataError(f"--loader {spec} returned {type(loader).__name__}, which is not iterable: return a "
+                            "DataLoader or any iterable of batches")
     net = _Model(model, num_classes, dev)
     x = torch.randn(batch_size, 3, image_size, image_size, device=dev).contiguous(memory_format=net.fmt)
     y = torch.randint(0, num_classes, (batch_size,), device=dev)
