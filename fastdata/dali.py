@@ -112,14 +112,18 @@ class DALILoader(SamplerBacked):
         self.num_threads = num_threads or min(4, torch.get_num_threads())
         self.prefetch = prefetch
         self.seed = seed
-        self.skipped: list[int] = []  # samples left out under on_error="skip", each once
-        self._skipped_set: set[int] = set()
-        self._undecodable: set[int] = set()  # whole JPEGs that DALI and the host both failed to decode
+        self._skipped: dict[int, None] = {}  # samples left out under on_error="skip", in the order found
+        self._undecodable: set[int] = set()  # those among them that failed inside DALI: planned batches drop them
         self._pipe: Any = None
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (batches pulled, rows) given to DALI, not yet out
 
     # -- proxies --------------------------------------------------------------------------------------
+    @property
+    def skipped(self) -> list[int]:
+        """Samples left out under ``on_error="skip"`` (each once, in the order they were found)."""
+        return list(self._skipped)
+
     @property
     def dataset(self) -> "DALILoader":
         return self
@@ -225,8 +229,7 @@ class DALILoader(SamplerBacked):
 
     def _skip(self, rows: list[int]) -> None:
         """Record samples left out (once each: a batch may be planned again after a decode error)."""
-        self.skipped += [r for r in rows if r not in self._skipped_set]
-        self._skipped_set.update(rows)
+        self._skipped.update(dict.fromkeys(rows))
 
     def _find_undecodable(self, rows: np.ndarray) -> list[int]:
         """The samples of a batch that DALI failed on which the host cannot decode either (Pillow)."""
@@ -240,7 +243,7 @@ class DALILoader(SamplerBacked):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
-            self._pipe = None
+            self._pipe = None  # the old pipeline's buffers go before the new one is built
             self._pipe = self._build()
         pipe, s, pulled = self._pipe, self.sampler, 0
         self._feed, self._fed = self._plan(), deque()
@@ -261,7 +264,7 @@ class DALILoader(SamplerBacked):
                                                               "decode either)")) from exc
                     self._skip(bad)  # leave them out and go on from this batch with a new pipeline
                     self._undecodable.update(bad)
-                    self._pipe = None
+                    pipe = self._pipe = None  # the old pipeline's buffers go before the new one is built
                     pipe = self._pipe = self._build()
                     self._feed, self._fed, pulled = self._plan(), deque(), 0
                     continue
