@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from PIL import Image
 
 import fastdata
 from fastdata import FastDataset, FastLoader
+from fastdata.bench import timed_rate
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
 
@@ -68,17 +68,9 @@ class PillowFolder(torch.utils.data.Dataset):
 
 
 def rate(make_iter, seconds: float, warmup: int = 1) -> float:
-    """Images per second over whole passes of ``make_iter()``, for at least ``seconds`` (after warm-up)."""
-    for _ in range(warmup):
-        for _ in make_iter():
-            pass
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for x, _ in make_iter():
-            n += len(x)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # GPU loaders (DALI) finish their queued work inside the timed region
-    return n / (time.perf_counter() - t0)
+    """Images per second over whole passes of ``make_iter()``, for at least ``seconds`` (after warm-up;
+    queued GPU work, such as DALI's, finishes inside the timed region)."""
+    return timed_rate(lambda: sum(len(x) for x, _ in make_iter()), seconds, warmup)
 
 
 def memcpy_rate(ds: FastDataset, seconds: float) -> float:
