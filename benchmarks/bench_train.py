@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
-
-import sys
 
 import torch
 import torch.nn.functional as F
