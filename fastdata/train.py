@@ -7,11 +7,14 @@ measured with CUDA events on a GPU) is reported with them.
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import json
 import math
 import os
 import random
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -124,6 +127,9 @@ def init_distributed(device: str = "auto") -> DistInfo:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        # DDP imports torch._dynamo on first use; imported while a group exists, it keeps references to
+        # that group for good, so destroy_process_group could not free it (nor join gloo's threads).
+        importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(rank, world, local, dev)
 
@@ -140,9 +146,15 @@ def check_device(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group joined by :func:`init_distributed` once every rank got here: a process that
-    exits with gloo/nccl still connected can abort at exit ("terminate called without an active exception")."""
+    """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
+
+    Every live Trainer is closed first (its DDP wrapper holds the group): a group still alive when the
+    interpreter exits keeps gloo's threads running, and one of them taking the GIL during finalisation
+    aborts the process ("terminate called without an active exception") after a run that went well."""
     if dist.is_available() and dist.is_initialized():
+        for trainer in list(_DDP_TRAINERS):
+            trainer.close()
+        gc.collect()  # DDP wrappers sit in reference cycles: free them now, not at exit
         dist.barrier()
         dist.destroy_process_group()
 
@@ -178,6 +190,9 @@ def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor
     return loss
 
 
+_DDP_TRAINERS: "weakref.WeakSet[Trainer]" = weakref.WeakSet()  # closed by shutdown_distributed
+
+
 class Trainer:
     """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
 
@@ -202,7 +217,10 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.ddp = model if self.dist.world_size > 1 else None
+        self._closed = False
         self.forward = torch.compile(model) if cfg.compile else model
+        if self.ddp is not None:
+            _DDP_TRAINERS.add(self)
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
                                              momentum=cfg.momentum, nesterov=cfg.momentum > 0)
@@ -246,8 +264,20 @@ class Trainer:
             dist.all_reduce(stacked)
         return stacked.tolist()
 
+    def close(self) -> None:
+        """Drop the DDP wrapper (:func:`shutdown_distributed` does this before it frees the group). The
+        trainer can still evaluate and save checkpoints; it can no longer train across ranks."""
+        if self.ddp is not None:
+            self.ddp = None
+            self.forward = self.model
+            self._closed = True
+            _DDP_TRAINERS.discard(self)
+
     # -- the loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
+        if self._closed:
+            raise ConfigError("this Trainer was closed (shutdown_distributed() closes every Trainer): "
+                              "build a new one after init_distributed() to train again")
         cfg, model = self.cfg, self.forward
         start = time.monotonic()
         stop: Optional[str] = None

@@ -4,16 +4,20 @@ argv: DATASET OUT.pt BATCH ACCUM STEPS
 """
 import json
 import sys
+import weakref
 
 import torch
+import torch.distributed as dist
 
 from fastdata.dataset import FastDataset
+from fastdata.errors import ConfigError
 from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.train import TrainConfig, Trainer, init_distributed, shutdown_distributed
 
 data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 info = init_distributed("cpu")
+group = weakref.ref(dist.group.WORLD) if info.world_size > 1 else None
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
 loader = CUDAPrefetcher(FastLoader(FastDataset(data), batch, seed=3), device="cpu")
@@ -27,4 +31,13 @@ with open(out + f".val{info.rank}.json", "w") as f:
     json.dump({**metrics, "initial": initial}, f)
 if info.rank == 0:
     torch.save(model.state_dict(), out)
-shutdown_distributed()
+shutdown_distributed()  # closes the trainer: its DDP wrapper no longer holds the group
+if group is not None and group() is not None:  # its gloo threads would run on into interpreter exit
+    sys.exit("the process group outlived shutdown_distributed()")
+if group is not None:
+    try:
+        trainer.fit()
+    except ConfigError as exc:
+        assert "closed" in str(exc), exc
+    else:
+        sys.exit("a Trainer closed by shutdown_distributed() went on training without its DDP wrapper")

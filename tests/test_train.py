@@ -26,7 +26,8 @@ def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps
     out = tmp_path / f"w{nproc}-b{batch}-a{accum}-s{steps}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
            str(data), str(out), str(batch), str(accum), str(steps)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash in a rank prints every thread's Python stack
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
