@@ -22,6 +22,8 @@ def _conv_bn(cin: int, cout: int, k: int = 3, stride: int = 1) -> list[nn.Module
 class SmallCNN(nn.Module):
     """4 conv blocks (32-64-128-256 channels), each halving the resolution, global pool, linear."""
 
+    min_input_size = 16  # four 2x2 max-pools: smaller inputs pool down to nothing
+
     def __init__(self, num_classes: int = 10, width: int = 32) -> None:
         super().__init__()
         layers: list[nn.Module] = []

@@ -71,9 +71,23 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
             raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
-    train_tf, eval_tf = transforms(p, ds.sample_shape[0])
+    side = ds.sample_shape[0]
+    train_tf, eval_tf = transforms(p, side)
+    seen = (p.crop or side * 7 // 8) if p.augment == "rrc-flip" else side
+    model = image_model(p.model, len(ds.classes), seen)
     train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
-    return create_model(p.model, num_classes=len(ds.classes)), train, val
+    return model, train, val
+
+
+def image_model(name: str, num_classes: int, side: int) -> torch.nn.Module:
+    """``create_model(name)`` for ``side`` x ``side`` inputs; refuses a side the model cannot take, before
+    any data is read (a raw "Output size is too small" from the first forward tells the user nothing)."""
+    model = create_model(name, num_classes=num_classes)
+    need = getattr(model, "min_input_size", 1)
+    if side < need:
+        raise ConfigError(f"model {name} needs images of at least {need}x{need}, and this run feeds it "
+                          f"{side}x{side}: preprocess with a larger --size, or choose another --model")
+    return model
 
 
 def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Optional[int], device: torch.device,
@@ -116,6 +130,7 @@ def build_dali(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module,
         raise ConfigError(f"--backend dali reads JPEG LMDB datasets; {p.data} is {m['format']}: preprocess with "
                           "--format lmdb, or use the native backend")
     size = p.crop or m["max_short_side"] * 7 // 8
+    model = image_model(p.model, len(m["classes"]), size)
     train_idx = val_idx = None
     if p.val_fraction:
         train_idx, val_idx = split_indices(m["num_samples"], p.val_fraction, p.seed)
@@ -123,4 +138,4 @@ def build_dali(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module,
     val = None
     if p.val is not None or val_idx is not None:
         val = DALILoader(p.val or p.data, p.batch_size, size=size, train=False, device=device, indices=val_idx)
-    return create_model(p.model, num_classes=len(m["classes"])), train, val
+    return model, train, val

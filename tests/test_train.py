@@ -198,6 +198,14 @@ def test_bad_input_is_one_clear_line(small_images, args, needle):
     assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
 
 
+def test_images_too_small_for_the_model_are_refused_before_training(indexed_datasets, capsys):
+    args = ["train", str(indexed_datasets["npy"]), "--device", "cpu", "--max-steps", "1", "--quiet"]
+    assert main([*args, "--model", "cnn-small"]) == 1  # 8x8 images pool down to nothing in four 2x2 max-pools
+    err = capsys.readouterr().err
+    assert "cnn-small needs images of at least 16x16" in err and "8x8" in err, err
+    assert main([*args, "--model", "resnet18", "--batch-size", "8"]) == 0  # its padded convs take any size
+
+
 def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
     assert main(train_args(small_images, "--max-steps", "1", "--checkpoint", str(tmp_path))) == 0
     r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--model", "resnet18",
