@@ -42,9 +42,11 @@ _EXPORTS = {
     "Trainer": "fastdata.train",
     "VersionError": "fastdata.errors",
     "describe": "fastdata.manifest",
+    "init_distributed": "fastdata.train",
     "load_manifest": "fastdata.manifest",
     "preprocess_images": "fastdata.preprocess.images",
     "preprocess_text": "fastdata.preprocess.text",
+    "shutdown_distributed": "fastdata.train",
     "verify": "fastdata.manifest",
 }
 __all__ = sorted(_EXPORTS)
