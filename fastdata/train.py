@@ -129,7 +129,8 @@ def init_distributed(device: str = "auto") -> DistInfo:
     if world > 1 and not dist.is_initialized():
         # DDP imports torch._dynamo on first use; imported while a group exists, it keeps references to
         # that group for good, so destroy_process_group could not free it (nor join gloo's threads).
-        importlib.import_module("torch._dynamo")
+        with contextlib.suppress(ImportError):  # a torch build without dynamo has nothing to keep it
+            importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(rank, world, local, dev)
 
