@@ -9,7 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD
+SITE=/tmp/site  # the image's own environment may not be writable: carried packages go here
+export PYTHONPATH=$SITE:$PWD
 case "${1:-}" in
 install)
     cd /tmp/dw
@@ -18,7 +19,10 @@ install)
         whl=${first%.part-00}; cat "$whl".part-* > "$whl" && rm -f "$whl".part-*
     done
     cd - >/dev/null
-    $PY -m pip install --no-index --find-links /tmp/dw nvidia-dali-cuda130 lmdb 2>&1 | tail -2
+    # The image already has these (device README): a second copy on the path would shadow its own.
+    wheels=$(ls /tmp/dw/*.whl | grep -Eiv '/(numpy|packaging|pyyaml|six|typing_extensions|wheel)-')
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
+        2>&1 | tail -3
     $PY -c "import nvidia.dali, lmdb, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
 torch.cuda.get_device_name())"
     ;;
