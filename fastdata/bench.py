@@ -27,6 +27,7 @@ def timed_rate(step: Callable[[], int], seconds: float, warmup: int = 1) -> floa
     """Items per second of ``step()`` (which returns how many items it handled), for ``seconds``."""
     for _ in range(warmup):
         step()
+    _sync()  # the warm-up's queued GPU work is not billed to the timed steps
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         n += step()
