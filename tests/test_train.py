@@ -80,6 +80,22 @@ def load_ckpt(folder: Path) -> dict:
     return torch.load(folder / "checkpoint.pt", weights_only=True)  # no pickled code: loads weights-only
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fastdata_train_under_torchrun(small_images, tmp_path):
+    """The command the README gives for DDP: both ranks train and leave cleanly; rank 0 alone logs and saves."""
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    args = train_args(small_images, "--max-steps", "4", "--epochs", "10", "--val-fraction", "0.25",
+                      "--checkpoint", str(ck), "--log-file", str(log))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastdata", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    ends = [e for e in events if e.get("event") == "end"]
+    assert len(ends) == 1 and ends[0]["reason"] == "max_steps" and ends[0]["step"] == 4  # one writer: rank 0
+    assert load_ckpt(ck)["step"] == 4 and load_ckpt(ck)["epoch"] == 1  # 36 train images, 18 a rank: 3 steps an epoch
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(small_images, tmp_path):
     common = ["--epochs", "100", "--max-steps", "40", "--checkpoint-every", "2", "--augment", "crop-flip",
