@@ -266,8 +266,9 @@ class Trainer:
         return stacked.tolist()
 
     def close(self) -> None:
-        """Drop the DDP wrapper (:func:`shutdown_distributed` does this before it frees the group). The
-        trainer can still evaluate and save checkpoints; it can no longer train across ranks."""
+        """Drop the DDP wrapper, which holds the process group (:func:`shutdown_distributed` closes every
+        live Trainer before it frees the group). The trainer then refuses to train; ``evaluate`` and
+        ``save_checkpoint`` still work for as long as the group exists."""
         if self.ddp is not None:
             self.ddp = None
             self.forward = self.model
