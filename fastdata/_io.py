@@ -14,6 +14,7 @@ from .errors import DiskFullError, FormatError, OutputError
 
 HASH_NAME = "sha256"  # ~1.8 GB/s here with SHA-NI; blake2b measured at 0.9 GB/s on the same machine
 _COPY_BLOCK = 16 << 20
+_HASH_BLOCK = 4 << 20
 _OVERLAP_BYTES = 1 << 20  # writes at least this big are hashed on a helper thread while they are written
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -23,13 +24,32 @@ def new_hash() -> "hashlib._Hash":
 
 
 def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> str:
-    """Hex digest of a file, read in 16 MiB blocks; ``on_block(n)`` is called per block (progress bars)."""
+    """Hex digest of a file; ``on_block(n)`` is called per block read (progress bars).
+
+    Two reused 4 MiB buffers: while a helper thread hashes one, the next block is read into the other
+    (both release the GIL), so a file in the page cache hashes at 0.92-0.95x sha256's own speed; a fresh
+    16 MiB ``read()`` per block (new memory to fault in, no overlap) ran at 0.8x (bench_preprocess).
+    """
     h = new_hash()
-    with open(path, "rb") as f:
-        while block := f.read(_COPY_BLOCK):
-            h.update(block)
-            if on_block is not None:
-                on_block(len(block))
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size <= _HASH_BLOCK:  # one block: no thread to start
+            data = f.read()
+            h.update(data)
+            if on_block is not None and data:
+                on_block(len(data))
+            return h.hexdigest()
+        bufs, pending, k = (bytearray(_HASH_BLOCK), bytearray(_HASH_BLOCK)), None, 0
+        with ThreadPoolExecutor(1, thread_name_prefix="fastdata-hash") as pool:
+            while True:
+                n = f.readinto(bufs[k])
+                if pending is not None:
+                    pending.result()  # the other buffer is free again
+                if not n:
+                    break
+                pending = pool.submit(h.update, memoryview(bufs[k])[:n])
+                if on_block is not None:
+                    on_block(n)
+                k ^= 1
     return h.hexdigest()
 
 

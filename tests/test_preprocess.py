@@ -239,6 +239,19 @@ def test_hashing_writer_digest_matches_the_file_for_large_and_small_writes(tmp_p
     assert not list(tmp_path.glob("g.bin*"))
 
 
+
+@pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 4 << 20, (4 << 20) + 1, (9 << 20) + 3])
+def test_hash_file_matches_hashlib_at_block_boundaries(tmp_path, size):
+    import hashlib
+
+    from fastdata._io import hash_file
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    (tmp_path / "f.bin").write_bytes(data)
+    blocks: list[int] = []
+    assert hash_file(tmp_path / "f.bin", blocks.append) == hashlib.sha256(data).hexdigest()
+    assert sum(blocks) == size and all(b > 0 for b in blocks)
+
 def _die_at_three(i: int, k: int | None) -> int:
     if i == 3:
         os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would

@@ -57,10 +57,12 @@ class JpegPartWriter(UnitWriter):
         return commit
 
 
-def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[bytes], np.ndarray]]:
+def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[memoryview], np.ndarray]]:
+    """Each part's samples as views of its one blob (LMDB copies them in ``put``: no copy of our own)."""
     for k in range(count):
         data, offs, labels = (np.load(parts_dir / n, allow_pickle=False) for n in part_names(k))
-        yield [data[offs[i]:offs[i + 1]].tobytes() for i in range(len(offs) - 1)], labels
+        blob, ends = memoryview(data), offs.tolist()
+        yield [blob[a:b] for a, b in zip(ends[:-1], ends[1:])], labels
 
 
 def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
@@ -90,7 +92,8 @@ def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
     return [entry, write_bytes_atomic(out / LABELS_NAME, npy_bytes(labels))]
 
 
-def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[bytes], np.ndarray]]) -> np.ndarray:
+def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[memoryview], np.ndarray]]
+                ) -> np.ndarray:
     env = lmdb.open(str(tmp), subdir=False, map_size=map_size, lock=False, meminit=True, sync=True,
                     metasync=True, max_dbs=0)
     all_labels, i = [], 0
