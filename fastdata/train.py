@@ -149,9 +149,9 @@ def check_device(cfg: TrainConfig, device: torch.device) -> None:
 def shutdown_distributed() -> None:
     """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
 
-    Every live Trainer is closed first (its DDP wrapper holds the group): a group still alive when the
-    interpreter exits keeps gloo's threads running, and one of them taking the GIL during finalisation
-    aborts the process ("terminate called without an active exception") after a run that went well."""
+    Every live Trainer is closed first (its DDP wrapper holds the group). A group still alive when the
+    interpreter exits keeps gloo's threads running into finalisation, where one that takes the GIL can
+    abort the process ("terminate called without an active exception") after a run that went well."""
     if dist.is_available() and dist.is_initialized():
         for trainer in list(_DDP_TRAINERS):
             trainer.close()
