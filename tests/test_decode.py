@@ -81,6 +81,18 @@ def test_center_crop_matches_plain_pillow_reference(tmp_path):
     assert np.abs(out - ref).mean() < 3
 
 
+
+@pytest.mark.parametrize("w, h", [(64, 48), (65, 48), (48, 48), (48, 71)])
+def test_center_crop_at_the_stored_size_is_an_exact_cut(tmp_path, w, h):
+    """An image whose shorter side already is ``size`` (an LMDB record served at its stored size) is cut,
+    not resampled: its pixels come out unchanged, the extra column/row of an odd margin on the right."""
+    pixels = np.random.default_rng(w + h).integers(0, 256, (h, w, 3), np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "n.png")
+    m = min(w, h)
+    left, top = (w - m) // 2, (h - m) // 2
+    assert np.array_equal(decode.load_array(tmp_path / "n.png", m, "center-crop"),
+                          pixels[top:top + m, left:left + m])
+
 def test_draft_decode_of_large_jpeg_is_close_to_full_decode(tmp_path):
     from fastdata.synthetic import synthetic_image
 

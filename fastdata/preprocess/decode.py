@@ -93,6 +93,9 @@ def resize(img: Image.Image, size: int, mode: str) -> Image.Image:
     w, h = img.size
     if mode == "center-crop":
         m = min(w, h)
+        if m == size:  # no scaling (an LMDB record served at its stored size): cut, do not resample
+            left, top = (w - m) // 2, (h - m) // 2  # an odd margin leaves the extra column/row on the right
+            return img.crop((left, top, left + m, top + m))
         box = ((w - m) / 2, (h - m) / 2, (w + m) / 2, (h + m) / 2)  # resample only the pixels we keep
         return img.resize((size, size), RESAMPLE, box=box, reducing_gap=REDUCING_GAP)
     if mode == "squash":
