@@ -227,6 +227,12 @@ class DALILoader(SamplerBacked):
             return (jpegs, *self._crops(sizes, good, position))
         raise StopIteration
 
+    def _rebuild(self) -> Any:
+        """A new pipeline in place of the old one, whose buffers are freed before the new one is built."""
+        self._pipe = None
+        self._pipe = self._build()
+        return self._pipe
+
     def _skip(self, rows: list[int]) -> None:
         """Record samples left out (once each: a batch may be planned again after a decode error)."""
         self._skipped.update(dict.fromkeys(rows))
@@ -243,8 +249,7 @@ class DALILoader(SamplerBacked):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
-            self._pipe = None  # the old pipeline's buffers go before the new one is built
-            self._pipe = self._build()
+            self._rebuild()
         pipe, s, pulled = self._pipe, self.sampler, 0
         self._feed, self._fed = self._plan(), deque()
         try:
@@ -264,8 +269,8 @@ class DALILoader(SamplerBacked):
                                                               "decode either)")) from exc
                     self._skip(bad)  # leave them out and go on from this batch with a new pipeline
                     self._undecodable.update(bad)
-                    pipe = self._pipe = None  # the old pipeline's buffers go before the new one is built
-                    pipe = self._pipe = self._build()
+                    pipe = None  # this reference too: the old pipeline goes before the new one is built
+                    pipe = self._rebuild()
                     self._feed, self._fed, pulled = self._plan(), deque(), 0
                     continue
                 k, rows = self._fed.popleft()

@@ -46,6 +46,11 @@ class ImagePipeline:
             raise ConfigError(f"backend must be 'native' or 'dali', got backend={self.backend!r}")
 
 
+def crop_side(p: ImagePipeline, side: int) -> int:
+    """The side of the crops taken from ``side`` px images: ``--crop``, else 7/8 of the side (224 of 256)."""
+    return p.crop or side * 7 // 8
+
+
 def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Optional[Transform]]:
     """(train, eval) GPU transforms for ``p.augment`` on ``side`` x ``side`` images."""
     if p.augment == "none":
@@ -54,7 +59,7 @@ def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Option
         return RandomHorizontalFlip(), None
     if p.augment == "crop-flip":  # CIFAR style: pad 1/8, random crop back, flip
         return Compose([RandomCrop(side, padding=max(1, side // 8)), RandomHorizontalFlip()]), None
-    crop = p.crop or side * 7 // 8
+    crop = crop_side(p, side)
     return Compose([RandomResizedCrop(crop), RandomHorizontalFlip()]), CenterCrop(crop)
 
 
@@ -73,7 +78,7 @@ def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDA
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
     side = ds.sample_shape[0]
     train_tf, eval_tf = transforms(p, side)
-    seen = (p.crop or side * 7 // 8) if p.augment == "rrc-flip" else side
+    seen = crop_side(p, side) if p.augment == "rrc-flip" else side
     model = image_model(p.model, len(ds.classes), seen)
     train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
     return model, train, val
@@ -129,7 +134,7 @@ def build_dali(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module,
     if m["format"] != IMAGES_LMDB:
         raise ConfigError(f"--backend dali reads JPEG LMDB datasets; {p.data} is {m['format']}: preprocess with "
                           "--format lmdb, or use the native backend")
-    size = p.crop or m["max_short_side"] * 7 // 8
+    size = crop_side(p, m["max_short_side"])
     model = image_model(p.model, len(m["classes"]), size)
     train_idx = val_idx = None
     if p.val_fraction:

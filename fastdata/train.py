@@ -218,7 +218,6 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.ddp = model if self.dist.world_size > 1 else None
-        self._closed = False
         self.forward = torch.compile(model) if cfg.compile else model
         if self.ddp is not None:
             _DDP_TRAINERS.add(self)
@@ -272,12 +271,11 @@ class Trainer:
         if self.ddp is not None:
             self.ddp = None
             self.forward = self.model
-            self._closed = True
             _DDP_TRAINERS.discard(self)
 
     # -- the loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
-        if self._closed:
+        if self.dist.world_size > 1 and self.ddp is None:  # closed: see close()
             raise ConfigError("this Trainer was closed (shutdown_distributed() closes every Trainer): "
                               "build a new one after init_distributed() to train again")
         cfg, model = self.cfg, self.forward

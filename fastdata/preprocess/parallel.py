@@ -93,7 +93,7 @@ def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int,
             _slots = None
         return
     with ProcessPoolExecutor(workers, mp_context=mp.get_context(_start_method()), initializer=_init_worker,
-                             initargs=(slots if _start_method() == "fork" else None,)) as pool:
+                             initargs=(slots,)) as pool:  # None unless forked workers can share them
         it = enumerate(tasks)
         pending: deque[tuple[int, Any]] = deque()
         try:
