@@ -30,7 +30,7 @@ from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
-from fastdata.train import resolve_device
+from fastdata.distributed import resolve_device
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import PillowFolder, rate  # noqa: E402  (shared baseline and timing)

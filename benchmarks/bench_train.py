@@ -27,7 +27,8 @@ from fastdata.models import create_model
 from fastdata.pipeline import ImagePipeline, build
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
-from fastdata.train import TrainConfig, Trainer, init_distributed
+from fastdata.distributed import init_distributed
+from fastdata.train import TrainConfig, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import PillowFolder  # noqa: E402  (the per-sample baseline every benchmark uses)

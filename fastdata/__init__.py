@@ -9,11 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-try:
-    from importlib.metadata import PackageNotFoundError, version
-    __version__ = version("fastdata")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+unknown"
+from ._version import __version__  # noqa: F401 - re-exported
 
 _EXPORTS = {
     "CUDAPrefetcher": "fastdata.prefetch",
@@ -42,11 +38,11 @@ _EXPORTS = {
     "Trainer": "fastdata.train",
     "VersionError": "fastdata.errors",
     "describe": "fastdata.manifest",
-    "init_distributed": "fastdata.train",
+    "init_distributed": "fastdata.distributed",
     "load_manifest": "fastdata.manifest",
     "preprocess_images": "fastdata.preprocess.images",
     "preprocess_text": "fastdata.preprocess.text",
-    "shutdown_distributed": "fastdata.train",
+    "shutdown_distributed": "fastdata.distributed",
     "verify": "fastdata.manifest",
 }
 __all__ = sorted(_EXPORTS)

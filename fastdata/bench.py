@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from ._version import __version__
 from .errors import ConfigError, FastdataError
 
 
@@ -41,8 +42,6 @@ def _sync() -> None:
 
 
 def machine() -> dict[str, Any]:
-    from . import __version__
-
     mem = None
     try:
         mem = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1]) * 1024
@@ -83,7 +82,7 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     from .loader import FastLoader
     from .prefetch import CUDAPrefetcher
     from .progress import progress_bar
-    from .train import resolve_device
+    from .distributed import resolve_device
 
     dev = resolve_device(device)
     ds = FastDataset(data)
@@ -235,7 +234,7 @@ def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256
                     num_classes: int = 10, device: str = "auto", seconds: float = 30.0, max_steps: int = 10_000) -> dict[str, Any]:
     """Time how long each step waits for the user's loader vs how long the model step (on synthetic data of
     ``batch_size`` images) takes: is the loader the bottleneck, and by how much?"""
-    from .train import resolve_device
+    from .distributed import resolve_device
 
     dev = resolve_device(device)
     factory = load_factory(spec)

@@ -115,8 +115,8 @@ def _train(args: argparse.Namespace) -> int:
 
     from .manifest import TOKENS, load_manifest
     from .pipeline import ImagePipeline, build, build_lm
-    from .train import (TrainConfig, Trainer, check_device, init_distributed, parse_duration,
-                        shutdown_distributed)
+    from .distributed import init_distributed, shutdown_distributed
+    from .train import TrainConfig, Trainer, check_device, parse_duration
 
     cfg = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 

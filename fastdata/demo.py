@@ -62,7 +62,8 @@ def _train(data: Path, seed: int) -> tuple[float, float]:
     import torch
 
     from .pipeline import ImagePipeline, build
-    from .train import TrainConfig, Trainer, init_distributed
+    from .distributed import init_distributed
+    from .train import TrainConfig, Trainer
 
     device = init_distributed("auto").device  # CUDA when there is one
     torch.manual_seed(seed)

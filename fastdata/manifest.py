@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ._version import __version__
 from ._io import HASH_NAME, hash_file, safe_join, write_json_atomic
 from .errors import FormatError, VersionError
 
@@ -22,8 +23,6 @@ FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1, TOKENS: 1}
 
 
 def fastdata_version() -> str:
-    from . import __version__
-
     return __version__
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .errors import ConfigError
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform, batch_seed
-from .sampler import dist_rank_world
+from .distributed import dist_rank_world
 
 Release = Optional[Callable[[], None]]
 

@@ -1,13 +1,10 @@
 """Progress bars: tqdm on stderr, off with ``--quiet`` and on every rank but 0."""
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
-
-def is_main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+from .distributed import is_main_rank
 
 
 def progress_bar(*, total: int, desc: str, unit: str, enabled: bool = True, initial: int = 0,

@@ -17,21 +17,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from .distributed import dist_rank_world
 from .errors import ConfigError
-
-
-def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments when given, else ``torch.distributed``'s, else ``(0, 1)``."""
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-        raise ConfigError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
-    return rank, world_size
 
 
 class DistributedBatchSampler:

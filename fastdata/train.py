@@ -7,14 +7,11 @@ measured with CUDA events on a GPU) is reported with them.
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import json
 import math
 import os
 import random
 import time
-import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .distributed import hold_group, init_distributed, release_group
 from .errors import ConfigError, FormatError, require
 from .models import is_convnet
 
@@ -96,45 +94,6 @@ class TrainConfig:
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
 
 
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``"auto"`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as it is."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
-    group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = str(resolve_device(device))
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA device: use --device cpu")
-        dev = torch.device("cuda", local) if device == "cuda" else torch.device(device)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        # DDP imports torch._dynamo on first use; imported while a group exists, it keeps references to
-        # that group for good, so destroy_process_group could not free it (nor join gloo's threads).
-        with contextlib.suppress(ImportError):  # a torch build without dynamo has nothing to keep it
-            importlib.import_module("torch._dynamo")
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank, world, local, dev)
-
-
 def check_device(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse settings ``device`` cannot run (``fastdata train`` calls it before opening any data)."""
     if cfg.amp == "fp16" and device.type != "cuda":
@@ -144,20 +103,6 @@ def check_device(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
     if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
-
-
-def shutdown_distributed() -> None:
-    """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
-
-    Every live Trainer is closed first (its DDP wrapper holds the group). A group still alive when the
-    interpreter exits keeps gloo's threads running into finalisation, where one that takes the GIL can
-    abort the process ("terminate called without an active exception") after a run that went well."""
-    if dist.is_available() and dist.is_initialized():
-        for trainer in list(_DDP_TRAINERS):
-            trainer.close()
-        gc.collect()  # DDP wrappers sit in reference cycles: free them now, not at exit
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -191,9 +136,6 @@ def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor
     return loss
 
 
-_DDP_TRAINERS: "weakref.WeakSet[Trainer]" = weakref.WeakSet()  # closed by shutdown_distributed
-
-
 class Trainer:
     """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
 
@@ -220,7 +162,7 @@ class Trainer:
         self.ddp = model if self.dist.world_size > 1 else None
         self.forward = torch.compile(model) if cfg.compile else model
         if self.ddp is not None:
-            _DDP_TRAINERS.add(self)
+            hold_group(self)
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
                                              momentum=cfg.momentum, nesterov=cfg.momentum > 0)
@@ -271,7 +213,7 @@ class Trainer:
         if self.ddp is not None:
             self.ddp = None
             self.forward = self.model
-            _DDP_TRAINERS.discard(self)
+            release_group(self)
 
     # -- the loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:

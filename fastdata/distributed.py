@@ -1,0 +1,120 @@
+"""Which process am I: rank, world size, device and the torch.distributed process group, in one place.
+
+``dist_rank_world`` answers for the samplers and the prefetcher, ``is_main_rank`` for progress bars and
+logs (without importing torch, so preprocessing workers stay light), ``resolve_device`` reads
+``device="auto"``, and ``init_distributed`` / ``shutdown_distributed`` join and leave the group under
+torchrun. Objects that hold the group (a Trainer's DDP wrapper) register with :func:`hold_group` so that
+``shutdown_distributed`` can release them first.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
+    """``(rank, world_size)``: the arguments when given, else ``torch.distributed``'s, else ``(0, 1)``."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ConfigError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
+    return rank, world_size
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of the process group when one is joined, else of torchrun's ``RANK`` (0 when unset).
+    Never imports torch: ``fastdata preprocess`` and its workers run without it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def resolve_device(device: str = "auto") -> "torch.device":
+    """``"auto"`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as it is."""
+    import torch
+
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: "torch.device"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
+    group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = str(resolve_device(device))
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device: use --device cpu")
+        dev = torch.device("cuda", local) if device == "cuda" else torch.device(device)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        # DDP imports torch._dynamo on first use; imported while a group exists, it keeps references to
+        # that group for good, so destroy_process_group could not free it (nor join gloo's threads).
+        with contextlib.suppress(ImportError):  # a torch build without dynamo has nothing to keep it
+            importlib.import_module("torch._dynamo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local, dev)
+
+
+_HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with close() that hold the group
+
+
+def hold_group(holder: Any) -> None:
+    """Register ``holder`` (anything with ``close()``, e.g. a Trainer wrapping its model in DDP) to be
+    closed by :func:`shutdown_distributed` before the group is freed."""
+    _HOLDERS.add(holder)
+
+
+def release_group(holder: Any) -> None:
+    _HOLDERS.discard(holder)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
+
+    Every registered holder (each live Trainer: its DDP wrapper holds the group) is closed first. A group
+    still alive when the interpreter exits keeps gloo's threads running into finalisation, where one that
+    takes the GIL can abort the process ("terminate called without an active exception") after a run
+    that went well."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        for holder in list(_HOLDERS):
+            holder.close()
+        gc.collect()  # DDP wrappers sit in reference cycles: free them now, not at exit
+        dist.barrier()
+        dist.destroy_process_group()
