@@ -88,7 +88,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _shm(args: argparse.Namespace) -> int:
-    from . import shm
+    from .storage import shm
 
     if args.action == "list":
         copies = shm.list_copies(args.dir)

@@ -11,24 +11,19 @@ Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with
 """
 from __future__ import annotations
 
-import os
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from . import shm
-from ._io import HASH_NAME, hash_file, new_hash, safe_join
-from .errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
-from .formats.base import npy_header
+from ._io import safe_join
+from .errors import ConfigError, FormatError, ImageDecodeError
 from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .preprocess.decode import decode_jpeg
-
-STORAGE = ("mmap", "ram", "shm", "cuda")
-Indices = Union[Sequence[int], np.ndarray, torch.Tensor, slice]
+from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
+                             verify_hashes)
 
 
 class FastDataset(torch.utils.data.Dataset):
@@ -62,8 +57,8 @@ class FastDataset(torch.utils.data.Dataset):
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
         check_sizes(self.root, self.manifest)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
-        if self._verify:  # ram/cuda hash the image shards while loading them: one read, not two
-            skip = self._image_files() if storage in ("ram", "cuda") else set()
+        if self._verify:  # the image shards are checked by open_shards (ram/cuda: while loading, one read)
+            skip = self._image_files()
             verify_hashes(self.root, self.manifest, [f["path"] for f in self.manifest["files"] if f["path"] not in skip])
         self._labels = self._load_labels()
         self._open()
@@ -115,44 +110,13 @@ class FastDataset(torch.utils.data.Dataset):
         self._reader: Optional[LmdbReader] = None
         if self.is_lmdb:
             self._reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
-        elif self.storage == "mmap":
-            self._shards = [self._map_shard(s) for s in self.manifest["shards"]]
-        elif self.storage == "shm":
-            self._flat = self._map_shm()
-        else:
-            self._flat = self._read_into_ram()
-            if self.storage == "cuda":
-                self._dev = torch.from_numpy(self._flat).to(self.device)
-                self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
-                self._flat = None  # the host copy is not needed any more
-
-    def _map_shard(self, shard: dict[str, Any]) -> np.ndarray:
-        arr = np.load(safe_join(self.root, shard["images"]), mmap_mode="r", allow_pickle=False)
-        want = (shard["samples"], *self.sample_shape)
-        if arr.shape != want or arr.dtype != np.uint8:
-            raise FormatError(f"{self.root / shard['images']} holds {arr.shape} {arr.dtype}, the manifest says "
-                              f"{want} uint8: the dataset is damaged; re-run `fastdata preprocess`")
-        return arr
-
-    def _shard_bodies(self) -> list[tuple[str, int]]:
-        """(file, header length) of every image shard, in order: where the raw pixel rows start."""
-        out = []
-        for s in self.manifest["shards"]:
-            out.append((s["images"], len(npy_header((s["samples"], *self.sample_shape), np.dtype(np.uint8)))))
-        return out
-
-    def _read_into_ram(self) -> np.ndarray:
-        return load_bodies(self.root, self.manifest, self._shard_bodies(), (len(self), *self.sample_shape),
-                           np.dtype(np.uint8), self._verify, self.storage)
-
-    def _map_shm(self) -> np.ndarray:
-        header = npy_header((len(self), *self.sample_shape), np.dtype(np.uint8))
-        path = shm.ensure_copy(self.root, self.manifest, self._shard_bodies(), header, self._shm_dir)
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        if arr.shape != (len(self), *self.sample_shape):
-            raise FormatError(f"{path} holds {arr.shape}, expected {(len(self), *self.sample_shape)}: remove it with "
-                              "`fastdata shm remove` and retry")
-        return arr
+            return
+        images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
+                          self.sample_shape, np.dtype(np.uint8))
+        opened = open_shards(images, self.storage, verify=self._verify, device=self.device, shm_dir=self._shm_dir)
+        self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
+        if self._dev is not None:
+            self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
 
     # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
@@ -242,83 +206,6 @@ class FastDataset(torch.utils.data.Dataset):
         """torch's batched-fetch hook: a list of samples, built from one :meth:`get_batch`."""
         x, y = self.get_batch(indices)
         return list(zip(x.unbind(0), y.unbind(0)))
-
-
-def _checksum_mismatch(path: Path) -> None:
-    raise ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): "
-                        "run `fastdata verify` and re-run `fastdata preprocess`")
-
-
-def batch_rows(out: torch.Tensor, b: int, dtype: torch.dtype, sample_shape: Sequence[int]) -> torch.Tensor:
-    """``out[:b]``, once ``out`` is checked to hold ``b`` samples: the caller's buffer for ``get_batch``
-    (FastLoader passes its ring buffers for every batch, so only cheap attribute checks)."""
-    if out.dtype != dtype or out.shape[1:] != tuple(sample_shape) or out.shape[0] < b or not out.is_contiguous() \
-            or out.device.type != "cpu":
-        raise ConfigError(f"out must be a contiguous CPU {dtype} tensor of shape (>={b}, "
-                          f"{', '.join(map(str, sample_shape))}), got {tuple(out.shape)} {out.dtype} on {out.device}")
-    return out if out.shape[0] == b else out[:b]
-
-
-def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None) -> None:
-    """Refuse missing or truncated files (sizes only: cheap enough for every open)."""
-    for f in manifest["files"]:
-        if paths is not None and f["path"] not in paths:
-            continue
-        p = safe_join(root, f["path"])
-        if not p.is_file():
-            raise FormatError(f"{p} is missing: the dataset is incomplete; re-run `fastdata preprocess`")
-        if p.stat().st_size != f["bytes"]:
-            raise ChecksumError(f"{p} has {p.stat().st_size} bytes but the manifest says {f['bytes']}: "
-                                "truncated or replaced; re-run `fastdata preprocess`")
-
-
-def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
-    """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
-    sums = {f["path"]: f[HASH_NAME] for f in manifest["files"]}
-    for rel in paths:
-        if hash_file(safe_join(root, rel)) != sums[rel]:
-            _checksum_mismatch(root / rel)
-
-
-def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
-                dtype: np.dtype, verify: bool, storage: str) -> np.ndarray:
-    """One contiguous array from ``.npy`` shards given as ``(file, header length)``, in one read per file,
-    hashing each file as it is read when ``verify`` (storage="ram"/"cuda" of images and tokens)."""
-    need = int(np.prod(shape)) * dtype.itemsize
-    avail = _available_memory()
-    if avail is not None and need > avail:
-        warnings.warn(f"storage='{storage}' loads {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
-                      "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
-                      "avoid a private copy", ResourceWarning, stacklevel=4)
-    flat = np.empty(shape, dtype)
-    view, pos = memoryview(flat.reshape(-1).view(np.uint8)), 0
-    sums = {f["path"]: f[HASH_NAME] for f in manifest["files"]}
-    for rel, skip in bodies:
-        with open(safe_join(root, rel), "rb") as f:
-            head = f.read(skip)
-            n = os.fstat(f.fileno()).st_size - skip
-            got = f.readinto(view[pos:pos + n])
-            if got != n:
-                raise ChecksumError(f"{root / rel} ended early ({got} of {n} bytes): truncated")
-            if verify:
-                h = new_hash()
-                h.update(head)
-                h.update(view[pos:pos + n])
-                if h.hexdigest() != sums[rel]:
-                    _checksum_mismatch(root / rel)
-            pos += n
-    return flat
-
-
-def _available_memory() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class DatasetView:

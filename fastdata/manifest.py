@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from ._version import __version__
 from ._io import HASH_NAME, hash_file, safe_join, write_json_atomic
-from .errors import FormatError, VersionError
+from .errors import ChecksumError, FormatError, VersionError
 
 MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
@@ -67,6 +67,51 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
     return manifest
 
 
+# NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file
+# with its manifest entry through `file_problem`; callers that already stream the bytes (a load into RAM,
+# the shm copy) pass the digest they computed on the way, so no file is read twice to be checked.
+def file_problem(entry: dict[str, Any], size: Optional[int], digest: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a file of ``size`` bytes (None: absent) hashing to ``digest`` (None: not hashed)
+    against its manifest ``entry``: ``"missing"``, ``"size"``, ``"hash"``, or None when it matches."""
+    if size is None:
+        return "missing"
+    if size != int(entry["bytes"]):
+        return "size"
+    if digest is not None and digest != entry[HASH_NAME]:
+        return "hash"
+    return None
+
+
+def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
+               progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
+    """:func:`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
+    path = safe_join(root, entry["path"])
+    size = path.stat().st_size if path.is_file() else None
+    digest = hash_file(path, progress) if hashed and size == entry["bytes"] else None
+    if progress is not None and size is not None and digest is None and hashed:
+        progress(int(entry["bytes"]))  # a file refused on its size still counts as done for the bar
+    return file_problem(entry, size, digest)
+
+
+def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optional[int] = None,
+                  advice: str = "re-run `fastdata preprocess`") -> FormatError:
+    """The error a reader raises for a :func:`file_problem` (the message says what to do)."""
+    if problem == "missing":
+        return FormatError(f"{path} is missing: the dataset is incomplete; {advice}")
+    if problem == "size":
+        return ChecksumError(f"{path} has {size} bytes but the manifest says {entry['bytes']}: truncated or "
+                             f"replaced; {advice}")
+    return ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): run "
+                         f"`fastdata verify` and {advice}")
+
+
+def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:
+    """Raise :func:`damaged_error` unless ``root / entry["path"]`` matches its entry."""
+    problem = check_file(root, entry, hashed=hashed)
+    if problem is not None:
+        path = safe_join(root, entry["path"])
+        raise damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
+
 
 def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None) -> list[str]:
     """Re-hash every file the manifest lists; returns one line per problem (empty when intact)."""
@@ -74,18 +119,14 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None) -
     manifest = load_manifest(root)
     problems = []
     for entry in manifest["files"]:
-        path = safe_join(root, entry["path"])
-        if not path.is_file():
+        problem = check_file(root, entry, progress=progress)
+        if problem == "missing":
             problems.append(f"{entry['path']}: missing")
-            continue
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            problems.append(f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} (truncated or replaced)")
-            if progress:
-                progress(entry["bytes"])
-            continue
-        digest = hash_file(path, progress)
-        if digest != entry[HASH_NAME]:
+        elif problem == "size":
+            size = safe_join(root, entry["path"]).stat().st_size
+            problems.append(f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} "
+                            "(truncated or replaced)")
+        elif problem == "hash":
             problems.append(f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)")
     return problems
 

@@ -14,13 +14,10 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from . import shm
-from ._io import safe_join
-from .dataset import Indices, batch_rows, check_sizes, load_bodies, verify_hashes
 from .errors import ConfigError, FormatError
-from .formats.base import npy_header
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
+from .storage.shards import Indices, ShardSet, batch_rows, open_shards
 from .tokenize import Tokenizer, load_tokenizer
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
@@ -75,22 +72,10 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def _open(self) -> None:
         shards = self.manifest["splits"][self.split]["shards"]
-        paths = [sh["path"] for sh in shards]
-        check_sizes(self.root, self.manifest, paths)
-        bodies = [(sh["path"], len(npy_header((sh["tokens"],), self.np_dtype))) for sh in shards]
-        self._flat: Optional[np.ndarray] = None
-        self._shards: list[np.ndarray] = []
-        if self.storage == "mmap":
-            self._shards = [np.load(safe_join(self.root, p), mmap_mode="r", allow_pickle=False) for p in paths]
-            if self._verify:
-                verify_hashes(self.root, self.manifest, paths)
-        elif self.storage == "shm":  # the shm copy is checked once, while it is made
-            header = npy_header((self.num_tokens,), self.np_dtype)
-            path = shm.ensure_copy(self.root, self.manifest, bodies, header, self._shm_dir, key=self.split)
-            self._flat = np.load(path, mmap_mode="r", allow_pickle=False)
-        else:  # ram: hashed while read, one pass
-            self._flat = load_bodies(self.root, self.manifest, bodies, (self.num_tokens,), self.np_dtype,
-                                     self._verify, self.storage)
+        tokens = ShardSet(self.root, self.manifest, [(sh["path"], sh["tokens"]) for sh in shards], (), self.np_dtype,
+                          key=self.split)
+        opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
+        self._flat, self._shards = opened.flat, opened.maps
         if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
             self._flat, self._shards = self._shards[0], []
         # Window views are made once here: making one costs ~15 us, a batch of 64 windows ~10 us.

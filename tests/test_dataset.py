@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import INDEXED_N, INDEXED_SIZE, corrupt_lmdb_copy, sample_ids
-from fastdata import shm
+from fastdata.storage import shm
 from fastdata.dataset import FastDataset
 from fastdata.errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
 

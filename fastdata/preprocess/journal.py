@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .._io import HASH_NAME, hash_file, write_json_atomic
+from .._io import write_json_atomic
 from ..errors import OutputError
-from ..manifest import MANIFEST_NAME, PARTIAL_DIR
+from ..manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
 
 JOURNAL_NAME = "journal.json"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
@@ -48,8 +48,7 @@ class Journal:
         for n, unit in enumerate(self.units):
             for f in unit["files"]:
                 base = partial if f.get("partial", unit.get("in_partial")) else out
-                p = base / f["path"]
-                if not p.is_file() or p.stat().st_size != f["bytes"] or hash_file(p) != f[HASH_NAME]:
+                if check_file(base, f) is not None:
                     del self.units[n:]
                     self.skipped = [s for s in self.skipped if s["index"] < self.source_end]
                     return

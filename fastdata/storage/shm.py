@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ._io import HASH_NAME, disk_error, fsync_dir, iter_blocks, new_hash, safe_join
-from .errors import ChecksumError, OutputError
+from .._io import HASH_NAME, disk_error, fsync_dir, iter_blocks, new_hash, safe_join
+from ..errors import OutputError
+from ..manifest import damaged_error, file_problem
 
 PREFIX = "fastdata-"
 
@@ -90,9 +91,9 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
                     h.update(block)
                     out.write(block[max(0, skip - pos):])
                     pos += len(block)
-                if pos != files[rel]["bytes"] or h.hexdigest() != files[rel][HASH_NAME]:
-                    raise ChecksumError(f"{root / rel} does not match its checksum in the manifest (truncated or "
-                                        "modified): run `fastdata verify` and re-run preprocessing")
+                problem = file_problem(files[rel], pos, h.hexdigest())
+                if problem is not None:
+                    raise damaged_error(root / rel, files[rel], problem, pos)
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
 

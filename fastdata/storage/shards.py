@@ -1,0 +1,159 @@
+"""The bytes of one array stored as ``.npy`` shards, opened in a storage mode: the one place that reads
+shard files into memory maps, one contiguous RAM copy, the node's ``/dev/shm`` copy or GPU memory.
+
+FastDataset (image shards) and TokenDataset (token streams) both open their data here, so every mode
+checks files the same way (sizes on every open, sha256 when asked or when the bytes are read anyway;
+see NOTE [file check] in manifest.py) and hands back the same :class:`OpenedShards`.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .._io import new_hash, safe_join
+from ..errors import ConfigError, FormatError
+from ..formats.base import npy_header
+from ..manifest import damaged_error, file_problem, require_intact
+from . import shm
+
+STORAGE = ("mmap", "ram", "shm", "cuda")
+Indices = Union[Sequence[int], np.ndarray, torch.Tensor, slice]
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """One array of rows of ``row_shape`` / ``dtype`` split over ``.npy`` files: ``files`` lists
+    ``(manifest path, rows)`` in order. ``key`` names the array among several in one dataset (shm)."""
+
+    root: Path
+    manifest: dict[str, Any]
+    files: list[tuple[str, int]]
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    key: str = ""
+
+    @property
+    def rows(self) -> int:
+        return sum(n for _, n in self.files)
+
+    def bodies(self) -> list[tuple[str, int]]:
+        """``(file, header length)`` of every shard: where its raw rows start."""
+        return [(rel, len(npy_header((n, *self.row_shape), self.dtype))) for rel, n in self.files]
+
+
+@dataclass
+class OpenedShards:
+    """What :func:`open_shards` gives: per-shard memory maps (``mmap``), or one contiguous host array
+    (``ram``, ``shm``), or one device tensor (``cuda``)."""
+
+    maps: list[np.ndarray] = field(default_factory=list)
+    flat: Optional[np.ndarray] = None
+    device: Optional[torch.Tensor] = None
+
+
+def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[str, torch.device] = "cpu",
+                shm_dir: Optional[Union[str, Path]] = None) -> OpenedShards:
+    """Open ``shards`` as ``storage`` (see :data:`STORAGE`); ``verify`` hashes every shard against the manifest
+    (while reading it for ``ram``/``cuda``: one pass). Sizes are always checked first."""
+    if storage not in STORAGE:
+        raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
+    check_sizes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
+    shape = (shards.rows, *shards.row_shape)
+    if storage in ("mmap", "shm") and verify:  # the shm copy is also checked while it is made
+        verify_hashes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
+    if storage == "mmap":
+        return OpenedShards(maps=[map_npy(shards.root, rel, (n, *shards.row_shape), shards.dtype)
+                                  for rel, n in shards.files])
+    if storage == "shm":
+        header = npy_header(shape, shards.dtype)
+        path = shm.ensure_copy(shards.root, shards.manifest, shards.bodies(), header, shm_dir, key=shards.key)
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        if arr.shape != shape or arr.dtype != shards.dtype:
+            raise FormatError(f"{path} holds {arr.shape} {arr.dtype}, expected {shape} {shards.dtype}: remove it with "
+                              "`fastdata shm remove` and retry")
+        return OpenedShards(flat=arr)
+    flat = load_bodies(shards.root, shards.manifest, shards.bodies(), shape, shards.dtype, verify, storage)
+    if storage == "cuda":
+        return OpenedShards(device=torch.from_numpy(flat).to(device))  # the host copy is freed on return
+    return OpenedShards(flat=flat)
+
+
+def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Memory-map one ``.npy`` shard, refusing one whose shape or dtype is not the manifest's."""
+    arr = np.load(safe_join(root, rel), mmap_mode="r", allow_pickle=False)
+    if arr.shape != shape or arr.dtype != dtype:
+        raise FormatError(f"{root / rel} holds {arr.shape} {arr.dtype}, the manifest says {shape} {dtype}: "
+                          "the dataset is damaged; re-run `fastdata preprocess`")
+    return arr
+
+
+def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None) -> None:
+    """Refuse missing or truncated files (sizes only: cheap enough for every open)."""
+    for f in manifest["files"]:
+        if paths is None or f["path"] in paths:
+            require_intact(root, f, hashed=False)
+
+
+def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
+    """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
+    entries = {f["path"]: f for f in manifest["files"]}
+    for rel in paths:
+        require_intact(root, entries[rel])
+
+
+def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
+                dtype: np.dtype, verify: bool, storage: str) -> np.ndarray:
+    """One contiguous array from ``.npy`` shards given as ``(file, header length)``, in one read per file,
+    hashing each file as it is read when ``verify``."""
+    need = int(np.prod(shape)) * dtype.itemsize
+    avail = _available_memory()
+    if avail is not None and need > avail:
+        warnings.warn(f"storage='{storage}' loads {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
+                      "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
+                      "avoid a private copy", ResourceWarning, stacklevel=4)
+    flat = np.empty(shape, dtype)
+    view, pos = memoryview(flat.reshape(-1).view(np.uint8)), 0
+    entries = {f["path"]: f for f in manifest["files"]}
+    for rel, skip in bodies:
+        with open(safe_join(root, rel), "rb") as f:
+            head = f.read(skip)
+            n = os.fstat(f.fileno()).st_size - skip
+            got = f.readinto(view[pos:pos + n])
+            digest = None
+            if verify:
+                h = new_hash()
+                h.update(head)
+                h.update(view[pos:pos + got])
+                digest = h.hexdigest()
+            problem = file_problem(entries[rel], len(head) + got, digest)
+            if problem is not None:
+                raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
+            pos += n
+    return flat
+
+
+def batch_rows(out: torch.Tensor, b: int, dtype: torch.dtype, sample_shape: Sequence[int]) -> torch.Tensor:
+    """``out[:b]``, once ``out`` is checked to hold ``b`` samples: the caller's buffer for ``get_batch``
+    (FastLoader passes its ring buffers for every batch, so only cheap attribute checks)."""
+    if out.dtype != dtype or out.shape[1:] != tuple(sample_shape) or out.shape[0] < b or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ConfigError(f"out must be a contiguous CPU {dtype} tensor of shape (>={b}, "
+                          f"{', '.join(map(str, sample_shape))}), got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out if out.shape[0] == b else out[:b]
+
+
+def _available_memory() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
