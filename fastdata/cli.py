@@ -186,7 +186,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .preprocess.decode import RESIZE_MODES
+    from .decode import RESIZE_MODES
     from .preprocess.images import FORMATS, ON_ERROR
 
     parser = argparse.ArgumentParser(prog="fastdata", description="Preprocess once, then train without waiting on data.")

@@ -31,7 +31,7 @@ from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, batch_seed, rrc_boxes
-from .preprocess.decode import decode_jpeg
+from .decode import decode_jpeg
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 

@@ -21,7 +21,7 @@ from ._io import safe_join
 from .errors import ConfigError, FormatError, ImageDecodeError
 from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
-from .preprocess.decode import decode_jpeg
+from .decode import decode_jpeg
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
                              verify_hashes)
 

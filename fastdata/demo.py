@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import verify
-from .preprocess.decode import load_array
+from .decode import load_array
 from .preprocess.images import ImagePreprocessConfig, preprocess_images
 from .synthetic import make_image_folder
 

@@ -7,7 +7,7 @@ from PIL import Image
 
 from conftest import quadrants, save_with_orientation
 from fastdata.errors import ImageDecodeError
-from fastdata.preprocess import decode
+from fastdata import decode
 
 
 def px(path, size=16, mode="squash"):

@@ -18,7 +18,8 @@ from PIL import Image
 
 from conftest import AWKWARD_BAD, AWKWARD_GOOD, kill_when_journaled
 from fastdata.cli import main
-from fastdata.preprocess import decode, parallel
+from fastdata import decode
+from fastdata.preprocess import parallel
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -15,13 +15,13 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import decode
 from .._io import disk_error, fsync_dir
 from ..errors import ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
-from . import decode, journal
-from . import parallel
+from . import journal, parallel
 from .sources import Source, discover
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
-from ..errors import ImageDecodeError
+from .errors import ImageDecodeError
 
 RESIZE_MODES = ("center-crop", "squash", "pad")
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white, as a viewer shows them
