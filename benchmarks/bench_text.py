@@ -27,8 +27,8 @@ import torch
 import fastdata
 from fastdata.bench import timed_rate
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
-from fastdata.tokenize import load_tokenizer
-from fastdata.tokens import TokenDataset
+from fastdata.tokenizer import load_tokenizer
+from fastdata.token_dataset import TokenDataset
 
 
 def corpus(path: Path, mb: int) -> list[str]:

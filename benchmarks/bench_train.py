@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fastdata
 from fastdata.models import create_model
-from fastdata.pipeline import ImagePipeline, build
+from fastdata.train_setup import ImageRun, build
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
 from fastdata.distributed import init_distributed
@@ -74,7 +74,7 @@ def plain_epoch(files, labels, size, batch, device, lr, classes) -> tuple[float,
 
 def fastdata_epoch(data: Path, batch: int, device: torch.device, lr: float) -> tuple[float, float]:
     torch.manual_seed(0)
-    model, train, _ = build(ImagePipeline(data=data, model="cnn-small", batch_size=batch, storage="ram",
+    model, train, _ = build(ImageRun(data=data, model="cnn-small", batch_size=batch, storage="ram",
                                           augment="flip"), device)
     trainer = Trainer(model, train, config=TrainConfig(epochs=1, lr=lr, momentum=0.9, weight_decay=0.0,
                                                        schedule="constant", device=device.type, progress=False,

@@ -33,7 +33,7 @@ _EXPORTS = {
     "RandomResizedCrop": "fastdata.gpu_transforms",
     "SourceError": "fastdata.errors",
     "TextPreprocessConfig": "fastdata.preprocess.text",
-    "TokenDataset": "fastdata.tokens",
+    "TokenDataset": "fastdata.token_dataset",
     "TrainConfig": "fastdata.train",
     "Trainer": "fastdata.train",
     "VersionError": "fastdata.errors",

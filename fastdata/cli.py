@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from .manifest import TOKENS, load_manifest
-    from .pipeline import ImagePipeline, build, build_lm
+    from .train_setup import ImageRun, build, build_lm
     from .distributed import init_distributed, shutdown_distributed
     from .train import TrainConfig, Trainer, check_device, parse_duration
 
@@ -142,7 +142,7 @@ def _train(args: argparse.Namespace) -> int:
         model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
                                      args.threads, args.seed, info.device)
     else:
-        pipe = ImagePipeline(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
+        pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                              val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
                              augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
         model, train, val = build(pipe, info.device)

@@ -61,13 +61,13 @@ def _train(data: Path, seed: int) -> tuple[float, float]:
     """cnn-small on 80% of the demo set through the whole pipeline; (held-out accuracy, seconds)."""
     import torch
 
-    from .pipeline import ImagePipeline, build
+    from .train_setup import ImageRun, build
     from .distributed import init_distributed
     from .train import TrainConfig, Trainer
 
     device = init_distributed("auto").device  # CUDA when there is one
     torch.manual_seed(seed)
-    model, train, val = build(ImagePipeline(data=data, model="cnn-small", batch_size=32, val_fraction=0.2,
+    model, train, val = build(ImageRun(data=data, model="cnn-small", batch_size=32, val_fraction=0.2,
                                             storage="ram", augment="flip", seed=seed), device)
     trainer = Trainer(model, train, val, config=TrainConfig(epochs=4, lr=0.05, val_every=4, log_every=10,
                                                             device=device.type, seed=seed, progress=False))

@@ -195,7 +195,7 @@ def test_h2d_copy_overlaps_compute_on_the_side_stream(tmp_path):
 @pytest.mark.cuda
 def test_gpu_token_windows_and_gpu_storage_match_the_cpu_path(tmp_path, indexed_datasets):
     from fastdata.cli import main
-    from fastdata.tokens import TokenDataset
+    from fastdata.token_dataset import TokenDataset
 
     text = "".join(f"document {i} " * (i % 7 + 1) + "\n" for i in range(300))
     (tmp_path / "t.txt").write_text(text)

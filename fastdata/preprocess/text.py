@@ -23,7 +23,7 @@ from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..manifest import TOKENS, new_manifest, write_manifest
-from ..tokenize import Tokenizer, load_tokenizer, token_dtype
+from ..tokenizer import Tokenizer, load_tokenizer, token_dtype
 from . import journal
 from .parallel import default_workers, ordered_map
 

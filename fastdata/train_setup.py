@@ -1,6 +1,6 @@
 """Assemble an image training run from a few options: dataset, split, loaders, GPU transforms, model.
 
-Used by ``fastdata train``, ``fastdata demo`` and the benchmarks, so they all run the same pipeline:
+Used by ``fastdata train``, ``fastdata demo`` and the benchmarks, so they all train the same way:
 FastDataset -> FastLoader (DDP-aware) -> CUDAPrefetcher (normalise + augment on the device) -> model.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 
 
 @dataclass(frozen=True)
-class ImagePipeline:
+class ImageRun:
     """Options of an image-classification run (batch size is per process, as under torchrun)."""
 
     data: Path
@@ -46,12 +46,12 @@ class ImagePipeline:
             raise ConfigError(f"backend must be 'native' or 'dali', got backend={self.backend!r}")
 
 
-def crop_side(p: ImagePipeline, side: int) -> int:
+def crop_side(p: ImageRun, side: int) -> int:
     """The side of the crops taken from ``side`` px images: ``--crop``, else 7/8 of the side (224 of 256)."""
     return p.crop or side * 7 // 8
 
 
-def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Optional[Transform]]:
+def transforms(p: ImageRun, side: int) -> tuple[Optional[Transform], Optional[Transform]]:
     """(train, eval) GPU transforms for ``p.augment`` on ``side`` x ``side`` images."""
     if p.augment == "none":
         return None, None
@@ -63,7 +63,7 @@ def transforms(p: ImagePipeline, side: int) -> tuple[Optional[Transform], Option
     return Compose([RandomResizedCrop(crop), RandomHorizontalFlip()]), CenterCrop(crop)
 
 
-def build(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
     if p.backend == "dali":
         return build_dali(p, device)
@@ -112,7 +112,7 @@ def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Opt
 def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, storage: str, threads: Optional[int],
              seed: int, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """A language-model run on a token folder: gpt-tiny over train windows, validated on the val split."""
-    from .tokens import TokenDataset
+    from .token_dataset import TokenDataset
 
     if (model or "gpt-tiny") != "gpt-tiny":
         raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
@@ -124,7 +124,7 @@ def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, st
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 
-def build_dali(p: ImagePipeline, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
+def build_dali(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
     """The same run with an LMDB dataset decoded by DALI (GPU decode on CUDA): augmentation happens in DALI."""
     from .dali import DALILoader
     from .dataset import split_indices

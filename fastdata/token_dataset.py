@@ -18,7 +18,7 @@ from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
 from .storage.shards import Indices, ShardSet, batch_rows, open_shards
-from .tokenize import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 
