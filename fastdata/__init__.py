@@ -34,7 +34,7 @@ _EXPORTS = {
     "SourceError": "fastdata.errors",
     "TextPreprocessConfig": "fastdata.preprocess.text",
     "TokenDataset": "fastdata.token_dataset",
-    "TrainConfig": "fastdata.train",
+    "TrainConfig": "fastdata.train_config",
     "Trainer": "fastdata.train",
     "VersionError": "fastdata.errors",
     "describe": "fastdata.manifest",

@@ -116,7 +116,8 @@ def _train(args: argparse.Namespace) -> int:
     from .manifest import TOKENS, load_manifest
     from .train_setup import ImageRun, build, build_lm
     from .distributed import init_distributed, shutdown_distributed
-    from .train import TrainConfig, Trainer, check_device, parse_duration
+    from .train import Trainer
+    from .train_config import TrainConfig, check_device, parse_duration
 
     cfg = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
@@ -188,6 +189,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .decode import RESIZE_MODES
     from .preprocess.images import FORMATS, ON_ERROR
+    from .train_config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="fastdata", description="Preprocess once, then train without waiting on data.")
     parser.add_argument("--version", action="version", version=f"fastdata {_version()}")
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--dir", type=Path, default=None, help="shm folder (default $FASTDATA_SHM_DIR or /dev/shm)")
     sh.set_defaults(func=_shm)
 
+    D = TrainConfig  # every training default lives in TrainConfig: one default per option
     tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
     tr.add_argument("data", type=Path, help="dataset folder made by `fastdata preprocess`")
     tr.add_argument("--val", type=Path, default=None, help="validation dataset folder")
@@ -246,17 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
                                                   "gpt-tiny (default for tokens)")
     tr.add_argument("--seq-len", type=int, default=256, help="tokens: window length")
-    tr.add_argument("--epochs", type=int, default=10)
+    tr.add_argument("--epochs", type=int, default=D.epochs,
+                    help="default 1, or as many as --max-steps needs when it is given")
     tr.add_argument("--batch-size", type=int, default=256, help="per process")
-    tr.add_argument("--lr", type=float, default=0.1)
-    tr.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    tr.add_argument("--weight-decay", type=float, default=5e-4)
-    tr.add_argument("--schedule", choices=("cosine", "onecycle", "constant"), default="cosine")
-    tr.add_argument("--warmup-steps", type=int, default=0)
-    tr.add_argument("--label-smoothing", type=float, default=0.0)
-    tr.add_argument("--amp", choices=("bf16", "fp16", "none"), default="none")
-    tr.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
-    tr.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
+    tr.add_argument("--lr", type=float, default=D.lr)
+    tr.add_argument("--optimizer", choices=("sgd", "adamw"), default=D.optimizer)
+    tr.add_argument("--weight-decay", type=float, default=D.weight_decay)
+    tr.add_argument("--schedule", choices=("cosine", "onecycle", "constant"), default=D.schedule)
+    tr.add_argument("--warmup-steps", type=int, default=D.warmup_steps)
+    tr.add_argument("--label-smoothing", type=float, default=D.label_smoothing)
+    tr.add_argument("--amp", choices=("bf16", "fp16", "none"), default=D.amp)
+    tr.add_argument("--accum", type=int, default=D.accum, help="gradient accumulation steps")
+    tr.add_argument("--clip", type=float, default=D.clip, help="clip the gradient norm to this")
     tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default=None, help="default mmap")
     tr.add_argument("--threads", type=int, default=None, help="loader threads")
     tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
@@ -264,20 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--backend", choices=("native", "dali"), default="native",
                     help="dali: decode an LMDB dataset's JPEGs with NVIDIA DALI (pip install 'fastdata[dali]')")
     tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
-    tr.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    tr.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="also checkpoint every N steps")
     tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--max-steps", type=int, default=D.max_steps)
     tr.add_argument("--max-time", default=None, help="DD:HH:MM:SS or seconds")
-    tr.add_argument("--early-stop-patience", type=int, default=0)
-    tr.add_argument("--early-stop-min-delta", type=float, default=0.0)
-    tr.add_argument("--val-every", type=int, default=1, help="validate every N epochs")
-    tr.add_argument("--val-every-steps", type=int, default=0)
+    tr.add_argument("--early-stop-patience", type=int, default=D.early_stop_patience)
+    tr.add_argument("--early-stop-min-delta", type=float, default=D.early_stop_min_delta)
+    tr.add_argument("--val-every", type=int, default=D.val_every, help="validate every N epochs")
+    tr.add_argument("--val-every-steps", type=int, default=D.val_every_steps)
     tr.add_argument("--sync-bn", action="store_true")
     tr.add_argument("--compile", action="store_true")
-    tr.add_argument("--profile", type=int, default=0, metavar="N", help="profile the first N steps")
-    tr.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--log-every", type=int, default=50)
+    tr.add_argument("--profile", type=int, default=D.profile_steps, metavar="N", help="profile the first N steps")
+    tr.add_argument("--device", default=D.device, help="auto, cuda or cpu")
+    tr.add_argument("--seed", type=int, default=D.seed)
+    tr.add_argument("--log-every", type=int, default=D.log_every)
     tr.add_argument("--log-file", type=Path, default=None, help="JSONL metrics")
     tr.add_argument("--config", type=Path, default=None, help="loader settings from `fastdata bench --autotune`")
     tr.add_argument("--quiet", action="store_true")
@@ -310,10 +314,29 @@ def _version() -> str:
     return __version__
 
 
+class _StdoutHandler(logging.Handler):
+    """Writes to the ``sys.stdout`` of the moment: a training run's report lines are the command's output."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed emit never raises
+            self.handleError(record)
+
+
+def _setup_logging(quiet: bool) -> None:
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="fastdata: %(message)s",
+                        stream=sys.stderr)
+    report = logging.getLogger("fastdata.train")  # validation lines, the end summary, --profile's table
+    if not any(isinstance(h, _StdoutHandler) for h in report.handlers):
+        report.addHandler(_StdoutHandler())
+        report.propagate = False
+    report.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-                        format="fastdata: %(message)s", stream=sys.stderr)
+    _setup_logging(getattr(args, "quiet", False))
     try:
         return int(args.func(args) or 0)
     except FastdataError as exc:

@@ -63,7 +63,8 @@ def _train(data: Path, seed: int) -> tuple[float, float]:
 
     from .train_setup import ImageRun, build
     from .distributed import init_distributed
-    from .train import TrainConfig, Trainer
+    from .train import Trainer
+    from .train_config import TrainConfig
 
     device = init_distributed("auto").device  # CUDA when there is one
     torch.manual_seed(seed)

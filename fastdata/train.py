@@ -7,102 +7,26 @@ measured with CUDA events on a GPU) is reported with them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import json
 import math
-import os
-import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import checkpoint
 from .distributed import hold_group, init_distributed, release_group
-from .errors import ConfigError, FormatError, require
+from .errors import ConfigError
 from .models import is_convnet
+from .train_config import TrainConfig, check_device
 
-AMP = ("bf16", "fp16", "none")
-
-
-def parse_duration(text: str | float | int | None) -> Optional[float]:
-    """Seconds from ``DD:HH:MM:SS`` / ``HH:MM:SS`` / ``MM:SS`` / a number of seconds."""
-    if text is None or isinstance(text, (int, float)):
-        return None if text is None else float(text)
-    try:
-        parts = [float(p) for p in str(text).split(":")]
-    except ValueError:
-        raise ConfigError(f"max_time must look like DD:HH:MM:SS or a number of seconds, got {text!r}") from None
-    if len(parts) > 4:
-        raise ConfigError(f"max_time must look like DD:HH:MM:SS, got {text!r}")
-    return sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything the loop does, validated on construction. Batch size belongs to the loader (per process)."""
-
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    max_time: Optional[float] = None  # seconds (parse_duration turns "00:12:00:00" into seconds)
-    lr: float = 0.1
-    optimizer: str = "sgd"  # "sgd" (momentum, nesterov) or "adamw"
-    momentum: float = 0.9
-    weight_decay: float = 5e-4  # applied to weights only: never to norms or biases
-    schedule: str = "cosine"  # "cosine" (after warm-up), "onecycle", "constant"
-    warmup_steps: int = 0
-    label_smoothing: float = 0.0
-    amp: str = "none"
-    accum: int = 1
-    clip: Optional[float] = None
-    channels_last: bool = True
-    compile: bool = False
-    sync_bn: bool = False
-    cudnn_benchmark: bool = True
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0  # optimizer steps; 0: at epoch ends and when stopping
-    resume: bool = False
-    val_every: int = 1  # epochs (0: never at epoch ends)
-    val_every_steps: int = 0
-    early_stop_patience: int = 0  # validations without improvement of val loss before stopping (0: off)
-    early_stop_min_delta: float = 0.0
-    log_every: int = 50
-    log_file: Optional[str] = None
-    profile_steps: int = 0
-    device: str = "auto"
-    seed: int = 0
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, expected: str) -> None:
-            require(ok, name, getattr(self, name), expected)
-        need(isinstance(self.epochs, int) and self.epochs >= 1, "epochs", "a positive integer")
-        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
-        need(self.max_time is None or self.max_time > 0, "max_time", "positive seconds")
-        need(self.lr > 0, "lr", "positive")
-        need(self.optimizer in ("sgd", "adamw"), "optimizer", "'sgd' or 'adamw'")
-        need(self.schedule in ("cosine", "onecycle", "constant"), "schedule", "'cosine', 'onecycle' or 'constant'")
-        need(self.amp in AMP, "amp", f"one of {AMP}")
-        need(isinstance(self.accum, int) and self.accum >= 1, "accum", "a positive integer")
-        need(self.clip is None or self.clip > 0, "clip", "positive")
-        need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
-        need(self.log_every >= 1, "log_every", "a positive integer")
-        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
-
-
-def check_device(cfg: TrainConfig, device: torch.device) -> None:
-    """Refuse settings ``device`` cannot run (``fastdata train`` calls it before opening any data)."""
-    if cfg.amp == "fp16" and device.type != "cuda":
-        raise ConfigError("--amp fp16 needs a CUDA device (GradScaler): use --amp bf16 or none on the CPU "
-                          "(amp='bf16' or 'none' in TrainConfig)")
-    if cfg.sync_bn and device.type != "cuda":
-        raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
-    if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -169,7 +93,7 @@ class Trainer:
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
         self.steps_per_epoch = max(1, math.ceil(len(train_loader) / cfg.accum))
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
@@ -225,7 +149,7 @@ class Trainer:
         stop: Optional[str] = None
         bar = self._progress()
         profiler = self._start_profiler()
-        while self.epoch < cfg.epochs and stop is None:
+        while self.epoch < cfg.num_epochs and stop is None:
             if hasattr(self.train_loader, "set_epoch"):
                 self.train_loader.set_epoch(self.epoch)
             model.train()
@@ -273,8 +197,8 @@ class Trainer:
                    "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
         self._log(summary)
         if self.dist.main and cfg.progress:
-            print(f"stopped ({summary['reason']}) after {self.step} steps in {summary['time_s']:.1f} s; "
-                  f"data stall {summary['data_stall_pct']:.1f}%")
+            log.info("stopped (%s) after %d steps in %.1f s; data stall %.1f%%", summary["reason"], self.step,
+                     summary["time_s"], summary["data_stall_pct"])
         return self.history
 
     def _optimizer_step(self) -> None:
@@ -359,8 +283,8 @@ class Trainer:
         self._log({"event": "val", "epoch": self.epoch, "step": self.step, **metrics})
         if self.dist.main and self.cfg.progress:
             ppl = f", perplexity {metrics['val_perplexity']:.2f}" if "val_perplexity" in metrics else ""
-            print(f"epoch {self.epoch} step {self.step}: val loss {metrics['val_loss']:.4f}, "
-                  f"accuracy {100 * metrics['val_accuracy']:.1f}%{ppl}")
+            log.info("epoch %d step %d: val loss %.4f, accuracy %.1f%%%s", self.epoch, self.step,
+                     metrics["val_loss"], 100 * metrics["val_accuracy"], ppl)
         if self.best is None or self.best - metrics["val_loss"] > self.cfg.early_stop_min_delta:
             self.best, self.bad_evals = metrics["val_loss"], 0
             return None
@@ -371,30 +295,21 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _checkpoint_path(self) -> Optional[Path]:
-        return Path(self.cfg.checkpoint_dir) / "checkpoint.pt" if self.cfg.checkpoint_dir else None
+        return Path(self.cfg.checkpoint_dir) / checkpoint.CHECKPOINT_NAME if self.cfg.checkpoint_dir else None
 
     def save_checkpoint(self) -> None:
-        """Everything needed to continue exactly here, written atomically by rank 0. No pickled code:
-        it loads with ``torch.load(weights_only=True)``."""
+        """Everything needed to continue exactly here, written atomically by rank 0 (see checkpoint.py)."""
         path = self._checkpoint_path()
         if path is None:
             return
         loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
         if self.dist.main:
-            np_state = np.random.get_state()
-            state = {
+            checkpoint.write(path, {
                 "model": self.model.state_dict(), "model_class": type(self.model).__name__,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
                 "best": self.best, "bad_evals": self.bad_evals, "config": asdict(self.cfg),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            }
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+                "rng": checkpoint.rng_state()})
         if self.dist.world_size > 1:
             dist.barrier()
 
@@ -405,34 +320,16 @@ class Trainer:
             raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
         if not path.is_file():
             return False
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
-            raise FormatError(f"cannot read checkpoint {path}: {exc}") from exc
-        if state.get("model_class") != type(self.model).__name__:
-            raise FormatError(f"checkpoint {path} holds a {state.get('model_class')}, not a {type(self.model).__name__}: "
-                              "resume with the same --model, or use another --checkpoint folder")
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            first = str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else str(exc)
-            raise FormatError(f"checkpoint {path} does not fit this model ({first}): resume with the same model "
-                              "and dataset, or use another --checkpoint folder") from None
+        state = checkpoint.read(path, self.device, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
             self.train_loader.load_state_dict(state["loader"])
         self.epoch, self.step, self.best, self.bad_evals = state["epoch"], state["step"], state["best"], state["bad_evals"]
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
-        random.setstate(rng["python"])
-        name, keys, *rest = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+        checkpoint.set_rng_state(state["rng"])
         if self.dist.main and self.cfg.progress:
-            print(f"resumed from {path}: epoch {self.epoch}, step {self.step}")
+            log.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
         return True
 
     # -- progress bar and profiler --------------------------------------------------------------------
@@ -467,9 +364,9 @@ class Trainer:
             out.parent.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(out))
             key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=10))
-            print(f"profiled {self.cfg.profile_steps} steps: trace in {out}; waiting for data "
-                  f"{100 * waited / max(wall, 1e-9):.1f}% of the time")
+            log.info("%s", prof.key_averages().table(sort_by=key, row_limit=10))
+            log.info("profiled %d steps: trace in %s; waiting for data %.1f%% of the time", self.cfg.profile_steps,
+                     out, 100 * waited / max(wall, 1e-9))
 
 
 class _Meter:

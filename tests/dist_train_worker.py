@@ -14,7 +14,8 @@ from fastdata.errors import ConfigError
 from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.distributed import init_distributed, shutdown_distributed
-from fastdata.train import TrainConfig, Trainer
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig
 
 data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 info = init_distributed("cpu")

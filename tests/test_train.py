@@ -17,7 +17,8 @@ from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
 from fastdata.models import create_model
 from fastdata.prefetch import CUDAPrefetcher
-from fastdata.train import TrainConfig, Trainer, parse_duration
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig, parse_duration
 
 WORKER = Path(__file__).parent / "dist_train_worker.py"
 
@@ -273,3 +274,29 @@ def test_compile_trains_to_the_same_weights():
     torch.manual_seed(0)
     untouched = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16)).state_dict()
     assert not torch.allclose(untouched["1.weight"], compiled["1.weight"])  # training moved the weights
+
+
+def test_every_train_flag_defaults_to_the_train_config_default():
+    import dataclasses
+
+    from fastdata.cli import build_parser
+
+    args = vars(build_parser().parse_args(["train", "data"]))
+    renamed = {"profile_steps": "profile", "checkpoint_dir": "checkpoint", "log_file": "log_file"}
+    checked = 0
+    for f in dataclasses.fields(TrainConfig):
+        name = renamed.get(f.name, f.name)
+        if name in args and f.default is not dataclasses.MISSING and args[name] is not None:
+            assert args[name] == f.default, f"--{name.replace('_', '-')}: CLI {args[name]!r}, TrainConfig {f.default!r}"
+            checked += 1
+    assert checked >= 15 and args["epochs"] is None and TrainConfig().num_epochs == 1
+
+
+def test_max_steps_without_epochs_trains_past_the_first_epoch(small_images):
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    steps = TrainConfig(max_steps=2 * len(loader) + 1, progress=False, device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader, config=steps)
+    assert t.fit()[-1]["reason"] == "max_steps" and t.step == 2 * len(loader) + 1 and t.epoch == 2
+    bounded = Trainer(create_model("cnn-small", num_classes=3), loader,
+                      config=TrainConfig(epochs=1, max_steps=2 * len(loader) + 1, progress=False, device="cpu"))
+    assert bounded.fit()[-1]["reason"] == "epochs" and bounded.step == len(loader)

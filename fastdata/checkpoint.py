@@ -1,0 +1,64 @@
+"""Training checkpoints: everything needed to continue a run exactly where it stopped.
+
+A checkpoint holds tensors, numbers and strings only (no pickled code), so it loads with
+``torch.load(weights_only=True)``; it is written under a temporary name and renamed, so a crash mid-write
+leaves the previous checkpoint intact. The Trainer decides what goes in and when (rank 0 writes).
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .errors import FormatError
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    """torch, Python, numpy and CUDA generator states, numpy's key as a tensor (weights_only loads it)."""
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"].cpu())
+    random.setstate(rng["python"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+
+
+def write(path: Path, state: dict[str, Any]) -> None:
+    """Save ``state`` to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def read(path: Path, device: torch.device, model: nn.Module) -> dict[str, Any]:
+    """Load ``path`` for ``model`` (weights loaded into it), refusing a file that is unreadable or was
+    written for another model, with a message that says what to do."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
+        raise FormatError(f"cannot read checkpoint {path}: {exc}") from exc
+    if state.get("model_class") != type(model).__name__:
+        raise FormatError(f"checkpoint {path} holds a {state.get('model_class')}, not a {type(model).__name__}: "
+                          "resume with the same --model, or use another --checkpoint folder")
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else str(exc)
+        raise FormatError(f"checkpoint {path} does not fit this model ({first}): resume with the same model "
+                          "and dataset, or use another --checkpoint folder") from None
+    return state
