@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import fastdata
-from fastdata.bench import _full_pipeline, _Model, timed_rate
+from fastdata.timing import ModelStep, full_pipeline, timed_rate
 from fastdata.dataset import FastDataset
 from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
@@ -82,7 +82,7 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
 
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
-    net = _Model("resnet50", 8, torch.device(device))
+    net = ModelStep("resnet50", 8, torch.device(device))
     x = torch.randn(b, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 8, (b,), device=device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
@@ -104,7 +104,7 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     print(f"ResNet-50@{size}, batch {b}, {'bf16' if device == 'cuda' else 'fp32'}, channels_last, {gpu}:")
     print(f"  {'synthetic data on the GPU (ceiling)':<58} {ceiling:>8,.0f} images/s")
     for name, feed in feeds.items():
-        r, wait = _full_pipeline(feed, net, args.train_seconds)
+        r, wait = full_pipeline(feed, net, args.train_seconds)
         print(f"  {name:<58} {r:>8,.0f} images/s  {r / ceiling:>6.1%} of the ceiling, waiting {wait:.0f}% of the time")
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import fastdata
-from fastdata.bench import _full_pipeline, _Model, timed_rate, machine
+from fastdata.timing import ModelStep, full_pipeline, machine, timed_rate
 from fastdata.dataset import FastDataset
 from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
@@ -50,20 +50,20 @@ def feed_rates(root: Path, files: list[Path], labels: list[int], model: str, cro
                seconds: float) -> dict[str, float]:
     ds = FastDataset(root, storage="ram")
     classes = len(ds.classes)
-    net = _Model(model, classes, torch.device("cuda"))
+    net = ModelStep(model, classes, torch.device("cuda"))
     x = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, classes, (batch,), device="cuda")
     aug = Compose([RandomResizedCrop(crop), RandomHorizontalFlip()])
     rates = {"(a) synthetic on the GPU (ceiling)": timed_rate(lambda: (net.step(x, y), batch)[1], seconds)}
     fed = CUDAPrefetcher(FastLoader(ds, batch), device="cuda", dtype=torch.bfloat16, transforms=aug)
-    rates["(b) FastLoader + CUDAPrefetcher"] = _full_pipeline(fed, net, seconds)[0]
+    rates["(b) FastLoader + CUDAPrefetcher"] = full_pipeline(fed, net, seconds)[0]
     on_gpu = CUDAPrefetcher(FastLoader(FastDataset(root, storage="cuda", device="cuda"), batch), device="cuda",
                             dtype=torch.bfloat16, transforms=aug)
-    rates['(c) storage="cuda" + GPU transforms'] = _full_pipeline(on_gpu, net, seconds)[0]
+    rates['(c) storage="cuda" + GPU transforms'] = full_pipeline(on_gpu, net, seconds)[0]
     plain = torch.utils.data.DataLoader(PillowFolder(files, labels, size=crop), batch, shuffle=True,
                                         num_workers=os.cpu_count(), pin_memory=True, persistent_workers=True)
     baseline = CUDAPrefetcher(plain, device="cuda", dtype=torch.bfloat16)  # normalised on the GPU like (b)
-    rates["(d) DataLoader + Pillow + pin_memory"] = _full_pipeline(baseline, net, seconds)[0]
+    rates["(d) DataLoader + Pillow + pin_memory"] = full_pipeline(baseline, net, seconds)[0]
     return rates
 
 

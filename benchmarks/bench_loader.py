@@ -28,7 +28,7 @@ from PIL import Image
 
 import fastdata
 from fastdata import FastDataset, FastLoader
-from fastdata.bench import timed_rate
+from fastdata.timing import timed_rate
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
 

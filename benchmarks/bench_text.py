@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import fastdata
-from fastdata.bench import timed_rate
+from fastdata.timing import timed_rate
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 from fastdata.tokenizer import load_tokenizer
 from fastdata.token_dataset import TokenDataset

@@ -9,69 +9,17 @@ user's own loader against the same model step; ``--autotune`` searches loader se
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from ._version import __version__
 from .errors import ConfigError, FastdataError
-
-
-def timed_rate(step: Callable[[], int], seconds: float, warmup: int = 1) -> float:
-    """Items per second of ``step()`` (which returns how many items it handled), for ``seconds``."""
-    for _ in range(warmup):
-        step()
-    _sync()  # the warm-up's queued GPU work is not billed to the timed steps
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        n += step()
-    _sync()
-    return n / (time.perf_counter() - t0)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # benchmark boundaries only, never in the training hot path
-
-
-def machine() -> dict[str, Any]:
-    mem = None
-    try:
-        mem = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        pass
-    return {"cores": os.cpu_count(), "memory_bytes": mem, "platform": platform.platform(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": sys.version.split()[0], "torch": torch.__version__, "numpy": np.__version__,
-            "fastdata": __version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-class _Model:
-    """One training step of ``name`` on a batch already on the device (autocast bf16 on CUDA)."""
-
-    def __init__(self, name: str, num_classes: int, device: torch.device, channels_last: bool = True) -> None:
-        from .models import create_model, is_convnet
-
-        self.device = device
-        self.model = create_model(name, num_classes=num_classes).to(device)
-        self.fmt = torch.channels_last if channels_last and is_convnet(self.model) else torch.contiguous_format
-        self.model = self.model.to(memory_format=self.fmt)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.amp = device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            loss = torch.nn.functional.cross_entropy(self.model(x), y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
 
 
 def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256, device: str = "auto",
@@ -120,12 +68,12 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     convert = CUDAPrefetcher([], device=dev, transforms=RandomHorizontalFlip())
     record("GPU transforms (normalise + flip)" if dev.type == "cuda" else "transforms (normalise + flip, CPU)",
            timed_rate(lambda: len(convert.convert(x_dev)), box))
-    net = _Model(model, len(ds.classes), dev)
+    net = ModelStep(model, len(ds.classes), dev)
     xs = convert.convert(x_dev)
     ys = torch.randint(0, len(ds.classes), (b,), device=dev)
     ceiling = timed_rate(lambda: (net.step(xs, ys), b)[1], box)
     record("model step, synthetic data on the device (ceiling)", ceiling)
-    full, stall = _full_pipeline(CUDAPrefetcher(FastLoader(ds, b), device=dev, transforms=RandomHorizontalFlip()),
+    full, stall = full_pipeline(CUDAPrefetcher(FastLoader(ds, b), device=dev, transforms=RandomHorizontalFlip()),
                                  net, box * 2)
     record("full pipeline", full, f"data stall {stall:.1f}%")
     bar.close()
@@ -137,25 +85,6 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     report["bound_by"] = bound_by(stages, ceiling, full, stall)
     report["advice"] = advice(report, ds, dev)
     return report
-
-
-def _full_pipeline(batches: Iterable[Any], net: _Model, seconds: float) -> tuple[float, float]:
-    waited, n, t0 = 0.0, 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        it = iter(batches)
-        while True:
-            t = time.perf_counter()
-            batch = next(it, None)
-            waited += time.perf_counter() - t
-            if batch is None:
-                break
-            net.step(batch[0], batch[1])
-            n += len(batch[0])
-            if time.perf_counter() - t0 >= seconds:
-                break
-    _sync()
-    total = time.perf_counter() - t0
-    return n / total, 100 * waited / total
 
 
 def bound_by(stages: dict[str, dict[str, Any]], ceiling: float, full: float, stall: float) -> str:
@@ -230,10 +159,43 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
-def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256, image_size: int = 224,
-                    num_classes: int = 10, device: str = "auto", seconds: float = 30.0, max_steps: int = 10_000) -> dict[str, Any]:
-    """Time how long each step waits for the user's loader vs how long the model step (on synthetic data of
-    ``batch_size`` images) takes: is the loader the bottleneck, and by how much?"""
+def first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    """The input of a batch: ``batch[0]`` of a tuple/list, ``batch["image"]`` (else the first tensor) of a
+    dict, or the batch itself when it is a tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        if isinstance(batch.get("image"), torch.Tensor):
+            return batch["image"]
+        return next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    if isinstance(batch, (tuple, list)) and batch:
+        return first_tensor(batch[0])
+    return None
+
+
+def image_geometry(x: Optional[torch.Tensor]) -> Optional[tuple[int, int, int]]:
+    """``(batch, height, width)`` of an image batch (NCHW or NHWC with 1 or 3 channels), else None."""
+    if x is None or x.ndim != 4:
+        return None
+    if x.shape[1] in (1, 3):
+        return x.shape[0], x.shape[2], x.shape[3]
+    if x.shape[-1] in (1, 3):
+        return x.shape[0], x.shape[1], x.shape[2]
+    return None
+
+
+def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optional[int] = None,
+                    image_size: Optional[int] = None, num_classes: int = 10, device: str = "auto",
+                    seconds: float = 30.0, max_steps: int = 10_000) -> dict[str, Any]:
+    """Time how long each step waits for the user's loader against a model step on synthetic data of the
+    loader's own batch shape (from its first batch; ``batch_size`` / ``image_size`` override): is the
+    loader the bottleneck, and by how much?
+
+    The model defaults to ``resnet50`` on a GPU and ``cnn-small`` on the CPU, and its step is split into
+    chunks that fit the device (:func:`fastdata.timing.step_chunk`): a CPU machine gets a verdict in
+    seconds, not a 19 GB ResNet-50 step. Batches that are not images are timed without a model step,
+    and the report says why.
+    """
     from .distributed import resolve_device
 
     dev = resolve_device(device)
@@ -247,36 +209,68 @@ def diagnose_loader(spec: str, *, model: str = "resnet50", batch_size: int = 256
     if it is None:
         raise FastdataError(f"--loader {spec} returned {type(loader).__name__}, which is not iterable: return a "
                             "DataLoader or any iterable of batches")
-    net = _Model(model, num_classes, dev)
-    x = torch.randn(batch_size, 3, image_size, image_size, device=dev).contiguous(memory_format=net.fmt)
-    y = torch.randint(0, num_classes, (batch_size,), device=dev)
-    net.step(x, y)  # warm-up outside the timed region
-    _sync()
+    t_first = time.perf_counter()
+    first = _next_batch(it, spec)
+    if first is None:
+        raise FastdataError(f"--loader {spec} yielded no batch")
+    first_s = time.perf_counter() - t_first  # worker start-up and the first batch: reported, not averaged
+    x0 = first_tensor(first)
+    geometry = image_geometry(x0)
+    name = model or ("resnet50" if dev.type == "cuda" else "cnn-small")
+    net = x = y = None
+    skipped = None
+    if geometry is None and (batch_size is None or image_size is None):
+        skipped = (f"batches of {tuple(x0.shape) if x0 is not None else type(first).__name__} are not images "
+                   "(N, C, H, W) or (N, H, W, C): only the wait for data is timed")
+    else:
+        b = batch_size or geometry[0]
+        h, w = (image_size, image_size) if image_size else geometry[1:]
+        net = ModelStep(name, num_classes, dev, max_chunk=step_chunk(name, b, h, w, dev))
+        x = torch.randn(b, 3, h, w, device=dev).contiguous(memory_format=net.fmt)
+        y = torch.randint(0, num_classes, (b,), device=dev)
+        net.step(x, y)  # warm-up outside the timed region
+        sync()
     waits, works, t_end = [], [], time.perf_counter() + seconds
-    while time.perf_counter() < t_end and len(works) < max_steps:
+    while time.perf_counter() < t_end and len(waits) < max_steps:
         t = time.perf_counter()
-        try:
-            next(it)  # the batch itself is not needed: only how long it took to come
-        except StopIteration:
+        batch = _next_batch(it, spec)  # the batch itself is not needed: only how long it took to come
+        if batch is None:
             it = iter(loader)
             continue
-        except Exception as exc:  # noqa: BLE001
-            raise FastdataError(f"--loader {spec} raised {type(exc).__name__} while iterating: {exc}") from exc
         t1 = time.perf_counter()
-        net.step(x, y)
-        _sync()
+        if net is not None:
+            net.step(x, y)
+            sync()
         waits.append(t1 - t)
         works.append(time.perf_counter() - t1)
-    if not works:
+    if not waits:
         raise FastdataError(f"--loader {spec} yielded no batch in {seconds:.0f} s")
-    wait, work = float(np.mean(waits[1:] or waits)), float(np.mean(works[1:] or works))
-    share = wait / (wait + work)
-    verdict = (f"the loader is the bottleneck: each step waits {1000 * wait:.0f} ms for data, {100 * share:.0f}% of the step"
-               if share > 0.1 else
-               f"the loader keeps up: each step waits {1000 * wait:.1f} ms for data, {100 * share:.0f}% of the step")
-    return {"loader": spec, "steps": len(works), "wait_ms": 1000 * wait, "work_ms": 1000 * work, "wait_share": share,
-            "bottleneck": share > 0.1, "verdict": verdict, "model": model, "batch_size": batch_size,
+    wait, work = float(np.mean(waits)), float(np.mean(works))
+    share = wait / (wait + work) if net is not None else 1.0
+    if net is None:
+        verdict = f"each batch takes {1000 * wait:.1f} ms to come from the loader ({skipped})"
+    elif share > 0.1:
+        verdict = f"the loader is the bottleneck: each step waits {1000 * wait:.0f} ms for data, {100 * share:.0f}% of the step"
+    else:
+        verdict = f"the loader keeps up: each step waits {1000 * wait:.1f} ms for data, {100 * share:.0f}% of the step"
+    return {"loader": spec, "steps": len(waits), "wait_ms": 1000 * wait, "work_ms": 1000 * work, "wait_share": share,
+            "bottleneck": share > 0.1, "verdict": verdict, "model": name if net is not None else None,
+            "model_skipped": skipped, "batch_shape": list(x0.shape) if x0 is not None else None,
+            "batch_dtype": str(x0.dtype) if x0 is not None else None,
+            "model_input_shape": list(x.shape) if x is not None else None,
+            "model_chunk": net.max_chunk if net is not None else None, "first_batch_s": first_s,
+            "batch_size": x.shape[0] if x is not None else (x0.shape[0] if x0 is not None and x0.ndim else None),
             "device": str(dev), "machine": machine()}
+
+
+def _next_batch(it: Any, spec: str) -> Any:
+    """The next batch of the user's iterator (None at its end); its errors become one clear line."""
+    try:
+        return next(it)
+    except StopIteration:
+        return None
+    except Exception as exc:  # noqa: BLE001
+        raise FastdataError(f"--loader {spec} raised {type(exc).__name__} while iterating: {exc}") from exc
 
 
 # -- autotune ---------------------------------------------------------------------------------------------
@@ -310,20 +304,6 @@ def autotune(data: Path, *, batch_size: int = 256, seconds: float = 60.0, progre
     return {"loader": {k: best[k] for k in ("num_threads", "prefetch", "pin_memory")}, "storage": best["storage"],
             "batch_size": batch_size, "images_per_s": best["images_per_s"], "default": default,
             "default_images_per_s": default_rate, "tried": results, "dataset": str(data), "machine": machine()}
-
-
-def load_config(path: Path | str) -> dict[str, Any]:
-    """Read an ``--autotune`` JSON (``{"storage", "loader": {...}, ...}``), refusing anything else."""
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
-        raise ConfigError(f"{path} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
-    allowed = {"num_threads", "prefetch", "pin_memory"}
-    if set(cfg["loader"]) - allowed:
-        raise ConfigError(f"{path}: unknown loader settings {sorted(set(cfg['loader']) - allowed)}")
-    return cfg
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

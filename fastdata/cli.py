@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace) -> int:
         profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet)
     info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
     if args.config is not None:  # autotuned loader settings; explicit --storage / --threads still win
-        from .bench import load_config
+        from .loader import load_config
 
         tuned = load_config(args.config)
         args.storage = args.storage or tuned["storage"]
@@ -157,18 +157,23 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.loader:
         report = bench.diagnose_loader(args.loader, model=args.model, batch_size=args.batch_size,
-                                       image_size=args.image_size, device=args.device, seconds=args.seconds)
-        print(f"{args.loader}: {report['steps']} steps, model step {report['work_ms']:.1f} ms, waiting "
-              f"{report['wait_ms']:.1f} ms\n{report['verdict']}")
+                                       image_size=args.image_size, device=args.device, seconds=args.seconds or 30.0)
+        if report["model"] is None:
+            step = f"model step skipped: {report['model_skipped']}"
+        else:
+            step = (f"model step {report['work_ms']:.1f} ms ({report['model']} on {tuple(report['model_input_shape'])}, "
+                    f"from the first batch {tuple(report['batch_shape'])} {report['batch_dtype']})")
+        print(f"{args.loader}: {report['steps']} steps, {step}, waiting {report['wait_ms']:.1f} ms\n{report['verdict']}")
     elif args.data is None:
         raise ConfigError("give a dataset folder (fastdata bench DATA) or --loader module:factory")
     elif args.autotune:
-        report = bench.autotune(args.data, batch_size=args.batch_size, seconds=args.seconds, progress=not args.quiet)
+        report = bench.autotune(args.data, batch_size=args.batch_size or 256, seconds=args.seconds or 120.0,
+                                progress=not args.quiet)
         print(f"best: storage={report['storage']} {report['loader']} -> {report['images_per_s']:,.0f} images/s "
               f"(default {report['default_images_per_s']:,.0f})")
     else:
-        report = bench.bench_pipeline(args.data, model=args.model, batch_size=args.batch_size, device=args.device,
-                                      seconds=args.seconds, progress=not args.quiet)
+        report = bench.bench_pipeline(args.data, model=args.model or "resnet50", batch_size=args.batch_size or 256,
+                                      device=args.device, seconds=args.seconds or 120.0, progress=not args.quiet)
         print(bench.render(report))
         if args.plot:
             bench.plot(report, args.plot)
@@ -289,12 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="find where a training pipeline waits; --autotune the loader")
     be.add_argument("data", type=Path, nargs="?", default=None, help="dataset folder")
-    be.add_argument("--model", default="resnet50")
-    be.add_argument("--batch-size", type=int, default=256)
+    be.add_argument("--model", default=None, help="default resnet50; --loader: resnet50 on a GPU, cnn-small on the CPU")
+    be.add_argument("--batch-size", type=int, default=None, help="default 256; --loader: the loader's own")
     be.add_argument("--device", default="auto")
-    be.add_argument("--seconds", type=float, default=120.0, help="time budget (default 2 minutes)")
+    be.add_argument("--seconds", type=float, default=None,
+                    help="time budget (default 120 s; 30 s with --loader)")
     be.add_argument("--loader", default=None, metavar="MODULE:FACTORY", help="diagnose your own loader")
-    be.add_argument("--image-size", type=int, default=224, help="--loader: side of the model's synthetic input")
+    be.add_argument("--image-size", type=int, default=None,
+                    help="--loader: side of the model's synthetic input (default: the loader's batches')")
     be.add_argument("--autotune", action="store_true", help="search loader settings; write them with --json")
     be.add_argument("--json", type=Path, default=None, help="write every figure (and the autotuned config)")
     be.add_argument("--plot", type=Path, default=None, help="stage chart PNG (needs matplotlib)")

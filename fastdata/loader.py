@@ -12,12 +12,14 @@ are sequential in the page cache and let a multi-shard gather write each shard's
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -30,6 +32,20 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def _noop() -> None:
     pass
+
+
+def load_config(path: Union[Path, str]) -> dict[str, Any]:
+    """Read an ``--autotune`` JSON (``{"storage", "loader": {...}, ...}``), refusing anything else."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
+        raise ConfigError(f"{path} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
+    allowed = {"num_threads", "prefetch", "pin_memory"}
+    if set(cfg["loader"]) - allowed:
+        raise ConfigError(f"{path}: unknown loader settings {sorted(set(cfg['loader']) - allowed)}")
+    return cfg
 
 
 class FastLoader(SamplerBacked):
@@ -65,8 +81,6 @@ class FastLoader(SamplerBacked):
     def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
         """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
         The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
-        from .bench import load_config
-
         cfg = config if isinstance(config, dict) else load_config(config)
         return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
 

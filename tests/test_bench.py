@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -32,6 +33,20 @@ LOADERS = textwrap.dedent('''
 
     def not_iterable():
         return 42
+
+    class SlowImages(torch.utils.data.Dataset):
+        def __len__(self):
+            return 100_000
+
+        def __getitem__(self, i):
+            time.sleep(0.04)   # 40 ms a sample: 1.3 s a batch of 32 per worker, 0.64 s with 2 workers
+            return torch.zeros(3, 96, 96), i % 10
+
+    def small_dataloader():
+        return torch.utils.data.DataLoader(SlowImages(), batch_size=32, num_workers=2)
+
+    def token_batches():
+        return [(torch.zeros(4, 128, dtype=torch.long), torch.zeros(4, 128, dtype=torch.long))] * 100
 ''')
 
 
@@ -71,6 +86,31 @@ def test_fast_loader_with_slow_consumer_is_not_the_bottleneck(user_loaders):
 
     r = diagnose_loader("myloaders:fast", model="resnet18", batch_size=8, image_size=64, device="cpu", seconds=3)
     assert not r["bottleneck"] and r["wait_share"] < 0.05 and "keeps up" in r["verdict"]
+
+
+def test_a_small_dataloader_on_the_cpu_is_diagnosed_quickly_with_its_own_batches(user_loaders):
+    # Defaults only, as a new user types it: the model step takes the loader's (32, 3, 96, 96) batches on
+    # cnn-small, not 256 x 224 x 224 on ResNet-50 (minutes and ~19 GB on this machine before the fix).
+    code = ("import resource, sys; from fastdata.cli import main; "
+            "rc = main(['bench', '--loader', 'myloaders:small_dataloader', '--device', 'cpu']); "
+            "print('MAXRSS', max(resource.getrusage(w).ru_maxrss for w in "
+            "(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))); sys.exit(rc)")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=user_loaders, timeout=120)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    peak_kib = int(r.stdout.split("MAXRSS")[1].split()[0])
+    assert wall < 60 and peak_kib < 4 * 2**20, (wall, peak_kib)
+    assert "cnn-small on (32, 3, 96, 96)" in r.stdout and "from the first batch (32, 3, 96, 96) torch.float32" in r.stdout
+    assert "the loader is the bottleneck" in r.stdout, r.stdout
+
+
+def test_batches_that_are_not_images_are_timed_without_a_model_step(user_loaders):
+    from fastdata.bench import diagnose_loader
+
+    r = diagnose_loader("myloaders:token_batches", device="cpu", seconds=1)
+    assert r["model"] is None and "not images" in r["model_skipped"] and r["batch_shape"] == [4, 128]
+    assert "takes" in r["verdict"] and r["steps"] > 10
 
 
 @pytest.mark.parametrize("spec, needle", [("myloaders:broken", "raised ValueError: no such bucket"),
