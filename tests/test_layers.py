@@ -1,0 +1,96 @@
+"""The package's import graph: each layer imports only downward, and no module imports itself back through
+others, counting imports inside functions too (a lazy import is still a dependency)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fastdata
+
+ROOT = Path(fastdata.__file__).parent
+# Lowest first: errors/io -> manifest/formats -> storage (and the write side) -> datasets -> sampler/loader
+# -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
+LAYERS = [
+    ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed"],
+    ["fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.tokenizer", "fastdata.models",
+     "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
+    ["fastdata.storage", "fastdata.preprocess"],
+    ["fastdata.dataset", "fastdata.token_dataset"],
+    ["fastdata.sampler", "fastdata.loader"],
+    ["fastdata.gpu_transforms", "fastdata.prefetch", "fastdata.dali"],
+    ["fastdata.train_config", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup", "fastdata.timing",
+     "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.__main__"],
+]
+
+
+def module_name(path: Path) -> str:
+    parts = ("fastdata",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every fastdata module ``name`` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t.startswith("fastdata") and t != name}
+    return out & known
+
+
+def layer(name: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(name == n or name.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{name} is in no layer: add it to LAYERS in {__file__}")
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {n: imports(n, p, set(mods)) for n, p in mods.items() if n != "fastdata"}
+
+
+def test_every_import_points_down_the_layers():
+    wrong = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+             for a, deps in graph().items() for b in deps if b != "fastdata" and layer(b) > layer(a)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    g = graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(g.get(n, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]) if d in stack else f"{n} -> {d}")
+            elif d not in state:
+                visit(d, stack + [d])
+        state[n] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "\n".join(cycles)
+    assert not any("fastdata" in deps for deps in g.values()), "a module imports the package __init__"
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    path = tmp_path / "loader.py"
+    path.write_text("def f():\n    from .bench import load_config\n")
+    assert imports("fastdata.loader", path, {"fastdata.bench", "fastdata.loader"}) == {"fastdata.bench"}
