@@ -184,7 +184,7 @@ def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) 
     from fastdata.formats.lmdb_store import LmdbReader
 
     root = shutil.copytree(src, dst)
-    blob = LmdbReader(root / "images.lmdb").get(sample)
+    blob = LmdbReader(root / "images.lmdb").get_many([sample])[0]
     if huffman:
         i = blob.find(b"\xff\xc4")
         bad = blob[:i + 5] + b"\xff" * 16 + blob[i + 21:]

@@ -147,7 +147,7 @@ def test_worker_errors_reach_the_consumer(indexed_datasets, tmp_path):
     from fastdata.formats.lmdb_store import LmdbReader
 
     root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
-    blob = LmdbReader(root / "images.lmdb").get(5)
+    blob = LmdbReader(root / "images.lmdb").get_many([5])[0]
     data = (root / "images.lmdb").read_bytes()
     at = data.find(blob)
     (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])  # record 5 loses its JPEG header

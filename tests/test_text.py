@@ -15,6 +15,7 @@ from conftest import kill_when_journaled
 from fastdata.cli import main
 from fastdata.errors import ConfigError, FormatError
 from fastdata.preprocess.text import is_val
+from fastdata.tokenizer import load_tokenizer
 from fastdata.token_dataset import TokenDataset, shard_of, splitmix
 
 WORDS = "the quick brown fox jumps over a lazy dog ünïcödé 数据 loader — token shard window €".split()
@@ -87,6 +88,16 @@ def test_hf_bpe_trained_here_round_trips(tmp_path):
     with pytest.raises(FormatError, match="tokenised with"):
         TokenDataset(out, seq_len=8, tokenizer="bytes")
     TokenDataset(out, seq_len=8, tokenizer=str(tmp_path / "tokenizer.json"))  # the same tokenizer: accepted
+    ours = load_tokenizer(str(tmp_path / "tokenizer.json"))  # fastdata's wrapper decodes what it encoded
+    assert [ours.decode(ids) for ids in ours.encode_batch(docs)] == docs
+
+
+def test_bytes_tokenizer_decodes_what_it_encodes_and_drops_the_end_of_document():
+    tok = load_tokenizer("bytes")
+    texts = ["plain", "ünïcødé ✓", ""]
+    ids = tok.encode_batch(texts)
+    assert [tok.decode(i) for i in ids] == texts
+    assert tok.decode(list(ids[0]) + [tok.eos_id] + list(ids[1])) == "plain" + texts[1]
 
 
 @pytest.fixture

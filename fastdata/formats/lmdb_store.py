@@ -140,13 +140,6 @@ class LmdbReader:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def get(self, i: int) -> bytes:
-        with _env(self.path).begin(buffers=False) as txn:
-            value = txn.get(key(i))
-        if value is None:
-            raise KeyError(f"{self.path} has no record {i}")
-        return value
-
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
         with _env(self.path).begin(buffers=False) as txn:
             return [txn.get(key(int(i))) for i in indices]
