@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -118,20 +119,25 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[
 
 _ENVS: dict[str, Any] = {}  # path -> env: py-lmdb allows one open environment per file and process
 _ENVS_PID = -1
+_ENVS_LOCK = threading.Lock()  # loader threads reach a new store at once: only one may open it
 
 
 def _env(path: Path) -> Any:
     global _ENVS_PID
-    if _ENVS_PID != os.getpid():  # an environment must never cross a fork: reopen in the child
-        _ENVS.clear()
-        _ENVS_PID = os.getpid()
     key = str(Path(path).resolve())
-    if key not in _ENVS:
-        import lmdb
+    env = _ENVS.get(key) if _ENVS_PID == os.getpid() else None
+    if env is not None:  # the common case: no lock on the read path
+        return env
+    with _ENVS_LOCK:
+        if _ENVS_PID != os.getpid():  # an environment must never cross a fork: reopen in the child
+            _ENVS.clear()
+            _ENVS_PID = os.getpid()
+        if key not in _ENVS:
+            import lmdb
 
-        _ENVS[key] = lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False, meminit=False,
-                               max_readers=1024)
-    return _ENVS[key]
+            _ENVS[key] = lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False, meminit=False,
+                                   max_readers=1024)
+        return _ENVS[key]
 
 
 class LmdbReader:
