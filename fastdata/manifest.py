@@ -17,7 +17,7 @@ MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
 IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
-TOKENS = "fastdata.token_dataset"
+TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
 FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1, TOKENS: 1}
 

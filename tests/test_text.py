@@ -53,7 +53,7 @@ def test_bytes_round_trip_across_many_shards(tmp_path, gz):
     out = tmp_path / "out"
     preprocess(src, out, "--val-fraction", "0.2", "--shard-tokens", "700")
     m = json.loads((out / "manifest.json").read_text())
-    assert m["format"] == "fastdata.token_dataset" and m["dtype"] == "<u2" and m["tokenizer"]["eos_id"] == 256
+    assert m["format"] == "fastdata.tokens" and m["dtype"] == "<u2" and m["tokenizer"]["eos_id"] == 256
     assert len(m["splits"]["train"]["shards"]) > 10  # documents spread over many shards...
     val = is_val(np.arange(len(docs)), 0.2, 0)
     for split, want in (("train", [d for d, v in zip(docs, val) if not v]), ("val", [d for d, v in zip(docs, val) if v])):
