@@ -55,13 +55,13 @@ class FastDataset(torch.utils.data.Dataset):
             raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
                               f"{self.manifest['sample_shape']} samples already")
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
-        check_sizes(self.root, self.manifest)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
-        if self._verify:  # the image shards are checked by open_shards (ram/cuda: while loading, one read)
-            skip = self._image_files()
-            verify_hashes(self.root, self.manifest, [f["path"] for f in self.manifest["files"] if f["path"] not in skip])
+        others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()]
+        check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
+        if self._verify:  # ... and hashed there too (ram/cuda: while loading, one read)
+            verify_hashes(self.root, self.manifest, others)
         self._labels = self._load_labels()
-        self._open()
+        self._open(self._verify)
 
     # -- metadata -------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -102,7 +102,7 @@ class FastDataset(torch.utils.data.Dataset):
         labels.setflags(write=False)
         return labels
 
-    def _open(self) -> None:
+    def _open(self, verify: bool) -> None:
         self._shards: list[np.ndarray] = []
         self._flat: Optional[np.ndarray] = None
         self._dev: Optional[torch.Tensor] = None
@@ -113,7 +113,7 @@ class FastDataset(torch.utils.data.Dataset):
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
-        opened = open_shards(images, self.storage, verify=self._verify, device=self.device, shm_dir=self._shm_dir)
+        opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
         if self._dev is not None:
             self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
@@ -127,7 +127,9 @@ class FastDataset(torch.utils.data.Dataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._open()
+        # The sending process checked the files; a private RAM copy is hashed again while it is read (free:
+        # the bytes pass through anyway), maps are not re-hashed in every worker.
+        self._open(self._verify and self.storage in ("ram", "cuda"))
 
     # -- reading --------------------------------------------------------------------------------------
     def _indices(self, indices: Indices) -> np.ndarray:
