@@ -144,8 +144,8 @@ def _train(args: argparse.Namespace) -> int:
                                      args.threads, args.seed, info.device)
     else:
         pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
-                             val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
-                             augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
+                        val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
+                        augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
         model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
     shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
@@ -155,9 +155,11 @@ def _train(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    # Only the options given on the command line: each mode's defaults are its function's (see its docstring).
+    given = {k: v for k, v in (("model", args.model), ("batch_size", args.batch_size), ("seconds", args.seconds))
+             if v is not None}
     if args.loader:
-        report = bench.diagnose_loader(args.loader, model=args.model, batch_size=args.batch_size,
-                                       image_size=args.image_size, device=args.device, seconds=args.seconds or 30.0)
+        report = bench.diagnose_loader(args.loader, image_size=args.image_size, device=args.device, **given)
         if report["model"] is None:
             step = f"model step skipped: {report['model_skipped']}"
         else:
@@ -167,13 +169,13 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.data is None:
         raise ConfigError("give a dataset folder (fastdata bench DATA) or --loader module:factory")
     elif args.autotune:
-        report = bench.autotune(args.data, batch_size=args.batch_size or 256, seconds=args.seconds or 120.0,
-                                progress=not args.quiet)
+        given.pop("model", None)
+        given.setdefault("seconds", 120.0)  # the CLI's budget (autotune() alone defaults to 60 s)
+        report = bench.autotune(args.data, progress=not args.quiet, **given)
         print(f"best: storage={report['storage']} {report['loader']} -> {report['images_per_s']:,.0f} images/s "
               f"(default {report['default_images_per_s']:,.0f})")
     else:
-        report = bench.bench_pipeline(args.data, model=args.model or "resnet50", batch_size=args.batch_size or 256,
-                                      device=args.device, seconds=args.seconds or 120.0, progress=not args.quiet)
+        report = bench.bench_pipeline(args.data, device=args.device, progress=not args.quiet, **given)
         print(bench.render(report))
         if args.plot:
             bench.plot(report, args.plot)
