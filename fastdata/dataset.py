@@ -189,11 +189,12 @@ class FastDataset(torch.utils.data.Dataset):
             dst[mask] = np.take(self._shards[s], rows[mask], axis=0, mode="clip")
 
     def _decode_into(self, idx: np.ndarray, dst: np.ndarray) -> None:
-        # JPEG decoding is per image by nature; Pillow releases the GIL, so loader threads decode in parallel.
+        # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
+        # loader threads decode in parallel, each straight into its row of the batch.
         assert self._reader is not None and self.size is not None
         for j, blob in enumerate(self._reader.get_many(idx)):
             try:
-                dst[j] = decode_jpeg(blob, self.size)
+                decode_jpeg(blob, self.size, out=dst[j])
             except ImageDecodeError as exc:
                 raise ImageDecodeError(f"{self._reader.path}: sample {idx[j]} is not a decodable JPEG ({exc}): "
                                        "run `fastdata verify` on the dataset") from exc

@@ -93,7 +93,7 @@ def resize(img: Image.Image, size: int, mode: str) -> Image.Image:
     w, h = img.size
     if mode == "center-crop":
         m = min(w, h)
-        if m == size:  # no scaling (an LMDB record served at its stored size): cut, do not resample
+        if m == size:  # no scaling (a source already at the size): cut, do not resample
             left, top = (w - m) // 2, (h - m) // 2  # an odd margin leaves the extra column/row on the right
             return img.crop((left, top, left + m, top + m))
         box = ((w - m) / 2, (h - m) / 2, (w + m) / 2, (h + m) / 2)  # resample only the pixels we keep
@@ -138,13 +138,14 @@ def load_jpeg(path: Path | str, size: int, quality: int) -> bytes:
 CROP_RESAMPLE = Image.Resampling.BILINEAR
 
 
-def decode_jpeg(data: bytes, size: int) -> np.ndarray:
+def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """LMDB record -> ``(size, size, 3)`` uint8 centre crop, the CPU-decode path of the LMDB reader (see
-    NOTE [jpeg read path]); errors as :class:`ImageDecodeError`."""
+    NOTE [jpeg read path]), written into ``out`` when given (a row of the batch: no second copy); errors
+    as :class:`ImageDecodeError`."""
     arr = _turbo_decode(data, size)
     if arr is None:  # simplejpeg missing or unable: Pillow decodes, the crop is the same
         arr = np.asarray(open_rgb(io.BytesIO(data), size, "center-crop"))
-    return center_square(arr, size)
+    return center_square(arr, size, out)
 
 
 def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
@@ -164,13 +165,19 @@ def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
         return None
 
 
-def center_square(arr: np.ndarray, size: int) -> np.ndarray:
-    """The centre square of an HWC image as ``(size, size, 3)``: cut when its side is ``size`` already (an odd
-    margin leaves the extra column/row on the right/bottom), else resized with :data:`CROP_RESAMPLE`."""
+def center_square(arr: np.ndarray, size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The centre square of an HWC image as ``(size, size, 3)`` (into ``out`` when given): cut when its side
+    is ``size`` already (an odd margin leaves the extra column/row on the right/bottom), else resized with
+    :data:`CROP_RESAMPLE`."""
     h, w = arr.shape[:2]
     m = min(h, w)
     top, left = (h - m) // 2, (w - m) // 2
     if m == size:
-        return np.ascontiguousarray(arr[top:top + m, left:left + m])
-    img = Image.fromarray(np.ascontiguousarray(arr))
-    return np.asarray(img.resize((size, size), CROP_RESAMPLE, box=(left, top, left + m, top + m)))
+        square = arr[top:top + m, left:left + m]
+    else:
+        img = Image.fromarray(np.ascontiguousarray(arr))
+        square = np.asarray(img.resize((size, size), CROP_RESAMPLE, box=(left, top, left + m, top + m)))
+    if out is None:
+        return np.ascontiguousarray(square)
+    out[...] = square
+    return out

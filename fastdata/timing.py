@@ -72,11 +72,13 @@ class ModelStep:
         self.amp = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        chunk = self.max_chunk or len(x)
+        chunk = min(self.max_chunk or len(x), len(x))
         for i in range(0, len(x), chunk):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss = torch.nn.functional.cross_entropy(self.model(x[i:i + chunk]), y[i:i + chunk])
-            (loss * (min(chunk, len(x) - i) / len(x))).backward()
+            if chunk < len(x):  # the chunks' mean losses, weighted by size, sum to the whole batch's mean
+                loss = loss * (min(chunk, len(x) - i) / len(x))
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

@@ -148,3 +148,16 @@ def test_a_damaged_record_is_an_image_decode_error(damage):
     bad = data[: len(data) // 3] if damage == "cut" else bytes(32) + data[32:]
     with pytest.raises(ImageDecodeError):
         decode_jpeg(bad, 224)
+
+
+def test_decoding_into_a_batch_row_gives_the_same_pixels():
+    import numpy as np
+
+    from fastdata.decode import decode_jpeg
+
+    data = _record()
+    for size in (224, 100):  # a cut at 7/8 scale, and a resize of a 1/2-scale square
+        batch = np.full((3, size, size, 3), 7, np.uint8)
+        assert decode_jpeg(data, size, out=batch[1]).base is batch  # the row itself, no copy of its own
+        assert np.array_equal(batch[1], decode_jpeg(data, size))
+        assert (batch[0] == 7).all() and (batch[2] == 7).all()  # the other rows untouched
