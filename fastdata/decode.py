@@ -142,13 +142,13 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None) -> np.nda
     """LMDB record -> ``(size, size, 3)`` uint8 centre crop, the CPU-decode path of the LMDB reader (see
     NOTE [jpeg read path]), written into ``out`` when given (a row of the batch: no second copy); errors
     as :class:`ImageDecodeError`."""
-    arr = _turbo_decode(data, size)
+    arr = turbo_decode(data, size)
     if arr is None:  # simplejpeg missing or unable: Pillow decodes, the crop is the same
         arr = np.asarray(open_rgb(io.BytesIO(data), size, "center-crop"))
     return center_square(arr, size, out)
 
 
-def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
+def turbo_decode(data: bytes, size: int) -> np.ndarray | None:
     """RGB pixels at the smallest libjpeg scale that keeps the short side >= ``size``; None when simplejpeg
     is not installed or cannot decode ``data`` (the caller falls back to Pillow)."""
     try:
