@@ -30,8 +30,9 @@ import torch
 from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import LmdbReader
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, batch_seed, rrc_boxes
-from .decode import decode_jpeg
+from .crops import draw_resized_crops
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
+from .decode import decode_jpeg, jpeg_size, looks_like_jpeg
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -47,35 +48,6 @@ def _dali() -> Any:
     except ImportError as exc:
         raise MissingDependencyError(INSTALL_HINT) from exc
     return dali
-
-
-def looks_like_jpeg(blob: bytes) -> bool:
-    """Cheap screen before DALI sees a record: JPEG start and end markers present (catches truncation)."""
-    return len(blob) > 4 and blob[:2] == b"\xff\xd8" and blob.rstrip(b"\x00")[-2:] == b"\xff\xd9"
-
-
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
-
-
-def jpeg_size(blob: bytes) -> tuple[int, int]:
-    """``(height, width)`` from a JPEG's frame header, without decoding; ``(0, 0)`` when there is none."""
-    i, n = 2, len(blob)
-    while i + 4 <= n:
-        if blob[i] != 0xFF:
-            return 0, 0
-        marker = blob[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
-            i += 2
-            continue
-        if marker in _SOF and i + 9 <= n:
-            return int.from_bytes(blob[i + 5:i + 7], "big"), int.from_bytes(blob[i + 7:i + 9], "big")
-        if marker == 0xDA:  # start of scan before any frame header
-            return 0, 0
-        i += 2 + int.from_bytes(blob[i + 2:i + 4], "big")
-    return 0, 0
 
 
 class DALILoader(SamplerBacked):
@@ -184,14 +156,9 @@ class DALILoader(SamplerBacked):
         from ``(seed, epoch, position, rank)``: one draw per sample of the batch, skipped ones included,
         so skipping a record never shifts the others' crops."""
         s = self.sampler
-        gen = torch.Generator().manual_seed(batch_seed(self.seed, s.epoch, position, s.rank))
-        u = torch.rand(len(sizes), 10, 4, generator=gen)
-        flip = torch.rand(len(sizes), generator=gen) < 0.5
-        hw = torch.tensor(sizes, dtype=torch.float32).clamp_(min=1)  # skipped samples: any size, dropped below
-        top, left, h, w = rrc_boxes(hw[:, 0], hw[:, 1], u, (0.08, 1.0), (3 / 4, 4 / 3)).int().unbind(1)
-        keep = torch.from_numpy(good)
-        return (torch.stack([left, top], 1)[keep].numpy(), torch.stack([w, h], 1)[keep].numpy(),
-                flip.to(torch.int32)[keep].numpy())
+        boxes, flips = draw_resized_crops((self.seed, s.epoch, position, s.rank), np.asarray(sizes).reshape(-1, 2))
+        top, left, h, w = boxes[good].astype(np.int32).T
+        return np.stack([left, top], 1), np.stack([w, h], 1), flips[good].astype(np.int32)
 
     def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[bytes], list[tuple[int, int]], np.ndarray]]:
         """This epoch's batches from the sampler's position: (batches pulled so far, the batch's global position,

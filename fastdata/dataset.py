@@ -21,7 +21,8 @@ from ._io import safe_join
 from .errors import ConfigError, FormatError, ImageDecodeError
 from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
-from .decode import decode_jpeg
+from .crops import RATIO, SCALE, draw_resized_crops
+from .decode import decode_jpeg, jpeg_size
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
                              verify_hashes)
 
@@ -33,13 +34,21 @@ class FastDataset(torch.utils.data.Dataset):
     batch in one read. ``storage``: ``"mmap"`` (default; the page cache is shared by every process),
     ``"ram"`` (one contiguous copy in this process), ``"shm"`` (one copy per machine in /dev/shm, shared
     by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
-    An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (centre crop).
     ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
+
+    An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (default: the stored short side).
+    ``crop="center"`` (evaluation) keeps the centre square, its side ``crop_fraction`` of the short side
+    (``224/256`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``). ``crop="random"`` (training without
+    a GPU) decodes a random-resized crop (``scale``, ``ratio`` as torchvision) of the whole stored image and
+    mirrors half of them, drawn per batch from ``(seed, epoch, position, rank)`` when FastLoader serves it
+    (the same draws as the GPU ``RandomResizedCrop`` + ``RandomHorizontalFlip``; see NOTE [crop draws]),
+    from torch's global generator otherwise. The box is decided before decoding (NOTE [jpeg read path]).
     """
 
     def __init__(self, path: Union[str, Path], *, storage: str = "mmap", device: Union[str, torch.device] = "cuda",
                  size: Optional[int] = None, verify: Optional[bool] = None,
-                 shm_dir: Optional[Union[str, Path]] = None) -> None:
+                 shm_dir: Optional[Union[str, Path]] = None, crop: str = "center", crop_fraction: float = 1.0,
+                 scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO) -> None:
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
         self.root = Path(path)
@@ -55,6 +64,7 @@ class FastDataset(torch.utils.data.Dataset):
             raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
                               f"{self.manifest['sample_shape']} samples already")
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
+        self._set_crop(crop, crop_fraction, scale, ratio)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
         others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()]
         check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
@@ -62,6 +72,25 @@ class FastDataset(torch.utils.data.Dataset):
             verify_hashes(self.root, self.manifest, others)
         self._labels = self._load_labels()
         self._open(self._verify)
+
+    def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
+        if crop not in ("center", "random"):
+            raise ConfigError(f"crop must be 'center' or 'random', got crop={crop!r}")
+        if (crop != "center" or fraction != 1.0) and not self.is_lmdb:
+            raise ConfigError(f"crop={crop!r}, crop_fraction={fraction!r} apply to LMDB datasets (decode-time crops); "
+                              f"{self.root} holds fixed-size pixels: crop them on the GPU with "
+                              "fastdata.RandomResizedCrop / CenterCrop in CUDAPrefetcher(transforms=...)")
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"crop_fraction must be in (0, 1], got crop_fraction={fraction!r}")
+        if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
+            raise ConfigError(f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got scale={scale!r}, "
+                              f"ratio={ratio!r}")
+        self.crop, self.crop_fraction, self.scale, self.ratio = crop, float(fraction), tuple(scale), tuple(ratio)
+
+    @property
+    def random_crops(self) -> bool:
+        """True when batches take a ``draw`` key (FastLoader passes ``(seed, epoch, position, rank)``)."""
+        return self.crop == "random"
 
     # -- metadata -------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -146,10 +175,12 @@ class FastDataset(torch.utils.data.Dataset):
             raise IndexError(f"index out of range for a dataset of {n} samples (got {idx.min()}..{idx.max()})")
         return np.where(idx < 0, idx + n, idx)
 
-    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None,
+                  draw: Optional[tuple[int, int, int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``indices`` at once: ``(B, S, S, 3)`` uint8 and ``(B,)`` int64 (see NOTE [gather]).
 
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the images; the result is ``out[:B]``.
+        ``draw`` = ``(seed, epoch, position, rank)`` seeds the batch's random crops (``crop="random"``).
         """
         if self._dev is not None:
             idx_t = (indices.to(self.device) if isinstance(indices, torch.Tensor) else
@@ -168,7 +199,7 @@ class FastDataset(torch.utils.data.Dataset):
         if self._flat is not None:
             np.take(self._flat, idx, axis=0, out=dst, mode="clip")
         elif self._reader is not None:
-            self._decode_into(idx, dst)
+            self._decode_into(idx, dst, draw)
         else:
             self._gather_shards(idx, dst)
         return x, torch.from_numpy(self._labels[idx])
@@ -188,16 +219,29 @@ class FastDataset(torch.utils.data.Dataset):
             mask = shard == s
             dst[mask] = np.take(self._shards[s], rows[mask], axis=0, mode="clip")
 
-    def _decode_into(self, idx: np.ndarray, dst: np.ndarray) -> None:
+    def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]]) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
         # loader threads decode in parallel, each straight into its row of the batch.
         assert self._reader is not None and self.size is not None
-        for j, blob in enumerate(self._reader.get_many(idx)):
+        blobs = self._reader.get_many(idx)
+        boxes, flips = self._random_boxes(blobs, draw) if self.crop == "random" else (None, None)
+        for j, blob in enumerate(blobs):
             try:
-                decode_jpeg(blob, self.size, out=dst[j])
+                if boxes is None:
+                    decode_jpeg(blob, self.size, out=dst[j], fraction=self.crop_fraction)
+                else:
+                    decode_jpeg(blob, self.size, out=dst[j], box=tuple(boxes[j].tolist()), flip=bool(flips[j]))
             except ImageDecodeError as exc:
                 raise ImageDecodeError(f"{self._reader.path}: sample {idx[j]} is not a decodable JPEG ({exc}): "
                                        "run `fastdata verify` on the dataset") from exc
+
+    def _random_boxes(self, blobs: list[bytes], draw: Optional[tuple[int, int, int, int]]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Boxes over each whole stored image, from the frame headers (a damaged one fails at its decode)."""
+        if draw is None:  # ds[i], DataLoader: torch's generator (seeded per worker by DataLoader)
+            draw = (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
+        sizes = np.array([jpeg_size(b) for b in blobs], dtype=np.int64).reshape(-1, 2)
+        return draw_resized_crops(draw, sizes, self.scale, self.ratio)
 
     def __getitem__(self, index: Union[int, Indices]) -> tuple[torch.Tensor, Any]:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
@@ -226,10 +270,15 @@ class DatasetView:
     def classes(self) -> list[str]:
         return self.base.classes
 
-    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def random_crops(self) -> bool:
+        return getattr(self.base, "random_crops", False)
+
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None,
+                  draw: Optional[tuple[int, int, int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(indices, torch.Tensor):
             indices = indices.cpu().numpy()
-        return self.base.get_batch(self.indices[np.asarray(indices, dtype=np.int64)], out)
+        return self.base.get_batch(self.indices[np.asarray(indices, dtype=np.int64)], out, draw)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.indices[i])]

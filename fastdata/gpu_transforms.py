@@ -10,24 +10,17 @@ separate so tests can check the math against a per-sample reference with the ver
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .crops import TRIES, rrc_boxes
 from .errors import ConfigError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Size = Union[int, tuple[int, int]]
-
-
-def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
-    """The seed of one batch's augmentation draws: a resumed run (same world size) draws the same, and
-    each rank draws its own. Used by CUDAPrefetcher and the DALI backend."""
-    return int(np.random.SeedSequence([seed, epoch, position, rank]).generate_state(1)[0])
 
 
 def _pair(size: Size, name: str) -> tuple[int, int]:
@@ -140,7 +133,7 @@ class RandomResizedCrop(Transform):
             raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
-    def params(self, x: torch.Tensor, generator: Optional[torch.Generator], tries: int = 10) -> torch.Tensor:
+    def params(self, x: torch.Tensor, generator: Optional[torch.Generator], tries: int = TRIES) -> torch.Tensor:
         """(B, 4) float boxes: top, left, height, width (whole pixels)."""
         b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
         u = torch.rand(b, tries, 4, generator=generator, device=dev)
@@ -161,39 +154,6 @@ class RandomResizedCrop(Transform):
 
     def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         return self.apply(x, self.params(x, generator))
-
-
-def rrc_boxes(height: torch.Tensor, width: torch.Tensor, u: torch.Tensor, scale: tuple[float, float],
-              ratio: tuple[float, float]) -> torch.Tensor:
-    """Random-resized-crop boxes for images of per-sample ``height`` x ``width`` (B,) from uniform draws
-    ``u`` (B, tries, 4): (B, 4) float top, left, height, width in whole pixels.
-
-    torchvision's rule: the first try whose area ~ U(scale) and log-aspect ~ U(log ratio) fits, else the
-    centre crop clamped to ``ratio``. Vectorised, with no host sync (fallbacks blended with ``where``).
-    Shared by :class:`RandomResizedCrop` and the DALI backend, which feeds the boxes to the decoder.
-    """
-    H, W = height.float()[:, None], width.float()[:, None]
-    area = H * W * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
-    lo, hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(lo + u[..., 1] * (hi - lo))
-    w = torch.round(torch.sqrt(area * aspect))
-    h = torch.round(torch.sqrt(area / aspect))
-    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
-    first = torch.argmax(ok.int(), dim=1)  # the first try that fits (0 when none does: see fallback)
-    pick = lambda t: t.gather(1, first[:, None]).squeeze(1)  # noqa: E731
-    h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
-    H, W = H[:, 0], W[:, 0]
-    top = torch.floor(uy * (H - h + 1))
-    left = torch.floor(ux * (W - w + 1))
-    # The fallback: the whole image, narrowed to the nearest allowed aspect ratio, centred.
-    in_ratio = W / H
-    fw = torch.where(in_ratio > ratio[1], torch.round(H * ratio[1]), W)
-    fh = torch.where(in_ratio < ratio[0], torch.round(W / ratio[0]), H)
-    fallback = ~ok.any(dim=1)
-    h, w = torch.where(fallback, fh, h), torch.where(fallback, fw, w)
-    top = torch.where(fallback, torch.div(H - fh, 2, rounding_mode="floor"), top)
-    left = torch.where(fallback, torch.div(W - fw, 2, rounding_mode="floor"), left)
-    return torch.stack([top, left, h, w], dim=1)
 
 
 class Normalize(Transform):

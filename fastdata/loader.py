@@ -136,10 +136,14 @@ class FastLoader(SamplerBacked):
                           for _ in range(self.slots)]
         return self._ring
 
-    def _fill(self, slot: int, idx: np.ndarray) -> Batch:
+    def _fill(self, slot: int, idx: np.ndarray, position: int) -> Batch:
         x_buf, y_buf = self._ring[slot]
         n = len(idx)
-        x, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
+        if getattr(self.dataset, "random_crops", False):  # decode-time crops, drawn as CUDAPrefetcher draws
+            s = self.sampler
+            x, y = self.dataset.get_batch(np.sort(idx), out=x_buf, draw=(s.seed, s.epoch, position, s.rank))
+        else:
+            x, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
         if y.untyped_storage().data_ptr() == x_buf.untyped_storage().data_ptr():
             return x, y  # targets are a view of the sample buffer (token windows: y = window[:, 1:])
         y_buf[:n].copy_(y)
@@ -148,6 +152,7 @@ class FastLoader(SamplerBacked):
     def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
         self._ensure_ring()
         batches = self.sampler.batches()
+        first, pulled = self.sampler.served, 0
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()
@@ -155,7 +160,7 @@ class FastLoader(SamplerBacked):
         exhausted = False
 
         def top_up() -> None:
-            nonlocal exhausted
+            nonlocal exhausted, pulled
             while not exhausted:
                 with lock:
                     if not free:
@@ -167,7 +172,9 @@ class FastLoader(SamplerBacked):
                     with lock:
                         free.appendleft(slot)
                     return
-                pending.append((slot, pool.submit(self._fill, slot, idx)))
+                position = self.sampler.batch_position(first + pulled)
+                pulled += 1
+                pending.append((slot, pool.submit(self._fill, slot, idx, position)))
 
         def releaser(slot: int) -> Callable[[], None]:
             done = False

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .errors import ConfigError
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform, batch_seed
+from .crops import batch_seed
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
 from .distributed import dist_rank_world
 
 Release = Optional[Callable[[], None]]

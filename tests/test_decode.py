@@ -120,7 +120,7 @@ def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
 
     from PIL import Image
 
-    from fastdata.dali import jpeg_size
+    from fastdata.decode import jpeg_size
 
     cases = [("RGB", (123, 45), {}), ("RGB", (45, 123), {"progressive": True}), ("L", (64, 7), {}),
              ("RGB", (300, 200), {"exif": Image.Exif(), "icc_profile": b"\0" * 3000})]

@@ -66,7 +66,13 @@ def _psnr(a, b) -> float:
     return 10 * np.log10(255 ** 2 / max(mse, 1e-12))
 
 
-def test_a_record_at_its_stored_size_is_pillows_pixels_cut(monkeypatch):
+def _fast(data):
+    import simplejpeg
+
+    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True)
+
+
+def test_a_record_at_its_stored_size_is_the_fast_decode_cut_and_pillow_agrees(monkeypatch):
     import io
 
     import numpy as np
@@ -75,40 +81,46 @@ def test_a_record_at_its_stored_size_is_pillows_pixels_cut(monkeypatch):
     from fastdata.decode import decode_jpeg
 
     data = _record()
-    full = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     left = (341 - 256) // 2
-    assert np.array_equal(decode_jpeg(data, 256), full[:, left:left + 256])
-    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # without simplejpeg: Pillow, the same pixels
-    assert np.array_equal(decode_jpeg(data, 256), full[:, left:left + 256])
+    out = decode_jpeg(data, 256)
+    assert np.array_equal(out, _fast(data)[:, left:left + 256])  # a cut: no resampling
+    accurate = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))[:, left:left + 256]
+    assert 38 < _psnr(out, accurate) < 80  # the fast IDCT differs from Pillow's accurate one, slightly
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)  # without simplejpeg: Pillow, the same box
+    assert np.array_equal(decode_jpeg(data, 256), accurate)
 
 
-def test_a_256_record_served_at_224_is_decoded_at_seven_eighths_and_cut():
+def test_the_eval_crop_fraction_cuts_the_centre_224_of_a_256_record_without_resampling():
     import numpy as np
-    import simplejpeg
+    from PIL import Image
 
     from fastdata import decode
 
     data = _record()
-    scaled = simplejpeg.decode_jpeg(data, min_height=224)
-    assert scaled.shape[:2] == (224, 299)  # libjpeg's 7/8 scale: the short side lands on 224 exactly
+    assert decode.center_box(256, 341, 224 / 256) == (16, 58, 224, 224)
+    assert np.array_equal(decode.decode_jpeg(data, 224, fraction=224 / 256), _fast(data)[16:240, 58:282])
+    # the whole short side at 224: a full decode, resized (7/8 DCT scaling is slower: see NOTE [jpeg read path])
     out = decode.decode_jpeg(data, 224)
-    assert np.array_equal(out, scaled[:, (299 - 224) // 2:][:, :224])  # cut, no resampling
-    lanczos = decode.load_array(__import__("io").BytesIO(data), 224, "center-crop")  # the old path
-    assert _psnr(out, lanczos) > 33
+    lanczos = Image.fromarray(np.ascontiguousarray(_fast(data)[:, 42:298])).resize((224, 224), Image.LANCZOS)
+    assert _psnr(out, np.asarray(lanczos)) > 38  # the cheap filter against Lanczos on the same pixels
 
 
-def test_other_scales_resize_the_scaled_square_with_the_right_geometry():
+def test_dct_scaling_is_used_only_at_half_or_less_and_keeps_the_geometry():
     import io
 
     import numpy as np
 
     from fastdata import decode
 
+    assert decode.dct_denominator(256, 341, 224) == 1  # 7/8 would fit but is slower than a full decode
+    assert decode.dct_denominator(450, 450, 224) == 2 and decode.dct_denominator(450, 600, 100) == 4
+    assert decode.dct_denominator(900, 900, 100) == 8 and decode.dct_denominator(100, 900, 100) == 1
     data = _record(600, 450)
+    assert decode.turbo_decode(data, 4).shape == (113, 150, 3)  # libjpeg rounds scaled sizes up
     halves = np.zeros((450, 600, 3), np.uint8)
     halves[:, 300:] = (0, 0, 255)  # left black, right blue: the centre square's halves stay halves
     sharp = _jpeg(halves)
-    for size in (100, 160, 300, 500):  # 1/4 + resize, 3/8 + resize, 6/8 + resize, an upscale
+    for size in (100, 160, 300, 500):  # 1/4 + resize, 1/2 + resize, full + resize, an upscale
         out = decode.decode_jpeg(data, size)
         assert out.shape == (size, size, 3) and out.dtype.name == "uint8" and out.flags.c_contiguous
         # PSNR against the old Pillow draft + Lanczos path on noisy synthetic content (RESULTS.md has the table)
@@ -116,6 +128,30 @@ def test_other_scales_resize_the_scaled_square_with_the_right_geometry():
         h = decode.decode_jpeg(sharp, size).astype(int)
         q = size // 8
         assert h[:, : 3 * q].max() < 40 and (h[:, -3 * q:, 2] > 215).all() and h[:, -3 * q:, :2].max() < 40
+
+
+def test_a_box_is_resized_with_antialiased_bilinear_and_mirrored():
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from fastdata.decode import decode_jpeg
+
+    data = _record()
+    box = (10, 20, 200, 150)  # top, left, height, width in stored pixels
+    crop = torch.from_numpy(_fast(data)[10:210, 20:170]).permute(2, 0, 1)[None]
+    ref = F.interpolate(crop, size=(96, 96), mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
+    assert np.array_equal(decode_jpeg(data, 96, box=box), ref)  # box < 2x the output: a full decode
+    assert np.array_equal(decode_jpeg(data, 96, box=box, flip=True), ref[:, ::-1])
+    small = F.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
+    assert _psnr(decode_jpeg(data, 64, box=box), small) > 30  # box >= 2x: decoded at 1/2, the same picture
+    exact = (5, 7, 64, 64)  # a box of the output size: a cut, mirrored when asked
+    assert np.array_equal(decode_jpeg(data, 64, box=exact, flip=True), _fast(data)[5:69, 7:71][:, ::-1])
+    quadrant = np.zeros((256, 340, 3), np.uint8)
+    quadrant[128:, 170:] = 255  # only the bottom-right quarter is white
+    white = decode_jpeg(_jpeg(quadrant), 32, box=(140, 190, 100, 120))
+    black = decode_jpeg(_jpeg(quadrant), 32, box=(0, 0, 110, 160))
+    assert white.min() > 235 and black.max() < 20  # boxes land where they were drawn, in stored pixels
 
 
 def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
@@ -156,8 +192,122 @@ def test_decoding_into_a_batch_row_gives_the_same_pixels():
     from fastdata.decode import decode_jpeg
 
     data = _record()
-    for size in (224, 100):  # a cut at 7/8 scale, and a resize of a 1/2-scale square
+    for size in (224, 100):  # a resize of the full decode, and of a 1/2-scale square
         batch = np.full((3, size, size, 3), 7, np.uint8)
         assert decode_jpeg(data, size, out=batch[1]).base is batch  # the row itself, no copy of its own
         assert np.array_equal(batch[1], decode_jpeg(data, size))
         assert (batch[0] == 7).all() and (batch[2] == 7).all()  # the other rows untouched
+
+
+@pytest.fixture(scope="module")
+def photo_lmdb(tmp_path_factory):
+    """30 photo-like JPEGs (landscape, portrait, square) stored at shorter side 80 in an LMDB."""
+    from fastdata.cli import main
+    from fastdata.synthetic import make_image_folder
+
+    base = tmp_path_factory.mktemp("photo-lmdb")
+    make_image_folder(base / "src", num_classes=3, per_class=10, sizes=((120, 90), (90, 120), (100, 100)))
+    assert main(["preprocess", "images", str(base / "src"), str(base / "lmdb"), "--size", "80", "--format", "lmdb",
+                 "--workers", "1", "--quiet"]) == 0
+    return base / "lmdb"
+
+
+def test_decode_time_crops_draw_exactly_what_the_batched_gpu_transform_draws():
+    import numpy as np
+    import torch
+
+    from fastdata.crops import batch_seed, draw_resized_crops
+    from fastdata.gpu_transforms import RandomHorizontalFlip, RandomResizedCrop
+
+    key = (5, 2, 64, 1)
+    boxes, flips = draw_resized_crops(key, np.array([[80, 107]] * 16))
+    gen = torch.Generator().manual_seed(batch_seed(*key))
+    x = torch.zeros(16, 3, 80, 107, dtype=torch.uint8)
+    gpu_boxes = RandomResizedCrop(32).params(x, gen)  # what Compose([RRC, flip]) draws in CUDAPrefetcher
+    gpu_flips = RandomHorizontalFlip().params(x, gen)
+    assert np.array_equal(boxes, gpu_boxes.long().numpy()) and np.array_equal(flips, gpu_flips.numpy())
+    assert 0 < flips.sum() < 16 and len({tuple(b) for b in boxes.tolist()}) == 16
+
+
+def _served(loader, epochs=1):
+    out = []
+    for _ in range(epochs):
+        out += [(x.clone(), y.clone()) for x, y in loader]
+    return out
+
+
+def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
+    import numpy as np
+
+    from fastdata.crops import draw_resized_crops
+    from fastdata.dataset import FastDataset
+    from fastdata.decode import decode_jpeg, jpeg_size
+    from fastdata.formats.lmdb_store import LmdbReader
+    from fastdata.loader import FastLoader
+
+    ds = FastDataset(photo_lmdb, size=48, crop="random")
+    assert ds.sample_shape == (48, 48, 3) and ds.random_crops
+    loader = FastLoader(ds, 8, seed=3, num_threads=2, rank=1, world_size=2)
+    reader = LmdbReader(photo_lmdb / "images.lmdb")
+    order = loader.sampler.rank_indices()
+    for k, (x, y) in enumerate(_served(loader)):
+        idx = np.sort(order[k * 8:(k + 1) * 8])
+        blobs = reader.get_many(idx)
+        boxes, flips = draw_resized_crops((3, 0, k * 8 * 2, 1), np.array([jpeg_size(b) for b in blobs]))
+        want = np.stack([decode_jpeg(b, 48, box=tuple(bx), flip=f) for b, bx, f in zip(blobs, boxes.tolist(), flips)])
+        assert np.array_equal(x.numpy(), want), k
+        assert np.array_equal(y.numpy(), ds.targets[idx])
+
+
+def test_random_crops_survive_resume_and_thread_counts_and_change_with_the_epoch(photo_lmdb):
+    import torch
+
+    from fastdata.dataset import FastDataset
+    from fastdata.loader import FastLoader
+
+    ds = FastDataset(photo_lmdb, size=40, crop="random")
+    whole = _served(FastLoader(ds, 4, seed=1, num_threads=1), epochs=2)
+    first = FastLoader(ds, 4, seed=1, num_threads=3)
+    it = iter(first)
+    head = [tuple(t.clone() for t in next(it)) for _ in range(3)]
+    state = first.state_dict()
+    resumed = FastLoader(ds, 4, seed=1, num_threads=2)
+    resumed.load_state_dict(state)
+    rest = _served(resumed, epochs=2)[: len(whole) - 3]
+    for (a, ya), (b, yb) in zip(whole, head + rest):
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+    n = len(whole) // 2
+    assert not torch.equal(torch.cat([x for x, _ in whole[:n]]), torch.cat([x for x, _ in whole[n:]]))
+
+
+def test_random_crop_boxes_cover_the_whole_stored_image_not_its_centre_square():
+    import numpy as np
+
+    from fastdata.crops import draw_resized_crops
+
+    boxes, _ = draw_resized_crops((0, 0, 0, 0), np.array([[80, 107]] * 4000))
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 80).all() and (left + w <= 107).all()
+    square = ((107 - 80) // 2, (107 - 80) // 2 + 80)
+    assert (left < square[0]).mean() > 0.05 and (left + w > square[1]).mean() > 0.05
+
+
+def test_random_crops_without_fastloader_and_their_misuse(photo_lmdb, indexed_datasets):
+    import torch
+
+    from fastdata.dataset import FastDataset
+    from fastdata.errors import ConfigError
+
+    ds = FastDataset(photo_lmdb, size=32, crop="random")
+    torch.manual_seed(0)
+    a = ds[3][0].clone()
+    torch.manual_seed(0)
+    assert torch.equal(a, ds[3][0]) and a.shape == (32, 32, 3)  # torch's generator, seeded as usual
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=5)))
+    assert batch[0].shape == (5, 32, 32, 3)
+    with pytest.raises(ConfigError, match="GPU"):
+        FastDataset(indexed_datasets["npy"], crop="random")
+    with pytest.raises(ConfigError, match="crop"):
+        FastDataset(photo_lmdb, crop="centre")
+    with pytest.raises(ConfigError, match="crop_fraction"):
+        FastDataset(photo_lmdb, crop_fraction=1.5)

@@ -1,0 +1,74 @@
+"""The augmentation draws every backend shares: one seed per batch, random-resized-crop boxes, flips.
+
+NOTE [crop draws]: a batch's random crops come from ``batch_seed(seed, epoch, position, rank)``, so a
+resumed run draws the same crops and each rank its own. For a batch of ``n`` samples (rows in the order
+served), the draws are ``u = rand(n, 10, 4)`` for the boxes, then ``rand(n) < p`` for the flips, from one
+generator: exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws on a CPU generator in
+CUDAPrefetcher. The LMDB reader's decode-time crops (``FastDataset(crop="random")``) and the DALI backend
+call :func:`draw_resized_crops` with each image's own size, so they agree with one another and with the
+batched GPU transform up to the image each box is drawn on (the whole stored image, not a centre square).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+TRIES = 10  # torchvision's number of area/aspect tries before the centre-crop fallback
+SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
+RATIO = (3 / 4, 4 / 3)
+
+
+def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
+    """The seed of one batch's augmentation draws (see NOTE [crop draws])."""
+    return int(np.random.SeedSequence([seed, epoch, position, rank]).generate_state(1)[0])
+
+
+def rrc_boxes(height: torch.Tensor, width: torch.Tensor, u: torch.Tensor, scale: tuple[float, float],
+              ratio: tuple[float, float]) -> torch.Tensor:
+    """Random-resized-crop boxes for images of per-sample ``height`` x ``width`` (B,) from uniform draws
+    ``u`` (B, tries, 4): (B, 4) float top, left, height, width in whole pixels.
+
+    torchvision's rule: the first try whose area ~ U(scale) and log-aspect ~ U(log ratio) fits, else the
+    centre crop clamped to ``ratio``. Vectorised, with no host sync (fallbacks blended with ``where``).
+    """
+    H, W = height.float()[:, None], width.float()[:, None]
+    area = H * W * (scale[0] + u[..., 0] * (scale[1] - scale[0]))
+    lo, hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(lo + u[..., 1] * (hi - lo))
+    w = torch.round(torch.sqrt(area * aspect))
+    h = torch.round(torch.sqrt(area / aspect))
+    ok = (w > 0) & (w <= W) & (h > 0) & (h <= H)
+    first = torch.argmax(ok.int(), dim=1)  # the first try that fits (0 when none does: see fallback)
+    pick = lambda t: t.gather(1, first[:, None]).squeeze(1)  # noqa: E731
+    h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
+    H, W = H[:, 0], W[:, 0]
+    top = torch.floor(uy * (H - h + 1))
+    left = torch.floor(ux * (W - w + 1))
+    # The fallback: the whole image, narrowed to the nearest allowed aspect ratio, centred.
+    in_ratio = W / H
+    fw = torch.where(in_ratio > ratio[1], torch.round(H * ratio[1]), W)
+    fh = torch.where(in_ratio < ratio[0], torch.round(W / ratio[0]), H)
+    fallback = ~ok.any(dim=1)
+    h, w = torch.where(fallback, fh, h), torch.where(fallback, fw, w)
+    top = torch.where(fallback, torch.div(H - fh, 2, rounding_mode="floor"), top)
+    left = torch.where(fallback, torch.div(W - fw, 2, rounding_mode="floor"), left)
+    return torch.stack([top, left, h, w], dim=1)
+
+
+def draw_resized_crops(key: tuple[int, int, int, int], sizes: np.ndarray, scale: tuple[float, float] = SCALE,
+                       ratio: tuple[float, float] = RATIO, flip_p: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """One batch's random-resized-crop boxes and flips from ``key = (seed, epoch, position, rank)``.
+
+    ``sizes`` is ``(n, 2)`` image heights and widths (any value for rows that will be dropped: each row
+    draws the same whatever the others are). Returns int64 ``(n, 4)`` top, left, height, width and bool
+    ``(n,)`` flips, drawn as NOTE [crop draws] says.
+    """
+    gen = torch.Generator().manual_seed(batch_seed(*key))
+    n = len(sizes)
+    u = torch.rand(n, TRIES, 4, generator=gen)
+    flips = torch.rand(n, generator=gen) < flip_p
+    hw = torch.as_tensor(np.asarray(sizes, dtype=np.float32).reshape(n, 2)).clamp_(min=1)
+    boxes = rrc_boxes(hw[:, 0], hw[:, 1], u, scale, ratio)
+    return boxes.to(torch.int64).numpy(), flips.numpy()
