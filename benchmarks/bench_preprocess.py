@@ -1,6 +1,7 @@
 """fastdata preprocess vs a naive one-file-at-a-time Pillow loop, on the same JPEGs, in the same run.
 
-Cases: ImageNet-like photos (500x375) and large photos (2400x1800), both to S=256 center-crop.
+Cases: ImageNet-like photos (500x375) and large photos (2400x1800), both to S=256 center-crop; and, when
+FFCV is installed, FFCV's DatasetWriter beside fastdata (JPEG store and raw pixels, each resize filter).
 Reports images/s per core (images per CPU-second: fastdata with 1 worker vs the naive loop) with the
 wall-clock ratio beside it, and the wall-clock speed-up from 1 to 2 workers. Targets (issue 3): >= 3x per core on large photos, >= 1.2x on
 ImageNet-like ones, >= 1.8x going from 1 to 2 workers.
@@ -164,6 +165,58 @@ def run_case(name: str, src: Path, n: int, size: int, workers: int, scratch: Pat
     return row
 
 
+def ffcv_writer_rows(src: Path, size: int, workers: int, scratch: Path, repeats: int) -> None:
+    """fastdata preprocess against FFCV's DatasetWriter on the same photos and workers, writeback sync
+    included (``os.sync()`` inside the timed region): JPEG stores (fastdata LMDB, shorter side ``size``,
+    quality 90, against FFCV ``RGBImageField(write_mode="jpg")`` capped to the same pixels) and raw pixels
+    (fastdata npy ``size`` x ``size`` centre crops, against FFCV ``write_mode="raw"``, which cannot crop and
+    keeps the aspect: 4/3 more pixels), for each of fastdata's resize filters. FFCV reads through an
+    ImageFolder-style ``Image.open(path).convert("RGB")`` and resizes with OpenCV's INTER_AREA."""
+    try:
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.writer import DatasetWriter
+    except ImportError as exc:
+        print(f"skipped FFCV's DatasetWriter: not importable ({exc}); see ../shared/PEERS.md")
+        return
+    files = sorted(p for p in src.rglob("*.jpg"))
+    classes = sorted({p.parent.name for p in files})
+
+    class Folder:  # what an FFCV user writes: torchvision's ImageFolder loader, no resizing of its own
+        def __len__(self) -> int:
+            return len(files)
+
+        def __getitem__(self, i: int) -> tuple[Image.Image, int]:
+            return Image.open(files[i]).convert("RGB"), classes.index(files[i].parent.name)
+
+    longest = -(-size * 4 // 3)  # FFCV caps the longer side: 4:3 photos get shorter side `size`, as fastdata's
+
+    def ffcv(mode: str, w: int) -> None:
+        out = scratch / "ffcv.beton"
+        out.unlink(missing_ok=True)
+        DatasetWriter(str(out), {"image": RGBImageField(write_mode=mode, max_resolution=longest, jpeg_quality=90),
+                                 "label": IntField()}, num_workers=w).from_indexed_dataset(Folder())
+        os.sync()
+
+    def fd(fmt: str, flt: str, w: int) -> None:
+        out = scratch / f"fd-{fmt}"
+        shutil.rmtree(out, ignore_errors=True)
+        preprocess_images(ImagePreprocessConfig(src=src, out=out, size=size, format=fmt, filter=flt, workers=w,
+                                                quality=90, progress=False))
+        os.sync()
+
+    warm(src)
+    n = len(files)
+    print(f"\nagainst FFCV's DatasetWriter, {n} 500x375 photos, wall images/s (best of {repeats}), sync included")
+    print(f"{'output':<36} {'workers':>7} {'FFCV':>8} {'fd lanczos':>11} {'fd bilinear':>12} {'ratio (lz, bl)':>16}")
+    for fmt, mode, label in (("lmdb", "jpg", f"JPEG, shorter side {size}, q90"),
+                             ("npy", "raw", f"raw pixels ({size}x{size} vs FFCV {longest}x{size})")):
+        for w in sorted({1, workers}):
+            theirs = n / timed(lambda: ffcv(mode, w), repeats)[0]
+            lz = n / timed(lambda: fd(fmt, "lanczos", w), repeats)[0]
+            bl = n / timed(lambda: fd(fmt, "bilinear", w), repeats)[0]
+            print(f"{label:<36} {w:>7} {theirs:>8.0f} {lz:>11.0f} {bl:>12.0f} {lz / theirs:>7.2f}x {bl / theirs:>6.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--imagenet", type=int, default=300, help="number of 500x375 photos")
@@ -196,6 +249,7 @@ def main() -> None:
             p, w = r["parent_ms_per_img"], r["workers_ms_per_img"]
             print(f"{r['case']:>14}: parent {p:.3f} ms, workers {w:.3f} ms -> one core of parent work per "
                   f"~{w / p:.0f} workers ({1000 / p:.0f} img/s; its write, hash and flush threads overlap)")
+        ffcv_writer_rows(scratch / "imagenet-like", args.size, args.workers, scratch, args.repeats)
         ceiling_w = writer_ceiling(scratch, args.size)
         print(f"the parent's shard writer alone (write + sha256, no decoding): {ceiling_w:,.0f} img/s at S={args.size}")
         sums = checksum_rates(scratch)

@@ -132,3 +132,35 @@ def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
         sof = max(blob.find(b"\xff\xc0"), blob.find(b"\xff\xc2"))
         assert jpeg_size(blob[:sof]) == (0, 0)  # cut before the frame header
     assert jpeg_size(b"\xff\xd8" + bytes(40)) == (0, 0) and jpeg_size(b"") == (0, 0)
+
+
+@pytest.mark.parametrize("size", [(500, 375), (1600, 1200), (64, 48)])
+def test_preprocessing_decodes_jpegs_with_libjpeg_turbo_to_pillows_exact_pixels(tmp_path, size, monkeypatch):
+    import sys
+
+    from fastdata.synthetic import synthetic_image
+
+    path = tmp_path / "p.jpg"
+    Image.fromarray(np.asarray(synthetic_image(np.random.default_rng(1), 2, 4, *size))).save(path, quality=90)
+    for target in (256, 100, 32):  # full scale, and Pillow's draft scales 1/2 .. 1/8 where they fit
+        fast = decode.open_rgb(path, target, "center-crop")
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "simplejpeg", None)
+            slow = decode.open_rgb(path, target, "center-crop")
+        assert fast.size == slow.size and np.array_equal(np.asarray(fast), np.asarray(slow)), (size, target)
+
+
+def test_preprocess_filter_option_changes_only_the_resampling(photo_folder, tmp_path):
+    from fastdata.cli import main
+    from fastdata.manifest import load_manifest
+
+    for name in ("lanczos", "bilinear"):
+        assert main(["preprocess", "images", str(photo_folder), str(tmp_path / name), "--size", "32", "--workers", "1",
+                     "--quiet", "--filter", name]) == 0
+    a, b = (np.load(tmp_path / n / "images-00000.npy") for n in ("lanczos", "bilinear"))
+    mse = ((a.astype(float) - b.astype(float)) ** 2).mean()
+    assert 0 < mse and 10 * np.log10(255 ** 2 / mse) > 25  # another filter: close, not equal
+    assert load_manifest(tmp_path / "bilinear")["params"]["filter"] == "bilinear"
+    assert "filter" not in load_manifest(tmp_path / "lanczos")["params"]  # the default keeps old fingerprints
+    with pytest.raises(SystemExit):
+        main(["preprocess", "images", str(photo_folder), str(tmp_path / "x"), "--filter", "nearest"])

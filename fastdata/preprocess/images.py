@@ -43,6 +43,7 @@ class ImagePreprocessConfig:
     shard_size: int = 1024
     on_error: str = "skip"
     quality: int = 90
+    filter: str = "lanczos"  # resize filter: Lanczos (default), or bicubic/bilinear, cheaper (RESULTS.md)
     overwrite: bool = False
     progress: bool = True
 
@@ -58,6 +59,7 @@ class ImagePreprocessConfig:
                "a positive integer")
         require(self.on_error in ON_ERROR, "on_error", self.on_error, f"one of {ON_ERROR}")
         require(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
+        require(self.filter in decode.FILTERS, "filter", self.filter, f"one of {tuple(decode.FILTERS)}")
 
     def output_params(self) -> dict[str, Any]:
         """The parameters that shape the output bytes (not workers, progress or overwrite)."""
@@ -66,6 +68,8 @@ class ImagePreprocessConfig:
             params["resize"] = self.resize
         else:
             params["quality"] = self.quality
+        if self.filter != "lanczos":  # named only when not the default: older runs keep their fingerprint
+            params["filter"] = self.filter
         return params
 
 
@@ -112,8 +116,8 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
         writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units))
     start, total = jr.source_end, len(source.paths)
     skipped = list(jr.skipped)
-    tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality)
-             for a, b in _chunks(start, total, workers, max_files)]
+    tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
+              config.filter) for a, b in _chunks(start, total, workers, max_files)]
     # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
     slot_bytes = max_files * row_bytes if config.format == "npy" else 0
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
@@ -151,7 +155,8 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
 
     npy pixels go into the shared slot when there is one (the samples returned are then ``None``).
     """
-    root, paths, first, fmt, size, resize, quality = task
+    root, paths, first, fmt, size, resize, quality, filter_name = task
+    resample = decode.FILTERS[filter_name]
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
     shared = parallel.slot(slot)
@@ -164,9 +169,9 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
         path = Path(root) / rel
         try:
             if fmt == "npy":
-                samples[len(ok)] = decode.load_array(path, size, resize)
+                samples[len(ok)] = decode.load_array(path, size, resize, resample)
             else:
-                samples.append(decode.load_jpeg(path, size, quality))
+                samples.append(decode.load_jpeg(path, size, quality, resample))
         except ImageDecodeError as exc:
             failures.append((first + j, str(exc)))
             continue
