@@ -40,7 +40,16 @@ def _preprocess_text(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .manifest import load_manifest, total_bytes, verify
     from .progress import progress_bar
+    from .storage.remote import RemoteDataset, is_url
 
+    if is_url(args.path):  # every file is downloaded into the node cache and checked against the manifest
+        remote = RemoteDataset(args.path)
+        bar = progress_bar(total=total_bytes(remote.manifest), desc="download", unit="B", unit_scale=True,
+                           enabled=not args.quiet)
+        try:
+            args.path = remote.local(bar.update)
+        finally:
+            bar.close()
     manifest = load_manifest(args.path)
     bar = progress_bar(total=total_bytes(manifest), desc="verify", unit="B", unit_scale=True, enabled=not args.quiet)
     try:
@@ -53,6 +62,21 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"  {p}", file=sys.stderr)
         return 1
     print(f"{args.path}: OK, {len(manifest['files'])} files intact")
+    return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    from .manifest import load_manifest, total_bytes
+    from .progress import progress_bar
+    from .storage.remote import push
+
+    bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
+                       enabled=not args.quiet)
+    try:
+        counts = push(args.data, args.url, workers=args.workers, progress=bar.update)
+    finally:
+        bar.close()
+    print(f"{args.url}: {counts['uploaded']} object(s) uploaded, {counts['skipped']} already there; manifest last")
     return 0
 
 
@@ -235,9 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     txt.set_defaults(func=_preprocess_text)
 
     ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
-    ver.add_argument("path", type=Path)
+    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: checked via the node cache)")
     ver.add_argument("--quiet", action="store_true")
     ver.set_defaults(func=_verify)
+
+    pu = sub.add_parser("push", help="upload a finished dataset to object storage (manifest last; reruns resume)")
+    pu.add_argument("data", type=Path)
+    pu.add_argument("url", help="fsspec URL: s3://bucket/prefix, gs://..., az://..., file://...")
+    pu.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
+    pu.add_argument("--quiet", action="store_true")
+    pu.set_defaults(func=_push)
 
     ins = sub.add_parser("inspect", help="what a dataset folder holds")
     ins.add_argument("path", type=Path)

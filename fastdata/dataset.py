@@ -23,6 +23,7 @@ from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
+from .storage.remote import local_root
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
                              verify_hashes)
 
@@ -35,6 +36,8 @@ class FastDataset(torch.utils.data.Dataset):
     ``"ram"`` (one contiguous copy in this process), ``"shm"`` (one copy per machine in /dev/shm, shared
     by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
     ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``, ...): its files are downloaded once per node into
+    ``cache_dir`` and verified there (NOTE [remote cache]); ``storage_options`` go to fsspec.
 
     An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (default: the stored short side).
     ``crop="center"`` (evaluation) keeps the centre square, its side ``crop_fraction`` of the short side
@@ -48,10 +51,12 @@ class FastDataset(torch.utils.data.Dataset):
     def __init__(self, path: Union[str, Path], *, storage: str = "mmap", device: Union[str, torch.device] = "cuda",
                  size: Optional[int] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, crop: str = "center", crop_fraction: float = 1.0,
-                 scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO) -> None:
+                 scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
+                 storage_options: Optional[dict[str, Any]] = None,
+                 cache_dir: Optional[Union[str, Path]] = None) -> None:
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
-        self.root = Path(path)
+        self.root = local_root(path, storage_options, cache_dir)
         self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")

@@ -17,6 +17,7 @@ import torch
 from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
+from .storage.remote import local_root
 from .storage.shards import Indices, ShardSet, batch_rows, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -34,8 +35,9 @@ class TokenDataset(torch.utils.data.Dataset):
     def __init__(self, path: Union[str, Path], split: str = "train", seq_len: int = 1024, *,
                  stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
                  tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
-                 shm_dir: Optional[Union[str, Path]] = None) -> None:
-        self.root = Path(path)
+                 shm_dir: Optional[Union[str, Path]] = None, storage_options: Optional[dict[str, Any]] = None,
+                 cache_dir: Optional[Union[str, Path]] = None) -> None:
+        self.root = local_root(path, storage_options, cache_dir)  # a URL: its verified node-local copy
         self.manifest = load_manifest(self.root, formats=(TOKENS,))
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")

@@ -1,0 +1,251 @@
+"""Datasets at an fsspec URL (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``): a node-local cache of
+verified files, and ``push`` to upload a finished dataset.
+
+NOTE [remote cache]: ``cache_dir/<id>/`` mirrors one remote dataset, ``id`` naming the URL and the sha256
+of its manifest, so a manifest changed under a running job gives another folder and is never mixed with
+the old files. A file is downloaded under ``<name>.part-<pid>-<random>``, hashed while it streams, compared
+with the manifest's size and sha256, then renamed: nothing partial or corrupt ever has a final name. A
+per-file lock (``flock`` under ``.locks/``) makes every rank and worker on a node wait for one download
+instead of starting their own; leftovers of a killed downloader (``.part-*`` of a dead pid) are removed.
+The manifest is written into the folder last, so a complete folder is an ordinary dataset folder that
+every reader opens as today, and the next job on the same data reuses it.
+
+NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
+(object stores write whole objects: a marker exists only after its object is complete); the manifest goes
+last, so a reader never sees a half-uploaded dataset. A rerun skips objects whose size and marker match.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import posixpath
+import re
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from .._io import HASH_NAME, fsync_dir, new_hash, write_bytes_atomic
+from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError
+from ..manifest import MANIFEST_NAME, file_problem
+
+REMOTE_EXTRA = "pip install 'fastdata[remote]'"
+_PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                      "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
+PUSH_MARKERS = ".fastdata-push"
+_BLOCK = 8 << 20
+_SECRET = re.compile(r"((?:X-Amz-[A-Za-z-]+|Signature|sig|token|AWSAccessKeyId|key|secret)=)[^&\s'\"]+", re.I)
+
+
+def is_url(path: Union[str, Path]) -> bool:
+    """True for ``protocol://...`` (``file://`` included); plain paths are read in place, as before."""
+    return isinstance(path, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
+
+
+def scrub(text: str) -> str:
+    """``text`` without signed-URL query values or credentials (safe for errors and logs)."""
+    return _SECRET.sub(r"\1***", text)
+
+
+def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path inside it)`` for ``url``; names the extra to install when it is missing.
+    Credentials and endpoints come from the usual places (AWS_* variables such as ``AWS_ENDPOINT_URL``,
+    profiles, ...) or ``storage_options``."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise MissingDependencyError(f"{scrub(url)} is a URL: reading it needs fsspec ({REMOTE_EXTRA})") from exc
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
+        raise MissingDependencyError(f"{scrub(url)}: {protocol}:// needs {package} ({REMOTE_EXTRA})") from exc
+    except ValueError as exc:  # an unknown protocol
+        raise ConfigError(f"{scrub(url)}: {exc}") from exc
+
+
+def object_path(root: str, name: str) -> str:
+    """``root/name`` for a name from a manifest, refused unless it stays inside the dataset's prefix."""
+    if (not isinstance(name, str) or not name or name.startswith(("/", "\\")) or "://" in name or "\\" in name
+            or any(part in ("", ".", "..") for part in name.split("/"))):
+        raise FormatError(f"the manifest names {name!r}, which is not a plain relative path inside the dataset: "
+                          "refusing to read outside its prefix")
+    return posixpath.join(root.rstrip("/"), name)
+
+
+def _retry(what: str, fn: Callable[[], Any], tries: int, backoff: float) -> Any:
+    """``fn()`` with up to ``tries`` attempts and exponential back-off; then one line naming ``what``."""
+    for attempt in range(tries):
+        try:
+            return fn()
+        except (FileNotFoundError, ChecksumError, MissingDependencyError, ConfigError, FormatError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
+            if attempt + 1 == tries:
+                raise FormatError(f"cannot read {scrub(what)} after {tries} tries: {type(exc).__name__}: "
+                                  f"{scrub(str(exc))[:300]}") from None
+            time.sleep(backoff * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def default_cache_dir() -> Path:
+    """``$FASTDATA_CACHE``, else ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``."""
+    if os.environ.get("FASTDATA_CACHE"):
+        return Path(os.environ["FASTDATA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdata"
+
+
+class RemoteDataset:
+    """One remote dataset and its node-local copy (see NOTE [remote cache]); :meth:`local` gives a folder
+    any fastdata reader opens."""
+
+    def __init__(self, url: str, *, storage_options: Optional[dict[str, Any]] = None,
+                 cache_dir: Optional[Union[str, Path]] = None, tries: int = 5, backoff: float = 0.2,
+                 workers: int = 8) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url, storage_options)
+        self.tries, self.backoff, self.workers = tries, backoff, workers
+        try:
+            raw = _retry(f"{self.url}/{MANIFEST_NAME}",
+                         lambda: self.fs.cat_file(object_path(self.root, MANIFEST_NAME)), tries, backoff)
+        except FileNotFoundError:
+            raise FormatError(f"{scrub(self.url)} has no {MANIFEST_NAME}: not a fastdata dataset, or its `fastdata "
+                              "push` has not finished (the manifest is uploaded last)") from None
+        try:
+            self.manifest = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{scrub(self.url)}/{MANIFEST_NAME} is not valid JSON ({exc})") from exc
+        if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("files"), list):
+            raise FormatError(f"{scrub(self.url)}/{MANIFEST_NAME} is not a fastdata manifest")
+        for entry in self.manifest["files"]:
+            object_path(self.root, entry.get("path", ""))  # refuse escaping names before anything is fetched
+        self._manifest_bytes = raw
+        digest = new_hash()
+        digest.update(scrub(self.url).encode() + b"\0" + raw)
+        self.id = digest.hexdigest()[:20]
+        self.dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.dir = self.dir / self.id
+
+    def local(self, progress: Optional[Callable[[int], None]] = None) -> Path:
+        """Download (once per node) and verify every file, then the manifest; the local folder."""
+        if (self.dir / MANIFEST_NAME).is_file():
+            return self.dir
+        (self.dir / ".locks").mkdir(parents=True, exist_ok=True)
+        self._clean_leftovers()
+        entries = self.manifest["files"]
+        with ThreadPoolExecutor(max(1, min(self.workers, len(entries)))) as pool:
+            list(pool.map(lambda e: self.fetch(e, progress), entries))
+        with open(self.dir / ".locks" / "manifest.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # every rank gets here: one writes the manifest
+            if not (self.dir / MANIFEST_NAME).is_file():
+                write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes)
+                fsync_dir(self.dir)
+        return self.dir
+
+    def fetch(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> Path:
+        """One manifest entry as a verified local file (downloaded at most once per node)."""
+        name = entry["path"]
+        final = self.dir / name
+        if final.is_file() and final.stat().st_size == entry.get("bytes"):
+            return final  # only verified bytes ever get a final name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.dir / ".locks" / (name.replace("/", "%") + ".lock")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
+            if final.is_file() and final.stat().st_size == entry.get("bytes"):
+                return final
+            _retry(f"{self.url}/{name}", lambda: self._download(entry, final, progress), self.tries, self.backoff)
+        return final
+
+    def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
+        tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
+        digest, size = new_hash(), 0
+        try:
+            with self.fs.open(object_path(self.root, entry["path"]), "rb", block_size=_BLOCK) as src, \
+                    open(tmp, "wb") as dst:
+                while block := src.read(_BLOCK):
+                    digest.update(block)
+                    dst.write(block)
+                    size += len(block)
+                    if progress is not None:
+                        progress(len(block))
+                dst.flush()
+                os.fsync(dst.fileno())
+            problem = file_problem(entry, size, digest.hexdigest())
+            if problem is not None:  # a truncated or corrupted body: retried by the caller, never renamed
+                what = HASH_NAME if problem == "hash" else problem
+                raise IOError(f"the downloaded bytes' {what} differs from the manifest's (truncated or corrupted)")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _clean_leftovers(self) -> None:
+        """Remove ``.part-<pid>-*`` files whose downloader process is gone (killed mid-download)."""
+        for part in self.dir.rglob("*.part-*"):
+            pid = part.name.rsplit(".part-", 1)[1].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                part.unlink(missing_ok=True)
+
+
+def local_root(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None,
+               cache_dir: Optional[Union[str, Path]] = None) -> Path:
+    """The folder a reader opens: ``path`` itself, or the verified node-local copy of a URL."""
+    if is_url(str(path)):
+        return RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir).local()
+    if storage_options is not None or cache_dir is not None:
+        raise ConfigError(f"storage_options and cache_dir apply to URLs (s3://..., gs://...); {path} is a local path")
+    return Path(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return True
+
+
+def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options: Optional[dict[str, Any]] = None,
+         tries: int = 5, backoff: float = 0.2, progress: Optional[Callable[[int], None]] = None) -> dict[str, int]:
+    """Upload the finished dataset ``local`` to ``url`` (see NOTE [push]); returns counts of objects
+    ``uploaded`` and ``skipped`` (already there with the same size and checksum)."""
+    from ..manifest import load_manifest, require_intact
+
+    local = Path(local)
+    manifest = load_manifest(local)
+    fs, root = filesystem(url.rstrip("/"), storage_options)
+    counts = {"uploaded": 0, "skipped": 0}
+
+    def one(entry: dict[str, Any]) -> None:
+        name = entry["path"]
+        target, marker = object_path(root, name), object_path(root, f"{PUSH_MARKERS}/{name}.{HASH_NAME}")
+        if _retry(f"{url}/{name}", lambda: _already_there(fs, target, marker, entry), tries, backoff):
+            counts["skipped"] += 1
+            if progress is not None:
+                progress(int(entry["bytes"]))
+            return
+        require_intact(local, entry)  # never upload a file that differs from its own manifest
+        _retry(f"{url}/{name}", lambda: fs.put_file(str(local / name), target), tries, backoff)
+        _retry(f"{url}/{name}", lambda: fs.pipe_file(marker, entry[HASH_NAME].encode()), tries, backoff)
+        counts["uploaded"] += 1
+        if progress is not None:
+            progress(int(entry["bytes"]))
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(one, manifest["files"]))
+    data = (local / MANIFEST_NAME).read_bytes()
+    _retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), tries, backoff)
+    return counts
+
+
+def _already_there(fs: Any, target: str, marker: str, entry: dict[str, Any]) -> bool:
+    try:
+        if int(fs.info(target).get("size", -1)) != int(entry["bytes"]):
+            return False
+        return fs.cat_file(marker).decode(errors="replace") == entry[HASH_NAME]
+    except FileNotFoundError:
+        return False
