@@ -15,9 +15,19 @@ import math
 import numpy as np
 import torch
 
+from .errors import ConfigError
+
 TRIES = 10  # torchvision's number of area/aspect tries before the centre-crop fallback
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
 RATIO = (3 / 4, 4 / 3)
+
+
+def check_scale_ratio(scale: tuple[float, float], ratio: tuple[float, float]) -> None:
+    """Refuse random-resized-crop parameters torchvision would refuse (one rule for every backend)."""
+    if not (0 < scale[0] <= scale[1] <= 1):
+        raise ConfigError(f"scale must satisfy 0 < min <= max <= 1, got scale={scale!r}")
+    if not (0 < ratio[0] <= ratio[1]):
+        raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
 
 
 def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:

@@ -21,7 +21,7 @@ from ._io import safe_join
 from .errors import ConfigError, FormatError, ImageDecodeError
 from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
-from .crops import RATIO, SCALE, draw_resized_crops
+from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
 from .storage.remote import local_root
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
@@ -87,9 +87,7 @@ class FastDataset(torch.utils.data.Dataset):
                               "fastdata.RandomResizedCrop / CenterCrop in CUDAPrefetcher(transforms=...)")
         if not 0 < fraction <= 1:
             raise ConfigError(f"crop_fraction must be in (0, 1], got crop_fraction={fraction!r}")
-        if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
-            raise ConfigError(f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got scale={scale!r}, "
-                              f"ratio={ratio!r}")
+        check_scale_ratio(scale, ratio)
         self.crop, self.crop_fraction, self.scale, self.ratio = crop, float(fraction), tuple(scale), tuple(ratio)
 
     @property

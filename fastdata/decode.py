@@ -212,7 +212,6 @@ def jpeg_size(blob: bytes) -> tuple[int, int]:
     return 0, 0
 
 
-
 def center_box(height: int, width: int, fraction: float = 1.0) -> Box:
     """The centre square of an image, its side ``fraction`` of the short side (torchvision's ``Resize(256)``
     + ``CenterCrop(224)`` is ``fraction=224/256``); an odd margin leaves the extra pixel right/bottom."""
@@ -261,16 +260,13 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
         out = np.empty((size, size, 3), np.uint8)
     top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
     src = arr[top:top + h, left:left + w]
-    if (h, w) == (size, size) and not flip:
-        out[...] = src
-        return out
-    if (h, w) == (size, size):
-        _torch(out).copy_(_torch(src).flip(1))  # torch mirrors 12x faster than a numpy ::-1 copy of 3-byte pixels
-        return out
-    _resize_into(src, out)
-    if flip:
-        row = _torch(out)
-        row.copy_(row.flip(1))
+    if (h, w) != (size, size):
+        _resize_into(src, out)
+        src = out
+    if flip:  # torch mirrors 12x faster than a numpy ::-1 copy of 3-byte pixels
+        _torch(out).copy_(_torch(src).flip(1))
+    elif src is not out:
+        out[...] = src  # a box of the output size: a cut, no resampling
     return out
 
 

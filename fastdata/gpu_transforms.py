@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .crops import TRIES, rrc_boxes
+from .crops import TRIES, check_scale_ratio, rrc_boxes
 from .errors import ConfigError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -127,10 +127,7 @@ class RandomResizedCrop(Transform):
     def __init__(self, size: Size, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
         self.size = _pair(size, "size")
-        if not (0 < scale[0] <= scale[1] <= 1):
-            raise ConfigError(f"scale must satisfy 0 < min <= max <= 1, got scale={scale!r}")
-        if not (0 < ratio[0] <= ratio[1]):
-            raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
+        check_scale_ratio(scale, ratio)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
     def params(self, x: torch.Tensor, generator: Optional[torch.Generator], tries: int = TRIES) -> torch.Tensor:
