@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .cli_data import add_data_commands
 from .errors import ConfigError, FastdataError
 
 
@@ -34,103 +35,6 @@ def _preprocess_text(args: argparse.Namespace) -> int:
                                   shard_tokens=args.shard_tokens, seed=args.seed, overwrite=args.overwrite,
                                   progress=not args.quiet)
     print(summary(preprocess_text(config)), file=sys.stderr)
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from .manifest import load_manifest, total_bytes, verify
-    from .progress import progress_bar
-    from .storage.remote import RemoteDataset, is_url
-
-    if is_url(args.path):  # every file is downloaded into the node cache and checked against the manifest
-        remote = RemoteDataset(args.path)
-        bar = progress_bar(total=total_bytes(remote.manifest), desc="download", unit="B", unit_scale=True,
-                           enabled=not args.quiet)
-        try:
-            args.path = remote.local(bar.update)
-        finally:
-            bar.close()
-    manifest = load_manifest(args.path)
-    bar = progress_bar(total=total_bytes(manifest), desc="verify", unit="B", unit_scale=True, enabled=not args.quiet)
-    try:
-        problems = verify(args.path, bar.update)
-    finally:
-        bar.close()
-    if problems:
-        print(f"{args.path}: {len(problems)} problem(s):", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
-        return 1
-    print(f"{args.path}: OK, {len(manifest['files'])} files intact")
-    return 0
-
-
-def _push(args: argparse.Namespace) -> int:
-    from .manifest import load_manifest, total_bytes
-    from .progress import progress_bar
-    from .storage.remote import push
-
-    bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
-                       enabled=not args.quiet)
-    try:
-        counts = push(args.data, args.url, workers=args.workers, progress=bar.update)
-    finally:
-        bar.close()
-    print(f"{args.url}: {counts['uploaded']} object(s) uploaded, {counts['skipped']} already there; manifest last")
-    return 0
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from .manifest import describe
-
-    info = describe(args.path)
-    if args.json:
-        print(json.dumps(info, indent=2, ensure_ascii=False))
-        return 0
-    print(f"path:      {info['path']}")
-    print(f"format:    {info['format']} (version {info['format_version']}, fastdata {info['fastdata_version']})")
-    if info.get("num_samples") is not None:
-        print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"]
-                                                     else ""))
-    for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
-        if key in info:
-            print(f"{key + ':':<13} {info[key]}")
-    print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
-    print(f"params:    {json.dumps(info['params'])}")
-    print(f"source:    {info['source'].get('kind', 'text')} {info['source']['path']}")
-    if "splits" in info:
-        t = info["tokenizer"]
-        print(f"tokenizer: {t['spec']} ({t['kind']}, vocab {t['vocab_size']}, end-of-document id {t['eos_id']})")
-        for name, sp in info["splits"].items():
-            print(f"{name + ':':<10} {sp['tokens']:,} tokens, {sp['documents']:,} documents, {sp['shards']} shards")
-        print(f"bytes/token: {info['bytes_per_token']:.2f}")
-    if "classes" in info:
-        print(f"classes:   {len(info['classes'])}")
-        for name, count in info["classes"].items():
-            print(f"  {count:>8}  {name}")
-    return 0
-
-
-def _shm(args: argparse.Namespace) -> int:
-    from .storage import shm
-
-    if args.action == "list":
-        copies = shm.list_copies(args.dir)
-        for c in copies:
-            print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}")
-        print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.shm_dir(args.dir)}", file=sys.stderr)
-        return 0
-    if not args.ids and not args.all:
-        print("fastdata: error: name the copies to remove (ids from `fastdata shm list`) or pass --all",
-              file=sys.stderr)
-        return 2
-    removed = shm.remove_copies([] if args.all else args.ids, args.dir)
-    missing = sorted(set(args.ids) - set(removed))
-    for cid in removed:
-        print(f"removed {cid}")
-    if missing:
-        print(f"fastdata: error: no copy named {', '.join(missing)} in {shm.shm_dir(args.dir)}", file=sys.stderr)
-        return 1
     return 0
 
 
@@ -258,28 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     txt.add_argument("--quiet", action="store_true")
     txt.set_defaults(func=_preprocess_text)
 
-    ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
-    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: checked via the node cache)")
-    ver.add_argument("--quiet", action="store_true")
-    ver.set_defaults(func=_verify)
-
-    pu = sub.add_parser("push", help="upload a finished dataset to object storage (manifest last; reruns resume)")
-    pu.add_argument("data", type=Path)
-    pu.add_argument("url", help="fsspec URL: s3://bucket/prefix, gs://..., az://..., file://...")
-    pu.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
-    pu.add_argument("--quiet", action="store_true")
-    pu.set_defaults(func=_push)
-
-    ins = sub.add_parser("inspect", help="what a dataset folder holds")
-    ins.add_argument("path", type=Path)
-    ins.add_argument("--json", action="store_true", help="machine-readable output")
-    ins.set_defaults(func=_inspect)
-    sh = sub.add_parser("shm", help="list or remove the per-machine dataset copies in /dev/shm")
-    sh.add_argument("action", choices=("list", "remove"))
-    sh.add_argument("ids", nargs="*", help="remove: ids of the copies (see `fastdata shm list`)")
-    sh.add_argument("--all", action="store_true", help="remove: every copy")
-    sh.add_argument("--dir", type=Path, default=None, help="shm folder (default $FASTDATA_SHM_DIR or /dev/shm)")
-    sh.set_defaults(func=_shm)
+    add_data_commands(sub)
 
     D = TrainConfig  # every training default lives in TrainConfig: one default per option
     tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")

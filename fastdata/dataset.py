@@ -23,9 +23,16 @@ from .formats.lmdb_store import LmdbReader
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
-from .storage.remote import local_root
-from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, open_shards,
+from .storage.cache import ShardCache, download_bar, open_remote
+from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              verify_hashes)
+
+
+def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
+    """The files of a remote dataset fetched as batches need them: npy image shards read memory-mapped."""
+    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:
+        return frozenset(s["images"] for s in manifest.get("shards", []))
+    return frozenset()
 
 
 class FastDataset(torch.utils.data.Dataset):
@@ -37,7 +44,10 @@ class FastDataset(torch.utils.data.Dataset):
     by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
     ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
     ``path`` may be an fsspec URL (``s3://bucket/prefix``, ...): its files are downloaded once per node into
-    ``cache_dir`` and verified there (NOTE [remote cache]); ``storage_options`` go to fsspec.
+    ``cache_dir`` and verified there (NOTE [remote cache]); ``storage_options`` go to fsspec. With the default
+    ``storage="mmap"`` an npy dataset streams: each image shard is fetched as the loader's coming batches
+    need it, and ``cache_limit`` (bytes or ``"200GB"``) bounds this dataset's files in the cache, evicting
+    the shard needed last (NOTE [shard cache]); other storages and LMDB datasets download every file first.
 
     An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (default: the stored short side).
     ``crop="center"`` (evaluation) keeps the centre square, its side ``crop_fraction`` of the short side
@@ -53,10 +63,12 @@ class FastDataset(torch.utils.data.Dataset):
                  shm_dir: Optional[Union[str, Path]] = None, crop: str = "center", crop_fraction: float = 1.0,
                  scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
                  storage_options: Optional[dict[str, Any]] = None,
-                 cache_dir: Optional[Union[str, Path]] = None) -> None:
+                 cache_dir: Optional[Union[str, Path]] = None,
+                 cache_limit: Union[int, str, None] = None) -> None:
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
-        self.root = local_root(path, storage_options, cache_dir)
+        self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
+                                                           lambda m: _streamed(m, storage))
         self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
@@ -140,11 +152,20 @@ class FastDataset(torch.utils.data.Dataset):
         self._dev: Optional[torch.Tensor] = None
         self._dev_labels: Optional[torch.Tensor] = None
         self._reader: Optional[LmdbReader] = None
+        self._cache: Optional[ShardCache] = None
         if self.is_lmdb:
             self._reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
+        if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
+            def opener(s: int, path: Path) -> np.ndarray:
+                if verify:
+                    verify_hashes(self.root, self.manifest, [images.files[s][0]])
+                return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
+            self._cache = ShardCache(self._remote, [rel for rel, _ in images.files], opener, limit=self._limit,
+                                     progress=download_bar(self._remote, [rel for rel, _ in images.files]))
+            return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
         if self._dev is not None:
@@ -154,7 +175,7 @@ class FastDataset(torch.utils.data.Dataset):
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_flat", "_dev", "_dev_labels",
-                                                                      "_reader")}
+                                                                      "_reader", "_cache")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -213,14 +234,35 @@ class FastDataset(torch.utils.data.Dataset):
         rows = idx - shard * ss
         if len(idx) == 0:
             return
+        if self._cache is None:
+            self._take(self._shards, shard, rows, dst)
+        else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
+            with self._cache.reading(shard) as maps:
+                self._take(maps, shard, rows, dst)
+
+    @staticmethod
+    def _take(maps: Any, shard: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
         starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
-        if len(starts) == len(np.unique(shard)):  # each shard one contiguous run: take straight into dst
-            for a, b in zip(starts, np.r_[starts[1:], len(idx)]):
-                np.take(self._shards[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
+        used = np.unique(shard)
+        if len(starts) == len(used):  # each shard one contiguous run: take straight into dst
+            for a, b in zip(starts, np.r_[starts[1:], len(shard)]):
+                np.take(maps[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
             return
-        for s in np.unique(shard):  # interleaved shards: one take per shard, then one scatter
+        for s in used:  # interleaved shards: one take per shard, then one scatter
             mask = shard == s
-            dst[mask] = np.take(self._shards[s], rows[mask], axis=0, mode="clip")
+            dst[mask] = np.take(maps[s], rows[mask], axis=0, mode="clip")
+
+    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (``indices`` in order, ``batch_size`` a batch), so their
+        shards are fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
+        if self._cache is None:
+            return None
+        return self._cache.plan_batches(np.asarray(indices, dtype=np.int64) // int(self.manifest["shard_size"]),
+                                        batch_size)
+
+    def end_reads(self, token: Optional[object]) -> None:
+        if self._cache is not None and token is not None:
+            self._cache.end_plan(token)
 
     def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]]) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
@@ -282,6 +324,14 @@ class DatasetView:
         if isinstance(indices, torch.Tensor):
             indices = indices.cpu().numpy()
         return self.base.get_batch(self.indices[np.asarray(indices, dtype=np.int64)], out, draw)
+
+    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
+        plan = getattr(self.base, "plan_reads", None)
+        return plan(self.indices[np.asarray(indices, dtype=np.int64)], batch_size) if plan is not None else None
+
+    def end_reads(self, token: Optional[object]) -> None:
+        if token is not None:
+            self.base.end_reads(token)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.indices[i])]

@@ -153,6 +153,8 @@ class FastLoader(SamplerBacked):
         self._ensure_ring()
         batches = self.sampler.batches()
         first, pulled = self.sampler.served, 0
+        plan = getattr(self.dataset, "plan_reads", None)  # a streamed dataset fetches these batches' shards ahead
+        reads = plan(self.sampler.rank_indices()[first * self.batch_size:], self.batch_size) if plan else None
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()
@@ -203,6 +205,8 @@ class FastLoader(SamplerBacked):
             for _, fut in pending:
                 fut.cancel()
             pool.shutdown(wait=True)
+            if reads is not None:
+                self.dataset.end_reads(reads)
 
     def __repr__(self) -> str:
         return (f"FastLoader({self.dataset!r}, batch_size={self.batch_size}, threads={self.num_threads}, "

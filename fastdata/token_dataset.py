@@ -17,8 +17,8 @@ import torch
 from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
-from .storage.remote import local_root
-from .storage.shards import Indices, ShardSet, batch_rows, open_shards
+from .storage.cache import ShardCache, download_bar, open_remote
+from .storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
@@ -29,6 +29,13 @@ def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
     return np.searchsorted(shard_offsets, starts, side="right") - 1
 
 
+def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
+    """The files of a remote token dataset fetched as batches need them: every split's shards, memory-mapped."""
+    if storage != "mmap":
+        return frozenset()
+    return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """A split of a ``fastdata preprocess text`` folder as fixed-length training windows."""
 
@@ -36,8 +43,10 @@ class TokenDataset(torch.utils.data.Dataset):
                  stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
                  tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, storage_options: Optional[dict[str, Any]] = None,
-                 cache_dir: Optional[Union[str, Path]] = None) -> None:
-        self.root = local_root(path, storage_options, cache_dir)  # a URL: its verified node-local copy
+                 cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None) -> None:
+        # A URL: its node-local cache; memory-mapped token shards stream in as batches need them
+        self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
+                                                           lambda m: _streamed(m, storage))
         self.manifest = load_manifest(self.root, formats=(TOKENS,))
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
@@ -76,6 +85,16 @@ class TokenDataset(torch.utils.data.Dataset):
         shards = self.manifest["splits"][self.split]["shards"]
         tokens = ShardSet(self.root, self.manifest, [(sh["path"], sh["tokens"]) for sh in shards], (), self.np_dtype,
                           key=self.split)
+        self._cache: Optional[ShardCache] = None
+        if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
+            def opener(s: int, path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
+                arr = map_npy(self.root, tokens.files[s][0], (tokens.files[s][1],), self.np_dtype)
+                return arr, self._windows(arr)
+            names = [rel for rel, _ in tokens.files]
+            self._cache = ShardCache(self._remote, names, opener, limit=self._limit,
+                                     progress=download_bar(self._remote, names))
+            self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
+            return
         opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
         self._flat, self._shards = opened.flat, opened.maps
         if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
@@ -86,7 +105,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows",
-                                                                     "_shard_windows")}
+                                                                     "_shard_windows", "_cache")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -144,16 +163,42 @@ class TokenDataset(torch.utils.data.Dataset):
         length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
         last = shard_of(starts + length - 1, self._shard_offsets)
+        if self._cache is None:
+            self._gather_shards(starts, first, last, rows, dst, self._shards, self._shard_windows)
+            return
+        both = np.concatenate([first, last])
+        with self._cache.reading(both) as opened:  # streamed: this batch's shards fetched and pinned
+            used = np.unique(both).tolist()
+            arrays, windows = {s: opened[s][0] for s in used}, {s: opened[s][1] for s in used}
+            self._gather_shards(starts, first, last, rows, dst, arrays, windows)
+
+    def _gather_shards(self, starts: np.ndarray, first: np.ndarray, last: np.ndarray, rows: np.ndarray,
+                       dst: np.ndarray, arrays: Any, windows: Any) -> None:
+        length = dst.shape[1]
         inside = first == last
         for s in np.unique(first[inside]):  # one gather per shard for windows inside it
             sel = np.flatnonzero(inside & (first == s))
-            rows[sel] = self._shard_windows[s][starts[sel] - self._shard_offsets[s]]
+            rows[sel] = windows[s][starts[sel] - self._shard_offsets[s]]
         for r in np.flatnonzero(~inside):  # the rare window that straddles a shard boundary
             pos = starts[r] + np.arange(length, dtype=np.int64)
             sh = shard_of(pos, self._shard_offsets)
             for s in np.unique(sh):
                 m = sh == s
-                dst[r, m] = self._shards[s][pos[m] - self._shard_offsets[s]]
+                dst[r, m] = arrays[s][pos[m] - self._shard_offsets[s]]
+
+    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (window ``indices`` in order), so their shards are
+        fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
+        if self._cache is None:
+            return None
+        starts = self.starts(np.asarray(indices, dtype=np.int64))
+        both = np.stack([shard_of(starts, self._shard_offsets),
+                         shard_of(starts + self.seq_len, self._shard_offsets)], axis=1).reshape(-1)
+        return self._cache.plan_batches(both, batch_size, per_batch=2)
+
+    def end_reads(self, token: Optional[object]) -> None:
+        if self._cache is not None and token is not None:
+            self._cache.end_plan(token)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.get_batch([int(i)])

@@ -19,7 +19,7 @@ LAYERS = [
     ["fastdata.sampler", "fastdata.loader"],
     ["fastdata.gpu_transforms", "fastdata.prefetch", "fastdata.dali"],
     ["fastdata.train_config", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup", "fastdata.timing",
-     "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.__main__"],
+     "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.cli_data", "fastdata.__main__"],
 ]
 
 

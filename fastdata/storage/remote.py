@@ -7,8 +7,11 @@ the old files. A file is downloaded under ``<name>.part-<pid>-<random>``, hashed
 with the manifest's size and sha256, then renamed: nothing partial or corrupt ever has a final name. A
 per-file lock (``flock`` under ``.locks/``) makes every rank and worker on a node wait for one download
 instead of starting their own; leftovers of a killed downloader (``.part-*`` of a dead pid) are removed.
-The manifest is written into the folder last, so a complete folder is an ordinary dataset folder that
-every reader opens as today, and the next job on the same data reuses it.
+The folder holds the manifest from the start (its id is that manifest's hash) and the files as they
+arrive: FastDataset streams image shards into it as batches need them (storage/cache.py), any other
+reader waits for every file, and then it is an ordinary dataset folder. The next job on the same data
+reuses it; ``fastdata cache list|remove`` manage the folders. A download whose bytes do not match while
+the remote manifest changed is refused: a job never mixes two versions of a dataset.
 
 NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
 (object stores write whole objects: a marker exists only after its object is complete); the manifest goes
@@ -23,10 +26,11 @@ import os
 import posixpath
 import re
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from .._io import HASH_NAME, fsync_dir, new_hash, write_bytes_atomic
 from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError
@@ -36,7 +40,9 @@ REMOTE_EXTRA = "pip install 'fastdata[remote]'"
 _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                       "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
 PUSH_MARKERS = ".fastdata-push"
+SOURCE_NAME = ".source.json"
 _BLOCK = 8 << 20
+_WHOLE = 64 << 20
 _SECRET = re.compile(r"((?:X-Amz-[A-Za-z-]+|Signature|sig|token|AWSAccessKeyId|key|secret)=)[^&\s'\"]+", re.I)
 
 
@@ -129,22 +135,45 @@ class RemoteDataset:
         self.id = digest.hexdigest()[:20]
         self.dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.dir = self.dir / self.id
+        self.fetched = {"files": 0, "bytes": 0}  # downloads made by this process (benchmarks, tests)
+        self._count = threading.Lock()
 
-    def local(self, progress: Optional[Callable[[int], None]] = None) -> Path:
-        """Download (once per node) and verify every file, then the manifest; the local folder."""
-        if (self.dir / MANIFEST_NAME).is_file():
-            return self.dir
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
+        return {k: v for k, v in self.__dict__.items() if k != "_count"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._count = threading.Lock()
+
+    def prepare(self, skip: frozenset[str] = frozenset(),
+                progress: Optional[Callable[[int], None]] = None) -> Path:
+        """The cache folder with the manifest and every file but ``skip`` (those are fetched on demand, see
+        :class:`fastdata.storage.cache.ShardCache`), each downloaded once per node and verified."""
         (self.dir / ".locks").mkdir(parents=True, exist_ok=True)
         self._clean_leftovers()
-        entries = self.manifest["files"]
-        with ThreadPoolExecutor(max(1, min(self.workers, len(entries)))) as pool:
-            list(pool.map(lambda e: self.fetch(e, progress), entries))
-        with open(self.dir / ".locks" / "manifest.lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # every rank gets here: one writes the manifest
-            if not (self.dir / MANIFEST_NAME).is_file():
-                write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes)
-                fsync_dir(self.dir)
+        if not (self.dir / MANIFEST_NAME).is_file():  # the folder's id is this manifest's hash: always the same
+            with open(self.dir / ".locks" / "manifest.lock", "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # every rank may get here: one writes (fixed temporary names)
+                if not (self.dir / MANIFEST_NAME).is_file():
+                    write_bytes_atomic(self.dir / SOURCE_NAME, json.dumps(  # for `fastdata cache list`
+                        {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode())
+                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes)
+                    fsync_dir(self.dir)
+        entries = [e for e in self.manifest["files"] if e["path"] not in skip]
+        if entries:
+            with ThreadPoolExecutor(max(1, min(self.workers, len(entries)))) as pool:
+                list(pool.map(lambda e: self.fetch(e, progress), entries))
         return self.dir
+
+    def local(self, progress: Optional[Callable[[int], None]] = None) -> Path:
+        """Download (once per node) and verify every file; the local folder, an ordinary dataset folder."""
+        return self.prepare(frozenset(), progress)
+
+    def entry(self, name: str) -> dict[str, Any]:
+        """The manifest's entry for file ``name``."""
+        if not hasattr(self, "_entries"):
+            self._entries = {e["path"]: e for e in self.manifest["files"]}
+        return self._entries[name]
 
     def fetch(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> Path:
         """One manifest entry as a verified local file (downloaded at most once per node)."""
@@ -165,9 +194,8 @@ class RemoteDataset:
         tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
         digest, size = new_hash(), 0
         try:
-            with self.fs.open(object_path(self.root, entry["path"]), "rb", block_size=_BLOCK) as src, \
-                    open(tmp, "wb") as dst:
-                while block := src.read(_BLOCK):
+            with open(tmp, "wb") as dst:
+                for block in self._blocks(object_path(self.root, entry["path"]), int(entry["bytes"])):
                     digest.update(block)
                     dst.write(block)
                     size += len(block)
@@ -176,12 +204,35 @@ class RemoteDataset:
                 dst.flush()
                 os.fsync(dst.fileno())
             problem = file_problem(entry, size, digest.hexdigest())
+            if problem is not None and self._manifest_changed():
+                raise FormatError(f"{scrub(self.url)} changed while this job was reading it (its {MANIFEST_NAME} "
+                                  "is not the one this job started with): refusing to mix two versions; restart "
+                                  "the job to read the new one") from None
             if problem is not None:  # a truncated or corrupted body: retried by the caller, never renamed
                 what = HASH_NAME if problem == "hash" else problem
                 raise IOError(f"the downloaded bytes' {what} differs from the manifest's (truncated or corrupted)")
             os.replace(tmp, final)
+            with self._count:
+                self.fetched["files"] += 1
+                self.fetched["bytes"] += size
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _blocks(self, path: str, size: int) -> Iterator[bytes]:
+        """The object's bytes: one GET for files up to ``_WHOLE`` (no size lookup first: a request saved per
+        shard), else streamed in ``_BLOCK`` pieces."""
+        if size <= _WHOLE:
+            yield self.fs.cat_file(path)
+            return
+        with self.fs.open(path, "rb", block_size=_BLOCK) as src:
+            while block := src.read(_BLOCK):
+                yield block
+
+    def _manifest_changed(self) -> bool:
+        try:
+            return self.fs.cat_file(object_path(self.root, MANIFEST_NAME)) != self._manifest_bytes
+        except Exception:  # noqa: BLE001 - unreachable now: not known to have changed; the caller retries
+            return False
 
     def _clean_leftovers(self) -> None:
         """Remove ``.part-<pid>-*`` files whose downloader process is gone (killed mid-download)."""
@@ -199,6 +250,36 @@ def local_root(path: Union[str, Path], storage_options: Optional[dict[str, Any]]
     if storage_options is not None or cache_dir is not None:
         raise ConfigError(f"storage_options and cache_dir apply to URLs (s3://..., gs://...); {path} is a local path")
     return Path(path)
+
+
+def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, Any]]:
+    """Every remote dataset in the node cache: id, URL, bytes cached of bytes in all, files cached."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = []
+    for d in sorted(p for p in root.glob("*") if (p / MANIFEST_NAME).is_file()):
+        try:
+            info = json.loads((d / SOURCE_NAME).read_text())
+            files = json.loads((d / MANIFEST_NAME).read_text())["files"]
+        except (OSError, ValueError, KeyError):
+            info, files = {"url": "?"}, []
+        sizes = [(d / f["path"]).stat().st_size if (d / f["path"]).is_file() else None for f in files]
+        out.append({"id": d.name, "url": info.get("url", "?"), "path": str(d), "files": len(files),
+                    "cached_files": sum(x is not None for x in sizes), "cached_bytes": sum(x or 0 for x in sizes),
+                    "bytes": sum(int(f.get("bytes", 0)) for f in files)})
+    return out
+
+
+def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) -> list[str]:
+    """Delete the named datasets' cache folders (all when ``ids`` is empty); the ids removed. A job still
+    reading one keeps its open files; run this between jobs."""
+    import shutil
+
+    removed = []
+    for info in list_cached(cache_dir):
+        if not ids or info["id"] in ids:
+            shutil.rmtree(info["path"], ignore_errors=True)
+            removed.append(info["id"])
+    return removed
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,315 @@
+"""Datasets in object storage: fastdata streaming from a real S3 API (moto's server on 127.0.0.1, started
+here in its own process) beside the same dataset on local disk and the server's own bandwidth, in one run.
+
+Rows (images/s over one epoch, batches of --batch, --threads loader threads):
+- server: every image shard fetched by 8 parallel GETs (s3fs), nothing else: the server's bandwidth;
+- GET + sha256 + write: the same GETs, each body hashed and written to a file: the least a verified cache
+  does, the cold-cache limit on this machine (the server shares its cores);
+- local disk: FastLoader over the dataset folder (a new job's first epoch, page cache warm);
+- fastdata cold: ``FastDataset("s3://...")`` with an empty cache: shards streamed as batches need them;
+- fastdata warm: a new job's first epoch (new FastDataset, same cache folder): nothing downloaded;
+- time to first batch, cold, for the whole dataset and for a quarter of it, in order and shuffled;
+- LitData (``StreamingDataset``) and Mosaic streaming (``StreamingDataset``) reading the same images from the
+  same server, when installed (see ../shared/PEERS.md); skipped with a message otherwise.
+
+The dataset is synthetic npy shards (incompressible pixels, --size square images) written straight into
+fastdata's format, --gigabytes in all, --shard-images per shard.
+
+    python benchmarks/bench_remote.py [--gigabytes 1] [--size 64] [--shard-images 256] [--batch 256]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+import fastdata
+from fastdata._io import new_hash
+from fastdata.dataset import FastDataset
+from fastdata.formats.base import npy_bytes
+from fastdata.loader import FastLoader
+from fastdata.manifest import new_manifest, write_manifest
+from fastdata.storage.remote import push
+
+
+def make_dataset(out: Path, images: int, size: int, shard: int, classes: int = 10) -> Path:
+    """An npy dataset of ``images`` random ``size``-square images written straight into fastdata's format."""
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, (shard, size, size, 3), dtype=np.uint8)
+    files, shards = [], []
+    for k, first in enumerate(range(0, images, shard)):
+        n = min(shard, images - first)
+        pixels = base[:n] ^ np.uint8(k % 251)  # a different, still incompressible body per shard
+        labels = (np.arange(first, first + n) % classes).astype(np.int64)
+        for name, arr in ((f"images-{k:05d}.npy", pixels), (f"labels-{k:05d}.npy", labels)):
+            data = npy_bytes(arr)
+            (out / name).write_bytes(data)
+            h = new_hash()
+            h.update(data)
+            files.append({"path": name, "bytes": len(data), "sha256": h.hexdigest()})
+        shards.append({"images": f"images-{k:05d}.npy", "labels": f"labels-{k:05d}.npy", "samples": n})
+    counts = np.bincount(np.arange(images) % classes, minlength=classes).tolist()
+    manifest = new_manifest("fastdata.images.npy", num_samples=images, shard_size=shard, sample_shape=[size, size, 3],
+                            dtype="|u1", label_dtype="<i8", layout="NHWC", classes=[str(c) for c in range(classes)],
+                            class_counts=counts, shards=shards, files=files, skipped=[],
+                            params={"size": size, "shard_size": shard, "format": "npy"},
+                            source={"kind": "synthetic", "path": "bench_remote", "num_files": images})
+    write_manifest(out, manifest)
+    return out
+
+
+def epoch_rate(ds: Any, batch: int, threads: int, shuffle: bool = True) -> tuple[float, float]:
+    """(images/s over one whole epoch, seconds to the first batch)."""
+    loader = FastLoader(ds, batch, shuffle=shuffle, seed=0, num_threads=threads, pin_memory=False)
+    t0 = time.perf_counter()
+    first, n = None, 0
+    for x, _ in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        n += len(x)
+    return n / (time.perf_counter() - t0), first or 0.0
+
+
+def server_rate(url: str, names: list[str], requests: int = 8) -> float:
+    """Bytes/s of fetching ``names`` under ``url`` with ``requests`` parallel GETs and nothing else."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(requests) as pool:
+        total = sum(pool.map(lambda n: len(fs.cat_file(f"{root}/{n}")), names))
+    return total / (time.perf_counter() - t0)
+
+
+def verified_rate(url: str, names: list[str], scratch: Path, requests: int = 8) -> float:
+    """Bytes/s of the least a verified cache does: GET each object, sha256 it, write it to a file."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    out = scratch / "verified"
+    out.mkdir()
+
+    def one(name: str) -> int:
+        data = fs.cat_file(f"{root}/{name}")
+        hashlib.sha256(data).hexdigest()
+        (out / name).write_bytes(data)
+        return len(data)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(requests) as pool:
+        total = sum(pool.map(one, names))
+    took = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return total / took
+
+
+def first_batch(url: str, cache: Path, batch: int, threads: int, shuffle: bool) -> float:
+    """Seconds from opening the URL with an empty cache to the first batch (opening included)."""
+    shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.perf_counter()
+    ds = FastDataset(url, cache_dir=cache)
+    loader = FastLoader(ds, batch, shuffle=shuffle, seed=0, num_threads=threads, pin_memory=False)
+    it = iter(loader)
+    next(it)
+    took = time.perf_counter() - t0
+    it.close()
+    ds._cache.close()
+    return took
+
+
+_OPEN: dict[str, FastDataset] = {}
+
+
+def _lit_sample(path: str, i: int) -> dict[str, Any]:
+    """One sample as LitData's optimize() wants it (module level: its workers are spawned)."""
+    if path not in _OPEN:
+        _OPEN[path] = FastDataset(path)
+    x, y = _OPEN[path][i]
+    return {"image": x.numpy(), "label": int(y)}
+
+
+def litdata_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
+    """LitData's StreamingDataset over the same images, optimized into its chunks and uploaded to the server."""
+    try:
+        import litdata
+    except ImportError:
+        print("LitData: not installed (pip install litdata, see ../shared/PEERS.md): skipped")
+        return None
+    import fsspec
+
+    out = scratch / "litdata"
+    litdata.optimize(fn=functools.partial(_lit_sample, str(local)), inputs=list(range(len(FastDataset(local)))), output_dir=str(out), chunk_bytes="8MB", num_workers=2,
+                     mode="overwrite")
+    fs, root = fsspec.core.url_to_fs(bucket_url + "/litdata")
+    fs.put(str(out) + "/", root, recursive=True)
+    from litdata.streaming import downloader
+
+    # LitData's obstore client refuses plain http (the loopback server is http): allow it, nothing else changes
+    if isinstance(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+    stream = litdata.StreamingDataset(bucket_url + "/litdata", cache_dir=str(scratch / "litcache"), shuffle=True)
+    loader = litdata.StreamingDataLoader(stream, batch_size=batch, num_workers=threads,
+                                         multiprocessing_context="fork")  # workers inherit the http allowance
+    t0, n = time.perf_counter(), 0
+    for b in loader:
+        n += len(b["label"])
+    return n / (time.perf_counter() - t0)
+
+
+def _mosaic_import() -> Any:
+    """``streaming``, with the torchvision it imports at import time stubbed when torchvision is unusable
+    (CPU torch here; its MDS reader and writer never use it, see ../shared/PEERS.md)."""
+    import sys
+    import types
+
+    try:
+        importlib.import_module("torchvision")  # a working one is used as is
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build against CPU torch
+        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms"):
+            stub = types.ModuleType(name)
+            stub.VisionDataset = object  # type: ignore[attr-defined]
+            sys.modules[name] = stub
+        sys.modules["torchvision"].datasets = sys.modules["torchvision.datasets"]  # type: ignore[attr-defined]
+        sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
+    import streaming
+
+    return streaming
+
+
+def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
+    """Mosaic streaming's StreamingDataset over the same images, written as MDS shards and uploaded."""
+    if importlib.util.find_spec("streaming") is None:
+        print("Mosaic streaming: not installed (pip install mosaicml-streaming, see ../shared/PEERS.md): skipped")
+        return None
+    import fsspec
+    import torch
+
+    streaming = _mosaic_import()
+    ds, out = FastDataset(local), scratch / "mds"
+    size = ds.sample_shape[0]
+    with streaming.MDSWriter(out=str(out), columns={"image": f"ndarray:uint8:{size},{size},3", "label": "int"},
+                             size_limit=8 << 20) as writer:
+        for first in range(0, len(ds), 4096):
+            x, y = ds.get_batch(np.arange(first, min(len(ds), first + 4096)))
+            for img, lab in zip(x.numpy(), y.tolist()):
+                writer.write({"image": img, "label": lab})
+    fs, root = fsspec.core.url_to_fs(bucket_url + "/mds")
+    fs.put(str(out) + "/", root, recursive=True)
+    os.environ["S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]  # where Mosaic looks for a custom endpoint
+    stream = streaming.StreamingDataset(remote=bucket_url + "/mds", local=str(scratch / "mdscache"), shuffle=True,
+                                        batch_size=batch)
+    loader = torch.utils.data.DataLoader(stream, batch_size=batch, num_workers=threads)
+    t0, n = time.perf_counter(), 0
+    for b in loader:
+        n += len(b["label"])
+    return n / (time.perf_counter() - t0)
+
+
+def moto_server() -> tuple[Any, str]:
+    """moto's S3 server in its own process on 127.0.0.1 (in-process it would share our GIL), as the endpoint."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    return server, endpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gigabytes", type=float, default=1.0)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--shard-images", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    per_image = args.size * args.size * 3
+    images = int(args.gigabytes * 1e9 // per_image)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_remote-"))
+    server, endpoint = moto_server()
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        full = make_dataset(scratch / "full", images, args.size, args.shard_images)
+        quarter = make_dataset(scratch / "quarter", images // 4, args.size, args.shard_images)
+        nbytes = sum(p.stat().st_size for p in full.glob("images-*.npy"))
+        print(f"fastdata {fastdata.__version__}, numpy {np.__version__}, python {platform.python_version()}, "
+              f"{os.cpu_count()} CPUs; {images:,} images of {args.size}x{args.size}x3 in "
+              f"{len(list(full.glob('images-*.npy')))} shards, {nbytes / 1e9:.2f} GB; batch {args.batch}, "
+              f"{args.threads} loader threads; moto server on {endpoint}")
+        t0 = time.perf_counter()
+        push(full, "s3://bench/full", workers=8)
+        push(quarter, "s3://bench/quarter", workers=8)
+        print(f"push: {(time.perf_counter() - t0):.1f} s for both")
+        names = sorted(p.name for p in full.glob("images-*.npy"))
+        bare = server_rate("s3://bench/full", names)
+        floor = verified_rate("s3://bench/full", names, scratch)
+        epoch_rate(FastDataset(full), args.batch, args.threads)  # the page cache holds it, as it holds a fresh cache
+        local, _ = epoch_rate(FastDataset(full), args.batch, args.threads)  # a job's first epoch, like the warm row
+        cache = scratch / "cache"
+        cold_ds = FastDataset("s3://bench/full", cache_dir=cache)
+        cold, cold_first = epoch_rate(cold_ds, args.batch, args.threads)
+        fetched = cold_ds._remote.fetched
+        warm_ds = FastDataset("s3://bench/full", cache_dir=cache)  # the next job on the same node
+        warm, _ = epoch_rate(warm_ds, args.batch, args.threads)
+        assert warm_ds._remote.fetched["files"] == 0
+        server_img = bare / per_image
+        rows: list[tuple[str, float, str]] = [
+            ("server: 8 parallel GETs, nothing else", server_img, f"{bare / 1e6:,.0f} MB/s"),
+            ("GET + sha256 + write, nothing else", floor / per_image, f"{floor / 1e6:,.0f} MB/s"),
+            ("local disk (page cache)", local, ""),
+            ("fastdata cold cache", cold, f"{cold / server_img:.2f}x the server, {cold * per_image / floor:.2f}x "
+                                          f"GET+sha256+write; {fetched['bytes'] / 1e9:.2f} GB in "
+                                          f"{fetched['files']} downloads; first batch {cold_first:.2f} s"),
+            ("fastdata warm cache (next job)", warm, f"{warm / local:.2f}x local disk"),
+        ]
+        lit = litdata_row(full, "s3://bench", scratch, args.batch, args.threads)
+        if lit is not None:
+            rows.append(("LitData StreamingDataset, cold", lit, f"fastdata cold is {cold / lit:.2f}x"))
+        mosaic = mosaic_row(full, "s3://bench", scratch, args.batch, args.threads)
+        if mosaic is not None:
+            rows.append(("Mosaic StreamingDataset, cold", mosaic, f"fastdata cold is {cold / mosaic:.2f}x"))
+        print(f"\n{'row':<40} {'images/s':>10}  ratio")
+        for name, rate, note in rows:
+            print(f"{name:<40} {rate:>10,.0f}  {note}")
+        print("\ntime to first batch, cold cache (opening included):")
+        for shuffle in (False, True):
+            t_full = first_batch("s3://bench/full", scratch / "c1", args.batch, args.threads, shuffle)
+            t_quarter = first_batch("s3://bench/quarter", scratch / "c2", args.batch, args.threads, shuffle)
+            print(f"  shuffle={shuffle!s:<5}  full {t_full:.2f} s, quarter {t_quarter:.2f} s "
+                  f"(full / quarter {t_full / t_quarter:.2f})")
+        print(json.dumps({"server_mb_s": bare / 1e6, "verified_mb_s": floor / 1e6, "local": local, "cold": cold, "warm": warm, "litdata": lit}))
+    finally:
+        server.terminate()
+        server.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

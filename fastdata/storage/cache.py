@@ -1,0 +1,405 @@
+"""The shards of a remote dataset fetched into the node cache as the loader will need them, within a size bound.
+
+NOTE [shard cache]: a reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`, from
+the epoch order FastLoader knows in advance). A scheduler thread downloads them in order of first need,
+with at most ``in_flight`` bytes and ``requests`` objects under way, so downloads overlap training and the
+first batch waits only for its own shards. ``acquire`` (every ``get_batch``) waits for the shards of one
+batch, fetching at once any that no prefetch covered, and pins them; ``release`` unpins them.
+
+With ``limit`` (bytes of this dataset's files in the cache), room is made by evicting the cached shard
+whose next use in the plan is farthest away (never used again first: Belady's rule over the known
+order); a prefetch only replaces shards the plan never reads again, so prefetching never costs a
+download, and otherwise waits for the reader. When nothing can go, a batch's own shard is fetched
+anyway (a warning says the limit is too small for the shards in use). Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a
+shard's pin file while it has the shard mapped, and an eviction needs that lock exclusively (the pin is
+not the download lock, so a reader holding pins never waits on a download that waits on it). Every rank
+on a node shares the cache folder and downloads each shard once (the per-file locks of
+:meth:`RemoteDataset.fetch`); the limit is kept up to the bytes other processes have in flight.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import ConfigError
+from .remote import RemoteDataset, is_url, local_root, scrub
+
+IN_FLIGHT = 512 << 20
+REQUESTS = 8
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+_NEVER = np.iinfo(np.int64).max
+
+
+def parse_size(value: Union[int, float, str, None], name: str = "cache_limit") -> Optional[int]:
+    """Bytes from ``10**9``, ``"200GB"``, ``"1.5 TiB"`` (``None`` stays ``None``: no bound)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{name} must be a positive number of bytes or a size such as '200GB' or '1.5TiB', "
+                          f"got {name}={value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]], cache_dir: Optional[Union[str, Path]],
+                cache_limit: Union[int, str, None], streamed: Callable[[dict[str, Any]], frozenset[str]]
+                ) -> tuple[Path, Optional[RemoteDataset], Optional[int]]:
+    """``(local folder, remote or None, limit in bytes)`` for a dataset ``path``: a URL's cache folder with
+    every file but ``streamed(manifest)`` downloaded (those come with the batches), else the path itself.
+    A dataset that streams nothing must fit under ``cache_limit`` whole."""
+    limit = parse_size(cache_limit)
+    if not is_url(str(path)):
+        if cache_limit is not None:
+            raise ConfigError(f"cache_limit applies to URLs (s3://..., gs://...); {path} is a local path")
+        return local_root(path, storage_options, cache_dir), None, None
+    remote = RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir)
+    stream = streamed(remote.manifest)
+    need = sum(int(f["bytes"]) for f in remote.manifest["files"] if f["path"] not in stream)
+    if limit is not None and not stream and need > limit:
+        raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
+                          f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
+                          "storage='mmap')")
+    return remote.prepare(stream), remote, limit
+
+
+def download_bar(remote: RemoteDataset, names: Sequence[str]) -> Optional[Callable[[int], None]]:
+    """A progress callback showing the first download of ``names`` (bytes, rate) on rank 0; it closes itself
+    once they are all in; None when they already are."""
+    from ..progress import progress_bar
+
+    left = sum(int(remote.entry(n)["bytes"]) for n in names if not (remote.dir / n).is_file())
+    if left == 0:
+        return None
+    bar = progress_bar(total=left, desc=f"download {remote.url.rsplit('/', 1)[-1]}", unit="B", unit_scale=True)
+    lock, done = threading.Lock(), [0]
+
+    def update(n: int) -> None:
+        with lock:
+            if done[0] < left:
+                done[0] += n
+                bar.update(n)
+                if done[0] >= left:
+                    bar.close()
+    return update
+
+
+class _Plan:
+    """Which shards each coming batch reads: ``(batch, shard)`` pairs sorted by batch, and for each shard
+    the batches it is read in (for next-use lookups)."""
+
+    def __init__(self, needs: np.ndarray, batch_of: np.ndarray, shards: int) -> None:
+        key = np.unique(batch_of.astype(np.int64) * shards + needs.astype(np.int64))  # sorted, deduplicated
+        self.batch, self.shard = key // shards, key % shards
+        by_shard = np.argsort(self.shard, kind="stable")
+        bounds = np.searchsorted(self.shard[by_shard], np.arange(shards + 1))
+        self._uses = [self.batch[by_shard[bounds[s]:bounds[s + 1]]] for s in range(shards)]
+        self.batches = int(self.batch[-1]) + 1 if len(self.batch) else 0
+        self.pos = 0  # batches acquired so far
+        self.cursor = 0  # pairs before it are scheduled or past
+
+    def next_use(self, shard: int) -> int:
+        uses = self._uses[shard]
+        i = int(np.searchsorted(uses, self.pos))
+        return int(uses[i]) if i < len(uses) else _NEVER
+
+
+class ShardCache:
+    """Shards ``names`` of ``remote`` in its cache folder, fetched ahead of a plan and evicted by next use
+    (see NOTE [shard cache]). ``opener(shard, path)`` makes what readers use (a memory map), kept while cached."""
+
+    def __init__(self, remote: RemoteDataset, names: Sequence[str], opener: Callable[[int, Path], Any], *,
+                 limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
+                 progress: Optional[Callable[[int], None]] = None) -> None:
+        self.remote, self.names, self.opener = remote, list(names), opener
+        self.sizes = np.array([int(remote.entry(n)["bytes"]) for n in self.names], dtype=np.int64)
+        self.limit, self.in_flight, self.requests, self.progress = limit, in_flight, max(1, requests), progress
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._objs = np.full(len(self.names), None, dtype=object)  # what opener made, per shard
+        self._is_open = np.zeros(len(self.names), dtype=bool)
+        self._locks: dict[int, Any] = {}  # shard -> lock file held shared while opened (with a limit)
+        self._pins = np.zeros(len(self.names), dtype=np.int64)
+        self._have = self.cached()  # which shards are local, as far as this process knows
+        if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
+            for s in np.flatnonzero(self._have).tolist():
+                self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
+                self._is_open[s] = True
+        self._flying: dict[int, Future] = {}  # prefetches under way (download only)
+        self._loading: dict[int, Future] = {}  # shards being fetched and opened for a batch (one per shard)
+        self._reserved: set[int] = set()  # shards being downloaded by this process, counted against the limit
+        self._plans: list[tuple[object, _Plan]] = []
+        self._pool = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch")
+        self._warned = False
+        self._stalled: Optional[int] = None  # plan position at which a prefetch found no room
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:  # a forked worker: threads and pins stayed with the parent
+            self._start()
+
+    # -- plans ------------------------------------------------------------------------------------------
+    def plan(self, needs: np.ndarray, batch_of: np.ndarray) -> object:
+        """Register the coming reads (shard ``needs[i]`` is read by batch ``batch_of[i]``, batches counted
+        from 0 in ``acquire`` order); a token for :meth:`end_plan`. The newest plan drives prefetching."""
+        self._check_pid()
+        token = object()
+        with self._cond:
+            self._plans.append((token, _Plan(needs, batch_of, len(self.names))))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._schedule, name="fastdata-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return token
+
+    def plan_batches(self, shards: np.ndarray, batch_size: int, per_batch: int = 1) -> object:
+        """:meth:`plan` for batches of ``batch_size`` reads in order, each read naming ``per_batch`` shards
+        (``shards`` is ``(reads * per_batch,)``, read by read)."""
+        batch_of = np.repeat(np.arange(len(shards) // per_batch, dtype=np.int64) // batch_size, per_batch)
+        return self.plan(np.asarray(shards, dtype=np.int64), batch_of)
+
+    @contextlib.contextmanager
+    def reading(self, shards: np.ndarray) -> Iterator[np.ndarray]:
+        """The opened shards indexed by shard, ``shards`` (one batch's, repeats allowed) pinned while the
+        block runs."""
+        used = np.unique(shards)
+        opened = self.acquire(used)
+        try:
+            yield opened
+        finally:
+            self.release(used)
+
+    def end_plan(self, token: object) -> None:
+        with self._cond:
+            self._plans = [(t, p) for t, p in self._plans if t is not token]
+            self._cond.notify_all()
+
+    def _active(self) -> Optional[_Plan]:
+        return self._plans[-1][1] if self._plans else None
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def acquire(self, shards: np.ndarray) -> np.ndarray:
+        """Pin the distinct ``shards`` of one batch, fetching and opening them first where needed; the
+        opened shards indexed by shard (an object array: entries of pinned shards stay valid until
+        :meth:`release`). The common case, all open, is a few array operations whatever the shard count."""
+        self._check_pid()
+        shards = np.asarray(shards, dtype=np.int64)
+        with self._cond:
+            self._pins[shards] += 1
+            plan = self._active()
+            if plan is not None:
+                plan.pos += 1
+                if plan.cursor < len(plan.shard):  # the scheduler has work left that this read may unblock
+                    self._cond.notify_all()
+        try:
+            while True:
+                with self._cond:  # one loader per shard in this process, whichever thread asks
+                    missing = shards[~self._is_open[shards]].tolist()
+                    if not missing:
+                        return self._objs
+                    waits = []
+                    for s in missing:
+                        if s not in self._loading:
+                            self._loading[s] = self._pool.submit(self._load, s)
+                        waits.append(self._loading[s])
+                for fut in waits:
+                    fut.result()
+        except BaseException:
+            self.release(shards)
+            raise
+
+    def release(self, shards: np.ndarray) -> None:
+        """Unpin one batch's shards; with a limit, shards not needed soon are closed (so they may be evicted)."""
+        shards = np.asarray(shards, dtype=np.int64)
+        with self._cond:
+            self._pins[shards] -= 1
+            if self.limit is not None:
+                plan = self._active()
+                for s in shards[self._pins[shards] == 0].tolist():
+                    if plan is None or plan.next_use(s) - plan.pos > 2 * self.requests:
+                        self._close(s)
+                self._cond.notify_all()
+
+    def _load(self, s: int) -> None:
+        try:
+            self._ensure(s)
+        finally:
+            with self._cond:
+                self._loading.pop(s, None)
+
+    def _ensure(self, s: int) -> None:
+        """Shard ``s`` local, verified and opened in this process (downloaded at most once per node)."""
+        path = self.remote.dir / self.names[s]
+        while not self._is_open[s]:
+            if not path.is_file():
+                self._make_room(s, True)
+                try:
+                    self.remote.fetch(self.remote.entry(self.names[s]), self.progress)
+                finally:
+                    self._unreserve(s)
+                self._have[s] = True
+            with self._cond:
+                if self._is_open[s]:
+                    return
+                lock = None
+                if self.limit is not None:  # pin the file against other processes' evictions, then re-check
+                    lock = open(self._pin_path(s), "a+b")
+                    fcntl.flock(lock, fcntl.LOCK_SH)
+                if not path.is_file():  # evicted by another process in between: fetch again
+                    self._have[s] = False
+                    if lock is not None:
+                        lock.close()
+                    continue
+                self._objs[s] = self.opener(s, path)
+                self._is_open[s] = True
+                if lock is not None:
+                    self._locks[s] = lock
+
+    def _close(self, s: int) -> None:
+        self._objs[s] = None
+        self._is_open[s] = False
+        lock = self._locks.pop(s, None)
+        if lock is not None:
+            lock.close()
+
+    # -- room -------------------------------------------------------------------------------------------
+    def cached(self) -> np.ndarray:
+        """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
+        return np.array([(self.remote.dir / n).is_file() for n in self.names], dtype=bool)
+
+    def _make_room(self, s: int, demand: bool) -> bool:
+        """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
+        only evicts shards the plan never reads again (it never costs a download) and otherwise gets False."""
+        if self.limit is None:
+            return True
+        with self._cond:
+            present = self.cached()
+            present[list(self._reserved)] = True  # downloads under way take their room now
+            present[s] = False
+            used = int(self.sizes[present].sum())
+            if used + self.sizes[s] <= self.limit:
+                self._reserved.add(s)
+                return True
+            plan = self._active()
+            candidates = [c for c in np.flatnonzero(present) if self._pins[c] == 0 and c not in self._reserved]
+            order = sorted(candidates, key=lambda c: -(plan.next_use(c) if plan is not None else _NEVER))
+            for c in order:
+                if used + self.sizes[s] <= self.limit:
+                    break
+                if not demand and plan is not None and plan.next_use(c) != _NEVER:
+                    return False  # a prefetch only replaces what the plan never reads again: s waits
+                self._close(c)
+                if self._evict(c):
+                    used -= int(self.sizes[c])
+            if used + self.sizes[s] <= self.limit or demand:
+                self._reserved.add(s)
+            if used + self.sizes[s] <= self.limit:
+                return True
+            if demand and not self._warned:
+                self._warned = True
+                warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
+                              "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
+            return demand
+
+    def _unreserve(self, s: int) -> None:
+        with self._cond:
+            self._reserved.discard(s)
+
+    def _pin_path(self, s: int) -> Path:
+        """The file readers hold shared while they use shard ``s`` (not the download lock: a reader never
+        waits for a download while it holds a pin)."""
+        return self.remote.dir / ".locks" / (self.names[s].replace("/", "%") + ".pin")
+
+    def _evict(self, c: int) -> bool:
+        lock = open(self._pin_path(c), "a+b")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return False  # another process reads or fetches it
+        try:
+            (self.remote.dir / self.names[c]).unlink(missing_ok=True)
+            self._have[c] = False
+            return True
+        finally:
+            lock.close()
+
+    # -- prefetching ------------------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Fetch the active plan's shards in order of first need, within the in-flight bounds; room is made
+        here, one shard at a time in that order, so prefetches never evict each other out of order."""
+        while True:
+            with self._cond:
+                s = self._next_candidate()
+                while s is None and not self._closed:
+                    self._cond.wait(0.5)
+                    s = self._next_candidate()
+                if self._closed:
+                    return
+                plan = self._active()
+                if not self._make_room(s, False):  # everything cached is needed before s: wait for the reader
+                    self._stalled = plan.pos if plan is not None else None
+                    continue
+                self._flying[s] = self._pool.submit(self._prefetch, s)
+
+    def _next_candidate(self) -> Optional[int]:
+        """The next shard of the active plan, in order of need, that is not local yet (``_have`` is this
+        process's view, checked against the disk for the few it does not know: other processes fetch too)."""
+        plan = self._active()
+        if plan is None or len(self._flying) >= self.requests or self._stalled == plan.pos:
+            return None
+        flying_bytes = sum(int(self.sizes[f]) for f in self._flying)
+        plan.cursor = max(plan.cursor, int(np.searchsorted(plan.batch, plan.pos - 1)))  # batches read are past
+        while plan.cursor < len(plan.shard):
+            window = plan.shard[plan.cursor:plan.cursor + 4096]
+            for h in np.flatnonzero(~self._have[window]):
+                s = int(window[h])
+                if s in self._flying:
+                    continue
+                if (self.remote.dir / self.names[s]).is_file():
+                    self._have[s] = True
+                    continue
+                plan.cursor += int(h)
+                if self._flying and flying_bytes + self.sizes[s] > self.in_flight:
+                    return None
+                if self.limit is not None and self.sizes[s] > self.limit:
+                    return None
+                return s
+            plan.cursor += len(window)
+        return None
+
+    def _prefetch(self, s: int) -> None:
+        try:
+            self.remote.fetch(self.remote.entry(self.names[s]), self.progress)
+            self._have[s] = True
+        except Exception:  # noqa: BLE001 - a failed prefetch is retried by the batch that needs it, which reports
+            pass
+        finally:
+            self._unreserve(s)
+            with self._cond:
+                self._flying.pop(s, None)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop prefetching (downloads under way finish) and close every opened shard."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            for s in np.flatnonzero(self._is_open).tolist():
+                self._close(s)
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,135 @@
+"""A loopback HTTP proxy in front of the moto S3 server that injects the faults object stores have:
+connection resets mid-body, truncated bodies, flipped bytes, 503 SlowDown, a server gone for a while.
+It also counts the GETs of each object (downloads per node). Tests point AWS_ENDPOINT_URL at it."""
+from __future__ import annotations
+
+import http.client
+import re
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    """``FaultProxy(upstream_port)``; ``inject(kind, pattern, times)`` makes the next ``times`` GETs of keys
+    matching ``pattern`` fail as ``kind`` ("reset", "truncate", "corrupt", "503"); ``down(seconds)`` drops
+    every connection for a while. ``gets[key]`` counts GETs of each object path that were answered."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.rules: list[list] = []
+        self.gets: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        self.down_until = 0.0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                proxy.handle(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def inject(self, kind: str, pattern: str, times: int = 1) -> None:
+        with self.lock:
+            self.rules.append([kind, re.compile(pattern), times])
+
+    def down(self, seconds: float) -> None:
+        self.down_until = time.monotonic() + seconds
+
+    def clear(self) -> None:
+        with self.lock:
+            self.rules.clear()
+            self.gets.clear()
+            self.faults.clear()
+
+    def _fault_for(self, method: str, path: str) -> str | None:
+        if method != "GET":
+            return None
+        with self.lock:
+            for rule in self.rules:
+                if rule[2] > 0 and rule[1].search(path):
+                    rule[2] -= 1
+                    self.faults[rule[0]] += 1
+                    return rule[0]
+        return None
+
+    def handle(self, h: BaseHTTPRequestHandler) -> None:
+        body = h.rfile.read(int(h.headers.get("Content-Length") or 0)) if h.command in ("PUT", "POST") else None
+        if time.monotonic() < self.down_until:  # the server is gone: the connection drops without an answer
+            _drop(h)
+            return
+        path = h.path.split("?", 1)[0]
+        fault = self._fault_for(h.command, path)
+        if fault == "503":
+            h.send_response(503)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(SLOWDOWN)))
+            h.end_headers()
+            h.wfile.write(SLOWDOWN)
+            return
+        conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
+        conn.request(h.command, h.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        if h.command == "GET" and resp.status in (200, 206) and "list-type" not in h.path:
+            with self.lock:
+                self.gets[path] += 1
+        if fault == "corrupt" and data:
+            data = bytearray(data)
+            data[len(data) // 2] ^= 0xFF
+            data = bytes(data)
+        h.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
+                h.send_header(k, v)
+        length = resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data))
+        h.send_header("Content-Length", length)
+        h.end_headers()
+        if h.command == "HEAD":
+            return
+        if fault in ("reset", "truncate"):  # half the body, then the connection goes away
+            h.wfile.write(data[: len(data) // 2])
+            h.wfile.flush()
+            if fault == "reset":  # closed with SO_LINGER 0: the client reads a TCP reset
+                h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                h.close_connection = True
+            else:
+                _drop(h)
+            return
+        h.wfile.write(data)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _drop(h: BaseHTTPRequestHandler) -> None:
+    h.close_connection = True
+    try:
+        h.connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
