@@ -23,6 +23,7 @@ import argparse
 import functools
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -181,12 +182,17 @@ def _mosaic_import() -> Any:
     try:
         importlib.import_module("torchvision")  # a working one is used as is
     except Exception:  # noqa: BLE001 - absent, or a CUDA build against CPU torch
-        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms"):
+        names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
+        for name in names:  # the names streaming/vision imports, as empty packages
             stub = types.ModuleType(name)
-            stub.VisionDataset = object  # type: ignore[attr-defined]
+            stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            stub.__path__ = []  # type: ignore[attr-defined]
+            stub.VisionDataset = stub.CIFAR10 = object  # type: ignore[attr-defined]
+            stub.to_tensor = None  # type: ignore[attr-defined]
             sys.modules[name] = stub
-        sys.modules["torchvision"].datasets = sys.modules["torchvision.datasets"]  # type: ignore[attr-defined]
-        sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
+            if "." in name:
+                parent, _, leaf = name.rpartition(".")
+                setattr(sys.modules[parent], leaf, stub)
     import streaming
 
     return streaming
@@ -214,7 +220,8 @@ def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads:
     os.environ["S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]  # where Mosaic looks for a custom endpoint
     stream = streaming.StreamingDataset(remote=bucket_url + "/mds", local=str(scratch / "mdscache"), shuffle=True,
                                         batch_size=batch)
-    loader = torch.utils.data.DataLoader(stream, batch_size=batch, num_workers=threads)
+    loader = torch.utils.data.DataLoader(stream, batch_size=batch, num_workers=threads,
+                                         multiprocessing_context="fork")  # workers inherit the torchvision stub
     t0, n = time.perf_counter(), 0
     for b in loader:
         n += len(b["label"])

@@ -30,8 +30,8 @@ from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes
 
 def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     """The files of a remote dataset fetched as batches need them: npy image shards read memory-mapped."""
-    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:
-        return frozenset(s["images"] for s in manifest.get("shards", []))
+    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's labels come with it
+        return frozenset(f for s in manifest.get("shards", []) for f in (s["images"], s["labels"]))
     return frozenset()
 
 
@@ -83,7 +83,8 @@ class FastDataset(torch.utils.data.Dataset):
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
         self._set_crop(crop, crop_fraction, scale, ratio)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
-        others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()]
+        others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()
+                  and (self.root / f["path"]).exists()]  # (a streamed dataset's shards arrive later)
         check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
         if self._verify:  # ... and hashed there too (ram/cuda: while loading, one read)
             verify_hashes(self.root, self.manifest, others)
@@ -117,8 +118,16 @@ class FastDataset(torch.utils.data.Dataset):
 
     @property
     def targets(self) -> np.ndarray:
-        """Every sample's label (int64), like torchvision's ``ImageFolder.targets``."""
-        return self._labels
+        """Every sample's label (int64), like torchvision's ``ImageFolder.targets`` (a streamed dataset
+        fetches its label files for this, not its images)."""
+        if self._labels_in is not None and not self._labels_in.all():
+            shards = self.manifest["shards"]
+            for s in np.flatnonzero(~self._labels_in).tolist():
+                assert self._remote is not None
+                self._fill_labels(s, self._remote.fetch(self._remote.entry(shards[s]["labels"])))
+        view = self._labels.view()
+        view.setflags(write=False)
+        return view
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -135,6 +144,11 @@ class FastDataset(torch.utils.data.Dataset):
         return set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
 
     def _load_labels(self) -> np.ndarray:
+        self._labels_in: Optional[np.ndarray] = None
+        if self._remote is not None and self.storage == "mmap" and not self.is_lmdb:
+            # streamed: each shard's labels are filled in when the shard arrives (see _fill_labels)
+            self._labels_in = np.zeros(len(self.manifest["shards"]), dtype=bool)
+            return np.zeros(len(self), dtype=np.int64)
         if self.is_lmdb:
             names = [self.manifest["labels"]]
         else:
@@ -160,16 +174,30 @@ class FastDataset(torch.utils.data.Dataset):
                           self.sample_shape, np.dtype(np.uint8))
         if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
             def opener(s: int, path: Path) -> np.ndarray:
+                shard = self.manifest["shards"][s]
                 if verify:
-                    verify_hashes(self.root, self.manifest, [images.files[s][0]])
+                    verify_hashes(self.root, self.manifest, [shard["images"], shard["labels"]])
+                self._fill_labels(s, self.root / shard["labels"])
                 return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
-            self._cache = ShardCache(self._remote, [rel for rel, _ in images.files], opener, limit=self._limit,
-                                     progress=download_bar(self._remote, [rel for rel, _ in images.files]))
+            groups = [(s["images"], s["labels"]) for s in self.manifest["shards"]]
+            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit,
+                                     progress=download_bar(self._remote, groups))
             return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
         if self._dev is not None:
             self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
+
+    def _fill_labels(self, s: int, path: Path) -> None:
+        """A streamed shard's labels, checked, into their place in ``self._labels``."""
+        assert self._labels_in is not None
+        n, ss = int(self.manifest["shards"][s]["samples"]), int(self.manifest["shard_size"])
+        labels = np.load(path, allow_pickle=False)
+        if labels.shape != (n,) or labels.dtype != np.int64:
+            raise FormatError(f"{path}: labels have shape {labels.shape} and dtype {labels.dtype}, expected ({n},) "
+                              "int64: the dataset is damaged")
+        self._labels[s * ss:s * ss + n] = labels
+        self._labels_in[s] = True
 
     # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.

@@ -235,10 +235,12 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
     push(indexed_datasets["npy"], url)
     proxy.clear()
     ds = FastDataset(url, cache_dir=tmp_path / "cache")
-    assert _shards_present(ds) == [] and len(list(ds.root.glob("labels-*.npy"))) == 7  # nothing streamed yet
+    assert not list(ds.root.glob("*.npy"))  # opening reads the manifest only: shards and labels come with batches
     local = FastDataset(indexed_datasets["npy"])
     assert ds.get_batch([40])[1].tolist() == local.get_batch([40])[1].tolist()  # on demand: one shard
     assert _shards_present(ds) == ["images-00002.npy"]
+    other = FastDataset(url, cache_dir=tmp_path / "other")
+    assert np.array_equal(other.targets, local.targets) and _shards_present(other) == []  # labels only
     for epoch in range(2):
         want = FastLoader(local, 16, seed=5, num_threads=2)
         got = FastLoader(ds, 16, seed=5, num_threads=2)
@@ -246,6 +248,7 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
         assert _same(_epoch(got), _epoch(want))
     shards = [k for k in proxy.gets if "images-" in k]
     assert len(shards) == 7 and all(proxy.gets[k] == 1 for k in shards)  # each shard downloaded once, then reused
+    assert all(proxy.gets[k] == 2 for k in proxy.gets if "labels-" in k)  # (once more for `other`'s targets)
     assert not list(ds.root.rglob("*.part-*"))
 
 
@@ -256,7 +259,7 @@ def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy
 
     url = s3("limit") + "/ds"
     push(indexed_datasets["npy"], url)
-    shard_bytes = (indexed_datasets["npy"] / "images-00000.npy").stat().st_size
+    shard_bytes = sum((indexed_datasets["npy"] / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
     local = FastDataset(indexed_datasets["npy"])
     for shuffle, batch, limit in ((False, 16, 3), (True, 4, 4)):  # room for one batch's shards and more
         proxy.clear()
@@ -267,7 +270,7 @@ def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy
             want.set_epoch(epoch), got.set_epoch(epoch)
             for (a, b), (c, d) in zip(got, want):
                 assert np.array_equal(a.numpy(), c.numpy()) and np.array_equal(b.numpy(), d.numpy())
-                sizes = sum(os.stat(p).st_size for p in ds.root.glob("images-*.npy") if p.exists())
+                sizes = sum(os.stat(p).st_size for p in ds.root.glob("*-0*.npy") if p.exists())
                 assert sizes <= limit * shard_bytes, sizes  # (racing the prefetcher: a file evicted meanwhile)
         gets = sum(v for k, v in proxy.gets.items() if "images-" in k)
         if not shuffle:  # in order: 7 the first epoch, then the 2 cached at its end are kept for the second

@@ -23,6 +23,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -74,10 +75,12 @@ def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]
     return remote.prepare(stream), remote, limit
 
 
-def download_bar(remote: RemoteDataset, names: Sequence[str]) -> Optional[Callable[[int], None]]:
+def download_bar(remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]]) -> Optional[Callable[[int], None]]:
     """A progress callback showing the first download of ``names`` (bytes, rate) on rank 0; it closes itself
     once they are all in; None when they already are."""
     from ..progress import progress_bar
+
+    names = [n for g in names for n in ((g,) if isinstance(g, str) else g)]
 
     left = sum(int(remote.entry(n)["bytes"]) for n in names if not (remote.dir / n).is_file())
     if left == 0:
@@ -117,13 +120,17 @@ class _Plan:
 
 class ShardCache:
     """Shards ``names`` of ``remote`` in its cache folder, fetched ahead of a plan and evicted by next use
-    (see NOTE [shard cache]). ``opener(shard, path)`` makes what readers use (a memory map), kept while cached."""
+    (see NOTE [shard cache]); a shard may be several files read together (``("images-0.npy",
+    "labels-0.npy")``), fetched and evicted as one and opened with the first one's path. ``opener(shard, path)`` makes what readers use (a memory map), kept while cached."""
 
-    def __init__(self, remote: RemoteDataset, names: Sequence[str], opener: Callable[[int, Path], Any], *,
+    def __init__(self, remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]],
+                 opener: Callable[[int, Path], Any], *,
                  limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
                  progress: Optional[Callable[[int], None]] = None) -> None:
-        self.remote, self.names, self.opener = remote, list(names), opener
-        self.sizes = np.array([int(remote.entry(n)["bytes"]) for n in self.names], dtype=np.int64)
+        self.remote, self.opener = remote, opener
+        self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
+        self.names = [g[0] for g in self.groups]
+        self.sizes = np.array([sum(int(remote.entry(n)["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
         self.limit, self.in_flight, self.requests, self.progress = limit, in_flight, max(1, requests), progress
         self._start()
 
@@ -135,6 +142,7 @@ class ShardCache:
         self._locks: dict[int, Any] = {}  # shard -> lock file held shared while opened (with a limit)
         self._pins = np.zeros(len(self.names), dtype=np.int64)
         self._have = self.cached()  # which shards are local, as far as this process knows
+        self._scanned = time.monotonic()
         if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
                 self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
@@ -246,10 +254,10 @@ class ShardCache:
         """Shard ``s`` local, verified and opened in this process (downloaded at most once per node)."""
         path = self.remote.dir / self.names[s]
         while not self._is_open[s]:
-            if not path.is_file():
+            if not self._present(s):
                 self._make_room(s, True)
                 try:
-                    self.remote.fetch(self.remote.entry(self.names[s]), self.progress)
+                    self._fetch_group(s)
                 finally:
                     self._unreserve(s)
                 self._have[s] = True
@@ -260,7 +268,7 @@ class ShardCache:
                 if self.limit is not None:  # pin the file against other processes' evictions, then re-check
                     lock = open(self._pin_path(s), "a+b")
                     fcntl.flock(lock, fcntl.LOCK_SH)
-                if not path.is_file():  # evicted by another process in between: fetch again
+                if not self._present(s):  # evicted by another process in between: fetch again
                     self._have[s] = False
                     if lock is not None:
                         lock.close()
@@ -280,7 +288,14 @@ class ShardCache:
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:
         """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
-        return np.array([(self.remote.dir / n).is_file() for n in self.names], dtype=bool)
+        return np.array([self._present(s) for s in range(len(self.groups))], dtype=bool)
+
+    def _present(self, s: int) -> bool:
+        return all((self.remote.dir / n).is_file() for n in self.groups[s])
+
+    def _fetch_group(self, s: int) -> None:
+        for name in self.groups[s]:
+            self.remote.fetch(self.remote.entry(name), self.progress)
 
     def _make_room(self, s: int, demand: bool) -> bool:
         """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
@@ -288,7 +303,10 @@ class ShardCache:
         if self.limit is None:
             return True
         with self._cond:
-            present = self.cached()
+            now = time.monotonic()
+            if now - self._scanned > 1.0:  # other processes fetch and evict too: look at the disk once a second
+                self._have, self._scanned = self.cached(), now  # (a stat per shard: not per decision at 20,000)
+            present = self._have.copy()
             present[list(self._reserved)] = True  # downloads under way take their room now
             present[s] = False
             used = int(self.sizes[present].sum())
@@ -333,7 +351,8 @@ class ShardCache:
             lock.close()
             return False  # another process reads or fetches it
         try:
-            (self.remote.dir / self.names[c]).unlink(missing_ok=True)
+            for name in self.groups[c]:
+                (self.remote.dir / name).unlink(missing_ok=True)
             self._have[c] = False
             return True
         finally:
@@ -371,7 +390,7 @@ class ShardCache:
                 s = int(window[h])
                 if s in self._flying:
                     continue
-                if (self.remote.dir / self.names[s]).is_file():
+                if self._present(s):
                     self._have[s] = True
                     continue
                 plan.cursor += int(h)
@@ -385,7 +404,7 @@ class ShardCache:
 
     def _prefetch(self, s: int) -> None:
         try:
-            self.remote.fetch(self.remote.entry(self.names[s]), self.progress)
+            self._fetch_group(s)
             self._have[s] = True
         except Exception:  # noqa: BLE001 - a failed prefetch is retried by the batch that needs it, which reports
             pass
