@@ -2,7 +2,7 @@
 here in its own process) beside the same dataset on local disk and the server's own bandwidth, in one run.
 
 Rows (images/s over one epoch, batches of --batch, --threads loader threads):
-- server: every image shard fetched by 8 parallel GETs (s3fs), nothing else: the server's bandwidth;
+- server: every image and label shard fetched by 8 parallel GETs (s3fs), nothing else: the server's rate;
 - GET + sha256 + write: the same GETs, each body hashed and written to a file: the least a verified cache
   does, the cold-cache limit on this machine (the server shares its cores);
 - local disk: FastLoader over the dataset folder (a new job's first epoch, page cache warm);
@@ -274,7 +274,7 @@ def main() -> None:
         push(full, "s3://bench/full", workers=8)
         push(quarter, "s3://bench/quarter", workers=8)
         print(f"push: {(time.perf_counter() - t0):.1f} s for both")
-        names = sorted(p.name for p in full.glob("images-*.npy"))
+        names = sorted(p.name for p in full.glob("*-*.npy"))  # the objects a reader needs: images and labels
         bare = server_rate("s3://bench/full", names)
         floor = verified_rate("s3://bench/full", names, scratch)
         epoch_rate(FastDataset(full), args.batch, args.threads)  # the page cache holds it, as it holds a fresh cache

@@ -152,6 +152,7 @@ class ShardCache:
         self._reserved: set[int] = set()  # shards being downloaded by this process, counted against the limit
         self._plans: list[tuple[object, _Plan]] = []
         self._pool = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch")
+        self._side = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch-side")
         self._warned = False
         self._stalled: Optional[int] = None  # plan position at which a prefetch found no room
         self._closed = False
@@ -294,8 +295,14 @@ class ShardCache:
         return all((self.remote.dir / n).is_file() for n in self.groups[s])
 
     def _fetch_group(self, s: int) -> None:
-        for name in self.groups[s]:
-            self.remote.fetch(self.remote.entry(name), self.progress)
+        """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it."""
+        first, *rest = self.groups[s]
+        side = [self._side.submit(self.remote.fetch, self.remote.entry(n), self.progress) for n in rest]
+        try:
+            self.remote.fetch(self.remote.entry(first), self.progress)
+        finally:
+            for fut in side:
+                fut.result()
 
     def _make_room(self, s: int, demand: bool) -> bool:
         """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
@@ -422,3 +429,4 @@ class ShardCache:
             for s in np.flatnonzero(self._is_open).tolist():
                 self._close(s)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._side.shutdown(wait=True, cancel_futures=True)
