@@ -29,7 +29,7 @@ import torch
 
 from ._io import safe_join
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
-from .formats.lmdb_store import LmdbReader
+from .formats.lmdb_store import open_lmdb
 from .crops import draw_resized_crops
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
 from .decode import decode_jpeg, jpeg_size, looks_like_jpeg
@@ -72,7 +72,7 @@ class DALILoader(SamplerBacked):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
-        self.reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
+        self.reader = open_lmdb(self.root, self.manifest)
         self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
         self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
         n = len(self.labels) if self.indices is None else len(self.indices)

@@ -19,7 +19,8 @@ import torch
 
 from ._io import safe_join
 from .errors import ConfigError, FormatError, ImageDecodeError
-from .formats.lmdb_store import LmdbReader
+from .formats import lmdb_store
+from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
@@ -29,9 +30,12 @@ from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes
 
 
 def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
-    """The files of a remote dataset fetched as batches need them: npy image shards read memory-mapped."""
+    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels)
+    and LMDB shards (format version 2), read memory-mapped."""
     if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's labels come with it
         return frozenset(f for s in manifest.get("shards", []) for f in (s["images"], s["labels"]))
+    if storage == "mmap" and "lmdb_shards" in manifest:
+        return frozenset(s["path"] for s in manifest["lmdb_shards"])
     return frozenset()
 
 
@@ -168,7 +172,12 @@ class FastDataset(torch.utils.data.Dataset):
         self._reader: Optional[LmdbReader] = None
         self._cache: Optional[ShardCache] = None
         if self.is_lmdb:
-            self._reader = LmdbReader(safe_join(self.root, self.manifest["lmdb"]))
+            self._reader = open_lmdb(self.root, self.manifest)
+            if self._remote is not None and "lmdb_shards" in self.manifest:  # streamed: stores come as needed
+                names = [s["path"] for s in self.manifest["lmdb_shards"]]
+                self._cache = ShardCache(self._remote, names, lambda s, path: path, limit=self._limit,
+                                         progress=download_bar(self._remote, names),
+                                         closer=lambda s, path: lmdb_store.forget(path))
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
@@ -285,8 +294,8 @@ class FastDataset(torch.utils.data.Dataset):
         shards are fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
         if self._cache is None:
             return None
-        return self._cache.plan_batches(np.asarray(indices, dtype=np.int64) // int(self.manifest["shard_size"]),
-                                        batch_size)
+        per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
+        return self._cache.plan_batches(np.asarray(indices, dtype=np.int64) // per_shard, batch_size)
 
     def end_reads(self, token: Optional[object]) -> None:
         if self._cache is not None and token is not None:
@@ -296,7 +305,11 @@ class FastDataset(torch.utils.data.Dataset):
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
         # loader threads decode in parallel, each straight into its row of the batch.
         assert self._reader is not None and self.size is not None
-        blobs = self._reader.get_many(idx)
+        if self._cache is None:
+            blobs = self._reader.get_many(idx)
+        else:  # streamed: the batch's stores fetched (or waited for) and pinned while read
+            with self._cache.reading(idx // self._reader.shard_size):
+                blobs = self._reader.get_many(idx)
         boxes, flips = self._random_boxes(blobs, draw) if self.crop == "random" else (None, None)
         for j, blob in enumerate(blobs):
             try:
@@ -305,7 +318,8 @@ class FastDataset(torch.utils.data.Dataset):
                 else:
                     decode_jpeg(blob, self.size, out=dst[j], box=tuple(boxes[j].tolist()), flip=bool(flips[j]))
             except ImageDecodeError as exc:
-                raise ImageDecodeError(f"{self._reader.path}: sample {idx[j]} is not a decodable JPEG ({exc}): "
+                raise ImageDecodeError(f"{self._reader.path_of(int(idx[j]))}: sample {idx[j]} is not a decodable "
+                                       f"JPEG ({exc}): "
                                        "run `fastdata verify` on the dataset") from exc
 
     def _random_boxes(self, blobs: list[bytes], draw: Optional[tuple[int, int, int, int]]

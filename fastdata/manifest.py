@@ -19,7 +19,7 @@ IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
 TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 1, TOKENS: 1}
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 2, TOKENS: 1}  # LMDB 2: shards (lmdb_store.py)
 
 
 def fastdata_version() -> str:

@@ -181,16 +181,18 @@ def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) 
     ``huffman``, has a garbled Huffman table (a whole JPEG by its markers that no decoder can read)."""
     import shutil
 
-    from fastdata.formats.lmdb_store import LmdbReader
+    from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.manifest import load_manifest
 
     root = shutil.copytree(src, dst)
-    blob = LmdbReader(root / "images.lmdb").get_many([sample])[0]
+    reader = open_lmdb(root, load_manifest(root))
+    blob, store = reader.get_many([sample])[0], reader.path_of(sample)
     if huffman:
         i = blob.find(b"\xff\xc4")
         bad = blob[:i + 5] + b"\xff" * 16 + blob[i + 21:]
     else:
         bad = bytes(32) + blob[32:]
-    data = (root / "images.lmdb").read_bytes()
+    data = store.read_bytes()
     at = data.find(blob)
-    (root / "images.lmdb").write_bytes(data[:at] + bad + data[at + len(blob):])
+    store.write_bytes(data[:at] + bad + data[at + len(blob):])
     return root

@@ -34,7 +34,7 @@ def test_threads_opening_a_new_lmdb_at_once_all_read_it(indexed_datasets, tmp_pa
     # "lmdb.Error: The environment ... is already open in this process" (3 of 20 processes in one setup).
     script = tmp_path / "race.py"
     script.write_text(RACE)
-    path = str(indexed_datasets["lmdb"] / "images.lmdb")
+    path = str(indexed_datasets["lmdb"] / "images-00000.lmdb")
     procs = [subprocess.Popen([sys.executable, str(script), path], stderr=subprocess.PIPE, text=True)
              for _ in range(24)]
     failures = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
@@ -242,13 +242,13 @@ def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
     from fastdata.crops import draw_resized_crops
     from fastdata.dataset import FastDataset
     from fastdata.decode import decode_jpeg, jpeg_size
-    from fastdata.formats.lmdb_store import LmdbReader
+    from fastdata.formats.lmdb_store import open_lmdb
     from fastdata.loader import FastLoader
 
     ds = FastDataset(photo_lmdb, size=48, crop="random")
     assert ds.sample_shape == (48, 48, 3) and ds.random_crops
     loader = FastLoader(ds, 8, seed=3, num_threads=2, rank=1, world_size=2)
-    reader = LmdbReader(photo_lmdb / "images.lmdb")
+    reader = open_lmdb(photo_lmdb, ds.manifest)
     order = loader.sampler.rank_indices()
     for k, (x, y) in enumerate(_served(loader)):
         idx = np.sort(order[k * 8:(k + 1) * 8])
@@ -311,3 +311,37 @@ def test_random_crops_without_fastloader_and_their_misuse(photo_lmdb, indexed_da
         FastDataset(photo_lmdb, crop="centre")
     with pytest.raises(ConfigError, match="crop_fraction"):
         FastDataset(photo_lmdb, crop_fraction=1.5)
+
+
+def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_path):
+    """Datasets made before LMDB shards (format version 1: one images.lmdb) give the same batches."""
+    import hashlib
+    import json
+
+    import lmdb
+    import torch
+
+    from fastdata.dataset import FastDataset
+    from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.loader import FastLoader
+
+    v2 = indexed_datasets["lmdb"]
+    manifest = json.loads((v2 / "manifest.json").read_text())
+    old = tmp_path / "v1"
+    old.mkdir()
+    (old / "labels.npy").write_bytes((v2 / "labels.npy").read_bytes())
+    records = open_lmdb(v2, manifest).get_many(range(manifest["num_samples"]))
+    env = lmdb.open(str(old / "images.lmdb"), subdir=False, map_size=64 << 20, lock=False)
+    with env.begin(write=True) as txn:
+        for i, blob in enumerate(records):
+            txn.put(b"%012d" % i, blob)
+    env.close()
+    files = [{"path": n, "bytes": (old / n).stat().st_size,
+              "sha256": hashlib.sha256((old / n).read_bytes()).hexdigest()} for n in ("images.lmdb", "labels.npy")]
+    for k in ("lmdb_shards", "shard_size"):
+        manifest.pop(k)
+    manifest.update(format_version=1, lmdb="images.lmdb", files=files)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    got = [x.clone() for x, _ in FastLoader(FastDataset(old, size=8), 16, seed=1, num_threads=2)]
+    want = [x.clone() for x, _ in FastLoader(FastDataset(v2, size=8), 16, seed=1, num_threads=2)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

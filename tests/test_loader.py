@@ -147,10 +147,11 @@ def test_worker_errors_reach_the_consumer(indexed_datasets, tmp_path):
     from fastdata.formats.lmdb_store import LmdbReader
 
     root = shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm")
-    blob = LmdbReader(root / "images.lmdb").get_many([5])[0]
-    data = (root / "images.lmdb").read_bytes()
+    store = root / "images-00000.lmdb"  # samples 0-15
+    blob = LmdbReader(store).get_many([5])[0]
+    data = store.read_bytes()
     at = data.find(blob)
-    (root / "images.lmdb").write_bytes(data[:at] + bytes(32) + data[at + 32:])  # record 5 loses its JPEG header
+    store.write_bytes(data[:at] + bytes(32) + data[at + 32:])  # record 5 loses its JPEG header
     loader = FastLoader(FastDataset(root), 10, shuffle=False, num_threads=2)
     with pytest.raises(ImageDecodeError, match="sample 5 is not a decodable JPEG"):
         list(loader)

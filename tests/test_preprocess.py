@@ -61,7 +61,8 @@ def test_lmdb_output_records_and_labels(awkward_folder, tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["format"] == "fastdata.images.lmdb" and m["num_samples"] == len(AWKWARD_GOOD)
     assert np.load(out / "labels.npy").tolist() == [0] * 7 + [1] * 3 + [2]
-    env = lmdb.open(str(out / "images.lmdb"), subdir=False, readonly=True, lock=False)
+    assert m["format_version"] == 2 and m["lmdb_shards"] == [{"path": "images-00000.lmdb", "samples": 11}]
+    env = lmdb.open(str(out / "images-00000.lmdb"), subdir=False, readonly=True, lock=False)
     with env.begin() as txn:
         keys = [k for k, _ in txn.cursor()]
         assert keys == [b"%012d" % i for i in range(len(AWKWARD_GOOD))]
@@ -80,7 +81,7 @@ def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt, mo
         assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "32", "--shard-size", "5",
                      "--format", fmt, "--workers", str(w), "--quiet"]) == 0
         outs.append(tree_bytes(out))
-    assert outs[0] == outs[1] == outs[2] and len(outs[0]) >= 3  # lmdb: images.lmdb, labels.npy, manifest.json
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) >= 3  # lmdb: images-K.lmdb, labels.npy, manifest.json
 
 
 @pytest.mark.slow

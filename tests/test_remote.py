@@ -105,8 +105,22 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
 
     url = s3("other-formats")
     push(indexed_datasets["lmdb"], url + "/lmdb")
-    a, b = FastDataset(indexed_datasets["lmdb"]), FastDataset(url + "/lmdb", cache_dir=tmp_path / "c")
-    assert np.array_equal(a.get_batch([0, 5, 99])[0].numpy(), b.get_batch([0, 5, 99])[0].numpy())
+    a = FastDataset(indexed_datasets["lmdb"], crop="random")
+    b = FastDataset(url + "/lmdb", cache_dir=tmp_path / "c", crop="random", cache_limit=3 * 2**20)
+    assert not list(b.root.glob("*.lmdb"))  # LMDB shards stream as the batches need them
+    assert b.get_batch([0, 5, 99])[1].tolist() == a.get_batch([0, 5, 99])[1].tolist()  # two stores fetched
+    assert sorted(p.name for p in b.root.glob("*.lmdb")) == ["images-00000.lmdb", "images-00006.lmdb"]
+    for epoch in range(2):  # decode-time random crops drawn from (seed, epoch, position): the same batches
+        want, got = FastLoader(a, 16, seed=4, num_threads=2), FastLoader(b, 16, seed=4, num_threads=2)
+        want.set_epoch(epoch), got.set_epoch(epoch)
+        assert _same(_epoch(got), _epoch(want))
+    store = (indexed_datasets["lmdb"] / "images-00000.lmdb").stat().st_size
+    small = FastDataset(url + "/lmdb", cache_dir=tmp_path / "c3", cache_limit=2 * store)  # in order: evicts
+    for epoch in range(2):
+        want = FastLoader(FastDataset(indexed_datasets["lmdb"]), 16, shuffle=False, num_threads=1, prefetch=0)
+        got = FastLoader(small, 16, shuffle=False, num_threads=1, prefetch=0)
+        assert _same(_epoch(got), _epoch(want))
+    assert len(list(small.root.glob("*.lmdb"))) <= 2
     text = tmp_path / "t.jsonl"
     text.write_text("".join(json.dumps({"text": f"document {i}: " + "hello remote world, " * 20}) + "\n"
                             for i in range(40)))
@@ -123,8 +137,8 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
         want, got = FastLoader(local, 8, seed=3, num_threads=2), FastLoader(streamed, 8, seed=3, num_threads=2)
         want.set_epoch(epoch), got.set_epoch(epoch)
         assert _same(_epoch(got), _epoch(want))
-    with pytest.raises(ConfigError, match="cache_limit"):  # an LMDB is read whole: it must fit
-        FastDataset(url + "/lmdb", cache_dir=tmp_path / "c2", cache_limit=1000)
+    with pytest.raises(ConfigError, match="cache_limit"):  # a private RAM copy needs all of it: it must fit
+        TokenDataset(url + "/tok", seq_len=16, cache_dir=tmp_path / "c2", cache_limit=1000, storage="ram")
 
 
 def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_datasets, tmp_path):

@@ -22,7 +22,7 @@ def dataset(request, photo_folder, tmp_path) -> Path:
 
 
 def _data_file(ds: Path) -> Path:
-    return ds / ("images-00001.npy" if (ds / "images-00001.npy").exists() else "images.lmdb")
+    return ds / ("images-00001.npy" if (ds / "images-00001.npy").exists() else "images-00000.lmdb")
 
 
 def test_verify_intact(dataset, capsys):

@@ -1,6 +1,10 @@
 """JPEG store in LMDB: one record per sample, keys ``b"%012d" % i`` (they sort in sample order), labels in
 ``labels.npy`` beside it. Values are plain JPEG bytes; nothing is pickled.
 
+Format version 2 splits the records over LMDB shards ``images-00000.lmdb`` ... of ``shard_size`` samples
+(the manifest's ``lmdb_shards``; keys stay global), so a dataset in object storage streams shard by shard
+like the npy format. Version 1 datasets (one ``images.lmdb``, the manifest's ``lmdb``) still load.
+
 Writing goes through resumable parts (``part-K.npy`` blobs with offsets) in the run's partial folder;
 the LMDB is then built in one append-only pass with a fixed commit pattern. LMDB page contents depend on
 the write history, so this is what makes the output byte-identical for any worker count and after resume.
@@ -11,20 +15,31 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .._io import HASH_NAME, disk_error, hash_file, write_bytes_atomic
+from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
 from .base import UnitWriter, npy_bytes
 
-LMDB_NAME = "images.lmdb"
+LMDB_NAME = "images.lmdb"  # version 1: the one store
 LABELS_NAME = "labels.npy"
 _COMMIT_EVERY = 1024  # records per write transaction while building (fixed: part of the byte layout)
 
 
 def key(i: int) -> bytes:
     return b"%012d" % i
+
+
+def shard_name(k: int) -> str:
+    return f"images-{k:05d}.lmdb"
+
+
+def lmdb_shards(manifest: dict[str, Any]) -> tuple[list[str], int]:
+    """``(store files in sample order, samples per store)`` of an LMDB dataset, version 1 or 2."""
+    if "lmdb_shards" in manifest:
+        return [s["path"] for s in manifest["lmdb_shards"]], int(manifest["shard_size"])
+    return [manifest["lmdb"]], max(1, int(manifest["num_samples"]))
 
 
 def part_names(k: int) -> tuple[str, str, str]:
@@ -67,17 +82,29 @@ def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[memoryview], 
 
 
 def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
-    """Write ``images.lmdb`` and ``labels.npy`` from ``count`` parts; returns their manifest entries."""
+    """Write one LMDB shard per part (``images-K.lmdb``) and ``labels.npy`` from ``count`` parts; returns
+    their manifest entries, shards first."""
+    entries, labels, first = [], [], 0
+    for k, part in enumerate(iter_parts(parts_dir, count)):
+        entry, part_labels = _build_one(out / shard_name(k), parts_dir / part_names(k)[0], part, first)
+        entries.append(entry)
+        labels.append(part_labels)
+        first += len(part_labels)
+    all_labels = np.concatenate(labels) if labels else np.zeros(0, dtype="<i8")
+    return entries + [write_bytes_atomic(out / LABELS_NAME, npy_bytes(all_labels))]
+
+
+def _build_one(path: Path, blob_file: Path, part: tuple[list[memoryview], np.ndarray], first: int
+               ) -> tuple[dict[str, Any], np.ndarray]:
     import lmdb
 
-    payload = sum((parts_dir / part_names(k)[0]).stat().st_size for k in range(count))
-    # Values over a page go to overflow pages (up to 4 KiB waste each); 1.5x + 64 MiB has room for that.
-    map_size = int(payload * 1.5) + (64 << 20)
-    path, tmp = out / LMDB_NAME, out / (LMDB_NAME + ".tmp")
+    # Values over a page go to overflow pages (up to 4 KiB waste each); 1.5x + 1 MiB has room for that.
+    map_size = int(blob_file.stat().st_size * 1.5) + (1 << 20)
+    tmp = path.with_name(path.name + ".tmp")
     while True:
         tmp.unlink(missing_ok=True)
         try:
-            labels = _write_lmdb(lmdb, tmp, map_size, iter_parts(parts_dir, count))
+            labels = _write_lmdb(lmdb, tmp, map_size, iter([part]), first)
             break
         except lmdb.MapFullError:
             map_size *= 2  # deterministic: the same data always takes the same retries
@@ -88,16 +115,16 @@ def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise disk_error(exc, tmp) from exc
-    entry = {"path": LMDB_NAME, "bytes": tmp.stat().st_size, HASH_NAME: hash_file(tmp)}
+    entry = {"path": path.name, "bytes": tmp.stat().st_size, HASH_NAME: hash_file(tmp)}
     os.replace(tmp, path)
-    return [entry, write_bytes_atomic(out / LABELS_NAME, npy_bytes(labels))]
+    return entry, labels
 
 
-def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[memoryview], np.ndarray]]
-                ) -> np.ndarray:
+def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[memoryview], np.ndarray]],
+                first: int = 0) -> np.ndarray:
     env = lmdb.open(str(tmp), subdir=False, map_size=map_size, lock=False, meminit=True, sync=True,
                     metasync=True, max_dbs=0)
-    all_labels, i = [], 0
+    all_labels, i = [], first
     try:
         txn = env.begin(write=True)
         for blobs, labels in parts:
@@ -105,7 +132,7 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[
             for blob in blobs:
                 txn.put(key(i), blob, append=True)
                 i += 1
-                if i % _COMMIT_EVERY == 0:
+                if (i - first) % _COMMIT_EVERY == 0:
                     txn.commit()
                     txn = env.begin(write=True)
         txn.commit()
@@ -140,12 +167,43 @@ def _env(path: Path) -> Any:
         return _ENVS[key]
 
 
-class LmdbReader:
-    """Read-only access to ``images.lmdb``, opened lazily in each process (safe in DataLoader workers)."""
+def forget(path: Path) -> None:
+    """Close this process's environment on ``path`` (before the file is deleted: its pages are freed)."""
+    with _ENVS_LOCK:
+        env = _ENVS.pop(str(Path(path).resolve()), None) if _ENVS_PID == os.getpid() else None
+    if env is not None:
+        env.close()
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+
+class LmdbReader:
+    """Read-only access to LMDB stores (one, or shards of ``shard_size`` samples in order), each opened lazily
+    in each process (safe in DataLoader workers)."""
+
+    def __init__(self, paths: Union[Path, Sequence[Path]], shard_size: Optional[int] = None) -> None:
+        self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+        self.shard_size = shard_size or 0
+        self.path = self.paths[0] if len(self.paths) == 1 else self.paths[0].parent
+
+    def path_of(self, i: int) -> Path:
+        """The store holding sample ``i``."""
+        return self.paths[i // self.shard_size] if len(self.paths) > 1 else self.paths[0]
 
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
-        with _env(self.path).begin(buffers=False) as txn:
-            return [txn.get(key(int(i))) for i in indices]
+        if len(self.paths) == 1:
+            with _env(self.paths[0]).begin(buffers=False) as txn:
+                return [txn.get(key(int(i))) for i in indices]
+        idx = np.asarray(indices, dtype=np.int64)
+        shard = idx // self.shard_size
+        out: list[bytes] = [b""] * len(idx)
+        for s in np.unique(shard).tolist():  # one read transaction per store touched
+            rows = np.flatnonzero(shard == s).tolist()
+            with _env(self.paths[s]).begin(buffers=False) as txn:
+                for r in rows:
+                    out[r] = txn.get(key(int(idx[r])))
+        return out
+
+
+def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:
+    """The reader of an LMDB dataset folder, version 1 or 2."""
+    names, shard_size = lmdb_shards(manifest)
+    return LmdbReader([safe_join(root, n) for n in names], shard_size)

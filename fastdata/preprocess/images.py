@@ -203,8 +203,10 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
     else:
         files = lmdb_store.build(out, partial, len(jr.units))
         labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)]
-        fmt, extra = IMAGES_LMDB, {"lmdb": lmdb_store.LMDB_NAME, "labels": lmdb_store.LABELS_NAME,
-                                   "key_format": "%012d", "encoding": "jpeg", "max_short_side": config.size}
+        fmt, extra = IMAGES_LMDB, {"lmdb_shards": [{"path": lmdb_store.shard_name(u["index"]), "samples": u["samples"]}
+                                                   for u in jr.units], "shard_size": config.shard_size,
+                                   "labels": lmdb_store.LABELS_NAME, "key_format": "%012d", "encoding": "jpeg",
+                                   "max_short_side": config.size}
     all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
     counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
     manifest = new_manifest(

@@ -121,13 +121,16 @@ class _Plan:
 class ShardCache:
     """Shards ``names`` of ``remote`` in its cache folder, fetched ahead of a plan and evicted by next use
     (see NOTE [shard cache]); a shard may be several files read together (``("images-0.npy",
-    "labels-0.npy")``), fetched and evicted as one and opened with the first one's path. ``opener(shard, path)`` makes what readers use (a memory map), kept while cached."""
+    "labels-0.npy")``), fetched and evicted as one and opened with the first one's path. ``opener(shard,
+    path)`` makes what readers use (a memory map), kept while cached; ``closer(shard, path)`` lets go of it
+    before the shard may be evicted (an LMDB environment)."""
 
     def __init__(self, remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]],
                  opener: Callable[[int, Path], Any], *,
                  limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
-                 progress: Optional[Callable[[int], None]] = None) -> None:
-        self.remote, self.opener = remote, opener
+                 progress: Optional[Callable[[int], None]] = None,
+                 closer: Optional[Callable[[int, Path], None]] = None) -> None:
+        self.remote, self.opener, self.closer = remote, opener, closer
         self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
         self.names = [g[0] for g in self.groups]
         self.sizes = np.array([sum(int(remote.entry(n)["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
@@ -280,6 +283,8 @@ class ShardCache:
                     self._locks[s] = lock
 
     def _close(self, s: int) -> None:
+        if self._is_open[s] and self.closer is not None:
+            self.closer(s, self.remote.dir / self.names[s])
         self._objs[s] = None
         self._is_open[s] = False
         lock = self._locks.pop(s, None)
