@@ -133,6 +133,12 @@ class FastDataset(torch.utils.data.Dataset):
         view.setflags(write=False)
         return view
 
+    def sample_shards(self) -> Optional[np.ndarray]:
+        """The shard holding each sample (for ``shuffle_window``); None for a one-store LMDB (version 1)."""
+        if self.is_lmdb and "lmdb_shards" not in self.manifest:
+            return None
+        return np.arange(len(self), dtype=np.int64) // int(self.manifest["shard_size"])
+
     @property
     def sample_shape(self) -> tuple[int, ...]:
         return (self.size, self.size, 3) if self.is_lmdb else tuple(self.manifest["sample_shape"])
@@ -366,6 +372,10 @@ class DatasetView:
         if isinstance(indices, torch.Tensor):
             indices = indices.cpu().numpy()
         return self.base.get_batch(self.indices[np.asarray(indices, dtype=np.int64)], out, draw)
+
+    def sample_shards(self) -> Optional[np.ndarray]:
+        shards = self.base.sample_shards()
+        return None if shards is None else shards[self.indices]
 
     def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
         plan = getattr(self.base, "plan_reads", None)

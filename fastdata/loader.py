@@ -51,12 +51,15 @@ def load_config(path: Union[Path, str]) -> dict[str, Any]:
 class FastLoader(SamplerBacked):
     """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
     in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable). ``pad=False``
-    serves every sample exactly once across ranks (for evaluation; ranks may get one batch fewer)."""
+    serves every sample exactly once across ranks (for evaluation; ranks may get one batch fewer).
+    ``shuffle_window=K`` shuffles shards, then samples within windows of K shards: a stretch of the epoch
+    reads at most K shards (for data streamed from object storage through a small cache; see
+    NOTE [windowed shuffle] in sampler.py)."""
 
     def __init__(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  *, num_threads: Optional[int] = None, prefetch: int = 2, pin_memory: Optional[bool] = None,
                  copy: bool = False, pad: bool = True, rank: Optional[int] = None,
-                 world_size: Optional[int] = None) -> None:
+                 world_size: Optional[int] = None, shuffle_window: Optional[int] = None) -> None:
         for attr in ("get_batch", "sample_shape", "sample_dtype", "__len__"):
             if not hasattr(dataset, attr):
                 raise ConfigError(f"dataset must provide get_batch(), sample_shape and sample_dtype (a FastDataset or "
@@ -67,8 +70,12 @@ class FastLoader(SamplerBacked):
             raise ConfigError(f"prefetch must be an integer >= 0, got prefetch={prefetch!r}")
         self.dataset = dataset
         self.batch_size = batch_size
+        shards = None
+        if shuffle_window is not None and hasattr(dataset, "sample_shards"):
+            shards = dataset.sample_shards()  # windows of shards (NOTE [windowed shuffle] in sampler.py)
         self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
-                                               drop_last=drop_last, pad=pad, rank=rank, world_size=world_size)
+                                               drop_last=drop_last, pad=pad, rank=rank, world_size=world_size,
+                                               shuffle_window=shuffle_window, shards=shards)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory

@@ -10,6 +10,14 @@ evaluation) it is neither, so every sample is served exactly once and ranks may 
 so one batch, fewer. Rank ``r`` takes
 ``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
 ``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
+
+NOTE [windowed shuffle]: with ``shuffle_window=K`` and each sample's shard (``shards``), ``perm`` is drawn
+in two steps from ``(seed, epoch)``: the shards in a random order, then the samples of each window of K
+consecutive shards of that order in a random order among themselves. A stretch of the epoch then reads
+at most K shards (the first batch needs at most K; a node cache of K shards never thrashes), at the cost
+of batches mixing only within a window (``benchmarks/bench_shuffle.py`` measures how much). Everything
+above holds for any permutation, so exactly-once, equal batch counts and resume at another world size
+are unchanged; a window covering every shard gives exactly the plain permutation.
 """
 from __future__ import annotations
 
@@ -32,13 +40,23 @@ class DistributedBatchSampler:
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, pad: bool = True, rank: Optional[int] = None,
-                 world_size: Optional[int] = None) -> None:
+                 world_size: Optional[int] = None, shuffle_window: Optional[int] = None,
+                 shards: Optional[np.ndarray] = None) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got batch_size={batch_size!r}")
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+        if shuffle_window is not None:
+            if not isinstance(shuffle_window, int) or shuffle_window < 1:
+                raise ConfigError(f"shuffle_window must be a positive number of shards, got "
+                                  f"shuffle_window={shuffle_window!r}")
+            if shards is None or len(shards) != num_samples:
+                raise ConfigError("shuffle_window needs each sample's shard: the dataset must say where its samples are "
+                                  "stored (FastDataset and TokenDataset do; an LMDB made before LMDB shards does not)")
+        self.shuffle_window = shuffle_window
+        self._shards = None if shards is None else np.asarray(shards, dtype=np.int64)
         self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
         self.drop_last, self.pad = drop_last, pad
         self.rank, self.world_size = dist_rank_world(rank, world_size)
@@ -52,7 +70,18 @@ class DistributedBatchSampler:
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
-        return np.random.default_rng((self.seed, epoch)).permutation(self.num_samples).astype(np.int64)
+        rng = np.random.default_rng((self.seed, epoch))
+        if self.shuffle_window is None or self._shards is None or self.shuffle_window >= self._count_shards():
+            return rng.permutation(self.num_samples).astype(np.int64)
+        # NOTE [windowed shuffle]: shards in a random order, then samples at random within each window
+        order = np.empty(self._count_shards(), dtype=np.int64)
+        order[rng.permutation(len(order))] = np.arange(len(order))  # each shard's place in the shard order
+        window = order[self._shards] // self.shuffle_window
+        return np.lexsort((rng.random(self.num_samples), window)).astype(np.int64)
+
+    def _count_shards(self) -> int:
+        assert self._shards is not None
+        return int(self._shards.max()) + 1 if len(self._shards) else 0
 
     def _rest(self) -> np.ndarray:
         rest = self.permutation()[self.start:]
@@ -117,16 +146,21 @@ class DistributedBatchSampler:
         return min(self.num_samples, self.batch_position(self.served))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
-                "num_samples": self.num_samples}
+        state = {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
+                 "num_samples": self.num_samples}
+        if self.shuffle_window is not None:  # (absent otherwise: states saved before windows still load)
+            state["shuffle_window"] = self.shuffle_window
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_samples") != self.num_samples:
             raise ConfigError(f"the state is for {state.get('num_samples')} samples but this dataset has "
                               f"{self.num_samples}: it belongs to another dataset")
-        if state.get("seed") != self.seed or state.get("shuffle") != self.shuffle:
-            raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}; "
-                              f"this sampler has seed={self.seed}, shuffle={self.shuffle}: the order would differ")
+        if (state.get("seed") != self.seed or state.get("shuffle") != self.shuffle
+                or state.get("shuffle_window") != self.shuffle_window):
+            raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}, "
+                              f"shuffle_window={state.get('shuffle_window')}; this sampler has seed={self.seed}, "
+                              f"shuffle={self.shuffle}, shuffle_window={self.shuffle_window}: the order would differ")
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
         if self.start >= self.num_samples:  # saved at the very end of an epoch: the next one is due
             self.end_epoch()

@@ -186,6 +186,10 @@ class TokenDataset(torch.utils.data.Dataset):
                 m = sh == s
                 dst[r, m] = arrays[s][pos[m] - self._shard_offsets[s]]
 
+    def sample_shards(self) -> np.ndarray:
+        """The shard holding each window's first token (for ``shuffle_window``)."""
+        return shard_of(self.starts(np.arange(len(self), dtype=np.int64)), self._shard_offsets)
+
     def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
         """Tell a streamed dataset the coming batches (window ``indices`` in order), so their shards are
         fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""

@@ -394,3 +394,32 @@ def test_torchrun_ranks_share_one_cache_download_once_and_resume_at_another_worl
     files = [k for k in proxy.gets if k.endswith(".npy")]
     assert len(files) == 14 and all(proxy.gets[k] == 1 for k in files), proxy.gets  # one download per node
     assert [p.name for p in (tmp_path / "cache").iterdir()] != []
+
+
+def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cache(s3, proxy, indexed_datasets,
+                                                                                tmp_path):
+    from collections import Counter
+
+    from fastdata.dataset import FastDataset
+    from fastdata.loader import FastLoader
+    from fastdata.storage.remote import push
+
+    url = s3("window") + "/ds"
+    push(indexed_datasets["npy"], url)
+    group = sum((indexed_datasets["npy"] / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
+    local = FastDataset(indexed_datasets["npy"])
+    proxy.clear()
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=4 * group)  # 4 of the 7 shards fit
+    for epoch in range(2):
+        want = FastLoader(local, 8, seed=6, shuffle_window=2, num_threads=2)
+        got = FastLoader(ds, 8, seed=6, shuffle_window=2, num_threads=2)
+        want.set_epoch(epoch), got.set_epoch(epoch)
+        batches = _epoch(got)
+        assert _same(batches, _epoch(want))
+        ids = Counter(want.sampler.rank_indices().tolist())
+        assert set(ids) == set(range(100)) and max(ids.values()) == 1
+        first = want.sampler.rank_indices()[:8] // 16
+        assert len(set(first.tolist())) <= 2  # the first batch needs at most the window's 2 shards
+        gets = sum(v for k, v in proxy.gets.items() if "images-" in k)
+        # every shard at most once an epoch though the cache holds 4 of 7 (the second epoch reuses some)
+        assert gets == 7 if epoch == 0 else 7 < gets <= 14

@@ -127,3 +127,71 @@ def test_usable_as_dataloader_batch_sampler():
     s = DistributedBatchSampler(20, 6, rank=0, world_size=1)
     got = [b[0].tolist() for b in torch.utils.data.DataLoader(ds, batch_sampler=s)]
     assert sorted(i for b in got for i in b) == list(range(20)) and [len(b) for b in got] == [6, 6, 6, 2]
+
+
+def _windowed(n, shard, window, rank=0, world=1, seed=3, **kw):
+    import numpy as np
+
+    return DistributedBatchSampler(n, 8, seed=seed, rank=rank, world_size=world, shuffle_window=window,
+                                   shards=np.arange(n) // shard, **kw)
+
+
+def test_a_window_covering_every_shard_is_exactly_the_plain_shuffle():
+    import numpy as np
+
+    plain = DistributedBatchSampler(1000, 8, seed=3, rank=0, world_size=1)
+    for epoch in (0, 5):
+        assert np.array_equal(_windowed(1000, 64, 16).permutation(epoch), plain.permutation(epoch))
+        assert np.array_equal(_windowed(1000, 64, 99).permutation(epoch), plain.permutation(epoch))
+
+
+@pytest.mark.parametrize("n, shard, window", [(1000, 64, 1), (1000, 64, 3), (1003, 50, 4), (640, 64, 2)])
+def test_a_windowed_shuffle_reads_window_by_window_and_mixes_inside(n, shard, window):
+    import numpy as np
+
+    s = _windowed(n, shard, window)
+    perm = s.permutation(0)
+    assert sorted(perm.tolist()) == list(range(n))  # a permutation: every sample once
+    shard_of = perm // shard
+    firsts = {}
+    for pos, sh in enumerate(shard_of.tolist()):
+        firsts.setdefault(sh, pos)
+    order = sorted(firsts, key=firsts.get)  # the shards in the order the epoch reaches them
+    start = 0
+    for w in range(0, len(order), window):  # window k holds exactly the samples of its shards, contiguously
+        members = set(order[w:w + window])
+        size = sum(min(shard, n - m * shard) for m in members)
+        assert set(shard_of[start:start + size].tolist()) == members
+        start += size
+    inside = perm[:min(n, window * shard)]
+    if window > 1:  # samples of the window's shards are interleaved, not read shard after shard
+        assert len(set((inside[:16] // shard).tolist())) > 1
+    assert not np.array_equal(s.permutation(0), s.permutation(1))  # a new order every epoch, shards too
+    assert order != sorted(order)  # the shards themselves come in a random order
+
+
+def test_windowed_epochs_serve_every_sample_once_across_ranks_and_resume_at_another_world_size():
+    from collections import Counter
+
+    first = [_windowed(1000, 64, 2, rank=r, world=2) for r in range(2)]
+    seen = Counter()
+    for s in first:
+        for _, batch in zip(range(20), s):  # 20 batches a rank, then a checkpoint
+            seen.update(batch)
+    state = first[0].state_dict()
+    assert state["shuffle_window"] == 2 and state["position"] == 20 * 8 * 2
+    rest = [_windowed(1000, 64, 2, rank=r, world=3) for r in range(3)]
+    for s in rest:
+        s.load_state_dict(state)
+    counts = {len(list(s)) for s in rest}
+    for s in rest:
+        s.load_state_dict(state)
+        for batch in s:
+            seen.update(batch)
+    assert len(counts) == 1 and set(seen) == set(range(1000)) and sum(seen.values()) - 1000 <= 2
+    with pytest.raises(ConfigError, match="shuffle_window"):
+        _windowed(1000, 64, 4).load_state_dict(state)  # another window: another order
+    with pytest.raises(ConfigError, match="shuffle_window"):
+        DistributedBatchSampler(1000, 8, shuffle_window=2)  # no shards given
+    with pytest.raises(ConfigError, match="shuffle_window"):
+        _windowed(1000, 64, 0)
