@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -98,18 +98,7 @@ def _shm(args: argparse.Namespace) -> int:
             print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}")
         print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.shm_dir(args.dir)}", file=sys.stderr)
         return 0
-    if not args.ids and not args.all:
-        print("fastdata: error: name the copies to remove (ids from `fastdata shm list`) or pass --all",
-              file=sys.stderr)
-        return 2
-    removed = shm.remove_copies([] if args.all else args.ids, args.dir)
-    missing = sorted(set(args.ids) - set(removed))
-    for cid in removed:
-        print(f"removed {cid}")
-    if missing:
-        print(f"fastdata: error: no copy named {', '.join(missing)} in {shm.shm_dir(args.dir)}", file=sys.stderr)
-        return 1
-    return 0
+    return _remove(args, "copies", "copy", lambda ids: shm.remove_copies(ids, args.dir), shm.shm_dir(args.dir))
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -123,18 +112,34 @@ def _cache(args: argparse.Namespace) -> int:
                   f"{c['cached_files']}/{c['files']} files  {c['url']}")
         print(f"{len(found)} dataset(s) in {where}", file=sys.stderr)
         return 0
+    return _remove(args, "datasets", "cached dataset", lambda ids: remove_cached(ids, where), where)
+
+
+def _remove(args: argparse.Namespace, things: str, thing: str, remove: Callable[[list[str]], list[str]],
+            where: Path) -> int:
+    """``fastdata shm|cache remove IDS|--all``: remove, print each id removed, name the ids not found."""
     if not args.ids and not args.all:
-        print("fastdata: error: name the datasets to remove (ids from `fastdata cache list`) or pass --all",
+        print(f"fastdata: error: name the {things} to remove (ids from `fastdata {args.command} list`) or pass --all",
               file=sys.stderr)
         return 2
-    removed = remove_cached([] if args.all else args.ids, where)
+    removed = remove([] if args.all else args.ids)
     for cid in removed:
         print(f"removed {cid}")
     missing = sorted(set(args.ids) - set(removed))
     if missing:
-        print(f"fastdata: error: no cached dataset named {', '.join(missing)} in {where}", file=sys.stderr)
+        print(f"fastdata: error: no {thing} named {', '.join(missing)} in {where}", file=sys.stderr)
         return 1
     return 0
+
+
+def _add_list_remove(sub: Any, name: str, help: str, things: str, every: str, dir_help: str, func: Any) -> None:
+    """A ``list | remove [IDS] [--all] [--dir]`` command (``shm``, ``cache``)."""
+    cmd = sub.add_parser(name, help=help)
+    cmd.add_argument("action", choices=("list", "remove"))
+    cmd.add_argument("ids", nargs="*", help=f"remove: ids of the {things} (see `fastdata {name} list`)")
+    cmd.add_argument("--all", action="store_true", help=f"remove: {every}")
+    cmd.add_argument("--dir", type=Path, default=None, help=dir_help)
+    cmd.set_defaults(func=func)
 
 
 def add_data_commands(sub: Any) -> None:
@@ -155,16 +160,8 @@ def add_data_commands(sub: Any) -> None:
     ins.add_argument("path", help="dataset folder or URL (only its manifest is downloaded)")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=_inspect)
-    sh = sub.add_parser("shm", help="list or remove the per-machine dataset copies in /dev/shm")
-    sh.add_argument("action", choices=("list", "remove"))
-    sh.add_argument("ids", nargs="*", help="remove: ids of the copies (see `fastdata shm list`)")
-    sh.add_argument("--all", action="store_true", help="remove: every copy")
-    sh.add_argument("--dir", type=Path, default=None, help="shm folder (default $FASTDATA_SHM_DIR or /dev/shm)")
-    sh.set_defaults(func=_shm)
-
-    ca = sub.add_parser("cache", help="list or remove the node cache of remote datasets")
-    ca.add_argument("action", choices=("list", "remove"))
-    ca.add_argument("ids", nargs="*", help="remove: ids of the datasets (see `fastdata cache list`)")
-    ca.add_argument("--all", action="store_true", help="remove: every dataset (run it between jobs)")
-    ca.add_argument("--dir", type=Path, default=None, help="cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)")
-    ca.set_defaults(func=_cache)
+    _add_list_remove(sub, "shm", "list or remove the per-machine dataset copies in /dev/shm", "copies", "every copy",
+                     "shm folder (default $FASTDATA_SHM_DIR or /dev/shm)", _shm)
+    _add_list_remove(sub, "cache", "list or remove the node cache of remote datasets", "datasets",
+                     "every dataset (run it between jobs)", "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)",
+                     _cache)

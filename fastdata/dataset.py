@@ -24,7 +24,7 @@ from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
-from .storage.cache import ShardCache, download_bar, open_remote
+from .storage.cache import ShardCache, open_remote
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              verify_hashes)
 
@@ -182,7 +182,6 @@ class FastDataset(torch.utils.data.Dataset):
             if self._remote is not None and "lmdb_shards" in self.manifest:  # streamed: stores come as needed
                 names = [s["path"] for s in self.manifest["lmdb_shards"]]
                 self._cache = ShardCache(self._remote, names, lambda s, path: path, limit=self._limit,
-                                         progress=download_bar(self._remote, names),
                                          closer=lambda s, path: lmdb_store.forget(path))
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
@@ -195,8 +194,7 @@ class FastDataset(torch.utils.data.Dataset):
                 self._fill_labels(s, self.root / shard["labels"])
                 return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
             groups = [(s["images"], s["labels"]) for s in self.manifest["shards"]]
-            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit,
-                                     progress=download_bar(self._remote, groups))
+            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit)
             return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
@@ -277,16 +275,16 @@ class FastDataset(torch.utils.data.Dataset):
         rows = idx - shard * ss
         if len(idx) == 0:
             return
+        used = np.unique(shard)
         if self._cache is None:
-            self._take(self._shards, shard, rows, dst)
+            self._take(self._shards, shard, used, rows, dst)
         else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
-            with self._cache.reading(shard) as maps:
-                self._take(maps, shard, rows, dst)
+            with self._cache.reading(used) as maps:
+                self._take(maps, shard, used, rows, dst)
 
     @staticmethod
-    def _take(maps: Any, shard: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
+    def _take(maps: Any, shard: np.ndarray, used: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
         starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
-        used = np.unique(shard)
         if len(starts) == len(used):  # each shard one contiguous run: take straight into dst
             for a, b in zip(starts, np.r_[starts[1:], len(shard)]):
                 np.take(maps[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
@@ -314,7 +312,7 @@ class FastDataset(torch.utils.data.Dataset):
         if self._cache is None:
             blobs = self._reader.get_many(idx)
         else:  # streamed: the batch's stores fetched (or waited for) and pinned while read
-            with self._cache.reading(idx // self._reader.shard_size):
+            with self._cache.reading(np.unique(idx // self._reader.shard_size)):
                 blobs = self._reader.get_many(idx)
         boxes, flips = self._random_boxes(blobs, draw) if self.crop == "random" else (None, None)
         for j, blob in enumerate(blobs):

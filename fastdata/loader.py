@@ -158,10 +158,11 @@ class FastLoader(SamplerBacked):
 
     def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
         self._ensure_ring()
-        batches = self.sampler.batches()
+        mine = self.sampler.rank_indices()
+        batches = self.sampler.batches(mine)
         first, pulled = self.sampler.served, 0
         plan = getattr(self.dataset, "plan_reads", None)  # a streamed dataset fetches these batches' shards ahead
-        reads = plan(self.sampler.rank_indices()[first * self.batch_size:], self.batch_size) if plan else None
+        reads = plan(mine[first * self.batch_size:], self.batch_size) if plan else None
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()

@@ -57,6 +57,7 @@ class DistributedBatchSampler:
                                   "stored (FastDataset and TokenDataset do; an LMDB made before LMDB shards does not)")
         self.shuffle_window = shuffle_window
         self._shards = None if shards is None else np.asarray(shards, dtype=np.int64)
+        self._n_shards = int(self._shards.max()) + 1 if self._shards is not None and len(self._shards) else 0
         self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
         self.drop_last, self.pad = drop_last, pad
         self.rank, self.world_size = dist_rank_world(rank, world_size)
@@ -71,17 +72,14 @@ class DistributedBatchSampler:
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
         rng = np.random.default_rng((self.seed, epoch))
-        if self.shuffle_window is None or self._shards is None or self.shuffle_window >= self._count_shards():
+        if self.shuffle_window is None or self._shards is None or self.shuffle_window >= self._n_shards:
             return rng.permutation(self.num_samples).astype(np.int64)
         # NOTE [windowed shuffle]: shards in a random order, then samples at random within each window
-        order = np.empty(self._count_shards(), dtype=np.int64)
+        order = np.empty(self._n_shards, dtype=np.int64)
         order[rng.permutation(len(order))] = np.arange(len(order))  # each shard's place in the shard order
         window = order[self._shards] // self.shuffle_window
         return np.lexsort((rng.random(self.num_samples), window)).astype(np.int64)
 
-    def _count_shards(self) -> int:
-        assert self._shards is not None
-        return int(self._shards.max()) + 1 if len(self._shards) else 0
 
     def _rest(self) -> np.ndarray:
         rest = self.permutation()[self.start:]
@@ -96,9 +94,10 @@ class DistributedBatchSampler:
         """This rank's samples for the rest of the epoch, in order."""
         return self._rest()[self.rank::self.world_size]
 
-    def batches(self) -> Iterator[np.ndarray]:
-        """This rank's batches from the current position (int64 arrays; does not advance the state)."""
-        mine = self.rank_indices()
+    def batches(self, mine: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
+        """This rank's batches from the current position (int64 arrays; does not advance the state);
+        ``mine`` is :meth:`rank_indices` when the caller has it already (one permutation per epoch)."""
+        mine = self.rank_indices() if mine is None else mine
         first = self.served * self.batch_size
         for i in range(first, len(mine), self.batch_size):
             yield mine[i:i + self.batch_size]

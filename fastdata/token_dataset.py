@@ -17,7 +17,7 @@ import torch
 from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
-from .storage.cache import ShardCache, download_bar, open_remote
+from .storage.cache import ShardCache, open_remote
 from .storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -91,8 +91,7 @@ class TokenDataset(torch.utils.data.Dataset):
                 arr = map_npy(self.root, tokens.files[s][0], (tokens.files[s][1],), self.np_dtype)
                 return arr, self._windows(arr)
             names = [rel for rel, _ in tokens.files]
-            self._cache = ShardCache(self._remote, names, opener, limit=self._limit,
-                                     progress=download_bar(self._remote, names))
+            self._cache = ShardCache(self._remote, names, opener, limit=self._limit)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
             return
         opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
@@ -166,10 +165,9 @@ class TokenDataset(torch.utils.data.Dataset):
         if self._cache is None:
             self._gather_shards(starts, first, last, rows, dst, self._shards, self._shard_windows)
             return
-        both = np.concatenate([first, last])
-        with self._cache.reading(both) as opened:  # streamed: this batch's shards fetched and pinned
-            used = np.unique(both).tolist()
-            arrays, windows = {s: opened[s][0] for s in used}, {s: opened[s][1] for s in used}
+        used = np.unique(np.concatenate([first, last]))
+        with self._cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
+            arrays, windows = {s: opened[s][0] for s in used.tolist()}, {s: opened[s][1] for s in used.tolist()}
             self._gather_shards(starts, first, last, rows, dst, arrays, windows)
 
     def _gather_shards(self, starts: np.ndarray, first: np.ndarray, last: np.ndarray, rows: np.ndarray,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import ConfigError
-from .remote import RemoteDataset, is_url, local_root, scrub
+from .remote import RemoteDataset, is_url, scrub
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8
@@ -61,10 +61,11 @@ def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]
     every file but ``streamed(manifest)`` downloaded (those come with the batches), else the path itself.
     A dataset that streams nothing must fit under ``cache_limit`` whole."""
     limit = parse_size(cache_limit)
-    if not is_url(str(path)):
-        if cache_limit is not None:
-            raise ConfigError(f"cache_limit applies to URLs (s3://..., gs://...); {path} is a local path")
-        return local_root(path, storage_options, cache_dir), None, None
+    if not is_url(str(path)):  # a local folder is read in place
+        if storage_options is not None or cache_dir is not None or cache_limit is not None:
+            raise ConfigError(f"storage_options, cache_dir and cache_limit apply to URLs (s3://..., gs://...); "
+                              f"{path} is a local path")
+        return Path(path), None, None
     remote = RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir)
     stream = streamed(remote.manifest)
     need = sum(int(f["bytes"]) for f in remote.manifest["files"] if f["path"] not in stream)
@@ -75,14 +76,11 @@ def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]
     return remote.prepare(stream), remote, limit
 
 
-def download_bar(remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]]) -> Optional[Callable[[int], None]]:
-    """A progress callback showing the first download of ``names`` (bytes, rate) on rank 0; it closes itself
-    once they are all in; None when they already are."""
+def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], None]]:
+    """A progress callback showing the first download of ``left`` bytes of ``remote`` (bytes, rate) on rank 0;
+    it closes itself once they are all in; None when nothing is left."""
     from ..progress import progress_bar
 
-    names = [n for g in names for n in ((g,) if isinstance(g, str) else g)]
-
-    left = sum(int(remote.entry(n)["bytes"]) for n in names if not (remote.dir / n).is_file())
     if left == 0:
         return None
     bar = progress_bar(total=left, desc=f"download {remote.url.rsplit('/', 1)[-1]}", unit="B", unit_scale=True)
@@ -128,14 +126,15 @@ class ShardCache:
     def __init__(self, remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]],
                  opener: Callable[[int, Path], Any], *,
                  limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
-                 progress: Optional[Callable[[int], None]] = None,
-                 closer: Optional[Callable[[int, Path], None]] = None) -> None:
+                 progress: bool = True, closer: Optional[Callable[[int, Path], None]] = None) -> None:
         self.remote, self.opener, self.closer = remote, opener, closer
         self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
         self.names = [g[0] for g in self.groups]
         self.sizes = np.array([sum(int(remote.entry(n)["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
-        self.limit, self.in_flight, self.requests, self.progress = limit, in_flight, max(1, requests), progress
+        self.limit, self.in_flight, self.requests = limit, in_flight, max(1, requests)
         self._start()
+        # a bar (rank 0) over the bytes not cached yet
+        self.progress = download_bar(remote, int(self.sizes[~self._have].sum())) if progress else None
 
     def _start(self) -> None:
         self._pid = os.getpid()
@@ -187,14 +186,12 @@ class ShardCache:
 
     @contextlib.contextmanager
     def reading(self, shards: np.ndarray) -> Iterator[np.ndarray]:
-        """The opened shards indexed by shard, ``shards`` (one batch's, repeats allowed) pinned while the
-        block runs."""
-        used = np.unique(shards)
-        opened = self.acquire(used)
+        """The opened shards indexed by shard, the distinct ``shards`` of one batch pinned while the block runs."""
+        opened = self.acquire(shards)
         try:
             yield opened
         finally:
-            self.release(used)
+            self.release(shards)
 
     def end_plan(self, token: object) -> None:
         with self._cond:

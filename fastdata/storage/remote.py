@@ -242,16 +242,6 @@ class RemoteDataset:
                 part.unlink(missing_ok=True)
 
 
-def local_root(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None,
-               cache_dir: Optional[Union[str, Path]] = None) -> Path:
-    """The folder a reader opens: ``path`` itself, or the verified node-local copy of a URL."""
-    if is_url(str(path)):
-        return RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir).local()
-    if storage_options is not None or cache_dir is not None:
-        raise ConfigError(f"storage_options and cache_dir apply to URLs (s3://..., gs://...); {path} is a local path")
-    return Path(path)
-
-
 def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, Any]]:
     """Every remote dataset in the node cache: id, URL, bytes cached of bytes in all, files cached."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
