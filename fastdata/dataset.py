@@ -12,7 +12,7 @@ Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -135,9 +135,15 @@ class FastDataset(torch.utils.data.Dataset):
 
     def sample_shards(self) -> Optional[np.ndarray]:
         """The shard holding each sample (for ``shuffle_window``); None for a one-store LMDB (version 1)."""
+        bounds = self.shard_bounds()
+        return None if bounds is None else np.arange(len(self), dtype=np.int64) // int(self.manifest["shard_size"])
+
+    def shard_bounds(self) -> Optional[np.ndarray]:
+        """Each shard's first sample, then ``len(self)``: shards hold consecutive samples (for
+        ``shuffle_window`` without a number per sample); None for a one-store LMDB (version 1)."""
         if self.is_lmdb and "lmdb_shards" not in self.manifest:
             return None
-        return np.arange(len(self), dtype=np.int64) // int(self.manifest["shard_size"])
+        return np.r_[np.arange(0, len(self), int(self.manifest["shard_size"]), dtype=np.int64), len(self)]
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -293,13 +299,14 @@ class FastDataset(torch.utils.data.Dataset):
             mask = shard == s
             dst[mask] = np.take(maps[s], rows[mask], axis=0, mode="clip")
 
-    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
-        """Tell a streamed dataset the coming batches (``indices`` in order, ``batch_size`` a batch), so their
-        shards are fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
+    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; it may run on
+        into the next epoch), so their shards are fetched ahead of them and evicted by next use (FastLoader
+        calls this); a token for :meth:`end_reads`."""
         if self._cache is None:
             return None
         per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
-        return self._cache.plan_batches(np.asarray(indices, dtype=np.int64) // per_shard, batch_size)
+        return self._cache.plan(np.asarray(b, dtype=np.int64) // per_shard for b in batches)
 
     def end_reads(self, token: Optional[object]) -> None:
         if self._cache is not None and token is not None:
@@ -375,9 +382,9 @@ class DatasetView:
         shards = self.base.sample_shards()
         return None if shards is None else shards[self.indices]
 
-    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
+    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
         plan = getattr(self.base, "plan_reads", None)
-        return plan(self.indices[np.asarray(indices, dtype=np.int64)], batch_size) if plan is not None else None
+        return plan(self.indices[np.asarray(b, dtype=np.int64)] for b in batches) if plan is not None else None
 
     def end_reads(self, token: Optional[object]) -> None:
         if token is not None:

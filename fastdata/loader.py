@@ -70,12 +70,14 @@ class FastLoader(SamplerBacked):
             raise ConfigError(f"prefetch must be an integer >= 0, got prefetch={prefetch!r}")
         self.dataset = dataset
         self.batch_size = batch_size
-        shards = None
-        if shuffle_window is not None and hasattr(dataset, "sample_shards"):
-            shards = dataset.sample_shards()  # windows of shards (NOTE [windowed shuffle] in sampler.py)
+        shards = bounds = None
+        if shuffle_window is not None:  # windows of shards (NOTE [windowed shuffle] in sampler.py)
+            bounds = dataset.shard_bounds() if hasattr(dataset, "shard_bounds") else None
+            if bounds is None and hasattr(dataset, "sample_shards"):
+                shards = dataset.sample_shards()
         self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
                                                drop_last=drop_last, pad=pad, rank=rank, world_size=world_size,
-                                               shuffle_window=shuffle_window, shards=shards)
+                                               shuffle_window=shuffle_window, shards=shards, shard_bounds=bounds)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -158,11 +160,10 @@ class FastLoader(SamplerBacked):
 
     def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
         self._ensure_ring()
-        mine = self.sampler.rank_indices()
-        batches = self.sampler.batches(mine)
+        batches = self.sampler.batches()  # streamed: never the whole epoch at once
         first, pulled = self.sampler.served, 0
         plan = getattr(self.dataset, "plan_reads", None)  # a streamed dataset fetches these batches' shards ahead
-        reads = plan(mine[first * self.batch_size:], self.batch_size) if plan else None
+        reads = plan(self.sampler.coming_batches()) if plan else None
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()

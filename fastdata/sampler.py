@@ -11,22 +11,27 @@ so one batch, fewer. Rank ``r`` takes
 ``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
 ``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
 
-NOTE [windowed shuffle]: with ``shuffle_window=K`` and each sample's shard (``shards``), ``perm`` is drawn
+NOTE [windowed shuffle]: with ``shuffle_window=K`` and the samples each shard holds, ``perm`` is drawn
 in two steps from ``(seed, epoch)``: the shards in a random order, then the samples of each window of K
 consecutive shards of that order in a random order among themselves. A stretch of the epoch then reads
 at most K shards (the first batch needs at most K; a node cache of K shards never thrashes), at the cost
 of batches mixing only within a window (``benchmarks/bench_shuffle.py`` measures how much). Everything
 above holds for any permutation, so exactly-once, equal batch counts and resume at another world size
-are unchanged; a window covering every shard gives exactly the plain permutation.
+are unchanged; a window covering every shard gives exactly the plain permutation. Such an order is
+computed a window at a time (NOTE [streamed order] in order.py): the sampler streams a rank's batches
+and never holds the epoch, so 2·10^9 samples cost what one window costs. On several nodes the windows
+are dealt to nodes, so that a node reads (and its cache fetches) only its own share of the shards.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from .distributed import dist_rank_world
 from .errors import ConfigError
+from .order import EpochOrder, group_by_shard
 
 
 class DistributedBatchSampler:
@@ -41,66 +46,119 @@ class DistributedBatchSampler:
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, pad: bool = True, rank: Optional[int] = None,
                  world_size: Optional[int] = None, shuffle_window: Optional[int] = None,
-                 shards: Optional[np.ndarray] = None) -> None:
+                 shards: Optional[np.ndarray] = None, shard_bounds: Optional[np.ndarray] = None,
+                 node_size: Optional[int] = None) -> None:
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got batch_size={batch_size!r}")
         if not isinstance(seed, int):
             raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+        bounds = members = None
         if shuffle_window is not None:
             if not isinstance(shuffle_window, int) or shuffle_window < 1:
                 raise ConfigError(f"shuffle_window must be a positive number of shards, got "
                                   f"shuffle_window={shuffle_window!r}")
-            if shards is None or len(shards) != num_samples:
+            if shard_bounds is not None:  # shards of consecutive samples, by their first sample
+                bounds = np.asarray(shard_bounds, dtype=np.int64)
+                if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_samples or np.any(np.diff(bounds) < 0):
+                    raise ConfigError(f"shard_bounds must rise from 0 to num_samples={num_samples}")
+            elif shards is not None and len(shards) == num_samples:
+                bounds, members = group_by_shard(shards)
+            else:
                 raise ConfigError("shuffle_window needs each sample's shard: the dataset must say where its samples are "
                                   "stored (FastDataset and TokenDataset do; an LMDB made before LMDB shards does not)")
         self.shuffle_window = shuffle_window
-        self._shards = None if shards is None else np.asarray(shards, dtype=np.int64)
-        self._n_shards = int(self._shards.max()) + 1 if self._shards is not None and len(self._shards) else 0
+        self._bounds, self._members = bounds, members
+        self._n_shards = len(bounds) - 1 if bounds is not None else 0
         self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
         self.drop_last, self.pad = drop_last, pad
         self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.layout = self._layout(node_size)
+        self._resumed: Optional[tuple[int, tuple[int, int]]] = None  # (epoch, layout) of a loaded state
+        self._orders: dict[tuple[int, tuple[int, int]], EpochOrder] = {}
         self.epoch = 0
         self.start = 0  # global position this epoch (re)starts from
         self.served = 0  # batches handed out since `start` (kept up to date by the consumer, see advance())
 
+    def _layout(self, node_size: Optional[int]) -> tuple[int, int]:
+        """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given."""
+        if self.shuffle_window is None:
+            return (1, 1)
+        if node_size is None:
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if not isinstance(node_size, int) or node_size < 1:
+            raise ConfigError(f"node_size must be a positive number of ranks, got node_size={node_size!r}")
+        nodes = self.world_size // node_size
+        return (nodes, node_size) if nodes > 1 and nodes * node_size == self.world_size else (1, 1)
+
     # -- the plan -------------------------------------------------------------------------------------
-    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
-        """The whole epoch's order (all ranks), int64."""
+    def order(self, epoch: Optional[int] = None) -> EpochOrder:
+        """Epoch ``epoch``'s order (NOTE [streamed order] in order.py), computed as it is read."""
         epoch = self.epoch if epoch is None else epoch
-        if not self.shuffle:
-            return np.arange(self.num_samples, dtype=np.int64)
-        rng = np.random.default_rng((self.seed, epoch))
-        if self.shuffle_window is None or self._shards is None or self.shuffle_window >= self._n_shards:
-            return rng.permutation(self.num_samples).astype(np.int64)
-        # NOTE [windowed shuffle]: shards in a random order, then samples at random within each window
-        order = np.empty(self._n_shards, dtype=np.int64)
-        order[rng.permutation(len(order))] = np.arange(len(order))  # each shard's place in the shard order
-        window = order[self._shards] // self.shuffle_window
-        return np.lexsort((rng.random(self.num_samples), window)).astype(np.int64)
+        key = (epoch, self._layout_of(epoch))
+        if key not in self._orders:
+            while len(self._orders) >= 2:  # this epoch's and the next one's
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = self._new_order(epoch)
+        return self._orders[key]
 
+    def _layout_of(self, epoch: int) -> tuple[int, int]:
+        return self._resumed[1] if self._resumed is not None and self._resumed[0] == epoch else self.layout
 
-    def _rest(self) -> np.ndarray:
-        rest = self.permutation()[self.start:]
-        w = self.world_size
+    def _new_order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(self.num_samples, self.seed, epoch, shuffle=self.shuffle, window=self.shuffle_window,
+                          bounds=self._bounds, members=self._members, layout=self._layout_of(epoch))
+
+    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The whole epoch's order (all ranks), int64 (made whole: for small datasets and tests)."""
+        return self.order(epoch).at(np.arange(self.num_samples, dtype=np.int64))
+
+    def _due(self, start: int) -> int:
+        """How many positions the ranks serve from ``start`` on: ``rest`` padded or cut (NOTE [epoch plan])."""
+        left, w, b = self.num_samples - start, self.world_size, self.batch_size
         if self.drop_last:
-            return rest[: len(rest) // (w * self.batch_size) * (w * self.batch_size)]
-        if len(rest) % w and self.pad:
-            rest = np.concatenate([rest, np.resize(rest, w - len(rest) % w)])  # repeat the first ones
-        return rest
+            return left // (w * b) * (w * b)
+        return -(-left // w) * w if self.pad else left
+
+    def _positions(self, start: int, i0: int, i1: int) -> np.ndarray:
+        """Positions in ``perm`` of this rank's samples ``i0 .. i1 - 1`` of the epoch resumed at ``start``
+        (padding repeats ``rest``'s first samples)."""
+        i = np.arange(i0, i1, dtype=np.int64) * self.world_size + self.rank
+        return start + i % (self.num_samples - start)
+
+    def _stream(self, epoch: int, start: int, served: int, order: Optional[EpochOrder] = None
+                ) -> Iterator[np.ndarray]:
+        """This rank's batches of ``epoch`` resumed at ``start``, from batch ``served`` on, computed a chunk
+        of batches at a time (never the whole epoch)."""
+        order, b = order or self.order(epoch), self.batch_size
+        count = len(range(self.rank, self._due(start), self.world_size))
+        step = b * max(1, (1 << 16) // b)
+        for c0 in range(served * b, count, step):
+            chunk = order.at(self._positions(start, c0, min(count, c0 + step)))
+            for i in range(0, len(chunk), b):
+                yield chunk[i:i + b]
 
     def rank_indices(self) -> np.ndarray:
-        """This rank's samples for the rest of the epoch, in order."""
-        return self._rest()[self.rank::self.world_size]
+        """This rank's samples for the rest of the epoch, in order (made whole: prefer :meth:`batches`)."""
+        count = len(range(self.rank, self._due(self.start), self.world_size))
+        return self.order().at(self._positions(self.start, 0, count))
 
     def batches(self, mine: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
-        """This rank's batches from the current position (int64 arrays; does not advance the state);
-        ``mine`` is :meth:`rank_indices` when the caller has it already (one permutation per epoch)."""
-        mine = self.rank_indices() if mine is None else mine
-        first = self.served * self.batch_size
-        for i in range(first, len(mine), self.batch_size):
+        """This rank's batches from the current position (int64 arrays; does not advance the state),
+        streamed; ``mine`` is :meth:`rank_indices` when the caller has it already."""
+        if mine is None:
+            yield from self._stream(self.epoch, self.start, self.served)
+            return
+        for i in range(self.served * self.batch_size, len(mine), self.batch_size):
             yield mine[i:i + self.batch_size]
+
+    def coming_batches(self) -> Iterator[np.ndarray]:
+        """:meth:`batches`, then the next epoch's from its start: the reads a cache can plan for (the
+        next epoch's order is known already). Its orders are its own: another thread may run it."""
+        epoch, start, served = self.epoch, self.start, self.served
+        yield from self._stream(epoch, start, served, self._new_order(epoch))
+        yield from self._stream(epoch + 1, 0, 0, self._new_order(epoch + 1))
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.batches():
@@ -118,7 +176,8 @@ class DistributedBatchSampler:
 
     def __len__(self) -> int:
         """Batches this rank serves in the rest of the current epoch."""
-        return -(-len(self.rank_indices()) // self.batch_size) - self.served
+        count = len(range(self.rank, self._due(self.start), self.world_size))
+        return -(-count // self.batch_size) - self.served
 
     # -- progress and resumption ----------------------------------------------------------------------
     def advance(self, batches: int = 1) -> None:
@@ -149,6 +208,9 @@ class DistributedBatchSampler:
                  "num_samples": self.num_samples}
         if self.shuffle_window is not None:  # (absent otherwise: states saved before windows still load)
             state["shuffle_window"] = self.shuffle_window
+            layout = self.order().layout
+            if layout != (1, 1):  # windows dealt to nodes: the epoch's order depends on the layout
+                state["nodes"] = list(layout)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,6 +223,8 @@ class DistributedBatchSampler:
                               f"shuffle_window={state.get('shuffle_window')}; this sampler has seed={self.seed}, "
                               f"shuffle={self.shuffle}, shuffle_window={self.shuffle_window}: the order would differ")
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
+        layout = tuple(int(v) for v in state.get("nodes", (1, 1)))
+        self._resumed = (self.epoch, (layout[0], layout[1])) if self.shuffle_window is not None else None
         if self.start >= self.num_samples:  # saved at the very end of an epoch: the next one is due
             self.end_epoch()
 

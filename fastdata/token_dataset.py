@@ -9,7 +9,7 @@ starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -188,15 +188,17 @@ class TokenDataset(torch.utils.data.Dataset):
         """The shard holding each window's first token (for ``shuffle_window``)."""
         return shard_of(self.starts(np.arange(len(self), dtype=np.int64)), self._shard_offsets)
 
-    def plan_reads(self, indices: np.ndarray, batch_size: int) -> Optional[object]:
-        """Tell a streamed dataset the coming batches (window ``indices`` in order), so their shards are
-        fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
+    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (an iterator of window index arrays, in order), so
+        their shards are fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
         if self._cache is None:
             return None
-        starts = self.starts(np.asarray(indices, dtype=np.int64))
-        both = np.stack([shard_of(starts, self._shard_offsets),
-                         shard_of(starts + self.seq_len, self._shard_offsets)], axis=1).reshape(-1)
-        return self._cache.plan_batches(both, batch_size, per_batch=2)
+
+        def reads() -> Iterator[np.ndarray]:
+            for b in batches:  # a window's first and last token may lie in two shards
+                starts = self.starts(np.asarray(b, dtype=np.int64))
+                yield np.r_[shard_of(starts, self._shard_offsets), shard_of(starts + self.seq_len, self._shard_offsets)]
+        return self._cache.plan(reads())
 
     def end_reads(self, token: Optional[object]) -> None:
         if self._cache is not None and token is not None:

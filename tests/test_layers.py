@@ -16,7 +16,7 @@ LAYERS = [
      "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
     ["fastdata.storage", "fastdata.preprocess"],
     ["fastdata.dataset", "fastdata.token_dataset"],
-    ["fastdata.sampler", "fastdata.loader"],
+    ["fastdata.order", "fastdata.sampler", "fastdata.loader"],
     ["fastdata.gpu_transforms", "fastdata.prefetch", "fastdata.dali"],
     ["fastdata.train_config", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup", "fastdata.timing",
      "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.cli_data", "fastdata.__main__"],

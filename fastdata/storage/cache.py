@@ -1,16 +1,20 @@
 """The shards of a remote dataset fetched into the node cache as the loader will need them, within a size bound.
 
-NOTE [shard cache]: a reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`, from
-the epoch order FastLoader knows in advance). A scheduler thread downloads them in order of first need,
-with at most ``in_flight`` bytes and ``requests`` objects under way, so downloads overlap training and the
-first batch waits only for its own shards. ``acquire`` (every ``get_batch``) waits for the shards of one
-batch, fetching at once any that no prefetch covered, and pins them; ``release`` unpins them.
+NOTE [shard cache]: a reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`, an
+iterator over the epoch order FastLoader knows in advance, running on into the next epoch). A scheduler
+thread downloads them in order of first need, with at most ``in_flight`` bytes and ``requests`` objects
+under way, so downloads overlap training and the first batch waits only for its own shards; between
+downloads it learns more of the plan, a chunk of batches at a time, as runs of batches per shard (a
+windowed order over 10^9 samples is a few runs per shard, not a read per sample). ``acquire`` (every
+``get_batch``) waits for the shards of one batch, fetching at once any that no prefetch covered, and
+pins them; ``release`` unpins them.
 
 With ``limit`` (bytes of this dataset's files in the cache), room is made by evicting the cached shard
-whose next use in the plan is farthest away (never used again first: Belady's rule over the known
-order); a prefetch only replaces shards the plan never reads again, so prefetching never costs a
-download, and otherwise waits for the reader. When nothing can go, a batch's own shard is fetched
-anyway (a warning says the limit is too small for the shards in use). Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a
+whose next use is farthest away (never used again first; the next epoch's reads count, so the shards
+it starts with stay): Belady's rule over the known order. A prefetch of shard ``s`` only evicts shards
+read after ``s``, so it never costs a download that waiting for the reader would not, and otherwise
+waits. When nothing can go, a batch's own shard is fetched anyway (a warning says the limit is too small
+for the shards in use). Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a
 shard's pin file while it has the shard mapped, and an eviction needs that lock exclusively (the pin is
 not the download lock, so a reader holding pins never waits on a download that waits on it). Every rank
 on a node shares the cache folder and downloads each shard once (the per-file locks of
@@ -27,7 +31,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -97,23 +101,87 @@ def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], N
 
 
 class _Plan:
-    """Which shards each coming batch reads: ``(batch, shard)`` pairs sorted by batch, and for each shard
-    the batches it is read in (for next-use lookups)."""
+    """Which shards the coming batches read, learnt from ``reads`` (one array of shard numbers per batch, in
+    order) a chunk at a time, so a plan over two epochs of 10^9 samples costs its runs, not its reads:
+    for each shard the runs ``[lo, hi]`` of consecutive batches that read it, and every run's first batch
+    in batch order (what the scheduler prefetches, in order of need). Batches beyond what is learnt yet
+    are a horizon: a shard not seen before it is "not before the horizon", not "never"."""
 
-    def __init__(self, needs: np.ndarray, batch_of: np.ndarray, shards: int) -> None:
-        key = np.unique(batch_of.astype(np.int64) * shards + needs.astype(np.int64))  # sorted, deduplicated
-        self.batch, self.shard = key // shards, key % shards
-        by_shard = np.argsort(self.shard, kind="stable")
-        bounds = np.searchsorted(self.shard[by_shard], np.arange(shards + 1))
-        self._uses = [self.batch[by_shard[bounds[s]:bounds[s + 1]]] for s in range(shards)]
-        self.batches = int(self.batch[-1]) + 1 if len(self.batch) else 0
+    CHUNK = 1 << 18  # reads learnt at a time
+
+    def __init__(self, reads: Iterator[np.ndarray], shards: int) -> None:
+        self._reads, self.shards = reads, shards
+        self._lo = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
+        self._hi = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
+        self.batch = np.zeros(0, dtype=np.int64)  # runs' first batches, ascending...
+        self.shard = np.zeros(0, dtype=np.int64)  # ...and their shards
+        self.known = 0  # batches learnt
+        self.complete = False  # every batch learnt
         self.pos = 0  # batches acquired so far
-        self.cursor = 0  # pairs before it are scheduled or past
+        self.cursor = 0  # runs before it are scheduled or past
+        self._next = np.full(shards, -1, dtype=np.int64)  # next use per shard, valid while >= pos
 
-    def next_use(self, shard: int) -> int:
-        uses = self._uses[shard]
-        i = int(np.searchsorted(uses, self.pos))
-        return int(uses[i]) if i < len(uses) else _NEVER
+    def learn(self, lock: Any) -> bool:
+        """Learn the next chunk of batches, working outside ``lock`` and publishing under it (readers see
+        the plan before or after the chunk, never half of it); False when there was nothing left."""
+        if self.complete:
+            return False
+        needs, owners, b0 = [], [], self.known
+        known, taken, complete = b0, 0, False
+        for got in self._reads:
+            got = np.asarray(got, dtype=np.int64)
+            needs.append(got)
+            owners.append(np.full(len(got), known, dtype=np.int64))
+            known += 1
+            taken += len(got)
+            if taken >= self.CHUNK:
+                break
+        else:
+            complete = True
+        los, his = {}, {}
+        batch, shard = self.batch, self.shard
+        if needs:
+            span = known - b0
+            key = np.unique(np.concatenate(needs) * span + (np.concatenate(owners) - b0))  # by shard, then batch
+            key_shard, key_batch = key // span, key % span + b0
+            new = np.flatnonzero(np.r_[True, (key_shard[1:] != key_shard[:-1]) | (key_batch[1:] != key_batch[:-1] + 1)])
+            lo, hi, run_shard = key_batch[new], key_batch[np.r_[new[1:], len(key)] - 1], key_shard[new]
+            fresh = np.ones(len(new), dtype=bool)
+            edges = np.flatnonzero(np.r_[True, run_shard[1:] != run_shard[:-1]])
+            for i, j in zip(edges.tolist(), np.r_[edges[1:], len(new)].tolist()):
+                s = int(run_shard[i])
+                old_lo, old_hi = self._lo[s], self._hi[s]
+                if len(old_hi) and old_hi[-1] + 1 == lo[i]:  # a run carried over from the last chunk
+                    fresh[i] = False
+                    old_hi = np.r_[old_hi[:-1], hi[i]]
+                    i += 1
+                los[s], his[s] = np.r_[old_lo, lo[i:j]], np.r_[old_hi, hi[i:j]]
+            by_batch = np.argsort(lo[fresh], kind="stable")
+            batch, shard = np.r_[batch, lo[fresh][by_batch]], np.r_[shard, run_shard[fresh][by_batch]]
+        with lock:
+            for s in los:
+                self._lo[s], self._hi[s] = los[s], his[s]
+            self.batch, self.shard, self.known, self.complete = batch, shard, known, complete
+            self._next[self._next >= b0] = -1  # the horizon moved: those answers are out of date
+            self._next[list(los)] = -1  # (and these may be read sooner than known before)
+        return bool(needs)
+
+    def next_use(self, shard: int, after: Optional[int] = None) -> int:
+        """The first batch at or after ``pos`` (or ``after``) that reads ``shard``: ``_NEVER`` when no batch
+        does, the horizon when none learnt yet does."""
+        at = self.pos if after is None else after
+        lo, hi = self._lo[shard], self._hi[shard]
+        i = int(np.searchsorted(hi, at))
+        if i < len(hi):
+            return max(int(lo[i]), at)
+        return _NEVER if self.complete else self.known
+
+    def next_uses(self, shards: np.ndarray) -> np.ndarray:
+        """:meth:`next_use` of many shards, recomputing only those used (or learnt) since last asked."""
+        stale = shards[self._next[shards] < self.pos]
+        for s in stale.tolist():
+            self._next[s] = self.next_use(s)
+        return self._next[shards]
 
 
 class ShardCache:
@@ -165,24 +233,19 @@ class ShardCache:
             self._start()
 
     # -- plans ------------------------------------------------------------------------------------------
-    def plan(self, needs: np.ndarray, batch_of: np.ndarray) -> object:
-        """Register the coming reads (shard ``needs[i]`` is read by batch ``batch_of[i]``, batches counted
-        from 0 in ``acquire`` order); a token for :meth:`end_plan`. The newest plan drives prefetching."""
+    def plan(self, reads: Iterable[np.ndarray]) -> object:
+        """Register the coming reads: the shards of each coming batch, in ``acquire`` order (an iterator,
+        learnt as the scheduler goes: it may run on into the next epoch); a token for :meth:`end_plan`.
+        The newest plan drives prefetching."""
         self._check_pid()
         token = object()
         with self._cond:
-            self._plans.append((token, _Plan(needs, batch_of, len(self.names))))
+            self._plans.append((token, _Plan(iter(reads), len(self.names))))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._schedule, name="fastdata-prefetch", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return token
-
-    def plan_batches(self, shards: np.ndarray, batch_size: int, per_batch: int = 1) -> object:
-        """:meth:`plan` for batches of ``batch_size`` reads in order, each read naming ``per_batch`` shards
-        (``shards`` is ``(reads * per_batch,)``, read by read)."""
-        batch_of = np.repeat(np.arange(len(shards) // per_batch, dtype=np.int64) // batch_size, per_batch)
-        return self.plan(np.asarray(shards, dtype=np.int64), batch_of)
 
     @contextlib.contextmanager
     def reading(self, shards: np.ndarray) -> Iterator[np.ndarray]:
@@ -213,7 +276,7 @@ class ShardCache:
             plan = self._active()
             if plan is not None:
                 plan.pos += 1
-                if plan.cursor < len(plan.shard):  # the scheduler has work left that this read may unblock
+                if plan.cursor < len(plan.shard) or not plan.complete:  # the scheduler may have work again
                     self._cond.notify_all()
         try:
             while True:
@@ -308,7 +371,8 @@ class ShardCache:
 
     def _make_room(self, s: int, demand: bool) -> bool:
         """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
-        only evicts shards the plan never reads again (it never costs a download) and otherwise gets False."""
+        only evicts shards needed after ``s`` (so it never costs a download that waiting would not) and
+        otherwise gets False."""
         if self.limit is None:
             return True
         with self._cond:
@@ -319,29 +383,47 @@ class ShardCache:
             present[list(self._reserved)] = True  # downloads under way take their room now
             present[s] = False
             used = int(self.sizes[present].sum())
-            if used + self.sizes[s] <= self.limit:
+            free = self.limit - used - int(self.sizes[s])
+            if free < 0:
+                plan = self._active()
+                if not demand and plan is not None and not self._prefetch_may_evict(s, present, -free, plan):
+                    return False  # the shard the reader would evict when s is due is still in use: wait
+                present[list(self._reserved)] = False
+                candidates = np.flatnonzero(present & (self._pins == 0))
+                nxt = plan.next_uses(candidates) if plan is not None else np.full(len(candidates), _NEVER)
+                for c in candidates[np.argsort(-nxt, kind="stable")].tolist():
+                    if free >= 0:
+                        break
+                    self._close(c)
+                    if self._evict(c):
+                        free += int(self.sizes[c])
+            if free >= 0 or demand:
                 self._reserved.add(s)
-                return True
-            plan = self._active()
-            candidates = [c for c in np.flatnonzero(present) if self._pins[c] == 0 and c not in self._reserved]
-            order = sorted(candidates, key=lambda c: -(plan.next_use(c) if plan is not None else _NEVER))
-            for c in order:
-                if used + self.sizes[s] <= self.limit:
-                    break
-                if not demand and plan is not None and plan.next_use(c) != _NEVER:
-                    return False  # a prefetch only replaces what the plan never reads again: s waits
-                self._close(c)
-                if self._evict(c):
-                    used -= int(self.sizes[c])
-            if used + self.sizes[s] <= self.limit or demand:
-                self._reserved.add(s)
-            if used + self.sizes[s] <= self.limit:
+            if free >= 0:
                 return True
             if demand and not self._warned:
                 self._warned = True
                 warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
                               "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
             return demand
+
+    def _prefetch_may_evict(self, s: int, present: np.ndarray, short: int, plan: _Plan) -> bool:
+        """Whether fetching ``s`` now evicts what the reader would evict when ``s`` is due: the cached
+        shards (in use or arriving included) ranked by their next use from then on, the first ``short``
+        bytes of them all free now and not read before ``s``."""
+        due = plan.next_use(s)
+        cached = np.flatnonzero(present)
+        nxt = plan.next_uses(cached)
+        then = nxt.copy()  # next use from when s is due
+        for k in np.flatnonzero(nxt < due).tolist():
+            then[k] = plan.next_use(int(cached[k]), due)
+        by_then = np.argsort(-then, kind="stable")
+        room = np.cumsum(self.sizes[cached[by_then]])
+        victims = by_then[:int(np.searchsorted(room, short)) + 1]
+        if len(victims) == 0 or room[-1] < short:
+            return False
+        busy = (self._pins[cached[victims]] > 0) | np.isin(cached[victims], list(self._reserved))
+        return bool(not busy.any() and (nxt[victims] > due).all())
 
     def _unreserve(self, s: int) -> None:
         with self._cond:
@@ -370,20 +452,30 @@ class ShardCache:
     # -- prefetching ------------------------------------------------------------------------------------
     def _schedule(self) -> None:
         """Fetch the active plan's shards in order of first need, within the in-flight bounds; room is made
-        here, one shard at a time in that order, so prefetches never evict each other out of order."""
+        here, one shard at a time in that order, so prefetches never evict each other out of order. With
+        nothing to fetch now, learn more of the plan (how far ahead eviction can see)."""
         while True:
+            learn: Optional[_Plan] = None
             with self._cond:
                 s = self._next_candidate()
                 while s is None and not self._closed:
+                    plan = self._active()
+                    if plan is not None and not plan.complete:
+                        learn = plan
+                        break
                     self._cond.wait(0.5)
                     s = self._next_candidate()
                 if self._closed:
                     return
-                plan = self._active()
-                if not self._make_room(s, False):  # everything cached is needed before s: wait for the reader
-                    self._stalled = plan.pos if plan is not None else None
+                if learn is None:
+                    assert s is not None
+                    plan = self._active()
+                    if not self._make_room(s, False):  # everything cached is needed before s: wait for the reader
+                        self._stalled = plan.pos if plan is not None else None
+                        continue
+                    self._flying[s] = self._pool.submit(self._prefetch, s)
                     continue
-                self._flying[s] = self._pool.submit(self._prefetch, s)
+            learn.learn(self._cond)
 
     def _next_candidate(self) -> Optional[int]:
         """The next shard of the active plan, in order of need, that is not local yet (``_have`` is this
