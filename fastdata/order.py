@@ -5,8 +5,9 @@ NOTE [streamed order]: the order of an epoch is a permutation ``perm`` of ``rang
 window it is ``default_rng((seed, epoch)).permutation(N)``, made whole (``N`` int64s). With a window of K
 shards it is never made whole, so an epoch over 2·10^9 samples costs what one window costs:
 
-* the shards in a random order ``P`` (from ``default_rng((seed, epoch))``), dealt round-robin to ``C``
-  streams (``C`` = nodes of the run's layout, 1 on one node): stream ``c`` reads shards ``P[c::C]``;
+* the shards dealt to ``C`` streams (``C`` = nodes of the run's layout, 1 on one node) once for the run,
+  from ``seed`` alone, so that a node reads the same share every epoch and its cache keeps it; each
+  stream's shards in a new random order every epoch (from ``default_rng((seed, epoch))``);
 * each stream cut into windows of K consecutive shards of its own, and each window's samples shuffled
   among themselves by ``default_rng((seed, epoch, c, w))``: window ``w`` of stream ``c`` is made only
   when a position inside it is asked for;
@@ -67,12 +68,13 @@ class EpochOrder:
         streams = max(1, min(int(layout[0]), n_shards))
         self.streams, self.block = streams, int(layout[1]) if streams > 1 else 1
         self.layout = (self.streams, self.block)
-        shard_order = np.random.default_rng((seed, epoch)).permutation(n_shards)
+        deal = np.random.default_rng((seed, 0xDEA1)).permutation(n_shards)  # the same every epoch
         counts = np.diff(self.bounds)
-        pooled = self._pool(shard_order, counts, streams)
-        dealt = shard_order[~pooled]
-        # streams 0..C-1 are the nodes'; stream C is the pool, its shards one by one (windows of 1)
-        self.stream_shards = [dealt[c::streams] for c in range(streams)] + [shard_order[pooled]]
+        pooled = self._pool(deal, counts, streams)
+        dealt, rng = deal[~pooled], np.random.default_rng((seed, epoch))
+        # streams 0..C-1 are the nodes', their shards in this epoch's order; stream C is the pool, read
+        # shard by shard (windows of 1)
+        self.stream_shards = [rng.permutation(dealt[c::streams]) for c in range(streams)] + [deal[pooled]]
         self.widths = [window] * streams + [1]
         self.cum = []  # per stream: where each of its windows starts, in the stream's own positions
         for shards, width in zip(self.stream_shards, self.widths):

@@ -1,6 +1,7 @@
 """A loopback HTTP proxy in front of the moto S3 server that injects the faults object stores have:
 connection resets mid-body, truncated bodies, flipped bytes, 503 SlowDown, a server gone for a while.
-It also counts the GETs of each object (downloads per node). Tests point AWS_ENDPOINT_URL at it."""
+It also counts the GETs of each object and the bytes they returned (downloads per node). Tests (and
+benchmarks/bench_remote_cache.py) point AWS_ENDPOINT_URL at it."""
 from __future__ import annotations
 
 import http.client
@@ -25,6 +26,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.rules: list[list] = []
         self.gets: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # body bytes of those GETs
         self.faults: Counter[str] = Counter()
         self.down_until = 0.0
         self.lock = threading.Lock()
@@ -62,6 +64,7 @@ class FaultProxy:
         with self.lock:
             self.rules.clear()
             self.gets.clear()
+            self.bytes.clear()
             self.faults.clear()
 
     def _fault_for(self, method: str, path: str) -> str | None:
@@ -98,6 +101,7 @@ class FaultProxy:
         if h.command == "GET" and resp.status in (200, 206) and "list-type" not in h.path:
             with self.lock:
                 self.gets[path] += 1
+                self.bytes[path] += len(data)
         if fault == "corrupt" and data:
             data = bytearray(data)
             data[len(data) // 2] ^= 0xFF

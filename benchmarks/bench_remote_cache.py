@@ -1,0 +1,203 @@
+"""Data larger than the cache (issue 19, item 5): three epochs from a real S3 API through a node cache of
+25 %, 50 % and 100 % of the dataset, for fastdata, LitData and Mosaic streaming, in one run.
+
+The dataset, the server and the peers' formats are bench_remote.py's (moto in its own process, objects
+the size of fastdata's shards). Every client reads through a loopback proxy (tests/s3_faults.py, no
+faults injected) that counts the bytes of every GET, so downloads are measured the same way for all.
+Per cache size and epoch: MB downloaded and images/s, and for fastdata the optimum for its order
+(Belady over the three epochs' real batches, benchmarks/sim_cache.py) to compare its downloads with.
+fastdata reads with ``shuffle_window=--window`` shards (the order made for small caches); the peers
+read with their own default shuffles and their cache bounds (LitData ``max_cache_size``, Mosaic
+``cache_limit``).
+
+    /work/mvenv/bin/python benchmarks/bench_remote_cache.py [--gigabytes 1] [--window 8] [--epochs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+import fastdata
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+from fastdata.sampler import DistributedBatchSampler
+from fastdata.storage.remote import push
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_remote import _lit_sample, _mosaic_import, make_dataset, moto_server  # noqa: E402
+from s3_faults import FaultProxy  # noqa: E402
+from sim_cache import simulate  # noqa: E402
+
+
+def epochs_through(proxy: FaultProxy, make_loader: Callable[[], Iterable[Any]], epochs: int,
+                   count: Callable[[Any], int]) -> list[tuple[float, float]]:
+    """(MB downloaded, images/s) per epoch of the loader ``make_loader()`` iterated ``epochs`` times."""
+    loader, out = make_loader(), []
+    for _ in range(epochs):
+        with proxy.lock:
+            before = sum(proxy.bytes.values())
+        t0, n = time.perf_counter(), 0
+        for batch in loader:
+            n += count(batch)
+        took = time.perf_counter() - t0
+        with proxy.lock:
+            out.append(((sum(proxy.bytes.values()) - before) / 1e6, n / took))
+    return out
+
+
+def optimum_mb(n: int, batch: int, window: int, shard_images: int, group_bytes: int, limit: int,
+               epochs: int) -> list[float]:
+    """MB per epoch that Belady's rule, knowing all epochs, downloads for fastdata's order (one batch's
+    shards read together, one batch at a time: the least any cache of that size can download)."""
+    s = DistributedBatchSampler(n, batch, seed=0, rank=0, world_size=1, shuffle_window=window,
+                                shard_bounds=np.r_[np.arange(0, n, shard_images), n])
+    steps = []
+    for e in range(epochs):
+        s.set_epoch(e)
+        steps.append([np.unique(b // shard_images) for b in s.batches()])
+    downloads = simulate(steps, max(1, limit // group_bytes), "optimum")
+    return [d * group_bytes / 1e6 for d in downloads]
+
+
+def prepare_litdata(local: Path, url: str, scratch: Path) -> bool:
+    try:
+        import litdata
+    except ImportError:
+        print("LitData: not installed (pip install litdata, see ../shared/PEERS.md): skipped")
+        return False
+    import fsspec
+
+    out = scratch / "litdata"
+    litdata.optimize(fn=functools.partial(_lit_sample, str(local)), inputs=list(range(len(FastDataset(local)))),
+                     output_dir=str(out), chunk_bytes=(local / "images-00000.npy").stat().st_size, num_workers=2,
+                     mode="overwrite")
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(str(out) + "/", root, recursive=True)
+    from litdata.streaming import downloader
+
+    if isinstance(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):  # plain http on loopback
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+    return True
+
+
+def prepare_mosaic(local: Path, url: str, scratch: Path) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") is None:
+        print("Mosaic streaming: not installed (pip install mosaicml-streaming, see ../shared/PEERS.md): skipped")
+        return False
+    import fsspec
+
+    streaming = _mosaic_import()
+    ds, out = FastDataset(local), scratch / "mds"
+    size = ds.sample_shape[0]
+    with streaming.MDSWriter(out=str(out), columns={"image": f"ndarray:uint8:{size},{size},3", "label": "int"},
+                             size_limit=(local / "images-00000.npy").stat().st_size) as writer:
+        for first in range(0, len(ds), 4096):
+            x, y = ds.get_batch(np.arange(first, min(len(ds), first + 4096)))
+            for img, lab in zip(x.numpy(), y.tolist()):
+                writer.write({"image": img, "label": lab})
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put(str(out) + "/", root, recursive=True)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gigabytes", type=float, default=1.0)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--shard-images", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--window", type=int, default=8, help="fastdata's shuffle_window, in shards")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 1.0])
+    ap.add_argument("--peers", nargs="*", default=["litdata", "mosaic"], help="peers to run beside fastdata")
+    args = ap.parse_args()
+    images = int(args.gigabytes * 1e9 // (args.size * args.size * 3))
+    scratch = Path(tempfile.mkdtemp(prefix="bench_remote_cache-"))
+    server, endpoint = moto_server()
+    proxy = FaultProxy(int(endpoint.rsplit(":", 1)[1]))
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # every client below reads through the counting proxy
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        full = make_dataset(scratch / "full", images, args.size, args.shard_images)
+        files = sorted(full.glob("*-*.npy"))
+        total = sum(p.stat().st_size for p in files)
+        group = sum((full / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
+        push(full, "s3://bench/full", workers=8)
+        lit = "litdata" in args.peers and prepare_litdata(full, "s3://bench/litdata", scratch)
+        mosaic = "mosaic" in args.peers and prepare_mosaic(full, "s3://bench/mds", scratch)
+        if mosaic:
+            os.environ["S3_ENDPOINT_URL"] = proxy.endpoint
+        print(f"fastdata {fastdata.__version__}, numpy {np.__version__}, python {platform.python_version()}, "
+              f"{os.cpu_count()} CPUs; {images:,} images of {args.size}x{args.size}x3 in {len(files) // 2} shards "
+              f"of {args.shard_images}, {total / 1e6:,.0f} MB; batch {args.batch}, {args.threads} loader threads; "
+              f"{args.epochs} epochs; fastdata shuffle_window={args.window}")
+        print("\n| cache | reader | MB downloaded per epoch | images/s per epoch | note |\n|---|---|---|---|---|")
+        for frac in args.fractions:
+            limit = int(frac * total)
+            cache = scratch / f"fd{frac}"
+
+            def show(name: str, per_epoch: list[tuple[float, float]], note: str) -> None:
+                print(f"| {frac:.0%} ({limit / 1e6:,.0f} MB) | {name} | "
+                      + " / ".join(f"{mb:,.0f}" for mb, _ in per_epoch) + " | "
+                      + " / ".join(f"{rate:,.0f}" for _, rate in per_epoch) + f" | {note} |", flush=True)
+
+            def fd_loader() -> Iterable[Any]:
+                ds = FastDataset("s3://bench/full", cache_dir=cache, cache_limit=limit)
+                return FastLoader(ds, args.batch, seed=0, num_threads=args.threads, pin_memory=False,
+                                  shuffle_window=args.window)
+            got = epochs_through(proxy, fd_loader, args.epochs, lambda b: len(b[0]))
+            best = optimum_mb(images, args.batch, args.window, args.shard_images, group, limit, args.epochs)
+            show("fastdata", got, "optimum for its order: " + " / ".join(f"{m:,.0f}" for m in best)
+                         + f" MB ({sum(g[0] for g in got) / max(sum(best), 1e-9):.2f}x)")
+            if lit:
+                import litdata
+
+                def lit_loader() -> Iterable[Any]:
+                    stream = litdata.StreamingDataset("s3://bench/litdata", cache_dir=str(scratch / f"lit{frac}"),
+                                                      shuffle=True, max_cache_size=limit)
+                    return litdata.StreamingDataLoader(stream, batch_size=args.batch, num_workers=args.threads,
+                                                       multiprocessing_context="fork")
+                try:
+                    show("LitData", epochs_through(proxy, lit_loader, args.epochs, lambda b: len(b["label"])),
+                         "max_cache_size")
+                except Exception as exc:  # noqa: BLE001 - a peer failing at a cache size is a result
+                    print(f"LitData at {frac:.0%}: {type(exc).__name__}: {exc}")
+            if mosaic:
+                import torch
+
+                streaming = _mosaic_import()
+
+                def mosaic_loader() -> Iterable[Any]:
+                    stream = streaming.StreamingDataset(remote="s3://bench/mds", local=str(scratch / f"mds{frac}"),
+                                                        shuffle=True, batch_size=args.batch, cache_limit=limit)
+                    return torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=args.threads,
+                                                       multiprocessing_context="fork")
+                try:
+                    show("Mosaic", epochs_through(proxy, mosaic_loader, args.epochs, lambda b: len(b["label"])),
+                         "cache_limit")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"Mosaic at {frac:.0%}: {type(exc).__name__}: {exc}")
+    finally:
+        proxy.close()
+        server.terminate()
+        server.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
