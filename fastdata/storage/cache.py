@@ -238,9 +238,10 @@ class ShardCache:
         learnt as the scheduler goes: it may run on into the next epoch); a token for :meth:`end_plan`.
         The newest plan drives prefetching."""
         self._check_pid()
-        token = object()
+        token, plan = object(), _Plan(iter(reads), len(self.names))
+        plan.learn(self._cond)  # the first chunk now: evictions before the scheduler runs must see it
         with self._cond:
-            self._plans.append((token, _Plan(iter(reads), len(self.names))))
+            self._plans.append((token, plan))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._schedule, name="fastdata-prefetch", daemon=True)
                 self._thread.start()
