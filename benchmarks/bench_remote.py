@@ -147,27 +147,36 @@ def _lit_sample(path: str, i: int) -> dict[str, Any]:
     return {"image": x.numpy(), "label": int(y)}
 
 
-def litdata_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
-    """LitData's StreamingDataset over the same images, optimized into its chunks and uploaded to the server."""
+def prepare_litdata(local: Path, url: str, scratch: Path) -> bool:
+    """The same images optimized into LitData's chunks (objects the size of our shards) and uploaded to
+    ``url``; False (with a message) when LitData is not installed."""
     try:
         import litdata
     except ImportError:
         print("LitData: not installed (pip install litdata, see ../shared/PEERS.md): skipped")
-        return None
+        return False
     import fsspec
 
     out = scratch / "litdata"
-    chunk = (local / "images-00000.npy").stat().st_size  # LitData's objects the size of ours
     litdata.optimize(fn=functools.partial(_lit_sample, str(local)), inputs=list(range(len(FastDataset(local)))),
-                     output_dir=str(out), chunk_bytes=chunk, num_workers=2,
+                     output_dir=str(out), chunk_bytes=(local / "images-00000.npy").stat().st_size, num_workers=2,
                      mode="overwrite")
-    fs, root = fsspec.core.url_to_fs(bucket_url + "/litdata")
+    fs, root = fsspec.core.url_to_fs(url)
     fs.put(str(out) + "/", root, recursive=True)
     from litdata.streaming import downloader
 
     # LitData's obstore client refuses plain http (the loopback server is http): allow it, nothing else changes
     if isinstance(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):
         downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+    return True
+
+
+def litdata_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
+    """LitData's StreamingDataset over the same images, optimized into its chunks and uploaded to the server."""
+    if not prepare_litdata(local, bucket_url + "/litdata", scratch):
+        return None
+    import litdata
+
     stream = litdata.StreamingDataset(bucket_url + "/litdata", cache_dir=str(scratch / "litcache"), shuffle=True)
     loader = litdata.StreamingDataLoader(stream, batch_size=batch, num_workers=threads,
                                          multiprocessing_context="fork")  # workers inherit the http allowance
@@ -202,13 +211,13 @@ def _mosaic_import() -> Any:
     return streaming
 
 
-def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
-    """Mosaic streaming's StreamingDataset over the same images, written as MDS shards and uploaded."""
+def prepare_mosaic(local: Path, url: str, scratch: Path) -> bool:
+    """The same images written as Mosaic's MDS shards (the size of ours) and uploaded to ``url``, with
+    Mosaic pointed at the endpoint in use; False (with a message) when Mosaic streaming is not installed."""
     if importlib.util.find_spec("streaming") is None:
         print("Mosaic streaming: not installed (pip install mosaicml-streaming, see ../shared/PEERS.md): skipped")
-        return None
+        return False
     import fsspec
-    import torch
 
     streaming = _mosaic_import()
     ds, out = FastDataset(local), scratch / "mds"
@@ -219,11 +228,20 @@ def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads:
             x, y = ds.get_batch(np.arange(first, min(len(ds), first + 4096)))
             for img, lab in zip(x.numpy(), y.tolist()):
                 writer.write({"image": img, "label": lab})
-    fs, root = fsspec.core.url_to_fs(bucket_url + "/mds")
+    fs, root = fsspec.core.url_to_fs(url)
     fs.put(str(out) + "/", root, recursive=True)
     os.environ["S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]  # where Mosaic looks for a custom endpoint
-    stream = streaming.StreamingDataset(remote=bucket_url + "/mds", local=str(scratch / "mdscache"), shuffle=True,
-                                        batch_size=batch)
+    return True
+
+
+def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
+    """Mosaic streaming's StreamingDataset over the same images, written as MDS shards and uploaded."""
+    if not prepare_mosaic(local, bucket_url + "/mds", scratch):
+        return None
+    import torch
+
+    stream = _mosaic_import().StreamingDataset(remote=bucket_url + "/mds", local=str(scratch / "mdscache"),
+                                               shuffle=True, batch_size=batch)
     loader = torch.utils.data.DataLoader(stream, batch_size=batch, num_workers=threads,
                                          multiprocessing_context="fork")  # workers inherit the torchvision stub
     t0, n = time.perf_counter(), 0

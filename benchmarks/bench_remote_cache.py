@@ -15,7 +15,6 @@ read with their own default shuffles and their cache bounds (LitData ``max_cache
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ from fastdata.sampler import DistributedBatchSampler
 from fastdata.storage.remote import push
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_remote import _lit_sample, _mosaic_import, make_dataset, moto_server  # noqa: E402
+from bench_remote import _mosaic_import, make_dataset, moto_server, prepare_litdata, prepare_mosaic  # noqa: E402,E501
 from s3_faults import FaultProxy  # noqa: E402
 from sim_cache import simulate  # noqa: E402
 
@@ -69,49 +68,6 @@ def optimum_mb(n: int, batch: int, window: int, shard_images: int, group_bytes: 
     return [d * group_bytes / 1e6 for d in downloads]
 
 
-def prepare_litdata(local: Path, url: str, scratch: Path) -> bool:
-    try:
-        import litdata
-    except ImportError:
-        print("LitData: not installed (pip install litdata, see ../shared/PEERS.md): skipped")
-        return False
-    import fsspec
-
-    out = scratch / "litdata"
-    litdata.optimize(fn=functools.partial(_lit_sample, str(local)), inputs=list(range(len(FastDataset(local)))),
-                     output_dir=str(out), chunk_bytes=(local / "images-00000.npy").stat().st_size, num_workers=2,
-                     mode="overwrite")
-    fs, root = fsspec.core.url_to_fs(url)
-    fs.put(str(out) + "/", root, recursive=True)
-    from litdata.streaming import downloader
-
-    if isinstance(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):  # plain http on loopback
-        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
-    return True
-
-
-def prepare_mosaic(local: Path, url: str, scratch: Path) -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("streaming") is None:
-        print("Mosaic streaming: not installed (pip install mosaicml-streaming, see ../shared/PEERS.md): skipped")
-        return False
-    import fsspec
-
-    streaming = _mosaic_import()
-    ds, out = FastDataset(local), scratch / "mds"
-    size = ds.sample_shape[0]
-    with streaming.MDSWriter(out=str(out), columns={"image": f"ndarray:uint8:{size},{size},3", "label": "int"},
-                             size_limit=(local / "images-00000.npy").stat().st_size) as writer:
-        for first in range(0, len(ds), 4096):
-            x, y = ds.get_batch(np.arange(first, min(len(ds), first + 4096)))
-            for img, lab in zip(x.numpy(), y.tolist()):
-                writer.write({"image": img, "label": lab})
-    fs, root = fsspec.core.url_to_fs(url)
-    fs.put(str(out) + "/", root, recursive=True)
-    return True
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gigabytes", type=float, default=1.0)
@@ -140,8 +96,6 @@ def main() -> None:
         push(full, "s3://bench/full", workers=8)
         lit = "litdata" in args.peers and prepare_litdata(full, "s3://bench/litdata", scratch)
         mosaic = "mosaic" in args.peers and prepare_mosaic(full, "s3://bench/mds", scratch)
-        if mosaic:
-            os.environ["S3_ENDPOINT_URL"] = proxy.endpoint
         print(f"fastdata {fastdata.__version__}, numpy {np.__version__}, python {platform.python_version()}, "
               f"{os.cpu_count()} CPUs; {images:,} images of {args.size}x{args.size}x3 in {len(files) // 2} shards "
               f"of {args.shard_images}, {total / 1e6:,.0f} MB; batch {args.batch}, {args.threads} loader threads; "

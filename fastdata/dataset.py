@@ -136,7 +136,7 @@ class FastDataset(torch.utils.data.Dataset):
     def sample_shards(self) -> Optional[np.ndarray]:
         """The shard holding each sample (for ``shuffle_window``); None for a one-store LMDB (version 1)."""
         bounds = self.shard_bounds()
-        return None if bounds is None else np.arange(len(self), dtype=np.int64) // int(self.manifest["shard_size"])
+        return None if bounds is None else np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
 
     def shard_bounds(self) -> Optional[np.ndarray]:
         """Each shard's first sample, then ``len(self)``: shards hold consecutive samples (for

@@ -121,6 +121,10 @@ class DistributedBatchSampler:
             return left // (w * b) * (w * b)
         return -(-left // w) * w if self.pad else left
 
+    def _rank_count(self, start: int) -> int:
+        """How many of those positions this rank serves."""
+        return len(range(self.rank, self._due(start), self.world_size))
+
     def _positions(self, start: int, i0: int, i1: int) -> np.ndarray:
         """Positions in ``perm`` of this rank's samples ``i0 .. i1 - 1`` of the epoch resumed at ``start``
         (padding repeats ``rest``'s first samples)."""
@@ -132,7 +136,7 @@ class DistributedBatchSampler:
         """This rank's batches of ``epoch`` resumed at ``start``, from batch ``served`` on, computed a chunk
         of batches at a time (never the whole epoch)."""
         order, b = order or self.order(epoch), self.batch_size
-        count = len(range(self.rank, self._due(start), self.world_size))
+        count = self._rank_count(start)
         step = b * max(1, (1 << 16) // b)
         for c0 in range(served * b, count, step):
             chunk = order.at(self._positions(start, c0, min(count, c0 + step)))
@@ -141,7 +145,7 @@ class DistributedBatchSampler:
 
     def rank_indices(self) -> np.ndarray:
         """This rank's samples for the rest of the epoch, in order (made whole: prefer :meth:`batches`)."""
-        count = len(range(self.rank, self._due(self.start), self.world_size))
+        count = self._rank_count(self.start)
         return self.order().at(self._positions(self.start, 0, count))
 
     def batches(self, mine: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
@@ -176,7 +180,7 @@ class DistributedBatchSampler:
 
     def __len__(self) -> int:
         """Batches this rank serves in the rest of the current epoch."""
-        count = len(range(self.rank, self._due(self.start), self.world_size))
+        count = self._rank_count(self.start)
         return -(-count // self.batch_size) - self.served
 
     # -- progress and resumption ----------------------------------------------------------------------
