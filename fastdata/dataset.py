@@ -24,14 +24,18 @@ from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
+from .field_store import Alloc, FieldStore
+from .schema import OFFSETS, Field, fields_of
 from .storage.cache import ShardCache, open_remote
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
-                             verify_hashes)
+                             take_rows, verify_hashes)
 
 
 def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     """The files of a remote dataset fetched as batches need them: npy image shards (with their labels)
-    and LMDB shards (format version 2), read memory-mapped."""
+    and LMDB shards (format version 2), read memory-mapped. A dataset with sample fields is fetched whole."""
+    if "fields" in manifest:
+        return frozenset()
     if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's labels come with it
         return frozenset(f for s in manifest.get("shards", []) for f in (s["images"], s["labels"]))
     if storage == "mmap" and "lmdb_shards" in manifest:
@@ -74,6 +78,7 @@ class FastDataset(torch.utils.data.Dataset):
         self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
                                                            lambda m: _streamed(m, storage))
         self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
+        self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
         self._shm_dir = shm_dir
@@ -124,6 +129,8 @@ class FastDataset(torch.utils.data.Dataset):
     def targets(self) -> np.ndarray:
         """Every sample's label (int64), like torchvision's ``ImageFolder.targets`` (a streamed dataset
         fetches its label files for this, not its images)."""
+        if not self.has_labels:
+            raise ConfigError(f"{self.root} has no 'label' field (its fields: {[f.name for f in self.fields or []]})")
         if self._labels_in is not None and not self._labels_in.all():
             shards = self.manifest["shards"]
             for s in np.flatnonzero(~self._labels_in).tolist():
@@ -157,11 +164,30 @@ class FastDataset(torch.utils.data.Dataset):
 
     # -- opening --------------------------------------------------------------------------------------
     def _image_files(self) -> set[str]:
-        return set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
+        """The files opened (and checked) by open_shards: image shards, and the extra fields' files."""
+        if self.is_lmdb:
+            return set()
+        names = {s["images"] for s in self.manifest["shards"]}
+        for f in self.fields or []:
+            if f.kind not in ("image", "label"):
+                names.update(n for k in range(len(self.manifest["shards"])) for n in f.files(k))
+        return names
+
+    @property
+    def has_labels(self) -> bool:
+        """False for a dataset with fields but no class label (segmentation, detection, captions)."""
+        return self.fields is None or any(f.kind == "label" for f in self.fields)
+
+    @property
+    def streams(self) -> bool:
+        """True when shards are fetched from object storage as batches need them (NOTE [shard cache])."""
+        return self._remote is not None and self.storage == "mmap" and not self.is_lmdb and self.fields is None
 
     def _load_labels(self) -> np.ndarray:
         self._labels_in: Optional[np.ndarray] = None
-        if self._remote is not None and self.storage == "mmap" and not self.is_lmdb:
+        if not self.has_labels:
+            return np.zeros(0, dtype=np.int64)
+        if self.streams:
             # streamed: each shard's labels are filled in when the shard arrives (see _fill_labels)
             self._labels_in = np.zeros(len(self.manifest["shards"]), dtype=bool)
             return np.zeros(len(self), dtype=np.int64)
@@ -183,6 +209,7 @@ class FastDataset(torch.utils.data.Dataset):
         self._dev_labels: Optional[torch.Tensor] = None
         self._reader: Optional[LmdbReader] = None
         self._cache: Optional[ShardCache] = None
+        self._store: Optional[FieldStore] = None
         if self.is_lmdb:
             self._reader = open_lmdb(self.root, self.manifest)
             if self._remote is not None and "lmdb_shards" in self.manifest:  # streamed: stores come as needed
@@ -192,7 +219,7 @@ class FastDataset(torch.utils.data.Dataset):
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
-        if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
+        if self.streams:  # streamed: shards mapped as they arrive
             def opener(s: int, path: Path) -> np.ndarray:
                 shard = self.manifest["shards"][s]
                 if verify:
@@ -204,7 +231,10 @@ class FastDataset(torch.utils.data.Dataset):
             return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
-        if self._dev is not None:
+        if self.fields is not None:
+            self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                     device=self.device, shm_dir=self._shm_dir)
+        if self._dev is not None and self.has_labels:
             self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
 
     def _fill_labels(self, s: int, path: Path) -> None:
@@ -222,7 +252,7 @@ class FastDataset(torch.utils.data.Dataset):
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_flat", "_dev", "_dev_labels",
-                                                                      "_reader", "_cache")}
+                                                                      "_reader", "_cache", "_store")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -252,7 +282,10 @@ class FastDataset(torch.utils.data.Dataset):
 
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the images; the result is ``out[:B]``.
         ``draw`` = ``(seed, epoch, position, rank)`` seeds the batch's random crops (``crop="random"``).
+        A dataset with sample fields returns a dict instead (see :meth:`_get_fields`).
         """
+        if self.fields is not None:
+            return self._get_fields(indices, out)  # type: ignore[return-value]
         if self._dev is not None:
             idx_t = (indices.to(self.device) if isinstance(indices, torch.Tensor) else
                      torch.from_numpy(self._indices(indices)).to(self.device))
@@ -275,29 +308,56 @@ class FastDataset(torch.utils.data.Dataset):
             self._gather_shards(idx, dst)
         return x, torch.from_numpy(self._labels[idx])
 
+    def _get_fields(self, indices: Indices, out: Union[None, torch.Tensor, Alloc]) -> dict[str, torch.Tensor]:
+        """A batch of a dataset with fields: ``{"image": (B, S, S, 3) uint8, "label": (B,) int64 (when there is
+        one), each fixed field (B, ...), each variable field's values and "<name>_offsets" (B + 1)}``. ``out``
+        is an image buffer as for (image, label) datasets, or ``out(key, shape, dtype)`` giving each buffer."""
+        idx = self._indices(indices)
+        b = len(idx)
+        if isinstance(out, torch.Tensor):
+            image_buf = batch_rows(out, b, torch.uint8, self.sample_shape)
+            alloc: Optional[Alloc] = None
+        else:
+            alloc = out
+            image_buf = out("image", (b, *self.sample_shape), torch.uint8) if out is not None else None
+        batch: dict[str, torch.Tensor] = {}
+        if self._dev is not None:  # storage="cuda": gathered on the device
+            idx_t = torch.from_numpy(idx).to(self.device)
+            batch["image"] = torch.index_select(self._dev, 0, idx_t)
+            if self._dev_labels is not None:
+                batch["label"] = self._dev_labels[idx_t]
+        else:
+            x = image_buf if image_buf is not None else torch.empty((b, *self.sample_shape), dtype=torch.uint8)
+            if self._flat is not None:
+                np.take(self._flat, idx, axis=0, out=x.numpy(), mode="clip")
+            else:
+                self._gather_shards(idx, x.numpy())
+            batch["image"] = x
+            if self.has_labels:
+                y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
+                np.take(self._labels, idx, out=y.numpy(), mode="clip")
+                batch["label"] = y
+        assert self._store is not None
+        batch.update(self._store.gather(idx, alloc))
+        return batch
+
+    def collate(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``collate_fn`` for ``DataLoader(ds, batch_size=B, collate_fn=ds.collate)`` over a dataset with
+        fields: the batch :meth:`get_batch` gives (fixed fields stacked, variable ones concatenated with
+        offsets)."""
+        return collate_fields(samples, self.fields or [])
+
     def _gather_shards(self, idx: np.ndarray, dst: np.ndarray) -> None:
         ss = int(self.manifest["shard_size"])
         shard = idx // ss
         rows = idx - shard * ss
         if len(idx) == 0:
             return
-        used = np.unique(shard)
         if self._cache is None:
-            self._take(self._shards, shard, used, rows, dst)
+            take_rows(self._shards, shard, rows, dst)
         else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
-            with self._cache.reading(used) as maps:
-                self._take(maps, shard, used, rows, dst)
-
-    @staticmethod
-    def _take(maps: Any, shard: np.ndarray, used: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
-        starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
-        if len(starts) == len(used):  # each shard one contiguous run: take straight into dst
-            for a, b in zip(starts, np.r_[starts[1:], len(shard)]):
-                np.take(maps[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
-            return
-        for s in used:  # interleaved shards: one take per shard, then one scatter
-            mask = shard == s
-            dst[mask] = np.take(maps[s], rows[mask], axis=0, mode="clip")
+            with self._cache.reading(np.unique(shard)) as maps:
+                take_rows(maps, shard, rows, dst)
 
     def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; it may run on
@@ -341,14 +401,18 @@ class FastDataset(torch.utils.data.Dataset):
         sizes = np.array([jpeg_size(b) for b in blobs], dtype=np.int64).reshape(-1, 2)
         return draw_resized_crops(draw, sizes, self.scale, self.ratio)
 
-    def __getitem__(self, index: Union[int, Indices]) -> tuple[torch.Tensor, Any]:
+    def __getitem__(self, index: Union[int, Indices]) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            if self.fields is not None:
+                return split_fields(self._get_fields([int(index)], None), self.fields)[0]
             x, y = self.get_batch([int(index)])
             return x[0], y[0]
         return self.get_batch(index)
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """torch's batched-fetch hook: a list of samples, built from one :meth:`get_batch`."""
+        if self.fields is not None:
+            return split_fields(self._get_fields(indices, None), self.fields)
         x, y = self.get_batch(indices)
         return list(zip(x.unbind(0), y.unbind(0)))
 
@@ -392,6 +456,42 @@ class DatasetView:
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.indices[i])]
+
+
+def split_fields(batch: dict[str, torch.Tensor], fields: list[Field]) -> list[dict[str, torch.Tensor]]:
+    """A batch dict -> one dict per sample (a variable field's sample is its values; no offsets)."""
+    n = len(batch["image"])
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    names = ["label"] if "label" in batch else []
+    for f in fields:
+        if f.kind in ("image", "label"):
+            continue
+        if f.variable:
+            bounds = batch[f.offsets_of + OFFSETS].tolist()
+            for i in range(n):
+                out[i][f.name] = batch[f.name][bounds[i]:bounds[i + 1]]
+        else:
+            names.append(f.name)
+    for key in ["image"] + names:
+        for i, v in enumerate(batch[key].unbind(0)):
+            out[i][key] = v
+    return out
+
+
+def collate_fields(samples: Sequence[dict[str, torch.Tensor]], fields: list[Field]) -> dict[str, torch.Tensor]:
+    """Per-sample dicts -> the batch dict :meth:`FastDataset.get_batch` gives."""
+    batch = {"image": torch.stack([s["image"] for s in samples])}
+    for f in fields:
+        if f.kind == "image":
+            continue
+        values = [s[f.name] for s in samples]
+        if not f.variable:
+            batch[f.name] = torch.stack(values)
+            continue
+        batch[f.name] = torch.cat(values)
+        if f.offsets_of == f.name:
+            batch[f.name + OFFSETS] = torch.tensor([0] + [len(v) for v in values], dtype=torch.int64).cumsum(0)
+    return batch
 
 
 def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

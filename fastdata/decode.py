@@ -43,7 +43,14 @@ def _scale(w: int, h: int, size: int, mode: str) -> float:
 
 
 def open_rgb(path: Path | str | BinaryIO, size: int, mode: str) -> Image.Image:
-    """Decode ``path`` to an upright RGB image, at the smallest scale still >= what ``mode`` needs.
+    """Decode ``path`` to an upright RGB image, at the smallest scale still >= what ``mode`` needs
+    (see :func:`open_rgb_sized`)."""
+    return open_rgb_sized(path, size, mode)[0]
+
+
+def open_rgb_sized(path: Path | str | BinaryIO, size: int, mode: str) -> tuple[Image.Image, tuple[int, int]]:
+    """:func:`open_rgb`, and the upright image's full ``(width, height)`` (the decoded image may be smaller:
+    masks and boxes, given at full size, are mapped by fractions of it; see preprocess/fields.py).
 
     Plain RGB JPEGs (no EXIF rotation) are decoded by libjpeg-turbo through simplejpeg at the scale Pillow's
     ``draft`` would pick: the same library and settings, so the same pixels, in about 0.75x the time.
@@ -55,17 +62,18 @@ def open_rgb(path: Path | str | BinaryIO, size: int, mode: str) -> Image.Image:
         except UnidentifiedImageError:  # name the file, not the in-memory buffer (messages stay reproducible)
             raise ImageDecodeError(f"UnidentifiedImageError: cannot identify image file {str(path)!r}") from None
         w, h = img.size
+        full = (h, w) if _exif_orientation(img) in (5, 6, 7, 8) else (w, h)  # those orientations turn 90 degrees
         s = _scale(w, h, size, mode)
         need = (max(1, math.ceil(w * s)), max(1, math.ceil(h * s)))
         if img.format == "JPEG":
             fast = _turbo_rgb(data, img, need if s < 1 else None)
             if fast is not None:
-                return fast
+                return fast, full
             if s < 1:
                 img.draft(img.mode, need)
         img.load()
         img = _upright(img)
-        return to_rgb(img)
+        return to_rgb(img), full
     except ImageDecodeError:
         raise
     except (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError, EOFError) as exc:
@@ -79,7 +87,7 @@ def _turbo_rgb(data: bytes, img: Image.Image, need: tuple[int, int] | None) -> I
         import simplejpeg
     except ImportError:
         return None
-    if img.mode != "RGB" or img.getexif().get(_ORIENTATION, 1) != 1:
+    if img.mode != "RGB" or _exif_orientation(img) != 1:
         return None
     w, h = img.size
     d = 1
@@ -94,6 +102,13 @@ def _turbo_rgb(data: bytes, img: Image.Image, need: tuple[int, int] | None) -> I
 
 
 _ORIENTATION = 0x0112  # EXIF tag
+
+
+def _exif_orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(_ORIENTATION, 1))
+    except Exception:  # noqa: BLE001 - a damaged EXIF block reads as no rotation (as _upright keeps it)
+        return 1
 
 
 def _upright(img: Image.Image) -> Image.Image:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from ._version import __version__
 from ._io import HASH_NAME, hash_file, safe_join, write_json_atomic
 from .errors import ChecksumError, FormatError, VersionError
+from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
 PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
@@ -19,15 +20,19 @@ IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
 TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 1, IMAGES_LMDB: 2, TOKENS: 1}  # LMDB 2: shards (lmdb_store.py)
+# LMDB 2: shards (lmdb_store.py); npy 2: sample fields beyond (image, label) (schema.py)
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 2, IMAGES_LMDB: 2, TOKENS: 1}
 
 
 def fastdata_version() -> str:
     return __version__
 
 
-def new_manifest(fmt: str, **fields: Any) -> dict[str, Any]:
-    return {"format": fmt, "format_version": FORMAT_VERSIONS[fmt], "fastdata_version": fastdata_version(), **fields}
+def new_manifest(fmt: str, version: Optional[int] = None, **fields: Any) -> dict[str, Any]:
+    """A manifest of ``fmt`` at ``version`` (default: the newest; a writer names an older one when its
+    output needs nothing newer, so older readers still read it)."""
+    return {"format": fmt, "format_version": version or FORMAT_VERSIONS[fmt], "fastdata_version": fastdata_version(),
+            **fields}
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
@@ -64,6 +69,8 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
         raise FormatError(f"{path} has no 'files' list: the manifest is damaged")
     for entry in manifest["files"]:
         safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
+    if fmt == IMAGES_NPY and version >= 2:
+        fields_of(manifest, str(path))  # refuses unknown kinds, bad dtypes, a missing image field
     return manifest
 
 

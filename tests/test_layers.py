@@ -12,10 +12,10 @@ ROOT = Path(fastdata.__file__).parent
 # -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
 LAYERS = [
     ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed"],
-    ["fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.tokenizer", "fastdata.models",
+    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.tokenizer", "fastdata.models",
      "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
     ["fastdata.storage", "fastdata.preprocess"],
-    ["fastdata.dataset", "fastdata.token_dataset"],
+    ["fastdata.field_store", "fastdata.dataset", "fastdata.token_dataset"],
     ["fastdata.order", "fastdata.sampler", "fastdata.loader"],
     ["fastdata.gpu_transforms", "fastdata.prefetch", "fastdata.dali"],
     ["fastdata.train_config", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup", "fastdata.timing",

@@ -7,11 +7,12 @@ and permuted to NCHW is already ``channels_last``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from .._io import HashingWriter, iter_blocks, write_bytes_atomic
+from ..schema import Field, offsets_file
 from .base import UnitWriter, npy_bytes, npy_header
 
 IMAGE_DTYPE = np.dtype("|u1")
@@ -25,35 +26,80 @@ def labels_name(k: int) -> str:
     return f"labels-{k:05d}.npy"
 
 
+class Rows:
+    """A run of samples with fields (NOTE [fields] in schema.py): ``images`` ``(n, S, S, 3)`` and, per extra
+    field, an ``(n, *shape)`` array (fixed size) or a list of ``n`` arrays (variable length)."""
+
+    def __init__(self, images: np.ndarray, fields: dict[str, Any]) -> None:
+        self.images, self.fields = images, fields
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, sl: slice) -> "Rows":
+        return Rows(self.images[sl], {k: v[sl] for k, v in self.fields.items()})
+
+
 class NpyShardWriter(UnitWriter):
     """Streams rows into ``images-K.npy.tmp`` (hashing as it writes) and renames when the shard is full.
 
     The header is written for a full shard; the one short final shard is rewritten with its true count.
+    With ``fields`` (the extra fields of a version-2 dataset; samples come as :class:`Rows`), each shard
+    also gets their files, and ``labels-K.npy`` only when ``labels`` is true.
     """
 
-    def __init__(self, out: Path, size: int, shard_size: int, first_shard: int = 0) -> None:
+    def __init__(self, out: Path, size: int, shard_size: int, first_shard: int = 0, *,
+                 fields: Optional[Sequence[Field]] = None, labels: bool = True) -> None:
         super().__init__(shard_size, first_shard)
         self.out = Path(out)
         self.sample_shape = (size, size, 3)
         self._file: HashingWriter | None = None
+        self.fields = list(fields or [])
+        self._with_labels = labels
+        self._parts: dict[str, list[Any]] = {f.name: [] for f in self.fields}
 
     def _open_unit(self) -> None:
         self._file = HashingWriter(self.out / images_name(self.index))
         self._file.write(npy_header((self.unit_size, *self.sample_shape), IMAGE_DTYPE))
 
     def _write(self, samples: Any) -> None:
+        if isinstance(samples, Rows):
+            for name, part in samples.fields.items():
+                self._parts[name].append(part)
+            samples = samples.images
         assert self._file is not None and samples.shape[1:] == self.sample_shape and samples.dtype == IMAGE_DTYPE
         self._file.write(np.ascontiguousarray(samples))
 
     def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
         assert self._file is not None
         f, self._file = self._file, None
-        rows, labels_path = self.rows, self.out / labels_name(self.index)
+        rows, k = self.rows, self.index
+        extra = [(self.out / labels_name(k), labels)] if self._with_labels else []
+        extra += self._field_arrays(k, rows)
 
         def commit() -> list[dict[str, Any]]:
             g = self._rewrite_short(f, rows) if rows < self.unit_size else f
-            return [g.commit(), write_bytes_atomic(labels_path, npy_bytes(labels))]
+            return [g.commit()] + [write_bytes_atomic(path, npy_bytes(arr)) for path, arr in extra]
         return commit
+
+    def _field_arrays(self, k: int, rows: int) -> list[tuple[Path, np.ndarray]]:
+        """Shard ``k``'s extra field files: fixed fields stacked, variable ones concatenated with offsets."""
+        out = []
+        for fld in self.fields:
+            parts, self._parts[fld.name] = self._parts[fld.name], []
+            if not fld.variable:
+                arr = np.concatenate(parts) if parts else np.zeros((0, *fld.shape), fld.np_dtype)
+                out.append((self.out / fld.files(k)[0], arr.astype(fld.np_dtype, copy=False)))
+                continue
+            values = [np.asarray(v, fld.np_dtype).reshape(-1, *fld.shape) for part in parts for v in part]
+            assert len(values) == rows
+            flat = np.concatenate(values) if values else np.zeros((0, *fld.shape), fld.np_dtype)
+            out.append((self.out / fld.files(k)[0], flat))
+            if fld.offsets_of == fld.name:
+                offsets = np.zeros(rows + 1, np.dtype("<i8"))
+                np.cumsum([len(v) for v in values], out=offsets[1:])
+                out.append((self.out / offsets_file(fld.name, k), offsets))
+        return out
 
     def _rewrite_short(self, full: HashingWriter, rows: int) -> HashingWriter:
         full._f.close()
@@ -70,6 +116,7 @@ class NpyShardWriter(UnitWriter):
         return short
 
     def _abort_unit(self) -> None:
+        self._parts = {f.name: [] for f in self.fields}
         if self._file is not None:
             self._file.abort()
             self._file = None

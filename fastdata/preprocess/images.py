@@ -17,12 +17,16 @@ import numpy as np
 
 from .. import decode
 from .._io import disk_error, fsync_dir
-from ..errors import ImageDecodeError, require
+from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
+from ..schema import Field
+from ..tokenizer import load_tokenizer, token_dtype
 from . import journal, parallel
-from .sources import Source, discover
+from .fields import RecordDecoder, open_source
+from .records import discover_any
+from .sources import Source
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class ImagePreprocessConfig:
     filter: str = "lanczos"  # resize filter: Lanczos (default), or bicubic/bilinear, cheaper (RESULTS.md)
     overwrite: bool = False
     progress: bool = True
+    coco: Optional[Path] = None  # COCO instances.json over the image folder SRC (detection)
+    mask_dtype: str = "uint8"  # masks: uint8, or uint16 for more than 256 class/instance ids
+    tokenizer: str = "bytes"  # for text fields (captions), as `fastdata preprocess text --tokenizer`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
@@ -60,6 +67,9 @@ class ImagePreprocessConfig:
         require(self.on_error in ON_ERROR, "on_error", self.on_error, f"one of {ON_ERROR}")
         require(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
         require(self.filter in decode.FILTERS, "filter", self.filter, f"one of {tuple(decode.FILTERS)}")
+        require(self.mask_dtype in ("uint8", "uint16"), "mask_dtype", self.mask_dtype, "'uint8' or 'uint16'")
+        if self.coco is not None:
+            object.__setattr__(self, "coco", Path(self.coco))
 
     def output_params(self) -> dict[str, Any]:
         """The parameters that shape the output bytes (not workers, progress or overwrite)."""
@@ -70,12 +80,18 @@ class ImagePreprocessConfig:
             params["quality"] = self.quality
         if self.filter != "lanczos":  # named only when not the default: older runs keep their fingerprint
             params["filter"] = self.filter
+        for key, default in (("mask_dtype", "uint8"), ("tokenizer", "bytes")):
+            if getattr(self, key) != default:
+                params[key] = getattr(self, key)
         return params
 
 
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     """Run (or resume) preprocessing; returns the manifest. Reruns with the same arguments are no-ops."""
-    source = discover(config.src)
+    source = discover_any(config.src, config.coco)
+    if source.kinds and config.format != "npy":
+        raise ConfigError(f"{config.src} has fields beyond (image, class) ({', '.join(source.kinds)}): write them "
+                          "with --format npy (JPEG LMDB datasets hold images and class labels only)")
     params = config.output_params()
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     out = config.out
@@ -110,22 +126,40 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     workers = config.workers or parallel.default_workers()
     row_bytes = config.size * config.size * 3
     max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // row_bytes)) if config.format == "npy" else _MAX_CHUNK
-    if config.format == "npy":
-        writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
+    fields = sample_fields(config, source)
+    if fields:
+        extra = [f for f in fields if f.kind not in ("image", "label")]
+        writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units),
+                                                  fields=extra, labels=source.has_label)
+    elif config.format == "npy":
+        writer = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
     else:
         writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units))
     start, total = jr.source_end, len(source.paths)
     skipped = list(jr.skipped)
-    tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
-              config.filter) for a, b in _chunks(start, total, workers, max_files)]
+    chunks = _chunks(start, total, workers, max_files)
+    if fields:
+        spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.blobs,
+                source.has_label)
+        tasks = [(str(source.root), source.paths[a:b], a, "fields", config.size, config.resize, config.filter,
+                  {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec) for a, b in chunks]
+    else:
+        tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
+                  config.filter) for a, b in chunks]
     # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
     slot_bytes = max_files * row_bytes if config.format == "npy" else 0
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
     try:
-        for (ok_src, payload, failures), view in parallel.ordered_map(_work, tasks, workers, slot_bytes):
+        for (ok_src, payload, failures), view in parallel.ordered_map(_work_fields if fields else _work, tasks,
+                                                                      workers, slot_bytes):
+            values = None
+            if fields:
+                payload, values = payload
             if payload is None:  # the pixels are in the shared slot
                 payload = np.frombuffer(view, np.uint8, len(ok_src) * row_bytes).reshape(
                     len(ok_src), config.size, config.size, 3)
+            if values is not None:
+                payload = image_shards.Rows(payload, _stack(values, fields))
             for idx, reason in failures:
                 if config.on_error == "fail":
                     raise ImageDecodeError(f"cannot decode {source.root / source.paths[idx]}: {reason} "
@@ -143,6 +177,68 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
         raise
     finally:
         bar.close()
+
+
+def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
+    """The fields a source's samples get (NOTE [fields] in schema.py); empty for (image, class) sources."""
+    if not source.kinds:
+        return []
+    s = config.size
+    fields = [Field("image", "image", image_shards.IMAGE_DTYPE.str, (s, s, 3))]
+    if source.has_label:
+        fields.append(Field("label", "label", LABEL_DTYPE.str))
+    for name, kind in source.kinds.items():
+        if kind == "mask":
+            fields.append(Field(name, kind, np.dtype(config.mask_dtype).newbyteorder("<").str, (s, s)))
+        elif kind == "vector":
+            first = source.extras[name][0]
+            fields.append(Field(name, kind, "<f4", (len(first),) if isinstance(first, list) else ()))
+        elif kind == "tokens":
+            fields.append(Field(name, kind, token_dtype(load_tokenizer(config.tokenizer).vocab_size).str))
+        elif kind == "boxes":
+            fields.append(Field("boxes", "boxes", "<f4", (4,)))
+        else:  # labels, box_labels
+            fields.append(Field(name, kind, LABEL_DTYPE.str))
+    return fields
+
+
+def _stack(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:
+    """A chunk's field values as the writer takes them: fixed-size fields stacked, variable ones as lists."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f.name in values:
+            v = values[f.name]
+            out[f.name] = v if f.variable else (np.stack(v) if v else np.zeros((0, *f.shape), f.np_dtype))
+    return out
+
+
+def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
+    """Worker: decode one chunk of records with fields (NOTE [record geometry] in fields.py). Returns
+    (source indices decoded, (pixels or None when in the shared slot, {field: per-sample values}), failures)."""
+    root, paths, first, _, size, resize, filter_name, values, labels, spec = task
+    kinds, num_classes, mask_dtype, tokenizer, blobs, has_label = spec
+    dec = RecordDecoder(root, size, resize, decode.FILTERS[filter_name], kinds, num_classes, mask_dtype, tokenizer)
+    shared = parallel.slot(slot)
+    shape = (len(paths), size, size, 3)
+    pixels = np.empty(shape, np.uint8) if shared is None else np.frombuffer(
+        shared, np.uint8, int(np.prod(shape))).reshape(shape)
+    ok: list[int] = []
+    failures: list[tuple[int, str]] = []
+    out: dict[str, list[Any]] = {}
+    for j, rel in enumerate(paths):
+        try:
+            got = dec.decode(open_source(Path(root), rel, blobs, first + j), {k: v[j] for k, v in values.items()},
+                             labels[j] if has_label else None, pixels[len(ok)])
+        except ImageDecodeError as exc:
+            failures.append((first + j, str(exc)))
+            continue
+        except OSError as exc:  # the file vanished or cannot be read: the same policy as a bad image
+            failures.append((first + j, f"{type(exc).__name__}: {exc.strerror or exc}"))
+            continue
+        for k, v in got.items():
+            out.setdefault(k, []).append(v)
+        ok.append(first + j)
+    return ok, (pixels[:len(ok)] if shared is None else None, out), failures
 
 
 def _tag(unit: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -192,14 +288,27 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         first = jr.skipped[0] if jr.skipped else {"path": "?", "reason": "?"}
         raise ImageDecodeError(f"none of the {len(source.paths)} images in {source.location} could be decoded "
                                f"(first: {first['path']}: {first['reason']})")
+    fields = sample_fields(config, source)
+    version = None
     if config.format == "npy":
         files = [f for u in jr.units for f in u["files"]]
-        labels = [np.load(out / image_shards.labels_name(u["index"]), allow_pickle=False) for u in jr.units]
+        labels = [np.load(out / image_shards.labels_name(u["index"]), allow_pickle=False) for u in jr.units
+                  if source.has_label]
         fmt, extra = IMAGES_NPY, {
             "sample_shape": [config.size, config.size, 3], "dtype": image_shards.IMAGE_DTYPE.str, "layout": "NHWC",
             "shard_size": config.shard_size,
             "shards": [{"images": image_shards.images_name(u["index"]), "labels": image_shards.labels_name(u["index"]),
                         "samples": u["samples"]} for u in jr.units]}
+        version = 1  # (image, class) datasets stay version 1, which every fastdata reads
+        if fields:  # format version 2 (NOTE [fields] in schema.py)
+            version = 2
+            extra["fields"] = [f.to_json() for f in fields]
+            extra["shards"] = [{"files": {f.name: f.files(u["index"]) for f in fields}, "samples": u["samples"],
+                                "images": image_shards.images_name(u["index"]),
+                                **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {})}
+                               for u in jr.units]
+            if "tokens" in source.kinds.values():
+                extra["tokenizer"] = load_tokenizer(config.tokenizer).describe()
     else:
         files = lmdb_store.build(out, partial, len(jr.units))
         labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)]
@@ -210,7 +319,7 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
     all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
     counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
     manifest = new_manifest(
-        fmt, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
+        fmt, version=version, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
         files=files, params=params, fingerprint=fingerprint,
         source={"kind": source.kind, "path": str(source.location.resolve()), "num_files": len(source.paths)},
         skipped=[{"path": s["path"], "reason": s["reason"]} for s in jr.skipped], **extra)

@@ -19,6 +19,7 @@ from ..manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
 JOURNAL_NAME = "journal.json"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
 _OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images\.lmdb|labels\.npy|"
+                    r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5}\.npy|"
                     r"(train|val)-\d{5}\.npy|(train|val)-docs\.npy|"
                     + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
 

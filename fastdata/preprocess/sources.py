@@ -1,11 +1,14 @@
-"""Find the images to preprocess: an ImageFolder tree or a CSV list of ``path,label`` rows."""
+"""Find the images to preprocess: an ImageFolder tree or a CSV list of ``path,label`` rows (and, through
+records.py, samples with more fields: JSONL/CSV records, segmentation pairs, COCO, Parquet)."""
 from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 from ..errors import SourceError
 
@@ -24,12 +27,21 @@ class Source:
     paths: list[str]
     labels: list[int]
     classes: list[str]
+    # Samples with fields (NOTE [fields] in schema.py): field name -> kind, and per field one raw value per
+    # sample (a mask path, a list of boxes, ids, numbers, a caption); empty for (image, class) sources.
+    kinds: dict[str, str] = field(default_factory=dict)
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    has_label: bool = True
+    blobs: Optional[Any] = None  # Parquet: reads sample i's encoded image bytes (paths are then row names)
 
     def fingerprint(self) -> str:
         """Hash of the file list, labels and classes: a resumed run must see the same source."""
         h = hashlib.sha256()
-        for part in (str(self.location.resolve()), "\0".join(self.classes), "\0".join(self.paths),
-                     ",".join(map(str, self.labels))):
+        parts = [str(self.location.resolve()), "\0".join(self.classes), "\0".join(self.paths),
+                 ",".join(map(str, self.labels))]
+        if self.kinds:  # (image, class) sources keep their fingerprint, so their runs resume as before
+            parts.append(json.dumps([self.kinds, self.extras, self.has_label], sort_keys=True))
+        for part in parts:
             h.update(part.encode("utf-8", "surrogateescape") + b"\1")
         return h.hexdigest()
 

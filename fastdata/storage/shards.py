@@ -139,6 +139,23 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
     return flat
 
 
+def take_rows(maps: Sequence[np.ndarray], shard: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[j] = maps[shard[j]][rows[j]]``, one ``np.take`` per shard touched (NOTE [gather] in dataset.py):
+    straight into ``dst``'s slices when each shard's rows are one contiguous run (sorted batches), else a
+    take per shard and one scatter. Rows must be in range (``mode="clip"`` skips numpy's temporary)."""
+    if len(shard) == 0:
+        return
+    starts = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
+    used = np.unique(shard)
+    if len(starts) == len(used):
+        for a, b in zip(starts, np.r_[starts[1:], len(shard)]):
+            np.take(maps[shard[a]], rows[a:b], axis=0, out=dst[a:b], mode="clip")
+        return
+    for s in used:
+        mask = shard == s
+        dst[mask] = np.take(maps[s], rows[mask], axis=0, mode="clip")
+
+
 def batch_rows(out: torch.Tensor, b: int, dtype: torch.dtype, sample_shape: Sequence[int]) -> torch.Tensor:
     """``out[:b]``, once ``out`` is checked to hold ``b`` samples: the caller's buffer for ``get_batch``
     (FastLoader passes its ring buffers for every batch, so only cheap attribute checks)."""

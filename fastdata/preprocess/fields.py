@@ -1,0 +1,170 @@
+"""Decode one record with fields (NOTE [fields] in schema.py): its image as today, its mask and boxes moved
+by the same geometry, its ids, numbers and caption checked and converted. Runs in the worker processes.
+
+NOTE [record geometry]: ``resize`` maps the upright image of ``W x H`` pixels to ``S x S`` by an axis-aligned
+affine map, out = (x - left) * scale + pad, per axis (``center-crop``: the centre square, scaled;
+``squash``: each axis scaled; ``pad``: scaled to fit, then centred on a black canvas). Masks and boxes are
+given at the full size, while a large JPEG may be decoded at 1/2-1/8 scale first (DCT scaling): the map
+is expressed in full-size pixels, and the image's own resize covers the same fractions of its decoded
+size, so the three stay aligned to well under one output pixel. A mask is resampled by nearest
+neighbour (a label is never interpolated; padding is 0); boxes are mapped, clipped to the picture and
+dropped (with their class ids) when nothing of them is left.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .. import decode
+from ..errors import ImageDecodeError
+from ..tokenizer import Tokenizer, load_tokenizer
+
+BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per axis ``out = (x - left) * scale + pad``; the picture covers ``[pad, pad + extent)`` of the output."""
+
+    left: tuple[float, float]  # x, y
+    scale: tuple[float, float]
+    pad: tuple[int, int]
+    extent: tuple[int, int]
+
+
+def geometry(w: int, h: int, size: int, mode: str) -> Geometry:
+    """The map :func:`fastdata.decode.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
+    if mode == "center-crop":
+        m = min(w, h)
+        if m == size:  # resize() cuts without resampling, at integer offsets
+            return Geometry(((w - m) // 2, (h - m) // 2), (1.0, 1.0), (0, 0), (size, size))
+        return Geometry(((w - m) / 2, (h - m) / 2), (size / m, size / m), (0, 0), (size, size))
+    if mode == "squash":
+        return Geometry((0.0, 0.0), (size / w, size / h), (0, 0), (size, size))
+    if mode == "pad":
+        s = size / max(w, h)
+        nw, nh = min(size, max(1, round(w * s))), min(size, max(1, round(h * s)))
+        return Geometry((0.0, 0.0), (nw / w, nh / h), ((size - nw) // 2, (size - nh) // 2), (nw, nh))
+    raise ValueError(f"unknown resize mode {mode!r}")
+
+
+def resample_mask(mask: np.ndarray, g: Geometry, size: int) -> np.ndarray:
+    """Nearest-neighbour ``mask`` (``H x W``) -> ``size x size`` under ``g``; outside the picture: 0."""
+    out = np.zeros((size, size), mask.dtype)
+    idx = []
+    for axis in (0, 1):  # x (columns), then y (rows)
+        centres = np.arange(size) + 0.5
+        src = np.floor((centres - g.pad[axis]) / g.scale[axis] + g.left[axis]).astype(np.int64)
+        inside = (centres >= g.pad[axis]) & (centres < g.pad[axis] + g.extent[axis])
+        idx.append((np.clip(src, 0, mask.shape[1 - axis] - 1), inside))
+    (cols, cin), (rows, rin) = idx
+    out[np.ix_(rin, cin)] = mask[np.ix_(rows[rin], cols[cin])]
+    return out
+
+
+def map_boxes(boxes: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """Boxes (``k x 4`` xyxy, full-size pixels) -> output pixels, clipped to the picture; and which are kept
+    (a positive width and height left)."""
+    out = np.empty_like(boxes)
+    for axis, cols in ((0, [0, 2]), (1, [1, 3])):
+        lo, hi = g.pad[axis], g.pad[axis] + g.extent[axis]
+        out[:, cols] = np.clip((boxes[:, cols] - g.left[axis]) * g.scale[axis] + g.pad[axis], lo, hi)
+    keep = (out[:, 2] > out[:, 0]) & (out[:, 3] > out[:, 1])
+    return out[keep], keep
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+class RecordDecoder:
+    """Turns sample ``i`` of a source into its image row and field values (one per worker process)."""
+
+    def __init__(self, root: str, size: int, resize: str, resample: int, kinds: dict[str, str],
+                 num_classes: int, mask_dtype: str, tokenizer: str) -> None:
+        self.root, self.size, self.mode, self.resample = Path(root), size, resize, resample
+        self.kinds, self.num_classes, self.mask_dtype = kinds, num_classes, np.dtype(mask_dtype)
+        self.tokenizer = tokenizer
+
+    def decode(self, src: Any, values: dict[str, Any], label: Optional[int], out: np.ndarray) -> dict[str, Any]:
+        """Write the image into ``out``; return the fields. Raises ImageDecodeError naming what is wrong."""
+        img, (w, h) = decode.open_rgb_sized(src, self.size, self.mode)
+        out[...] = np.asarray(decode.resize(img, self.size, self.mode, self.resample))
+        g = geometry(w, h, self.size, self.mode)
+        if label is not None:
+            self._ids([label], "label")
+        fields: dict[str, Any] = {}
+        for name, kind in self.kinds.items():
+            v = values.get(name)
+            if kind == "mask":
+                fields[name] = self._mask(v, w, h, g)
+            elif kind == "boxes":
+                fields["boxes"], fields["box_labels"] = self._boxes(v, values.get("box_labels", []), w, h, g)
+            elif kind == "labels":
+                fields[name] = self._ids(v, name)
+            elif kind == "vector":
+                fields[name] = np.asarray(v, np.float32)
+            elif kind == "tokens":
+                fields[name] = self._tokens(v if v is not None else "")
+        return fields
+
+    def _ids(self, ids: list[int], name: str) -> np.ndarray:
+        arr = np.asarray(ids, np.int64).reshape(-1)
+        bad = arr[(arr < 0) | (arr >= self.num_classes)]
+        if bad.size:
+            raise ImageDecodeError(f"{name}: unknown class {int(bad[0])} (the dataset has {self.num_classes} classes)")
+        return arr
+
+    def _mask(self, rel: Optional[str], w: int, h: int, g: Geometry) -> np.ndarray:
+        if rel is None:
+            raise ImageDecodeError("no mask for this image (masks/ has no file of the same stem)")
+        path = self.root / rel
+        try:
+            with Image.open(path) as m:
+                m.load()
+                if m.mode not in ("L", "P", "I", "I;16", "I;16L", "1"):
+                    raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids (L, P or 16-bit)")
+                arr = np.asarray(m)
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+            raise ImageDecodeError(f"mask {rel}: {type(exc).__name__}: {exc}") from exc
+        if arr.shape != (h, w):
+            raise ImageDecodeError(f"mask {rel} is {arr.shape[1]}x{arr.shape[0]}, the image {w}x{h}: they must match")
+        top = int(arr.max(initial=0))
+        if top > np.iinfo(self.mask_dtype).max or int(arr.min(initial=0)) < 0:
+            raise ImageDecodeError(f"mask {rel} holds values up to {top}: store it with --mask-dtype uint16")
+        return resample_mask(arr.astype(self.mask_dtype), g, self.size)
+
+    def _boxes(self, boxes: list[Any], labels: list[int], w: int, h: int, g: Geometry
+               ) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            arr = np.asarray(boxes, np.float64).reshape(-1, 4)
+        except ValueError as exc:
+            raise ImageDecodeError(f"boxes {boxes!r} are not [[x1, y1, x2, y2], ...]") from exc
+        ids = self._ids(labels, "box_labels")
+        if len(ids) != len(arr):
+            raise ImageDecodeError(f"{len(arr)} boxes but {len(ids)} box_labels: give one class per box")
+        for b in arr:
+            if not (np.isfinite(b).all() and b[2] > b[0] and b[3] > b[1] and b[0] >= -BOX_SLACK and b[1] >= -BOX_SLACK
+                    and b[2] <= w + BOX_SLACK and b[3] <= h + BOX_SLACK):
+                raise ImageDecodeError(f"box {b.tolist()} is empty or outside the {w}x{h} image (xyxy pixels)")
+        np.clip(arr, 0, [w, h, w, h], out=arr)
+        mapped, keep = map_boxes(arr, g)
+        return mapped.astype(np.float32), ids[keep]
+
+    def _tokens(self, text: Any) -> np.ndarray:
+        if not isinstance(text, str):
+            raise ImageDecodeError(f"expected text for a caption, got {text!r}")
+        if self.tokenizer not in _TOKENIZERS:
+            _TOKENIZERS[self.tokenizer] = load_tokenizer(self.tokenizer)
+        return _TOKENIZERS[self.tokenizer].encode_batch([text])[0]
+
+
+def open_source(root: Path, rel: str, blobs: Any, index: int) -> Any:
+    """What :meth:`RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes."""
+    if blobs is None:
+        return root / rel
+    return io.BytesIO(blobs.read(index))

@@ -1,0 +1,373 @@
+"""Sources of samples with fields (NOTE [fields] in schema.py): JSONL/CSV records, a segmentation pair of
+folders, a COCO detection JSON over an image folder, and Parquet files as Hugging Face ``datasets`` writes.
+
+Each becomes a :class:`~fastdata.preprocess.sources.Source` whose ``extras`` hold one raw value per sample
+and field; the values are checked against the image (sizes, boxes, classes) by the decoding workers, so a
+bad record follows ``--on-error`` with its file and record named, like an undecodable image.
+
+Record keys (JSONL objects, CSV columns): ``image`` (a path relative to the file's folder; required),
+``label`` (an id or a class name), ``labels`` (a list of ids or names; in CSV separated by spaces or
+``;``), ``mask`` (a path), ``boxes`` (``[[x1, y1, x2, y2], ...]`` in the image's pixels) with
+``box_labels`` (one id or name per box); any other key holding a number or a list of numbers is a float
+``vector`` field, and one holding text is a ``tokens`` field (a caption, tokenised at preprocess time).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..errors import ImageDecodeError, MissingDependencyError, SourceError
+from .sources import Source, discover, is_image_name
+
+CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class ids or names, one class list
+_SPLIT = re.compile(r"[;\s]+")
+
+
+def _rel(root: Path, rel: Any, where: str) -> str:
+    """A record's path, relative to ``root`` and never outside it."""
+    if not isinstance(rel, str) or not rel.strip():
+        raise SourceError(f"{where}: expected a relative file path, got {rel!r}")
+    full = (root / rel.strip()).resolve()
+    if Path(rel.strip()).is_absolute() or not full.is_relative_to(root):
+        raise SourceError(f"{where}: {rel!r} is outside the folder {root}; paths must be relative to it")
+    return full.relative_to(root).as_posix()
+
+
+def _kind_of(key: str, value: Any) -> Optional[str]:
+    if key in ("label", "labels", "mask", "boxes", "box_labels"):
+        return key
+    if isinstance(value, str):
+        return "tokens"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "vector"
+    if isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in value):
+        return "vector"
+    return None
+
+
+def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Path, root: Path, kind: str,
+                 paths: Optional[list[str]] = None) -> Source:
+    """A Source from ``(where, record)`` pairs (``where`` names the file and line for messages); ``paths``
+    given (Parquet: the images are in the rows) replace the records' ``image`` paths."""
+    given = paths is not None
+    paths = list(paths) if given else []
+    raw: dict[str, list[Any]] = {}
+    kinds: dict[str, str] = {}
+    n = 0
+    for where, rec in rows:
+        if not given and "image" not in rec:
+            raise SourceError(f"{where}: the record has no 'image' path (keys: {sorted(rec)})")
+        if not given:
+            paths.append(_rel(root, rec["image"], where))
+        for key, value in rec.items():
+            if key == "image" or value is None:
+                continue
+            k = _kind_of(key, value)
+            if k is None or not re.match(r"^[a-z][a-z0-9_]{0,31}$", key) or key.endswith("_offsets"):
+                raise SourceError(f"{where}: cannot store {key!r} = {value!r}: use a lower-case name and a number, "
+                                  "a list of numbers, a class id/name, a path ('mask') or text")
+            if kinds.setdefault(key, k) != k:
+                raise SourceError(f"{where}: {key!r} holds {k} here and {kinds[key]} in earlier records")
+            raw.setdefault(key, [None] * n).append(value)
+        n += 1
+        for col in raw.values():
+            if len(col) < n:
+                col.append(None)
+    if ("boxes" in kinds) != ("box_labels" in kinds):
+        raise SourceError(f"{location}: records give 'boxes' and 'box_labels' together (one class per box)")
+    extras: dict[str, list[Any]] = {}
+    for key, col in raw.items():
+        extras[key] = _column(key, kinds[key], col, location, root)
+    classes, extras = _classes(extras, location)
+    has_label = "label" in extras
+    labels = extras.pop("label") if has_label else [0] * n
+    kinds.pop("label", None)
+    return Source(kind, location, root, paths, labels, classes, kinds, extras, has_label)
+
+
+def _column(key: str, kind: str, col: list[Any], location: Path, root: Path) -> list[Any]:
+    """One field's values, checked for what the source alone can tell; None stays where a record lacks it."""
+    if kind == "mask":
+        return [None if v is None else _rel(root, v, f"{location}: {key}") for v in col]
+    if kind == "vector":
+        shapes = {(len(v) if isinstance(v, list) else -1) for v in col if v is not None}
+        if len(shapes) > 1:
+            raise SourceError(f"{location}: {key!r} has lists of different lengths {sorted(shapes)}: a float field "
+                              "has one length for every record")
+        if any(v is None for v in col):
+            raise SourceError(f"{location}: {key!r} is missing from some records (record {col.index(None)}); "
+                              "a float field needs a value in every record")
+        return [[float(x) for x in v] if isinstance(v, list) else float(v) for v in col]
+    if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
+        col = [None if v is None else [t for t in _SPLIT.split(v) if t] for v in col]  # CSV: "cat dog"
+    if kind in ("labels", "boxes", "box_labels"):
+        return [[] if v is None else v for v in col]
+    if kind == "label" and any(v is None for v in col):
+        raise SourceError(f"{location}: 'label' is missing from record {col.index(None)}; give every record one")
+    return col
+
+
+def _classes(extras: dict[str, list[Any]], location: Path) -> tuple[list[str], dict[str, list[Any]]]:
+    """One class list for label/labels/box_labels: integer ids keep their ids, names are sorted."""
+    names = [v for key in CLASS_KEYS if key in extras for rec in extras[key]
+             for v in (rec if isinstance(rec, list) else [rec])]
+    if not names:
+        return [], extras
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in names):
+        if min(names) < 0:
+            raise SourceError(f"{location}: class ids must be >= 0, got {min(names)}")
+        return [str(i) for i in range(max(names) + 1)], extras
+    if all(isinstance(v, str) for v in names):
+        if all(v.isdigit() for v in names):
+            ids = {v: int(v) for v in names}
+            classes = [str(i) for i in range(max(ids.values()) + 1)]
+        else:
+            classes = sorted(set(names))
+            ids = {c: i for i, c in enumerate(classes)}
+        out = dict(extras)
+        for key in CLASS_KEYS:
+            if key in extras:
+                out[key] = [[ids[v] for v in rec] if isinstance(rec, list) else ids[rec] for rec in extras[key]]
+        return classes, out
+    raise SourceError(f"{location}: class labels mix ids and names ({names[0]!r}, ...): use one or the other")
+
+
+# -- the source kinds ---------------------------------------------------------------------------------------
+def jsonl_records(path: Path) -> Source:
+    def rows() -> Iterator[tuple[str, dict[str, Any]]]:
+        for lineno, line in enumerate(_lines(path), start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SourceError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from exc
+            if not isinstance(rec, dict):
+                raise SourceError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
+            yield f"{path}:{lineno}", rec
+    return from_records(rows(), path, path.parent.resolve(), "jsonl")
+
+
+def is_record_csv(path: Path) -> bool:
+    """A CSV whose header names an ``image`` column (a ``path,label`` list has no such header)."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            header = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return False
+    return "image" in [c.strip().lower() for c in header]
+
+
+def csv_records(path: Path) -> Source:
+    def rows() -> Iterator[tuple[str, dict[str, Any]]]:
+        try:
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                reader = csv.DictReader(f)
+                for lineno, row in enumerate(reader, start=2):
+                    if None in row:
+                        raise SourceError(f"{path}:{lineno}: more cells than header columns")
+                    yield f"{path}:{lineno}", {k.strip().lower(): _cell(k.strip().lower(), v) for k, v in row.items()
+                                               if v is not None and v.strip() != ""}
+        except UnicodeDecodeError as exc:
+            raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save it as UTF-8 CSV") from exc
+        except csv.Error as exc:
+            raise SourceError(f"{path}: malformed CSV ({exc})") from exc
+    return from_records(rows(), path, path.parent.resolve(), "csv-records")
+
+
+def _cell(key: str, text: str) -> Any:
+    """A CSV cell as JSON would give it: numbers for numbers, text otherwise (paths, names, captions)."""
+    text = text.strip()
+    if key in ("image", "mask", "labels"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+        return value if math.isfinite(value) else text
+    except ValueError:
+        return text
+
+
+def segmentation_pair(root: Path) -> Source:
+    """``root/images/*`` with ``root/masks/*`` of the same stems (any image extension each)."""
+    images, masks = root / "images", root / "masks"
+    stems: dict[str, str] = {}
+    for name in sorted(os.listdir(masks)):
+        if is_image_name(name):
+            stems.setdefault(os.path.splitext(name)[0], f"masks/{name}")
+    paths = [f"images/{n}" for n in sorted(os.listdir(images)) if is_image_name(n)]
+    mask_of = [stems.get(os.path.splitext(p[len("images/"):])[0]) for p in paths]
+    return Source("segmentation", root, root.resolve(), paths, [0] * len(paths), [], {"mask": "mask"},
+                  {"mask": mask_of}, has_label=False)
+
+
+def coco(root: Path, annotations: Path) -> Source:
+    """COCO ``instances.json`` over the image folder ``root``: each image's non-crowd boxes (``bbox`` as
+    x, y, w, h -> xyxy) with class ids numbered in the order of the category ids; images without boxes are
+    kept (no boxes). A box of an unknown category fails its record at decode time (``--on-error``)."""
+    try:
+        data = json.loads(Path(annotations).read_text(encoding="utf-8"))
+        images, anns, cats = data["images"], data.get("annotations", []), data["categories"]
+        order = sorted(int(c["id"]) for c in cats)
+        names = {int(c["id"]): str(c["name"]) for c in cats}
+        index = {cid: i for i, cid in enumerate(order)}
+        files = {int(im["id"]): str(im["file_name"]) for im in images}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise SourceError(f"{annotations} is not a COCO instances file ({type(exc).__name__}: {exc})") from exc
+    boxes: dict[int, list[list[float]]] = {i: [] for i in files}
+    labels: dict[int, list[int]] = {i: [] for i in files}
+    for a in anns:
+        try:
+            if a.get("iscrowd", 0):
+                continue  # crowd regions are not object boxes (torchvision's COCO recipe drops them too)
+            x, y, w, h = (float(v) for v in a["bbox"])
+            image_id = int(a["image_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SourceError(f"{annotations}: annotation {a.get('id', '?')} is malformed ({exc!r})") from exc
+        if image_id not in files:
+            raise SourceError(f"{annotations}: annotation {a.get('id', '?')} names image {image_id}, not in 'images'")
+        boxes[image_id].append([x, y, x + w, y + h])
+        labels[image_id].append(index.get(int(a["category_id"]), -1))  # -1: unknown, refused by the worker
+    ids = [i for i in files]  # the file's order
+    paths = [_rel(root.resolve(), files[i], f"{annotations}: image {i}") for i in ids]
+    return Source("coco", Path(annotations), root.resolve(), paths, [0] * len(ids), [names[c] for c in order],
+                  {"boxes": "boxes", "box_labels": "box_labels"},
+                  {"boxes": [boxes[i] for i in ids], "box_labels": [labels[i] for i in ids]}, has_label=False)
+
+
+def _lines(path: Path) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            yield from f
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path} is not UTF-8 text ({exc.reason})") from exc
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
+
+
+def require_pyarrow() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise MissingDependencyError("Parquet sources need pyarrow: pip install 'fastdata[parquet]'") from exc
+    return pq
+
+
+class ParquetBlobs:
+    """Reads sample ``i``'s encoded image bytes from Parquet files, a row group at a time (the last one read
+    is kept, so a worker's chunk of consecutive rows reads its row group once). Picklable: workers reopen."""
+
+    def __init__(self, files: list[str], column: str, where: list[tuple[int, int, int]]) -> None:
+        self.files, self.column, self.where = files, column, where  # sample -> (file, row group, row)
+        self._group: Optional[tuple[int, int, Any]] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"files": self.files, "column": self.column, "where": self.where, "_group": None}
+
+    def read(self, i: int) -> bytes:
+        f, g, row = self.where[i]
+        if self._group is None or self._group[:2] != (f, g):
+            pq = require_pyarrow()
+            table = pq.ParquetFile(self.files[f]).read_row_group(g, columns=[self.column])
+            self._group = (f, g, table.column(0).to_pylist())
+        value = self._group[2][row]
+        data = value.get("bytes") if isinstance(value, dict) else value
+        if not isinstance(data, (bytes, bytearray)) or not data:
+            raise ImageDecodeError(f"row {row} of row group {g} has no image bytes in column {self.column!r}")
+        return bytes(data)
+
+
+def _image_column(schema: Any) -> Optional[str]:
+    """The column holding encoded images: a struct with ``bytes`` (Hugging Face's Image feature) or binary."""
+    import pyarrow as pa
+    for name in schema.names:
+        t = schema.field(name).type
+        if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+            return name
+    for name in schema.names:
+        if pa.types.is_binary(schema.field(name).type) or pa.types.is_large_binary(schema.field(name).type):
+            return name
+    return None
+
+
+def _hf_class_names(schema: Any, column: str) -> Optional[list[str]]:
+    """A ``ClassLabel`` column's names from the ``huggingface`` schema metadata, when there are some."""
+    try:
+        meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
+        names = meta["info"]["features"][column]["names"]
+        return [str(n) for n in names] if isinstance(names, list) else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def parquet(src: Path) -> Source:
+    """A ``.parquet`` file or a folder of them: one sample per row, the image column's encoded bytes as the
+    image, every other column a field (read whole: they are small; the images are read by row group)."""
+    pq = require_pyarrow()
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix == ".parquet")
+    if not files:
+        raise SourceError(f"{src} holds no .parquet files")
+    where: list[tuple[int, int, int]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
+    column, names = None, None
+    for fi, path in enumerate(files):
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise SourceError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
+        schema = pf.schema_arrow
+        col = _image_column(schema)
+        if col is None or (column is not None and col != column):
+            raise SourceError(f"{path}: no image column (a struct with 'bytes', or binary) or another one than "
+                              f"{column!r} in the files before")
+        column = col
+        names = names or _hf_class_names(schema, "label")
+        others = [n for n in schema.names if n != col]
+        for g in range(pf.num_row_groups):
+            table = pf.read_row_group(g, columns=others)
+            records = table.to_pylist()
+            for r, rec in enumerate(records):
+                where.append((fi, g, r))
+                rows.append((f"{path.name}#{len(where) - 1}", {k: v for k, v in rec.items() if v is not None}))
+    assert column is not None
+    paths = [w for w, _ in rows]
+    source = from_records(iter(rows), src, src.resolve() if src.is_dir() else src.parent.resolve(), "parquet",
+                          paths=paths)
+    classes = source.classes
+    if names is not None and source.has_label and len(names) >= len(classes):
+        classes = names  # Hugging Face ClassLabel: ids keep their names
+    return Source("parquet", src, source.root, paths, source.labels, classes, source.kinds, source.extras,
+                  source.has_label, ParquetBlobs([str(f) for f in files], column, where))
+
+
+def discover_any(src: Path, coco_json: Optional[Path] = None) -> Source:
+    """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
+    a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
+    ``path,label`` CSV as always."""
+    src = Path(src)
+    if coco_json is not None:
+        if not src.is_dir():
+            raise SourceError(f"--coco needs the image folder as SRC, got {src}")
+        source = coco(src, Path(coco_json))
+    elif src.is_dir() and (src / "images").is_dir() and (src / "masks").is_dir():
+        source = segmentation_pair(src)
+    elif src.suffix.lower() == ".jsonl" and src.is_file():
+        source = jsonl_records(src)
+    elif src.suffix.lower() == ".csv" and src.is_file() and is_record_csv(src):
+        source = csv_records(src)
+    elif src.suffix.lower() == ".parquet" or (src.is_dir() and any(p.suffix == ".parquet" for p in src.iterdir())):
+        source = parquet(src)
+    else:
+        return discover(src)
+    if not source.paths:
+        raise SourceError(f"source {src} holds no samples")
+    return source
