@@ -21,7 +21,8 @@ def _preprocess_images(args: argparse.Namespace) -> int:
     config = ImagePreprocessConfig(
         src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
         shard_size=args.shard_size, on_error=args.on_error, quality=args.quality, filter=args.filter,
-        overwrite=args.overwrite, progress=not args.quiet)
+        overwrite=args.overwrite, progress=not args.quiet, coco=args.coco, mask_dtype=args.mask_dtype,
+        tokenizer=args.tokenizer)
     manifest = preprocess_images(config)
     print(summary(manifest), file=sys.stderr)
     return 0
@@ -132,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
     pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
-    img = pre_sub.add_parser("images", help="image folder or path,label CSV -> uint8 .npy shards or JPEG LMDB")
-    img.add_argument("src", type=Path, help="ImageFolder tree (one sub-folder per class) or a path,label .csv")
+    img = pre_sub.add_parser("images", help="images (and masks, boxes, labels, captions) -> .npy shards or JPEG LMDB")
+    img.add_argument("src", type=Path, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records (with an "
+                     "'image' column), a folder with images/ and masks/, .parquet file(s), or (with --coco) the image "
+                     "folder")
     img.add_argument("out", type=Path, help="output dataset folder")
     img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
     img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop", help="npy: how to reach SxS")
@@ -144,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--quality", type=int, default=90, help="lmdb: JPEG quality (default 90)")
     img.add_argument("--filter", choices=tuple(FILTERS), default="lanczos",
                      help="resize filter (default lanczos; bilinear is ~2x cheaper, see benchmarks/RESULTS.md)")
+    img.add_argument("--coco", type=Path, default=None, help="COCO instances.json: boxes for the images in SRC")
+    img.add_argument("--mask-dtype", choices=("uint8", "uint16"), default="uint8",
+                     help="masks with ids above 255 need uint16 (default uint8)")
+    img.add_argument("--tokenizer", default="bytes", help="text fields (captions): bytes | PATH/tokenizer.json | "
+                     "tiktoken:NAME")
     img.add_argument("--overwrite", action="store_true", help="replace a dataset made with other arguments")
     img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     img.set_defaults(func=_preprocess_images)

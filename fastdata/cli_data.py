@@ -73,6 +73,8 @@ def _inspect(args: argparse.Namespace) -> int:
     for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
         if key in info:
             print(f"{key + ':':<13} {info[key]}")
+    for name, desc in info.get("fields", {}).items():
+        print(f"field:     {name}: {desc}")
     print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
     print(f"params:    {json.dumps(info['params'])}")
     print(f"source:    {info['source'].get('kind', 'text')} {info['source']['path']}")

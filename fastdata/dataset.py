@@ -424,6 +424,7 @@ class DatasetView:
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
         self.sample_shape, self.sample_dtype, self.device = base.sample_shape, base.sample_dtype, base.device
+        self.fields = getattr(base, "fields", None)  # dict batches when the base has sample fields
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -7,6 +7,15 @@ random transform draws its parameters for the whole batch from the ``generator``
 (CUDAPrefetcher seeds one per batch from ``(seed, epoch, position, rank)``, so a resumed run draws the
 same augmentations), then applies them with batched tensor operations. ``params`` and ``apply`` are
 separate so tests can check the math against a per-sample reference with the very same draws.
+
+NOTE [spatial fields]: every transform also takes a dict batch of sample fields (NOTE [fields] in
+schema.py) with ``"image"`` as NCHW, and moves every spatial field with the image, from the same draw:
+each ``(B, H, W)`` tensor is a mask, cropped, flipped and resampled by nearest neighbour (a class id is
+never interpolated; RandomCrop pads it with 0); ``"boxes"`` (float xyxy pixels, with ``"box_labels"``
+and ``"boxes_offsets"``) go through the same per-sample affine map, are clipped to the output and dropped
+(with their class ids) when no area is left. Other fields pass through; Normalize touches only the image.
+Dropping boxes needs their count on the host: for box batches on a GPU that is one wait on the stream
+running the transforms (CUDAPrefetcher's side stream), not on the model's.
 """
 from __future__ import annotations
 
@@ -30,10 +39,40 @@ def _pair(size: Size, name: str) -> tuple[int, int]:
     return hw  # type: ignore[return-value]
 
 
-class Transform:
-    """A batched transform: ``t(x, generator)`` -> transformed batch."""
+Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+
+def masks_of(batch: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of a dict batch's masks: ``(B, H, W)`` tensors with the image's batch and size."""
+    image = batch["image"]
+    return [k for k, v in batch.items() if k != "image" and v.ndim == 3 and v.shape == (image.shape[0], *image.shape[-2:])]
+
+
+def move_boxes(batch: dict[str, torch.Tensor], scale: tuple[torch.Tensor, torch.Tensor],
+               shift: tuple[torch.Tensor, torch.Tensor], size: tuple[int, int]) -> None:
+    """Map ``batch["boxes"]`` by ``x * scale + shift`` per sample and axis (``(B,)`` each; a negative scale
+    mirrors), clip to ``size`` (height, width), and drop the boxes left empty with their class ids."""
+    if "boxes" not in batch:
+        return
+    boxes, offsets = batch["boxes"], batch["boxes_offsets"]
+    owner = torch.searchsorted(offsets[1:], torch.arange(len(boxes), device=boxes.device), right=True)
+    out = torch.empty_like(boxes)
+    for axis, (lo, hi) in enumerate(((0, 2), (1, 3))):
+        a = boxes[:, lo] * scale[axis][owner] + shift[axis][owner]
+        b = boxes[:, hi] * scale[axis][owner] + shift[axis][owner]
+        limit = float(size[1 - axis])
+        out[:, lo], out[:, hi] = torch.minimum(a, b).clamp(0, limit), torch.maximum(a, b).clamp(0, limit)
+    keep = (out[:, 2] > out[:, 0]) & (out[:, 3] > out[:, 1])
+    counts = torch.zeros(len(offsets) - 1, dtype=torch.int64, device=boxes.device).index_add_(0, owner, keep.long())
+    batch["boxes"], batch["box_labels"] = out[keep], batch["box_labels"][keep]
+    batch["boxes_offsets"] = torch.cat([offsets[:1] * 0, counts.cumsum(0)])
+
+
+class Transform:
+    """A batched transform: ``t(x, generator)`` -> transformed batch; ``x`` is an NCHW image tensor, or a dict
+    of sample fields whose spatial fields move with the image (NOTE [spatial fields])."""
+
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -47,7 +86,7 @@ class Compose(Transform):
     def __init__(self, transforms: Sequence[Transform]) -> None:
         self.transforms = list(transforms)
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
         for t in self.transforms:
             x = t(x, generator)
         return x
@@ -67,7 +106,19 @@ class RandomHorizontalFlip(Transform):
     def apply(self, x: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
         return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def apply_fields(self, batch: dict[str, torch.Tensor], flip: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = dict(batch)
+        out["image"] = self.apply(batch["image"], flip)
+        for k in masks_of(batch):
+            out[k] = torch.where(flip.view(-1, 1, 1), batch[k].flip(2), batch[k])
+        size = tuple(batch["image"].shape[-2:])
+        one = torch.ones(len(flip), device=flip.device)
+        move_boxes(out, (torch.where(flip, -one, one), one), (flip.float() * size[1], one * 0), size)
+        return out
+
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+        if isinstance(x, dict):
+            return self.apply_fields(x, self.params(x["image"], generator))
         return self.apply(x, self.params(x, generator))
 
 
@@ -77,12 +128,21 @@ class CenterCrop(Transform):
     def __init__(self, size: Size) -> None:
         self.size = _pair(size, "size")
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        (h, w), (H, W) = self.size, x.shape[-2:]
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+        image = x["image"] if isinstance(x, dict) else x
+        (h, w), (H, W) = self.size, image.shape[-2:]
         if h > H or w > W:
             raise ConfigError(f"CenterCrop size {self.size} is larger than the images ({H}, {W})")
         top, left = int(round((H - h) / 2.0)), int(round((W - w) / 2.0))
-        return x[:, :, top:top + h, left:left + w]
+        if not isinstance(x, dict):
+            return x[:, :, top:top + h, left:left + w]
+        out = dict(x)
+        out["image"] = image[:, :, top:top + h, left:left + w]
+        for k in masks_of(x):
+            out[k] = x[k][:, top:top + h, left:left + w]
+        one = torch.ones(image.shape[0], device=image.device)
+        move_boxes(out, (one, one), (one * -left, one * -top), (h, w))
+        return out
 
 
 class RandomCrop(Transform):
@@ -102,18 +162,33 @@ class RandomCrop(Transform):
         span = torch.tensor([H + 2 * p - h + 1, W + 2 * p - w + 1], device=x.device)
         return (u * span).long()  # (B, 2): top, left in the padded image
 
-    def apply(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, offsets: torch.Tensor, fill: Optional[float] = None) -> torch.Tensor:
+        """Crop NCHW images (or, with ``fill=0``, ``(B, H, W)`` masks) at ``offsets``."""
         (h, w), p, b = self.size, self.padding, x.shape[0]
+        plane = x.ndim == 3
+        if plane:
+            x = x.unsqueeze(1)
         if p:
-            x = F.pad(x, (p, p, p, p), value=self.fill)
+            x = F.pad(x, (p, p, p, p), value=self.fill if fill is None else fill)
         rows = offsets[:, :1] + torch.arange(h, device=x.device)  # (B, h)
         cols = offsets[:, 1:] + torch.arange(w, device=x.device)  # (B, w)
         batch = torch.arange(b, device=x.device).view(-1, 1, 1)
         # Advanced indexing puts the indexed dims first: (B, h, w, C), i.e. NCHW with channels_last strides.
-        return x[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+        out = x[batch, :, rows[:, :, None], cols[:, None, :]]
+        return out[..., 0] if plane else out.permute(0, 3, 1, 2)
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        return self.apply(x, self.params(x, generator))
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+        if not isinstance(x, dict):
+            return self.apply(x, self.params(x, generator))
+        offsets = self.params(x["image"], generator)
+        out = dict(x)
+        out["image"] = self.apply(x["image"], offsets)
+        for k in masks_of(x):
+            out[k] = self.apply(x[k], offsets, fill=0)
+        one = torch.ones(len(offsets), device=offsets.device)
+        shift = (self.padding - offsets).float()
+        move_boxes(out, (one, one), (shift[:, 1], shift[:, 0]), self.size)
+        return out
 
 
 class RandomResizedCrop(Transform):
@@ -137,7 +212,7 @@ class RandomResizedCrop(Transform):
         full = lambda v: torch.full((b,), float(v), device=dev)  # noqa: E731
         return rrc_boxes(full(H), full(W), u, self.scale, self.ratio)
 
-    def apply(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def _grid(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
         (oh, ow), (H, W), b = self.size, x.shape[-2:], x.shape[0]
         top, left, h, w = boxes.unbind(1)
         theta = torch.zeros(b, 2, 3, device=x.device, dtype=torch.float32)
@@ -145,11 +220,29 @@ class RandomResizedCrop(Transform):
         theta[:, 0, 2] = (2 * left + w) / W - 1
         theta[:, 1, 1] = h / H
         theta[:, 1, 2] = (2 * top + h) / H - 1
-        grid = F.affine_grid(theta, [b, x.shape[1], oh, ow], align_corners=False)
+        return F.affine_grid(theta, [b, 1, oh, ow], align_corners=False)
+
+    def apply(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
         xf = x if x.is_floating_point() else x.float()
+        grid = self._grid(x, boxes)
         return F.grid_sample(xf, grid.to(xf.dtype), mode="bilinear", padding_mode="border", align_corners=False)
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def apply_fields(self, batch: dict[str, torch.Tensor], boxes: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = dict(batch)
+        out["image"] = self.apply(batch["image"], boxes)
+        grid = self._grid(batch["image"], boxes)
+        for k in masks_of(batch):  # the image's sampling points, nearest: ids exact below 2**24
+            m = batch[k].unsqueeze(1).float()
+            out[k] = F.grid_sample(m, grid, mode="nearest", padding_mode="border",
+                                   align_corners=False)[:, 0].to(batch[k].dtype)
+        top, left, h, w = boxes.float().unbind(1)
+        sx, sy = self.size[1] / w, self.size[0] / h  # edge coordinates: x' = (x - left) * ow / w
+        move_boxes(out, (sx, sy), (-left * sx, -top * sy), self.size)
+        return out
+
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+        if isinstance(x, dict):
+            return self.apply_fields(x, self.params(x["image"], generator))
         return self.apply(x, self.params(x, generator))
 
 
@@ -176,7 +269,9 @@ class Normalize(Transform):
             self._cache[device] = (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
         return self._cache[device]
 
-    def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+        if isinstance(x, dict):
+            return {**x, "image": self(x["image"], generator)}
         scale, shift = self._coefficients(x.device, x.shape[1])
         if scale.shape[1] != x.shape[1]:
             raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")

@@ -7,6 +7,10 @@ next** ``next()`` (keep it longer with ``copy=True`` or ``.clone()``). ``iter_ma
 ``(x, y, release)`` instead, for consumers such as CUDAPrefetcher that must hold a buffer until an
 asynchronous copy from it completed.
 
+A dataset with sample fields (NOTE [fields] in schema.py) gives dict batches; each slot then holds one
+buffer per key, allocated at the first batch and grown (1.5x) when a variable-length field needs more,
+so the ring stays pinned and no batch allocates. ``iter_manual()`` hands out ``(batch, release)`` there.
+
 Every batch's indices are served in ascending order (a batch is a set of samples for SGD; sorted reads
 are sequential in the page cache and let a multi-shard gather write each shard's rows in place).
 """
@@ -32,6 +36,23 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def _noop() -> None:
     pass
+
+
+class SlotBuffers:
+    """One ring slot's buffers for dict batches: ``slot(key, shape, dtype)`` gives a (pinned) tensor of that
+    shape, reusing the key's buffer while it is big enough (``get_batch(out=...)`` of a dataset with fields)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = int(np.prod(shape))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            grown = n if buf is None or buf.dtype != dtype else max(n, buf.numel() * 3 // 2)
+            buf = self._buffers[key] = torch.empty(grown, dtype=dtype, pin_memory=self.pin)
+        return buf[:n].view(shape)
 
 
 def load_config(path: Union[Path, str]) -> dict[str, Any]:
@@ -107,28 +128,44 @@ class FastLoader(SamplerBacked):
             return self._iter_device()
         return self._iter_auto()
 
-    def _iter_auto(self) -> Iterator[Batch]:
-        for x, y, release in self.iter_manual():
-            yield (x.clone(), y.clone()) if self.copy else (x, y)
+    @property
+    def dict_batches(self) -> bool:
+        """True when batches are dicts of fields (a dataset with sample fields), not ``(x, y)``."""
+        return getattr(self.dataset, "fields", None) is not None
+
+    def _iter_auto(self) -> Iterator[Any]:
+        for batch, release in self.iter_batches():
+            if self.copy:
+                batch = {k: v.clone() for k, v in batch.items()} if isinstance(batch, dict) else tuple(
+                    t.clone() for t in batch)
+            yield batch
             release()
 
-    def _iter_device(self) -> Iterator[Batch]:
+    def _iter_device(self) -> Iterator[Any]:
         # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads.
         self._close_active()
         for idx in self.sampler.batches():
-            x, y = self.dataset.get_batch(torch.from_numpy(np.sort(idx)))
+            batch = self.dataset.get_batch(torch.from_numpy(np.sort(idx)))
             self.sampler.advance()
-            yield x, y
+            yield batch
         self.sampler.end_epoch()
 
-    def iter_manual(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
-        """Yield ``(x, y, release)``; the slot behind ``x`` is refilled only after ``release()`` is called."""
+    def iter_batches(self) -> Iterator[tuple[Any, Callable[[], None]]]:
+        """Yield ``(batch, release)``: the slot behind ``batch`` (an ``(x, y)`` tuple or a dict of fields) is
+        refilled only after ``release()`` is called (NOTE [ring])."""
         self._close_active()
         if self.on_device:  # device batches are fresh tensors from index_select: nothing to hand back
-            return ((x, y, _noop) for x, y in self._iter_device())
+            return ((batch, _noop) for batch in self._iter_device())
         gen = self._produce()
         self._active = weakref.ref(gen)
         return gen
+
+    def iter_manual(self) -> Iterator[Any]:
+        """Yield ``(x, y, release)`` (``(batch, release)`` for dict batches); the slot behind the batch is
+        refilled only after ``release()`` is called."""
+        if self.dict_batches:
+            return self.iter_batches()
+        return ((x, y, release) for (x, y), release in self.iter_batches())
 
     def _close_active(self) -> None:
         # The ring is shared: a second live iterator would refill buffers the first one still hands out.
@@ -137,15 +174,19 @@ class FastLoader(SamplerBacked):
             old.close()
         self._active = None
 
-    def _ensure_ring(self) -> list[Batch]:
-        if len(self._ring) != self.slots:
+    def _ensure_ring(self) -> list[Any]:
+        if len(self._ring) != self.slots and self.dict_batches:
+            self._ring = [SlotBuffers(self.pin_memory) for _ in range(self.slots)]
+        elif len(self._ring) != self.slots:
             shape = (self.batch_size, *self.dataset.sample_shape)
             self._ring = [(torch.empty(shape, dtype=self.dataset.sample_dtype, pin_memory=self.pin_memory),
                            torch.empty(self.batch_size, dtype=torch.int64, pin_memory=self.pin_memory))
                           for _ in range(self.slots)]
         return self._ring
 
-    def _fill(self, slot: int, idx: np.ndarray, position: int) -> Batch:
+    def _fill(self, slot: int, idx: np.ndarray, position: int) -> Any:
+        if self.dict_batches:
+            return self.dataset.get_batch(np.sort(idx), out=self._ring[slot])
         x_buf, y_buf = self._ring[slot]
         n = len(idx)
         if getattr(self.dataset, "random_crops", False):  # decode-time crops, drawn as CUDAPrefetcher draws
@@ -158,7 +199,7 @@ class FastLoader(SamplerBacked):
         y_buf[:n].copy_(y)
         return x, y_buf[:n]
 
-    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Callable[[], None]]]:
+    def _produce(self) -> Iterator[tuple[Any, Callable[[], None]]]:
         self._ensure_ring()
         batches = self.sampler.batches()  # streamed: never the whole epoch at once
         first, pulled = self.sampler.served, 0
@@ -202,9 +243,9 @@ class FastLoader(SamplerBacked):
             top_up()
             while pending:
                 slot, fut = pending.popleft()
-                x, y = fut.result()  # re-raises a worker's error here, in the consumer's thread
+                batch = fut.result()  # re-raises a worker's error here, in the consumer's thread
                 self.sampler.advance()
-                yield x, y, releaser(slot)
+                yield batch, releaser(slot)
                 top_up()
                 if not pending and not exhausted:
                     raise FastdataError(f"all {self.slots} FastLoader buffers are held by the consumer: call "

@@ -156,6 +156,8 @@ def describe(root: Path | str) -> dict[str, Any]:
                          for k, v in m["splits"].items()}
         out["bytes_per_token"] = m["bytes_per_token"]
         out["skipped"] = m.get("skipped_count", 0)
+    if "fields" in m:
+        out["fields"] = {f["name"]: f"{f['kind']} {f['dtype']} {tuple(f['shape'])}" for f in m["fields"]}
     for k in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
         if k in m:
             out[k] = m[k]

@@ -91,6 +91,11 @@ def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.T
     return _walk(batch, one), host
 
 
+def _target(t: torch.Tensor) -> torch.Tensor:
+    """Integer tensors (labels, masks, token ids, offsets) as int64, what losses and embeddings take."""
+    return t.long() if not t.is_floating_point() and t.dtype != torch.bool else t
+
+
 def is_image(t: torch.Tensor) -> bool:
     """Only 4-D uint8 tensors are images (NHWC); token batches and labels are not."""
     return t.dtype == torch.uint8 and t.ndim == 4
@@ -165,24 +170,30 @@ class CUDAPrefetcher:
 
     # -- conversion (the same math on every device) ---------------------------------------------------
     def convert(self, batch: Any, generator: Optional[torch.Generator] = None) -> Any:
-        """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64."""
+        """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64. A dict
+        of sample fields has its spatial fields moved with the image (NOTE [spatial fields] in
+        gpu_transforms.py) before the conversion."""
+        if isinstance(batch, dict) and isinstance(batch.get("image"), torch.Tensor) and is_image(batch["image"]):
+            fields = {**batch, "image": batch["image"].permute(0, 3, 1, 2)}
+            if self.transforms is not None:
+                fields = self.transforms(fields, generator)
+            image = self.normalize(fields["image"]).contiguous(memory_format=torch.channels_last)
+            return {**_walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
+
         def one(t: torch.Tensor) -> torch.Tensor:
             if is_image(t):
                 x = t.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
                 if self.transforms is not None:
                     x = self.transforms(x, generator)
                 return self.normalize(x).contiguous(memory_format=torch.channels_last)
-            if not t.is_floating_point() and t.dtype != torch.bool:
-                return t.long()
-            return t
+            return _target(t)
         return _walk(batch, one)
 
     # -- iteration ------------------------------------------------------------------------------------
     def _source(self) -> Iterator[tuple[Any, Release]]:
-        manual = getattr(self.loader, "iter_manual", None)
+        manual = getattr(self.loader, "iter_batches", None)
         if manual is not None and self.device.type == "cuda":  # hold FastLoader buffers until copied
-            for x, y, release in manual():
-                yield (x, y), release
+            yield from manual()
         else:
             for batch in self.loader:
                 yield batch, None

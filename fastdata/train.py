@@ -52,8 +52,18 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return f
 
 
-def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """Cross-entropy on the targets: class logits ``(B, C)`` or a language model's ``(B, T, V)``; for a dict
+    batch (sample fields), on its ``label``, else per pixel on its ``mask`` for ``(B, C, H, W)`` logits."""
+    def loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+        if isinstance(target, dict):
+            if "label" in target and out.ndim == 2:
+                target = target["label"]
+            elif "mask" in target and out.ndim == 4:
+                return F.cross_entropy(out, target["mask"].long(), label_smoothing=label_smoothing)
+            else:
+                raise ConfigError(f"batches hold fields {sorted(target)}: pass Trainer(loss_fn=lambda out, batch: "
+                                  "...) to say what the model's output is scored against")
         if out.ndim == 3:  # language model: (B, T, V) logits, (B, T) targets
             out, target = out.flatten(0, 1), target.flatten()
         return F.cross_entropy(out, target, label_smoothing=label_smoothing)
@@ -65,10 +75,12 @@ class Trainer:
 
     Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved
     here). Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
+    A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
+    the whole dict (default: cross-entropy on ``label``, or per pixel on ``mask``; see :func:`default_loss`).
     """
 
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
-                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
+                 loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> None:
         cfg = self.cfg = config
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
@@ -117,6 +129,13 @@ class Trainer:
         t = t.to(self.device, non_blocking=True)
         return t.contiguous(memory_format=torch.channels_last) if image and self.channels_last and t.ndim == 4 else t
 
+    def _inputs(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """``(model input, targets)`` on the device: ``(x, y)``, or a dict batch's image and the whole dict."""
+        if isinstance(batch, dict):
+            moved = {k: self._to_device(v, image=k == "image") for k, v in batch.items()}
+            return moved["image"], moved
+        return self._to_device(batch[0], image=True), self._to_device(batch[1])
+
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self._log_file is not None:
@@ -161,7 +180,7 @@ class Trainer:
                 batch = next(batches, None)  # the only place the loop can wait for data
                 if batch is None:
                     break
-                x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
+                x, y = self._inputs(batch)
                 meter.wait_end()
                 micro += 1
                 last_micro = micro % cfg.accum == 0
@@ -265,7 +284,7 @@ class Trainer:
         meter = _Meter(self.device)  # the training loop's sums, on the device until the one reduce below
         language_model = False
         for batch in loader:
-            x, y = self._to_device(batch[0], image=True), self._to_device(batch[1])
+            x, y = self._inputs(batch)
             with self._autocast():
                 out = forward(x)
                 loss = self.loss_fn(out, y)
@@ -409,8 +428,18 @@ class _Meter:
         else:
             self.waited += time.perf_counter() - self._t
 
-    def add(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, out: torch.Tensor, y: Any) -> None:
         self._steps += 1
+        if isinstance(y, dict):  # sample fields: one loss per sample; accuracy on a class label, if any
+            n = len(y["image"])
+            self.samples += n
+            self.loss_sum += loss.double() * n
+            if "label" in y and out.ndim == 2:
+                self.correct += (out.argmax(-1) == y["label"]).sum()
+            elif "mask" in y and out.ndim == 4:  # pixel accuracy, as a fraction of each sample
+                self.correct += (out.argmax(1) == y["mask"]).double().mean((1, 2)).sum()
+            self.count += n
+            return
         self.samples += y.shape[0] if y.ndim else 1
         n = y.numel()
         self.loss_sum += loss.double() * n

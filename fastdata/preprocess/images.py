@@ -332,9 +332,11 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
 def summary(manifest: dict[str, Any], limit: int = 10) -> str:
     """The one-paragraph report the CLI prints on stderr (skipped files named)."""
     lines = [f"{manifest['num_samples']} samples in {len(manifest['classes'])} classes -> {manifest['format']}"]
+    if "fields" in manifest:
+        lines.append("fields: " + ", ".join(f"{f['name']} ({f['kind']})" for f in manifest["fields"]))
     skipped = manifest.get("skipped", [])
     if skipped:
-        lines.append(f"skipped {len(skipped)} unreadable file(s) (all listed in {MANIFEST_NAME}):")
+        lines.append(f"skipped {len(skipped)} unreadable file(s) or bad record(s) (all listed in {MANIFEST_NAME}):")
         lines += [f"  {s['path']}: {s['reason']}" for s in skipped[:limit]]
         if len(skipped) > limit:
             lines.append(f"  ... and {len(skipped) - limit} more")

@@ -1,0 +1,475 @@
+"""Samples with fields (issue 20): masks, boxes, ids, vectors and captions from every source, stored,
+served and moved with the image by every geometric transform."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastdata import (CenterCrop, Compose, CUDAPrefetcher, FastDataset, FastLoader, RandomCrop, RandomHorizontalFlip,
+                      RandomResizedCrop)
+from fastdata.errors import FormatError, ImageDecodeError, SourceError
+from fastdata.manifest import MANIFEST_NAME, load_manifest
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
+
+BLUE, RED, GREEN = (0, 0, 255), (255, 0, 0), (0, 255, 0)
+
+
+def scene(rng: np.random.Generator, w: int, h: int) -> tuple[np.ndarray, np.ndarray, list, list]:
+    """A blue picture with a red and a green rectangle; its mask (1 red, 2 green), boxes and classes."""
+    img = np.empty((h, w, 3), np.uint8)
+    img[...] = BLUE
+    mask = np.zeros((h, w), np.uint8)
+    boxes, classes = [], []
+    for cls, colour in ((0, RED), (1, GREEN)):
+        bw, bh = int(rng.integers(w // 5, w // 2)), int(rng.integers(h // 5, h // 2))
+        x0, y0 = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
+        img[y0:y0 + bh, x0:x0 + bw] = colour
+        mask[y0:y0 + bh, x0:x0 + bw] = cls + 1
+        boxes.append([x0, y0, x0 + bw, y0 + bh])
+        classes.append(cls)
+    mask[img[..., 2] == 255] = 0  # the later rectangle covers the earlier: the mask says what is seen
+    for cls, colour in ((0, RED), (1, GREEN)):
+        mask[(img == colour).all(-1)] = cls + 1
+    return img, mask, boxes, classes
+
+
+def colour_class(img: np.ndarray) -> np.ndarray:
+    """1 where a pixel is mostly red, 2 mostly green, 0 mostly blue (HWC, any scale)."""
+    return np.argmax(np.stack([img[..., 2], img[..., 0], img[..., 1]], -1), -1)
+
+
+def make_scenes(root: Path, n: int, sizes=((120, 90), (90, 130), (64, 64), (200, 150)), jpeg_big: bool = True):
+    """``root/images`` + ``root/masks`` and the records (JSON-able) describing them."""
+    rng = np.random.default_rng(7)
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    records = []
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        big = jpeg_big and i == n - 1  # a large JPEG: decoded at 1/8 scale (DCT scaling) before the resize
+        if big:
+            w, h = 1000, 760
+        img, mask, boxes, classes = scene(rng, w, h)
+        name = f"{i:03d}.jpg" if big else f"{i:03d}.png"
+        Image.fromarray(img).save(root / "images" / name, quality=95) if big else Image.fromarray(img).save(
+            root / "images" / name)
+        Image.fromarray(mask).save(root / "masks" / f"{i:03d}.png")
+        records.append({"image": f"images/{name}", "mask": f"masks/{i:03d}.png", "boxes": boxes,
+                        "box_labels": ["red", "green"], "label": ["red", "green"][i % 2],
+                        "labels": ["red", "green", "red"][:i % 4],
+                        "score": [float(i), 0.5 * i], "caption": f"scene {i}" * (i % 3)})
+    return records
+
+
+def preprocess(src, out, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("workers", 1)
+    return preprocess_images(ImagePreprocessConfig(src, out, **kw))
+
+
+# -- sources and round trips ------------------------------------------------------------------------------
+def test_an_exact_size_segmentation_pair_round_trips_bit_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "src" / "images").mkdir(parents=True)
+    (tmp_path / "src" / "masks").mkdir()
+    want = []
+    for i in range(7):
+        img, mask, _, _ = scene(rng, 48, 48)
+        mask = mask.astype(np.int64) * 1000  # 16-bit ids
+        Image.fromarray(img).save(tmp_path / "src" / "images" / f"s{i}.png")
+        Image.fromarray(mask.astype(np.uint16)).save(tmp_path / "src" / "masks" / f"s{i}.png")
+        want.append((img, mask))
+    m = preprocess(tmp_path / "src", tmp_path / "out", size=48, shard_size=3, mask_dtype="uint16", workers=2)
+    assert m["format_version"] == 2 and [f["name"] for f in m["fields"]] == ["image", "mask"]
+    ds = FastDataset(tmp_path / "out", storage="ram")
+    assert not ds.has_labels
+    b = ds.get_batch(range(7))
+    assert set(b) == {"image", "mask"} and b["mask"].dtype == torch.uint16
+    for i, (img, mask) in enumerate(want):
+        assert np.array_equal(b["image"][i].numpy(), img)
+        assert np.array_equal(b["mask"][i].numpy().astype(np.int64), mask)
+    with pytest.raises(Exception, match="no 'label' field"):
+        ds.targets
+
+
+def test_jsonl_records_round_trip_every_field(tmp_path):
+    records = make_scenes(tmp_path, 6, sizes=((64, 64),), jpeg_big=False)
+    with open(tmp_path / "recs.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    m = preprocess(tmp_path / "recs.jsonl", tmp_path / "out", size=64, shard_size=4)
+    assert m["classes"] == ["green", "red"]  # class names sorted: green 0, red 1
+    ids = {"green": 0, "red": 1}
+    ds = FastDataset(tmp_path / "out")
+    b = ds.get_batch(np.arange(6))
+    off = b["boxes_offsets"].numpy()
+    for i, r in enumerate(records):
+        assert b["boxes"][off[i]:off[i + 1]].tolist() == r["boxes"]  # identity geometry: exact
+        assert b["box_labels"][off[i]:off[i + 1]].tolist() == [1, 0]  # red -> 1, green -> 0
+        lo, hi = b["labels_offsets"][i:i + 2].tolist()
+        assert b["labels"][lo:hi].tolist() == [ids[n] for n in r["labels"]]
+        lo, hi = b["caption_offsets"][i:i + 2].tolist()
+        assert bytes(b["caption"][lo:hi].numpy().astype(np.uint8)) == r["caption"].encode()
+        assert b["score"][i].tolist() == r["score"]
+        assert int(b["label"][i]) == ids[r["label"]]
+        img = np.asarray(Image.open(tmp_path / r["image"]))
+        assert np.array_equal(b["image"][i].numpy(), img)
+        assert np.array_equal(b["mask"][i].numpy(), np.asarray(Image.open(tmp_path / r["mask"])))
+
+
+def test_csv_records_and_a_path_label_csv_are_told_apart(tmp_path):
+    records = make_scenes(tmp_path, 4, sizes=((64, 64),), jpeg_big=False)
+    with open(tmp_path / "recs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "mask", "label", "labels", "weight"])
+        for i, r in enumerate(records):
+            w.writerow([r["image"], r["mask"], f"c{i % 2}", " ".join(f"c{j}" for j in range(i)), 0.25 * i])
+    m = preprocess(tmp_path / "recs.csv", tmp_path / "out", size=64)
+    kinds = {f["name"]: f["kind"] for f in m["fields"]}
+    assert kinds == {"image": "image", "label": "label", "mask": "mask", "labels": "labels", "weight": "vector"}
+    b = FastDataset(tmp_path / "out").get_batch([0, 1, 2, 3])
+    assert b["label"].tolist() == [0, 1, 0, 1] and b["weight"].tolist() == [0.0, 0.25, 0.5, 0.75]
+    assert b["labels_offsets"].tolist() == [0, 0, 1, 3, 6]
+    assert b["labels"].tolist() == [0, 0, 1, 0, 1, 2]
+    with open(tmp_path / "plain.csv", "w") as f:  # path,label: today's (image, class) dataset, version 1
+        f.write("".join(f"{r['image']},c{i % 2}\n" for i, r in enumerate(records)))
+    m = preprocess(tmp_path / "plain.csv", tmp_path / "plain", size=32)
+    assert m["format_version"] == 1 and "fields" not in m
+    x, y = FastDataset(tmp_path / "plain")[0:2]
+    assert x.shape == (2, 32, 32, 3) and y.tolist() == [0, 1]
+
+
+def coco_json(records, path: Path, extra_ann=()):
+    images = [{"id": 10 + i, "file_name": r["image"], "width": 0, "height": 0} for i, r in enumerate(records)]
+    anns = [{"id": k, "image_id": 10 + i, "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "category_id": 7 if c else 3,
+             "iscrowd": 0} for k, (i, r) in enumerate((i, r) for i, r in enumerate(records) for _ in (0,))
+            for b, c in zip(r["boxes"], [0, 1])]
+    anns = [dict(a, id=n) for n, a in enumerate(anns)] + list(extra_ann)
+    path.write_text(json.dumps({"images": images, "annotations": anns,
+                                "categories": [{"id": 7, "name": "green"}, {"id": 3, "name": "red"}]}))
+
+
+def test_coco_detection_boxes_follow_the_resize(tmp_path):
+    records = make_scenes(tmp_path, 5)
+    coco_json(records, tmp_path / "instances.json", extra_ann=[
+        {"id": 99, "image_id": 10, "bbox": [1, 1, 5, 5], "category_id": 3, "iscrowd": 1}])  # crowd: left out
+    for mode in ("center-crop", "squash", "pad"):
+        m = preprocess(tmp_path, tmp_path / mode, size=64, coco=tmp_path / "instances.json", resize=mode)
+        assert m["classes"] == ["red", "green"]  # category ids 3, 7 -> 0, 1
+        ds = FastDataset(tmp_path / mode)
+        b = ds.get_batch(np.arange(len(ds)))
+        off = b["boxes_offsets"].numpy()
+        for i in range(len(ds)):
+            img = b["image"][i].numpy()
+            cls = colour_class(img.astype(np.int64))
+            boxes, labels = b["boxes"][off[i]:off[i + 1]].numpy(), b["box_labels"][off[i]:off[i + 1]].numpy()
+            assert len(boxes) >= 1 and set(labels) <= {0, 1}
+            for box, c in zip(boxes, labels):
+                assert_inside(cls == c + 1, box)
+
+
+def assert_inside(pixels: np.ndarray, box: np.ndarray, slack: float = 1.0) -> None:
+    """Every pixel of ``pixels`` (HW bool) lies inside ``box`` (xyxy edges), give or take ``slack``."""
+    ys, xs = np.nonzero(pixels)
+    if len(xs) == 0:
+        return
+    x1, y1, x2, y2 = box
+    assert xs.min() >= x1 - slack and xs.max() + 1 <= x2 + slack, (xs.min(), xs.max(), box)
+    assert ys.min() >= y1 - slack and ys.max() + 1 <= y2 + slack, (ys.min(), ys.max(), box)
+
+
+@pytest.mark.parametrize("mode", ["center-crop", "squash", "pad"])
+def test_masks_keep_the_image_geometry_through_preprocessing(tmp_path, mode):
+    make_scenes(tmp_path / "src", 8)  # includes a 1000x760 JPEG decoded at 1/8 scale
+    preprocess(tmp_path / "src", tmp_path / "out", size=72, resize=mode, workers=2)
+    b = FastDataset(tmp_path / "out").get_batch(np.arange(8))
+    # (the black letterbox of "pad" is 0 in the mask and argmax 0, "blue", in the colour test)
+    agree = (colour_class(b["image"].numpy().astype(np.int64)) == b["mask"].numpy())
+    assert agree.mean() >= 0.99, agree.mean(axis=(1, 2))
+
+
+def test_a_hugging_face_style_parquet_file_is_read_by_row_group(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # the test extra installs it; the core never needs it
+    import pyarrow.parquet as pq
+    records = make_scenes(tmp_path, 9, sizes=((64, 64),), jpeg_big=False)
+    table = pa.table({
+        "image": [{"bytes": (tmp_path / r["image"]).read_bytes(), "path": r["image"]} for r in records],
+        "label": [i % 3 for i in range(9)],
+        "text": [f"caption {i}" for i in range(9)]})
+    meta = {b"huggingface": json.dumps({"info": {"features": {"label": {"_type": "ClassLabel",
+                                                                       "names": ["cat", "dog", "eel"]}}}}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "train.parquet", row_group_size=4)
+    m = preprocess(tmp_path / "train.parquet", tmp_path / "out", size=64, shard_size=5, workers=2)
+    assert m["classes"] == ["cat", "dog", "eel"] and m["num_samples"] == 9
+    b = FastDataset(tmp_path / "out").get_batch(np.arange(9))
+    assert b["label"].tolist() == [i % 3 for i in range(9)]
+    for i, r in enumerate(records):
+        assert np.array_equal(b["image"][i].numpy(), np.asarray(Image.open(tmp_path / r["image"])))
+        lo, hi = b["text_offsets"][i:i + 2].tolist()
+        assert bytes(b["text"][lo:hi].numpy().astype(np.uint8)).decode() == f"caption {i}"
+
+
+# -- bad records ------------------------------------------------------------------------------------------
+def test_bad_records_are_skipped_or_fail_with_the_record_named(tmp_path):
+    records = make_scenes(tmp_path, 6, sizes=((64, 64),), jpeg_big=False)
+    records[1]["mask"] = "masks/none.png"  # missing file
+    Image.fromarray(np.zeros((10, 10), np.uint8)).save(tmp_path / "masks" / "small.png")
+    records[2]["mask"] = "masks/small.png"  # another size
+    records[3]["boxes"] = [[0, 0, 500, 20], [1, 1, 2, 2]]  # outside the image
+    records[4]["box_labels"] = ["red"]  # one class for two boxes
+    with open(tmp_path / "recs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    m = preprocess(tmp_path / "recs.jsonl", tmp_path / "out", size=64)
+    assert m["num_samples"] == 2
+    reasons = {s["path"]: s["reason"] for s in m["skipped"]}
+    assert set(reasons) == {r["image"] for r in records[1:5]}
+    assert "none.png" in reasons[records[1]["image"]]
+    assert "10x10" in reasons[records[2]["image"]] and "64x64" in reasons[records[2]["image"]]
+    assert "outside" in reasons[records[3]["image"]]
+    assert "box_labels" in reasons[records[4]["image"]]
+    with pytest.raises(ImageDecodeError, match="images/001.png"):
+        preprocess(tmp_path / "recs.jsonl", tmp_path / "out2", size=64, on_error="fail")
+
+
+def test_an_unknown_coco_category_is_a_bad_record(tmp_path):
+    records = make_scenes(tmp_path, 3, jpeg_big=False)
+    coco_json(records, tmp_path / "instances.json", extra_ann=[
+        {"id": 99, "image_id": 11, "bbox": [1, 1, 5, 5], "category_id": 12345, "iscrowd": 0}])
+    m = preprocess(tmp_path, tmp_path / "out", size=32, coco=tmp_path / "instances.json")
+    assert m["num_samples"] == 2 and "unknown class" in m["skipped"][0]["reason"]
+
+
+def test_malformed_sources_name_file_and_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"image": "x.png"}\n[1, 2]\n')
+    with pytest.raises(SourceError, match=r"a.jsonl:2"):
+        preprocess(tmp_path / "a.jsonl", tmp_path / "o1")
+    (tmp_path / "b.jsonl").write_text('{"image": "../../etc/passwd"}\n')
+    with pytest.raises(SourceError, match="outside"):
+        preprocess(tmp_path / "b.jsonl", tmp_path / "o2")
+    (tmp_path / "c.jsonl").write_text('{"image": "x.png", "v": [1, 2]}\n{"image": "y.png", "v": [1]}\n')
+    with pytest.raises(SourceError, match="different lengths"):
+        preprocess(tmp_path / "c.jsonl", tmp_path / "o3")
+
+
+def test_an_unknown_field_kind_is_refused_clearly(tmp_path):
+    make_scenes(tmp_path / "src", 2, jpeg_big=False)
+    preprocess(tmp_path / "src", tmp_path / "out", size=32)
+    path = tmp_path / "out" / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    m["fields"][1]["kind"] = "pointcloud"
+    path.write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="unknown kind 'pointcloud'.*upgrade fastdata"):
+        load_manifest(tmp_path / "out")
+
+
+# -- serving ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def indexed_fields(tmp_path_factory) -> Path:
+    """30 samples whose fields all encode the sample's index, so any batch can be checked against it."""
+    root = tmp_path_factory.mktemp("idx")
+    (root / "img").mkdir()
+    recs = []
+    for i in range(30):
+        Image.fromarray(np.full((16, 16, 3), i, np.uint8)).save(root / "img" / f"{i}.png")
+        Image.fromarray(np.full((16, 16), i, np.uint8)).save(root / "img" / f"{i}m.png")
+        recs.append({"image": f"img/{i}.png", "mask": f"img/{i}m.png", "index": float(i), "label": i % 5,
+                     "labels": [i] * (i % 4), "boxes": [[0, 0, 1 + i % 15, 16]] * (i % 3), "box_labels": [i] * (i % 3)})
+    (root / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    preprocess(root / "r.jsonl", root / "ds", size=16, shard_size=7)
+    return root / "ds"
+
+
+def check_batch(b: dict) -> np.ndarray:
+    """The sample ids of a batch, after checking that every field belongs to the same sample."""
+    ids = b["index"].numpy().astype(np.int64)
+    assert (b["image"].numpy() == ids[:, None, None, None]).all()
+    assert (b["mask"].numpy() == ids[:, None, None]).all()
+    assert (b["label"].numpy() == ids % 5).all()
+    for key, per in (("labels", lambda i: [i] * (i % 4)), ("box_labels", lambda i: [i] * (i % 3))):
+        off = b[("boxes" if key == "box_labels" else key) + "_offsets"].numpy()
+        assert [b[key][off[j]:off[j + 1]].tolist() for j in range(len(ids))] == [per(int(i)) for i in ids]
+    off = b["boxes_offsets"].numpy()
+    for j, i in enumerate(ids):
+        assert b["boxes"][off[j]:off[j + 1]].tolist() == [[0, 0, 1 + i % 15, 16]] * (i % 3)
+    return ids
+
+
+@pytest.mark.parametrize("storage", ["mmap", "ram", "shm"])
+def test_fastloader_serves_every_field_exactly_once_and_resumes(indexed_fields, storage, tmp_path):
+    ds = FastDataset(indexed_fields, storage=storage, shm_dir=tmp_path)
+    loader = FastLoader(ds, batch_size=4, seed=3, num_threads=2, pin_memory=False)
+    seen = np.concatenate([check_batch(b) for b in loader])
+    assert sorted(seen.tolist()) == list(range(30))
+    it = iter(loader)
+    first = [check_batch(next(it)) for _ in range(3)]
+    state = loader.state_dict()
+    loader2 = FastLoader(FastDataset(indexed_fields, storage=storage, shm_dir=tmp_path), batch_size=4, seed=3,
+                         num_threads=2, pin_memory=False)
+    loader2.load_state_dict(state)
+    rest = [check_batch(b) for b in loader2]
+    assert sorted(np.concatenate(first + rest).tolist()) == sorted(seen.tolist())
+
+
+def test_ring_buffers_grow_for_variable_fields_and_are_reused(indexed_fields):
+    loader = FastLoader(FastDataset(indexed_fields), batch_size=5, num_threads=1, prefetch=0, shuffle=False,
+                        pin_memory=False)
+    ptrs = [b["image"].data_ptr() for b in loader]
+    assert len(set(ptrs)) == 1  # one slot: the image buffer is reused for every batch
+    assert [check_batch(b).tolist() for b in loader] == [list(range(k, k + 5)) for k in range(0, 30, 5)]
+
+
+def test_dataloader_and_per_sample_access_agree_with_get_batch(indexed_fields):
+    ds = FastDataset(indexed_fields)
+    dl = torch.utils.data.DataLoader(ds, batch_size=6, collate_fn=ds.collate, num_workers=2)
+    got = [check_batch(b) for b in dl]
+    assert np.concatenate(got).tolist() == list(range(30))
+    s = ds[7]
+    assert int(s["index"]) == 7 and s["labels"].tolist() == [7, 7, 7] and s["mask"].shape == (16, 16)
+
+
+# -- transforms move every spatial field together -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def scenes_ds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("scenes")
+    records = make_scenes(root, 24, sizes=((96, 96),), jpeg_big=False)
+    (root / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    preprocess(root / "r.jsonl", root / "ds", size=96)
+    return root / "ds"
+
+
+def transformed(ds_path: Path, transforms, device: str, seed: int = 0) -> list[dict]:
+    loader = FastLoader(FastDataset(ds_path), batch_size=8, seed=seed, pin_memory=device == "cuda")
+    pf = CUDAPrefetcher(loader, device, transforms=transforms, normalize=False, seed=seed)
+    return [{k: v.cpu() for k, v in b.items()} for b in pf]
+
+
+def check_geometry(batches: list[dict]) -> None:
+    agree, boxes_seen = [], 0
+    for b in batches:
+        img = b["image"].permute(0, 2, 3, 1).float().numpy()  # 0..1 NHWC
+        cls = colour_class(img)
+        agree.append(cls == b["mask"].numpy())
+        off = b["boxes_offsets"].numpy()
+        assert off[-1] == len(b["boxes"]) == len(b["box_labels"])
+        for i in range(len(img)):
+            boxes, labels = b["boxes"][off[i]:off[i + 1]].numpy(), b["box_labels"][off[i]:off[i + 1]].numpy()
+            assert ((boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])).all()
+            assert (boxes >= 0).all() and (boxes[:, [0, 2]] <= img.shape[2]).all()
+            for c in (0, 1):  # a colour present in the output has its box there, and stays inside it
+                colour = cls[i] == (2 if c == 0 else 1)  # class ids: green 0, red 1; mask 1 red, 2 green
+                here = boxes[labels == c]
+                if colour.sum() > 4:
+                    assert len(here) == 1, (i, c, labels)
+                    assert_inside(colour, here[0], slack=1.5)
+            boxes_seen += len(boxes)
+    assert np.concatenate([a.ravel() for a in agree]).mean() >= 0.99
+    assert boxes_seen > 0
+
+
+PIPELINES = {
+    "rrc+flip": lambda: Compose([RandomResizedCrop(64, scale=(0.2, 1.0)), RandomHorizontalFlip()]),
+    "pad-crop+flip": lambda: Compose([RandomCrop(80, padding=8), RandomHorizontalFlip()]),
+    "center": lambda: CenterCrop(56),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_transforms_move_masks_and_boxes_with_the_image_on_cpu(scenes_ds, name):
+    check_geometry(transformed(scenes_ds, PIPELINES[name](), "cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_transforms_move_masks_and_boxes_with_the_image_on_cuda(scenes_ds, name):
+    gpu = transformed(scenes_ds, PIPELINES[name](), "cuda")
+    check_geometry(gpu)
+    cpu = transformed(scenes_ds, PIPELINES[name](), "cpu")
+    for g, c in zip(gpu, cpu):  # same draws: identical masks and box counts, images within rounding
+        assert torch.equal(g["boxes_offsets"], c["boxes_offsets"])
+        assert (g["mask"] == c["mask"]).float().mean() > 0.999
+        assert torch.allclose(g["image"].float(), c["image"].float(), atol=1e-3)
+
+
+def test_a_dict_batch_draws_exactly_what_an_image_batch_draws(scenes_ds):
+    b = FastDataset(scenes_ds).get_batch(np.arange(8))
+    image = b["image"].permute(0, 3, 1, 2)
+    t = Compose([RandomResizedCrop(48), RandomHorizontalFlip(), RandomCrop(40, padding=4)])
+    alone = t(image, torch.Generator().manual_seed(5))
+    moved = t({**b, "image": image}, torch.Generator().manual_seed(5))
+    assert torch.equal(alone, moved["image"])
+
+
+def test_boxes_that_leave_the_crop_are_dropped_with_their_class_ids():
+    image = torch.zeros(2, 3, 20, 20, dtype=torch.uint8)
+    batch = {"image": image, "boxes": torch.tensor([[0., 0, 4, 4], [10, 10, 20, 20], [2, 2, 18, 18]]),
+             "box_labels": torch.tensor([5, 6, 7]), "boxes_offsets": torch.tensor([0, 2, 3])}
+    out = CenterCrop(10)(batch)  # keeps pixels 5..15 of each axis
+    assert out["boxes_offsets"].tolist() == [0, 1, 2]
+    assert out["box_labels"].tolist() == [6, 7]
+    assert out["boxes"].tolist() == [[5, 5, 10, 10], [0, 0, 10, 10]]
+    flipped = RandomHorizontalFlip(p=1.0)(batch)
+    assert flipped["boxes"].tolist() == [[16, 0, 20, 4], [0, 10, 10, 20], [2, 2, 18, 18]]
+
+
+def test_the_cli_detects_the_source_and_inspect_lists_the_fields(tmp_path, capsys):
+    from fastdata.cli import main
+    records = make_scenes(tmp_path, 3, jpeg_big=False)
+    coco_json(records, tmp_path / "instances.json")
+    assert main(["preprocess", "images", str(tmp_path), str(tmp_path / "det"), "--size", "32", "--coco",
+                 str(tmp_path / "instances.json"), "--workers", "1", "--quiet"]) == 0
+    assert "fields: image (image), boxes (boxes), box_labels (box_labels)" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "det")]) == 0
+    out = capsys.readouterr().out
+    assert "field:     boxes: boxes <f4 (4,)" in out and "version 2" in out
+    assert main(["verify", str(tmp_path / "det")]) == 0
+
+
+# -- training on fields -----------------------------------------------------------------------------------
+def test_the_trainer_learns_segmentation_from_a_dict_dataset(scenes_ds):
+    from fastdata import Trainer, TrainConfig
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.ReLU(), torch.nn.Conv2d(8, 3, 1))
+    ds = FastDataset(scenes_ds)
+    loader = CUDAPrefetcher(FastLoader(ds, batch_size=8, pin_memory=False), "cpu",
+                            transforms=Compose([RandomResizedCrop(48), RandomHorizontalFlip()]))
+    val = CUDAPrefetcher(FastLoader(ds, batch_size=8, shuffle=False, pin_memory=False), "cpu")
+    cfg = TrainConfig(epochs=6, lr=0.05, optimizer="adamw", weight_decay=0.0, progress=False, device="cpu", val_every=0)
+    seen = []
+
+    def loss_fn(out, batch):  # a user loss sees the whole dict
+        seen.append(sorted(batch))
+        return torch.nn.functional.cross_entropy(out, batch["mask"])
+    before = Trainer(model, loader, val, config=cfg, loss_fn=loss_fn).evaluate()
+    t = Trainer(model, loader, val, config=cfg, loss_fn=loss_fn)
+    t.fit()
+    after = t.evaluate()
+    assert "mask" in seen[0] and "boxes" in seen[0]
+    assert after["val_accuracy"] > 0.97 > before["val_accuracy"], (before, after)  # pixel accuracy
+    default = Trainer(model, loader, val, config=cfg).evaluate()  # the default loss: per-pixel cross-entropy
+    assert default["val_loss"] == pytest.approx(after["val_loss"], rel=1e-4)
+
+
+def test_a_split_of_a_dataset_with_fields_serves_dicts(indexed_fields):
+    from fastdata.dataset import split
+    train, val = split(FastDataset(indexed_fields), 0.2, seed=1)
+    got = np.concatenate([check_batch(b) for b in FastLoader(train, 4, pin_memory=False)] +
+                         [check_batch(b) for b in FastLoader(val, 4, pin_memory=False)])
+    assert sorted(got.tolist()) == list(range(30))
+
+
+@pytest.mark.cuda
+def test_cuda_storage_gathers_every_field_on_the_device(indexed_fields):
+    host = FastDataset(indexed_fields).get_batch([3, 4, 11, 29])
+    dev = FastDataset(indexed_fields, storage="cuda").get_batch([3, 4, 11, 29])
+    assert set(dev) == set(host)
+    for k in host:
+        assert dev[k].device.type == "cuda" and torch.equal(dev[k].cpu(), host[k]), k
+    loader = FastLoader(FastDataset(indexed_fields, storage="cuda"), 4, seed=2)
+    seen = np.concatenate([check_batch({k: v.cpu() for k, v in b.items()}) for b in loader])
+    assert sorted(seen.tolist()) == list(range(30))
