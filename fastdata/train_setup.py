@@ -68,6 +68,11 @@ def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefe
     if p.backend == "dali":
         return build_dali(p, device)
     ds = FastDataset(p.data, storage=p.storage, device=device)
+    if not ds.has_labels:
+        fields = ", ".join(f.name for f in ds.fields or [])
+        raise ConfigError(f"{p.data} has no 'label' field ({fields}): `fastdata train` trains classifiers; train a "
+                          "model of your own with Trainer(model, loader, config=..., loss_fn=lambda out, batch: ...) "
+                          "in Python (README: Samples with fields)")
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:

@@ -473,3 +473,13 @@ def test_cuda_storage_gathers_every_field_on_the_device(indexed_fields):
     loader = FastLoader(FastDataset(indexed_fields, storage="cuda"), 4, seed=2)
     seen = np.concatenate([check_batch({k: v.cpu() for k, v in b.items()}) for b in loader])
     assert sorted(seen.tolist()) == list(range(30))
+
+
+def test_fastdata_train_uses_the_label_field_and_refuses_a_dataset_without_one(indexed_fields, tmp_path, capsys):
+    from fastdata.cli import main
+    assert main(["train", str(indexed_fields), "--epochs", "1", "--batch-size", "8", "--model", "cnn-small",
+                 "--device", "cpu", "--quiet"]) == 0
+    make_scenes(tmp_path / "seg", 2, jpeg_big=False)
+    preprocess(tmp_path / "seg", tmp_path / "segds", size=32)
+    assert main(["train", str(tmp_path / "segds"), "--epochs", "1", "--device", "cpu"]) != 0
+    assert "no 'label' field (image, mask)" in capsys.readouterr().err
