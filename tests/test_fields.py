@@ -483,3 +483,26 @@ def test_fastdata_train_uses_the_label_field_and_refuses_a_dataset_without_one(i
     preprocess(tmp_path / "seg", tmp_path / "segds", size=32)
     assert main(["train", str(tmp_path / "segds"), "--epochs", "1", "--device", "cpu"]) != 0
     assert "no 'label' field (image, mask)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_worker_count(tmp_path):
+    import subprocess
+    import sys
+    from conftest import kill_when_journaled
+    from fastdata.cli import main
+    records = make_scenes(tmp_path, 60, sizes=((120, 90), (90, 130)), jpeg_big=False)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["--size", "48", "--shard-size", "6", "--quiet"]
+
+    def tree(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    assert main(["preprocess", "images", str(tmp_path / "r.jsonl"), str(tmp_path / "w1"), *args, "--workers", "1"]) == 0
+    assert main(["preprocess", "images", str(tmp_path / "r.jsonl"), str(tmp_path / "w2"), *args, "--workers", "2"]) == 0
+    assert tree(tmp_path / "w1") == tree(tmp_path / "w2")
+    out = tmp_path / "killed"
+    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "images", str(tmp_path / "r.jsonl"), str(out),
+                         *args, "--workers", "1"], out, 3)
+    assert main(["preprocess", "images", str(tmp_path / "r.jsonl"), str(out), *args, "--workers", "1"]) == 0
+    assert tree(out) == tree(tmp_path / "w1")
+    assert subprocess.run([sys.executable, "-m", "fastdata", "verify", str(out)]).returncode == 0
