@@ -83,6 +83,11 @@ class Field:
         return own + [offsets_file(self.name, k)] if self.variable and self.offsets_of == self.name else own
 
 
+def valid_name(name: str) -> bool:
+    """A field name: lower-case letters, digits and _, not ending in the offsets suffix."""
+    return bool(_NAME.match(name)) and not name.endswith(OFFSETS)
+
+
 def offsets_file(name: str, k: int) -> str:
     return f"field.{name}.offsets-{k:05d}.npy"
 
@@ -94,7 +99,7 @@ def check_fields(fields: list[Field], where: str) -> list[Field]:
         if f.kind not in KINDS:
             raise FormatError(f"{where}: field {f.name!r} has unknown kind {f.kind!r}; this fastdata knows "
                               f"{sorted(KINDS)}: upgrade fastdata")
-        if not _NAME.match(f.name) or f.name.endswith(OFFSETS) or f.name in names:
+        if not valid_name(f.name) or f.name in names:
             raise FormatError(f"{where}: bad or repeated field name {f.name!r} (lower-case letters, digits, _)")
         if f.dtype not in KINDS[f.kind][0] or any(not isinstance(d, int) or d < 1 for d in f.shape):
             raise FormatError(f"{where}: field {f.name!r} ({f.kind}) has dtype {f.dtype} shape {f.shape}, expected "

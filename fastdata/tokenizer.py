@@ -6,6 +6,7 @@ encoding must already be in the local cache (``TIKTOKEN_CACHE_DIR``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any, Sequence
@@ -135,6 +136,12 @@ class TiktokenTokenizer(Tokenizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["name"])  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=8)
+def cached_tokenizer(spec: str) -> Tokenizer:
+    """:func:`load_tokenizer`, built once per process (worker processes tokenise many chunks)."""
+    return load_tokenizer(spec)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -22,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 
 from .. import decode
 from ..errors import ImageDecodeError
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer import cached_tokenizer
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -76,9 +76,6 @@ def map_boxes(boxes: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
         out[:, cols] = np.clip((boxes[:, cols] - g.left[axis]) * g.scale[axis] + g.pad[axis], lo, hi)
     keep = (out[:, 2] > out[:, 0]) & (out[:, 3] > out[:, 1])
     return out[keep], keep
-
-
-_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 class RecordDecoder:
@@ -158,13 +155,12 @@ class RecordDecoder:
     def _tokens(self, text: Any) -> np.ndarray:
         if not isinstance(text, str):
             raise ImageDecodeError(f"expected text for a caption, got {text!r}")
-        if self.tokenizer not in _TOKENIZERS:
-            _TOKENIZERS[self.tokenizer] = load_tokenizer(self.tokenizer)
-        return _TOKENIZERS[self.tokenizer].encode_batch([text])[0]
+        return cached_tokenizer(self.tokenizer).encode_batch([text])[0]
 
 
 def open_source(root: Path, rel: str, blobs: Any, index: int) -> Any:
-    """What :meth:`RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes."""
+    """What :meth:`RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes (``index``
+    counts in ``blobs``: a task's chunk)."""
     if blobs is None:
         return root / rel
     return io.BytesIO(blobs.read(index))

@@ -22,7 +22,7 @@ from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from ..schema import Field
-from ..tokenizer import load_tokenizer, token_dtype
+from ..tokenizer import cached_tokenizer, token_dtype
 from . import journal, parallel
 from .fields import RecordDecoder, open_source
 from .records import discover_any
@@ -139,10 +139,11 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     skipped = list(jr.skipped)
     chunks = _chunks(start, total, workers, max_files)
     if fields:
-        spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.blobs,
-                source.has_label)
+        spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.has_label)
         tasks = [(str(source.root), source.paths[a:b], a, "fields", config.size, config.resize, config.filter,
-                  {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec) for a, b in chunks]
+                  {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec,
+                  source.blobs.chunk(a, b) if source.blobs is not None else None)  # a task pickles its rows only
+                 for a, b in chunks]
     else:
         tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
                   config.filter) for a, b in chunks]
@@ -194,7 +195,7 @@ def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
             first = source.extras[name][0]
             fields.append(Field(name, kind, "<f4", (len(first),) if isinstance(first, list) else ()))
         elif kind == "tokens":
-            fields.append(Field(name, kind, token_dtype(load_tokenizer(config.tokenizer).vocab_size).str))
+            fields.append(Field(name, kind, token_dtype(cached_tokenizer(config.tokenizer).vocab_size).str))
         elif kind == "boxes":
             fields.append(Field("boxes", "boxes", "<f4", (4,)))
         else:  # labels, box_labels
@@ -215,30 +216,40 @@ def _stack(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:
 def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
     """Worker: decode one chunk of records with fields (NOTE [record geometry] in fields.py). Returns
     (source indices decoded, (pixels or None when in the shared slot, {field: per-sample values}), failures)."""
-    root, paths, first, _, size, resize, filter_name, values, labels, spec = task
-    kinds, num_classes, mask_dtype, tokenizer, blobs, has_label = spec
+    root, paths, first, _, size, resize, filter_name, values, labels, spec, blobs = task
+    kinds, num_classes, mask_dtype, tokenizer, has_label = spec
     dec = RecordDecoder(root, size, resize, decode.FILTERS[filter_name], kinds, num_classes, mask_dtype, tokenizer)
     shared = parallel.slot(slot)
-    shape = (len(paths), size, size, 3)
-    pixels = np.empty(shape, np.uint8) if shared is None else np.frombuffer(
-        shared, np.uint8, int(np.prod(shape))).reshape(shape)
+    pixels = _pixel_rows(shared, len(paths), size)
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
     out: dict[str, list[Any]] = {}
     for j, rel in enumerate(paths):
         try:
-            got = dec.decode(open_source(Path(root), rel, blobs, first + j), {k: v[j] for k, v in values.items()},
+            got = dec.decode(open_source(Path(root), rel, blobs, j), {k: v[j] for k, v in values.items()},
                              labels[j] if has_label else None, pixels[len(ok)])
-        except ImageDecodeError as exc:
-            failures.append((first + j, str(exc)))
-            continue
-        except OSError as exc:  # the file vanished or cannot be read: the same policy as a bad image
-            failures.append((first + j, f"{type(exc).__name__}: {exc.strerror or exc}"))
+        except (ImageDecodeError, OSError) as exc:
+            failures.append((first + j, _reason(exc)))
             continue
         for k, v in got.items():
             out.setdefault(k, []).append(v)
         ok.append(first + j)
     return ok, (pixels[:len(ok)] if shared is None else None, out), failures
+
+
+def _pixel_rows(shared: Optional[memoryview], n: int, size: int) -> np.ndarray:
+    """``(n, size, size, 3)`` uint8 rows for a task's pixels: in its shared slot when it has one."""
+    shape = (n, size, size, 3)
+    return np.empty(shape, np.uint8) if shared is None else np.frombuffer(
+        shared, np.uint8, int(np.prod(shape))).reshape(shape)
+
+
+def _reason(exc: Exception) -> str:
+    """Why a file was skipped: a decode error as it says, a file that vanished or cannot be read (the same
+    policy as a bad image) by its OS error."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return str(exc)
 
 
 def _tag(unit: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -258,9 +269,7 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
     shared = parallel.slot(slot)
     samples: Any = []
     if fmt == "npy":
-        shape = (len(paths), size, size, 3)
-        samples = np.empty(shape, np.uint8) if shared is None else np.frombuffer(
-            shared, np.uint8, int(np.prod(shape))).reshape(shape)
+        samples = _pixel_rows(shared, len(paths), size)
     for j, rel in enumerate(paths):
         path = Path(root) / rel
         try:
@@ -268,11 +277,8 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
                 samples[len(ok)] = decode.load_array(path, size, resize, resample)
             else:
                 samples.append(decode.load_jpeg(path, size, quality, resample))
-        except ImageDecodeError as exc:
-            failures.append((first + j, str(exc)))
-            continue
-        except OSError as exc:  # the file vanished or cannot be read: the same policy as a bad image
-            failures.append((first + j, f"{type(exc).__name__}: {exc.strerror or exc}"))
+        except (ImageDecodeError, OSError) as exc:
+            failures.append((first + j, _reason(exc)))
             continue
         ok.append(first + j)
     if fmt == "npy":
@@ -308,7 +314,7 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
                                 **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {})}
                                for u in jr.units]
             if "tokens" in source.kinds.values():
-                extra["tokenizer"] = load_tokenizer(config.tokenizer).describe()
+                extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
     else:
         files = lmdb_store.build(out, partial, len(jr.units))
         labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)]

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import ImageDecodeError, MissingDependencyError, SourceError
-from .sources import Source, discover, is_image_name
+from ..schema import valid_name
+from .sources import Source, class_ids, discover, inside, is_image_name
 
 CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class ids or names, one class list
 _SPLIT = re.compile(r"[;\s]+")
@@ -32,10 +33,7 @@ def _rel(root: Path, rel: Any, where: str) -> str:
     """A record's path, relative to ``root`` and never outside it."""
     if not isinstance(rel, str) or not rel.strip():
         raise SourceError(f"{where}: expected a relative file path, got {rel!r}")
-    full = (root / rel.strip()).resolve()
-    if Path(rel.strip()).is_absolute() or not full.is_relative_to(root):
-        raise SourceError(f"{where}: {rel!r} is outside the folder {root}; paths must be relative to it")
-    return full.relative_to(root).as_posix()
+    return inside(root, rel.strip(), where, "the folder")
 
 
 def _kind_of(key: str, value: Any) -> Optional[str]:
@@ -69,7 +67,7 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Path, roo
             if key == "image" or value is None:
                 continue
             k = _kind_of(key, value)
-            if k is None or not re.match(r"^[a-z][a-z0-9_]{0,31}$", key) or key.endswith("_offsets"):
+            if k is None or not valid_name(key):
                 raise SourceError(f"{where}: cannot store {key!r} = {value!r}: use a lower-case name and a number, "
                                   "a list of numbers, a class id/name, a path ('mask') or text")
             if kinds.setdefault(key, k) != k:
@@ -123,19 +121,15 @@ def _classes(extras: dict[str, list[Any]], location: Path) -> tuple[list[str], d
         if min(names) < 0:
             raise SourceError(f"{location}: class ids must be >= 0, got {min(names)}")
         return [str(i) for i in range(max(names) + 1)], extras
-    if all(isinstance(v, str) for v in names):
-        if all(v.isdigit() for v in names):
-            ids = {v: int(v) for v in names}
-            classes = [str(i) for i in range(max(ids.values()) + 1)]
-        else:
-            classes = sorted(set(names))
-            ids = {c: i for i, c in enumerate(classes)}
-        out = dict(extras)
-        for key in CLASS_KEYS:
-            if key in extras:
-                out[key] = [[ids[v] for v in rec] if isinstance(rec, list) else ids[rec] for rec in extras[key]]
-        return classes, out
-    raise SourceError(f"{location}: class labels mix ids and names ({names[0]!r}, ...): use one or the other")
+    if not all(isinstance(v, str) for v in names):
+        raise SourceError(f"{location}: class labels mix ids and names ({names[0]!r}, ...): use one or the other")
+    classes, numbers = class_ids(names)
+    ids = dict(zip(names, numbers))
+    out = dict(extras)
+    for key in CLASS_KEYS:
+        if key in extras:
+            out[key] = [[ids[v] for v in rec] if isinstance(rec, list) else ids[rec] for rec in extras[key]]
+    return classes, out
 
 
 # -- the source kinds ---------------------------------------------------------------------------------------
@@ -272,6 +266,10 @@ class ParquetBlobs:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"files": self.files, "column": self.column, "where": self.where, "_group": None}
+
+    def chunk(self, a: int, b: int) -> "ParquetBlobs":
+        """Samples ``a..b`` only (numbered from 0): what one worker task needs, not every row's place."""
+        return ParquetBlobs(self.files, self.column, self.where[a:b])
 
     def read(self, i: int) -> bytes:
         f, g, row = self.where[i]

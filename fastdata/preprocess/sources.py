@@ -66,6 +66,25 @@ def discover(src: Path | str) -> Source:
     return source
 
 
+def class_ids(names: list[str]) -> tuple[list[str], list[int]]:
+    """``(classes, id of each name)``: integer names keep their ids (classes are "0".."max", so ids and names
+    agree); other names are numbered in sorted order."""
+    if names and all(n.isdigit() for n in names):
+        ids = [int(n) for n in names]
+        return [str(i) for i in range(max(ids) + 1)], ids
+    classes = sorted(set(names))
+    index = {c: i for i, c in enumerate(classes)}
+    return classes, [index[n] for n in names]
+
+
+def inside(root: Path, rel: str, where: str, folder: str) -> str:
+    """``rel`` as a POSIX path relative to ``root``; refuses absolute paths and ``..`` that leave it."""
+    full = (root / rel).resolve()
+    if Path(rel).is_absolute() or not full.is_relative_to(root):
+        raise SourceError(f"{where}: {rel!r} is outside {folder} {root}; paths must be relative to it")
+    return full.relative_to(root).as_posix()
+
+
 def _from_folder(root: Path) -> Source:
     try:
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
@@ -97,26 +116,13 @@ def _from_csv(path: Path) -> Source:
                     continue
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
                     raise SourceError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
-                rel = row[0].strip()
-                full = (root / rel).resolve()
-                if Path(rel).is_absolute() or not full.is_relative_to(root):
-                    raise SourceError(f"{path}:{lineno}: {rel!r} is outside the list's folder {root}; "
-                                      "paths must be relative to the CSV's folder")
-                rows.append((full.relative_to(root).as_posix(), row[1].strip()))
+                rows.append((inside(root, row[0].strip(), f"{path}:{lineno}", "the list's folder"), row[1].strip()))
     except UnicodeDecodeError as exc:
         raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save the list as UTF-8 CSV") from exc
     except csv.Error as exc:
         raise SourceError(f"{path}: malformed CSV ({exc})") from exc
     except OSError as exc:
         raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
-    names = [label for _, label in rows]
-    if names and all(n.isdigit() for n in names):
-        # Integer labels keep their ids; classes are "0".."max" so ids and names agree.
-        ids = [int(n) for n in names]
-        classes = [str(i) for i in range(max(ids) + 1)]
-    else:
-        classes = sorted(set(names))
-        index = {c: i for i, c in enumerate(classes)}
-        ids = [index[n] for n in names]
+    classes, ids = class_ids([label for _, label in rows])
     kept = [(p, i) for (p, _), i in zip(rows, ids) if is_image_name(os.path.basename(p))]
     return Source("csv", path, root, [p for p, _ in kept], [i for _, i in kept], classes)

@@ -23,7 +23,7 @@ from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..manifest import TOKENS, new_manifest, write_manifest
-from ..tokenizer import Tokenizer, load_tokenizer, token_dtype
+from ..tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
 from . import journal
 from .parallel import default_workers, ordered_map
 
@@ -140,16 +140,13 @@ def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
     return (ts.splitmix(seed, index) >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
 Task = tuple[str, list[int], list[str], list[bool]]
 
 
 def _tokenize(task: Task) -> tuple[list[int], list[np.ndarray], list[bool]]:
     """Worker: tokenise one chunk of documents (the tokenizer is built once per process)."""
     spec, indices, texts, ok = task
-    if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec)
-    return indices, _TOKENIZERS[spec].encode_batch(texts), ok
+    return indices, cached_tokenizer(spec).encode_batch(texts), ok
 
 
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
