@@ -24,8 +24,8 @@ from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
-from .field_store import Alloc, FieldStore
-from .schema import OFFSETS, Field, fields_of
+from .field_store import Alloc, FieldStore, collate_fields, split_fields
+from .schema import Field, fields_of
 from .storage.cache import ShardCache, open_remote
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              take_rows, verify_hashes)
@@ -294,11 +294,14 @@ class FastDataset(torch.utils.data.Dataset):
             x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)
             return x, self._dev_labels[idx_t]
         idx = self._indices(indices)
-        b = len(idx)
-        if out is not None:
-            x = batch_rows(out, b, torch.uint8, self.sample_shape)
-        else:
-            x = torch.empty((b, *self.sample_shape), dtype=torch.uint8)
+        x = self._host_images(idx, batch_rows(out, len(idx), torch.uint8, self.sample_shape) if out is not None
+                              else None, draw)
+        return x, torch.from_numpy(self._labels[idx])
+
+    def _host_images(self, idx: np.ndarray, buf: Optional[torch.Tensor],
+                     draw: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+        """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None)."""
+        x = buf if buf is not None else torch.empty((len(idx), *self.sample_shape), dtype=torch.uint8)
         dst = x.numpy()
         if self._flat is not None:
             np.take(self._flat, idx, axis=0, out=dst, mode="clip")
@@ -306,7 +309,7 @@ class FastDataset(torch.utils.data.Dataset):
             self._decode_into(idx, dst, draw)
         else:
             self._gather_shards(idx, dst)
-        return x, torch.from_numpy(self._labels[idx])
+        return x
 
     def _get_fields(self, indices: Indices, out: Union[None, torch.Tensor, Alloc]) -> dict[str, torch.Tensor]:
         """A batch of a dataset with fields: ``{"image": (B, S, S, 3) uint8, "label": (B,) int64 (when there is
@@ -321,24 +324,20 @@ class FastDataset(torch.utils.data.Dataset):
             alloc = out
             image_buf = out("image", (b, *self.sample_shape), torch.uint8) if out is not None else None
         batch: dict[str, torch.Tensor] = {}
+        idx_t = None
         if self._dev is not None:  # storage="cuda": gathered on the device
             idx_t = torch.from_numpy(idx).to(self.device)
             batch["image"] = torch.index_select(self._dev, 0, idx_t)
             if self._dev_labels is not None:
                 batch["label"] = self._dev_labels[idx_t]
         else:
-            x = image_buf if image_buf is not None else torch.empty((b, *self.sample_shape), dtype=torch.uint8)
-            if self._flat is not None:
-                np.take(self._flat, idx, axis=0, out=x.numpy(), mode="clip")
-            else:
-                self._gather_shards(idx, x.numpy())
-            batch["image"] = x
+            batch["image"] = self._host_images(idx, image_buf)
             if self.has_labels:
                 y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
                 np.take(self._labels, idx, out=y.numpy(), mode="clip")
                 batch["label"] = y
         assert self._store is not None
-        batch.update(self._store.gather(idx, alloc))
+        batch.update(self._store.gather(idx, alloc, idx_t))
         return batch
 
     def collate(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -457,42 +456,6 @@ class DatasetView:
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.indices[i])]
-
-
-def split_fields(batch: dict[str, torch.Tensor], fields: list[Field]) -> list[dict[str, torch.Tensor]]:
-    """A batch dict -> one dict per sample (a variable field's sample is its values; no offsets)."""
-    n = len(batch["image"])
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    names = ["label"] if "label" in batch else []
-    for f in fields:
-        if f.kind in ("image", "label"):
-            continue
-        if f.variable:
-            bounds = batch[f.offsets_of + OFFSETS].tolist()
-            for i in range(n):
-                out[i][f.name] = batch[f.name][bounds[i]:bounds[i + 1]]
-        else:
-            names.append(f.name)
-    for key in ["image"] + names:
-        for i, v in enumerate(batch[key].unbind(0)):
-            out[i][key] = v
-    return out
-
-
-def collate_fields(samples: Sequence[dict[str, torch.Tensor]], fields: list[Field]) -> dict[str, torch.Tensor]:
-    """Per-sample dicts -> the batch dict :meth:`FastDataset.get_batch` gives."""
-    batch = {"image": torch.stack([s["image"] for s in samples])}
-    for f in fields:
-        if f.kind == "image":
-            continue
-        values = [s[f.name] for s in samples]
-        if not f.variable:
-            batch[f.name] = torch.stack(values)
-            continue
-        batch[f.name] = torch.cat(values)
-        if f.offsets_of == f.name:
-            batch[f.name + OFFSETS] = torch.tensor([0] + [len(v) for v in values], dtype=torch.int64).cumsum(0)
-    return batch
 
 
 def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,9 @@
 """The extra fields of a dataset with sample fields (NOTE [fields] in schema.py), opened in a storage mode and
 gathered a batch at a time: one vectorised read per field, never a loop over samples.
 
+``split_fields`` and ``collate_fields`` turn a batch dict into per-sample dicts and back (``ds[i]``,
+``DataLoader(ds, collate_fn=ds.collate)``).
+
 A fixed-size field is gathered like the images (NOTE [gather] in dataset.py). A variable one keeps its
 per-shard offsets in RAM as one global ``int64`` array (8 bytes a sample: 16 GB at 2e9 samples, the
 size of the sampler's old per-epoch permutation, so very large sets should prefer fixed-size fields);
@@ -10,7 +13,7 @@ with one take, into a buffer of exactly the batch's total length.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -86,10 +89,13 @@ class FieldStore:
             base += int(off[-1])
         return np.concatenate(parts)
 
-    def gather(self, idx: np.ndarray, out: Optional[Alloc] = None) -> dict[str, torch.Tensor]:
+    def gather(self, idx: np.ndarray, out: Optional[Alloc] = None, idx_on_device: Optional[torch.Tensor] = None
+               ) -> dict[str, torch.Tensor]:
         """The batch ``idx`` (checked, non-negative) of every field: fixed fields ``(B, *shape)``, variable
-        ones as values plus ``name_offsets`` (``B + 1``)."""
+        ones as values plus ``name_offsets`` (``B + 1``). ``storage="cuda"``: ``idx_on_device`` is ``idx`` already
+        copied there (the caller's), so the fixed fields share one copy."""
         alloc = out or empty
+        on_device = {id(idx): idx_on_device} if idx_on_device is not None else {}
         batch: dict[str, torch.Tensor] = {}
         spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for name, off in self.offsets.items():
@@ -103,13 +109,48 @@ class FieldStore:
             batch[name + OFFSETS] = o.to(self.device) if self.device.type != "cpu" else o
         for f in self.fields:
             rows = spans[f.offsets_of][0] if f.variable else idx
-            batch[f.name] = self._take(f, rows, alloc)
+            opened = self._open[f.name]
+            if opened.device is not None:  # storage="cuda": one index_select on the device
+                if id(rows) not in on_device:  # each row array crosses once (boxes and box_labels share one)
+                    on_device[id(rows)] = torch.from_numpy(rows).to(opened.device.device)
+                batch[f.name] = torch.index_select(opened.device, 0, on_device[id(rows)])
+            else:
+                batch[f.name] = alloc(f.name, (len(rows), *f.shape), torch_dtype(f.np_dtype))
+                opened.take(rows, batch[f.name].numpy())
         return batch
 
-    def _take(self, f: Field, rows: np.ndarray, alloc: Alloc) -> torch.Tensor:
-        opened = self._open[f.name]
-        if opened.device is not None:  # storage="cuda": one index_select on the device
-            return torch.index_select(opened.device, 0, torch.from_numpy(rows).to(opened.device.device))
-        t = alloc(f.name, (len(rows), *f.shape), torch_dtype(f.np_dtype))
-        opened.take(rows, t.numpy())
-        return t
+
+def split_fields(batch: dict[str, torch.Tensor], fields: list[Field]) -> list[dict[str, torch.Tensor]]:
+    """A batch dict -> one dict per sample (a variable field's sample is its values; no offsets)."""
+    n = len(batch["image"])
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    names = ["label"] if "label" in batch else []
+    for f in fields:
+        if f.kind in ("image", "label"):
+            continue
+        if f.variable:
+            bounds = batch[f.offsets_of + OFFSETS].tolist()
+            for i in range(n):
+                out[i][f.name] = batch[f.name][bounds[i]:bounds[i + 1]]
+        else:
+            names.append(f.name)
+    for key in ["image"] + names:
+        for i, v in enumerate(batch[key].unbind(0)):
+            out[i][key] = v
+    return out
+
+
+def collate_fields(samples: Sequence[dict[str, torch.Tensor]], fields: list[Field]) -> dict[str, torch.Tensor]:
+    """Per-sample dicts -> the batch dict :meth:`FastDataset.get_batch` gives."""
+    batch = {"image": torch.stack([s["image"] for s in samples])}
+    for f in fields:
+        if f.kind == "image":
+            continue
+        values = [s[f.name] for s in samples]
+        if not f.variable:
+            batch[f.name] = torch.stack(values)
+            continue
+        batch[f.name] = torch.cat(values)
+        if f.offsets_of == f.name:
+            batch[f.name + OFFSETS] = torch.tensor([0] + [len(v) for v in values], dtype=torch.int64).cumsum(0)
+    return batch

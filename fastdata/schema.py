@@ -74,11 +74,9 @@ class Field:
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
 
     def files(self, k: int) -> list[str]:
-        """Shard ``k``'s files of this field (an ``image`` or ``label`` field keeps its version-1 names)."""
-        if self.kind == "image":
-            return [f"images-{k:05d}.npy"]
-        if self.kind == "label":
-            return [f"labels-{k:05d}.npy"]
+        """Shard ``k``'s files of this field (not ``image`` or ``label``: they keep their version-1 files, the
+        shard entry's ``images`` and ``labels``)."""
+        assert self.kind not in ("image", "label"), self.kind
         own = [f"field.{self.name}-{k:05d}.npy"]
         return own + [offsets_file(self.name, k)] if self.variable and self.offsets_of == self.name else own
 

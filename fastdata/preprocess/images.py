@@ -303,16 +303,13 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         fmt, extra = IMAGES_NPY, {
             "sample_shape": [config.size, config.size, 3], "dtype": image_shards.IMAGE_DTYPE.str, "layout": "NHWC",
             "shard_size": config.shard_size,
-            "shards": [{"images": image_shards.images_name(u["index"]), "labels": image_shards.labels_name(u["index"]),
-                        "samples": u["samples"]} for u in jr.units]}
+            "shards": [{"images": image_shards.images_name(u["index"]),
+                        **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {}),
+                        "samples": u["samples"]} for u in jr.units]}  # other fields' files: Field.files
         version = 1  # (image, class) datasets stay version 1, which every fastdata reads
         if fields:  # format version 2 (NOTE [fields] in schema.py)
             version = 2
             extra["fields"] = [f.to_json() for f in fields]
-            extra["shards"] = [{"files": {f.name: f.files(u["index"]) for f in fields}, "samples": u["samples"],
-                                "images": image_shards.images_name(u["index"]),
-                                **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {})}
-                               for u in jr.units]
             if "tokens" in source.kinds.values():
                 extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
     else:
