@@ -269,13 +269,19 @@ def moto_server() -> tuple[Any, str]:
     return server, endpoint
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def dataset_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every object-storage benchmark shares: the dataset's size and shape, batch, threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gigabytes", type=float, default=1.0)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--shard-images", type=int, default=256)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def main() -> None:
+    ap = dataset_arguments(__doc__)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fastdata rows (best kept)")
     args = ap.parse_args()
     per_image = args.size * args.size * 3

@@ -14,7 +14,6 @@ read with their own default shuffles and their cache bounds (LitData ``max_cache
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -33,7 +32,8 @@ from fastdata.sampler import DistributedBatchSampler
 from fastdata.storage.remote import push
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_remote import _mosaic_import, make_dataset, moto_server, prepare_litdata, prepare_mosaic  # noqa: E402,E501
+from bench_remote import (_mosaic_import, dataset_arguments, make_dataset, moto_server, prepare_litdata,  # noqa: E402
+                          prepare_mosaic)
 from s3_faults import FaultProxy  # noqa: E402
 from sim_cache import simulate  # noqa: E402
 
@@ -69,12 +69,7 @@ def optimum_mb(n: int, batch: int, window: int, shard_images: int, group_bytes: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gigabytes", type=float, default=1.0)
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--shard-images", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = dataset_arguments(__doc__)
     ap.add_argument("--window", type=int, default=8, help="fastdata's shuffle_window, in shards")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 1.0])
