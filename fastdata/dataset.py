@@ -26,7 +26,7 @@ from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
 from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
-from .storage.cache import ShardCache, open_remote
+from .storage.cache import ShardCache, StreamedReads, open_remote
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              take_rows, verify_hashes)
 
@@ -43,7 +43,7 @@ def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     return frozenset()
 
 
-class FastDataset(torch.utils.data.Dataset):
+class FastDataset(StreamedReads, torch.utils.data.Dataset):
     """A dataset folder made by ``fastdata preprocess images``, as a map-style torch dataset.
 
     ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``; ``ds[list]`` and :meth:`get_batch` gather a whole
@@ -358,18 +358,14 @@ class FastDataset(torch.utils.data.Dataset):
             with self._cache.reading(np.unique(shard)) as maps:
                 take_rows(maps, shard, rows, dst)
 
-    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
-        """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; it may run on
-        into the next epoch), so their shards are fetched ahead of them and evicted by next use (FastLoader
-        calls this); a token for :meth:`end_reads`."""
+    def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; after the first
+        ``now`` it may run on into the next epoch), so their shards are fetched ahead of them and evicted by
+        next use (FastLoader calls this); a token for :meth:`end_reads`."""
         if self._cache is None:
             return None
         per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
-        return self._cache.plan(np.asarray(b, dtype=np.int64) // per_shard for b in batches)
-
-    def end_reads(self, token: Optional[object]) -> None:
-        if self._cache is not None and token is not None:
-            self._cache.end_plan(token)
+        return self._cache.plan((np.asarray(b, dtype=np.int64) // per_shard for b in batches), now)
 
     def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]]) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
@@ -446,13 +442,16 @@ class DatasetView:
         shards = self.base.sample_shards()
         return None if shards is None else shards[self.indices]
 
-    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
+    def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         plan = getattr(self.base, "plan_reads", None)
-        return plan(self.indices[np.asarray(b, dtype=np.int64)] for b in batches) if plan is not None else None
+        return plan((self.indices[np.asarray(b, dtype=np.int64)] for b in batches), now) if plan else None
 
     def end_reads(self, token: Optional[object]) -> None:
         if token is not None:
             self.base.end_reads(token)
+
+    def download_report(self) -> list[dict[str, Optional[int]]]:
+        return self.base.download_report()
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.indices[i])]

@@ -204,7 +204,7 @@ class FastLoader(SamplerBacked):
         batches = self.sampler.batches()  # streamed: never the whole epoch at once
         first, pulled = self.sampler.served, 0
         plan = getattr(self.dataset, "plan_reads", None)  # a streamed dataset fetches these batches' shards ahead
-        reads = plan(self.sampler.coming_batches()) if plan else None
+        reads = plan(self.sampler.coming_batches(), len(self.sampler)) if plan else None
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()

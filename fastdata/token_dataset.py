@@ -17,7 +17,7 @@ import torch
 from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
-from .storage.cache import ShardCache, open_remote
+from .storage.cache import ShardCache, StreamedReads, open_remote
 from .storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -36,7 +36,7 @@ def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
 
 
-class TokenDataset(torch.utils.data.Dataset):
+class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     """A split of a ``fastdata preprocess text`` folder as fixed-length training windows."""
 
     def __init__(self, path: Union[str, Path], split: str = "train", seq_len: int = 1024, *,
@@ -188,9 +188,10 @@ class TokenDataset(torch.utils.data.Dataset):
         """The shard holding each window's first token (for ``shuffle_window``)."""
         return shard_of(self.starts(np.arange(len(self), dtype=np.int64)), self._shard_offsets)
 
-    def plan_reads(self, batches: Iterable[np.ndarray]) -> Optional[object]:
-        """Tell a streamed dataset the coming batches (an iterator of window index arrays, in order), so
-        their shards are fetched ahead of them (FastLoader calls this); a token for :meth:`end_reads`."""
+    def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (an iterator of window index arrays, in order; the
+        next epoch's after the first ``now``), so their shards are fetched ahead of them (FastLoader calls
+        this); a token for :meth:`end_reads`."""
         if self._cache is None:
             return None
 
@@ -198,11 +199,7 @@ class TokenDataset(torch.utils.data.Dataset):
             for b in batches:  # a window's first and last token may lie in two shards
                 starts = self.starts(np.asarray(b, dtype=np.int64))
                 yield np.r_[shard_of(starts, self._shard_offsets), shard_of(starts + self.seq_len, self._shard_offsets)]
-        return self._cache.plan(reads())
-
-    def end_reads(self, token: Optional[object]) -> None:
-        if self._cache is not None and token is not None:
-            self._cache.end_plan(token)
+        return self._cache.plan(reads(), now)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.get_batch([int(i)])

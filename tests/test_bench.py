@@ -39,7 +39,8 @@ LOADERS = textwrap.dedent('''
             return 100_000
 
         def __getitem__(self, i):
-            time.sleep(0.04)   # 40 ms a sample: 1.3 s a batch of 32 per worker, 0.64 s with 2 workers
+            time.sleep(0.1)   # 100 ms a sample: 3.2 s a batch of 32 per worker, 1.6 s with 2 (the model step
+            # takes 0.2-0.7 s on 2 busy cores: the loader stays the bottleneck however loaded the machine)
             return torch.zeros(3, 96, 96), i % 10
 
     def small_dataloader():

@@ -29,6 +29,7 @@ import re
 import threading
 import time
 import warnings
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -109,8 +110,13 @@ class _Plan:
 
     CHUNK = 1 << 18  # reads learnt at a time
 
-    def __init__(self, reads: Iterator[np.ndarray], shards: int) -> None:
+    def __init__(self, reads: Iterator[np.ndarray], shards: int, now: Optional[int] = None) -> None:
         self._reads, self.shards = reads, shards
+        self.now = _NEVER if now is None else now  # batches of the current epoch; the next one's follow
+        # downloads made for this plan (see ShardCache.report): for the current epoch's batches, of those
+        # the shards fetched again within it, and ahead for the next epoch
+        self.tally = {"batches": self.now if now is not None else None, "downloads": 0, "repeats": 0, "ahead": 0}
+        self._got = np.zeros(shards, dtype=bool)  # shards downloaded for the current epoch
         self._lo = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
         self._hi = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
         self.batch = np.zeros(0, dtype=np.int64)  # runs' first batches, ascending...
@@ -176,12 +182,37 @@ class _Plan:
             return max(int(lo[i]), at)
         return _NEVER if self.complete else self.known
 
+    def count(self, shard: int, batch: int) -> None:
+        """A download of ``shard`` made for ``batch`` (call under the cache's lock)."""
+        if batch >= self.now:
+            self.tally["ahead"] += 1
+            return
+        self.tally["downloads"] += 1
+        self.tally["repeats"] += int(self._got[shard])
+        self._got[shard] = True
+
     def next_uses(self, shards: np.ndarray) -> np.ndarray:
         """:meth:`next_use` of many shards, recomputing only those used (or learnt) since last asked."""
         stale = shards[self._next[shards] < self.pos]
         for s in stale.tolist():
             self._next[s] = self.next_use(s)
         return self._next[shards]
+
+
+class StreamedReads:
+    """What every dataset streamed through a :class:`ShardCache` (``_cache``; None when local) offers;
+    ``plan_reads(batches, now)`` stays the dataset's own (it maps samples to shards)."""
+
+    _cache: Optional["ShardCache"]
+
+    def end_reads(self, token: Optional[object]) -> None:
+        """The loader pass that planned ``token`` is over (its prefetching stops)."""
+        if self._cache is not None and token is not None:
+            self._cache.end_plan(token)
+
+    def download_report(self) -> list[dict[str, Optional[int]]]:
+        """Downloads per loader pass, oldest first (:meth:`ShardCache.report`); empty when not streamed."""
+        return self._cache.report() if self._cache is not None else []
 
 
 class ShardCache:
@@ -221,6 +252,7 @@ class ShardCache:
         self._loading: dict[int, Future] = {}  # shards being fetched and opened for a batch (one per shard)
         self._reserved: set[int] = set()  # shards being downloaded by this process, counted against the limit
         self._plans: list[tuple[object, _Plan]] = []
+        self._tallies: deque[dict[str, Any]] = deque(maxlen=16)  # the newest plans' tallies (report())
         self._pool = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch")
         self._side = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch-side")
         self._warned = False
@@ -233,15 +265,16 @@ class ShardCache:
             self._start()
 
     # -- plans ------------------------------------------------------------------------------------------
-    def plan(self, reads: Iterable[np.ndarray]) -> object:
+    def plan(self, reads: Iterable[np.ndarray], now: Optional[int] = None) -> object:
         """Register the coming reads: the shards of each coming batch, in ``acquire`` order (an iterator,
-        learnt as the scheduler goes: it may run on into the next epoch); a token for :meth:`end_plan`.
-        The newest plan drives prefetching."""
+        learnt as the scheduler goes: it may run on into the next epoch, whose reads start after the
+        first ``now`` batches); a token for :meth:`end_plan`. The newest plan drives prefetching."""
         self._check_pid()
-        token, plan = object(), _Plan(iter(reads), len(self.names))
+        token, plan = object(), _Plan(iter(reads), len(self.names), now)
         plan.learn(self._cond)  # the first chunk now: evictions before the scheduler runs must see it
         with self._cond:
             self._plans.append((token, plan))
+            self._tallies.append(plan.tally)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._schedule, name="fastdata-prefetch", daemon=True)
                 self._thread.start()
@@ -265,6 +298,14 @@ class ShardCache:
     def _active(self) -> Optional[_Plan]:
         return self._plans[-1][1] if self._plans else None
 
+    def report(self) -> list[dict[str, Optional[int]]]:
+        """Downloads per plan (one per loader pass), oldest first, the last 16: ``batches`` of the epoch
+        planned, ``downloads`` made for them, ``repeats`` among those (a shard fetched again within the
+        epoch: the cache was too small for the order), and ``ahead`` (fetched for the next epoch's first
+        batches). A download under way counts from when it ends."""
+        with self._cond:
+            return [dict(t) for t in self._tallies]
+
     # -- reading ----------------------------------------------------------------------------------------
     def acquire(self, shards: np.ndarray) -> np.ndarray:
         """Pin the distinct ``shards`` of one batch, fetching and opening them first where needed; the
@@ -274,8 +315,9 @@ class ShardCache:
         shards = np.asarray(shards, dtype=np.int64)
         with self._cond:
             self._pins[shards] += 1
-            plan = self._active()
+            plan, at = self._active(), -1
             if plan is not None:
+                at = plan.pos  # this batch (loader threads acquire in batch order)
                 plan.pos += 1
                 if plan.cursor < len(plan.shard) or not plan.complete:  # the scheduler may have work again
                     self._cond.notify_all()
@@ -288,7 +330,7 @@ class ShardCache:
                     waits = []
                     for s in missing:
                         if s not in self._loading:
-                            self._loading[s] = self._pool.submit(self._load, s)
+                            self._loading[s] = self._pool.submit(self._load, s, plan, at)
                         waits.append(self._loading[s])
                 for fut in waits:
                     fut.result()
@@ -308,24 +350,25 @@ class ShardCache:
                         self._close(s)
                 self._cond.notify_all()
 
-    def _load(self, s: int) -> None:
+    def _load(self, s: int, plan: Optional[_Plan], at: int) -> None:
         try:
-            self._ensure(s)
+            self._ensure(s, plan, at)
         finally:
             with self._cond:
                 self._loading.pop(s, None)
 
-    def _ensure(self, s: int) -> None:
-        """Shard ``s`` local, verified and opened in this process (downloaded at most once per node)."""
+    def _ensure(self, s: int, plan: Optional[_Plan], at: int) -> None:
+        """Shard ``s`` local, verified and opened in this process (downloaded at most once per node), for
+        batch ``at`` of ``plan``."""
         path = self.remote.dir / self.names[s]
         while not self._is_open[s]:
             if not self._present(s):
                 self._make_room(s, True)
                 try:
-                    self._fetch_group(s)
+                    self._fetch_group(s, plan, at)
+                    self._have[s] = True  # before its reservation goes: counted against the limit throughout
                 finally:
                     self._unreserve(s)
-                self._have[s] = True
             with self._cond:
                 if self._is_open[s]:
                     return
@@ -360,15 +403,19 @@ class ShardCache:
     def _present(self, s: int) -> bool:
         return all((self.remote.dir / n).is_file() for n in self.groups[s])
 
-    def _fetch_group(self, s: int) -> None:
-        """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it."""
+    def _fetch_group(self, s: int, plan: Optional[_Plan], at: int) -> None:
+        """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it; a
+        download (not a wait for another's) is counted in ``plan`` for batch ``at``."""
         first, *rest = self.groups[s]
         side = [self._side.submit(self.remote.fetch, self.remote.entry(n), self.progress) for n in rest]
         try:
-            self.remote.fetch(self.remote.entry(first), self.progress)
+            got = self.remote.get(self.remote.entry(first), self.progress)
         finally:
             for fut in side:
                 fut.result()
+        if got and plan is not None:
+            with self._cond:
+                plan.count(s, at)
 
     def _make_room(self, s: int, demand: bool) -> bool:
         """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
@@ -469,18 +516,20 @@ class ShardCache:
                 if self._closed:
                     return
                 if learn is None:
-                    assert s is not None
                     plan = self._active()
+                    assert s is not None and plan is not None  # (a candidate comes from the active plan)
+                    at = int(plan.batch[plan.cursor])  # the batch it is fetched for (its run's first)
                     if not self._make_room(s, False):  # everything cached is needed before s: wait for the reader
-                        self._stalled = plan.pos if plan is not None else None
+                        self._stalled = plan.pos
                         continue
-                    self._flying[s] = self._pool.submit(self._prefetch, s)
+                    self._flying[s] = self._pool.submit(self._prefetch, s, plan, at)
                     continue
             learn.learn(self._cond)
 
     def _next_candidate(self) -> Optional[int]:
         """The next shard of the active plan, in order of need, that is not local yet (``_have`` is this
-        process's view, checked against the disk for the few it does not know: other processes fetch too)."""
+        process's view, checked against the disk for the few it does not know: other processes fetch too);
+        the plan's ``cursor`` is left at its run."""
         plan = self._active()
         if plan is None or len(self._flying) >= self.requests or self._stalled == plan.pos:
             return None
@@ -504,9 +553,9 @@ class ShardCache:
             plan.cursor += len(window)
         return None
 
-    def _prefetch(self, s: int) -> None:
+    def _prefetch(self, s: int, plan: _Plan, at: int) -> None:
         try:
-            self._fetch_group(s)
+            self._fetch_group(s, plan, at)
             self._have[s] = True
         except Exception:  # noqa: BLE001 - a failed prefetch is retried by the batch that needs it, which reports
             pass

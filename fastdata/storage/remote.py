@@ -177,18 +177,24 @@ class RemoteDataset:
 
     def fetch(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> Path:
         """One manifest entry as a verified local file (downloaded at most once per node)."""
+        self.get(entry, progress)
+        return self.dir / entry["path"]
+
+    def get(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> bool:
+        """:meth:`fetch`, saying whether this call downloaded the file (False: it was cached already, or
+        another thread or process on the node fetched it meanwhile)."""
         name = entry["path"]
         final = self.dir / name
         if final.is_file() and final.stat().st_size == entry.get("bytes"):
-            return final  # only verified bytes ever get a final name
+            return False  # only verified bytes ever get a final name
         final.parent.mkdir(parents=True, exist_ok=True)
         lock_path = self.dir / ".locks" / (name.replace("/", "%") + ".lock")
         with open(lock_path, "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
             if final.is_file() and final.stat().st_size == entry.get("bytes"):
-                return final
+                return False
             _retry(f"{self.url}/{name}", lambda: self._download(entry, final, progress), self.tries, self.backoff)
-        return final
+        return True
 
     def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
         tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
