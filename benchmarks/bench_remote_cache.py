@@ -39,18 +39,27 @@ from sim_cache import simulate  # noqa: E402
 
 
 def epochs_through(proxy: FaultProxy, make_loader: Callable[[], Iterable[Any]], epochs: int,
-                   count: Callable[[Any], int]) -> list[tuple[float, float]]:
-    """(MB downloaded, images/s) per epoch of the loader ``make_loader()`` iterated ``epochs`` times."""
+                   count: Callable[[Any], int], limit_s: float = float("inf")) -> list[tuple[float, float, int]]:
+    """(MB downloaded, images/s, images) per epoch of the loader ``make_loader()`` iterated ``epochs`` times;
+    after ``limit_s`` seconds in all it stops at the next batch, the epoch under way reported as far as it
+    got (a peer that thrashes its cache would otherwise take hours)."""
     loader, out = make_loader(), []
+    deadline = time.perf_counter() + limit_s
     for _ in range(epochs):
         with proxy.lock:
             before = sum(proxy.bytes.values())
         t0, n = time.perf_counter(), 0
-        for batch in loader:
+        it = iter(loader)
+        for batch in it:
             n += count(batch)
+            if time.perf_counter() > deadline:
+                break
         took = time.perf_counter() - t0
+        del it  # (a DataLoader's workers stop here when the epoch was cut short)
         with proxy.lock:
-            out.append(((sum(proxy.bytes.values()) - before) / 1e6, n / took))
+            out.append(((sum(proxy.bytes.values()) - before) / 1e6, n / took, n))
+        if time.perf_counter() > deadline:
+            break
     return out
 
 
@@ -74,6 +83,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 1.0])
     ap.add_argument("--peers", nargs="*", default=["litdata", "mosaic"], help="peers to run beside fastdata")
+    ap.add_argument("--peer-seconds", type=float, default=600,
+                    help="time limit of each peer row (its epochs stop there; the table says how far they got)")
     args = ap.parse_args()
     images = int(args.gigabytes * 1e9 // (args.size * args.size * 3))
     scratch = Path(tempfile.mkdtemp(prefix="bench_remote_cache-"))
@@ -95,15 +106,21 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; {images:,} images of {args.size}x{args.size}x3 in {len(files) // 2} shards "
               f"of {args.shard_images}, {total / 1e6:,.0f} MB; batch {args.batch}, {args.threads} loader threads; "
               f"{args.epochs} epochs; fastdata shuffle_window={args.window}")
-        print("\n| cache | reader | MB downloaded per epoch | images/s per epoch | note |\n|---|---|---|---|---|")
+        print("\n| cache | reader | MB downloaded per epoch | images/s per epoch | MB over all epochs (scaled when stopped) | "
+              "note |\n|---|---|---|---|---|---|")
         for frac in args.fractions:
             limit = int(frac * total)
             cache = scratch / f"fd{frac}"
 
-            def show(name: str, per_epoch: list[tuple[float, float]], note: str) -> None:
+            def show(name: str, per_epoch: list[tuple[float, float, int]], note: str) -> None:
+                seen = sum(k for _, _, k in per_epoch)  # downloads per image read, scaled to an epoch
+                cut = "" if seen == images * args.epochs else f" (stopped at {args.peer_seconds:.0f} s: " \
+                    f"{seen:,} of {images * args.epochs:,} images)"
                 print(f"| {frac:.0%} ({limit / 1e6:,.0f} MB) | {name} | "
-                      + " / ".join(f"{mb:,.0f}" for mb, _ in per_epoch) + " | "
-                      + " / ".join(f"{rate:,.0f}" for _, rate in per_epoch) + f" | {note} |", flush=True)
+                      + " / ".join(f"{mb:,.0f}" for mb, _, _ in per_epoch) + " | "
+                      + " / ".join(f"{rate:,.0f}" for _, rate, _ in per_epoch) + " | "
+                      + f"{sum(mb for mb, _, _ in per_epoch) * images / max(seen, 1):,.0f} | {note}{cut} |",
+                      flush=True)
 
             def fd_loader() -> Iterable[Any]:
                 ds = FastDataset("s3://bench/full", cache_dir=cache, cache_limit=limit)
@@ -122,8 +139,8 @@ def main() -> None:
                     return litdata.StreamingDataLoader(stream, batch_size=args.batch, num_workers=args.threads,
                                                        multiprocessing_context="fork")
                 try:
-                    show("LitData", epochs_through(proxy, lit_loader, args.epochs, lambda b: len(b["label"])),
-                         "max_cache_size")
+                    show("LitData", epochs_through(proxy, lit_loader, args.epochs, lambda b: len(b["label"]),
+                                                   args.peer_seconds), "max_cache_size")
                 except Exception as exc:  # noqa: BLE001 - a peer failing at a cache size is a result
                     print(f"LitData at {frac:.0%}: {type(exc).__name__}: {exc}")
             if mosaic:
@@ -137,8 +154,8 @@ def main() -> None:
                     return torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=args.threads,
                                                        multiprocessing_context="fork")
                 try:
-                    show("Mosaic", epochs_through(proxy, mosaic_loader, args.epochs, lambda b: len(b["label"])),
-                         "cache_limit")
+                    show("Mosaic", epochs_through(proxy, mosaic_loader, args.epochs, lambda b: len(b["label"]),
+                                                  args.peer_seconds), "cache_limit")
                 except Exception as exc:  # noqa: BLE001
                     print(f"Mosaic at {frac:.0%}: {type(exc).__name__}: {exc}")
     finally:

@@ -22,7 +22,7 @@ def _preprocess_images(args: argparse.Namespace) -> int:
         src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
         shard_size=args.shard_size, on_error=args.on_error, quality=args.quality, filter=args.filter,
         overwrite=args.overwrite, progress=not args.quiet, coco=args.coco, mask_dtype=args.mask_dtype,
-        tokenizer=args.tokenizer)
+        tokenizer=args.tokenizer, shuffle_seed=args.shuffle)
     manifest = preprocess_images(config)
     print(summary(manifest), file=sys.stderr)
     return 0
@@ -39,11 +39,18 @@ def _preprocess_text(args: argparse.Namespace) -> int:
     return 0
 
 
+def _path_or_url(text: str) -> str | Path:
+    """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    from .storage.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from .manifest import TOKENS, load_manifest
-    from .train_setup import ImageRun, build, build_lm
+    from .manifest import TOKENS
+    from .train_setup import ImageRun, build, build_lm, manifest_of
     from .distributed import init_distributed, shutdown_distributed
     from .train import Trainer
     from .train_config import TrainConfig, check_device, parse_duration
@@ -68,13 +75,15 @@ def _train(args: argparse.Namespace) -> int:
     check_device(cfg, info.device)  # before the data is opened
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"
-    if load_manifest(args.data)["format"] == TOKENS:
+    cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit}
+    if manifest_of(args.data, args.cache_dir)["format"] == TOKENS:
         model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
-                                     args.threads, args.seed, info.device)
+                                     args.threads, args.seed, info.device, args.shuffle_window, **cache)
     else:
         pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                         val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
-                        augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend)
+                        augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend,
+                        shuffle_window=args.shuffle_window, **cache)
         model, train, val = build(pipe, info.device)
     Trainer(model, train, val, config=cfg).fit()
     shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
@@ -152,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="masks with ids above 255 need uint16 (default uint8)")
     img.add_argument("--tokenizer", default="bytes", help="text fields (captions): bytes | PATH/tokenizer.json | "
                      "tiktoken:NAME")
+    img.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                     help="store the samples in a random order drawn from SEED (default: the source's order, "
+                          "class after class for a folder), so a small FastLoader shuffle_window mixes classes")
     img.add_argument("--overwrite", action="store_true", help="replace a dataset made with other arguments")
     img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     img.set_defaults(func=_preprocess_images)
@@ -174,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     D = TrainConfig  # every training default lives in TrainConfig: one default per option
     tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
-    tr.add_argument("data", type=Path, help="dataset folder made by `fastdata preprocess`")
-    tr.add_argument("--val", type=Path, default=None, help="validation dataset folder")
+    tr.add_argument("data", type=_path_or_url, help="dataset folder made by `fastdata preprocess`, or its URL "
+                                                    "(s3://..., gs://...: streamed through the node cache)")
+    tr.add_argument("--val", type=_path_or_url, default=None, help="validation dataset folder or URL")
     tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
     tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
                                                   "gpt-tiny (default for tokens)")
@@ -194,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--clip", type=float, default=D.clip, help="clip the gradient norm to this")
     tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default=None, help="default mmap")
     tr.add_argument("--threads", type=int, default=None, help="loader threads")
+    tr.add_argument("--shuffle-window", type=int, default=None, metavar="K",
+                    help="shuffle shards, then samples within windows of K shards (data larger than the cache)")
+    tr.add_argument("--cache-dir", default=None, help="URL datasets: the node cache (default $FASTDATA_CACHE)")
+    tr.add_argument("--cache-limit", default=None, help="URL datasets: bytes the cache may hold, e.g. 200GB")
     tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
     tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
     tr.add_argument("--backend", choices=("native", "dali"), default="native",

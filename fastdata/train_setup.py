@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -15,8 +15,10 @@ from .dataset import FastDataset, split
 from .errors import ConfigError
 from .gpu_transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from .loader import FastLoader
+from .manifest import load_manifest
 from .models import create_model
 from .prefetch import CUDAPrefetcher
+from .storage.remote import RemoteDataset, is_url
 
 AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 
@@ -25,10 +27,10 @@ AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 class ImageRun:
     """Options of an image-classification run (batch size is per process, as under torchrun)."""
 
-    data: Path
+    data: Union[str, Path]  # a folder, or a URL streamed through the node cache
     model: str = "resnet18"
     batch_size: int = 256
-    val: Optional[Path] = None
+    val: Union[str, Path, None] = None
     val_fraction: float = 0.0
     storage: str = "mmap"
     threads: Optional[int] = None
@@ -36,6 +38,9 @@ class ImageRun:
     crop: Optional[int] = None  # rrc-flip: output side (default 7/8 of the stored side)
     seed: int = 0
     backend: str = "native"  # "dali": decode an LMDB dataset's JPEGs with NVIDIA DALI
+    shuffle_window: Optional[int] = None  # shuffle within windows of this many shards (FastLoader)
+    cache_dir: Optional[str] = None  # URL datasets: the node cache folder...
+    cache_limit: Union[int, str, None] = None  # ...and the bytes it may hold
 
     def __post_init__(self) -> None:
         if self.augment not in AUGMENT:
@@ -44,6 +49,18 @@ class ImageRun:
             raise ConfigError("give --val DATA or --val-fraction, not both")
         if self.backend not in ("native", "dali"):
             raise ConfigError(f"backend must be 'native' or 'dali', got backend={self.backend!r}")
+        if self.backend == "dali" and (is_url(self.data) or is_url(self.val or "")):
+            raise ConfigError("--backend dali reads a local LMDB folder: use the native backend for a URL (it "
+                              "streams the LMDB through the node cache), or download it first (`fastdata verify URL`)")
+        if self.backend == "dali" and self.shuffle_window is not None:
+            raise ConfigError("--shuffle-window applies to the native backend (DALI shuffles in its own reader)")
+
+
+def manifest_of(path: Union[str, Path], cache_dir: Optional[str] = None) -> dict[str, Any]:
+    """The manifest of a dataset folder or URL (a URL's only: nothing else is downloaded)."""
+    if is_url(path):
+        return RemoteDataset(str(path), cache_dir=cache_dir).manifest
+    return load_manifest(path)
 
 
 def crop_side(p: ImageRun, side: int) -> int:
@@ -67,7 +84,8 @@ def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefe
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
     if p.backend == "dali":
         return build_dali(p, device)
-    ds = FastDataset(p.data, storage=p.storage, device=device)
+    cache = {"cache_dir": p.cache_dir, "cache_limit": p.cache_limit}
+    ds = FastDataset(p.data, storage=p.storage, device=device, **cache)
     if not ds.has_labels:
         fields = ", ".join(f.name for f in ds.fields or [])
         raise ConfigError(f"{p.data} has no 'label' field ({fields}): `fastdata train` trains classifiers; train a "
@@ -76,7 +94,7 @@ def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefe
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
-        val_ds = FastDataset(p.val, storage=p.storage, device=device)
+        val_ds = FastDataset(p.val, storage=p.storage, device=device, **cache)
         if val_ds.classes != ds.classes:
             raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
     elif p.val_fraction:
@@ -85,7 +103,8 @@ def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefe
     train_tf, eval_tf = transforms(p, side)
     seen = crop_side(p, side) if p.augment == "rrc-flip" else side
     model = image_model(p.model, len(ds.classes), seen)
-    train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
+    train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf,
+                         p.shuffle_window)
     return model, train, val
 
 
@@ -102,10 +121,13 @@ def image_model(name: str, num_classes: int, side: int) -> torch.nn.Module:
 
 def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Optional[int], device: torch.device,
             train_tf: Optional[Transform] = None,
-            eval_tf: Optional[Transform] = None) -> tuple[CUDAPrefetcher, Optional[CUDAPrefetcher]]:
-    """The prefetched train loader (shuffled, padded for DDP) and validation loader (in order, ``pad=False``:
-    every sample once across ranks; None without ``val_ds``)."""
-    train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads),
+            eval_tf: Optional[Transform] = None,
+            shuffle_window: Optional[int] = None) -> tuple[CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """The prefetched train loader (shuffled, within windows of ``shuffle_window`` shards if given; padded for
+    DDP) and validation loader (in order, ``pad=False``: every sample once across ranks; None without
+    ``val_ds``)."""
+    train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads,
+                                      shuffle_window=shuffle_window),
                            device=device, transforms=train_tf, seed=seed)
     val = None
     if val_ds is not None:
@@ -114,18 +136,21 @@ def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Opt
     return train, val
 
 
-def build_lm(data: Path, model: Optional[str], batch_size: int, seq_len: int, storage: str, threads: Optional[int],
-             seed: int, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
-    """A language-model run on a token folder: gpt-tiny over train windows, validated on the val split."""
+def build_lm(data: Union[str, Path], model: Optional[str], batch_size: int, seq_len: int, storage: str,
+             threads: Optional[int], seed: int, device: torch.device, shuffle_window: Optional[int] = None,
+             cache_dir: Optional[str] = None, cache_limit: Union[int, str, None] = None
+             ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """A language-model run on a token folder or URL: gpt-tiny over train windows, validated on the val split."""
     from .token_dataset import TokenDataset
 
     if (model or "gpt-tiny") != "gpt-tiny":
         raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
-    train_ds = TokenDataset(data, "train", seq_len, storage=storage)
+    cache = {"cache_dir": cache_dir, "cache_limit": cache_limit}
+    train_ds = TokenDataset(data, "train", seq_len, storage=storage, **cache)
     val_ds = None
     if train_ds.manifest["splits"]["val"]["tokens"] >= seq_len + 1:
-        val_ds = TokenDataset(data, "val", seq_len, storage=storage)
-    train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device)
+        val_ds = TokenDataset(data, "val", seq_len, storage=storage, **cache)
+    train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device, shuffle_window=shuffle_window)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 
@@ -133,7 +158,7 @@ def build_dali(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, Any,
     """The same run with an LMDB dataset decoded by DALI (GPU decode on CUDA): augmentation happens in DALI."""
     from .dali import DALILoader
     from .dataset import split_indices
-    from .manifest import IMAGES_LMDB, load_manifest
+    from .manifest import IMAGES_LMDB
 
     m = load_manifest(p.data)
     if m["format"] != IMAGES_LMDB:

@@ -98,12 +98,15 @@ def test_an_exact_size_segmentation_pair_round_trips_bit_exactly(tmp_path):
         ds.targets
 
 
-def test_jsonl_records_round_trip_every_field(tmp_path):
+@pytest.mark.parametrize("shuffle", [None, 3])
+def test_jsonl_records_round_trip_every_field(tmp_path, shuffle):
     records = make_scenes(tmp_path, 6, sizes=((64, 64),), jpeg_big=False)
     with open(tmp_path / "recs.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    m = preprocess(tmp_path / "recs.jsonl", tmp_path / "out", size=64, shard_size=4)
+    m = preprocess(tmp_path / "recs.jsonl", tmp_path / "out", size=64, shard_size=4, shuffle_seed=shuffle)
+    if shuffle is not None:  # every field travels with its image: sample i is record perm[i]
+        records = [records[j] for j in np.random.default_rng(shuffle).permutation(6)]
     assert m["classes"] == ["green", "red"]  # class names sorted: green 0, red 1
     ids = {"green": 0, "red": 1}
     ds = FastDataset(tmp_path / "out")
@@ -213,6 +216,9 @@ def test_a_hugging_face_style_parquet_file_is_read_by_row_group(tmp_path):
         assert np.array_equal(b["image"][i].numpy(), np.asarray(Image.open(tmp_path / r["image"])))
         lo, hi = b["text_offsets"][i:i + 2].tolist()
         assert bytes(b["text"][lo:hi].numpy().astype(np.uint8)).decode() == f"caption {i}"
+    with pytest.raises(SourceError, match="shuffle the rows when writing"):  # a row group a sample: refused
+        preprocess(tmp_path / "train.parquet", tmp_path / "shuffled", size=64, shuffle_seed=1)
+    assert not (tmp_path / "shuffled").exists()
 
 
 # -- bad records ------------------------------------------------------------------------------------------

@@ -84,6 +84,30 @@ def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt, mo
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) >= 3  # lmdb: images-K.lmdb, labels.npy, manifest.json
 
 
+def test_shuffle_stores_the_samples_in_the_seeds_order_for_any_worker_count(photo_folder, tmp_path, monkeypatch):
+    from fastdata.dataset import FastDataset
+
+    monkeypatch.setattr(parallel, "_start_method", lambda: "fork")
+    plain, outs = tmp_path / "plain", []
+    assert main(["preprocess", "images", str(photo_folder), str(plain), "--size", "16", "--shard-size", "5",
+                 "--workers", "1", "--quiet"]) == 0
+    for w in (1, 2):
+        out = tmp_path / f"w{w}"
+        assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "16", "--shard-size", "5",
+                     "--workers", str(w), "--shuffle", "7", "--quiet"]) == 0
+        outs.append(tree_bytes(out))
+    assert outs[0] == outs[1]
+    a, b = FastDataset(plain, storage="ram"), FastDataset(tmp_path / "w1", storage="ram")
+    perm = np.random.default_rng(7).permutation(len(a))  # sample i is the source's perm[i] (Source.shuffled)
+    assert np.array_equal(b.targets, a.targets[perm]) and not np.array_equal(b.targets, a.targets)
+    assert all(np.array_equal(b[i][0].numpy(), a[int(perm[i])][0].numpy()) for i in range(len(a)))
+    assert json.loads((tmp_path / "w1" / "manifest.json").read_text())["params"]["shuffle_seed"] == 7
+    first = b.targets[:5]  # a folder is stored class after class; shuffled, a shard holds several classes
+    assert len(set(a.targets[:5].tolist())) == 1 and len(set(first.tolist())) > 1
+    assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "w1"), "--size", "16", "--shard-size",
+                 "5", "--quiet"]) != 0  # another order is other arguments: refused without --overwrite
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
 def test_killed_run_resumes_to_identical_output(tmp_path, fmt):

@@ -483,3 +483,39 @@ def test_a_plan_learnt_in_chunks_knows_every_shards_next_use_and_run():
                     if s in batches[b] and (b == 0 or s not in batches[b - 1]))
     assert sorted(zip(chunked.batch.tolist(), chunked.shard.tolist())) == starts  # one entry per run...
     assert np.all(np.diff(chunked.batch) >= 0)  # ...in order of need
+
+
+def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_cache_and_resumes(
+        s3, proxy, tmp_path, capsys):
+    import torch
+
+    from fastdata.cli import main
+    from fastdata.storage.remote import push
+
+    from conftest import indexed_source
+
+    data = tmp_path / "ds"  # 16x16 images (cnn-small's least), 7 shards of 16
+    assert main(["preprocess", "images", str(indexed_source(tmp_path / "src", size=16)), str(data), "--size", "16",
+                 "--shard-size", "16", "--workers", "1", "--quiet"]) == 0
+    url = s3("train") + "/ds"
+    push(data, url)
+    group = sum((data / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
+    proxy.clear()
+    common = ["--model", "cnn-small", "--batch-size", "8", "--device", "cpu", "--amp", "none", "--threads", "1",
+              "--shuffle-window", "2", "--cache-dir", str(tmp_path / "cache"), "--cache-limit", str(6 * group),
+              "--checkpoint", str(tmp_path / "ckpt"), "--epochs", "2", "--quiet"]
+    assert main(["train", url, "--max-steps", "5", *common]) == 0  # stopped mid-epoch...
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["step"] == 5 and state["loader"]["shuffle_window"] == 2 and state["loader"]["position"] == 40
+    log = tmp_path / "log.jsonl"
+    assert main(["train", url, "--resume", "--log-file", str(log), *common]) == 0  # ...and resumed from there
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["step"] == 2 * 13 and state["epoch"] == 2, (state["step"], state["epoch"])
+    assert steps and all(np.isfinite(s["loss"]) for s in steps if "loss" in s)
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*-0*.npy"))
+    assert 0 < cached <= 6 * group  # the cache stayed within --cache-limit (6 of the 7 shards)
+    assert sum(v for k, v in proxy.gets.items() if "images-" in k) >= 7  # every shard came through the cache
+    capsys.readouterr()
+    assert main(["train", str(data), "--cache-limit", "1GB", "--device", "cpu", "--quiet"]) != 0
+    assert "cache_dir and cache_limit apply to URLs" in capsys.readouterr().err

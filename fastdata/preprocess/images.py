@@ -53,6 +53,7 @@ class ImagePreprocessConfig:
     coco: Optional[Path] = None  # COCO instances.json over the image folder SRC (detection)
     mask_dtype: str = "uint8"  # masks: uint8, or uint16 for more than 256 class/instance ids
     tokenizer: str = "bytes"  # for text fields (captions), as `fastdata preprocess text --tokenizer`
+    shuffle_seed: Optional[int] = None  # store the samples in a random order from this seed (Source.shuffled)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
@@ -68,6 +69,8 @@ class ImagePreprocessConfig:
         require(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
         require(self.filter in decode.FILTERS, "filter", self.filter, f"one of {tuple(decode.FILTERS)}")
         require(self.mask_dtype in ("uint8", "uint16"), "mask_dtype", self.mask_dtype, "'uint8' or 'uint16'")
+        require(self.shuffle_seed is None or (isinstance(self.shuffle_seed, int) and self.shuffle_seed >= 0),
+                "shuffle_seed", self.shuffle_seed, "a non-negative integer")
         if self.coco is not None:
             object.__setattr__(self, "coco", Path(self.coco))
 
@@ -80,7 +83,7 @@ class ImagePreprocessConfig:
             params["quality"] = self.quality
         if self.filter != "lanczos":  # named only when not the default: older runs keep their fingerprint
             params["filter"] = self.filter
-        for key, default in (("mask_dtype", "uint8"), ("tokenizer", "bytes")):
+        for key, default in (("mask_dtype", "uint8"), ("tokenizer", "bytes"), ("shuffle_seed", None)):
             if getattr(self, key) != default:
                 params[key] = getattr(self, key)
         return params
@@ -89,6 +92,8 @@ class ImagePreprocessConfig:
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     """Run (or resume) preprocessing; returns the manifest. Reruns with the same arguments are no-ops."""
     source = discover_any(config.src, config.coco)
+    if config.shuffle_seed is not None:
+        source = source.shuffled(config.shuffle_seed)
     if source.kinds and config.format != "npy":
         raise ConfigError(f"{config.src} has fields beyond (image, class) ({', '.join(source.kinds)}): write them "
                           "with --format npy (JPEG LMDB datasets hold images and class labels only)")

@@ -6,9 +6,11 @@ import csv
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from ..errors import SourceError
 
@@ -33,6 +35,18 @@ class Source:
     extras: dict[str, list[Any]] = field(default_factory=dict)
     has_label: bool = True
     blobs: Optional[Any] = None  # Parquet: reads sample i's encoded image bytes (paths are then row names)
+
+    def shuffled(self, seed: int) -> "Source":
+        """The same samples in the order ``numpy.random.default_rng(seed).permutation(n)`` (sample ``i`` is
+        the source's ``perm[i]``), so that shards hold every class and a small ``shuffle_window`` mixes
+        batches as a full shuffle does. Parquet rows are read a row group at a time: refused."""
+        if self.blobs is not None:
+            raise SourceError(f"--shuffle would read {self.location}'s Parquet row groups once per sample: shuffle "
+                              "the rows when writing the Parquet files, or keep their order and use a larger "
+                              "shuffle_window")
+        perm = np.random.default_rng(seed).permutation(len(self.paths)).tolist()
+        return replace(self, paths=[self.paths[i] for i in perm], labels=[self.labels[i] for i in perm],
+                       extras={k: [v[i] for i in perm] for k, v in self.extras.items()})
 
     def fingerprint(self) -> str:
         """Hash of the file list, labels and classes: a resumed run must see the same source."""
