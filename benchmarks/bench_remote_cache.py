@@ -113,13 +113,14 @@ def main() -> None:
             cache = scratch / f"fd{frac}"
 
             def show(name: str, per_epoch: list[tuple[float, float, int]], note: str) -> None:
-                seen = sum(k for _, _, k in per_epoch)  # downloads per image read, scaled to an epoch
-                cut = "" if seen == images * args.epochs else f" (stopped at {args.peer_seconds:.0f} s: " \
-                    f"{seen:,} of {images * args.epochs:,} images)"
+                seen, run = sum(k for _, _, k in per_epoch), images * args.epochs  # images read, and in the run
+                scaled = sum(mb for mb, _, _ in per_epoch) * run / max(seen, 1)  # MB per image read, times the run
+                cut = "" if seen == run else f" (stopped at {args.peer_seconds:.0f} s: " \
+                    f"{seen:,} of {run:,} images)"
                 print(f"| {frac:.0%} ({limit / 1e6:,.0f} MB) | {name} | "
                       + " / ".join(f"{mb:,.0f}" for mb, _, _ in per_epoch) + " | "
                       + " / ".join(f"{rate:,.0f}" for _, rate, _ in per_epoch) + " | "
-                      + f"{sum(mb for mb, _, _ in per_epoch) * images / max(seen, 1):,.0f} | {note}{cut} |",
+                      + f"{scaled:,.0f} | {note}{cut} |",
                       flush=True)
 
             def fd_loader() -> Iterable[Any]:

@@ -11,6 +11,7 @@ Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -32,15 +33,20 @@ from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes
 
 
 def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
-    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels)
-    and LMDB shards (format version 2), read memory-mapped. A dataset with sample fields is fetched whole."""
-    if "fields" in manifest:
-        return frozenset()
-    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's labels come with it
-        return frozenset(f for s in manifest.get("shards", []) for f in (s["images"], s["labels"]))
+    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels and
+    their other fields' files; variable fields' offsets are read up front) and LMDB shards (format version
+    2), read memory-mapped."""
+    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
+        return frozenset(f for k, s in enumerate(manifest.get("shards", [])) for f in _shard_group(manifest, k, s))
     if storage == "mmap" and "lmdb_shards" in manifest:
         return frozenset(s["path"] for s in manifest["lmdb_shards"])
     return frozenset()
+
+
+def _shard_group(manifest: dict[str, Any], k: int, shard: dict[str, Any]) -> tuple[str, ...]:
+    """Shard ``k``'s files read together: its images first, its labels, each other field's rows."""
+    fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
+    return (shard["images"], *([shard["labels"]] if "labels" in shard else []), *(f.files(k)[0] for f in fields))
 
 
 class FastDataset(StreamedReads, torch.utils.data.Dataset):
@@ -181,7 +187,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     @property
     def streams(self) -> bool:
         """True when shards are fetched from object storage as batches need them (NOTE [shard cache])."""
-        return self._remote is not None and self.storage == "mmap" and not self.is_lmdb and self.fields is None
+        return self._remote is not None and self.storage == "mmap" and not self.is_lmdb
 
     def _load_labels(self) -> np.ndarray:
         self._labels_in: Optional[np.ndarray] = None
@@ -220,14 +226,23 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
         if self.streams:  # streamed: shards mapped as they arrive
+            groups = [_shard_group(self.manifest, k, s) for k, s in enumerate(self.manifest["shards"])]
+            store = None
+            if self.fields is not None:
+                store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                                 streamed=True)
+
             def opener(s: int, path: Path) -> np.ndarray:
                 shard = self.manifest["shards"][s]
                 if verify:
-                    verify_hashes(self.root, self.manifest, [shard["images"], shard["labels"]])
-                self._fill_labels(s, self.root / shard["labels"])
+                    verify_hashes(self.root, self.manifest, list(groups[s]))
+                if "labels" in shard:
+                    self._fill_labels(s, self.root / shard["labels"])
+                if store is not None:
+                    store.open_shard(s)
                 return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
-            groups = [(s["images"], s["labels"]) for s in self.manifest["shards"]]
-            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit)
+            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit,
+                                     closer=(lambda s, path: store.close_shard(s)) if store is not None else None)
             return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
@@ -299,8 +314,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return x, torch.from_numpy(self._labels[idx])
 
     def _host_images(self, idx: np.ndarray, buf: Optional[torch.Tensor],
-                     draw: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-        """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None)."""
+                     draw: Optional[tuple[int, int, int, int]] = None, maps: Optional[Any] = None) -> torch.Tensor:
+        """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None);
+        ``maps``: a streamed batch's shards, pinned by the caller."""
         x = buf if buf is not None else torch.empty((len(idx), *self.sample_shape), dtype=torch.uint8)
         dst = x.numpy()
         if self._flat is not None:
@@ -308,7 +324,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         elif self._reader is not None:
             self._decode_into(idx, dst, draw)
         else:
-            self._gather_shards(idx, dst)
+            self._gather_shards(idx, dst, maps)
         return x
 
     def _get_fields(self, indices: Indices, out: Union[None, torch.Tensor, Alloc]) -> dict[str, torch.Tensor]:
@@ -325,19 +341,33 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             image_buf = out("image", (b, *self.sample_shape), torch.uint8) if out is not None else None
         batch: dict[str, torch.Tensor] = {}
         idx_t = None
-        if self._dev is not None:  # storage="cuda": gathered on the device
-            idx_t = torch.from_numpy(idx).to(self.device)
-            batch["image"] = torch.index_select(self._dev, 0, idx_t)
-            if self._dev_labels is not None:
-                batch["label"] = self._dev_labels[idx_t]
-        else:
-            batch["image"] = self._host_images(idx, image_buf)
+        pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
+            np.unique(idx // int(self.manifest["shard_size"])))
+        with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
+            if self._dev is not None:  # storage="cuda": gathered on the device
+                idx_t = torch.from_numpy(idx).to(self.device)
+                batch["image"] = torch.index_select(self._dev, 0, idx_t)
+                if self._dev_labels is not None:
+                    batch["label"] = self._dev_labels[idx_t]
+            else:
+                batch["image"] = self._host_images(idx, image_buf, maps=maps)
+                if self.has_labels:
+                    y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
+                    np.take(self._labels, idx, out=y.numpy(), mode="clip")
+                    batch["label"] = y
+            assert self._store is not None
+            batch.update(self._store.gather(idx, alloc, idx_t))
+        return batch
+        assert self._store is not None
+        pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
+            np.unique(idx // int(self.manifest["shard_size"])))
+        with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
+            batch["image"] = self._host_images(idx, image_buf, maps=maps)
             if self.has_labels:
                 y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
                 np.take(self._labels, idx, out=y.numpy(), mode="clip")
                 batch["label"] = y
-        assert self._store is not None
-        batch.update(self._store.gather(idx, alloc, idx_t))
+            batch.update(self._store.gather(idx, alloc, idx_t))
         return batch
 
     def collate(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -346,14 +376,14 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         offsets)."""
         return collate_fields(samples, self.fields or [])
 
-    def _gather_shards(self, idx: np.ndarray, dst: np.ndarray) -> None:
+    def _gather_shards(self, idx: np.ndarray, dst: np.ndarray, maps: Optional[Any] = None) -> None:
         ss = int(self.manifest["shard_size"])
         shard = idx // ss
         rows = idx - shard * ss
         if len(idx) == 0:
             return
-        if self._cache is None:
-            take_rows(self._shards, shard, rows, dst)
+        if self._cache is None or maps is not None:
+            take_rows(self._shards if maps is None else maps, shard, rows, dst)
         else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
             with self._cache.reading(np.unique(shard)) as maps:
                 take_rows(maps, shard, rows, dst)

@@ -9,6 +9,10 @@ per-shard offsets in RAM as one global ``int64`` array (8 bytes a sample: 16 GB 
 size of the sampler's old per-epoch permutation, so very large sets should prefer fixed-size fields);
 a batch's values are found with one ``np.repeat`` over the batch's ``(start, length)`` pairs and read
 with one take, into a buffer of exactly the batch's total length.
+
+Streamed from object storage (``streamed=True``), the offsets are read up front (small) and each shard's
+field files are mapped when the dataset's shard cache brings the shard in (:meth:`FieldStore.open_shard`,
+from the cache's opener, so they arrive, are checked and are evicted with the images of that shard).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from ._io import safe_join
 from .errors import FormatError
 from .schema import OFFSETS, Field, offsets_file
-from .storage.shards import OpenedShards, ShardSet, open_shards, take_rows, verify_hashes
+from .storage.shards import OpenedShards, ShardSet, map_npy, open_shards, take_rows, verify_hashes
 
 # ``out(key, shape, dtype)`` -> a CPU tensor of exactly that shape to fill (FastLoader's ring slot)
 Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -53,13 +57,16 @@ class FieldStore:
     """The fields of ``manifest`` other than ``image`` and ``label``, opened as ``storage``."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], fields: list[Field], storage: str, *, verify: bool,
-                 device: Union[str, torch.device] = "cpu", shm_dir: Optional[Union[str, Path]] = None) -> None:
+                 device: Union[str, torch.device] = "cpu", shm_dir: Optional[Union[str, Path]] = None,
+                 streamed: bool = False) -> None:
+        self.root = root
         self.fields = [f for f in fields if f.kind not in ("image", "label")]
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
         shards = manifest["shards"]
         counts = np.array([int(s["samples"]) for s in shards], dtype=np.int64)
         self.offsets: dict[str, np.ndarray] = {}  # variable field -> global offsets (N + 1)
         self._open: dict[str, _Opened] = {}
+        self._rows: dict[str, np.ndarray] = {}  # field -> rows per shard
         for f in self.fields:
             if f.variable and f.offsets_of == f.name:
                 self.offsets[f.name] = self._load_offsets(root, manifest, f, counts, verify)
@@ -69,10 +76,29 @@ class FieldStore:
                 rows = np.diff(off[np.r_[0, np.cumsum(counts)]])  # values per shard
             else:
                 rows = counts
-            files = [(f.files(k)[0], int(n)) for k, n in enumerate(rows)]
-            opened = open_shards(ShardSet(root, manifest, files, f.shape, f.np_dtype, key=f.name), storage,
-                                 verify=verify, device=device, shm_dir=shm_dir)
+            self._rows[f.name] = rows
+            if streamed:  # mapped shard by shard as they arrive (open_shard)
+                opened = OpenedShards(maps=[None] * len(rows))  # type: ignore[list-item]
+            else:
+                files = [(f.files(k)[0], int(n)) for k, n in enumerate(rows)]
+                opened = open_shards(ShardSet(root, manifest, files, f.shape, f.np_dtype, key=f.name), storage,
+                                     verify=verify, device=device, shm_dir=shm_dir)
             self._open[f.name] = _Opened(opened, np.r_[0, np.cumsum(rows)[:-1]].astype(np.int64))
+
+    def shard_files(self, k: int) -> list[str]:
+        """Shard ``k``'s field files read with its images (the offsets are read up front)."""
+        return [f.files(k)[0] for f in self.fields]
+
+    def open_shard(self, k: int) -> None:
+        """Map shard ``k``'s field files (streamed: the shard has just arrived in the cache)."""
+        for f in self.fields:
+            self._open[f.name].maps[k] = map_npy(self.root, f.files(k)[0], (int(self._rows[f.name][k]), *f.shape),
+                                                 f.np_dtype)
+
+    def close_shard(self, k: int) -> None:
+        """Let go of shard ``k``'s maps (streamed: before the cache may evict it)."""
+        for opened in self._open.values():
+            opened.maps[k] = None  # type: ignore[call-overload]
 
     @staticmethod
     def _load_offsets(root: Path, manifest: dict[str, Any], f: Field, counts: np.ndarray, verify: bool) -> np.ndarray:
