@@ -37,16 +37,17 @@ def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     their other fields' files; variable fields' offsets are read up front) and LMDB shards (format version
     2), read memory-mapped."""
     if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
-        return frozenset(f for k, s in enumerate(manifest.get("shards", [])) for f in _shard_group(manifest, k, s))
+        return frozenset(f for group in _shard_groups(manifest) for f in group)
     if storage == "mmap" and "lmdb_shards" in manifest:
         return frozenset(s["path"] for s in manifest["lmdb_shards"])
     return frozenset()
 
 
-def _shard_group(manifest: dict[str, Any], k: int, shard: dict[str, Any]) -> tuple[str, ...]:
-    """Shard ``k``'s files read together: its images first, its labels, each other field's rows."""
+def _shard_groups(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Each npy shard's files, read together: its images first, its labels, each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
-    return (shard["images"], *([shard["labels"]] if "labels" in shard else []), *(f.files(k)[0] for f in fields))
+    return [(s["images"], *([s["labels"]] if "labels" in s else []), *(f.files(k)[0] for f in fields))
+            for k, s in enumerate(manifest.get("shards", []))]
 
 
 class FastDataset(StreamedReads, torch.utils.data.Dataset):
@@ -226,7 +227,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
         if self.streams:  # streamed: shards mapped as they arrive
-            groups = [_shard_group(self.manifest, k, s) for k, s in enumerate(self.manifest["shards"])]
+            groups = _shard_groups(self.manifest)
             store = None
             if self.fields is not None:
                 store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
@@ -356,17 +357,6 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                     np.take(self._labels, idx, out=y.numpy(), mode="clip")
                     batch["label"] = y
             assert self._store is not None
-            batch.update(self._store.gather(idx, alloc, idx_t))
-        return batch
-        assert self._store is not None
-        pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
-            np.unique(idx // int(self.manifest["shard_size"])))
-        with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
-            batch["image"] = self._host_images(idx, image_buf, maps=maps)
-            if self.has_labels:
-                y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
-                np.take(self._labels, idx, out=y.numpy(), mode="clip")
-                batch["label"] = y
             batch.update(self._store.gather(idx, alloc, idx_t))
         return batch
 

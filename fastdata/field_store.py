@@ -85,10 +85,6 @@ class FieldStore:
                                      verify=verify, device=device, shm_dir=shm_dir)
             self._open[f.name] = _Opened(opened, np.r_[0, np.cumsum(rows)[:-1]].astype(np.int64))
 
-    def shard_files(self, k: int) -> list[str]:
-        """Shard ``k``'s field files read with its images (the offsets are read up front)."""
-        return [f.files(k)[0] for f in self.fields]
-
     def open_shard(self, k: int) -> None:
         """Map shard ``k``'s field files (streamed: the shard has just arrived in the cache)."""
         for f in self.fields:

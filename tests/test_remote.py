@@ -524,6 +524,7 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
 def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, proxy, tmp_path):
     """Masks, boxes (variable length), labels and images of a shard arrive, are pinned and are evicted together:
     the same dict batches as the local copy, through a cache that holds 3 of the 5 shards."""
+    import torch
     from test_fields import make_scenes
 
     from fastdata.dataset import FastDataset
@@ -544,6 +545,8 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     files = json.loads((data / "manifest.json").read_text())["files"]
     per_shard = sum(f["bytes"] for f in files if f["path"].endswith("-00000.npy") and ".offsets-" not in f["path"])
     proxy.clear()
+    proxy.inject("corrupt", r"field\.mask-00002")  # a field file's faults are survived like an image shard's
+    proxy.inject("503", r"field\.boxes-00001", times=2)
     ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * per_shard)
     assert not [k for k in proxy.gets if "-0000" in k and ".offsets-" not in k]  # opening fetched no shard
     for epoch in range(2):
@@ -551,17 +554,16 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
         got = FastLoader(ds, 4, seed=3, shuffle_window=1, num_threads=2)
         want.set_epoch(epoch), got.set_epoch(epoch)
         a, b = [{k: v.clone() for k, v in x.items()} for x in got], [{k: v.clone() for k, v in x.items()} for x in want]
-        assert len(a) == len(b) == 5 and all(x.keys() == y.keys() and all(torch_equal(x[k], y[k]) for k in x)
-                                             for x, y in zip(a, b))
+        assert len(a) == len(b) == 5 and all(
+            x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+            for x, y in zip(a, b))
         assert {"image", "mask", "boxes", "boxes_offsets", "box_labels", "label"} <= a[0].keys()
     report = _downloads(ds, proxy)
     assert report[0]["downloads"] == 5 and report[0]["repeats"] == 0, report  # a shard's files: one download
+    assert proxy.faults == {"corrupt": 1, "503": 2} and not list(ds.root.rglob("*.part-*"))
     for name in ("images", "labels", "field.mask", "field.boxes", "field.box_labels"):  # each fetched with it
+        retried = name == "field.mask"  # (the corrupted body was answered, then fetched again)
         assert sum(v for k, v in proxy.gets.items() if f"/{name}-" in k) == sum(
-            r["downloads"] + r["ahead"] for r in report), (name, sorted(proxy.gets.items()))
+            r["downloads"] + r["ahead"] for r in report) + retried, (name, sorted(proxy.gets.items()))
     cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*-0*.npy") if ".offsets-" not in p.name)
     assert cached <= 3 * per_shard
-
-
-def torch_equal(x, y) -> bool:
-    return x.dtype == y.dtype and x.shape == y.shape and bool((x == y).all())
