@@ -19,13 +19,16 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>
 
 class FaultProxy:
     """``FaultProxy(upstream_port)``; ``inject(kind, pattern, times)`` makes the next ``times`` GETs of keys
-    matching ``pattern`` fail as ``kind`` ("reset", "truncate", "corrupt", "503"); ``down(seconds)`` drops
-    every connection for a while. ``gets[key]`` counts GETs of each object path that were answered."""
+    matching ``pattern`` fail as ``kind`` ("reset", "truncate", "corrupt", "503"), or answer the whole object
+    whatever byte range was asked ("norange": a server that ignores Range); ``down(seconds)`` drops every
+    connection for a while. ``gets[key]`` counts GETs of each object path that were answered, ``heads[key]``
+    the HEADs."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.rules: list[list] = []
         self.gets: Counter[str] = Counter()
+        self.heads: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()  # body bytes of those GETs
         self.faults: Counter[str] = Counter()
         self.down_until = 0.0
@@ -64,6 +67,7 @@ class FaultProxy:
         with self.lock:
             self.rules.clear()
             self.gets.clear()
+            self.heads.clear()
             self.bytes.clear()
             self.faults.clear()
 
@@ -93,7 +97,8 @@ class FaultProxy:
             h.wfile.write(SLOWDOWN)
             return
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}
+        drop = ("connection", "range") if fault == "norange" else ("connection",)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in drop}
         conn.request(h.command, h.path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
@@ -102,6 +107,9 @@ class FaultProxy:
             with self.lock:
                 self.gets[path] += 1
                 self.bytes[path] += len(data)
+        if h.command == "HEAD":
+            with self.lock:
+                self.heads[path] += 1
         if fault == "corrupt" and data:
             data = bytearray(data)
             data[len(data) // 2] ^= 0xFF

@@ -225,14 +225,17 @@ class RemoteDataset:
             tmp.unlink(missing_ok=True)
 
     def _blocks(self, path: str, size: int) -> Iterator[bytes]:
-        """The object's bytes: one GET for files up to ``_WHOLE`` (no size lookup first: a request saved per
-        shard), else streamed in ``_BLOCK`` pieces."""
-        if size <= _WHOLE:
-            yield self.fs.cat_file(path)
-            return
-        with self.fs.open(path, "rb", block_size=_BLOCK) as src:
-            while block := src.read(_BLOCK):
-                yield block
+        """The object's ``size`` bytes (the manifest's size) in ranged GETs: one for files up to ``_WHOLE``,
+        else ``_BLOCK`` pieces. A ranged read is one request on every fsspec backend; a whole-object read or
+        an ``open`` makes s3fs ask for the size first (a HEAD per shard, half the requests and about 40 %
+        of a loopback server's CPU per byte, measured)."""
+        step = size if size <= _WHOLE else _BLOCK
+        for start in range(0, size, step):
+            end = min(size, start + step)
+            block = self.fs.cat_file(path, start=start, end=end)
+            yield block
+            if len(block) > end - start:  # a server that ignores Range sent the whole object: the checks judge it
+                return
 
     def _manifest_changed(self) -> bool:
         try:
