@@ -284,7 +284,6 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
 
 def test_each_file_is_one_ranged_get_and_big_files_come_in_pieces(s3, proxy, indexed_datasets, tmp_path,
                                                                  monkeypatch):
-    from fastdata.errors import FormatError
     from fastdata.storage import remote as remote_mod
     from fastdata.storage.remote import RemoteDataset, push
 
