@@ -172,13 +172,12 @@ def prepare_litdata(local: Path, url: str, scratch: Path) -> bool:
     return True
 
 
-def litdata_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads: int) -> Optional[float]:
-    """LitData's StreamingDataset over the same images, optimized into its chunks and uploaded to the server."""
-    if not prepare_litdata(local, bucket_url + "/litdata", scratch):
-        return None
+def litdata_row(bucket_url: str, cache: Path, batch: int, threads: int) -> float:
+    """Images/s of LitData's StreamingDataset over the same images (``prepare_litdata`` put them under
+    ``bucket_url/litdata``), one cold epoch into ``cache``."""
     import litdata
 
-    stream = litdata.StreamingDataset(bucket_url + "/litdata", cache_dir=str(scratch / "litcache"), shuffle=True)
+    stream = litdata.StreamingDataset(bucket_url + "/litdata", cache_dir=str(cache), shuffle=True)
     loader = litdata.StreamingDataLoader(stream, batch_size=batch, num_workers=threads,
                                          multiprocessing_context="fork")  # workers inherit the http allowance
     t0, n = time.perf_counter(), 0
@@ -251,6 +250,38 @@ def mosaic_row(local: Path, bucket_url: str, scratch: Path, batch: int, threads:
     return n / (time.perf_counter() - t0)
 
 
+def link_rows(mbps: float, port: int, sizes: dict[str, int], scratch: Path, args: argparse.Namespace,
+              has_lit: bool, per_image: int) -> dict[str, Optional[float]]:
+    """The cold rows read through a link of ``mbps`` MB/s shared by all requests (tests/s3_faults.py's proxy
+    in its own process in front of the server at ``port``): is the cold cache limited by the link?"""
+    import fsspec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from s3_faults import ProxyProcess
+
+    link, before = ProxyProcess(port, mbps * 1e6), os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = link.endpoint
+    fsspec.filesystem("s3").clear_instance_cache()  # (s3fs keeps instances; the endpoint is read at creation)
+    try:
+        bare = server_rate("s3://bench/full", sizes) / per_image
+        cold = 0.0
+        for r in range(args.rounds):
+            cold = max(cold, epoch_rate(FastDataset("s3://bench/full", cache_dir=scratch / f"link{mbps}-{r}"),
+                                        args.batch, args.threads)[0])
+        lit = litdata_row("s3://bench", scratch / f"litlink{mbps}", args.batch, args.threads) if has_lit else None
+    finally:
+        link.close()
+        os.environ["AWS_ENDPOINT_URL"] = before
+        fsspec.filesystem("s3").clear_instance_cache()
+    print(f"\nthrough a {mbps:,.0f} MB/s link ({mbps * 1e6 / per_image:,.0f} images/s):")
+    print(f"  GETs alone (8 parallel)   {bare:>10,.0f}  {bare * per_image / 1e6 / mbps:.2f}x the link")
+    print(f"  fastdata cold cache       {cold:>10,.0f}  {cold / bare:.2f}x GETs alone, "
+          f"{cold * per_image / 1e6 / mbps:.2f}x the link")
+    if lit is not None:
+        print(f"  LitData cold              {lit:>10,.0f}  fastdata cold is {cold / lit:.2f}x")
+    return {"link_mb_s": mbps, "get": bare, "cold": cold, "litdata": lit}
+
+
 def moto_server() -> tuple[Any, str]:
     """moto's S3 server in its own process on 127.0.0.1 (in-process it would share our GIL), as the endpoint."""
     with socket.socket() as probe:
@@ -284,6 +315,9 @@ def dataset_arguments(doc: str) -> argparse.ArgumentParser:
 def main() -> None:
     ap = dataset_arguments(__doc__)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fastdata rows (best kept)")
+    ap.add_argument("--link-mbps", type=float, nargs="*", default=[],
+                    help="also read through a loopback link paced to each of these MB/s (a node's network; the "
+                         "pacing proxy runs in its own process): GETs alone, fastdata cold and LitData cold")
     args = ap.parse_args()
     per_image = args.size * args.size * 3
     images = int(args.gigabytes * 1e9 // per_image)
@@ -330,7 +364,8 @@ def main() -> None:
                                           f"{fetched['files']} downloads; first batch {cold_first:.2f} s"),
             ("fastdata warm cache (next job)", warm, f"{warm / local:.2f}x local disk"),
         ]
-        lit = litdata_row(full, "s3://bench", scratch, args.batch, args.threads)
+        has_lit = prepare_litdata(full, "s3://bench/litdata", scratch)
+        lit = litdata_row("s3://bench", scratch / "litcache", args.batch, args.threads) if has_lit else None
         if lit is not None:
             rows.append(("LitData StreamingDataset, cold", lit, f"fastdata cold is {cold / lit:.2f}x"))
         mosaic = mosaic_row(full, "s3://bench", scratch, args.batch, args.threads)
@@ -345,7 +380,11 @@ def main() -> None:
             t_quarter = first_batch("s3://bench/quarter", scratch / "c2", args.batch, args.threads, shuffle)
             print(f"  shuffle={shuffle!s:<5}  full {t_full:.2f} s, quarter {t_quarter:.2f} s "
                   f"(full / quarter {t_full / t_quarter:.2f})")
-        print(json.dumps({"server_mb_s": bare / 1e6, "verified_mb_s": floor / 1e6, "local": local, "cold": cold, "warm": warm, "litdata": lit}))
+        links = {}
+        for mbps in args.link_mbps:
+            links[mbps] = link_rows(mbps, int(endpoint.rsplit(":", 1)[1]), sizes, scratch, args, has_lit, per_image)
+        print(json.dumps({"server_mb_s": bare / 1e6, "verified_mb_s": floor / 1e6, "local": local, "cold": cold,
+                          "warm": warm, "litdata": lit, "links": links}))
     finally:
         server.terminate()
         server.wait()

@@ -3,7 +3,9 @@
 
 The dataset, the server and the peers' formats are bench_remote.py's (moto in its own process, objects
 the size of fastdata's shards). Every client reads through a loopback proxy (tests/s3_faults.py, no
-faults injected) that counts the bytes of every GET, so downloads are measured the same way for all.
+faults injected, in a process of its own so that it shares no interpreter with any reader) that counts
+the bytes of every GET, so downloads are measured the same way for all; ``--link-mbps`` paces it to a
+node's network rate.
 Per cache size and epoch: MB downloaded and images/s, and for fastdata the optimum for its order
 (Belady over the three epochs' real batches, benchmarks/sim_cache.py) to compare its downloads with.
 fastdata reads with ``shuffle_window=--window`` shards (the order made for small caches); the peers
@@ -34,11 +36,11 @@ from fastdata.storage.remote import push
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_remote import (_mosaic_import, dataset_arguments, make_dataset, moto_server, prepare_litdata,  # noqa: E402
                           prepare_mosaic)
-from s3_faults import FaultProxy  # noqa: E402
+from s3_faults import ProxyProcess  # noqa: E402
 from sim_cache import simulate  # noqa: E402
 
 
-def epochs_through(proxy: FaultProxy, make_loader: Callable[[], Iterable[Any]], epochs: int,
+def epochs_through(proxy: ProxyProcess, make_loader: Callable[[], Iterable[Any]], epochs: int,
                    count: Callable[[Any], int], limit_s: float = float("inf")) -> list[tuple[float, float, int]]:
     """(MB downloaded, images/s, images) per epoch of the loader ``make_loader()`` iterated ``epochs`` times;
     after ``limit_s`` seconds in all it stops at the next batch, the epoch under way reported as far as it
@@ -46,8 +48,7 @@ def epochs_through(proxy: FaultProxy, make_loader: Callable[[], Iterable[Any]], 
     loader, out = make_loader(), []
     deadline = time.perf_counter() + limit_s
     for _ in range(epochs):
-        with proxy.lock:
-            before = sum(proxy.bytes.values())
+        before = proxy.bytes()
         t0, n = time.perf_counter(), 0
         it = iter(loader)
         for batch in it:
@@ -56,8 +57,7 @@ def epochs_through(proxy: FaultProxy, make_loader: Callable[[], Iterable[Any]], 
                 break
         took = time.perf_counter() - t0
         del it  # (a DataLoader's workers stop here when the epoch was cut short)
-        with proxy.lock:
-            out.append(((sum(proxy.bytes.values()) - before) / 1e6, n / took, n))
+        out.append(((proxy.bytes() - before) / 1e6, n / took, n))
         if time.perf_counter() > deadline:
             break
     return out
@@ -85,11 +85,12 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=["litdata", "mosaic"], help="peers to run beside fastdata")
     ap.add_argument("--peer-seconds", type=float, default=600,
                     help="time limit of each peer row (its epochs stop there; the table says how far they got)")
+    ap.add_argument("--link-mbps", type=float, default=0.0, help="pace every download to this MB/s (0: unpaced)")
     args = ap.parse_args()
     images = int(args.gigabytes * 1e9 // (args.size * args.size * 3))
     scratch = Path(tempfile.mkdtemp(prefix="bench_remote_cache-"))
     server, endpoint = moto_server()
-    proxy = FaultProxy(int(endpoint.rsplit(":", 1)[1]))
+    proxy = ProxyProcess(int(endpoint.rsplit(":", 1)[1]), args.link_mbps * 1e6)
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # every client below reads through the counting proxy
     try:
         import boto3

@@ -1,11 +1,17 @@
 """A loopback HTTP proxy in front of the moto S3 server that injects the faults object stores have:
 connection resets mid-body, truncated bodies, flipped bytes, 503 SlowDown, a server gone for a while.
-It also counts the GETs of each object and the bytes they returned (downloads per node). Tests (and
-benchmarks/bench_remote_cache.py) point AWS_ENDPOINT_URL at it."""
+It also counts the GETs of each object and the bytes they returned (downloads per node), and can pace
+every body to one shared link rate (a node's network). Tests point AWS_ENDPOINT_URL at it in-process;
+benchmarks run it in a process of its own (:class:`ProxyProcess`, ``python tests/s3_faults.py PORT``) so
+that it shares no interpreter with the reader being measured, and read its counters over HTTP."""
 from __future__ import annotations
 
+import argparse
 import http.client
+import json
 import re
+import subprocess
+import sys
 import socket
 import struct
 import threading
@@ -24,8 +30,10 @@ class FaultProxy:
     connection for a while. ``gets[key]`` counts GETs of each object path that were answered, ``heads[key]``
     the HEADs."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, rate: float = 0.0) -> None:
         self.upstream_port = upstream_port
+        self.rate = rate  # bytes/s of the link all bodies share; 0: unpaced
+        self._link_free = 0.0  # when the paced link is next idle
         self.rules: list[list] = []
         self.gets: Counter[str] = Counter()
         self.heads: Counter[str] = Counter()
@@ -82,7 +90,39 @@ class FaultProxy:
                     return rule[0]
         return None
 
+    def stats(self) -> dict:
+        with self.lock:
+            return {"gets": dict(self.gets), "heads": dict(self.heads), "bytes": dict(self.bytes)}
+
+    def _control(self, h: BaseHTTPRequestHandler) -> None:
+        """``/__proxy__/stats`` (the counters as JSON) and ``/__proxy__/clear``, for a proxy in another process."""
+        if h.path.endswith("/clear"):
+            self.clear()
+        data = json.dumps(self.stats()).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _send(self, h: BaseHTTPRequestHandler, data: bytes) -> None:
+        """The body, paced to the shared link when there is a rate: each 256 kB piece takes its turn."""
+        if not self.rate:
+            h.wfile.write(data)
+            return
+        view = memoryview(data)
+        for k in range(0, len(view), 1 << 18):
+            piece = view[k:k + (1 << 18)]
+            with self.lock:
+                done = max(time.monotonic(), self._link_free) + len(piece) / self.rate
+                self._link_free = done
+            time.sleep(max(0.0, done - time.monotonic()))
+            h.wfile.write(piece)
+
     def handle(self, h: BaseHTTPRequestHandler) -> None:
+        if h.path.startswith("/__proxy__/"):
+            self._control(h)
+            return
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0)) if h.command in ("PUT", "POST") else None
         if time.monotonic() < self.down_until:  # the server is gone: the connection drops without an answer
             _drop(h)
@@ -124,7 +164,7 @@ class FaultProxy:
         if h.command == "HEAD":
             return
         if fault in ("reset", "truncate"):  # half the body, then the connection goes away
-            h.wfile.write(data[: len(data) // 2])
+            self._send(h, data[: len(data) // 2])
             h.wfile.flush()
             if fault == "reset":  # closed with SO_LINGER 0: the client reads a TCP reset
                 h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -132,7 +172,7 @@ class FaultProxy:
             else:
                 _drop(h)
             return
-        h.wfile.write(data)
+        self._send(h, data)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -145,3 +185,46 @@ def _drop(h: BaseHTTPRequestHandler) -> None:
         h.connection.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+class ProxyProcess:
+    """A :class:`FaultProxy` (no faults) in a process of its own in front of ``upstream_port``, paced to
+    ``rate`` bytes/s when given; ``endpoint``, ``stats()`` / ``bytes()`` (summed over the objects) and
+    ``close()``."""
+
+    def __init__(self, upstream_port: int, rate: float = 0.0) -> None:
+        self.process = subprocess.Popen([sys.executable, __file__, str(upstream_port), "--rate", str(rate)],
+                                        stdout=subprocess.PIPE, text=True)
+        self.port = int(self.process.stdout.readline())  # the child prints its port once it listens
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stats(self, clear: bool = False) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/__proxy__/clear" if clear else "/__proxy__/stats")
+        out = json.loads(conn.getresponse().read())
+        conn.close()
+        return out
+
+    def bytes(self) -> int:
+        return sum(self.stats()["bytes"].values())
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="the loopback S3 proxy in its own process (prints its port)")
+    ap.add_argument("upstream_port", type=int)
+    ap.add_argument("--rate", type=float, default=0.0, help="bytes/s of the shared link (0: unpaced)")
+    args = ap.parse_args()
+    proxy = FaultProxy(args.upstream_port, args.rate)
+    print(proxy.port, flush=True)
+    proxy.thread.join()
+
+
+if __name__ == "__main__":
+    main()
