@@ -275,6 +275,9 @@ class _StdoutHandler(logging.Handler):
 
 
 def _setup_logging(quiet: bool) -> None:
+    from .progress import set_quiet
+
+    set_quiet(quiet)  # (the bars no command draws itself too: a URL dataset's downloads)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="fastdata: %(message)s",
                         stream=sys.stderr)
     report = logging.getLogger("fastdata.train")  # validation lines, the end summary, --profile's table

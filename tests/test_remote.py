@@ -494,24 +494,24 @@ def test_a_plan_learnt_in_chunks_knows_every_shards_next_use_and_run():
     "never", for a shard it has not seen yet."""
     import threading
 
-    from fastdata.storage.cache import _NEVER, _Plan
+    from fastdata.storage.plan import NEVER, Plan
 
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 20, size=int(rng.integers(1, 6))) for _ in range(300)]
     batches[100:140] = [np.array([19, 19])] * 40  # a long run of one shard, across chunk edges
     lock = threading.Lock()
-    whole, chunked = _Plan(iter(batches), 21), _Plan(iter(batches), 21)
+    whole, chunked = Plan(iter(batches), 21), Plan(iter(batches), 21)
     chunked.CHUNK = 7
     assert whole.learn(lock) and whole.complete
     assert chunked.learn(lock) and not chunked.complete
     assert chunked.next_use(20) == chunked.known < 300  # shard 20 is never read: not known yet, though
     while chunked.learn(lock):
         pass
-    assert chunked.complete and chunked.next_use(20) == _NEVER
+    assert chunked.complete and chunked.next_use(20) == NEVER
     for pos in range(0, 301, 7):
         whole.pos = chunked.pos = pos
         for s in range(21):
-            want = next((b for b in range(pos, 300) if s in batches[b]), _NEVER)
+            want = next((b for b in range(pos, 300) if s in batches[b]), NEVER)
             assert whole.next_use(s) == chunked.next_use(s) == want
         assert np.array_equal(whole.next_uses(np.arange(21)), chunked.next_uses(np.arange(21)))
     starts = sorted((b, s) for s in range(21) for b in range(300)
@@ -539,7 +539,9 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
     common = ["--model", "cnn-small", "--batch-size", "8", "--device", "cpu", "--amp", "none", "--threads", "1",
               "--shuffle-window", "2", "--cache-dir", str(tmp_path / "cache"), "--cache-limit", str(6 * group),
               "--checkpoint", str(tmp_path / "ckpt"), "--epochs", "2", "--quiet"]
+    capsys.readouterr()
     assert main(["train", url, "--max-steps", "5", *common]) == 0  # stopped mid-epoch...
+    assert "download" not in capsys.readouterr().err  # --quiet: the downloads' bar too
     state = torch.load(tmp_path / "ckpt" / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert state["step"] == 5 and state["loader"]["shuffle_window"] == 2 and state["loader"]["position"] == 40
     log = tmp_path / "log.jsonl"

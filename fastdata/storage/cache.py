@@ -37,13 +37,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import ConfigError
+from .plan import NEVER, Plan
 from .remote import RemoteDataset, is_url, scrub
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
-_NEVER = np.iinfo(np.int64).max
 
 
 def parse_size(value: Union[int, float, str, None], name: str = "cache_limit") -> Optional[int]:
@@ -101,104 +101,6 @@ def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], N
     return update
 
 
-class _Plan:
-    """Which shards the coming batches read, learnt from ``reads`` (one array of shard numbers per batch, in
-    order) a chunk at a time, so a plan over two epochs of 10^9 samples costs its runs, not its reads:
-    for each shard the runs ``[lo, hi]`` of consecutive batches that read it, and every run's first batch
-    in batch order (what the scheduler prefetches, in order of need). Batches beyond what is learnt yet
-    are a horizon: a shard not seen before it is "not before the horizon", not "never"."""
-
-    CHUNK = 1 << 18  # reads learnt at a time
-
-    def __init__(self, reads: Iterator[np.ndarray], shards: int, now: Optional[int] = None) -> None:
-        self._reads, self.shards = reads, shards
-        self.now = _NEVER if now is None else now  # batches of the current epoch; the next one's follow
-        # downloads made for this plan (see ShardCache.report): for the current epoch's batches, of those
-        # the shards fetched again within it, and ahead for the next epoch
-        self.tally = {"batches": self.now if now is not None else None, "downloads": 0, "repeats": 0, "ahead": 0}
-        self._got = np.zeros(shards, dtype=bool)  # shards downloaded for the current epoch
-        self._lo = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
-        self._hi = [np.zeros(0, dtype=np.int64) for _ in range(shards)]
-        self.batch = np.zeros(0, dtype=np.int64)  # runs' first batches, ascending...
-        self.shard = np.zeros(0, dtype=np.int64)  # ...and their shards
-        self.known = 0  # batches learnt
-        self.complete = False  # every batch learnt
-        self.pos = 0  # batches acquired so far
-        self.cursor = 0  # runs before it are scheduled or past
-        self._next = np.full(shards, -1, dtype=np.int64)  # next use per shard, valid while >= pos
-
-    def learn(self, lock: Any) -> bool:
-        """Learn the next chunk of batches, working outside ``lock`` and publishing under it (readers see
-        the plan before or after the chunk, never half of it); False when there was nothing left."""
-        if self.complete:
-            return False
-        needs, owners, b0 = [], [], self.known
-        known, taken, complete = b0, 0, False
-        for got in self._reads:
-            got = np.asarray(got, dtype=np.int64)
-            needs.append(got)
-            owners.append(np.full(len(got), known, dtype=np.int64))
-            known += 1
-            taken += len(got)
-            if taken >= self.CHUNK:
-                break
-        else:
-            complete = True
-        los, his = {}, {}
-        batch, shard = self.batch, self.shard
-        if needs:
-            span = known - b0
-            key = np.unique(np.concatenate(needs) * span + (np.concatenate(owners) - b0))  # by shard, then batch
-            key_shard, key_batch = key // span, key % span + b0
-            new = np.flatnonzero(np.r_[True, (key_shard[1:] != key_shard[:-1]) | (key_batch[1:] != key_batch[:-1] + 1)])
-            lo, hi, run_shard = key_batch[new], key_batch[np.r_[new[1:], len(key)] - 1], key_shard[new]
-            fresh = np.ones(len(new), dtype=bool)
-            edges = np.flatnonzero(np.r_[True, run_shard[1:] != run_shard[:-1]])
-            for i, j in zip(edges.tolist(), np.r_[edges[1:], len(new)].tolist()):
-                s = int(run_shard[i])
-                old_lo, old_hi = self._lo[s], self._hi[s]
-                if len(old_hi) and old_hi[-1] + 1 == lo[i]:  # a run carried over from the last chunk
-                    fresh[i] = False
-                    old_hi = np.r_[old_hi[:-1], hi[i]]
-                    i += 1
-                los[s], his[s] = np.r_[old_lo, lo[i:j]], np.r_[old_hi, hi[i:j]]
-            by_batch = np.argsort(lo[fresh], kind="stable")
-            batch, shard = np.r_[batch, lo[fresh][by_batch]], np.r_[shard, run_shard[fresh][by_batch]]
-        with lock:
-            for s in los:
-                self._lo[s], self._hi[s] = los[s], his[s]
-            self.batch, self.shard, self.known, self.complete = batch, shard, known, complete
-            self._next[self._next >= b0] = -1  # the horizon moved: those answers are out of date
-            self._next[list(los)] = -1  # (and these may be read sooner than known before)
-        return bool(needs)
-
-    def next_use(self, shard: int, after: Optional[int] = None) -> int:
-        """The first batch at or after ``pos`` (or ``after``) that reads ``shard``: ``_NEVER`` when no batch
-        does, the horizon when none learnt yet does."""
-        at = self.pos if after is None else after
-        lo, hi = self._lo[shard], self._hi[shard]
-        i = int(np.searchsorted(hi, at))
-        if i < len(hi):
-            return max(int(lo[i]), at)
-        return _NEVER if self.complete else self.known
-
-    def count(self, shard: int, batch: int) -> None:
-        """A download of ``shard`` made for ``batch`` (call under the cache's lock)."""
-        if batch >= self.now:
-            self.tally["ahead"] += 1
-            return
-        self.tally["downloads"] += 1
-        self.tally["repeats"] += int(self._got[shard])
-        self._got[shard] = True
-
-    def next_uses(self, shards: np.ndarray) -> np.ndarray:
-        """:meth:`next_use` of many shards, recomputing only those used (or learnt) since last asked."""
-        stale = shards[self._next[shards] < self.pos]
-        for s in stale.tolist():
-            self._next[s] = self.next_use(s)
-        return self._next[shards]
-
-
 class StreamedReads:
     """What every dataset streamed through a :class:`ShardCache` (``_cache``; None when local) offers;
     ``plan_reads(batches, now)`` stays the dataset's own (it maps samples to shards)."""
@@ -251,7 +153,7 @@ class ShardCache:
         self._flying: dict[int, Future] = {}  # prefetches under way (download only)
         self._loading: dict[int, Future] = {}  # shards being fetched and opened for a batch (one per shard)
         self._reserved: set[int] = set()  # shards being downloaded by this process, counted against the limit
-        self._plans: list[tuple[object, _Plan]] = []
+        self._plans: list[tuple[object, Plan]] = []
         self._tallies: deque[dict[str, Any]] = deque(maxlen=16)  # the newest plans' tallies (report())
         self._pool = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch")
         self._side = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch-side")
@@ -270,7 +172,7 @@ class ShardCache:
         learnt as the scheduler goes: it may run on into the next epoch, whose reads start after the
         first ``now`` batches); a token for :meth:`end_plan`. The newest plan drives prefetching."""
         self._check_pid()
-        token, plan = object(), _Plan(iter(reads), len(self.names), now)
+        token, plan = object(), Plan(iter(reads), len(self.names), now)
         plan.learn(self._cond)  # the first chunk now: evictions before the scheduler runs must see it
         with self._cond:
             self._plans.append((token, plan))
@@ -295,7 +197,7 @@ class ShardCache:
             self._plans = [(t, p) for t, p in self._plans if t is not token]
             self._cond.notify_all()
 
-    def _active(self) -> Optional[_Plan]:
+    def _active(self) -> Optional[Plan]:
         return self._plans[-1][1] if self._plans else None
 
     def report(self) -> list[dict[str, Optional[int]]]:
@@ -350,14 +252,14 @@ class ShardCache:
                         self._close(s)
                 self._cond.notify_all()
 
-    def _load(self, s: int, plan: Optional[_Plan], at: int) -> None:
+    def _load(self, s: int, plan: Optional[Plan], at: int) -> None:
         try:
             self._ensure(s, plan, at)
         finally:
             with self._cond:
                 self._loading.pop(s, None)
 
-    def _ensure(self, s: int, plan: Optional[_Plan], at: int) -> None:
+    def _ensure(self, s: int, plan: Optional[Plan], at: int) -> None:
         """Shard ``s`` local, verified and opened in this process (downloaded at most once per node), for
         batch ``at`` of ``plan``."""
         path = self.remote.dir / self.names[s]
@@ -403,7 +305,7 @@ class ShardCache:
     def _present(self, s: int) -> bool:
         return all((self.remote.dir / n).is_file() for n in self.groups[s])
 
-    def _fetch_group(self, s: int, plan: Optional[_Plan], at: int) -> None:
+    def _fetch_group(self, s: int, plan: Optional[Plan], at: int) -> None:
         """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it; a
         download (not a wait for another's) is counted in ``plan`` for batch ``at``."""
         first, *rest = self.groups[s]
@@ -438,7 +340,7 @@ class ShardCache:
                     return False  # the shard the reader would evict when s is due is still in use: wait
                 present[list(self._reserved)] = False
                 candidates = np.flatnonzero(present & (self._pins == 0))
-                nxt = plan.next_uses(candidates) if plan is not None else np.full(len(candidates), _NEVER)
+                nxt = plan.next_uses(candidates) if plan is not None else np.full(len(candidates), NEVER)
                 for c in candidates[np.argsort(-nxt, kind="stable")].tolist():
                     if free >= 0:
                         break
@@ -455,7 +357,7 @@ class ShardCache:
                               "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
             return demand
 
-    def _prefetch_may_evict(self, s: int, present: np.ndarray, short: int, plan: _Plan) -> bool:
+    def _prefetch_may_evict(self, s: int, present: np.ndarray, short: int, plan: Plan) -> bool:
         """Whether fetching ``s`` now evicts what the reader would evict when ``s`` is due: the cached
         shards (in use or arriving included) ranked by their next use from then on, the first ``short``
         bytes of them all free now and not read before ``s``."""
@@ -503,7 +405,7 @@ class ShardCache:
         here, one shard at a time in that order, so prefetches never evict each other out of order. With
         nothing to fetch now, learn more of the plan (how far ahead eviction can see)."""
         while True:
-            learn: Optional[_Plan] = None
+            learn: Optional[Plan] = None
             with self._cond:
                 s = self._next_candidate()
                 while s is None and not self._closed:
@@ -553,7 +455,7 @@ class ShardCache:
             plan.cursor += len(window)
         return None
 
-    def _prefetch(self, s: int, plan: _Plan, at: int) -> None:
+    def _prefetch(self, s: int, plan: Plan, at: int) -> None:
         try:
             self._fetch_group(s, plan, at)
             self._have[s] = True
