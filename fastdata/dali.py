@@ -60,9 +60,13 @@ class DALILoader(SamplerBacked):
                  num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, prefetch: int = 2) -> None:
-        self._dali = _dali()
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
+        if "fields" in self.manifest:
+            raise ConfigError(f"{self.root} has sample fields ({', '.join(f['name'] for f in self.manifest['fields'])}): "
+                              "DALILoader serves (image, class) LMDBs; read it with FastDataset and FastLoader, whose "
+                              "transforms move every field with the image")
+        self._dali = _dali()
         if on_error not in ("skip", "fail"):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
         if not isinstance(prefetch, int) or prefetch < 1:

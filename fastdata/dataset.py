@@ -39,13 +39,16 @@ def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
         return frozenset(f for group in _shard_groups(manifest) for f in group)
     if storage == "mmap" and "lmdb_shards" in manifest:
-        return frozenset(s["path"] for s in manifest["lmdb_shards"])
+        return frozenset(f for group in _shard_groups(manifest) for f in group)
     return frozenset()
 
 
 def _shard_groups(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Each npy shard's files, read together: its images first, its labels, each other field's rows."""
+    """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy),
+    each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
+    if "lmdb_shards" in manifest:
+        return [(s["path"], *(f.files(k)[0] for f in fields)) for k, s in enumerate(manifest["lmdb_shards"])]
     return [(s["images"], *([s["labels"]] if "labels" in s else []), *(f.files(k)[0] for f in fields))
             for k, s in enumerate(manifest.get("shards", []))]
 
@@ -97,6 +100,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
                               f"{self.manifest['sample_shape']} samples already")
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
+        if self.is_lmdb and self.fields is not None and (self.size != self.manifest["max_short_side"] or
+                                                         crop != "center" or crop_fraction != 1.0):
+            raise ConfigError(f"{self.root} stores its images with sample fields ({', '.join(f.name for f in self.fields)}): "
+                              f"they are read whole at their stored {self.manifest['max_short_side']} pixels, so that "
+                              "masks and boxes keep their geometry; crop and resize with fastdata.RandomResizedCrop / "
+                              "CenterCrop (CPU or CUDAPrefetcher transforms), which move every field together")
         self._set_crop(crop, crop_fraction, scale, ratio)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
         others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()
@@ -172,12 +181,11 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     # -- opening --------------------------------------------------------------------------------------
     def _image_files(self) -> set[str]:
         """The files opened (and checked) by open_shards: image shards, and the extra fields' files."""
-        if self.is_lmdb:
-            return set()
-        names = {s["images"] for s in self.manifest["shards"]}
+        names = set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
+        shards = len(self.manifest["lmdb_shards" if self.is_lmdb else "shards"]) if self.fields is not None else 0
         for f in self.fields or []:
             if f.kind not in ("image", "label"):
-                names.update(n for k in range(len(self.manifest["shards"])) for n in f.files(k))
+                names.update(n for k in range(shards) for n in f.files(k))
         return names
 
     @property
@@ -219,10 +227,26 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._store: Optional[FieldStore] = None
         if self.is_lmdb:
             self._reader = open_lmdb(self.root, self.manifest)
-            if self._remote is not None and "lmdb_shards" in self.manifest:  # streamed: stores come as needed
-                names = [s["path"] for s in self.manifest["lmdb_shards"]]
-                self._cache = ShardCache(self._remote, names, lambda s, path: path, limit=self._limit,
-                                         closer=lambda s, path: lmdb_store.forget(path))
+            streamed = self._remote is not None and "lmdb_shards" in self.manifest
+            store = None
+            if self.fields is not None:
+                store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                                 streamed=streamed)
+            if streamed:  # stores (with their shard's field files) come as needed
+                groups = _shard_groups(self.manifest)
+
+                def opener(s: int, path: Path) -> Path:
+                    if verify:
+                        verify_hashes(self.root, self.manifest, list(groups[s]))
+                    if store is not None:
+                        store.open_shard(s)
+                    return path
+
+                def closer(s: int, path: Path) -> None:
+                    lmdb_store.forget(path)
+                    if store is not None:
+                        store.close_shard(s)
+                self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
@@ -323,7 +347,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         if self._flat is not None:
             np.take(self._flat, idx, axis=0, out=dst, mode="clip")
         elif self._reader is not None:
-            self._decode_into(idx, dst, draw)
+            self._decode_into(idx, dst, draw, pinned=maps is not None)
         else:
             self._gather_shards(idx, dst, maps)
         return x
@@ -387,11 +411,13 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
         return self._cache.plan((np.asarray(b, dtype=np.int64) // per_shard for b in batches), now)
 
-    def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]]) -> None:
+    def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]],
+                     pinned: bool = False) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
-        # loader threads decode in parallel, each straight into its row of the batch.
+        # loader threads decode in parallel, each straight into its row of the batch. ``pinned``: the caller
+        # holds the batch's streamed stores already (a batch with fields).
         assert self._reader is not None and self.size is not None
-        if self._cache is None:
+        if self._cache is None or pinned:
             blobs = self._reader.get_many(idx)
         else:  # streamed: the batch's stores fetched (or waited for) and pinned while read
             with self._cache.reading(np.unique(idx // self._reader.shard_size)):

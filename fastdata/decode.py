@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -178,6 +178,13 @@ def load_jpeg(path: Path | str, size: int, quality: int, resample: int = RESAMPL
     if min(w, h) > size:
         s = size / min(w, h)
         img = img.resize((max(size, round(w * s)), max(size, round(h * s))), resample, reducing_gap=REDUCING_GAP)
+    return encode_jpeg(img, quality)
+
+
+def encode_jpeg(img: Union[Image.Image, np.ndarray], quality: int) -> bytes:
+    """Baseline JPEG bytes of an RGB image (or uint8 HWC array) at ``quality``: an LMDB record."""
+    if isinstance(img, np.ndarray):
+        img = Image.fromarray(img, "RGB")
     buf = io.BytesIO()
     img.save(buf, "JPEG", quality=quality)
     return buf.getvalue()

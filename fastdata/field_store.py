@@ -62,7 +62,7 @@ class FieldStore:
         self.root = root
         self.fields = [f for f in fields if f.kind not in ("image", "label")]
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
-        shards = manifest["shards"]
+        shards = manifest["shards"] if "shards" in manifest else manifest["lmdb_shards"]  # (npy or LMDB images)
         counts = np.array([int(s["samples"]) for s in shards], dtype=np.int64)
         self.offsets: dict[str, np.ndarray] = {}  # variable field -> global offsets (N + 1)
         self._open: dict[str, _Opened] = {}

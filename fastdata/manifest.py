@@ -20,8 +20,8 @@ IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
 TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
-# LMDB 2: shards (lmdb_store.py); npy 2: sample fields beyond (image, label) (schema.py)
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 2, IMAGES_LMDB: 2, TOKENS: 1}
+# LMDB 2: shards, LMDB 3: sample fields (lmdb_store.py); npy 2: sample fields beyond (image, label) (schema.py)
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 2, IMAGES_LMDB: 3, TOKENS: 1}
 
 
 def fastdata_version() -> str:
@@ -69,7 +69,7 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
         raise FormatError(f"{path} has no 'files' list: the manifest is damaged")
     for entry in manifest["files"]:
         safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
-    if fmt == IMAGES_NPY and version >= 2:
+    if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, str(path))  # refuses unknown kinds, bad dtypes, a missing image field
     return manifest
 

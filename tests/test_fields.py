@@ -274,6 +274,44 @@ def test_an_unknown_field_kind_is_refused_clearly(tmp_path):
         load_manifest(tmp_path / "out")
 
 
+def test_an_lmdb_with_fields_stores_jpeg_images_beside_the_same_fields(tmp_path):
+    from fastdata.dali import DALILoader
+    from fastdata.errors import ConfigError
+    records = make_scenes(tmp_path, 10)  # the last one a large JPEG (decoded at 1/8 scale)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    preprocess(tmp_path / "r.jsonl", tmp_path / "npy", size=64, shard_size=4)
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "lm", size=64, shard_size=4, format="lmdb", quality=95, workers=2)
+    preprocess(tmp_path / "r.jsonl", tmp_path / "lm1", size=64, shard_size=4, format="lmdb", quality=95)
+
+    def tree(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    assert tree(tmp_path / "lm") == tree(tmp_path / "lm1")  # byte-identical for any worker count
+    npy_m = load_manifest(tmp_path / "npy")
+    assert m["format"] == "fastdata.images.lmdb" and m["format_version"] == 3 and m["fields"] == npy_m["fields"]
+    assert m["params"]["resize"] == "center-crop" and len(m["lmdb_shards"]) == 3
+    npy, lm = FastDataset(tmp_path / "npy"), FastDataset(tmp_path / "lm")
+    a, b = npy.get_batch(np.arange(10)), lm.get_batch(np.arange(10))
+    assert a.keys() == b.keys()
+    for k in a:  # every field but the pixels: the npy dataset's exactly (the same square geometry)
+        if k != "image":
+            assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k]), k
+    assert b["image"].shape == a["image"].shape == (10, 64, 64, 3)
+    assert (b["image"].float() - a["image"].float()).abs().mean() < 6  # JPEG at quality 95
+    assert (colour_class(b["image"].numpy()) == b["mask"].numpy()).mean() > 0.97  # (chroma subsampling at edges)
+    seen = np.concatenate([x["score"][:, 0].numpy() for x in FastLoader(lm, 3, seed=1, pin_memory=False)])
+    assert sorted(seen.astype(int).tolist()) == list(range(10))  # exactly once
+    with pytest.raises(ConfigError, match="sample fields"):
+        FastDataset(tmp_path / "lm", crop="random")
+    with pytest.raises(ConfigError, match="sample fields"):
+        FastDataset(tmp_path / "lm", size=48)
+    with pytest.raises(ConfigError, match="sample fields"):
+        DALILoader(tmp_path / "lm", 4)
+    seg = preprocess(tmp_path, tmp_path / "seg", size=32, format="lmdb")  # images/ + masks/: no class label
+    assert "labels" not in seg and not (tmp_path / "seg" / "labels.npy").exists()
+    s = FastDataset(tmp_path / "seg")
+    assert not s.has_labels and set(s.get_batch([0, 9])) == {"image", "mask"}
+
+
 # -- serving ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def indexed_fields(tmp_path_factory) -> Path:
@@ -402,6 +440,28 @@ def test_transforms_move_masks_and_boxes_with_the_image_on_cuda(scenes_ds, name)
         assert torch.allclose(g["image"].float(), c["image"].float(), atol=1e-3)
 
 
+@pytest.fixture(scope="module")
+def scenes_lmdb(scenes_ds) -> Path:
+    """The scenes as an LMDB of JPEGs with the same fields."""
+    preprocess(scenes_ds.parent / "r.jsonl", scenes_ds.parent / "lmdb", size=96, format="lmdb", quality=95)
+    return scenes_ds.parent / "lmdb"
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_transforms_move_an_lmdbs_fields_exactly_as_an_npy_datasets(scenes_ds, scenes_lmdb, name):
+    npy = transformed(scenes_ds, PIPELINES[name](), "cpu")
+    lm = transformed(scenes_lmdb, PIPELINES[name](), "cpu")
+    assert len(npy) == len(lm) == 3
+    for a, b in zip(npy, lm):  # the same draws: every field but the pixels identical, the pixels close
+        assert a.keys() == b.keys()
+        for k in a:
+            if k != "image":
+                assert torch.equal(a[k], b[k]), k
+        assert (a["image"] - b["image"]).abs().mean() < 0.03
+        cls = colour_class(b["image"].permute(0, 2, 3, 1).numpy())
+        assert (cls == b["mask"].numpy()).mean() > 0.97
+
+
 def test_a_dict_batch_draws_exactly_what_an_image_batch_draws(scenes_ds):
     b = FastDataset(scenes_ds).get_batch(np.arange(8))
     image = b["image"].permute(0, 3, 1, 2)
@@ -492,14 +552,15 @@ def test_fastdata_train_uses_the_label_field_and_refuses_a_dataset_without_one(i
 
 
 @pytest.mark.slow
-def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_worker_count(tmp_path):
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_worker_count(tmp_path, fmt):
     import subprocess
     import sys
     from conftest import kill_when_journaled
     from fastdata.cli import main
     records = make_scenes(tmp_path, 60, sizes=((120, 90), (90, 130)), jpeg_big=False)
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    args = ["--size", "48", "--shard-size", "6", "--quiet"]
+    args = ["--size", "48", "--shard-size", "6", "--quiet", "--format", fmt]
 
     def tree(folder: Path) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}

@@ -558,9 +558,11 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
     assert "cache_dir and cache_limit apply to URLs" in capsys.readouterr().err
 
 
-def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, proxy, tmp_path):
-    """Masks, boxes (variable length), labels and images of a shard arrive, are pinned and are evicted together:
-    the same dict batches as the local copy, through a cache that holds 3 of the 5 shards."""
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, proxy, tmp_path, fmt):
+    """Masks, boxes (variable length), labels and images (npy rows or an LMDB store of JPEGs) of a shard arrive,
+    are pinned and are evicted together: the same dict batches as the local copy, through a cache that holds 3
+    of the 5 shards."""
     import torch
     from test_fields import make_scenes
 
@@ -575,12 +577,13 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
             f.write(json.dumps({k: r[k] for k in ("image", "mask", "boxes", "box_labels", "label")}) + "\n")
     data = tmp_path / "ds"
     preprocess_images(ImagePreprocessConfig(tmp_path / "src" / "recs.jsonl", data, size=32, shard_size=4, workers=1,
-                                            progress=False))
-    url = s3("fields") + "/ds"
+                                            progress=False, format=fmt))
+    url = s3("fields" + fmt) + "/ds"
     push(data, url)
     local = FastDataset(data)
     files = json.loads((data / "manifest.json").read_text())["files"]
-    per_shard = sum(f["bytes"] for f in files if f["path"].endswith("-00000.npy") and ".offsets-" not in f["path"])
+    per_shard = max(sum(f["bytes"] for f in files if f["path"].endswith((f"-{k:05d}.npy", f"-{k:05d}.lmdb"))
+                        and ".offsets-" not in f["path"]) for k in range(5))
     proxy.clear()
     proxy.inject("corrupt", r"field\.mask-00002")  # a field file's faults are survived like an image shard's
     proxy.inject("503", r"field\.boxes-00001", times=2)
@@ -598,9 +601,11 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     report = _downloads(ds, proxy)
     assert report[0]["downloads"] == 5 and report[0]["repeats"] == 0, report  # a shard's files: one download
     assert proxy.faults == {"corrupt": 1, "503": 2} and not list(ds.root.rglob("*.part-*"))
-    for name in ("images", "labels", "field.mask", "field.boxes", "field.box_labels"):  # each fetched with it
+    names = ("images", "field.mask", "field.boxes", "field.box_labels") + (("labels",) if fmt == "npy" else ())
+    for name in names:  # each fetched with its shard (an LMDB's labels.npy comes whole at opening)
         retried = name == "field.mask"  # (the corrupted body was answered, then fetched again)
         assert sum(v for k, v in proxy.gets.items() if f"/{name}-" in k) == sum(
             r["downloads"] + r["ahead"] for r in report) + retried, (name, sorted(proxy.gets.items()))
-    cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*-0*.npy") if ".offsets-" not in p.name)
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*-0*") if ".offsets-" not in p.name
+                 and p.suffix in (".npy", ".lmdb"))
     assert cached <= 3 * per_shard

@@ -40,50 +40,23 @@ class Rows:
         return Rows(self.images[sl], {k: v[sl] for k, v in self.fields.items()})
 
 
-class NpyShardWriter(UnitWriter):
-    """Streams rows into ``images-K.npy.tmp`` (hashing as it writes) and renames when the shard is full.
+class FieldParts:
+    """The extra fields' values of the unit being written (any unit writer with fields), and their files
+    when it is sealed: fixed fields stacked, variable ones concatenated with offsets (NOTE [fields])."""
 
-    The header is written for a full shard; the one short final shard is rewritten with its true count.
-    With ``fields`` (the extra fields of a version-2 dataset; samples come as :class:`Rows`), each shard
-    also gets their files, and ``labels-K.npy`` only when ``labels`` is true.
-    """
-
-    def __init__(self, out: Path, size: int, shard_size: int, first_shard: int = 0, *,
-                 fields: Optional[Sequence[Field]] = None, labels: bool = True) -> None:
-        super().__init__(shard_size, first_shard)
-        self.out = Path(out)
-        self.sample_shape = (size, size, 3)
-        self._file: HashingWriter | None = None
-        self.fields = list(fields or [])
-        self._with_labels = labels
+    def __init__(self, out: Path, fields: Sequence[Field]) -> None:
+        self.out, self.fields = Path(out), list(fields)
         self._parts: dict[str, list[Any]] = {f.name: [] for f in self.fields}
 
-    def _open_unit(self) -> None:
-        self._file = HashingWriter(self.out / images_name(self.index))
-        self._file.write(npy_header((self.unit_size, *self.sample_shape), IMAGE_DTYPE))
+    def add(self, values: dict[str, Any]) -> None:
+        for name, part in values.items():
+            self._parts[name].append(part)
 
-    def _write(self, samples: Any) -> None:
-        if isinstance(samples, Rows):
-            for name, part in samples.fields.items():
-                self._parts[name].append(part)
-            samples = samples.images
-        assert self._file is not None and samples.shape[1:] == self.sample_shape and samples.dtype == IMAGE_DTYPE
-        self._file.write(np.ascontiguousarray(samples))
+    def clear(self) -> None:
+        self._parts = {f.name: [] for f in self.fields}
 
-    def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
-        assert self._file is not None
-        f, self._file = self._file, None
-        rows, k = self.rows, self.index
-        extra = [(self.out / labels_name(k), labels)] if self._with_labels else []
-        extra += self._field_arrays(k, rows)
-
-        def commit() -> list[dict[str, Any]]:
-            g = self._rewrite_short(f, rows) if rows < self.unit_size else f
-            return [g.commit()] + [write_bytes_atomic(path, npy_bytes(arr)) for path, arr in extra]
-        return commit
-
-    def _field_arrays(self, k: int, rows: int) -> list[tuple[Path, np.ndarray]]:
-        """Shard ``k``'s extra field files: fixed fields stacked, variable ones concatenated with offsets."""
+    def arrays(self, k: int, rows: int) -> list[tuple[Path, np.ndarray]]:
+        """Unit ``k``'s field files (``rows`` samples) as ``(path, array)``; the parts are taken."""
         out = []
         for fld in self.fields:
             parts, self._parts[fld.name] = self._parts[fld.name], []
@@ -101,6 +74,47 @@ class NpyShardWriter(UnitWriter):
                 out.append((self.out / offsets_file(fld.name, k), offsets))
         return out
 
+
+class NpyShardWriter(UnitWriter):
+    """Streams rows into ``images-K.npy.tmp`` (hashing as it writes) and renames when the shard is full.
+
+    The header is written for a full shard; the one short final shard is rewritten with its true count.
+    With ``fields`` (the extra fields of a version-2 dataset; samples come as :class:`Rows`), each shard
+    also gets their files, and ``labels-K.npy`` only when ``labels`` is true.
+    """
+
+    def __init__(self, out: Path, size: int, shard_size: int, first_shard: int = 0, *,
+                 fields: Optional[Sequence[Field]] = None, labels: bool = True) -> None:
+        super().__init__(shard_size, first_shard)
+        self.out = Path(out)
+        self.sample_shape = (size, size, 3)
+        self._file: HashingWriter | None = None
+        self.fields = FieldParts(self.out, fields or [])
+        self._with_labels = labels
+
+    def _open_unit(self) -> None:
+        self._file = HashingWriter(self.out / images_name(self.index))
+        self._file.write(npy_header((self.unit_size, *self.sample_shape), IMAGE_DTYPE))
+
+    def _write(self, samples: Any) -> None:
+        if isinstance(samples, Rows):
+            self.fields.add(samples.fields)
+            samples = samples.images
+        assert self._file is not None and samples.shape[1:] == self.sample_shape and samples.dtype == IMAGE_DTYPE
+        self._file.write(np.ascontiguousarray(samples))
+
+    def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
+        assert self._file is not None
+        f, self._file = self._file, None
+        rows, k = self.rows, self.index
+        extra = [(self.out / labels_name(k), labels)] if self._with_labels else []
+        extra += self.fields.arrays(k, rows)
+
+        def commit() -> list[dict[str, Any]]:
+            g = self._rewrite_short(f, rows) if rows < self.unit_size else f
+            return [g.commit()] + [write_bytes_atomic(path, npy_bytes(arr)) for path, arr in extra]
+        return commit
+
     def _rewrite_short(self, full: HashingWriter, rows: int) -> HashingWriter:
         full._f.close()
         body = full.tmp.with_name(full.tmp.name + ".body")
@@ -116,7 +130,7 @@ class NpyShardWriter(UnitWriter):
         return short
 
     def _abort_unit(self) -> None:
-        self._parts = {f.name: [] for f in self.fields}
+        self.fields.clear()
         if self._file is not None:
             self._file.abort()
             self._file = None

@@ -5,6 +5,10 @@ Format version 2 splits the records over LMDB shards ``images-00000.lmdb`` ... o
 (the manifest's ``lmdb_shards``; keys stay global), so a dataset in object storage streams shard by shard
 like the npy format. Version 1 datasets (one ``images.lmdb``, the manifest's ``lmdb``) still load.
 
+Format version 3 adds sample fields (NOTE [fields] in schema.py): the images, stored square at the
+dataset's size like npy images so that masks and boxes share their geometry, are the LMDB's JPEG
+records; every other field is the npy datasets' files (``mask-00000.npy``, ...), one per LMDB shard.
+
 Writing goes through resumable parts (``part-K.npy`` blobs with offsets) in the run's partial folder;
 the LMDB is then built in one append-only pass with a fixed commit pattern. LMDB page contents depend on
 the write history, so this is what makes the output byte-identical for any worker count and after resume.
@@ -20,7 +24,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
+from ..schema import Field
 from .base import UnitWriter, npy_bytes
+from .image_shards import FieldParts, Rows
 
 LMDB_NAME = "images.lmdb"  # version 1: the one store
 LABELS_NAME = "labels.npy"
@@ -47,30 +53,43 @@ def part_names(k: int) -> tuple[str, str, str]:
 
 
 class JpegPartWriter(UnitWriter):
-    """Collects JPEG bytes of one part in memory (~25 KB a sample) and writes its three files atomically."""
+    """Collects JPEG bytes of one part in memory (~25 KB a sample) and writes its three files atomically.
+    With ``fields`` (samples come as :class:`Rows` of JPEG bytes), each part's other fields are written as
+    their final npy files in ``fields_dir`` (the dataset folder), beside the part."""
 
-    def __init__(self, parts_dir: Path, part_size: int, first_part: int = 0) -> None:
+    def __init__(self, parts_dir: Path, part_size: int, first_part: int = 0, *,
+                 fields: Sequence[Field] = (), fields_dir: Optional[Path] = None) -> None:
         super().__init__(part_size, first_part)
         self.parts_dir = Path(parts_dir)
         self._blobs: list[bytes] = []
+        self.fields = FieldParts(Path(fields_dir or parts_dir), fields)
 
     def _open_unit(self) -> None:
         self._blobs = []
 
-    def _write(self, samples: Sequence[bytes]) -> None:
+    def _write(self, samples: Any) -> None:
+        if isinstance(samples, Rows):
+            self.fields.add(samples.fields)
+            samples = samples.images
         self._blobs.extend(samples)
 
     def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
         blobs, paths = self._blobs, [self.parts_dir / n for n in part_names(self.index)]
         self._blobs = []
+        extra = self.fields.arrays(self.index, len(blobs))
 
         def commit() -> list[dict[str, Any]]:
             offsets = np.zeros(len(blobs) + 1, dtype="<i8")
             np.cumsum([len(b) for b in blobs], out=offsets[1:])
             blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
             return [write_bytes_atomic(paths[0], npy_bytes(blob)), write_bytes_atomic(paths[1], npy_bytes(offsets)),
-                    write_bytes_atomic(paths[2], npy_bytes(labels))]
+                    write_bytes_atomic(paths[2], npy_bytes(labels))] + [
+                    {**write_bytes_atomic(path, npy_bytes(arr)), "partial": False} for path, arr in extra]
         return commit
+
+    def _abort_unit(self) -> None:
+        self._blobs = []
+        self.fields.clear()
 
 
 def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[memoryview], np.ndarray]]:
@@ -81,17 +100,19 @@ def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[memoryview], 
         yield [blob[a:b] for a, b in zip(ends[:-1], ends[1:])], labels
 
 
-def build(out: Path, parts_dir: Path, count: int) -> list[dict[str, Any]]:
-    """Write one LMDB shard per part (``images-K.lmdb``) and ``labels.npy`` from ``count`` parts; returns
-    their manifest entries, shards first."""
-    entries, labels, first = [], [], 0
+def build(out: Path, parts_dir: Path, count: int, labels: bool = True) -> list[dict[str, Any]]:
+    """Write one LMDB shard per part (``images-K.lmdb``) and ``labels.npy`` (unless the samples have no
+    class label) from ``count`` parts; returns their manifest entries, shards first."""
+    entries, all_labels, first = [], [], 0
     for k, part in enumerate(iter_parts(parts_dir, count)):
         entry, part_labels = _build_one(out / shard_name(k), parts_dir / part_names(k)[0], part, first)
         entries.append(entry)
-        labels.append(part_labels)
+        all_labels.append(part_labels)
         first += len(part_labels)
-    all_labels = np.concatenate(labels) if labels else np.zeros(0, dtype="<i8")
-    return entries + [write_bytes_atomic(out / LABELS_NAME, npy_bytes(all_labels))]
+    if not labels:
+        return entries
+    joined = np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
+    return entries + [write_bytes_atomic(out / LABELS_NAME, npy_bytes(joined))]
 
 
 def _build_one(path: Path, blob_file: Path, part: tuple[list[memoryview], np.ndarray], first: int

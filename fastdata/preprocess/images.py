@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import decode
 from .._io import disk_error, fsync_dir
-from ..errors import ConfigError, ImageDecodeError, require
+from ..errors import ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
@@ -94,10 +94,9 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     source = discover_any(config.src, config.coco)
     if config.shuffle_seed is not None:
         source = source.shuffled(config.shuffle_seed)
-    if source.kinds and config.format != "npy":
-        raise ConfigError(f"{config.src} has fields beyond (image, class) ({', '.join(source.kinds)}): write them "
-                          "with --format npy (JPEG LMDB datasets hold images and class labels only)")
     params = config.output_params()
+    if source.kinds and config.format == "lmdb":  # images stored square, so the other fields share their geometry
+        params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     out = config.out
     done = journal.prepare_output(out, fingerprint, config.overwrite)
@@ -134,8 +133,12 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     fields = sample_fields(config, source)
     if fields:
         extra = [f for f in fields if f.kind not in ("image", "label")]
-        writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units),
-                                                  fields=extra, labels=source.has_label)
+        if config.format == "npy":
+            writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units),
+                                                      fields=extra, labels=source.has_label)
+        else:  # JPEG records in LMDB parts, the other fields as npy files in OUT beside them
+            writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units), fields=extra,
+                                               fields_dir=config.out)
     elif config.format == "npy":
         writer = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
     else:
@@ -145,10 +148,10 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     chunks = _chunks(start, total, workers, max_files)
     if fields:
         spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.has_label)
-        tasks = [(str(source.root), source.paths[a:b], a, "fields", config.size, config.resize, config.filter,
+        tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.filter,
                   {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec,
-                  source.blobs.chunk(a, b) if source.blobs is not None else None)  # a task pickles its rows only
-                 for a, b in chunks]
+                  source.blobs.chunk(a, b) if source.blobs is not None else None,  # a task pickles its rows only
+                  config.quality) for a, b in chunks]
     else:
         tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
                   config.filter) for a, b in chunks]
@@ -161,7 +164,7 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
             values = None
             if fields:
                 payload, values = payload
-            if payload is None:  # the pixels are in the shared slot
+            if payload is None:  # the npy pixels are in the shared slot (JPEG bytes come as a list)
                 payload = np.frombuffer(view, np.uint8, len(ok_src) * row_bytes).reshape(
                     len(ok_src), config.size, config.size, 3)
             if values is not None:
@@ -220,8 +223,9 @@ def _stack(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:
 
 def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
     """Worker: decode one chunk of records with fields (NOTE [record geometry] in fields.py). Returns
-    (source indices decoded, (pixels or None when in the shared slot, {field: per-sample values}), failures)."""
-    root, paths, first, _, size, resize, filter_name, values, labels, spec, blobs = task
+    (source indices decoded, (pixels, None when in the shared slot, or an LMDB's JPEG bytes; {field:
+    per-sample values}), failures)."""
+    root, paths, first, fmt, size, resize, filter_name, values, labels, spec, blobs, quality = task
     kinds, num_classes, mask_dtype, tokenizer, has_label = spec
     dec = RecordDecoder(root, size, resize, decode.FILTERS[filter_name], kinds, num_classes, mask_dtype, tokenizer)
     shared = parallel.slot(slot)
@@ -239,6 +243,8 @@ def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], An
         for k, v in got.items():
             out.setdefault(k, []).append(v)
         ok.append(first + j)
+    if fmt == "lmdb":  # the record is the decoded square image, encoded once (the same bytes for any chunking)
+        return ok, ([decode.encode_jpeg(p, quality) for p in pixels[:len(ok)]], out), failures
     return ok, (pixels[:len(ok)] if shared is None else None, out), failures
 
 
@@ -314,16 +320,21 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         version = 1  # (image, class) datasets stay version 1, which every fastdata reads
         if fields:  # format version 2 (NOTE [fields] in schema.py)
             version = 2
-            extra["fields"] = [f.to_json() for f in fields]
-            if "tokens" in source.kinds.values():
-                extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
     else:
-        files = lmdb_store.build(out, partial, len(jr.units))
-        labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)]
+        files = lmdb_store.build(out, partial, len(jr.units), labels=source.has_label)
+        files += [f for u in jr.units for f in u["files"] if f.get("partial") is False]  # the other fields' files
+        files = [{k: v for k, v in f.items() if k != "partial"} for f in files]
+        labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)] if source.has_label else []
         fmt, extra = IMAGES_LMDB, {"lmdb_shards": [{"path": lmdb_store.shard_name(u["index"]), "samples": u["samples"]}
                                                    for u in jr.units], "shard_size": config.shard_size,
-                                   "labels": lmdb_store.LABELS_NAME, "key_format": "%012d", "encoding": "jpeg",
-                                   "max_short_side": config.size}
+                                   "key_format": "%012d", "encoding": "jpeg", "max_short_side": config.size}
+        if source.has_label:
+            extra["labels"] = lmdb_store.LABELS_NAME
+        version = 3 if fields else 2  # version 3: square records with fields (lmdb_store's docstring)
+    if fields:
+        extra["fields"] = [f.to_json() for f in fields]
+        if "tokens" in source.kinds.values():
+            extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
     all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
     counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
     manifest = new_manifest(
