@@ -320,9 +320,10 @@ class ShardCache:
                 plan.count(s, at)
 
     def _make_room(self, s: int, demand: bool) -> bool:
-        """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady); a prefetch
-        only evicts shards needed after ``s`` (so it never costs a download that waiting would not) and
-        otherwise gets False."""
+        """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady). A prefetch
+        within a lookahead of a quarter of the limit (:meth:`_near`) evicts only shards needed after ``s``
+        (do no harm); beyond it, only what the reader would evict when ``s`` is due (so it never costs a
+        download that waiting would not). Otherwise it gets False."""
         if self.limit is None:
             return True
         with self._cond:
@@ -336,12 +337,20 @@ class ShardCache:
             free = self.limit - used - int(self.sizes[s])
             if free < 0:
                 plan = self._active()
-                if not demand and plan is not None and not self._prefetch_may_evict(s, present, -free, plan):
+                near = not demand and plan is not None and self._near(s, present, plan)
+                if not demand and plan is not None and not near and \
+                        not self._prefetch_may_evict(s, present, -free, plan):
                     return False  # the shard the reader would evict when s is due is still in use: wait
                 present[list(self._reserved)] = False
                 candidates = np.flatnonzero(present & (self._pins == 0))
                 nxt = plan.next_uses(candidates) if plan is not None else np.full(len(candidates), NEVER)
-                for c in candidates[np.argsort(-nxt, kind="stable")].tolist():
+                order = np.argsort(-nxt, kind="stable")
+                if near:  # do no harm: evict only shards needed after s, the farthest first
+                    room = np.cumsum(self.sizes[candidates[order]])
+                    victims = order[:int(np.searchsorted(room, -free)) + 1]
+                    if len(room) == 0 or room[-1] < -free or (nxt[victims] <= plan.next_use(s)).any():
+                        return False
+                for c in candidates[order].tolist():
                     if free >= 0:
                         break
                     self._close(c)
@@ -356,6 +365,13 @@ class ShardCache:
                 warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
                               "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
             return demand
+
+    def _near(self, s: int, present: np.ndarray, plan: Plan) -> bool:
+        """Whether the bytes cached or arriving that are read before ``s`` (the prefetch's lookahead), with
+        ``s``, stay within a quarter of the limit: then a prefetch may evict any shard needed after ``s``."""
+        cached = np.flatnonzero(present)
+        ahead = int(self.sizes[cached[plan.next_uses(cached) < plan.next_use(s)]].sum())
+        return ahead + int(self.sizes[s]) <= self.limit // 4  # type: ignore[operator]
 
     def _prefetch_may_evict(self, s: int, present: np.ndarray, short: int, plan: Plan) -> bool:
         """Whether fetching ``s`` now evicts what the reader would evict when ``s`` is due: the cached
