@@ -5,7 +5,9 @@ A node reads its windows (K shards, read together) one after another, then its p
 the end of the epoch (NOTE [streamed order]); its cache holds ``cache`` bytes. Per node and epoch, the
 shards downloaded under:
 - fastdata: evict the shard whose next use is farthest, knowing this epoch's and the next one's order
-  (what ``ShardCache`` knows: ``FastLoader`` plans the rest of the epoch and the next);
+  (what ``ShardCache`` knows: ``FastLoader`` plans the rest of the epoch and the next; its prefetches,
+  which may evict a little earlier within a lookahead of a quarter of the cache, are not modelled:
+  bench_remote_cache.py measures the real cache at 1.00x the optimum for its order);
 - optimum: the same rule knowing every epoch (Belady: no policy downloads less for this order);
 - LRU: least recently used goes first (Mosaic streaming's rule);
 - "not dealt": windows not dealt to nodes (every rank reads every window: fastdata before this, and
