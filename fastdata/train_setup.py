@@ -11,7 +11,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .dataset import FastDataset, split
+from .dataset import FastDataset
+from .splits import split
 from .errors import ConfigError
 from .gpu_transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from .loader import FastLoader
@@ -157,7 +158,7 @@ def build_lm(data: Union[str, Path], model: Optional[str], batch_size: int, seq_
 def build_dali(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
     """The same run with an LMDB dataset decoded by DALI (GPU decode on CUDA): augmentation happens in DALI."""
     from .dali import DALILoader
-    from .dataset import split_indices
+    from .splits import split_indices
     from .manifest import IMAGES_LMDB
 
     m = load_manifest(p.data)

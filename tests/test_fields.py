@@ -522,7 +522,7 @@ def test_the_trainer_learns_segmentation_from_a_dict_dataset(scenes_ds):
 
 
 def test_a_split_of_a_dataset_with_fields_serves_dicts(indexed_fields):
-    from fastdata.dataset import split
+    from fastdata.splits import split
     train, val = split(FastDataset(indexed_fields), 0.2, seed=1)
     got = np.concatenate([check_batch(b) for b in FastLoader(train, 4, pin_memory=False)] +
                          [check_batch(b) for b in FastLoader(val, 4, pin_memory=False)])

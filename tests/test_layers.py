@@ -15,7 +15,7 @@ LAYERS = [
     ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.tokenizer", "fastdata.models",
      "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
     ["fastdata.storage", "fastdata.preprocess"],
-    ["fastdata.field_store", "fastdata.dataset", "fastdata.token_dataset"],
+    ["fastdata.field_store", "fastdata.dataset", "fastdata.splits", "fastdata.token_dataset"],
     ["fastdata.order", "fastdata.sampler", "fastdata.loader"],
     ["fastdata.gpu_transforms", "fastdata.prefetch", "fastdata.dali"],
     ["fastdata.train_config", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup", "fastdata.timing",
