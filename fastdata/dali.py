@@ -63,9 +63,10 @@ class DALILoader(SamplerBacked):
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
         if "fields" in self.manifest:
-            raise ConfigError(f"{self.root} has sample fields ({', '.join(f['name'] for f in self.manifest['fields'])}): "
-                              "DALILoader serves (image, class) LMDBs; read it with FastDataset and FastLoader, whose "
-                              "transforms move every field with the image")
+            names = ", ".join(f["name"] for f in self.manifest["fields"])
+            raise ConfigError(f"{self.root} has sample fields ({names}): DALILoader serves (image, class) LMDBs; "
+                              "read it with FastDataset and FastLoader, whose transforms move every field with the "
+                              "image")
         self._dali = _dali()
         if on_error not in ("skip", "fail"):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")

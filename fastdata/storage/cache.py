@@ -15,9 +15,10 @@ it starts with stay): Belady's rule over the known order. A prefetch of shard ``
 read before ``s`` (do no harm). Within a lookahead of a quarter of the limit (the bytes cached or arriving
 that are read before ``s``) it evicts the shard needed last from now, so the link stays busy; beyond it,
 only what the reader would evict when ``s`` is due, so a small cache never trades downloads for
-lookahead; otherwise it waits. When nothing can go, a batch's own shard is fetched anyway (a warning says the limit is too small
-for the shards in use). Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a
-shard's pin file while it has the shard mapped, and an eviction needs that lock exclusively (the pin is
+lookahead; otherwise it waits. When nothing can go, a batch's own shard is fetched anyway (a warning says
+the limit is too small for the shards in use). Shards in use are never evicted, across processes too: a
+process holds a shared ``flock`` on a shard's pin file while it has the shard mapped, and an eviction
+needs that lock exclusively (the pin is
 not the download lock, so a reader holding pins never waits on a download that waits on it). Every rank
 on a node shares the cache folder and downloads each shard once (the per-file locks of
 :meth:`RemoteDataset.fetch`); the limit is kept up to the bytes other processes have in flight.
