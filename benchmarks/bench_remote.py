@@ -69,9 +69,14 @@ def make_dataset(out: Path, images: int, size: int, shard: int, classes: int = 1
             files.append({"path": name, "bytes": len(data), "sha256": h.hexdigest()})
         shards.append({"images": f"images-{k:05d}.npy", "labels": f"labels-{k:05d}.npy", "samples": n})
     counts = np.bincount(np.arange(images) % classes, minlength=classes).tolist()
+    data = npy_bytes((np.arange(images) % classes).astype(np.int64))  # every label in one file, as preprocess writes
+    (out / "labels.npy").write_bytes(data)
+    h = new_hash()
+    h.update(data)
+    files.append({"path": "labels.npy", "bytes": len(data), "sha256": h.hexdigest()})
     manifest = new_manifest("fastdata.images.npy", num_samples=images, shard_size=shard, sample_shape=[size, size, 3],
                             dtype="|u1", label_dtype="<i8", layout="NHWC", classes=[str(c) for c in range(classes)],
-                            class_counts=counts, shards=shards, files=files, skipped=[],
+                            class_counts=counts, shards=shards, files=files, skipped=[], all_labels="labels.npy",
                             params={"size": size, "shard_size": shard, "format": "npy"},
                             source={"kind": "synthetic", "path": "bench_remote", "num_files": images})
     write_manifest(out, manifest)
@@ -338,8 +343,8 @@ def main() -> None:
         push(full, "s3://bench/full", workers=8)
         push(quarter, "s3://bench/quarter", workers=8)
         print(f"push: {(time.perf_counter() - t0):.1f} s for both")
-        # the objects a reader needs: images and labels
-        sizes = {p.name: p.stat().st_size for p in sorted(full.glob("*-*.npy"))}
+        # the objects fastdata's reader fetches: the image shards, and every label in one file
+        sizes = {p.name: p.stat().st_size for p in [*sorted(full.glob("images-*.npy")), full / "labels.npy"]}
         bare = server_rate("s3://bench/full", sizes)
         floor = verified_rate("s3://bench/full", sizes, scratch)
         epoch_rate(FastDataset(full), args.batch, args.threads)  # the page cache holds it, as it holds a fresh cache

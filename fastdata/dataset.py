@@ -32,24 +32,40 @@ from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes
                              take_rows, verify_hashes)
 
 
+ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
+
+
 def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
-    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels and
-    their other fields' files; variable fields' offsets are read up front) and LMDB shards (format version
-    2), read memory-mapped."""
+    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels, unless
+    ``all_labels`` is read at opening, and their other fields' files; variable fields' offsets are read up
+    front) and LMDB shards (format version 2), read memory-mapped."""
     if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
-        return frozenset(f for group in _shard_groups(manifest) for f in group)
+        names = {f for group in _shard_groups(manifest) for f in group}
+        names |= {s["labels"] for s in manifest.get("shards", []) if "labels" in s}  # (unread with all_labels)
+        if "all_labels" in manifest and not _labels_at_open(manifest):
+            names.add(manifest["all_labels"])
+        return frozenset(names)
     if storage == "mmap" and "lmdb_shards" in manifest:
         return frozenset(f for group in _shard_groups(manifest) for f in group)
     return frozenset()
 
 
+def _labels_at_open(manifest: dict[str, Any]) -> bool:
+    """Whether a streamed npy dataset reads every label from ``all_labels`` when it opens (one request, when
+    the file is small) instead of each shard's labels file with the shard."""
+    name = manifest.get("all_labels")
+    sizes = [int(f["bytes"]) for f in manifest["files"] if f.get("path") == name] if name else []
+    return bool(sizes) and sizes[0] <= ALL_LABELS_AT_OPEN
+
+
 def _shard_groups(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy),
-    each other field's rows."""
+    """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy, unless
+    they are all read at opening), each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
     if "lmdb_shards" in manifest:
         return [(s["path"], *(f.files(k)[0] for f in fields)) for k, s in enumerate(manifest["lmdb_shards"])]
-    return [(s["images"], *([s["labels"]] if "labels" in s else []), *(f.files(k)[0] for f in fields))
+    own = not _labels_at_open(manifest)
+    return [(s["images"], *([s["labels"]] if "labels" in s and own else []), *(f.files(k)[0] for f in fields))
             for k, s in enumerate(manifest.get("shards", []))]
 
 
@@ -202,12 +218,14 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._labels_in: Optional[np.ndarray] = None
         if not self.has_labels:
             return np.zeros(0, dtype=np.int64)
-        if self.streams:
+        if self.streams and not _labels_at_open(self.manifest):
             # streamed: each shard's labels are filled in when the shard arrives (see _fill_labels)
             self._labels_in = np.zeros(len(self.manifest["shards"]), dtype=bool)
             return np.zeros(len(self), dtype=np.int64)
         if self.is_lmdb:
             names = [self.manifest["labels"]]
+        elif self.streams:  # every label in one file, fetched when the dataset opened
+            names = [self.manifest["all_labels"]]
         else:
             names = [s["labels"] for s in self.manifest["shards"]]
         labels = np.concatenate([np.load(safe_join(self.root, n), allow_pickle=False) for n in names])
@@ -261,7 +279,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                 shard = self.manifest["shards"][s]
                 if verify:
                     verify_hashes(self.root, self.manifest, list(groups[s]))
-                if "labels" in shard:
+                if "labels" in shard and self._labels_in is not None:
                     self._fill_labels(s, self.root / shard["labels"])
                 if store is not None:
                     store.open_shard(s)

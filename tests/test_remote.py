@@ -98,8 +98,8 @@ def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, inde
 
     url = s3("push-read") + "/sets/npy"
     counts = push(indexed_datasets["npy"], url, workers=3)
-    assert counts == {"uploaded": 14, "skipped": 0}  # 7 image shards + 7 label files
-    assert push(indexed_datasets["npy"], url)["skipped"] == 14  # a rerun uploads nothing
+    assert counts == {"uploaded": 15, "skipped": 0}  # 7 image shards, 7 label files, labels.npy
+    assert push(indexed_datasets["npy"], url)["skipped"] == 15  # a rerun uploads nothing
     local = FastDataset(indexed_datasets["npy"])
     remote = FastDataset(url, cache_dir=tmp_path / "cache")
     assert len(remote) == len(local) and remote.root.is_relative_to(tmp_path / "cache")
@@ -221,15 +221,15 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
     monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))
     url = s3("cli-bucket") + "/x"
     assert main(["push", str(indexed_datasets["npy"]), url, "--workers", "2", "--quiet"]) == 0
-    assert "14 object(s) uploaded" in capsys.readouterr().out
+    assert "15 object(s) uploaded" in capsys.readouterr().out
     assert main(["verify", url, "--quiet"]) == 0
-    assert "OK, 14 files intact" in capsys.readouterr().out
+    assert "OK, 15 files intact" in capsys.readouterr().out
     assert main(["inspect", url, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["path"] == url and info["num_samples"] == 100 and info["files"] == 14
+    assert info["path"] == url and info["num_samples"] == 100 and info["files"] == 15
     assert main(["cache", "list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert len(listed) == 1 and "14/14 files" in listed[0] and listed[0].endswith(url)
+    assert len(listed) == 1 and "15/15 files" in listed[0] and listed[0].endswith(url)
     cid = listed[0].split()[0]
     assert main(["cache", "remove"]) == 2 and main(["cache", "remove", "nope"]) == 1
     capsys.readouterr()
@@ -256,17 +256,35 @@ def _shards_present(ds) -> list[str]:
     return sorted(p.name for p in ds.root.glob("images-*.npy"))
 
 
-def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, proxy, indexed_datasets, tmp_path):
+def _without_all_labels(src, dst):
+    """A copy of an npy dataset as made before ``labels.npy``: its readers use each shard's labels file."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    del m["all_labels"]
+    m["files"] = [f for f in m["files"] if f["path"] != "labels.npy"]
+    (dst / "labels.npy").unlink()
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.mark.parametrize("layout", ["all_labels", "per_shard"])
+def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, proxy, indexed_datasets, tmp_path,
+                                                                          layout):
     from fastdata.dataset import FastDataset
     from fastdata.loader import FastLoader
     from fastdata.storage.remote import push
 
-    url = s3("stream") + "/ds"
-    push(indexed_datasets["npy"], url)
+    data = indexed_datasets["npy"] if layout == "all_labels" else _without_all_labels(indexed_datasets["npy"],
+                                                                                      tmp_path / "old")
+    url = s3("stream" + str(len(layout))) + "/ds"
+    push(data, url)
     proxy.clear()
     ds = FastDataset(url, cache_dir=tmp_path / "cache")
-    assert not list(ds.root.glob("*.npy"))  # opening reads the manifest only: shards and labels come with batches
-    local = FastDataset(indexed_datasets["npy"])
+    # opening reads the manifest (and every label, in one file, when there is one): shards come with batches
+    assert [p.name for p in ds.root.glob("*.npy")] == (["labels.npy"] if layout == "all_labels" else [])
+    local = FastDataset(data)
     assert ds.get_batch([40])[1].tolist() == local.get_batch([40])[1].tolist()  # on demand: one shard
     assert _shards_present(ds) == ["images-00002.npy"]
     other = FastDataset(url, cache_dir=tmp_path / "other")
@@ -278,7 +296,11 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
         assert _same(_epoch(got), _epoch(want))
     shards = [k for k in proxy.gets if "images-" in k]
     assert len(shards) == 7 and all(proxy.gets[k] == 1 for k in shards)  # each shard downloaded once, then reused
-    assert all(proxy.gets[k] == 2 for k in proxy.gets if "labels-" in k)  # (once more for `other`'s targets)
+    labels = sorted((k.rsplit("/", 1)[1], v) for k, v in proxy.gets.items() if "labels" in k)
+    if layout == "all_labels":  # one request per dataset opened for every label
+        assert labels == [("labels.npy", 2)], labels
+    else:  # each shard's labels with it (once more for `other`'s targets)
+        assert labels == [("labels-%05d.npy" % k, 2) for k in range(7)], labels
     assert not list(ds.root.rglob("*.part-*"))
 
 
@@ -373,7 +395,7 @@ def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_d
     proxy.inject("truncate", r"images-00003")
     proxy.inject("corrupt", r"images-00004")
     proxy.inject("503", r"images-00005", times=2)
-    proxy.inject("corrupt", r"labels-00006")
+    proxy.inject("corrupt", r"/labels\.npy")  # every label, read at opening
     ds = FastDataset(url, cache_dir=tmp_path / "cache")
     proxy.down(1.0)  # the server disappears for a second just as the epoch starts
     got = _epoch(FastLoader(ds, 16, seed=2, num_threads=2))
@@ -381,7 +403,8 @@ def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_d
     assert proxy.faults == {"reset": 1, "truncate": 1, "corrupt": 2, "503": 2}
     assert not list(ds.root.rglob("*.part-*"))
     from fastdata.manifest import verify
-    assert verify(ds.root) == []  # only verified bytes were ever given a final name
+    problems = verify(ds.root)  # only verified bytes were ever given a final name (the shards' label files
+    assert all(p.startswith("labels-") and p.endswith(": missing") for p in problems), problems  # are never read)
 
 
 def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, indexed_datasets, tmp_path):
@@ -456,7 +479,8 @@ def test_torchrun_ranks_share_one_cache_download_once_and_resume_at_another_worl
     assert max(before.values()) == 1 and set(before) | set(after) == set(range(INDEXED_N))
     assert not set(before) & set(after)
     files = [k for k in proxy.gets if k.endswith(".npy")]
-    assert len(files) == 14 and all(proxy.gets[k] == 1 for k in files), proxy.gets  # one download per node
+    assert sorted(k.rsplit("/", 1)[1] for k in files) == ["images-%05d.npy" % k for k in range(7)] + ["labels.npy"]
+    assert all(proxy.gets[k] == 1 for k in files), proxy.gets  # one download per node (every label at opening)
     assert [p.name for p in (tmp_path / "cache").iterdir()] != []
 
 
@@ -611,8 +635,9 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     report = _downloads(ds, proxy)
     assert report[0]["downloads"] == 5 and report[0]["repeats"] == 0, report  # a shard's files: one download
     assert proxy.faults == {"corrupt": 1, "503": 2} and not list(ds.root.rglob("*.part-*"))
-    names = ("images", "field.mask", "field.boxes", "field.box_labels") + (("labels",) if fmt == "npy" else ())
-    for name in names:  # each fetched with its shard (an LMDB's labels.npy comes whole at opening)
+    assert sum(v for k, v in proxy.gets.items() if "/labels-" in k) == 0  # every label came in labels.npy
+    assert sum(v for k, v in proxy.gets.items() if k.endswith("/labels.npy")) == 1  # at opening
+    for name in ("images", "field.mask", "field.boxes", "field.box_labels"):  # each fetched with its shard
         retried = name == "field.mask"  # (the corrupted body was answered, then fetched again)
         assert sum(v for k, v in proxy.gets.items() if f"/{name}-" in k) == sum(
             r["downloads"] + r["ahead"] for r in report) + retried, (name, sorted(proxy.gets.items()))

@@ -1,5 +1,9 @@
 """uint8 image shards: ``images-00000.npy`` ``(n, S, S, 3)`` HWC and ``labels-00000.npy`` ``(n,)`` int64.
 
+Every label is also in one ``labels.npy`` (the manifest's ``all_labels``; 8 bytes a sample): a dataset
+streamed from object storage reads it at opening when it is small, instead of one request per shard for
+its labels file. Datasets without it still load (their readers use the shards' label files).
+
 Plain ``.npy`` so ``np.load(f, mmap_mode="r")`` works without fastdata. Sample ``i`` is row
 ``i % shard_size`` of shard ``i // shard_size``: O(1) random access. HWC means a batch moved to the GPU
 and permuted to NCHW is already ``channels_last``.
@@ -16,6 +20,7 @@ from ..schema import Field, offsets_file
 from .base import UnitWriter, npy_bytes, npy_header
 
 IMAGE_DTYPE = np.dtype("|u1")
+ALL_LABELS_NAME = "labels.npy"
 
 
 def images_name(k: int) -> str:

@@ -16,10 +16,10 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import decode
-from .._io import disk_error, fsync_dir
+from .._io import disk_error, fsync_dir, write_bytes_atomic
 from ..errors import ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
-from ..formats.base import LABEL_DTYPE
+from ..formats.base import LABEL_DTYPE, npy_bytes
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from ..schema import Field
 from ..tokenizer import cached_tokenizer, token_dtype
@@ -336,6 +336,9 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         if "tokens" in source.kinds.values():
             extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
     all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
+    if config.format == "npy" and source.has_label:  # every label in one file too (image_shards' docstring)
+        files.append(write_bytes_atomic(out / image_shards.ALL_LABELS_NAME, npy_bytes(all_labels)))
+        extra["all_labels"] = image_shards.ALL_LABELS_NAME
     counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
     manifest = new_manifest(
         fmt, version=version, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
