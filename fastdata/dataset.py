@@ -245,47 +245,15 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._store: Optional[FieldStore] = None
         if self.is_lmdb:
             self._reader = open_lmdb(self.root, self.manifest)
-            streamed = self._remote is not None and "lmdb_shards" in self.manifest
-            store = None
-            if self.fields is not None:
-                store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
-                                                 streamed=streamed)
-            if streamed:  # stores (with their shard's field files) come as needed
-                groups = _shard_groups(self.manifest)
-
-                def opener(s: int, path: Path) -> Path:
-                    if verify:
-                        verify_hashes(self.root, self.manifest, list(groups[s]))
-                    if store is not None:
-                        store.open_shard(s)
-                    return path
-
-                def closer(s: int, path: Path) -> None:
-                    lmdb_store.forget(path)
-                    if store is not None:
-                        store.close_shard(s)
-                self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
+            if self._remote is not None and "lmdb_shards" in self.manifest:
+                self._stream(verify, None)
+            elif self.fields is not None:
+                self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify)
             return
         images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
                           self.sample_shape, np.dtype(np.uint8))
-        if self.streams:  # streamed: shards mapped as they arrive
-            groups = _shard_groups(self.manifest)
-            store = None
-            if self.fields is not None:
-                store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
-                                                 streamed=True)
-
-            def opener(s: int, path: Path) -> np.ndarray:
-                shard = self.manifest["shards"][s]
-                if verify:
-                    verify_hashes(self.root, self.manifest, list(groups[s]))
-                if "labels" in shard and self._labels_in is not None:
-                    self._fill_labels(s, self.root / shard["labels"])
-                if store is not None:
-                    store.open_shard(s)
-                return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
-            self._cache = ShardCache(self._remote, groups, opener, limit=self._limit,
-                                     closer=(lambda s, path: store.close_shard(s)) if store is not None else None)
+        if self.streams:
+            self._stream(verify, images)
             return
         opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
@@ -294,6 +262,34 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                                      device=self.device, shm_dir=self._shm_dir)
         if self._dev is not None and self.has_labels:
             self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
+
+    def _stream(self, verify: bool, images: Optional[ShardSet]) -> None:
+        """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
+        files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
+        (npy) or its LMDB store handed to the reader (``images`` None)."""
+        groups = _shard_groups(self.manifest)
+        store = None
+        if self.fields is not None:
+            store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                             streamed=True)
+
+        def opener(s: int, path: Path) -> Any:
+            if verify:
+                verify_hashes(self.root, self.manifest, list(groups[s]))
+            if self._labels_in is not None and "labels" in self.manifest["shards"][s]:
+                self._fill_labels(s, self.root / self.manifest["shards"][s]["labels"])
+            if store is not None:
+                store.open_shard(s)
+            if images is None:
+                return path
+            return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
+
+        def closer(s: int, path: Path) -> None:
+            if images is None:
+                lmdb_store.forget(path)
+            if store is not None:
+                store.close_shard(s)
+        self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
 
     def _fill_labels(self, s: int, path: Path) -> None:
         """A streamed shard's labels, checked, into their place in ``self._labels``."""
