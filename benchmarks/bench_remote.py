@@ -43,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 import fastdata
-from fastdata._io import new_hash
+from fastdata._io import write_bytes_atomic
 from fastdata.dataset import FastDataset
 from fastdata.formats.base import npy_bytes
 from fastdata.loader import FastLoader
@@ -62,18 +62,11 @@ def make_dataset(out: Path, images: int, size: int, shard: int, classes: int = 1
         pixels = base[:n] ^ np.uint8(k % 251)  # a different, still incompressible body per shard
         labels = (np.arange(first, first + n) % classes).astype(np.int64)
         for name, arr in ((f"images-{k:05d}.npy", pixels), (f"labels-{k:05d}.npy", labels)):
-            data = npy_bytes(arr)
-            (out / name).write_bytes(data)
-            h = new_hash()
-            h.update(data)
-            files.append({"path": name, "bytes": len(data), "sha256": h.hexdigest()})
+            files.append(write_bytes_atomic(out / name, npy_bytes(arr)))
         shards.append({"images": f"images-{k:05d}.npy", "labels": f"labels-{k:05d}.npy", "samples": n})
     counts = np.bincount(np.arange(images) % classes, minlength=classes).tolist()
-    data = npy_bytes((np.arange(images) % classes).astype(np.int64))  # every label in one file, as preprocess writes
-    (out / "labels.npy").write_bytes(data)
-    h = new_hash()
-    h.update(data)
-    files.append({"path": "labels.npy", "bytes": len(data), "sha256": h.hexdigest()})
+    every = (np.arange(images) % classes).astype(np.int64)  # every label in one file too, as preprocess writes
+    files.append(write_bytes_atomic(out / "labels.npy", npy_bytes(every)))
     manifest = new_manifest("fastdata.images.npy", num_samples=images, shard_size=shard, sample_shape=[size, size, 3],
                             dtype="|u1", label_dtype="<i8", layout="NHWC", classes=[str(c) for c in range(classes)],
                             class_counts=counts, shards=shards, files=files, skipped=[], all_labels="labels.npy",
