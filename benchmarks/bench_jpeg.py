@@ -2,10 +2,12 @@
 random-resized training crops, uint8 224x224 in batches of 256, from records stored at shorter side 256.
 
 Rows, each at 1 and 2 threads:
-- bare decoder: simplejpeg (libjpeg-turbo) decoding each record at the scale fastdata picks, in the same
-  fast modes, nothing else: the physical limit of this path;
+- bare decoder: libjpeg-turbo decoding each record at the scale fastdata picks, in the same fast modes,
+  nothing else: the box only (libturbojpeg 3, NOTE [partial decode]; centre crops), the physical limit of
+  this path, and the whole image (simplejpeg);
 - fastdata: FastLoader over ``FastDataset(lmdb, size=224, crop_fraction=224/256)`` (centre) or
-  ``crop="random"`` (training), gather and decode into the batch;
+  ``crop="random"`` (training), gather and decode into the batch; again with partial decoding turned off
+  (whole-image decode, then the box cut or resized), the path without libturbojpeg 3;
 - FFCV 1.0.2: ``CenterCropRGBImageDecoder((224, 224), 224/256)`` / ``RandomResizedCropRGBImageDecoder((224,
   224))`` over a .beton holding the very same JPEG records, when installed (FFCV's RRC decoder does not
   flip; fastdata's row does);
@@ -33,7 +35,7 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata import decode
+from fastdata import decode, turbo
 from fastdata.dataset import FastDataset
 from fastdata.formats.lmdb_store import open_lmdb
 from fastdata.manifest import load_manifest
@@ -135,18 +137,35 @@ def main() -> None:
               f"batch {BATCH}")
         ffcv, dali = ffcv_rows(records, labels, scratch, args.seconds), dali_rows(lmdb, args.seconds)
 
-        def center_bare(blob: bytes) -> object:  # the decode fastdata's centre crop makes, nothing else
+        def center_bare(blob: bytes) -> object:  # the whole image at the scale fastdata's centre crop picks
             top, left, h, w = decode.center_box(*decode.jpeg_size(blob), SIZE / STORED)
             return decode.turbo_decode(blob, decode.dct_denominator(h, w, SIZE))
 
-        def loader_rate(ds: FastDataset) -> Rate:
-            return lambda t: timed_rate(lambda: sum(len(x) for x, _ in FastLoader(ds, BATCH, num_threads=t,
-                                                                                   prefetch=1)), args.seconds)
+        def center_box_bare(blob: bytes) -> object:  # the decode fastdata's centre crop makes, nothing else
+            return turbo.decode_region(blob, 1, decode.center_box(*decode.jpeg_size(blob), SIZE / STORED))
+
+        def loader_rate(ds: FastDataset, partial: bool = True) -> Rate:
+            def run(t: int) -> float:
+                library, turbo.library = turbo.library, (turbo.library if partial else lambda: None)
+                try:
+                    return timed_rate(lambda: sum(len(x) for x, _ in FastLoader(ds, BATCH, num_threads=t,
+                                                                                prefetch=1)), args.seconds)
+                finally:
+                    turbo.library = library
+            return run
+        partial = turbo.library() is not None
+        if not partial:
+            print("libturbojpeg 3 not found (pip install turbojpeg): no partial decoding, its rows are skipped")
+        centre_ds, train_ds = (FastDataset(lmdb, size=SIZE, crop_fraction=SIZE / STORED),
+                               FastDataset(lmdb, size=SIZE, crop="random"))
         tables: dict[str, dict[str, Rate]] = {
             f"centre crops ({SIZE}/{STORED} of the short side, resized to {SIZE})": {
-                "bare decoder (simplejpeg, same scale and modes)": lambda t: per_record_rate(records, center_bare, t,
-                                                                                            args.seconds),
-                "fastdata": loader_rate(FastDataset(lmdb, size=SIZE, crop_fraction=SIZE / STORED)),
+                **({"bare decoder, the box only (libturbojpeg 3)": lambda t: per_record_rate(
+                    records, center_box_bare, t, args.seconds)} if partial else {}),
+                "bare decoder, whole image (simplejpeg)": lambda t: per_record_rate(records, center_bare, t,
+                                                                                   args.seconds),
+                "fastdata": loader_rate(centre_ds),
+                **({"fastdata, whole-image decode": loader_rate(centre_ds, False)} if partial else {}),
                 **({"FFCV CenterCropRGBImageDecoder": ffcv["centre"]} if ffcv else {}),
                 **({"DALI CPU pipeline (DALILoader)": dali["centre"]} if dali else {}),
                 "previous path (Pillow draft + Lanczos)": lambda t: per_record_rate(
@@ -154,7 +173,8 @@ def main() -> None:
             f"training crops (random-resized {SIZE} + flip)": {
                 "bare decoder (full image, same modes)": lambda t: per_record_rate(records, decode.turbo_decode, t,
                                                                                   args.seconds),
-                "fastdata": loader_rate(FastDataset(lmdb, size=SIZE, crop="random")),
+                "fastdata": loader_rate(train_ds),
+                **({"fastdata, whole-image decode": loader_rate(train_ds, False)} if partial else {}),
                 **({"FFCV RandomResizedCropRGBImageDecoder": ffcv["train"]} if ffcv else {}),
                 **({"DALI CPU pipeline (DALILoader)": dali["train"]} if dali else {})},
         }

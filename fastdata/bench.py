@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from . import turbo
 from .errors import ConfigError, FastdataError
 from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
 
@@ -120,6 +121,9 @@ def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
             tips.append(f"the uint8 dataset ({dataset_bytes / 2**30:.1f} GiB) fits in GPU memory "
                         f"({free / 2**30:.0f} GiB free): storage='cuda' removes host work and copies entirely")
         tips.append("train with --amp bf16 and channels_last (the default for conv nets) to raise the ceiling")
+    if getattr(ds, "_reader", None) is not None and turbo.library() is None:
+        tips.append("each JPEG record is decoded whole: pip install 'fastdata[jpeg]' (libturbojpeg 3) decodes only "
+                    "its crop box, the same pixels in 0.7-0.9x the time")
     if report["data_stall_pct"] > 10:
         tips.append(f"the model waited for data {report['data_stall_pct']:.0f}% of the time: a larger batch or more "
                     "loader threads trade memory for throughput")

@@ -436,25 +436,25 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         else:  # streamed: the batch's stores fetched (or waited for) and pinned while read
             with self._cache.reading(np.unique(idx // self._reader.shard_size)):
                 blobs = self._reader.get_many(idx)
-        boxes, flips = self._random_boxes(blobs, draw) if self.crop == "random" else (None, None)
+        sizes = [jpeg_size(b) for b in blobs]  # each frame header read once, here (a damaged one fails at decode)
+        boxes, flips = self._random_boxes(sizes, draw) if self.crop == "random" else ([None] * len(blobs),
+                                                                                     [False] * len(blobs))
         for j, blob in enumerate(blobs):
             try:
-                if boxes is None:
-                    decode_jpeg(blob, self.size, out=dst[j], fraction=self.crop_fraction)
-                else:
-                    decode_jpeg(blob, self.size, out=dst[j], box=tuple(boxes[j].tolist()), flip=bool(flips[j]))
+                decode_jpeg(blob, self.size, out=dst[j], box=boxes[j], flip=flips[j], fraction=self.crop_fraction,
+                            hw=sizes[j])
             except ImageDecodeError as exc:
                 raise ImageDecodeError(f"{self._reader.path_of(int(idx[j]))}: sample {idx[j]} is not a decodable "
                                        f"JPEG ({exc}): "
                                        "run `fastdata verify` on the dataset") from exc
 
-    def _random_boxes(self, blobs: list[bytes], draw: Optional[tuple[int, int, int, int]]
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """Boxes over each whole stored image, from the frame headers (a damaged one fails at its decode)."""
+    def _random_boxes(self, sizes: list[tuple[int, int]], draw: Optional[tuple[int, int, int, int]]
+                      ) -> tuple[list[Any], list[bool]]:
+        """Boxes over each whole stored image of ``sizes`` (height, width), and the flips, as Python values."""
         if draw is None:  # ds[i], DataLoader: torch's generator (seeded per worker by DataLoader)
             draw = (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
-        sizes = np.array([jpeg_size(b) for b in blobs], dtype=np.int64).reshape(-1, 2)
-        return draw_resized_crops(draw, sizes, self.scale, self.ratio)
+        boxes, flips = draw_resized_crops(draw, np.array(sizes, dtype=np.int64).reshape(-1, 2), self.scale, self.ratio)
+        return [tuple(b) for b in boxes.tolist()], flips.tolist()
 
     def __getitem__(self, index: Union[int, Indices]) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):

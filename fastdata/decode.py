@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, BinaryIO, Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import turbo
 from .errors import ImageDecodeError
 
 if TYPE_CHECKING:
@@ -197,8 +198,10 @@ def encode_jpeg(img: Union[Image.Image, np.ndarray], quality: int) -> bytes:
 # are used, when the box is at least twice the output: measured on a 341x256 record they cost 0.52/0.50/
 # 0.43 ms against 0.56 ms for a full decode, while 7/8, 6/8 and 5/8 cost 0.90/0.79/0.71 ms (their scaled
 # IDCTs have no SIMD), more than a full decode plus a resize. The resize is torch's antialiased bilinear on
-# uint8, written into the row (0.15 ms for 240x300 -> 224; Pillow's bilinear takes 0.78 ms). Whatever
-# simplejpeg cannot read (CMYK, damaged data) is decoded by Pillow and goes through the same box.
+# uint8, written into the row (0.15 ms for 240x300 -> 224; Pillow's bilinear takes 0.78 ms). Where
+# libturbojpeg 3 is at hand only the box is decoded (NOTE [partial decode] in turbo.py: the same pixels,
+# 0.7-0.8x the time). Whatever libjpeg-turbo cannot read (CMYK, damaged data) is decoded by Pillow and
+# goes through the same box.
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels
@@ -266,23 +269,24 @@ def turbo_decode(data: bytes, denominator: int = 1) -> np.ndarray | None:
 
 
 def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: Box | None = None,
-                flip: bool = False, fraction: float = 1.0) -> np.ndarray:
+                flip: bool = False, fraction: float = 1.0, hw: tuple[int, int] | None = None) -> np.ndarray:
     """LMDB record -> ``(size, size, 3)`` uint8: ``box`` (stored pixels; default the centre square of side
     ``fraction``) cut or resized to ``size``, mirrored when ``flip``, written into ``out`` when given (a row
-    of the batch: no second copy). See NOTE [jpeg read path]; errors as :class:`ImageDecodeError`."""
-    hw = jpeg_size(data)
+    of the batch: no second copy). ``hw``: :func:`jpeg_size` of ``data`` when the caller has it already.
+    See NOTE [jpeg read path]; errors as :class:`ImageDecodeError`."""
+    hw = jpeg_size(data) if hw is None else hw
     if box is None and hw != (0, 0):
         box = center_box(*hw, fraction)
-    arr = turbo_decode(data, dct_denominator(box[2], box[3], size)) if box is not None else None
-    if arr is None:  # simplejpeg missing or unable: Pillow decodes the whole image, the box is the same
+    src = _decode_box(data, hw, box, size) if box is not None and hw != (0, 0) else None
+    if src is None:  # simplejpeg missing or unable: Pillow decodes the whole image, the box is the same
         arr = np.asarray(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))
         hw = arr.shape[:2] if hw == (0, 0) else hw
         box = center_box(*hw, fraction) if box is None else box
+        top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
+        src = arr[top:top + h, left:left + w]
     if out is None:
         out = np.empty((size, size, 3), np.uint8)
-    top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
-    src = arr[top:top + h, left:left + w]
-    if (h, w) != (size, size):
+    if src.shape[:2] != (size, size):
         _resize_into(src, out)
         src = out
     if flip:  # torch mirrors 12x faster than a numpy ::-1 copy of 3-byte pixels
@@ -290,6 +294,23 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
     elif src is not out:
         out[...] = src  # a box of the output size: a cut, no resampling
     return out
+
+
+def _decode_box(data: bytes, hw: tuple[int, int], box: Box, size: int) -> np.ndarray | None:
+    """The pixels of ``box`` (stored pixels) at the libjpeg scale :func:`dct_denominator` picks: only the box
+    decoded where libturbojpeg 3 is at hand (NOTE [partial decode] in turbo.py), else cut from the whole
+    image; None when neither libjpeg-turbo path can decode the record."""
+    d = dct_denominator(box[2], box[3], size)
+    scaled = (-(-hw[0] // d), -(-hw[1] // d))  # libjpeg's scaled size: ceil(side / d)
+    # a record cut short could still fill a box above the cut (the rows below are never read): screen it
+    src = turbo.decode_region(data, d, _scaled_box(box, hw, scaled)) if looks_like_jpeg(data) else None
+    if src is not None:
+        return src
+    arr = turbo_decode(data, d)
+    if arr is None:
+        return None
+    top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
+    return arr[top:top + h, left:left + w]
 
 
 def _torch(a: np.ndarray) -> "torch.Tensor":
@@ -317,8 +338,9 @@ def _resize_into(src: np.ndarray, out: np.ndarray) -> None:
 
     x = _torch(src).permute(2, 0, 1)[None]  # a strided view of the decoded image: no copy
     dst = _torch(out).permute(2, 0, 1)[None]  # the row seen as a channels_last NCHW tensor
-    try:  # the op behind F.interpolate(antialias=True), with out=: it writes the row in place
-        torch.ops.aten._upsample_bilinear2d_aa.out(x, list(out.shape[:2]), False, None, None, out=dst)
-    except (AttributeError, RuntimeError):  # an older or newer torch without this overload
+    try:  # the op behind F.interpolate(antialias=True), with out=: it writes the row in place (its direct
+        # binding: 2 us a call without the GIL against 4 us through torch.ops, which matters at 2 threads)
+        torch._C._nn._upsample_bilinear2d_aa(x, list(out.shape[:2]), False, None, None, out=dst)
+    except (AttributeError, RuntimeError, TypeError):  # an older or newer torch without this overload
         dst.copy_(torch.nn.functional.interpolate(x, size=out.shape[:2], mode="bilinear", antialias=True,
                                                   align_corners=False))

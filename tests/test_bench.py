@@ -161,3 +161,22 @@ def test_plot_needs_matplotlib_or_draws(indexed_datasets, tmp_path, capsys):
         assert "pip install matplotlib" in capsys.readouterr().err
     else:
         assert main(args) == 0 and (tmp_path / "stages.png").stat().st_size > 1000
+
+
+def test_advice_names_partial_jpeg_decoding_only_for_a_jpeg_store_without_it(indexed_datasets, monkeypatch):
+    import torch
+
+    from fastdata import turbo
+    from fastdata.bench import advice
+
+    stage = {"images_per_s": 1e9, "gb_per_s": 1.0}
+    report = {"stages": {name: stage for name in ("storage read (page cache)", "batch gather", "FastLoader")},
+              "ceiling_images_per_s": 1.0, "samples": 100, "sample_shape": [3, 8, 8], "data_stall_pct": 0.0,
+              "machine": {"memory_bytes": 0}}
+    lmdb, npy = FastDataset(indexed_datasets["lmdb"], size=32), FastDataset(indexed_datasets["npy"])
+    monkeypatch.setattr(turbo, "library", lambda: None)
+    tips = advice(report, lmdb, torch.device("cpu"))
+    assert any("fastdata[jpeg]" in t for t in tips)
+    assert not any("fastdata[jpeg]" in t for t in advice(report, npy, torch.device("cpu")))
+    monkeypatch.setattr(turbo, "library", lambda: object())
+    assert not any("fastdata[jpeg]" in t for t in advice(report, lmdb, torch.device("cpu")))

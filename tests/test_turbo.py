@@ -1,0 +1,127 @@
+"""Partial JPEG decoding (NOTE [partial decode] in fastdata/turbo.py): only the box is decoded, and its
+pixels are exactly those cut from the whole fast decode, so the decoder never changes a batch."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+
+from fastdata import decode, turbo
+from fastdata.synthetic import synthetic_image
+
+needs_library = pytest.mark.skipif(turbo.library() is None, reason="libturbojpeg 3 missing: pip install turbojpeg")
+
+
+def _jpeg(arr: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _photo(w: int, h: int, seed: int = 3) -> np.ndarray:
+    return synthetic_image(np.random.default_rng(seed), 1, 4, w, h)
+
+
+def _whole(data: bytes, d: int) -> np.ndarray:
+    h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True,
+                                  min_height=-(-h // d), min_width=-(-w // d))
+
+
+RECORDS = {
+    "420": _jpeg(_photo(341, 256)),
+    "444": _jpeg(_photo(333, 250, 4), subsampling=0),
+    "422": _jpeg(_photo(257, 301, 5), subsampling=1),
+    "progressive": _jpeg(_photo(300, 227, 6), progressive=True),
+    "gray": _jpeg(_photo(190, 263, 7)[..., 1]),
+    "large": _jpeg(_photo(1001, 777, 8)),
+}
+
+
+@needs_library
+@pytest.mark.parametrize("kind", sorted(RECORDS))
+def test_a_decoded_box_is_the_same_box_cut_from_the_whole_decode(kind):
+    data, rng = RECORDS[kind], np.random.default_rng(0)
+    for d in (1, 2, 4, 8):
+        whole = _whole(data, d)
+        H, W = whole.shape[:2]
+        boxes = [(0, 0, H, W), (H - 1, W - 1, 1, 1), (1, 3, H - 1, W - 3)]
+        for _ in range(25):  # odd edges, any scaled iMCU offset, thin and wide boxes
+            top, left = int(rng.integers(0, H)), int(rng.integers(0, W))
+            boxes.append((top, left, int(rng.integers(1, H - top + 1)), int(rng.integers(1, W - left + 1))))
+        for top, left, h, w in boxes:
+            got = turbo.decode_region(data, d, (top, left, h, w))
+            assert got is not None and got.shape == (h, w, 3), (kind, d, top, left, h, w)
+            assert np.array_equal(got, whole[top:top + h, left:left + w]), (kind, d, top, left, h, w)
+
+
+@needs_library
+def test_records_it_cannot_read_give_none_and_decode_jpeg_still_serves_or_reports_them():
+    data = RECORDS["420"]
+    cut = data[: len(data) // 2]
+    assert turbo.decode_region(cut, 1, (200, 0, 10, 10)) is None  # the box lies past the cut: a warning
+    assert turbo.decode_region(cut, 1, (0, 0, 10, 10)) is not None  # above it: never read, so unseen...
+    with pytest.raises(decode.ImageDecodeError):  # ...which is why decode_jpeg screens for the end marker
+        decode.decode_jpeg(cut, 8, box=(0, 0, 10, 10))
+    assert turbo.decode_region(bytes(64) + data[64:], 1, (0, 0, 10, 10)) is None
+    assert turbo.decode_region(data, 1, (200, 0, 100, 10)) is None  # the box leaves the image
+    buf = io.BytesIO()
+    Image.fromarray(_photo(120, 80)).convert("CMYK").save(buf, "JPEG", quality=95)
+    assert turbo.decode_region(buf.getvalue(), 1, (0, 0, 10, 10)) is None  # CMYK: Pillow converts it
+    assert decode.decode_jpeg(buf.getvalue(), 64).shape == (64, 64, 3)
+
+
+@needs_library
+def test_decode_jpeg_gives_the_same_rows_with_and_without_partial_decoding(monkeypatch):
+    rng = np.random.default_rng(1)
+    cases = [(data, size, None, False, frac) for data in RECORDS.values() for size in (64, 112, 224)
+             for frac in (1.0, 0.875)]
+    for data in RECORDS.values():  # random boxes as the training crop draws them, mirrored half the time
+        H, W = decode.jpeg_size(data)
+        for _ in range(10):
+            h, w = int(rng.integers(8, H + 1)), int(rng.integers(8, W + 1))
+            box = (int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w)
+            cases.append((data, int(rng.choice([32, 100, 224])), box, bool(rng.integers(2)), 1.0))
+    calls = []
+    real = turbo.decode_region
+    monkeypatch.setattr(turbo, "decode_region", lambda *a: calls.append(a) or real(*a))
+    partial = [decode.decode_jpeg(d, s, box=b, flip=f, fraction=fr) for d, s, b, f, fr in cases]
+    assert len(calls) == len(cases)
+    monkeypatch.setattr(turbo, "library", lambda: None)
+    for (d, s, b, f, fr), got in zip(cases, partial):
+        assert np.array_equal(got, decode.decode_jpeg(d, s, box=b, flip=f, fraction=fr)), (s, b, f, fr)
+
+
+@needs_library
+def test_threads_decode_with_handles_of_their_own():
+    data, d = RECORDS["large"], 2
+    whole = _whole(data, d)
+    boxes = [(t, l, 100, 150) for t in range(0, 280, 7) for l in range(0, 340, 11)]
+
+    def one(box):
+        t, l, h, w = box
+        return np.array_equal(turbo.decode_region(data, d, box), whole[t:t + h, l:l + w])
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, boxes * 3))
+
+
+def test_the_environment_variable_turns_partial_decoding_off_or_names_the_library(tmp_path):
+    code = "from fastdata import turbo; print(turbo.library() is None)"
+    env = dict(os.environ, FASTDATA_TURBOJPEG="0")
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "True"
+    env[turbo.ENV] = str(tmp_path / "libnothing.so")  # a path that is not a library: no partial decoding
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert bad.stdout.strip() == "True"
+    if turbo.library() is not None:
+        env[turbo.ENV] = turbo.library()._name
+        named = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert named.stdout.strip() == "False"
