@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 
 from fastdata.order import EpochOrder
-from fastdata.storage.cache import parse_size
+from fastdata.storage.opening import parse_size
 
 INF = 1 << 62
 PRESETS = [  # (name, dataset, shard, sample, caches per node)

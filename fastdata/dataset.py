@@ -27,7 +27,8 @@ from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import decode_jpeg, jpeg_size
 from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
-from .storage.cache import ShardCache, StreamedReads, open_remote
+from .storage.cache import ShardCache
+from .storage.opening import StreamedReads, open_remote
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              take_rows, verify_hashes)
 

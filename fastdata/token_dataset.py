@@ -17,7 +17,8 @@ import torch
 from .errors import ConfigError, FormatError
 from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
-from .storage.cache import ShardCache, StreamedReads, open_remote
+from .storage.cache import ShardCache
+from .storage.opening import StreamedReads, open_remote
 from .storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 

@@ -79,6 +79,7 @@ def _bind(path: str) -> ctypes.CDLL | None:
     lib.tj3SetScalingFactor.argtypes = [vp, _Scale]
     lib.tj3SetCroppingRegion.argtypes = [vp, _Region]
     lib.tj3Decompress8.argtypes = [vp, buf, size, vp, ctypes.c_int, ctypes.c_int]
+    lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [vp]
     return lib
 
 
@@ -123,7 +124,15 @@ def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int])
     handle = getattr(_local, "handle", None)
     if handle is None:
         handle = _local.handle = _Handle(lib)
-    h = handle.ptr
+    out = _decode(lib, handle.ptr, data, denominator, box)
+    if out is None:  # after an error a handle can stay broken (a bad Huffman table fails every later header)
+        log.debug("partial decode refused: %s", lib.tj3GetErrorStr(handle.ptr))
+        del _local.handle
+    return out
+
+
+def _decode(lib: ctypes.CDLL, h: int, data: bytes, denominator: int, box: tuple[int, int, int, int]
+            ) -> np.ndarray | None:
     if lib.tj3DecompressHeader(h, data, len(data)) != 0:
         return None
     subsamp = lib.tj3Get(h, _SUBSAMP)

@@ -329,3 +329,23 @@ def _already_there(fs: Any, target: str, marker: str, entry: dict[str, Any]) -> 
         return fs.cat_file(marker).decode(errors="replace") == entry[HASH_NAME]
     except FileNotFoundError:
         return False
+
+
+def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], None]]:
+    """A progress callback showing the first download of ``left`` bytes of ``remote`` (bytes, rate) on rank 0;
+    it closes itself once they are all in; None when nothing is left."""
+    from ..progress import progress_bar
+
+    if left == 0:
+        return None
+    bar = progress_bar(total=left, desc=f"download {remote.url.rsplit('/', 1)[-1]}", unit="B", unit_scale=True)
+    lock, done = threading.Lock(), [0]
+
+    def update(n: int) -> None:
+        with lock:
+            if done[0] < left:
+                done[0] += n
+                bar.update(n)
+                if done[0] >= left:
+                    bar.close()
+    return update
