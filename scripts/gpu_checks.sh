@@ -23,7 +23,7 @@ install)
     wheels=$(ls /tmp/dw/*.whl | grep -Eiv '/(numpy|packaging|pyyaml|six|typing_extensions|wheel)-')
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
         2>&1 | tail -3
-    $PY -c "import nvidia.dali, lmdb, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
+    $PY -c "import nvidia.dali, lmdb, simplejpeg, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
 torch.cuda.get_device_name())"
     ;;
 tests)
