@@ -120,14 +120,16 @@ def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) ->
         raise damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
 
 
-def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None) -> list[str]:
-    """Re-hash every file the manifest lists; returns one line per problem (empty when intact)."""
+def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False) -> list[str]:
+    """Re-hash every file the manifest lists; returns one line per problem (empty when intact). ``partial``:
+    the folder is a node cache of a remote dataset, where a file not (or no longer) cached is fetched and
+    checked when read: absent files are not problems there."""
     root = Path(root)
     manifest = load_manifest(root)
     problems = []
     for entry in manifest["files"]:
         problem = check_file(root, entry, progress=progress)
-        if problem == "missing":
+        if problem == "missing" and not partial:
             problems.append(f"{entry['path']}: missing")
         elif problem == "size":
             size = safe_join(root, entry["path"]).stat().st_size

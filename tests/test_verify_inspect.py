@@ -49,6 +49,21 @@ def test_verify_catches_truncated_and_missing_files(dataset, capsys):
     assert f"{f.name}: " in err and "truncated" in err and "missing" in err
 
 
+def test_verify_a_node_cache_counts_absent_files_but_catches_damaged_ones(dataset, capsys):
+    (dataset / ".source.json").write_text(json.dumps({"url": "s3://bucket/ds", "id": "x", "created": 0}))
+    f = _data_file(dataset)
+    f.unlink()  # evicted, or never fetched: a streamed file is fetched and checked when read
+    assert main(["verify", str(dataset), "--quiet"]) == 0
+    assert "1 not in this node cache" in capsys.readouterr().out
+    g = next(p for p in sorted(dataset.iterdir()) if p.suffix in (".npy", ".lmdb") and p != f)
+    g.write_bytes(g.read_bytes()[:-10])
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    assert f"{g.name}: " in capsys.readouterr().err
+    (dataset / ".source.json").unlink()  # an ordinary folder: the absent file is a problem again
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    assert f"{f.name}: missing" in capsys.readouterr().err
+
+
 def _edit_manifest(ds: Path, **changes) -> None:
     m = json.loads((ds / "manifest.json").read_text())
     m.update(changes)
