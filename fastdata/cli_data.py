@@ -59,7 +59,7 @@ def _push(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .manifest import describe
-    from .storage.remote import SOURCE_NAME, RemoteDataset, is_url
+    from .storage.remote import RemoteDataset, is_url
 
     if is_url(args.path):  # only the manifest is read (into the node cache): nothing else is downloaded
         remote = RemoteDataset(args.path)
