@@ -210,6 +210,7 @@ FULL_SIZE = 1 << 30  # a "shorter-side" size no image reaches: Pillow decodes at
 
 def looks_like_jpeg(blob: bytes) -> bool:
     """Cheap screen before a decoder sees a record: JPEG start and end markers present (catches truncation)."""
+    blob = blob if isinstance(blob, bytes) else bytes(blob)  # any buffer, as the decoders take
     return len(blob) > 4 and blob[:2] == b"\xff\xd8" and blob.rstrip(b"\x00")[-2:] == b"\xff\xd9"
 
 

@@ -121,6 +121,8 @@ def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int])
     lib = library()
     if lib is None:
         return None
+    if not isinstance(data, bytes):  # a bytearray or memoryview: ctypes passes only bytes as a char pointer
+        data = bytes(data)
     handle = getattr(_local, "handle", None)
     if handle is None:
         handle = _local.handle = _Handle(lib)

@@ -73,6 +73,9 @@ def test_records_it_cannot_read_give_none_and_decode_jpeg_still_serves_or_report
         decode.decode_jpeg(cut, 8, box=(0, 0, 10, 10))
     assert turbo.decode_region(bytes(64) + data[64:], 1, (0, 0, 10, 10)) is None
     assert turbo.decode_region(data, 1, (200, 0, 100, 10)) is None  # the box leaves the image
+    for view in (bytearray(data), memoryview(data)):  # any buffer, as simplejpeg takes
+        assert np.array_equal(turbo.decode_region(view, 2, (3, 5, 20, 30)), _whole(data, 2)[3:23, 5:35])
+        assert np.array_equal(decode.decode_jpeg(view, 100), decode.decode_jpeg(data, 100))
     buf = io.BytesIO()
     Image.fromarray(_photo(120, 80)).convert("CMYK").save(buf, "JPEG", quality=95)
     assert turbo.decode_region(buf.getvalue(), 1, (0, 0, 10, 10)) is None  # CMYK: Pillow converts it
