@@ -280,7 +280,7 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
         box = center_box(*hw, fraction)
     src = _decode_box(data, hw, box, size) if box is not None and hw != (0, 0) else None
     if src is None:  # simplejpeg missing or unable: Pillow decodes the whole image, the box is the same
-        arr = np.asarray(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))
+        arr = np.array(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))  # writable: torch reads it as a tensor
         hw = arr.shape[:2] if hw == (0, 0) else hw
         box = center_box(*hw, fraction) if box is None else box
         top, left, h, w = _scaled_box(box, hw, arr.shape[:2])

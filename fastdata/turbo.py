@@ -34,6 +34,7 @@ _SUBSAMP, _PRECISION, _COLORSPACE, _FASTUPSAMPLE, _FASTDCT = 4, 7, 8, 9, 10  # T
 _RGB = 0  # TJPF_RGB
 _READABLE_COLORSPACES = (0, 1, 2)  # TJCS_RGB, YCbCr, GRAY; CMYK/YCCK go to the fallback (Pillow converts them)
 _MCU_WIDTH = (8, 16, 16, 8, 8, 32, 8)  # tjMCUWidth by TJSAMP_444, 422, 420, GRAY, 440, 411, 441
+_MCU_HEIGHT = (8, 8, 16, 8, 16, 8, 32)  # tjMCUHeight, likewise
 
 
 class _Region(ctypes.Structure):
@@ -145,12 +146,15 @@ def _decode(lib: ctypes.CDLL, h: int, data: bytes, denominator: int, box: tuple[
     if lib.tj3SetScalingFactor(h, _Scale(1, denominator)) != 0:
         return None
     top, left, bh, bw = box
-    mcu = -(-_MCU_WIDTH[subsamp] // denominator)  # the scaled iMCU width: the region's left edge snaps to it
-    x0 = left - left % mcu
-    width = bw + left - x0
-    if lib.tj3SetCroppingRegion(h, _Region(x0, top, width, bh)) != 0:  # checks the box against the image
+    # The region's left edge must sit on a scaled iMCU column; its top is put on a scaled iMCU row too:
+    # libjpeg-turbo 3.0's jpeg_skip_scanlines with merged (fast) upsampling gave a wrong row, and could
+    # crash, when it skipped to a row inside an iMCU (seen in 1 of ~2,000 random boxes).
+    mcu_w, mcu_h = (-(-m[subsamp] // denominator) for m in (_MCU_WIDTH, _MCU_HEIGHT))
+    x0, y0 = left - left % mcu_w, top - top % mcu_h
+    width, height = bw + left - x0, bh + top - y0
+    if lib.tj3SetCroppingRegion(h, _Region(x0, y0, width, height)) != 0:  # checks the box against the image
         return None
-    out = np.empty((bh, width, 3), np.uint8)
+    out = np.empty((height, width, 3), np.uint8)
     if lib.tj3Decompress8(h, data, len(data), out.ctypes.data, width * 3, _RGB) != 0:
         return None
-    return out[:, left - x0:]
+    return out[top - y0:, left - x0:]
