@@ -121,7 +121,7 @@ def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
             tips.append(f"the uint8 dataset ({dataset_bytes / 2**30:.1f} GiB) fits in GPU memory "
                         f"({free / 2**30:.0f} GiB free): storage='cuda' removes host work and copies entirely")
         tips.append("train with --amp bf16 and channels_last (the default for conv nets) to raise the ceiling")
-    if getattr(ds, "_reader", None) is not None and turbo.library() is None:
+    if getattr(ds, "is_lmdb", False) and turbo.library() is None:
         tips.append("each JPEG record is decoded whole: pip install 'fastdata[jpeg]' (libturbojpeg 3) decodes only "
                     "its crop box, the same pixels in 0.7-0.9x the time")
     if report["data_stall_pct"] > 10:

@@ -283,8 +283,7 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
         arr = np.array(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))  # writable: torch reads it as a tensor
         hw = arr.shape[:2] if hw == (0, 0) else hw
         box = center_box(*hw, fraction) if box is None else box
-        top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
-        src = arr[top:top + h, left:left + w]
+        src = _cut(arr, box, hw)
     if out is None:
         out = np.empty((size, size, 3), np.uint8)
     if src.shape[:2] != (size, size):
@@ -308,9 +307,12 @@ def _decode_box(data: bytes, hw: tuple[int, int], box: Box, size: int) -> np.nda
     if src is not None:
         return src
     arr = turbo_decode(data, d)
-    if arr is None:
-        return None
-    top, left, h, w = _scaled_box(box, hw, arr.shape[:2])
+    return None if arr is None else _cut(arr, box, hw)
+
+
+def _cut(arr: np.ndarray, box: Box, stored: tuple[int, int]) -> np.ndarray:
+    """The view of ``box`` (stored pixels) in ``arr``, the whole image decoded at any scale."""
+    top, left, h, w = _scaled_box(box, stored, arr.shape[:2])
     return arr[top:top + h, left:left + w]
 
 
