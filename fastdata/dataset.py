@@ -24,7 +24,7 @@ from .formats import lmdb_store
 from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
-from .decode import decode_jpeg, jpeg_size
+from .decode import decode_into, jpeg_size
 from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
 from .storage.cache import ShardCache
@@ -358,13 +358,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None);
         ``maps``: a streamed batch's shards, pinned by the caller."""
         x = buf if buf is not None else torch.empty((len(idx), *self.sample_shape), dtype=torch.uint8)
-        dst = x.numpy()
-        if self._flat is not None:
-            np.take(self._flat, idx, axis=0, out=dst, mode="clip")
-        elif self._reader is not None:
-            self._decode_into(idx, dst, draw, pinned=maps is not None)
+        if self._reader is not None:
+            self._decode_into(idx, x, draw, pinned=maps is not None)
+        elif self._flat is not None:
+            np.take(self._flat, idx, axis=0, out=x.numpy(), mode="clip")
         else:
-            self._gather_shards(idx, dst, maps)
+            self._gather_shards(idx, x.numpy(), maps)
         return x
 
     def _get_fields(self, indices: Indices, out: Union[None, torch.Tensor, Alloc]) -> dict[str, torch.Tensor]:
@@ -426,23 +425,28 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
         return self._cache.plan((np.asarray(b, dtype=np.int64) // per_shard for b in batches), now)
 
-    def _decode_into(self, idx: np.ndarray, dst: np.ndarray, draw: Optional[tuple[int, int, int, int]],
+    def _decode_into(self, idx: np.ndarray, x: torch.Tensor, draw: Optional[tuple[int, int, int, int]],
                      pinned: bool = False) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
         # loader threads decode in parallel, each straight into its row of the batch. ``pinned``: the caller
         # holds the batch's streamed stores already (a batch with fields).
         assert self._reader is not None and self.size is not None
-        if self._cache is None or pinned:
-            blobs = self._reader.get_many(idx)
-        else:  # streamed: the batch's stores fetched (or waited for) and pinned while read
-            with self._cache.reading(np.unique(idx // self._reader.shard_size)):
-                blobs = self._reader.get_many(idx)
+        # streamed: the batch's stores fetched (or waited for) and pinned while read
+        stores = (contextlib.nullcontext() if self._cache is None or pinned else
+                  self._cache.reading(np.unique(idx // self._reader.shard_size)))
+        with stores, self._reader.views(idx) as blobs:  # decoded from the page cache, no copy
+            self._decode_views(idx, blobs, x, draw)
+
+    def _decode_views(self, idx: np.ndarray, blobs: list[memoryview], x: torch.Tensor,
+                      draw: Optional[tuple[int, int, int, int]]) -> None:
+        assert self._reader is not None and self.size is not None
         sizes = [jpeg_size(b) for b in blobs]  # each frame header read once, here (a damaged one fails at decode)
         boxes, flips = self._random_boxes(sizes, draw) if self.crop == "random" else ([None] * len(blobs),
                                                                                      [False] * len(blobs))
+        rows = x.permute(0, 3, 1, 2).split(1)  # each row as the (1, 3, S, S) view the resize writes
         for j, blob in enumerate(blobs):
             try:
-                decode_jpeg(blob, self.size, out=dst[j], box=boxes[j], flip=flips[j], fraction=self.crop_fraction,
+                decode_into(blob, self.size, rows[j], box=boxes[j], flip=flips[j], fraction=self.crop_fraction,
                             hw=sizes[j])
             except ImageDecodeError as exc:
                 raise ImageDecodeError(f"{self._reader.path_of(int(idx[j]))}: sample {idx[j]} is not a decodable "

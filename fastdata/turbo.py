@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 # whole decode (same library, same fast IDCT and plain upsampling; tested against simplejpeg), so the
 # choice of decoder never changes a batch. simplejpeg cannot crop and hides its copy of the library; the
 # `turbojpeg` wheel ships libturbojpeg 3 as a shared library (its own Python module is not used), loaded
-# here with ctypes, which releases the GIL for every call. Order: FASTDATA_TURBOJPEG (a path, or "0" to turn
-# partial decoding off), that wheel, the system's libturbojpeg if it is version 3. The region's top is put
+# here with ctypes: the decode runs without the GIL (CDLL), calls of a microsecond keep it (PyDLL). Order:
+# FASTDATA_TURBOJPEG (a path, or "0" to turn partial decoding off), that wheel, the system's libturbojpeg
+# if it is version 3. The region's top is put
 # on an iMCU row: libjpeg-turbo 3.0's jpeg_skip_scanlines with merged upsampling got a row wrong (or
 # crashed) when it stopped inside one (tests/test_turbo.py decodes 4,000 random boxes to hold this).
 ENV = "FASTDATA_TURBOJPEG"
@@ -65,29 +66,43 @@ def _candidates() -> Iterator[str]:
         yield system
 
 
-def _bind(path: str) -> ctypes.CDLL | None:
+class _Lib:
+    """libturbojpeg's functions: the decode through CDLL (runs without the GIL), the calls of a few
+    microseconds through PyDLL (keep the GIL: releasing and retaking it costs more than they do, and hands
+    the GIL to the other loader thread at every call; see NOTE [partial decode])."""
+
+    def __init__(self, path: str, free: ctypes.CDLL, held: ctypes.PyDLL) -> None:
+        self.path = path
+        vp, buf, size = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t  # buf: bytes or an address
+        self.tj3Init, self.tj3Destroy, self.tj3Set, self.tj3Get = (held.tj3Init, held.tj3Destroy, held.tj3Set,
+                                                                   held.tj3Get)
+        self.tj3SetScalingFactor, self.tj3SetCroppingRegion = held.tj3SetScalingFactor, held.tj3SetCroppingRegion
+        self.tj3GetErrorStr = held.tj3GetErrorStr
+        self.tj3DecompressHeader, self.tj3Decompress8 = held.tj3DecompressHeader, free.tj3Decompress8
+        self.tj3Init.restype, self.tj3Init.argtypes = vp, [ctypes.c_int]
+        self.tj3Destroy.restype, self.tj3Destroy.argtypes = None, [vp]
+        self.tj3Set.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+        self.tj3Get.argtypes = [vp, ctypes.c_int]
+        self.tj3DecompressHeader.argtypes = [vp, buf, size]
+        self.tj3SetScalingFactor.argtypes = [vp, _Scale]
+        self.tj3SetCroppingRegion.argtypes = [vp, _Region]
+        self.tj3Decompress8.argtypes = [vp, buf, size, vp, ctypes.c_int, ctypes.c_int]
+        self.tj3GetErrorStr.restype, self.tj3GetErrorStr.argtypes = ctypes.c_char_p, [vp]
+
+
+def _bind(path: str) -> _Lib | None:
     """The library at ``path`` with its argument types set, or None when it is not libturbojpeg >= 3."""
     try:
-        lib = ctypes.CDLL(path)  # CDLL (not PyDLL): every call runs without the GIL
+        free, held = ctypes.CDLL(path), ctypes.PyDLL(path)  # one library, two calling conventions
     except OSError:
         return None
-    if not hasattr(lib, "tj3SetCroppingRegion"):
+    if not hasattr(free, "tj3SetCroppingRegion"):
         return None
-    vp, buf, size = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
-    lib.tj3Init.restype, lib.tj3Init.argtypes = vp, [ctypes.c_int]
-    lib.tj3Destroy.restype, lib.tj3Destroy.argtypes = None, [vp]
-    lib.tj3Set.argtypes = [vp, ctypes.c_int, ctypes.c_int]
-    lib.tj3Get.argtypes = [vp, ctypes.c_int]
-    lib.tj3DecompressHeader.argtypes = [vp, buf, size]
-    lib.tj3SetScalingFactor.argtypes = [vp, _Scale]
-    lib.tj3SetCroppingRegion.argtypes = [vp, _Region]
-    lib.tj3Decompress8.argtypes = [vp, buf, size, vp, ctypes.c_int, ctypes.c_int]
-    lib.tj3GetErrorStr.restype, lib.tj3GetErrorStr.argtypes = ctypes.c_char_p, [vp]
-    return lib
+    return _Lib(path, free, held)
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
+def library() -> _Lib | None:
     """libturbojpeg 3, or None when there is none (see NOTE [partial decode] for where it is looked for)."""
     for path in _candidates():
         lib = _bind(path)
@@ -100,7 +115,7 @@ def library() -> ctypes.CDLL | None:
 class _Handle:
     """One decompressor (TurboJPEG handles are not thread-safe: one per thread), fast modes set once."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: _Lib) -> None:
         self.lib, self.ptr = lib, lib.tj3Init(_DECOMPRESS)
         if not self.ptr:
             raise MemoryError("tj3Init failed")
@@ -116,29 +131,48 @@ _local = threading.local()
 _UNCROPPED = _Region(0, 0, 0, 0)
 
 
-def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int]) -> np.ndarray | None:
+def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int], *, scratch: bool = False
+                  ) -> np.ndarray | None:
     """The pixels of ``box`` (top, left, height, width in the image decoded at scale ``1/denominator``) as a
     ``(height, width, 3)`` uint8 view, decoded with the fast modes of NOTE [jpeg read path] in decode.py;
     None when libturbojpeg 3 is missing or the record is not a plain 8-bit RGB/YCbCr/grey JPEG, is damaged
-    (warnings included) or the box does not fit: the caller then decodes the whole image as before."""
+    (warnings included) or the box does not fit: the caller then decodes the whole image as before.
+    ``scratch``: decode into this thread's reusable buffer (no allocation, and memory the resize then reads
+    from cache); the view is valid only until this thread's next ``scratch`` decode."""
     lib = library()
     if lib is None:
         return None
-    if not isinstance(data, bytes):  # a bytearray or memoryview: ctypes passes only bytes as a char pointer
-        data = bytes(data)
-    handle = getattr(_local, "handle", None)
+    state = _local.__dict__
+    handle = state.get("handle")
     if handle is None:
-        handle = _local.handle = _Handle(lib)
-    out = _decode(lib, handle.ptr, data, denominator, box)
+        handle = state["handle"] = _Handle(lib)
+    if isinstance(data, bytes):  # ctypes passes the bytes' own buffer
+        out = _decode(lib, handle.ptr, data, len(data), denominator, box, state if scratch else None)
+    else:  # any other buffer (an LMDB record's view of the page cache) by its address: no copy
+        src = np.frombuffer(data, np.uint8)  # held while the decoder reads from it
+        out = _decode(lib, handle.ptr, src.ctypes.data, src.nbytes, denominator, box, state if scratch else None)
     if out is None:  # after an error a handle can stay broken (a bad Huffman table fails every later header)
         log.debug("partial decode refused: %s", lib.tj3GetErrorStr(handle.ptr))
-        del _local.handle
+        del state["handle"]
     return out
 
 
-def _decode(lib: ctypes.CDLL, h: int, data: bytes, denominator: int, box: tuple[int, int, int, int]
-            ) -> np.ndarray | None:
-    if lib.tj3DecompressHeader(h, data, len(data)) != 0:
+def _buffer(state: dict | None, height: int, width: int) -> tuple[np.ndarray, int]:
+    """A ``(height, width, 3)`` uint8 array and its address: fresh, or a view of the thread's scratch."""
+    if state is None:
+        out = np.empty((height, width, 3), np.uint8)
+        return out, out.ctypes.data
+    n = height * width * 3
+    buf = state.get("scratch")
+    if buf is None or buf.size < n:  # grown to the largest box seen; a 256-short-side record needs ~260 KB
+        buf = state["scratch"] = np.empty(max(n, 1 << 18), np.uint8)
+        state["scratch_ptr"] = buf.ctypes.data
+    return buf[:n].reshape(height, width, 3), state["scratch_ptr"]
+
+
+def _decode(lib: _Lib, h: int, data: bytes | int, size: int, denominator: int, box: tuple[int, int, int, int],
+            scratch: dict | None) -> np.ndarray | None:
+    if lib.tj3DecompressHeader(h, data, size) != 0:
         return None
     subsamp = lib.tj3Get(h, _SUBSAMP)
     if (lib.tj3Get(h, _COLORSPACE) not in _READABLE_COLORSPACES or lib.tj3Get(h, _PRECISION) != 8
@@ -156,7 +190,7 @@ def _decode(lib: ctypes.CDLL, h: int, data: bytes, denominator: int, box: tuple[
     width, height = bw + left - x0, bh + top - y0
     if lib.tj3SetCroppingRegion(h, _Region(x0, y0, width, height)) != 0:  # checks the box against the image
         return None
-    out = np.empty((height, width, 3), np.uint8)
-    if lib.tj3Decompress8(h, data, len(data), out.ctypes.data, width * 3, _RGB) != 0:
+    out, address = _buffer(scratch, height, width)
+    if lib.tj3Decompress8(h, data, size, address, width * 3, _RGB) != 0:
         return None
     return out[top - y0:, left - x0:]

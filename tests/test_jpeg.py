@@ -347,3 +347,32 @@ def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_pa
     got = [x.clone() for x, _ in FastLoader(FastDataset(old, size=8), 16, seed=1, num_threads=2)]
     want = [x.clone() for x, _ in FastLoader(FastDataset(v2, size=8), 16, seed=1, num_threads=2)]
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_datasets):
+    import json
+
+    from fastdata.decode import looks_like_jpeg
+    from fastdata.formats.lmdb_store import open_lmdb
+
+    root = indexed_datasets["lmdb"]
+    reader = open_lmdb(root, json.loads((root / "manifest.json").read_text()))
+    assert len(reader.paths) > 2  # the rows below come from several stores
+    idx = [99, 3, 40, 3, 17, 64]  # any order, repeats allowed
+    copies = reader.get_many(idx)
+    with reader.views(idx) as views:
+        assert all(isinstance(v, memoryview) for v in views)  # pages of the memory map, not copies
+        assert [bytes(v) for v in views] == copies
+        assert all(looks_like_jpeg(v) for v in views)
+    assert all(isinstance(c, bytes) for c in copies)
+
+
+def test_the_end_marker_screen_reads_any_buffer_and_allows_zero_padding():
+    from fastdata.decode import looks_like_jpeg
+
+    data = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
+    for pad in (0, 10, 100):  # padding past the 64 bytes looked at first
+        for buf in (data + bytes(pad), memoryview(data + bytes(pad)), bytearray(data + bytes(pad))):
+            assert looks_like_jpeg(buf)
+    for bad in (data[:-2], data[:-1] + bytes(100), b"\xff\xd9" + data[2:], bytes(8), b"\xff\xd8"):
+        assert not looks_like_jpeg(memoryview(bad)) and not looks_like_jpeg(bad)

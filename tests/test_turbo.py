@@ -122,7 +122,7 @@ def test_decode_jpeg_gives_the_same_rows_with_and_without_partial_decoding(monke
             cases.append((data, int(rng.choice([32, 100, 224])), box, bool(rng.integers(2)), 1.0))
     calls = []
     real = turbo.decode_region
-    monkeypatch.setattr(turbo, "decode_region", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(turbo, "decode_region", lambda *a, **k: calls.append(a) or real(*a, **k))
     partial = [decode.decode_jpeg(d, s, box=b, flip=f, fraction=fr) for d, s, b, f, fr in cases]
     assert len(calls) == len(cases)
     monkeypatch.setattr(turbo, "library", lambda: None)
@@ -136,12 +136,26 @@ def test_threads_decode_with_handles_of_their_own():
     whole = _whole(data, d)
     boxes = [(t, l, 100, 150) for t in range(0, 280, 7) for l in range(0, 340, 11)]
 
-    def one(box):
+    def one(box, scratch):
         t, l, h, w = box
-        return np.array_equal(turbo.decode_region(data, d, box), whole[t:t + h, l:l + w])
+        return np.array_equal(turbo.decode_region(data, d, box, scratch=scratch), whole[t:t + h, l:l + w])
 
-    with ThreadPoolExecutor(8) as pool:
-        assert all(pool.map(one, boxes * 3))
+    with ThreadPoolExecutor(8) as pool:  # each thread's scratch buffer too is its own
+        assert all(pool.map(one, boxes * 3, [False, True, True] * len(boxes)))
+
+
+@needs_library
+def test_scratch_decodes_reuse_one_buffer_per_thread_and_grow_for_larger_boxes():
+    data, whole = RECORDS["large"], _whole(RECORDS["large"], 1)
+    first = turbo.decode_region(data, 1, (0, 0, 16, 16), scratch=True)
+    kept = first.copy()
+    assert np.array_equal(kept, whole[:16, :16])
+    second = turbo.decode_region(data, 1, (32, 48, 16, 16), scratch=True)
+    assert np.array_equal(second, whole[32:48, 48:64])
+    assert np.shares_memory(first, second) and not np.array_equal(first, kept)  # the first view was reused
+    big = turbo.decode_region(data, 1, (0, 0) + whole.shape[:2], scratch=True)  # larger than the first buffer
+    assert np.array_equal(big, whole)
+    assert not np.shares_memory(turbo.decode_region(data, 1, (0, 0, 16, 16)), big)  # without scratch: fresh
 
 
 def test_the_environment_variable_turns_partial_decoding_off_or_names_the_library(tmp_path):
@@ -153,6 +167,6 @@ def test_the_environment_variable_turns_partial_decoding_off_or_names_the_librar
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert bad.stdout.strip() == "True"
     if turbo.library() is not None:
-        env[turbo.ENV] = turbo.library()._name
+        env[turbo.ENV] = turbo.library().path
         named = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert named.stdout.strip() == "False"

@@ -15,6 +15,7 @@ the write history, so this is what makes the output byte-identical for any worke
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -210,18 +211,32 @@ class LmdbReader:
         return self.paths[i // self.shard_size] if len(self.paths) > 1 else self.paths[0]
 
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
-        if len(self.paths) == 1:
-            with _env(self.paths[0]).begin(buffers=False) as txn:
-                return [txn.get(key(int(i))) for i in indices]
+        """The records of ``indices``, copied out as ``bytes`` (valid for ever)."""
+        with self._reading(indices, copy=True) as out:
+            return out
+
+    def views(self, indices: Sequence[int]) -> "contextlib.AbstractContextManager[list[memoryview]]":
+        """``with reader.views(indices) as blobs``: the records as read-only views of the memory-mapped
+        stores, valid only inside the block (their read transactions stay open until it ends). No copy:
+        the loader decodes straight from the page cache, and a 30 KB record copied into ``bytes`` costs
+        ~10 us with the GIL held (py-lmdb copies under it), which two loader threads then queue for."""
+        return self._reading(indices, copy=False)
+
+    @contextlib.contextmanager
+    def _reading(self, indices: Sequence[int], copy: bool) -> Iterator[list[Any]]:
         idx = np.asarray(indices, dtype=np.int64)
-        shard = idx // self.shard_size
-        out: list[bytes] = [b""] * len(idx)
-        for s in np.unique(shard).tolist():  # one read transaction per store touched
-            rows = np.flatnonzero(shard == s).tolist()
-            with _env(self.paths[s]).begin(buffers=False) as txn:
+        out: list[Any] = [b""] * len(idx)
+        with contextlib.ExitStack() as txns:
+            if len(self.paths) == 1:
+                groups = [(0, range(len(idx)))]
+            else:
+                shard = idx // self.shard_size
+                groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
+            for s, rows in groups:  # one read transaction per store touched
+                txn = txns.enter_context(_env(self.paths[s]).begin(buffers=not copy))
                 for r in rows:
                     out[r] = txn.get(key(int(idx[r])))
-        return out
+            yield out
 
 
 def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:
