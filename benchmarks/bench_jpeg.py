@@ -12,7 +12,9 @@ Rows, each at 1 and 2 threads:
   224))`` over a .beton holding the very same JPEG records, when installed (FFCV's RRC decoder does not
   flip; fastdata's row does);
 - DALI's CPU pipeline (``DALILoader(device="cpu")``) when installed;
-- the previous path (Pillow draft + Lanczos per record), centre crops only.
+- the previous path (Pillow draft + Lanczos per record), centre crops only;
+- fastdata in 2 processes of 1 loader thread each, run together (after the rounds, best of them): the
+  1 -> 2 scaling this machine gives decoders that share no GIL, against which the threads' is read.
 Peers that are not installed are skipped with a message (see ../shared/PEERS.md). Also the PSNR of
 fastdata's resize filter against Lanczos on the same decoded pixels.
 
@@ -24,7 +26,10 @@ import argparse
 import hashlib
 import io
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -57,6 +62,31 @@ def per_record_rate(records: list[bytes], fn: Callable[[bytes], object], threads
                 list(pool.map(fn, chunk, chunksize=max(1, len(chunk) // threads)))
             return len(records)
         return timed_rate(one_pass, seconds)
+
+
+PROCESS_RUN = """
+import sys, time, torch
+from fastdata.dataset import FastDataset
+from fastdata.loader import FastLoader
+from fastdata.timing import timed_rate
+torch.set_num_threads(1)
+path, kind, start, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+ds = (FastDataset(path, size=%d, crop="random") if kind == "train" else
+      FastDataset(path, size=%d, crop_fraction=%d / %d))
+loader = FastLoader(ds, %d, num_threads=1, prefetch=1)
+sum(len(x) for x, _ in loader)  # warm: page cache, first allocations
+time.sleep(max(0.0, start - time.time()))
+print(timed_rate(lambda: sum(len(x) for x, _ in loader), seconds, warmup=0))
+""" % (SIZE, SIZE, SIZE, STORED, BATCH)
+
+
+def processes_rate(lmdb: Path, kind: str, processes: int, seconds: float) -> float:
+    """Images/s of ``processes`` processes, each a one-thread FastLoader, run at the same time: what the
+    machine gives two decoders that share no GIL (the limit for the 1 -> 2 thread scaling)."""
+    start = time.time() + 8  # after every process has imported and warmed up
+    procs = [subprocess.Popen([sys.executable, "-c", PROCESS_RUN, str(lmdb), kind, str(start), str(seconds)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return sum(float(p.communicate()[0].split()[-1]) for p in procs)
 
 
 def ffcv_rows(records: list[bytes], labels: np.ndarray, scratch: Path, seconds: float) -> dict[str, Rate]:
@@ -190,6 +220,10 @@ def main() -> None:
             for name, r in rates.items():
                 print(f"{name:<48} {r[1]:>10,.0f} {r[2]:>10,.0f} {r[2] / r[1]:>5.2f}x "
                       f"{ours[1] / r[1]:>11.2f}x {ours[2] / r[2]:>10.2f}x")
+            kind = "train" if title.startswith("training") else "centre"
+            two = max(processes_rate(lmdb, kind, 2, args.seconds) for _ in range(args.rounds))
+            print(f"{'fastdata, 2 processes x 1 thread (no shared GIL)':<48} {'':>10} {two:>10,.0f} "
+                  f"{two / ours[1]:>5.2f}x   2 threads / 2 processes: {ours[2] / two:.2f}x")
         psnr = []
         for blob in records[:200]:  # the cheap filter against Lanczos on the very same decoded pixels
             top, left, h, w = decode.center_box(*decode.jpeg_size(blob))
