@@ -207,7 +207,8 @@ def encode_jpeg(img: Union[Image.Image, np.ndarray], quality: int) -> bytes:
 # (copying 30 KB into bytes took ~10 us under the GIL), the box lands in a per-thread scratch buffer, the
 # TurboJPEG calls of a microsecond keep the GIL (PyDLL), and torch is called once to view the pixels and
 # once to resize. Each GIL release lets the other thread in, and getting it back can mean sleeping until
-# that thread releases it: measured on 2 vCPUs, 0.8 such sleeps a record before, 0.45 after.
+# that thread releases it: on 2 vCPUs, 0.8 such sleeps a record before, 0.45 after (voluntary context
+# switches from getrusage around a 2-thread FastLoader, a one-off diagnostic, not a benchmark).
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels

@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 # `turbojpeg` wheel ships libturbojpeg 3 as a shared library (its own Python module is not used), loaded
 # here with ctypes: the decode runs without the GIL (CDLL), calls of a microsecond keep it (PyDLL). Order:
 # FASTDATA_TURBOJPEG (a path, or "0" to turn partial decoding off), that wheel, the system's libturbojpeg
-# if it is version 3. The region's top is put
-# on an iMCU row: libjpeg-turbo 3.0's jpeg_skip_scanlines with merged upsampling got a row wrong (or
-# crashed) when it stopped inside one (tests/test_turbo.py decodes 4,000 random boxes to hold this).
+# if it is version 3. The region's top is put on an iMCU row: libjpeg-turbo 3.0's jpeg_skip_scanlines
+# with merged upsampling got a row wrong (or crashed) when it stopped inside one (tests/test_turbo.py
+# decodes 4,000 random boxes to hold this).
 ENV = "FASTDATA_TURBOJPEG"
 _DECOMPRESS = 1  # TJINIT_DECOMPRESS
 _SUBSAMP, _PRECISION, _COLORSPACE, _FASTUPSAMPLE, _FASTDCT = 4, 7, 8, 9, 10  # TJPARAM_*
