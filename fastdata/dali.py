@@ -32,7 +32,7 @@ from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import open_lmdb
 from .crops import draw_resized_crops
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
-from .decode import decode_jpeg, jpeg_size, looks_like_jpeg
+from .jpeg_read import decode_jpeg, jpeg_size, looks_like_jpeg
 from .manifest import IMAGES_LMDB, load_manifest
 from .sampler import DistributedBatchSampler, SamplerBacked
 

@@ -24,7 +24,7 @@ from .formats import lmdb_store
 from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
 from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
-from .decode import decode_into, jpeg_size
+from .jpeg_read import decode_batch, record_headers
 from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
 from .storage.cache import ShardCache
@@ -440,26 +440,21 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     def _decode_views(self, idx: np.ndarray, blobs: list[memoryview], x: torch.Tensor,
                       draw: Optional[tuple[int, int, int, int]]) -> None:
         assert self._reader is not None and self.size is not None
-        sizes = [jpeg_size(b) for b in blobs]  # each frame header read once, here (a damaged one fails at decode)
-        boxes, flips = self._random_boxes(sizes, draw) if self.crop == "random" else ([None] * len(blobs),
-                                                                                     [False] * len(blobs))
-        rows = x.permute(0, 3, 1, 2).split(1)  # each row as the (1, 3, S, S) view the resize writes
-        for j, blob in enumerate(blobs):
-            try:
-                decode_into(blob, self.size, rows[j], box=boxes[j], flip=flips[j], fraction=self.crop_fraction,
-                            hw=sizes[j])
-            except ImageDecodeError as exc:
-                raise ImageDecodeError(f"{self._reader.path_of(int(idx[j]))}: sample {idx[j]} is not a decodable "
-                                       f"JPEG ({exc}): "
-                                       "run `fastdata verify` on the dataset") from exc
+        heads = record_headers(blobs)  # each frame header read once, here (a damaged one fails at decode)
+        boxes, flips = self._random_boxes(heads[:, :2], draw) if self.crop == "random" else (None, None)
+        try:
+            decode_batch(blobs, self.size, x, heads=heads, boxes=boxes, flips=flips, fraction=self.crop_fraction)
+        except ImageDecodeError as exc:
+            i = int(idx[getattr(exc, "position", 0)])
+            raise ImageDecodeError(f"{self._reader.path_of(i)}: sample {i} is not a decodable JPEG ({exc}): "
+                                   "run `fastdata verify` on the dataset") from exc
 
-    def _random_boxes(self, sizes: list[tuple[int, int]], draw: Optional[tuple[int, int, int, int]]
-                      ) -> tuple[list[Any], list[bool]]:
-        """Boxes over each whole stored image of ``sizes`` (height, width), and the flips, as Python values."""
+    def _random_boxes(self, sizes: np.ndarray, draw: Optional[tuple[int, int, int, int]]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Boxes over each whole stored image of ``sizes`` (``(n, 2)`` heights, widths), and the flips."""
         if draw is None:  # ds[i], DataLoader: torch's generator (seeded per worker by DataLoader)
             draw = (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
-        boxes, flips = draw_resized_crops(draw, np.array(sizes, dtype=np.int64).reshape(-1, 2), self.scale, self.ratio)
-        return [tuple(b) for b in boxes.tolist()], flips.tolist()
+        return draw_resized_crops(draw, sizes, self.scale, self.ratio)
 
     def __getitem__(self, index: Union[int, Indices]) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):

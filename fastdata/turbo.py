@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -138,23 +138,108 @@ def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int],
     None when libturbojpeg 3 is missing or the record is not a plain 8-bit RGB/YCbCr/grey JPEG, is damaged
     (warnings included) or the box does not fit: the caller then decodes the whole image as before.
     ``scratch``: decode into this thread's reusable buffer (no allocation, and memory the resize then reads
-    from cache); the view is valid only until this thread's next ``scratch`` decode."""
+    from cache); the view is valid only until this thread's next ``scratch`` decode. The loader decodes a
+    batch with :func:`decode_regions`, which reads each frame's facts from the caller (jpeg_read.record_headers)."""
     lib = library()
     if lib is None:
         return None
     state = _local.__dict__
+    h = _handle(lib, state)
+    data, size = _address(data)
+    if lib.tj3DecompressHeader(h, data, size) != 0:
+        return _refused(lib, state)
+    subsamp = lib.tj3Get(h, _SUBSAMP)
+    if (lib.tj3Get(h, _COLORSPACE) not in _READABLE_COLORSPACES or lib.tj3Get(h, _PRECISION) != 8
+            or not 0 <= subsamp < len(_MCU_WIDTH)):
+        return None
+    plan = aligned_regions(np.array(box), denominator, _MCU_HEIGHT[subsamp], _MCU_WIDTH[subsamp])[0].tolist()
+    out, address = _buffer(state if scratch else None, plan[4], plan[3])
+    if not _decompress(lib, h, data, size, plan, address):
+        return _refused(lib, state)
+    return out[plan[5]:, plan[6]:]
+
+
+def aligned_regions(boxes: np.ndarray, denominators: np.ndarray, mcu_heights: np.ndarray,
+                    mcu_widths: np.ndarray) -> np.ndarray:
+    """What TurboJPEG is asked to decode for each of ``boxes`` (``(n, 4)`` top, left, height, width in the
+    image scaled by ``1/denominators``) of images whose iMCU is ``mcu_heights`` x ``mcu_widths`` at full
+    scale: int64 ``(n, 7)`` rows ``(denominator, x0, y0, width, height, top, left)``, the region widened
+    left and up to the scaled iMCU grid, and where the box starts inside it."""
+    # The region's left edge must sit on a scaled iMCU column; its top is put on a scaled iMCU row too:
+    # libjpeg-turbo 3.0's jpeg_skip_scanlines with merged (fast) upsampling gave a wrong row, and could
+    # crash, when it skipped to a row inside an iMCU (seen in 1 of ~2,000 random boxes).
+    top, left, bh, bw = np.asarray(boxes, dtype=np.int64).reshape(-1, 4).T
+    d = np.asarray(denominators, dtype=np.int64)
+    mh = np.maximum(1, -(-np.asarray(mcu_heights, dtype=np.int64) // d))
+    mw = np.maximum(1, -(-np.asarray(mcu_widths, dtype=np.int64) // d))
+    y0, x0 = top - top % mh, left - left % mw
+    return np.stack(np.broadcast_arrays(d, x0, y0, bw + left - x0, bh + top - y0, top - y0, left - x0), axis=1)
+
+
+def decode_regions(blobs: Sequence, plan: np.ndarray) -> Iterator[tuple[int, np.ndarray | None]]:
+    """Decode a batch's boxes, one record at a time into this thread's scratch buffer: for each row ``j`` of
+    ``plan`` (int, ``(n, 7)``: :func:`aligned_regions`, a denominator of 0 to leave the record out)
+    yield ``j`` and the box's ``(height, width, 3)`` pixels, valid until the next item is asked for, or None
+    where TurboJPEG refused the record. The caller has checked each frame (8-bit, grey or 3 components,
+    a subsampling TurboJPEG knows) and sized the plan: nothing is asked of the library but the decode,
+    and the Python run per record under the GIL is a few calls long (NOTE [jpeg read path] in decode.py)."""
+    lib = library()
+    if lib is None:
+        for j in np.flatnonzero(plan[:, 0]).tolist():
+            yield j, None
+        return
+    state = _local.__dict__
+    rows = np.flatnonzero(plan[:, 0])
+    if not len(rows):
+        return
+    need = plan[rows, 3] * plan[rows, 4] * 3
+    _buffer(state, 1, int(need.max()) // 3)  # grown once for the batch's largest region
+    scratch = state["scratch"]
+    h, address = _handle(lib, state), state["scratch_ptr"]
+    for j, p in zip(rows.tolist(), plan[rows].tolist()):
+        data, size = _address(blobs[j])
+        if not _decompress(lib, h, data, size, p, address):
+            _refused(lib, state)
+            h = _handle(lib, state)
+            yield j, None
+            continue
+        _, _, _, width, height, top, left = p
+        yield j, scratch[:width * height * 3].reshape(height, width, 3)[top:, left:]
+
+
+_SCALES = {d: _Scale(1, d) for d in (1, 2, 4, 8)}
+
+
+def _decompress(lib: _Lib, h: int, data: bytes | int, size: int, plan: Sequence[int], address: int) -> bool:
+    """Decode ``plan``'s region (a row of :func:`aligned_regions`) of one record into ``address``; False when refused."""
+    d, x0, y0, width, height = plan[:5]
+    return not (lib.tj3DecompressHeader(h, data, size)
+                or lib.tj3SetCroppingRegion(h, _UNCROPPED)  # an earlier image's region could refuse the scale
+                or lib.tj3SetScalingFactor(h, _SCALES.get(d) or _Scale(1, d))
+                or lib.tj3SetCroppingRegion(h, _Region(x0, y0, width, height))  # checks it against the image
+                or lib.tj3Decompress8(h, data, size, address, width * 3, _RGB))
+
+
+def _handle(lib: _Lib, state: dict) -> int:
     handle = state.get("handle")
     if handle is None:
         handle = state["handle"] = _Handle(lib)
-    if isinstance(data, bytes):  # ctypes passes the bytes' own buffer
-        out = _decode(lib, handle.ptr, data, len(data), denominator, box, state if scratch else None)
-    else:  # any other buffer (an LMDB record's view of the page cache) by its address: no copy
-        src = np.frombuffer(data, np.uint8)  # held while the decoder reads from it
-        out = _decode(lib, handle.ptr, src.ctypes.data, src.nbytes, denominator, box, state if scratch else None)
-    if out is None:  # after an error a handle can stay broken (a bad Huffman table fails every later header)
-        log.debug("partial decode refused: %s", lib.tj3GetErrorStr(handle.ptr))
-        del state["handle"]
-    return out
+    return handle.ptr
+
+
+def _refused(lib: _Lib, state: dict) -> None:
+    """After an error a handle can stay broken (a bad Huffman table fails every later header): drop it."""
+    log.debug("partial decode refused: %s", lib.tj3GetErrorStr(state["handle"].ptr))
+    del state["handle"]
+
+
+def _address(data: bytes | memoryview) -> tuple[bytes | int, int]:
+    """What ctypes passes for ``data``: bytes as they are, any other buffer (an LMDB record's view of the
+    page cache) by its address, no copy; and its length."""
+    if isinstance(data, bytes):
+        return data, len(data)
+    src = np.frombuffer(data, np.uint8)  # the caller holds ``data`` while the decoder reads from it
+    return src.ctypes.data, src.nbytes
 
 
 def _buffer(state: dict | None, height: int, width: int) -> tuple[np.ndarray, int]:
@@ -164,33 +249,7 @@ def _buffer(state: dict | None, height: int, width: int) -> tuple[np.ndarray, in
         return out, out.ctypes.data
     n = height * width * 3
     buf = state.get("scratch")
-    if buf is None or buf.size < n:  # grown to the largest box seen; a 256-short-side record needs ~260 KB
+    if buf is None or buf.size < n:  # grown to the largest region seen; a 256-short-side record needs ~260 KB
         buf = state["scratch"] = np.empty(max(n, 1 << 18), np.uint8)
         state["scratch_ptr"] = buf.ctypes.data
     return buf[:n].reshape(height, width, 3), state["scratch_ptr"]
-
-
-def _decode(lib: _Lib, h: int, data: bytes | int, size: int, denominator: int, box: tuple[int, int, int, int],
-            scratch: dict | None) -> np.ndarray | None:
-    if lib.tj3DecompressHeader(h, data, size) != 0:
-        return None
-    subsamp = lib.tj3Get(h, _SUBSAMP)
-    if (lib.tj3Get(h, _COLORSPACE) not in _READABLE_COLORSPACES or lib.tj3Get(h, _PRECISION) != 8
-            or not 0 <= subsamp < len(_MCU_WIDTH)):
-        return None
-    lib.tj3SetCroppingRegion(h, _UNCROPPED)  # an earlier image's region could refuse the new scale
-    if lib.tj3SetScalingFactor(h, _Scale(1, denominator)) != 0:
-        return None
-    top, left, bh, bw = box
-    # The region's left edge must sit on a scaled iMCU column; its top is put on a scaled iMCU row too:
-    # libjpeg-turbo 3.0's jpeg_skip_scanlines with merged (fast) upsampling gave a wrong row, and could
-    # crash, when it skipped to a row inside an iMCU (seen in 1 of ~2,000 random boxes).
-    mcu_w, mcu_h = (-(-m[subsamp] // denominator) for m in (_MCU_WIDTH, _MCU_HEIGHT))
-    x0, y0 = left - left % mcu_w, top - top % mcu_h
-    width, height = bw + left - x0, bh + top - y0
-    if lib.tj3SetCroppingRegion(h, _Region(x0, y0, width, height)) != 0:  # checks the box against the image
-        return None
-    out, address = _buffer(scratch, height, width)
-    if lib.tj3Decompress8(h, data, size, address, width * 3, _RGB) != 0:
-        return None
-    return out[top - y0:, left - x0:]

@@ -7,7 +7,7 @@ from PIL import Image
 
 from conftest import quadrants, save_with_orientation
 from fastdata.errors import ImageDecodeError
-from fastdata import decode
+from fastdata import decode, jpeg_read
 
 
 def px(path, size=16, mode="squash"):
@@ -111,7 +111,7 @@ def test_lmdb_record_keeps_aspect_and_caps_shorter_side(tmp_path):
     assert img.format == "JPEG" and img.mode == "RGB" and img.size == (150, 100)
     _halves(60, 40).save(tmp_path / "small.png")
     assert Image.open(io.BytesIO(decode.load_jpeg(tmp_path / "small.png", 100, 90))).size == (60, 40)  # no upscale
-    arr = decode.decode_jpeg(decode.load_jpeg(tmp_path / "h.png", 100, 90), 64)
+    arr = jpeg_read.decode_jpeg(decode.load_jpeg(tmp_path / "h.png", 100, 90), 64)
     assert arr.shape == (64, 64, 3) and np.abs(arr[:, :20].astype(int) - (200, 0, 0)).max() < 20
 
 
@@ -120,7 +120,7 @@ def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
 
     from PIL import Image
 
-    from fastdata.decode import jpeg_size
+    from fastdata.jpeg_read import jpeg_size
 
     cases = [("RGB", (123, 45), {}), ("RGB", (45, 123), {"progressive": True}), ("L", (64, 7), {}),
              ("RGB", (300, 200), {"exif": Image.Exif(), "icc_profile": b"\0" * 3000})]

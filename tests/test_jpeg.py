@@ -79,7 +79,7 @@ def test_a_record_at_its_stored_size_is_the_fast_decode_cut_and_pillow_agrees(mo
     from PIL import Image
 
     from fastdata import turbo
-    from fastdata.decode import decode_jpeg
+    from fastdata.jpeg_read import decode_jpeg
 
     data = _record()
     left = (341 - 256) // 2
@@ -96,13 +96,13 @@ def test_the_eval_crop_fraction_cuts_the_centre_224_of_a_256_record_without_resa
     import numpy as np
     from PIL import Image
 
-    from fastdata import decode
+    from fastdata import jpeg_read
 
     data = _record()
-    assert decode.center_box(256, 341, 224 / 256) == (16, 58, 224, 224)
-    assert np.array_equal(decode.decode_jpeg(data, 224, fraction=224 / 256), _fast(data)[16:240, 58:282])
+    assert jpeg_read.center_box(256, 341, 224 / 256) == (16, 58, 224, 224)
+    assert np.array_equal(jpeg_read.decode_jpeg(data, 224, fraction=224 / 256), _fast(data)[16:240, 58:282])
     # the whole short side at 224: a full decode, resized (7/8 DCT scaling is slower: see NOTE [jpeg read path])
-    out = decode.decode_jpeg(data, 224)
+    out = jpeg_read.decode_jpeg(data, 224)
     lanczos = Image.fromarray(np.ascontiguousarray(_fast(data)[:, 42:298])).resize((224, 224), Image.LANCZOS)
     assert _psnr(out, np.asarray(lanczos)) > 38  # the cheap filter against Lanczos on the same pixels
 
@@ -112,22 +112,22 @@ def test_dct_scaling_is_used_only_at_half_or_less_and_keeps_the_geometry():
 
     import numpy as np
 
-    from fastdata import decode
+    from fastdata import decode, jpeg_read
 
-    assert decode.dct_denominator(256, 341, 224) == 1  # 7/8 would fit but is slower than a full decode
-    assert decode.dct_denominator(450, 450, 224) == 2 and decode.dct_denominator(450, 600, 100) == 4
-    assert decode.dct_denominator(900, 900, 100) == 8 and decode.dct_denominator(100, 900, 100) == 1
+    assert jpeg_read.dct_denominator(256, 341, 224) == 1  # 7/8 would fit but is slower than a full decode
+    assert jpeg_read.dct_denominator(450, 450, 224) == 2 and jpeg_read.dct_denominator(450, 600, 100) == 4
+    assert jpeg_read.dct_denominator(900, 900, 100) == 8 and jpeg_read.dct_denominator(100, 900, 100) == 1
     data = _record(600, 450)
-    assert decode.turbo_decode(data, 4).shape == (113, 150, 3)  # libjpeg rounds scaled sizes up
+    assert jpeg_read.turbo_decode(data, 4).shape == (113, 150, 3)  # libjpeg rounds scaled sizes up
     halves = np.zeros((450, 600, 3), np.uint8)
     halves[:, 300:] = (0, 0, 255)  # left black, right blue: the centre square's halves stay halves
     sharp = _jpeg(halves)
     for size in (100, 160, 300, 500):  # 1/4 + resize, 1/2 + resize, full + resize, an upscale
-        out = decode.decode_jpeg(data, size)
+        out = jpeg_read.decode_jpeg(data, size)
         assert out.shape == (size, size, 3) and out.dtype.name == "uint8" and out.flags.c_contiguous
         # PSNR against the old Pillow draft + Lanczos path on noisy synthetic content (RESULTS.md has the table)
         assert _psnr(out, decode.load_array(io.BytesIO(data), size, "center-crop")) > 20, size
-        h = decode.decode_jpeg(sharp, size).astype(int)
+        h = jpeg_read.decode_jpeg(sharp, size).astype(int)
         q = size // 8
         assert h[:, : 3 * q].max() < 40 and (h[:, -3 * q:, 2] > 215).all() and h[:, -3 * q:, :2].max() < 40
 
@@ -137,7 +137,7 @@ def test_a_box_is_resized_with_antialiased_bilinear_and_mirrored():
     import torch
     import torch.nn.functional as F
 
-    from fastdata.decode import decode_jpeg
+    from fastdata.jpeg_read import decode_jpeg
 
     data = _record()
     box = (10, 20, 200, 150)  # top, left, height, width in stored pixels
@@ -145,6 +145,11 @@ def test_a_box_is_resized_with_antialiased_bilinear_and_mirrored():
     ref = F.interpolate(crop, size=(96, 96), mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
     assert np.array_equal(decode_jpeg(data, 96, box=box), ref)  # box < 2x the output: a full decode
     assert np.array_equal(decode_jpeg(data, 96, box=box, flip=True), ref[:, ::-1])
+    rng = np.random.default_rng(0)  # mirrored before the resize: exactly the resized box mirrored, any geometry
+    for _ in range(40):
+        h, w = int(rng.integers(20, 256)), int(rng.integers(20, 341))
+        b, size = (int(rng.integers(0, 257 - h)), int(rng.integers(0, 342 - w)), h, w), int(rng.integers(16, 300))
+        assert np.array_equal(decode_jpeg(data, size, box=b, flip=True), decode_jpeg(data, size, box=b)[:, ::-1])
     small = F.interpolate(crop, size=(64, 64), mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
     assert _psnr(decode_jpeg(data, 64, box=box), small) > 30  # box >= 2x: decoded at 1/2, the same picture
     exact = (5, 7, 64, 64)  # a box of the output size: a cut, mirrored when asked
@@ -162,7 +167,7 @@ def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
     import numpy as np
     from PIL import Image
 
-    from fastdata.decode import decode_jpeg
+    from fastdata.jpeg_read import decode_jpeg
 
     gray = np.zeros((80, 120), np.uint8)
     gray[:, 60:] = 200
@@ -179,7 +184,7 @@ def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
 
 @pytest.mark.parametrize("damage", ["cut", "zeros"])
 def test_a_damaged_record_is_an_image_decode_error(damage):
-    from fastdata.decode import decode_jpeg
+    from fastdata.jpeg_read import decode_jpeg
     from fastdata.errors import ImageDecodeError
 
     data = _record()
@@ -191,7 +196,7 @@ def test_a_damaged_record_is_an_image_decode_error(damage):
 def test_decoding_into_a_batch_row_gives_the_same_pixels():
     import numpy as np
 
-    from fastdata.decode import decode_jpeg
+    from fastdata.jpeg_read import decode_jpeg
 
     data = _record()
     for size in (224, 100):  # a resize of the full decode, and of a 1/2-scale square
@@ -243,7 +248,7 @@ def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
 
     from fastdata.crops import draw_resized_crops
     from fastdata.dataset import FastDataset
-    from fastdata.decode import decode_jpeg, jpeg_size
+    from fastdata.jpeg_read import decode_jpeg, jpeg_size
     from fastdata.formats.lmdb_store import open_lmdb
     from fastdata.loader import FastLoader
 
@@ -352,7 +357,7 @@ def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_pa
 def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_datasets):
     import json
 
-    from fastdata.decode import looks_like_jpeg
+    from fastdata.jpeg_read import looks_like_jpeg
     from fastdata.formats.lmdb_store import open_lmdb
 
     root = indexed_datasets["lmdb"]
@@ -368,7 +373,7 @@ def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_
 
 
 def test_the_end_marker_screen_reads_any_buffer_and_allows_zero_padding():
-    from fastdata.decode import looks_like_jpeg
+    from fastdata.jpeg_read import looks_like_jpeg
 
     data = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
     for pad in (0, 10, 100):  # padding past the 64 bytes looked at first

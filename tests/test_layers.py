@@ -12,7 +12,7 @@ ROOT = Path(fastdata.__file__).parent
 # -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
 LAYERS = [
     ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed", "fastdata.turbo"],
-    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.tokenizer", "fastdata.models",
+    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.jpeg_read", "fastdata.tokenizer", "fastdata.models",
      "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
     ["fastdata.storage", "fastdata.preprocess"],
     ["fastdata.field_store", "fastdata.dataset", "fastdata.splits", "fastdata.token_dataset"],
