@@ -54,12 +54,18 @@ Rate = Callable[[int], float]  # threads -> images/s
 
 
 def per_record_rate(records: list, fn: Callable[..., object], threads: int, seconds: float) -> float:
-    """Images/s of ``fn(record)`` over every record (or record index), in batches of BATCH spread over ``threads`` threads."""
+    """Images/s of ``fn(item)`` over every item (a record, or its index) on ``threads`` threads, each taking
+    whole batches of BATCH in turn as FastLoader's threads do (no per-record task: a thread pool's
+    bookkeeping for each record would hold the GIL longer than the loader does)."""
     chunks = [records[i:i + BATCH] for i in range(0, len(records), BATCH)]
+
+    def batch(chunk: list) -> None:
+        for item in chunk:
+            fn(item)
+
     with ThreadPoolExecutor(threads) as pool:
         def one_pass() -> int:
-            for chunk in chunks:
-                list(pool.map(fn, chunk, chunksize=max(1, len(chunk) // threads)))
+            list(pool.map(batch, chunks))
             return len(records)
         return timed_rate(one_pass, seconds)
 

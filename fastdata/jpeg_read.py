@@ -1,6 +1,6 @@
 """Decode a batch of LMDB records straight into the rows of a batch: the box of each (the centre square, or a
 random-resized crop decided before decoding) at the cheapest libjpeg scale, resized once (NOTE [jpeg read
-path]). The loader's per-record path; preprocessing's decoding is in decode.py.
+path]). The loader's decode path; preprocessing's is in decode.py.
 """
 from __future__ import annotations
 

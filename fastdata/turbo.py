@@ -134,12 +134,12 @@ _UNCROPPED = _Region(0, 0, 0, 0)
 def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int], *, scratch: bool = False
                   ) -> np.ndarray | None:
     """The pixels of ``box`` (top, left, height, width in the image decoded at scale ``1/denominator``) as a
-    ``(height, width, 3)`` uint8 view, decoded with the fast modes of NOTE [jpeg read path] in decode.py;
+    ``(height, width, 3)`` uint8 view, decoded with the fast modes of NOTE [jpeg read path] in jpeg_read.py;
     None when libturbojpeg 3 is missing or the record is not a plain 8-bit RGB/YCbCr/grey JPEG, is damaged
     (warnings included) or the box does not fit: the caller then decodes the whole image as before.
     ``scratch``: decode into this thread's reusable buffer (no allocation, and memory the resize then reads
-    from cache); the view is valid only until this thread's next ``scratch`` decode. The loader decodes a
-    batch with :func:`decode_regions`, which reads each frame's facts from the caller (jpeg_read.record_headers)."""
+    from cache); the view is valid only until this thread's next ``scratch`` decode. The loader decodes
+    whole batches with :func:`decode_regions` instead, with each frame checked by the caller."""
     lib = library()
     if lib is None:
         return None
@@ -182,16 +182,13 @@ def decode_regions(blobs: Sequence, plan: np.ndarray) -> Iterator[tuple[int, np.
     yield ``j`` and the box's ``(height, width, 3)`` pixels, valid until the next item is asked for, or None
     where TurboJPEG refused the record. The caller has checked each frame (8-bit, grey or 3 components,
     a subsampling TurboJPEG knows) and sized the plan: nothing is asked of the library but the decode,
-    and the Python run per record under the GIL is a few calls long (NOTE [jpeg read path] in decode.py)."""
+    and the Python run per record under the GIL is a few calls long (NOTE [jpeg read path] in jpeg_read.py).
+    Without libturbojpeg 3 it yields nothing: the caller decodes every record the whole-image way."""
     lib = library()
-    if lib is None:
-        for j in np.flatnonzero(plan[:, 0]).tolist():
-            yield j, None
+    rows = np.flatnonzero(plan[:, 0])
+    if lib is None or not len(rows):
         return
     state = _local.__dict__
-    rows = np.flatnonzero(plan[:, 0])
-    if not len(rows):
-        return
     need = plan[rows, 3] * plan[rows, 4] * 3
     _buffer(state, 1, int(need.max()) // 3)  # grown once for the batch's largest region
     scratch = state["scratch"]
@@ -211,7 +208,8 @@ _SCALES = {d: _Scale(1, d) for d in (1, 2, 4, 8)}
 
 
 def _decompress(lib: _Lib, h: int, data: bytes | int, size: int, plan: Sequence[int], address: int) -> bool:
-    """Decode ``plan``'s region (a row of :func:`aligned_regions`) of one record into ``address``; False when refused."""
+    """Decode ``plan``'s region (a row of :func:`aligned_regions`) of one record into ``address``; False
+    when TurboJPEG refuses it."""
     d, x0, y0, width, height = plan[:5]
     return not (lib.tj3DecompressHeader(h, data, size)
                 or lib.tj3SetCroppingRegion(h, _UNCROPPED)  # an earlier image's region could refuse the scale
