@@ -9,6 +9,7 @@ import struct
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+from PIL import Image
 
 from . import turbo
 from .decode import FULL_SIZE, open_rgb
@@ -210,8 +211,16 @@ def region_plan(heads: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
     d = dct_denominators(boxes[:, 2], boxes[:, 3], size)
     scaled = _scaled_boxes(boxes, heads[:, :2], -(-heads[:, :2] // d[:, None]))  # libjpeg: ceil(side / d)
     plan = turbo.aligned_regions(scaled, d, mcu_h, mcu_w)
-    plan[(mcu_h == 0) | (H == 0) | (W == 0), 0] = 0
+    plan[(mcu_h == 0) | (H == 0) | (W == 0) | (H * W > _bomb_limit()), 0] = 0
     return plan
+
+
+def _bomb_limit() -> float:
+    """Pillow's decompression-bomb limit in pixels (twice ``MAX_IMAGE_PIXELS``, where it refuses). A damaged
+    header can claim 65535 x 65535: decoding that would write gigabytes before failing, and simplejpeg has
+    no limit of its own, so such a record goes to Pillow, which refuses it (an ImageDecodeError)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return float("inf") if limit is None else 2 * limit
 
 
 def _decode_whole(data: bytes, size: int, row: "torch.Tensor", box: Box | None, flip: bool, fraction: float,
@@ -223,7 +232,7 @@ def _decode_whole(data: bytes, size: int, row: "torch.Tensor", box: Box | None, 
     if box is None and hw != (0, 0):
         box = center_box(*hw, fraction)
     src = None
-    if box is not None and hw != (0, 0):
+    if box is not None and hw != (0, 0) and hw[0] * hw[1] <= _bomb_limit():
         arr = turbo_decode(data, dct_denominator(box[2], box[3], size))
         src = None if arr is None else _cut(arr, box, hw)
     if src is None:

@@ -381,3 +381,22 @@ def test_the_end_marker_screen_reads_any_buffer_and_allows_zero_padding():
             assert looks_like_jpeg(buf)
     for bad in (data[:-2], data[:-1] + bytes(100), b"\xff\xd9" + data[2:], bytes(8), b"\xff\xd8"):
         assert not looks_like_jpeg(memoryview(bad)) and not looks_like_jpeg(bad)
+
+
+def test_a_header_claiming_a_huge_image_is_refused_before_anything_is_decoded():
+    import struct
+
+    import numpy as np
+    import pytest
+
+    from fastdata.errors import ImageDecodeError
+    from fastdata.jpeg_read import decode_jpeg, jpeg_header
+
+    data = bytearray(_record())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", 60000, 60000)  # a damaged frame header: 3.6 gigapixels
+    assert jpeg_header(bytes(data))[:2] == (60000, 60000)
+    for box in (None, (0, 0, 300, 300), (0, 0, 60000, 60000)):  # centre crop, a small box, the whole image
+        with pytest.raises(ImageDecodeError, match="exceeds limit|decompression bomb"):
+            decode_jpeg(bytes(data), 224, box=box)
+    assert np.array_equal(decode_jpeg(_record(), 224), decode_jpeg(_record(), 224))  # the handle still works
