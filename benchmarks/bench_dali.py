@@ -3,29 +3,34 @@
 Rows: DALILoader (nvJPEG on the GPU with device "mixed" when CUDA is there, DALI's CPU decoder otherwise),
 FastLoader over FastDataset's LMDB CPU-decode path (Pillow with draft, all cores as threads), and a torch
 DataLoader + Pillow over the original JPEG files (all cores as worker processes). Evaluation transforms
-(shorter side to --size, centre crop), batch 64. On a GPU also ResNet-50 training images/s (bf16,
-channels_last, batch --train-batch) fed by each in training mode (random-resized-crop + flip: DALI's own,
-the CUDAPrefetcher's GPU transforms over FastDataset's decode; the plain DataLoader keeps its per-sample
-Pillow centre crop, the cheapest recipe), beside the same model on synthetic data already on the GPU (the
-ceiling).
+(shorter side to --size, centre crop), batch 64. On a GPU also training crops (random-resized-crop + flip:
+DALI's own in nvJPEG's decode, FastDataset's at decode time on the CPU): images/s with no model, then
+ResNet-50 (bf16, channels_last, batch --train-batch) fed by each through the Trainer, with the Trainer's own
+data stall %, beside the same model on synthetic data already on the GPU (the ceiling); then GPU memory and
+host RSS over --memory-iters DALILoader batches (DALI's users report growth). The DataLoader + Pillow
+recipe's stall is bench_gpu.py's.
 
-    python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto]
+    python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import fastdata
-from fastdata.timing import ModelStep, full_pipeline, timed_rate
+from fastdata.models import create_model
+from fastdata.timing import ModelStep, sync, timed_rate
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig
 from fastdata.dataset import FastDataset
-from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
@@ -45,7 +50,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--train-batch", type=int, default=256)
-    ap.add_argument("--train-seconds", type=float, default=20.0)
+    ap.add_argument("--train-seconds", type=float, default=20.0, help="seconds of the synthetic-data ceiling")
+    ap.add_argument("--train-steps", type=int, default=60, help="measured Trainer steps per feed")
+    ap.add_argument("--memory-iters", type=int, default=1000)
+    ap.add_argument("--json", type=Path, help="write every number here too")
+    ap.add_argument("--smoke", action="store_true", help="the training rows on the CPU too: checks the script")
     args = ap.parse_args()
     device = resolve_device(args.device).type
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-dali-"))
@@ -70,42 +79,108 @@ def main() -> None:
         base = list(rows.values())[2]
         print(f"vs DataLoader + Pillow: DALI {list(rows.values())[0] / base:.2f}x, FastDataset CPU decode "
               f"{list(rows.values())[1] / base:.2f}x")
-        if device == "cuda":
-            training_rates(scratch, files, args)
+        out = {"device": torch.cuda.get_device_name() if device == "cuda" else device,
+               "dali": __import__("nvidia.dali", fromlist=["__version__"]).__version__, "torch": torch.__version__,
+               "cores": cores, "eval_images_per_s": rows}
+        if device == "cuda" or args.smoke:
+            out.update(training_rates(scratch, files, args, device))
+            out["dali_images_per_s"] = out.get("dali_images_per_s")
+            out["dali_stall_pct_resnet50_224"] = out.get(f"dali_stall_pct_resnet50_{args.size}")
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, device: str = "cuda") -> None:
-    """ResNet-50 training images/s fed by each loader in training mode, against synthetic data on ``device``."""
+def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
+    """Training crops at ``--size``: images/s of DALI and of FastDataset's decode-time crops with no model,
+    then ResNet-50 (bf16, channels_last, batch ``--train-batch``) fed by each through the Trainer (its own
+    ``data_stall_pct``), beside the same model on synthetic data on ``device`` (the ceiling); then GPU memory
+    and host RSS over ``--memory-iters`` DALI batches."""
     from fastdata.dali import DALILoader
 
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
+    feeds = {
+        "dali": lambda: DALILoader(scratch / "lmdb", b, size=size, train=True, dtype=dtype, num_threads=cores,
+                                   device=device),
+        "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "lmdb", size=size, crop="random"), b,
+                                                      num_threads=cores), device, dtype=dtype),
+    }
+    names = {"dali": "DALI (nvJPEG mixed decode, crops in the decoder)" if device == "cuda" else "DALI (CPU)",
+             "fastdata": f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"}
+    out: dict[str, Any] = {}
+    gpu = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"training crops at {size}, batch {b}, no model, {gpu}:")
+    for key, make in feeds.items():
+        r = rate(lambda it=make(): it, args.seconds)
+        out[f"{key}_images_per_s"] = r
+        print(f"  {names[key]:<62} {r:>8,.0f} images/s")
     net = ModelStep("resnet50", 8, torch.device(device))
     x = torch.randn(b, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 8, (b,), device=device)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
-    aug = Compose([RandomResizedCrop(size), RandomHorizontalFlip()])
-    labels = [i // (len(files) // 8) for i in range(len(files))]
-    feeds = {
-        "DALI (nvJPEG mixed decode, crops in the decoder)": DALILoader(
-            scratch / "lmdb", b, size=size, train=True, dtype=dtype, num_threads=cores, device=device),
-        f"FastDataset LMDB CPU decode + CUDAPrefetcher ({cores} threads)": CUDAPrefetcher(
-            FastLoader(FastDataset(scratch / "lmdb", size=256), b, num_threads=cores), device,
-            dtype=dtype, transforms=aug),
-        f"DataLoader + Pillow + pin_memory ({cores} workers)": CUDAPrefetcher(
-            torch.utils.data.DataLoader(PillowFolder(files, labels, size), b, shuffle=True, num_workers=cores,
-                                        pin_memory=device == "cuda", persistent_workers=True), device,
-            dtype=dtype),
-    }
     ceiling = timed_rate(lambda: (net.step(x, y), b)[1], args.train_seconds)
-    gpu = torch.cuda.get_device_name() if device == "cuda" else device
-    print(f"ResNet-50@{size}, batch {b}, {'bf16' if device == 'cuda' else 'fp32'}, channels_last, {gpu}:")
-    print(f"  {'synthetic data on the GPU (ceiling)':<58} {ceiling:>8,.0f} images/s")
-    for name, feed in feeds.items():
-        r, wait = full_pipeline(feed, net, args.train_seconds)
-        print(f"  {name:<58} {r:>8,.0f} images/s  {r / ceiling:>6.1%} of the ceiling, waiting {wait:.0f}% of the time")
+    out["ceiling_resnet50_images_per_s"] = ceiling
+    print(f"ResNet-50@{size}, batch {b}, {'bf16' if device == 'cuda' else 'fp32'}, channels_last, {gpu} "
+          f"(data stall: the Trainer's own):")
+    print(f"  {'synthetic data on the GPU (ceiling)':<62} {ceiling:>8,.0f} images/s")
+    for key, make in feeds.items():
+        model, loader = create_model("resnet50", num_classes=8), make()
+        train_run(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
+        r = train_run(model, loader, b, args.train_steps, device)
+        out[f"{key}_train_images_per_s"], out[f"{key}_stall_pct_resnet50_{size}"] = r
+        print(f"  {names[key]:<62} {r[0]:>8,.0f} images/s  {r[0] / ceiling:>6.1%} of the ceiling, data stall "
+              f"{r[1]:.1f}%")
+    out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)
+    mem = out["dali_memory"]
+    print(f"{mem['iterations']:,} DALILoader batches: GPU memory in use {mem['gpu_used_100'] / 2**20:,.0f} -> "
+          f"{mem['gpu_used_end'] / 2**20:,.0f} MiB (device-wide: DALI allocates outside torch), torch max allocated "
+          f"{mem['torch_max_allocated_100'] / 2**20:,.0f} -> {mem['torch_max_allocated_end'] / 2**20:,.0f} MiB, "
+          f"host RSS {mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
+    return out
+
+
+def train_run(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> tuple[float, float]:
+    """``steps`` Trainer steps: images/s and the Trainer's data stall %."""
+    cfg = TrainConfig(max_steps=steps, amp="bf16" if device == "cuda" else "none", lr=0.01, schedule="constant",
+                      device=device, progress=False, log_every=max(1, steps // 4), val_every=0)
+    trainer = Trainer(model, loader, config=cfg)
+    end = trainer.fit()[-1]
+    trainer.close()
+    return steps * batch / end["time_s"], end["data_stall_pct"]
+
+
+def memory_flat(loader: Any, iters: int, device: str) -> dict[str, Any]:
+    """Device memory in use (DALI's allocations included), torch's peak and host RSS after 100 and after
+    ``iters`` batches of ``loader`` (epochs repeated)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    cuda = device == "cuda"
+
+    def mark() -> dict[str, int]:
+        sync()
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+        free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
+        return {"gpu_used": total - free, "torch_max_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
+                "rss": rss}
+
+    seen, marks = 0, {}
+    while seen < iters:
+        for _ in loader:
+            seen += 1
+            if seen in (100, iters):
+                marks[seen] = mark()
+                if seen == 100 and cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            if seen >= iters:
+                break
+    out: dict[str, Any] = {"iterations": iters}
+    for k in ("gpu_used", "torch_max_allocated", "rss"):
+        out[f"{k}_100"], out[f"{k}_end"] = marks[100][k], marks[iters][k]
+    out["rss_growth_mb"] = (out["rss_end"] - out["rss_100"]) / 2 ** 20
+    out["gpu_used_growth_mb"] = (out["gpu_used_end"] - out["gpu_used_100"]) / 2 ** 20
+    return out
 
 
 if __name__ == "__main__":

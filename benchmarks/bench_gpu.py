@@ -1,108 +1,326 @@
-"""GPU feeding, one run: H2D bandwidth and training steps/s with each way of feeding the model.
+"""GPU feeding, one run: every number of the GPU acceptance (issue 15) that needs no DALI, with its limit.
 
-1. Host-to-device copy of 256 MiB: pinned vs pageable (the physical limit), and the effective bandwidth
-   of FastLoader + CUDAPrefetcher with no model (uint8 batches in, normalised bf16 on the GPU out).
-2. ResNet-50 at 224 and ResNet-18 at 112 (fastdata.models, bf16 autocast, channels_last), training steps/s
-   fed by (a) synthetic data already on the GPU (the ceiling), (b) FastLoader + CUDAPrefetcher
-   (RandomResizedCrop + flip on the GPU), (c) storage="cuda" + GPU transforms, (d) torch DataLoader +
-   Pillow (decode, resize, centre crop per sample) + pin_memory, all cores. Data stall = 1 - b/a.
-Targets (issue 5, H100): stall <= 1% for ResNet-50@224, <= 5% for ResNet-18@112; prefetcher H2D >= 0.9x
-pinned. Needs a CUDA GPU; on a CPU-only machine it says so and exits.
+1. H2D: a pinned ``non_blocking`` copy of one batch's bytes (the physical limit, measured here) against
+   FastLoader + CUDAPrefetcher with no model (uint8 batches in, normalised bf16 on the GPU out).
+2. Data stall, the Trainer's own ``data_stall_pct`` (CUDA events): ResNet-50@224 (batch 256) and
+   ResNet-18@112 (batch 512), bf16, channels_last, fed by (a) an ``npy`` dataset in ``shm`` through
+   FastLoader + CUDAPrefetcher with random-resized-crop + flip on the GPU and (b) the plain recipe: torch
+   DataLoader + Pillow (decode, resize, centre crop, float tensor, normalise per sample) on every core,
+   ``.to(device)`` in the loop; beside the same model on synthetic data already on the GPU (the ceiling).
+3. ``storage="cuda"``: the batch gather against a GPU-to-GPU copy of the same bytes (both counted read +
+   written), and a CIFAR-10-sized epoch (50k x 32x32) with the host-to-device copies and host syncs per step
+   counted (torch profiler, ``torch.cuda.set_sync_debug_mode``).
+4. Memory: ``max_memory_allocated`` and host RSS over 1,000 CUDAPrefetcher iterations.
+Needs a CUDA GPU; on a CPU-only machine it says so and exits (``--smoke`` runs every path on the CPU, small).
 
-    python benchmarks/bench_gpu.py [--images 2048] [--batch-size 256] [--seconds 20]
+    python benchmarks/bench_gpu.py [--images 8192] [--seconds 10] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shutil
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-import fastdata
-from fastdata.timing import ModelStep, full_pipeline, machine, timed_rate
 from fastdata.dataset import FastDataset
+from fastdata.errors import FastdataError
 from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loader import FastLoader
+from fastdata.models import create_model
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.synthetic import make_image_folder
+from fastdata.timing import ModelStep, machine, sync, timed_rate
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_loader import PillowFolder  # noqa: E402  (the same per-sample recipe as the loader benchmark)
+from bench_train import PlainFolder  # noqa: E402  (the plain recipe: Pillow, float tensors, normalise)
+
+# (model, stored side, crop, batch, stall target %)
+RUNS = (("resnet50", 256, 224, 256, 1.0), ("resnet18", 128, 112, 512, 5.0))
 
 
-def h2d(seconds: float) -> dict[str, float]:
-    host = torch.empty(256 << 20, dtype=torch.uint8)
+def replicated(files: list[Path], root: Path, repeat: int) -> list[Path]:
+    """``repeat`` hard links to each of ``files`` (``.../class_k/name``) in an ImageFolder tree at ``root``."""
+    out = []
+    for f in files:
+        folder = root / f.parent.name
+        folder.mkdir(parents=True, exist_ok=True)
+        for r in range(repeat):
+            link = folder / f"{f.stem}_{r}{f.suffix}"
+            os.link(f, link)
+            out.append(link)
+    return out
+
+
+def in_shm(root: Path) -> FastDataset:
+    """``root`` with ``storage="shm"`` (one copy per node), or in RAM where /dev/shm cannot hold it (said)."""
+    try:
+        return FastDataset(root, storage="shm")
+    except (FastdataError, OSError) as e:
+        print(f"  storage='shm' failed here ({e}); using storage='ram'")
+        return FastDataset(root, storage="ram")
+
+
+def device_seconds(fn: Callable[[], Any], iters: int) -> float:
+    """Seconds per call of ``fn`` on the GPU (CUDA events around ``iters`` calls after one warm-up)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def h2d(nbytes: int, seconds: float) -> dict[str, float]:
+    """GB/s of copying ``nbytes`` host -> device, pinned (non_blocking) and pageable."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
     pinned = host.pin_memory()
     dev = torch.empty_like(host, device="cuda")
     out = {}
     for name, src in (("pinned", pinned), ("pageable", host)):
         rate = timed_rate(lambda src=src: (dev.copy_(src, non_blocking=True), 1)[1], seconds / 2)
-        out[name] = rate * host.numel() / 1e9
+        out[name] = rate * nbytes / 1e9
     return out
 
 
-def feed_rates(root: Path, files: list[Path], labels: list[int], model: str, crop: int, batch: int,
-               seconds: float) -> dict[str, float]:
-    ds = FastDataset(root, storage="ram")
-    classes = len(ds.classes)
-    net = ModelStep(model, classes, torch.device("cuda"))
-    x = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, classes, (batch,), device="cuda")
+def prefetch_rate(ds: FastDataset, batch: int, threads: int, seconds: float, device: str) -> float:
+    """Images/s through FastLoader + CUDAPrefetcher (bf16 normalise on the device), no model."""
+    pf = CUDAPrefetcher(FastLoader(ds, batch, num_threads=threads), device=device, dtype=torch.bfloat16)
+    return timed_rate(lambda: sum(len(x) for x, _ in pf), seconds)
+
+
+def train(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
+    """``steps`` Trainer steps (bf16 on CUDA, channels_last): images/s and the Trainer's data stall %."""
+    cfg = TrainConfig(max_steps=steps, amp="bf16", lr=0.01, schedule="constant",
+                      device=device, progress=False, log_every=max(1, steps // 4), val_every=0)
+    trainer = Trainer(model, loader, config=cfg)
+    end = trainer.fit()[-1]
+    trainer.close()
+    return {"images_per_s": steps * batch / end["time_s"], "data_stall_pct": end["data_stall_pct"]}
+
+
+def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str, crop: int, batch: int,
+               steps: int, device: str, seconds: float) -> dict[str, dict[str, float]]:
+    """The ceiling, fastdata and the plain recipe for one model, each after a warm-up run of its own."""
+    classes = max(labels) + 1
+    cores = os.cpu_count() or 1
+    rows: dict[str, dict[str, float]] = {}
+    net = ModelStep(model_name, classes, torch.device(device))
+    x = torch.randn(batch, 3, crop, crop, device=device).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (batch,), device=device)
+    rows["synthetic on the GPU (ceiling)"] = {"images_per_s": timed_rate(lambda: (net.step(x, y), batch)[1],
+                                                                          seconds)}
     aug = Compose([RandomResizedCrop(crop), RandomHorizontalFlip()])
-    rates = {"(a) synthetic on the GPU (ceiling)": timed_rate(lambda: (net.step(x, y), batch)[1], seconds)}
-    fed = CUDAPrefetcher(FastLoader(ds, batch), device="cuda", dtype=torch.bfloat16, transforms=aug)
-    rates["(b) FastLoader + CUDAPrefetcher"] = full_pipeline(fed, net, seconds)[0]
-    on_gpu = CUDAPrefetcher(FastLoader(FastDataset(root, storage="cuda", device="cuda"), batch), device="cuda",
-                            dtype=torch.bfloat16, transforms=aug)
-    rates['(c) storage="cuda" + GPU transforms'] = full_pipeline(on_gpu, net, seconds)[0]
-    plain = torch.utils.data.DataLoader(PillowFolder(files, labels, size=crop), batch, shuffle=True,
-                                        num_workers=os.cpu_count(), pin_memory=True, persistent_workers=True)
-    baseline = CUDAPrefetcher(plain, device="cuda", dtype=torch.bfloat16)  # normalised on the GPU like (b)
-    rates["(d) DataLoader + Pillow + pin_memory"] = full_pipeline(baseline, net, seconds)[0]
-    return rates
+    ds = in_shm(root)
+    feeds = {
+        "fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)": lambda: CUDAPrefetcher(
+            FastLoader(ds, batch, num_threads=min(8, cores)), device=device, dtype=torch.bfloat16, transforms=aug),
+        f"DataLoader + Pillow + .to(device) ({cores} workers)": lambda: torch.utils.data.DataLoader(
+            PlainFolder(files, labels, crop), batch, shuffle=True, num_workers=cores,
+            pin_memory=device == "cuda", persistent_workers=True, drop_last=True),
+    }
+    for name, make in feeds.items():
+        model = create_model(model_name, num_classes=classes)
+        loader = make()
+        train(model, loader, batch, max(2, steps // 5), device)  # warm-up: cudnn autotuning, workers
+        rows[name] = train(model, loader, batch, steps, device)
+        del loader
+    return rows
+
+
+def gather_ratio(root: Path, batch: int) -> dict[str, float]:
+    """``storage="cuda"`` gather bandwidth against a GPU-to-GPU copy of the same bytes (read + written)."""
+    ds = FastDataset(root, storage="cuda", device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    picks = [torch.randint(0, len(ds), (batch,), device="cuda", generator=g).sort().values for _ in range(16)]
+    k = iter(range(10 ** 9))
+    gather = device_seconds(lambda: ds.get_batch(picks[next(k) % 16]), 64)
+    nbytes = batch * math.prod(ds.sample_shape)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = device_seconds(lambda: dst.copy_(src), 64)
+    loader = FastLoader(ds, batch)
+    loader_rate = timed_rate(lambda: sum(len(x) for x, _ in loader), 3)
+    return {"gather_gbs": 2 * nbytes / gather / 1e9, "copy_gbs": 2 * nbytes / copy / 1e9,
+            "cuda_gather_ratio": copy / gather,
+            "loader_gbs": 2 * loader_rate * nbytes / batch / 1e9}
+
+
+def cifar_epoch(root: Path, device: str) -> dict[str, float]:
+    """One epoch of ResNet-18 over a CIFAR-sized ``storage="cuda"`` dataset, crops + flips on the GPU: host
+    to device copies and host syncs per step, counted."""
+    from fastdata.gpu_transforms import RandomCrop
+
+    ds = FastDataset(root, storage="cuda", device=device)
+    loader = CUDAPrefetcher(FastLoader(ds, 512), device=device, dtype=torch.bfloat16,
+                            transforms=Compose([RandomCrop(32, padding=4), RandomHorizontalFlip()]))
+    model = create_model("resnet18", num_classes=10)
+    train(model, loader, 512, 10, device)  # warm-up
+    steps = len(loader)
+    cfg = TrainConfig(epochs=1, amp="bf16", lr=0.01, schedule="constant", device=device, progress=False,
+                      log_every=steps, val_every=0)
+    trainer = Trainer(model, loader, config=cfg)
+    sync()
+    with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA if device == "cuda" else
+                        torch.profiler.ProfilerActivity.CPU]) as prof:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            t0 = time.perf_counter()
+            end = trainer.fit()[-1]
+            sync()
+            seconds = time.perf_counter() - t0
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    trainer.close()
+    h2d_copies = sum(1 for e in prof.events() if "Memcpy HtoD" in e.name)
+    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    return {"samples": len(ds), "steps": steps, "images_per_s": len(ds) / seconds,
+            "data_stall_pct": end["data_stall_pct"], "h2d_copies": h2d_copies, "h2d_per_step": h2d_copies / steps,
+            "host_syncs": syncs, "host_syncs_per_step": syncs / steps}
+
+
+def memory_flat(root: Path, batch: int, iters: int, device: str) -> dict[str, float]:
+    """GPU memory and host RSS after 100 and after ``iters`` CUDAPrefetcher batches (crops + flips on)."""
+    ds = in_shm(root)
+    pf = CUDAPrefetcher(FastLoader(ds, batch), device=device, dtype=torch.bfloat16,
+                        transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    seen, marks = 0, {}
+    while seen < iters:
+        for x, _ in pf:
+            seen += 1
+            if seen in (100, iters):
+                sync()
+                cuda = device == "cuda"
+                marks[seen] = {"allocated": torch.cuda.memory_allocated() if cuda else 0, "max_allocated":
+                               torch.cuda.max_memory_allocated() if cuda else 0, "rss": rss()}
+                if seen == 100 and cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            if seen >= iters:
+                break
+    a, b = marks[100], marks[iters]
+    return {"iterations": iters, "gpu_max_allocated_100": a["max_allocated"],
+            "gpu_max_allocated_end": b["max_allocated"], "gpu_allocated_100": a["allocated"],
+            "gpu_allocated_end": b["allocated"], "rss_100": a["rss"], "rss_end": b["rss"],
+            "rss_growth_mb": (b["rss"] - a["rss"]) / 2 ** 20,
+            "gpu_growth_mb": (b["max_allocated"] - a["max_allocated"]) / 2 ** 20}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=2048)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--images", type=int, default=8192, help="samples (each distinct JPEG --repeat times)")
+    ap.add_argument("--repeat", type=int, default=8, help="hard links per distinct JPEG: epochs long enough "
+                    "that no feed is timed mostly at epoch starts, without the cost of writing every file")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--steps", type=int, default=60, help="measured Trainer steps per row")
+    ap.add_argument("--cifar", type=int, default=50_000, help="samples of the storage='cuda' epoch")
+    ap.add_argument("--json", type=Path, help="write every number here too")
+    ap.add_argument("--smoke", action="store_true", help="every path on the CPU, small: checks the script")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark measures GPU feeding and has nothing to measure here")
         return
     torch.backends.cudnn.benchmark = True
     m = machine()
-    print(f"fastdata {fastdata.__version__}, torch {torch.__version__}, {m['gpu']}, {m['cores']} cores, {m['date']}")
-    bw = h2d(args.seconds)
-    print(f"H2D 256 MiB: pinned {bw['pinned']:.1f} GB/s, pageable {bw['pageable']:.1f} GB/s")
+    out: dict[str, Any] = {"device": m["gpu"], "machine": m}
+    out["cuda"] = torch.version.cuda
+    print(f"fastdata {m['fastdata']}, torch {m['torch']}, {m['gpu']}, {m['cores']} cores, {m['date']}")
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-gpu-"))
     try:
-        files = make_image_folder(scratch / "jpeg", num_classes=8, per_class=args.images // 8,
-                                  sizes=((500, 375), (375, 500)))
-        labels = [i // (args.images // 8) for i in range(len(files))]
-        for side in (256, 128):
+        classes = 8
+        files = replicated(make_image_folder(scratch / "distinct", num_classes=classes,
+                                             per_class=max(1, args.images // classes // args.repeat),
+                                             sizes=((500, 375), (375, 500))), scratch / "jpeg", args.repeat)
+        labels = [int(f.parent.name.split("_")[1]) for f in files]
+        for side in sorted({r[1] for r in RUNS}):
             preprocess_images(ImagePreprocessConfig(src=scratch / "jpeg", out=scratch / f"s{side}", size=side,
                                                     progress=False))
-        ds = FastDataset(scratch / "s256", storage="ram")
-        pf = CUDAPrefetcher(FastLoader(ds, args.batch_size), device="cuda", dtype=torch.bfloat16)
-        rate = timed_rate(lambda: sum(len(x) for x, _ in pf), args.seconds)
-        gbs = rate * 256 * 256 * 3 / 1e9
-        print(f"CUDAPrefetcher (no model): {rate:,.0f} images/s = {gbs:.1f} GB/s of uint8, "
-              f"{gbs / bw['pinned']:.2f}x pinned H2D (target >= 0.9)")
-        for model, side, crop in (("resnet50", 256, 224), ("resnet18", 128, 112)):
-            rates = feed_rates(scratch / f"s{side}", files, labels, model, crop, args.batch_size, args.seconds)
-            ceiling = rates["(a) synthetic on the GPU (ceiling)"]
-            print(f"{model}@{crop}, batch {args.batch_size}, bf16, channels_last:")
-            for name, r in rates.items():
-                print(f"  {name:<40} {r:>9,.0f} images/s  {r / ceiling:>6.1%} of the ceiling")
-            stall = 1 - rates["(b) FastLoader + CUDAPrefetcher"] / ceiling
-            print(f"  data stall (1 - b/a): {100 * stall:.1f}% (target <= {1 if model == 'resnet50' else 5}%)")
+        batch0 = RUNS[0][3]
+        if device == "cuda":
+            bw = h2d(batch0 * 256 * 256 * 3, args.seconds)
+            rows = {}
+            ds = in_shm(scratch / "s256")
+            for threads in (4, 8, 16):
+                rows[threads] = prefetch_rate(ds, batch0, threads, args.seconds / 2, device) * 256 * 256 * 3 / 1e9
+            best = max(rows, key=rows.get)
+            out.update(h2d_pinned_gbs=bw["pinned"], h2d_pageable_gbs=bw["pageable"],
+                       prefetch_gbs_by_threads=rows, h2d_ratio=rows[best] / bw["pinned"], h2d_threads=best)
+            print(f"H2D of one batch ({batch0} x 256x256x3 uint8): pinned {bw['pinned']:.1f} GB/s, pageable "
+                  f"{bw['pageable']:.1f} GB/s")
+            for threads, gbs in rows.items():
+                print(f"  FastLoader({threads} threads) + CUDAPrefetcher, no model: {gbs:.1f} GB/s = "
+                      f"{gbs / bw['pinned']:.2f}x pinned (target >= 0.9)")
+            save()
+        for name0, side, crop, batch, target in RUNS:
+            model_name, batch = ("cnn-small", 16) if args.smoke else (name0, batch)
+            key = f"{name0}_{crop}"
+            rows = stall_rows(scratch / f"s{side}", files, labels, model_name, crop, batch, args.steps, device,
+                              args.seconds)
+            ceiling = rows["synthetic on the GPU (ceiling)"]["images_per_s"]
+            print(f"{model_name}@{crop}, batch {batch}, bf16, channels_last (data stall: the Trainer's own):")
+            for name, r in rows.items():
+                stall = f"  data stall {r['data_stall_pct']:5.1f}%" if "data_stall_pct" in r else ""
+                print(f"  {name:<66} {r['images_per_s']:>9,.0f} images/s {r['images_per_s'] / ceiling:>6.1%}"
+                      f" of the ceiling{stall}")
+            fast, plain = [r for name, r in rows.items() if "data_stall_pct" in r]
+            out[f"stall_pct_{key}"] = fast["data_stall_pct"]
+            out[f"dataloader_stall_pct_{key}"] = plain["data_stall_pct"]
+            out[f"rows_{key}"] = rows
+            print(f"  target: fastdata's stall <= {target:.0f}%")
+            save()
+        if device == "cuda":
+            g = gather_ratio(scratch / "s256", batch0)
+            out.update(g)
+            print(f'storage="cuda": gather {g["gather_gbs"]:.0f} GB/s (read + written), GPU copy {g["copy_gbs"]:.0f}'
+                  f' GB/s: {g["cuda_gather_ratio"]:.2f}x (target >= 0.5); through FastLoader {g["loader_gbs"]:.0f}'
+                  f' GB/s')
+            save()
+        if device == "cuda" or args.smoke:
+            n = args.cifar
+            make_image_folder(scratch / "cifar-src", num_classes=10, per_class=n // 10, sizes=((32, 32),))
+            preprocess_images(ImagePreprocessConfig(src=scratch / "cifar-src", out=scratch / "cifar", size=32,
+                                                    progress=False))
+            c = cifar_epoch(scratch / "cifar", device)
+            out["cifar"] = c
+            print(f'CIFAR-sized epoch ({c["samples"]:,} x 32x32, storage="cuda", ResNet-18, batch 512, crop + flip'
+                  f' on the GPU): {c["images_per_s"]:,.0f} images/s, stall {c["data_stall_pct"]:.1f}%, '
+                  f'{c["h2d_per_step"]:.3f} host-to-device copies and {c["host_syncs_per_step"]:.3f} host syncs a '
+                  f'step ({c["h2d_copies"]} and {c["host_syncs"]} in {c["steps"]} steps)')
+            save()
+            mem = memory_flat(scratch / "s256", 16 if args.smoke else batch0, 200 if args.smoke else 1000, device)
+            out["memory_prefetcher"] = mem
+            print(f"{mem['iterations']:,} CUDAPrefetcher batches: GPU max allocated {mem['gpu_max_allocated_100'] / 2**20:,.0f} MiB"
+                  f" after 100, {mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB over 100-{mem['iterations']:,}; host RSS "
+                  f"{mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
+            save()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

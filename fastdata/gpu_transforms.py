@@ -159,8 +159,9 @@ class RandomCrop(Transform):
         if h > H + 2 * p or w > W + 2 * p:
             raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images ({H + 2 * p}, {W + 2 * p})")
         u = torch.rand(x.shape[0], 2, generator=generator, device=x.device)
-        span = torch.tensor([H + 2 * p - h + 1, W + 2 * p - w + 1], device=x.device)
-        return (u * span).long()  # (B, 2): top, left in the padded image
+        u[:, 0] *= H + 2 * p - h + 1  # python numbers: nothing crosses to the device
+        u[:, 1] *= W + 2 * p - w + 1
+        return u.long()  # (B, 2): top, left in the padded image
 
     def apply(self, x: torch.Tensor, offsets: torch.Tensor, fill: Optional[float] = None) -> torch.Tensor:
         """Crop NCHW images (or, with ``fill=0``, ``(B, H, W)`` masks) at ``offsets``."""

@@ -32,6 +32,7 @@ from .errors import ConfigError, FastdataError
 from .sampler import DistributedBatchSampler, SamplerBacked
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+DEVICE_INDEX_CHUNK = 1 << 16  # samples whose indices cross to the device at once (storage="cuda")
 
 
 def _noop() -> None:
@@ -142,13 +143,35 @@ class FastLoader(SamplerBacked):
             release()
 
     def _iter_device(self) -> Iterator[Any]:
-        # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads.
+        # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads. The
+        # order crosses to the device once per DEVICE_INDEX_CHUNK samples, so a step makes no host-to-device
+        # copy and no sync; a dataset with sample fields gathers its variable fields by host index instead.
         self._close_active()
+        on_host = self.dict_batches
+        group: list[np.ndarray] = []
+        queued = 0
         for idx in self.sampler.batches():
-            batch = self.dataset.get_batch(torch.from_numpy(np.sort(idx)))
+            group.append(np.sort(idx))
+            queued += len(idx)
+            if queued >= DEVICE_INDEX_CHUNK:
+                yield from self._device_group(group, on_host)
+                group, queued = [], 0
+        yield from self._device_group(group, on_host)
+        self.sampler.end_epoch()
+
+    def _device_group(self, group: list[np.ndarray], on_host: bool) -> Iterator[Any]:
+        """The batches of ``group`` (sorted host index arrays), their indices uploaded in one copy."""
+        if not group:
+            return
+        flat = torch.from_numpy(np.concatenate(group))
+        if not on_host:
+            flat = flat.to(self.dataset.device, non_blocking=True)
+        start = 0
+        for idx in group:
+            batch = self.dataset.get_batch(flat[start:start + len(idx)])
+            start += len(idx)
             self.sampler.advance()
             yield batch
-        self.sampler.end_epoch()
 
     def iter_batches(self) -> Iterator[tuple[Any, Callable[[], None]]]:
         """Yield ``(batch, release)``: the slot behind ``batch`` (an ``(x, y)`` tuple or a dict of fields) is

@@ -89,13 +89,15 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.channels_last = cfg.channels_last and is_convnet(model)
         model = model.to(self.device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
-        if cfg.sync_bn and self.dist.world_size > 1:
+        # a process group (torchrun's, or one the caller made, even of one process): DDP and SyncBatchNorm
+        grouped = self.dist.world_size > 1 or (dist.is_available() and dist.is_initialized())
+        if cfg.sync_bn and grouped:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.model = model  # the module whose weights are saved
-        if self.dist.world_size > 1:  # DDP broadcasts rank 0's weights: every rank starts identical
+        if grouped:  # DDP broadcasts rank 0's weights: every rank starts identical
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        self.ddp = model if self.dist.world_size > 1 else None
+        self.ddp = model if grouped else None
         self.forward = torch.compile(model) if cfg.compile else model
         if self.ddp is not None:
             hold_group(self)

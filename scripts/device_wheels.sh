@@ -1,33 +1,38 @@
 #!/usr/bin/env bash
-# Prepare the wheels the GPU checks need on a machine with no package registry (the `device` machine:
-# Python 3.12, torch with CUDA 13, no DALI, no lmdb; simplejpeg and turbojpeg for the CPU JPEG path),
-# in parts small enough for one transfer each.
-#   bash scripts/device_wheels.sh            -> .whl/p0 .whl/p1 ... (each under 56 MiB; .whl/ is git-ignored)
-# Carry one part per call (`carry: [".whl/pK"]`, command `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`),
-# then run `bash scripts/gpu_checks.sh install` there; see scripts/gpu_checks.sh.
+# Prepare the packages the GPU checks need on a machine with no package registry (the `device` machine:
+# Python 3.12, torch with CUDA 13, no DALI, no lmdb), in parts small enough for one transfer each:
+#   .whl/small    the wheels the CPU JPEG path and the LMDB format need (lmdb, simplejpeg, turbojpeg): 1.5 MB
+#   .whl/p0 ...   DALI and its needs, unpacked here into one site folder (other Pythons' extension modules
+#                 dropped) and sent as an xz tarball cut into pieces: 280 MB of wheels become 3 parts of 61 MiB
+#   bash scripts/device_wheels.sh
+# Carry `.whl/small` and one part per call (`carry: [".whl/small", ".whl/pK"]`, command
+# `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), one call right after the other (the machine goes back after
+# 30 s idle, and /tmp with it); then `bash scripts/gpu_checks.sh install` there (see scripts/gpu_checks.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON_VERSION:-3.12}
 DALI=${DALI_WHEEL:-nvidia-dali-cuda130==2.4.0}
-PART=$((56 << 20))  # with the working tree, under the 64 MiB one call carries
-rm -rf .whl && mkdir -p .whl/all
-.venv/bin/python -m pip download --quiet --only-binary=:all: --python-version "$PY" \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl/all "$DALI" lmdb simplejpeg turbojpeg 2>&1 | grep -v "is ignored" || true
-rm -f .whl/all/numpy-*.whl  # the device image has numpy; a second one would replace it
-k=0; size=0; mkdir -p .whl/p0
-for f in $(ls -S .whl/all/*.whl); do
-    n=$(stat -c %s "$f")
-    if [ "$n" -gt "$PART" ]; then  # too big for one transfer: cut it into pieces of its own
-        split -b "$PART" -d -a 2 "$f" "$f.part-"
-        for piece in "$f".part-*; do
-            k=$((k + 1)); mkdir -p ".whl/p$k"; size=$(stat -c %s "$piece"); mv "$piece" ".whl/p$k/"
-        done
-        continue  # smaller wheels may join the last piece's part
-    fi
-    if [ $((size + n)) -gt "$PART" ]; then k=$((k + 1)); mkdir -p ".whl/p$k"; size=0; fi
-    cp "$f" ".whl/p$k/"; size=$((size + n))
-done
-rm -rf .whl/all
-find .whl -type d -empty -delete
-du -sh .whl/p*
+PART=${PART_BYTES:-$((61 << 20))}  # with the working tree, under the 64 MiB one call carries
+TAG=cpython-${PY/./}
+get() {  # wheels for the device's Python and platform
+    .venv/bin/python -m pip download --quiet --only-binary=:all: --python-version "$PY" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 "$@" 2>&1 | grep -v "is ignored" || true
+}
+rm -rf .whl && mkdir -p .whl/small .whl/all
+get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
+get -d .whl/all "$DALI"
+# The device image has these already: a second copy on the path would shadow its own.
+rm -f .whl/all/{numpy,packaging,pyyaml,six,typing_extensions,wheel}-*.whl
+site=.whl/site && mkdir -p "$site"
+for w in .whl/all/*.whl; do unzip -q -o "$w" -d "$site"; done
+rm -rf "$site"/*.data  # console scripts (tfrecord2idx): not needed
+find "$site/nvidia/dali" -maxdepth 1 -name 'backend_impl.cpython-*.so' ! -name "backend_impl.$TAG-*" -delete
+# nvidia/ is a namespace torch's CUDA wheels share on the device: extend it rather than shadow theirs
+echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" > "$site/nvidia/__init__.py"
+tar -C "$site" -cf - . | xz -9 -T0 > .whl/site.tar.xz
+split -b "$PART" -d -a 2 .whl/site.tar.xz .whl/site.tar.xz.part-
+k=0
+for piece in .whl/site.tar.xz.part-*; do mkdir -p ".whl/p$k"; mv "$piece" ".whl/p$k/"; k=$((k + 1)); done
+rm -rf .whl/all "$site" .whl/site.tar.xz
+du -sh .whl/small .whl/p*

@@ -1,42 +1,52 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 5 and 8, run on the `device` machine from the repository root (see
-# scripts/device_wheels.sh for getting DALI and lmdb there). Results go to $OUT (or ./gpu-out).
-#   bash scripts/gpu_checks.sh install   # reassemble /tmp/dw/*.part-NN, install DALI + lmdb + fastdata
-#   bash scripts/gpu_checks.sh tests     # pytest -m cuda (cuda+dali included), then the DALI CPU tests there
-#   bash scripts/gpu_checks.sh bench     # bench_gpu.py, bench_dali.py, bench_text.py (about 7 minutes)
-#   bash scripts/gpu_checks.sh stages    # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
+# The GPU acceptance (issue 15), run on the `device` machine from the repository root; see
+# scripts/device_wheels.sh for getting lmdb, simplejpeg, turbojpeg and DALI there. Results go to $OUT (or ./gpu-out).
+#   bash scripts/gpu_checks.sh small       # install .whl/small (lmdb, simplejpeg, turbojpeg): enough for all but DALI
+#   bash scripts/gpu_checks.sh install     # reassemble /tmp/dw/site.tar.xz.part-NN into /tmp/site (DALI and its needs)
+#   bash scripts/gpu_checks.sh tests       # the cuda-marked tests without DALI (junit XML in $OUT)
+#   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
+#   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes)
+#   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
+#   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
+# Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
+# benchmarks/results/gpu-YYYY-MM-DD.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=/tmp/site  # the image's own environment may not be writable: carried packages go here
-export PYTHONPATH=$SITE:$PWD
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+pytest_run() {  # name, marker expression, files...
+    local name=$1 expr=$2; shift 2
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+    $PY -m pytest -p no:cacheprovider -m "$expr" -rs -v --junitxml="$OUT/$name.xml" "$@" 2>&1 \
+        | tee "$OUT/$name.txt" | tail -25
+}
 case "${1:-}" in
-install)
-    cd /tmp/dw
-    for first in *.part-00; do
-        [ -e "$first" ] || continue
-        whl=${first%.part-00}; cat "$whl".part-* > "$whl" && rm -f "$whl".part-*
-    done
-    cd - >/dev/null
-    # The image already has these (device README): a second copy on the path would shadow its own.
-    wheels=$(ls /tmp/dw/*.whl | grep -Eiv '/(numpy|packaging|pyyaml|six|typing_extensions|wheel)-')
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" $wheels \
+small)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/small/*.whl \
         2>&1 | tail -3
+    $PY -c "import lmdb, simplejpeg, turbojpeg, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+    ;;
+install)
+    mkdir -p "$SITE"
+    cat /tmp/dw/site.tar.xz.part-* | xz -d | tar -C "$SITE" -xf - && rm -f /tmp/dw/site.tar.xz.part-*
     $PY -c "import nvidia.dali, lmdb, simplejpeg, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
 torch.cuda.get_device_name())"
     ;;
 tests)
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-    $PY -m pytest -p no:cacheprovider -m "cuda" -rs -v tests 2>&1 | tee "$OUT/cuda-tests.txt" | tail -40
-    $PY -m pytest -p no:cacheprovider -x -q -m "not slow" tests/test_prefetch.py tests/test_gpu_transforms.py \
-        tests/test_dali.py 2>&1 | tail -5 | tee -a "$OUT/cuda-tests.txt"
+    pytest_run cuda-tests "cuda and not dali" tests
+    ;;
+dali-tests)
+    pytest_run dali-tests "dali" tests
     ;;
 bench)
-    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-10}" 2>&1 | tee "$OUT/bench_gpu.txt"
-    $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-10}" 2>&1 \
-        | tee "$OUT/bench_dali.txt"
-    $PY benchmarks/bench_text.py --mb 100 --batch 512 --seconds 3 2>&1 | tee "$OUT/bench_text.txt"
+    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" --json "$OUT/bench_gpu.json" 2>&1 \
+        | tee "$OUT/bench_gpu.txt"
+    ;;
+dali-bench)
+    $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" \
+        --json "$OUT/bench_dali.json" 2>&1 | tee "$OUT/bench_dali.txt"
     ;;
 stages)
     D=/tmp/fastdata-stages
@@ -46,5 +56,5 @@ stages)
         | tee "$OUT/fastdata-bench.txt"
     ;;
 *)
-    echo "usage: $0 install|tests|bench|stages" >&2; exit 2 ;;
+    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|stages" >&2; exit 2 ;;
 esac

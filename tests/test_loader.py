@@ -193,6 +193,27 @@ def test_cuda_storage_gathers_on_the_gpu(indexed_datasets):
 
 
 @pytest.mark.cuda
+def test_cuda_storage_steps_copy_nothing_to_the_gpu_and_never_sync(indexed_datasets, monkeypatch):
+    import fastdata.loader as loader_mod
+
+    gpu = FastDataset(indexed_datasets["npy"], storage="cuda", device="cuda")
+    monkeypatch.setattr(loader_mod, "DEVICE_INDEX_CHUNK", 64)  # several index uploads in one epoch
+    loader = FastLoader(gpu, 16, seed=4)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.set_sync_debug_mode("error")  # any .item()/.cpu()/sync in a step raises
+        try:
+            batches = [(x.clone(), y.clone()) for x, y in loader]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    h2d = [e for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert len(batches) == len(loader) == -(-INDEXED_N // 16) and len(h2d) == -(-INDEXED_N // 64)
+    assert [sample_ids(x.cpu()).tolist() for x, _ in batches] == epoch_ids(
+        FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=4, copy=True))
+
+
+@pytest.mark.cuda
 def test_ring_buffers_are_pinned_when_cuda_is_available(ds):
     loader = FastLoader(ds, 16)
     x, y = next(iter(loader))

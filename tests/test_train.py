@@ -247,6 +247,72 @@ def test_fp16_gradscaler_channels_last_and_stall_on_gpu(small_images, tmp_path):
     assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
 
 
+def gpu_run(data: Path, ckpt: Path, max_steps: int, resume: bool = False) -> Trainer:
+    """ResNet-18 on the GPU: bf16, accumulation, clipping, crops + flips on the GPU, checkpoints every 2 steps."""
+    from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+
+    torch.manual_seed(0)
+    loader = CUDAPrefetcher(FastLoader(FastDataset(data), 8, seed=3), device="cuda", dtype=torch.bfloat16,
+                            transforms=Compose([RandomResizedCrop(32), RandomHorizontalFlip()]))
+    cfg = TrainConfig(max_steps=max_steps, epochs=10, amp="bf16", accum=2, clip=1.0, lr=0.05, device="cuda",
+                      schedule="constant",
+                      checkpoint_dir=str(ckpt), checkpoint_every=2, resume=resume, cudnn_benchmark=False,
+                      progress=False, val_every=0)
+    t = Trainer(create_model("resnet18", num_classes=3), loader, config=cfg)
+    t.fit()
+    return t
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_accumulation_clipping_checkpoint_and_resume_to_the_same_weights(small_images, tmp_path):
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the same kernels in both runs
+    try:
+        whole = gpu_run(small_images, tmp_path / "whole", 7)
+        gpu_run(small_images, tmp_path / "cut", 4)  # stops mid-epoch: 6 batches an epoch, 2 batches a step
+        assert load_ckpt(tmp_path / "cut")["step"] == 4 and load_ckpt(tmp_path / "cut")["loader"]["position"] > 0
+        resumed = gpu_run(small_images, tmp_path / "cut", 7, resume=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert whole.step == resumed.step == 7 and next(whole.model.parameters()).dtype == torch.float32
+    a, b = whole.model.state_dict(), resumed.model.state_dict()
+    diffs = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a}
+    assert all(torch.equal(a[k], b[k]) for k in a), {k: d for k, d in diffs.items() if d}
+    untrained = create_model("resnet18", num_classes=3).state_dict()
+    assert not torch.equal(untrained["fc.weight"], a["fc.weight"].cpu())
+
+
+@pytest.mark.cuda
+def test_gpu_compile_and_sync_bn_in_a_one_process_group(small_images, monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cuda", dtype=torch.bfloat16)
+        model = create_model("resnet18", num_classes=3)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        t = Trainer(model, loader, config=TrainConfig(max_steps=4, amp="bf16", compile=True, sync_bn=True,
+                                                      lr=0.05, device="cuda", progress=False, log_every=2))
+        history = t.fit()
+        norms = [m for m in t.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms and all(isinstance(m, torch.nn.SyncBatchNorm) for m in norms)
+        assert isinstance(t.ddp, torch.nn.parallel.DistributedDataParallel)
+        assert isinstance(t.forward, torch._dynamo.eval_frame.OptimizedModule)
+        assert t.step == 4 and all(r["loss"] == r["loss"] for r in history if "loss" in r)  # no NaN
+        after = t.model.state_dict()
+        assert all(torch.isfinite(v.float()).all() for v in after.values())
+        assert not torch.equal(before["fc.weight"], after["fc.weight"].cpu())
+        assert float(norms[0].running_mean.abs().sum()) > 0  # the SyncBatchNorm kernels ran and kept stats
+        t.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_profile_writes_a_trace_and_reports_the_data_wait(small_images, tmp_path, capsys):
     assert main(["train", str(small_images), "--model", "cnn-small", "--batch-size", "8", "--device", "cpu",
                  "--max-steps", "4", "--profile", "3", "--checkpoint", str(tmp_path)]) == 0
