@@ -32,7 +32,7 @@ def set_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"].cpu())
     random.setstate(rng["python"])
     name, keys, *rest = rng["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), *rest))  # loaded onto a GPU too
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
 

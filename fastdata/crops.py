@@ -3,14 +3,18 @@
 NOTE [crop draws]: a batch's random crops come from ``batch_seed(seed, epoch, position, rank)``, so a
 resumed run draws the same crops and each rank its own. For a batch of ``n`` samples (rows in the order
 served), the draws are ``u = rand(n, 10, 4)`` for the boxes, then ``rand(n) < p`` for the flips, from one
-generator: exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws on a CPU generator in
-CUDAPrefetcher. The LMDB reader's decode-time crops (``FastDataset(crop="random")``) and the DALI backend
-call :func:`draw_resized_crops` with each image's own size, so they agree with one another and with the
-batched GPU transform up to the image each box is drawn on (the whole stored image, not a centre square).
+:class:`Draws` stream: exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws in
+CUDAPrefetcher, on any device. ``Draws`` hashes (seed, counter) with integer arithmetic, so the numbers are
+the same on the CPU and on a GPU (torch's CUDA generator is another algorithm than its CPU one: seeded
+alike, they differ), and drawing them on a GPU copies nothing from the host. The LMDB reader's decode-time
+crops (``FastDataset(crop="random")``) and the DALI backend call :func:`draw_resized_crops` with each
+image's own size, so they agree with one another and with the batched transform up to the image each box
+is drawn on (the whole stored image, not a centre square).
 """
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import numpy as np
 import torch
@@ -28,6 +32,54 @@ def check_scale_ratio(scale: tuple[float, float], ratio: tuple[float, float]) ->
         raise ConfigError(f"scale must satisfy 0 < min <= max <= 1, got scale={scale!r}")
     if not (0 < ratio[0] <= ratio[1]):
         raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)`` (int64) and ``c < 2**32``, with no int64 overflow."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (lowbias32: xor-shift, multiply, xor-shift, multiply, xor-shift)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+class Draws:
+    """Uniform floats in ``[0, 1)`` that depend on ``seed`` and on how many were drawn before, nothing else:
+    the same numbers on every device (integer hashing of a counter, exact everywhere; see NOTE [crop draws]).
+    Transforms take it where they take a ``torch.Generator``."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.keys = [(seed >> (32 * k)) & MASK32 for k in range(2)]
+        self.used = 0
+
+    def rand(self, *shape: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
+        """``torch.rand(*shape)`` from this stream, on ``device`` (computed there: nothing crosses)."""
+        n = math.prod(shape)
+        i = torch.arange(self.used, self.used + n, dtype=torch.int64, device=device)
+        self.used += n
+        k0, k1 = self.keys
+        h = _mix32((i & MASK32) ^ k0)
+        h = _mix32(h ^ (i >> 32) ^ k1)
+        h = _mix32(h ^ k0 ^ 0x9E3779B9)
+        return ((h >> 8).to(torch.float32) * 2.0 ** -24).view(shape)  # 24 bits: exact in float32
+
+
+def uniform(shape: tuple[int, ...], generator: Union[None, torch.Generator, Draws],
+            device: Union[str, torch.device, None]) -> torch.Tensor:
+    """``torch.rand(shape)`` from ``generator``: a :class:`Draws` stream, a ``torch.Generator`` or torch's
+    global generator (None)."""
+    if isinstance(generator, Draws):
+        return generator.rand(*shape, device=device)
+    return torch.rand(shape, generator=generator, device=device)
 
 
 def batch_seed(seed: int, epoch: int, position: int, rank: int) -> int:
@@ -75,10 +127,10 @@ def draw_resized_crops(key: tuple[int, int, int, int], sizes: np.ndarray, scale:
     draws the same whatever the others are). Returns int64 ``(n, 4)`` top, left, height, width and bool
     ``(n,)`` flips, drawn as NOTE [crop draws] says.
     """
-    gen = torch.Generator().manual_seed(batch_seed(*key))
+    draws = Draws(batch_seed(*key))
     n = len(sizes)
-    u = torch.rand(n, TRIES, 4, generator=gen)
-    flips = torch.rand(n, generator=gen) < flip_p
+    u = draws.rand(n, TRIES, 4)
+    flips = draws.rand(n) < flip_p
     hw = torch.as_tensor(np.asarray(sizes, dtype=np.float32).reshape(n, 2)).clamp_(min=1)
     boxes = rrc_boxes(hw[:, 0], hw[:, 1], u, scale, ratio)
     return boxes.to(torch.int64).numpy(), flips.numpy()

@@ -24,8 +24,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .crops import TRIES, check_scale_ratio, rrc_boxes
+from .crops import TRIES, Draws, check_scale_ratio, rrc_boxes, uniform
 from .errors import ConfigError
+
+Rng = Union[None, torch.Generator, Draws]  # where draws come from: see crops.uniform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -72,7 +74,7 @@ class Transform:
     """A batched transform: ``t(x, generator)`` -> transformed batch; ``x`` is an NCHW image tensor, or a dict
     of sample fields whose spatial fields move with the image (NOTE [spatial fields])."""
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -86,7 +88,7 @@ class Compose(Transform):
     def __init__(self, transforms: Sequence[Transform]) -> None:
         self.transforms = list(transforms)
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         for t in self.transforms:
             x = t(x, generator)
         return x
@@ -100,8 +102,8 @@ class RandomHorizontalFlip(Transform):
             raise ConfigError(f"p must be in [0, 1], got p={p!r}")
         self.p = p
 
-    def params(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        return torch.rand(x.shape[0], generator=generator, device=x.device) < self.p
+    def params(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        return uniform((x.shape[0],), generator, x.device) < self.p
 
     def apply(self, x: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
         return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
@@ -116,7 +118,7 @@ class RandomHorizontalFlip(Transform):
         move_boxes(out, (torch.where(flip, -one, one), one), (flip.float() * size[1], one * 0), size)
         return out
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if isinstance(x, dict):
             return self.apply_fields(x, self.params(x["image"], generator))
         return self.apply(x, self.params(x, generator))
@@ -128,7 +130,7 @@ class CenterCrop(Transform):
     def __init__(self, size: Size) -> None:
         self.size = _pair(size, "size")
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         image = x["image"] if isinstance(x, dict) else x
         (h, w), (H, W) = self.size, image.shape[-2:]
         if h > H or w > W:
@@ -154,11 +156,11 @@ class RandomCrop(Transform):
             raise ConfigError(f"padding must be an integer >= 0, got padding={padding!r}")
         self.padding, self.fill = padding, fill
 
-    def params(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    def params(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
         (h, w), (H, W), p = self.size, x.shape[-2:], self.padding
         if h > H + 2 * p or w > W + 2 * p:
             raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images ({H + 2 * p}, {W + 2 * p})")
-        u = torch.rand(x.shape[0], 2, generator=generator, device=x.device)
+        u = uniform((x.shape[0], 2), generator, x.device)
         u[:, 0] *= H + 2 * p - h + 1  # python numbers: nothing crosses to the device
         u[:, 1] *= W + 2 * p - w + 1
         return u.long()  # (B, 2): top, left in the padded image
@@ -178,7 +180,7 @@ class RandomCrop(Transform):
         out = x[batch, :, rows[:, :, None], cols[:, None, :]]
         return out[..., 0] if plane else out.permute(0, 3, 1, 2)
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if not isinstance(x, dict):
             return self.apply(x, self.params(x, generator))
         offsets = self.params(x["image"], generator)
@@ -206,10 +208,10 @@ class RandomResizedCrop(Transform):
         check_scale_ratio(scale, ratio)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
-    def params(self, x: torch.Tensor, generator: Optional[torch.Generator], tries: int = TRIES) -> torch.Tensor:
+    def params(self, x: torch.Tensor, generator: Rng, tries: int = TRIES) -> torch.Tensor:
         """(B, 4) float boxes: top, left, height, width (whole pixels)."""
         b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
-        u = torch.rand(b, tries, 4, generator=generator, device=dev)
+        u = uniform((b, tries, 4), generator, dev)
         full = lambda v: torch.full((b,), float(v), device=dev)  # noqa: E731
         return rrc_boxes(full(H), full(W), u, self.scale, self.ratio)
 
@@ -241,7 +243,7 @@ class RandomResizedCrop(Transform):
         move_boxes(out, (sx, sy), (-left * sx, -top * sy), self.size)
         return out
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if isinstance(x, dict):
             return self.apply_fields(x, self.params(x["image"], generator))
         return self.apply(x, self.params(x, generator))
@@ -270,7 +272,7 @@ class Normalize(Transform):
             self._cache[device] = (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
         return self._cache[device]
 
-    def __call__(self, x: Batch, generator: Optional[torch.Generator] = None) -> Batch:
+    def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if isinstance(x, dict):
             return {**x, "image": self(x["image"], generator)}
         scale, shift = self._coefficients(x.device, x.shape[1])

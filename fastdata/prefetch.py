@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .errors import ConfigError
-from .crops import batch_seed
+from .crops import Draws, batch_seed
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
 from .distributed import dist_rank_world
 
@@ -119,7 +119,6 @@ class CUDAPrefetcher:
         self.transforms, self.depth, self.seed = transforms, depth, seed
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
-        self._generator: Optional[torch.Generator] = None
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
 
     # -- proxies --------------------------------------------------------------------------------------
@@ -158,18 +157,17 @@ class CUDAPrefetcher:
             return s.epoch, s.batch_position(s.served - 1)
         return self._epoch_counter, self._batch_in_epoch
 
-    def _seeded(self) -> torch.Generator:
-        """The generator for the batch just fetched, seeded from ``(seed, epoch, position, rank)``: the same
-        draws after a resume, and different draws on each rank (ranks serve different samples)."""
+    def _seeded(self) -> Draws:
+        """The draws for the batch just fetched, seeded from ``(seed, epoch, position, rank)``: the same
+        draws after a resume and on every device, different ones on each rank (ranks serve different samples);
+        NOTE [crop draws] in crops.py."""
         epoch, pos = self._position()
         rank = getattr(getattr(self.loader, "sampler", None), "rank", None)
         rank = dist_rank_world()[0] if rank is None else rank
-        if self._generator is None:
-            self._generator = torch.Generator(device=self.device)
-        return self._generator.manual_seed(batch_seed(self.seed, epoch, pos, rank))
+        return Draws(batch_seed(self.seed, epoch, pos, rank))
 
     # -- conversion (the same math on every device) ---------------------------------------------------
-    def convert(self, batch: Any, generator: Optional[torch.Generator] = None) -> Any:
+    def convert(self, batch: Any, generator: Union[None, torch.Generator, Draws] = None) -> Any:
         """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64. A dict
         of sample fields has its spatial fields moved with the image (NOTE [spatial fields] in
         gpu_transforms.py) before the conversion."""

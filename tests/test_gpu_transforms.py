@@ -120,6 +120,43 @@ def test_compose_is_reproducible_with_the_same_generator():
     assert not torch.equal(t(x, gen(5)), t(x, gen(6)))
 
 
+def test_draws_are_uniform_independent_of_how_they_are_split_and_of_the_seed():
+    from fastdata.crops import Draws
+
+    whole = Draws(2 ** 40 + 7).rand(300_000)
+    d = Draws(2 ** 40 + 7)
+    parts = torch.cat([d.rand(7), d.rand(3, 10).flatten(), d.rand(300_000 - 37)])
+    assert torch.equal(whole, parts) and d.used == 300_000
+    assert whole.dtype == torch.float32 and 0 <= float(whole.min()) and float(whole.max()) < 1
+    counts = torch.histc(whole, bins=20, min=0, max=1)  # 15,000 expected a bin; chi-square, 19 dof
+    assert float(((counts - 15_000) ** 2 / 15_000).sum()) < 50
+    assert abs(float(torch.corrcoef(torch.stack([whole[:-1], whole[1:]]))[0, 1])) < 0.01  # neighbours
+    other = Draws(2 ** 40 + 8).rand(300_000)  # seeds one apart (and apart in the high word only) differ
+    assert float((whole == other).float().mean()) < 1e-3
+    assert not torch.equal(Draws(7).rand(1000), Draws(2 ** 40 + 7).rand(1000))
+
+
+def test_transforms_take_draws_as_they_take_a_generator():
+    from fastdata.crops import Draws
+
+    x = batch()
+    t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
+    assert torch.equal(t(x, Draws(5)), t(x, Draws(5)))
+    assert not torch.equal(t(x, Draws(5)), t(x, Draws(6)))
+
+
+@pytest.mark.cuda
+def test_draws_and_the_transforms_drawing_them_are_the_same_on_the_gpu():
+    from fastdata.crops import Draws
+
+    assert torch.equal(Draws(123).rand(4, 1000, device="cuda").cpu(), Draws(123).rand(4, 1000))
+    x = batch(b=32)
+    for t in (RandomResizedCrop(12), RandomCrop(16, padding=4), RandomHorizontalFlip()):
+        assert torch.equal(t.params(x.cuda(), Draws(9)).cpu(), t.params(x, Draws(9))), t
+    t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
+    assert torch.allclose(t(x.cuda().float(), Draws(3)).cpu(), t(x.float(), Draws(3)), atol=1e-3)
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda: RandomHorizontalFlip(2), "p must be"), (lambda: RandomCrop(0), "size must be"),
     (lambda: RandomCrop(8, padding=-1), "padding"), (lambda: RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),

@@ -219,20 +219,22 @@ def photo_lmdb(tmp_path_factory):
     return base / "lmdb"
 
 
-def test_decode_time_crops_draw_exactly_what_the_batched_gpu_transform_draws():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_decode_time_crops_draw_exactly_what_the_batched_gpu_transform_draws(device):
     import numpy as np
     import torch
 
-    from fastdata.crops import batch_seed, draw_resized_crops
+    from fastdata.crops import Draws, batch_seed, draw_resized_crops
     from fastdata.gpu_transforms import RandomHorizontalFlip, RandomResizedCrop
 
     key = (5, 2, 64, 1)
     boxes, flips = draw_resized_crops(key, np.array([[80, 107]] * 16))
-    gen = torch.Generator().manual_seed(batch_seed(*key))
-    x = torch.zeros(16, 3, 80, 107, dtype=torch.uint8)
-    gpu_boxes = RandomResizedCrop(32).params(x, gen)  # what Compose([RRC, flip]) draws in CUDAPrefetcher
-    gpu_flips = RandomHorizontalFlip().params(x, gen)
-    assert np.array_equal(boxes, gpu_boxes.long().numpy()) and np.array_equal(flips, gpu_flips.numpy())
+    draws = Draws(batch_seed(*key))  # what CUDAPrefetcher hands Compose([RRC, flip]) for this batch
+    x = torch.zeros(16, 3, 80, 107, dtype=torch.uint8, device=device)
+    gpu_boxes = RandomResizedCrop(32).params(x, draws)
+    gpu_flips = RandomHorizontalFlip().params(x, draws)
+    assert gpu_boxes.device.type == device
+    assert np.array_equal(boxes, gpu_boxes.long().cpu().numpy()) and np.array_equal(flips, gpu_flips.cpu().numpy())
     assert 0 < flips.sum() < 16 and len({tuple(b) for b in boxes.tolist()}) == 16
 
 

@@ -19,7 +19,7 @@ def ds(indexed_datasets):
 
 
 def epoch_ids(loader) -> list[list[int]]:
-    return [sample_ids(x).tolist() for x, _ in loader]
+    return [sample_ids(x.cpu()).tolist() for x, _ in loader]
 
 
 def loader_threads() -> list[str]:

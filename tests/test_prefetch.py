@@ -227,6 +227,6 @@ def test_each_rank_draws_its_own_augmentation(indexed_datasets):
         pf = CUDAPrefetcher(FastLoader(ds, 8, seed=1, rank=rank, world_size=2), device="cpu",
                             transforms=RandomHorizontalFlip(), seed=7)
         next(iter(pf))
-        return pf._seeded().initial_seed()  # the generator of the batch just served
+        return pf._seeded().seed  # the draws of the batch just served
 
     assert seed_after_one_batch(0) == seed_after_one_batch(0) != seed_after_one_batch(1)
