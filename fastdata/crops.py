@@ -34,43 +34,35 @@ def check_scale_ratio(scale: tuple[float, float], ratio: tuple[float, float]) ->
         raise ConfigError(f"ratio must satisfy 0 < min <= max, got ratio={ratio!r}")
 
 
-MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)`` (int64) and ``c < 2**32``, with no int64 overflow."""
-    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash (lowbias32: xor-shift, multiply, xor-shift, multiply, xor-shift)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+# splitmix64's constants as int64 (torch has no uint64 arithmetic): its multiplications wrap mod 2**64 alike
+# on every device, and each right shift is masked to the logical shift splitmix64 means
+GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 class Draws:
     """Uniform floats in ``[0, 1)`` that depend on ``seed`` and on how many were drawn before, nothing else:
-    the same numbers on every device (integer hashing of a counter, exact everywhere; see NOTE [crop draws]).
-    Transforms take it where they take a ``torch.Generator``."""
+    the same numbers on every device (splitmix64 of a counter in int64 arithmetic, exact everywhere; see
+    NOTE [crop draws]). Transforms take it where they take a ``torch.Generator``."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.keys = [(seed >> (32 * k)) & MASK32 for k in range(2)]
+        key = seed & ((1 << 64) - 1)
+        self.key = key - (1 << 64) if key >= 1 << 63 else key
         self.used = 0
 
     def rand(self, *shape: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
-        """``torch.rand(*shape)`` from this stream, on ``device`` (computed there: nothing crosses)."""
+        """``torch.rand(*shape)`` from this stream, on ``device`` (computed there: nothing crosses; 17 small
+        kernels whatever the shape)."""
         n = math.prod(shape)
-        i = torch.arange(self.used, self.used + n, dtype=torch.int64, device=device)
+        z = torch.arange(self.used, self.used + n, dtype=torch.int64, device=device)
         self.used += n
-        k0, k1 = self.keys
-        h = _mix32((i & MASK32) ^ k0)
-        h = _mix32(h ^ (i >> 32) ^ k1)
-        h = _mix32(h ^ k0 ^ 0x9E3779B9)
-        return ((h >> 8).to(torch.float32) * 2.0 ** -24).view(shape)  # 24 bits: exact in float32
+        z = z.mul_(GOLDEN).add_(self.key)
+        z = (z ^ ((z >> 30) & ((1 << 34) - 1))).mul_(MIX1)
+        z = (z ^ ((z >> 27) & ((1 << 37) - 1))).mul_(MIX2)
+        z = z ^ ((z >> 31) & ((1 << 33) - 1))
+        return ((z >> 40) & 0xFFFFFF).to(torch.float32).mul_(2.0 ** -24).view(shape)  # 24 bits: exact in fp32
 
 
 def uniform(shape: tuple[int, ...], generator: Union[None, torch.Generator, Draws],

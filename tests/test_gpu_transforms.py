@@ -123,7 +123,15 @@ def test_compose_is_reproducible_with_the_same_generator():
 def test_draws_are_uniform_independent_of_how_they_are_split_and_of_the_seed():
     from fastdata.crops import Draws
 
+    def splitmix64(x: int) -> int:  # the published algorithm, in Python's unbounded integers
+        m = (1 << 64) - 1
+        z = (x * 0x9E3779B97F4A7C15 + 2 ** 40 + 7) & m
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & m
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & m
+        return z ^ (z >> 31)
+
     whole = Draws(2 ** 40 + 7).rand(300_000)
+    assert whole[:50].tolist() == [(splitmix64(i) >> 40) / 2 ** 24 for i in range(50)]
     d = Draws(2 ** 40 + 7)
     parts = torch.cat([d.rand(7), d.rand(3, 10).flatten(), d.rand(300_000 - 37)])
     assert torch.equal(whole, parts) and d.used == 300_000
