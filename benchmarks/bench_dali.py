@@ -99,13 +99,19 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     and host RSS over ``--memory-iters`` DALI batches."""
     from fastdata.dali import DALILoader
 
+    from bench_gpu import replicated  # an epoch longer than the measured steps: steady state, as real epochs
+
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
+    repeat = max(1, -(-(args.train_steps + max(2, args.train_steps // 5) + 2) * b // len(files)))
+    replicated(files, scratch / "train-jpeg", repeat)
+    preprocess_images(ImagePreprocessConfig(src=scratch / "train-jpeg", out=scratch / "train", size=256,
+                                            format="lmdb", progress=False))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
     feeds = {
-        "dali": lambda: DALILoader(scratch / "lmdb", b, size=size, train=True, dtype=dtype, num_threads=cores,
+        "dali": lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=cores,
                                    device=device),
-        "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "lmdb", size=size, crop="random"), b,
+        "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"), b,
                                                       num_threads=cores), device, dtype=dtype),
     }
     names = {"dali": "DALI (nvJPEG mixed decode, crops in the decoder)" if device == "cuda" else "DALI (CPU)",
@@ -132,6 +138,8 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         out[f"{key}_train_images_per_s"], out[f"{key}_stall_pct_resnet50_{size}"] = r
         print(f"  {names[key]:<62} {r[0]:>8,.0f} images/s  {r[0] / ceiling:>6.1%} of the ceiling, data stall "
               f"{r[1]:.1f}%")
+    if args.memory_iters <= 0:
+        return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)
     mem = out["dali_memory"]
     print(f"{mem['iterations']:,} DALILoader batches: GPU memory in use {mem['gpu_used_100'] / 2**20:,.0f} -> "
