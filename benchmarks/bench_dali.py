@@ -174,6 +174,8 @@ def memory_flat(loader: Any, iters: int, device: str) -> dict[str, Any]:
                 "rss": rss}
 
     seen, marks = 0, {}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # the peak of these batches, not of what ran before
     while seen < iters:
         for _ in loader:
             seen += 1

@@ -272,6 +272,8 @@ def memory_flat(root: Path, batch: int, iters: int, device: str) -> dict[str, fl
             return int(f.read().split()[1]) * page
 
     seen, marks = 0, {}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the peak of these batches, not of what ran before
     while seen < iters:
         for x, _ in pf:
             seen += 1
