@@ -247,6 +247,35 @@ def test_fp16_gradscaler_channels_last_and_stall_on_gpu(small_images, tmp_path):
     assert t.scaler.is_enabled() and t.scaler.get_scale() > 0
 
 
+def test_a_callers_group_of_one_process_gets_ddp_and_trains_as_without(small_images):
+    import socket
+
+    import torch.distributed as dist
+
+    def run() -> Trainer:
+        torch.manual_seed(0)
+        loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8, seed=1), device="cpu")
+        t = Trainer(create_model("cnn-small", num_classes=3), loader,
+                    config=TrainConfig(max_steps=3, lr=0.05, device="cpu", progress=False))
+        t.fit()
+        return t
+
+    alone = run()
+    __import__("importlib").import_module("torch._dynamo")  # before the group, as init_distributed does
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        grouped = run()
+        assert alone.ddp is None and isinstance(grouped.ddp, torch.nn.parallel.DistributedDataParallel)
+        a, b = alone.model.state_dict(), grouped.model.state_dict()
+        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # DDP of one: the same training
+        grouped.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def gpu_run(data: Path, ckpt: Path, max_steps: int, resume: bool = False) -> Trainer:
     """ResNet-18 on the GPU: bf16, accumulation, clipping, crops + flips on the GPU, checkpoints every 2 steps."""
     from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
