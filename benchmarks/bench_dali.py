@@ -27,9 +27,6 @@ import torch
 
 import fastdata
 from fastdata.models import create_model
-from fastdata.timing import ModelStep, sync, timed_rate
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig
 from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
 from fastdata.prefetch import CUDAPrefetcher
@@ -84,7 +81,6 @@ def main() -> None:
                "cores": cores, "eval_images_per_s": rows}
         if device == "cuda" or args.smoke:
             out.update(training_rates(scratch, files, args, device))
-            out["dali_images_per_s"] = out.get("dali_images_per_s")
             out["dali_stall_pct_resnet50_224"] = out.get(f"dali_stall_pct_resnet50_{args.size}")
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))
@@ -99,10 +95,11 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     and host RSS over ``--memory-iters`` DALI batches."""
     from fastdata.dali import DALILoader
 
-    from bench_gpu import replicated  # an epoch longer than the measured steps: steady state, as real epochs
+    from bench_gpu import ceiling as model_ceiling, memory_flat, replicated, train
 
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
+    # an epoch longer than the measured steps (links to the same JPEGs): steady state, as real epochs
     repeat = max(1, -(-(args.train_steps + max(2, args.train_steps // 5) + 2) * b // len(files)))
     replicated(files, scratch / "train-jpeg", repeat)
     preprocess_images(ImagePreprocessConfig(src=scratch / "train-jpeg", out=scratch / "train", size=256,
@@ -123,73 +120,27 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         r = rate(lambda it=make(): it, args.seconds)
         out[f"{key}_images_per_s"] = r
         print(f"  {names[key]:<62} {r:>8,.0f} images/s")
-    net = ModelStep("resnet50", 8, torch.device(device))
-    x = torch.randn(b, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 8, (b,), device=device)
-    ceiling = timed_rate(lambda: (net.step(x, y), b)[1], args.train_seconds)
+    ceiling = model_ceiling("resnet50", 8, b, size, device, args.train_seconds)
     out["ceiling_resnet50_images_per_s"] = ceiling
-    print(f"ResNet-50@{size}, batch {b}, {'bf16' if device == 'cuda' else 'fp32'}, channels_last, {gpu} "
+    print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} "
           f"(data stall: the Trainer's own):")
     print(f"  {'synthetic data on the GPU (ceiling)':<62} {ceiling:>8,.0f} images/s")
     for key, make in feeds.items():
         model, loader = create_model("resnet50", num_classes=8), make()
-        train_run(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
-        r = train_run(model, loader, b, args.train_steps, device)
-        out[f"{key}_train_images_per_s"], out[f"{key}_stall_pct_resnet50_{size}"] = r
-        print(f"  {names[key]:<62} {r[0]:>8,.0f} images/s  {r[0] / ceiling:>6.1%} of the ceiling, data stall "
-              f"{r[1]:.1f}%")
+        train(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
+        r = train(model, loader, b, args.train_steps, device)
+        out[f"{key}_train_images_per_s"] = r["images_per_s"]
+        out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
+        print(f"  {names[key]:<62} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
+              f"ceiling, data stall {r['data_stall_pct']:.1f}%")
     if args.memory_iters <= 0:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)
     mem = out["dali_memory"]
     print(f"{mem['iterations']:,} DALILoader batches: GPU memory in use {mem['gpu_used_100'] / 2**20:,.0f} -> "
           f"{mem['gpu_used_end'] / 2**20:,.0f} MiB (device-wide: DALI allocates outside torch), torch max allocated "
-          f"{mem['torch_max_allocated_100'] / 2**20:,.0f} -> {mem['torch_max_allocated_end'] / 2**20:,.0f} MiB, "
+          f"{mem['gpu_max_allocated_100'] / 2**20:,.0f} -> {mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB, "
           f"host RSS {mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
-    return out
-
-
-def train_run(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> tuple[float, float]:
-    """``steps`` Trainer steps: images/s and the Trainer's data stall %."""
-    cfg = TrainConfig(max_steps=steps, amp="bf16" if device == "cuda" else "none", lr=0.01, schedule="constant",
-                      device=device, progress=False, log_every=max(1, steps // 4), val_every=0)
-    trainer = Trainer(model, loader, config=cfg)
-    end = trainer.fit()[-1]
-    trainer.close()
-    return steps * batch / end["time_s"], end["data_stall_pct"]
-
-
-def memory_flat(loader: Any, iters: int, device: str) -> dict[str, Any]:
-    """Device memory in use (DALI's allocations included), torch's peak and host RSS after 100 and after
-    ``iters`` batches of ``loader`` (epochs repeated)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    cuda = device == "cuda"
-
-    def mark() -> dict[str, int]:
-        sync()
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * page
-        free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
-        return {"gpu_used": total - free, "torch_max_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
-                "rss": rss}
-
-    seen, marks = 0, {}
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()  # the peak of these batches, not of what ran before
-    while seen < iters:
-        for _ in loader:
-            seen += 1
-            if seen in (100, iters):
-                marks[seen] = mark()
-                if seen == 100 and cuda:
-                    torch.cuda.reset_peak_memory_stats()
-            if seen >= iters:
-                break
-    out: dict[str, Any] = {"iterations": iters}
-    for k in ("gpu_used", "torch_max_allocated", "rss"):
-        out[f"{k}_100"], out[f"{k}_end"] = marks[100][k], marks[iters][k]
-    out["rss_growth_mb"] = (out["rss_end"] - out["rss_100"]) / 2 ** 20
-    out["gpu_used_growth_mb"] = (out["gpu_used_end"] - out["gpu_used_100"]) / 2 ** 20
     return out
 
 

@@ -168,17 +168,21 @@ def train(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: s
     return {"images_per_s": steps * batch / end["time_s"], "data_stall_pct": end["data_stall_pct"]}
 
 
+def ceiling(model_name: str, classes: int, batch: int, crop: int, device: str, seconds: float) -> float:
+    """Images/s of one training step of ``model_name`` on synthetic data already on ``device`` (the ceiling)."""
+    net = ModelStep(model_name, classes, torch.device(device))
+    x = torch.randn(batch, 3, crop, crop, device=device).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (batch,), device=device)
+    return timed_rate(lambda: (net.step(x, y), batch)[1], seconds)
+
+
 def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str, crop: int, batch: int,
                steps: int, device: str, seconds: float) -> dict[str, dict[str, float]]:
     """The ceiling, fastdata and the plain recipe for one model, each after a warm-up run of its own."""
     classes = max(labels) + 1
     cores = os.cpu_count() or 1
-    rows: dict[str, dict[str, float]] = {}
-    net = ModelStep(model_name, classes, torch.device(device))
-    x = torch.randn(batch, 3, crop, crop, device=device).contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, classes, (batch,), device=device)
-    rows["synthetic on the GPU (ceiling)"] = {"images_per_s": timed_rate(lambda: (net.step(x, y), batch)[1],
-                                                                          seconds)}
+    rows = {"synthetic on the GPU (ceiling)": {"images_per_s": ceiling(model_name, classes, batch, crop, device,
+                                                                        seconds)}}
     aug = Compose([RandomResizedCrop(crop), RandomHorizontalFlip()])
     ds = in_shm(root)
     feeds = {
@@ -188,9 +192,9 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
             PlainFolder(files, labels, crop), batch, shuffle=True, num_workers=cores,
             pin_memory=device == "cuda", persistent_workers=True, drop_last=True),
     }
-    resident = [(Normalize(dtype=torch.bfloat16)(torch.randint(0, 256, (batch, 3, crop, crop), device=device,
-                                                               dtype=torch.uint8)).contiguous(
-        memory_format=torch.channels_last), y)] * 64
+    x = torch.randint(0, 256, (batch, 3, crop, crop), device=device, dtype=torch.uint8)
+    y = torch.randint(0, classes, (batch,), device=device)
+    resident = [(Normalize(dtype=torch.bfloat16)(x).contiguous(memory_format=torch.channels_last), y)] * 64
     feeds = {"Trainer on batches already on the GPU (the loop's own ceiling)": lambda: resident, **feeds}
     if model_name in ("resnet18", "cnn-small"):  # the fastest model: how the loader's threads share the host with the loop
         for threads in (2, 4):
@@ -260,38 +264,40 @@ def cifar_epoch(root: Path, device: str) -> dict[str, float]:
             "host_syncs": syncs, "host_syncs_per_step": syncs / steps}
 
 
-def memory_flat(root: Path, batch: int, iters: int, device: str) -> dict[str, float]:
-    """GPU memory and host RSS after 100 and after ``iters`` CUDAPrefetcher batches (crops + flips on)."""
-    ds = in_shm(root)
-    pf = CUDAPrefetcher(FastLoader(ds, batch), device=device, dtype=torch.bfloat16,
-                        transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
+def memory_flat(loader: Any, iters: int, device: str) -> dict[str, float]:
+    """Memory after 100 and after ``iters`` batches of ``loader`` (epochs repeated): torch's allocated bytes,
+    torch's peak (over the first 100, then over the rest), the device's memory in use (allocations outside
+    torch, such as DALI's, included) and host RSS."""
     page = os.sysconf("SC_PAGE_SIZE")
+    cuda = device == "cuda"
 
-    def rss() -> int:
+    def mark() -> dict[str, int]:
+        sync()
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * page
+            rss = int(f.read().split()[1]) * page
+        free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
+        return {"gpu_allocated": torch.cuda.memory_allocated() if cuda else 0,
+                "gpu_max_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
+                "gpu_used": total - free, "rss": rss}
 
     seen, marks = 0, {}
-    if device == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats()  # the peak of these batches, not of what ran before
     while seen < iters:
-        for x, _ in pf:
+        for _ in loader:
             seen += 1
             if seen in (100, iters):
-                sync()
-                cuda = device == "cuda"
-                marks[seen] = {"allocated": torch.cuda.memory_allocated() if cuda else 0, "max_allocated":
-                               torch.cuda.max_memory_allocated() if cuda else 0, "rss": rss()}
+                marks[seen] = mark()
                 if seen == 100 and cuda:
                     torch.cuda.reset_peak_memory_stats()
             if seen >= iters:
                 break
-    a, b = marks[100], marks[iters]
-    return {"iterations": iters, "gpu_max_allocated_100": a["max_allocated"],
-            "gpu_max_allocated_end": b["max_allocated"], "gpu_allocated_100": a["allocated"],
-            "gpu_allocated_end": b["allocated"], "rss_100": a["rss"], "rss_end": b["rss"],
-            "rss_growth_mb": (b["rss"] - a["rss"]) / 2 ** 20,
-            "gpu_growth_mb": (b["max_allocated"] - a["max_allocated"]) / 2 ** 20}
+    out: dict[str, float] = {"iterations": iters}
+    for k in marks[100]:
+        out[f"{k}_100"], out[f"{k}_end"] = marks[100][k], marks[iters][k]
+    out["rss_growth_mb"] = (out["rss_end"] - out["rss_100"]) / 2 ** 20
+    out["gpu_used_growth_mb"] = (out["gpu_used_end"] - out["gpu_used_100"]) / 2 ** 20
+    return out
 
 
 def main() -> None:
@@ -394,7 +400,9 @@ def main() -> None:
                   f'{c["h2d_per_step"]:.3f} host-to-device copies and {c["host_syncs_per_step"]:.3f} host syncs a '
                   f'step ({c["h2d_copies"]} and {c["host_syncs"]} in {c["steps"]} steps)')
             save()
-            mem = memory_flat(scratch / "s256", 16 if args.smoke else batch0, 200 if args.smoke else 1000, device)
+            pf = CUDAPrefetcher(FastLoader(in_shm(scratch / "s256"), 16 if args.smoke else batch0), device=device,
+                                dtype=torch.bfloat16, transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
+            mem = memory_flat(pf, 200 if args.smoke else 1000, device)
             out["memory_prefetcher"] = mem
             print(f"{mem['iterations']:,} CUDAPrefetcher batches: GPU max allocated {mem['gpu_max_allocated_100'] / 2**20:,.0f} MiB"
                   f" after 100, {mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB over 100-{mem['iterations']:,}; host RSS "

@@ -21,7 +21,7 @@ import torch
 
 from .errors import ConfigError
 from .crops import Draws, batch_seed
-from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Transform
+from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
 from .distributed import dist_rank_world
 
 Release = Optional[Callable[[], None]]
@@ -167,7 +167,7 @@ class CUDAPrefetcher:
         return Draws(batch_seed(self.seed, epoch, pos, rank))
 
     # -- conversion (the same math on every device) ---------------------------------------------------
-    def convert(self, batch: Any, generator: Union[None, torch.Generator, Draws] = None) -> Any:
+    def convert(self, batch: Any, generator: Rng = None) -> Any:
         """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64. A dict
         of sample fields has its spatial fields moved with the image (NOTE [spatial fields] in
         gpu_transforms.py) before the conversion."""
