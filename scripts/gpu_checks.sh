@@ -7,6 +7,7 @@
 #   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
 #   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes)
 #   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
+#   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
 # Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
 # benchmarks/results/gpu-YYYY-MM-DD.json.
@@ -48,6 +49,9 @@ dali-bench)
     $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" \
         --json "$OUT/bench_dali.json" 2>&1 | tee "$OUT/bench_dali.txt"
     ;;
+text-bench)
+    $PY benchmarks/bench_text.py --mb 100 --batch 512 --seconds 3 2>&1 | tee "$OUT/bench_text.txt"
+    ;;
 stages)
     D=/tmp/fastdata-stages
     $PY -c "from fastdata.synthetic import make_image_folder as m; m('$D/jpeg', num_classes=8, per_class=256)"
@@ -56,5 +60,5 @@ stages)
         | tee "$OUT/fastdata-bench.txt"
     ;;
 *)
-    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|stages" >&2; exit 2 ;;
+    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|text-bench|stages" >&2; exit 2 ;;
 esac
