@@ -83,15 +83,54 @@ class Transform:
 
 
 class Compose(Transform):
-    """Apply ``transforms`` in order, all drawing from the same generator."""
+    """Apply ``transforms`` in order, all drawing from the same generator. On an image tensor, a crop followed
+    by :class:`RandomHorizontalFlip` runs as one step (NOTE [flip folded into the crop])."""
 
     def __init__(self, transforms: Sequence[Transform]) -> None:
         self.transforms = list(transforms)
 
     def __call__(self, x: Batch, generator: Rng = None) -> Batch:
-        for t in self.transforms:
-            x = t(x, generator)
+        ts, i = self.transforms, 0
+        while i < len(ts):
+            t, after = ts[i], ts[i + 1] if i + 1 < len(ts) else None
+            if isinstance(t, Crop) and isinstance(after, RandomHorizontalFlip) and isinstance(x, torch.Tensor):
+                x, i = crop_and_flip(t, after.p, x, generator), i + 2
+            else:
+                x, i = t(x, generator), i + 1
         return x
+
+
+# NOTE [flip folded into the crop]: Compose([RandomResizedCrop or RandomCrop, RandomHorizontalFlip]) on an
+# image tensor draws both transforms' numbers in one call (a Draws stream gives the same numbers for one
+# call of n + m as for calls of n and m) and mirrors inside the crop: RandomResizedCrop negates the x scale
+# of each flipped sample's sampling grid, RandomCrop reverses its column indices. The output is bit-equal to
+# the two steps (the grid's base coordinates are symmetric, so a negated scale lands on exactly the mirrored
+# points; tests/test_gpu_transforms.py holds it on each device), and it skips the flip's passes over the
+# whole batch (a mirrored copy and a select) and one draw's ~18 small kernels: a batch's transforms are
+# launched from the training loop's thread, where each kernel costs host time.
+class Crop(Transform):
+    """A random crop whose draws are ``draws`` uniforms per sample and which can mirror what it crops."""
+
+    draws: int
+
+    def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The crop's parameters from ``u``, ``(B, draws)`` uniforms."""
+        raise NotImplementedError
+
+    def apply(self, x: torch.Tensor, params: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def crop_and_flip(crop: Crop, p: float, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+    """``RandomHorizontalFlip(p)(crop(x))`` in one step, the same draws and pixels (NOTE [flip folded into the
+    crop])."""
+    b, k = x.shape[0], crop.draws
+    if isinstance(generator, Draws):
+        u = generator.rand(b * (k + 1), device=x.device)
+        own, flip_u = u[:b * k].view(b, k), u[b * k:]
+    else:
+        own, flip_u = uniform((b, k), generator, x.device), uniform((b,), generator, x.device)
+    return crop.apply(x, crop.params_from(x, own), flip=flip_u < p)
 
 
 class RandomHorizontalFlip(Transform):
@@ -147,8 +186,10 @@ class CenterCrop(Transform):
         return out
 
 
-class RandomCrop(Transform):
+class RandomCrop(Crop):
     """Pad by ``padding`` (with ``fill``), then crop ``size`` at a random offset per sample (CIFAR style)."""
+
+    draws = 2
 
     def __init__(self, size: Size, padding: int = 0, fill: float = 0) -> None:
         self.size = _pair(size, "size")
@@ -157,16 +198,18 @@ class RandomCrop(Transform):
         self.padding, self.fill = padding, fill
 
     def params(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        return self.params_from(x, uniform((x.shape[0], 2), generator, x.device))
+
+    def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         (h, w), (H, W), p = self.size, x.shape[-2:], self.padding
         if h > H + 2 * p or w > W + 2 * p:
             raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images ({H + 2 * p}, {W + 2 * p})")
-        u = uniform((x.shape[0], 2), generator, x.device)
-        u[:, 0] *= H + 2 * p - h + 1  # python numbers: nothing crosses to the device
-        u[:, 1] *= W + 2 * p - w + 1
-        return u.long()  # (B, 2): top, left in the padded image
+        # (B, 2): top, left in the padded image; python numbers, so nothing crosses to the device
+        return torch.stack((u[:, 0] * (H + 2 * p - h + 1), u[:, 1] * (W + 2 * p - w + 1)), dim=1).long()
 
-    def apply(self, x: torch.Tensor, offsets: torch.Tensor, fill: Optional[float] = None) -> torch.Tensor:
-        """Crop NCHW images (or, with ``fill=0``, ``(B, H, W)`` masks) at ``offsets``."""
+    def apply(self, x: torch.Tensor, offsets: torch.Tensor, fill: Optional[float] = None,
+              flip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Crop NCHW images (or, with ``fill=0``, ``(B, H, W)`` masks) at ``offsets``, mirrored where ``flip``."""
         (h, w), p, b = self.size, self.padding, x.shape[0]
         plane = x.ndim == 3
         if plane:
@@ -174,7 +217,10 @@ class RandomCrop(Transform):
         if p:
             x = F.pad(x, (p, p, p, p), value=self.fill if fill is None else fill)
         rows = offsets[:, :1] + torch.arange(h, device=x.device)  # (B, h)
-        cols = offsets[:, 1:] + torch.arange(w, device=x.device)  # (B, w)
+        across = torch.arange(w, device=x.device)
+        if flip is not None:  # a mirrored crop reads its columns right to left
+            across = torch.where(flip[:, None], across.flip(0), across)
+        cols = offsets[:, 1:] + across  # (B, w)
         batch = torch.arange(b, device=x.device).view(-1, 1, 1)
         # Advanced indexing puts the indexed dims first: (B, h, w, C), i.e. NCHW with channels_last strides.
         out = x[batch, :, rows[:, :, None], cols[:, None, :]]
@@ -194,7 +240,7 @@ class RandomCrop(Transform):
         return out
 
 
-class RandomResizedCrop(Transform):
+class RandomResizedCrop(Crop):
     """Crop a random area/aspect box per sample and resize it to ``size`` (the ImageNet recipe).
 
     Boxes follow torchvision's rule (10 tries of area ~ U(scale), log-aspect ~ U(log ratio), else the
@@ -208,26 +254,46 @@ class RandomResizedCrop(Transform):
         check_scale_ratio(scale, ratio)
         self.scale, self.ratio = tuple(scale), tuple(ratio)
 
+    draws = TRIES * 4
+
     def params(self, x: torch.Tensor, generator: Rng, tries: int = TRIES) -> torch.Tensor:
         """(B, 4) float boxes: top, left, height, width (whole pixels)."""
+        return self.params_from(x, uniform((x.shape[0], tries * 4), generator, x.device))
+
+    def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
-        u = uniform((b, tries, 4), generator, dev)
         full = lambda v: torch.full((b,), float(v), device=dev)  # noqa: E731
-        return rrc_boxes(full(H), full(W), u, self.scale, self.ratio)
+        return rrc_boxes(full(H), full(W), u.view(b, -1, 4), self.scale, self.ratio)
 
-    def _grid(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-        (oh, ow), (H, W), b = self.size, x.shape[-2:], x.shape[0]
+    def _grid(self, x: torch.Tensor, boxes: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``grid_sample``'s sampling points, (B, oh, ow, 2): each output pixel centre mapped into its box
+        (``affine_grid`` of the box's scale and shift, align_corners=False), the x scale negated where
+        ``flip``. Built here rather than by ``affine_grid``, whose base coordinates (a linspace) are not
+        exactly symmetric for every width (31, say), so a negated scale would miss the mirrored points by
+        an ulp; here they are (2j + 1 - n) / n, exactly symmetric. A multiply and an add, as separate
+        kernels: the same bits on every device (no FMA)."""
+        (oh, ow), (H, W) = self.size, x.shape[-2:]
         top, left, h, w = boxes.unbind(1)
-        theta = torch.zeros(b, 2, 3, device=x.device, dtype=torch.float32)
-        theta[:, 0, 0] = w / W
-        theta[:, 0, 2] = (2 * left + w) / W - 1
-        theta[:, 1, 1] = h / H
-        theta[:, 1, 2] = (2 * top + h) / H - 1
-        return F.affine_grid(theta, [b, 1, oh, ow], align_corners=False)
+        sx = w / W
+        if flip is not None:
+            sx = torch.where(flip, -sx, sx)
+        cx, sy, cy = (2 * left + w) / W - 1, h / H, (2 * top + h) / H - 1
+        xs, ys = self._base(ow, x.device), self._base(oh, x.device)
+        gx = torch.mul(xs[None, None, :], sx[:, None, None]).add_(cx[:, None, None])  # (B, 1, ow)
+        gy = torch.mul(ys[None, :, None], sy[:, None, None]).add_(cy[:, None, None])  # (B, oh, 1)
+        return torch.stack(torch.broadcast_tensors(gx, gy), dim=-1)
 
-    def apply(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    def _base(self, n: int, device: torch.device) -> torch.Tensor:
+        """Pixel centres of an ``n``-pixel axis in [-1, 1]: (2j + 1 - n) / n, float32 (cached per device)."""
+        cache = self.__dict__.setdefault("_bases", {})
+        if (n, device) not in cache:
+            cache[n, device] = (torch.arange(n, device=device, dtype=torch.float32) * 2 + (1 - n)) / n
+        return cache[n, device]
+
+    def apply(self, x: torch.Tensor, boxes: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Resample each sample's box to ``size``, mirrored where ``flip``."""
         xf = x if x.is_floating_point() else x.float()
-        grid = self._grid(x, boxes)
+        grid = self._grid(x, boxes, flip)
         return F.grid_sample(xf, grid.to(xf.dtype), mode="bilinear", padding_mode="border", align_corners=False)
 
     def apply_fields(self, batch: dict[str, torch.Tensor], boxes: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -251,17 +317,19 @@ class RandomResizedCrop(Transform):
 
 class Normalize(Transform):
     """Pixel units -> ``(x / 255 - mean) / std`` (mean, std in 0-1 units, torchvision's convention),
-    computed in float32 as a multiply and an add and cast to ``dtype``. ``mean=None`` gives ``x / 255``."""
+    computed in float32 as a multiply and an add and cast to ``dtype``. ``mean=None`` gives ``x / 255``.
+    ``memory_format``: the output's layout (e.g. ``torch.channels_last``), written by the multiply itself
+    rather than by a copy afterwards."""
 
     def __init__(self, mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, memory_format: Optional[torch.memory_format] = None) -> None:
         if (mean is None) != (std is None):
             raise ConfigError(f"give both mean and std, or neither; got mean={mean!r}, std={std!r}")
         if std is not None and any(s <= 0 for s in std):
             raise ConfigError(f"std must be positive, got std={std!r}")
         if not dtype.is_floating_point:
             raise ConfigError(f"dtype must be a floating type, got dtype={dtype}")
-        self.mean, self.std, self.dtype = mean, std, dtype
+        self.mean, self.std, self.dtype, self.memory_format = mean, std, dtype, memory_format
         self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _coefficients(self, device: torch.device, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,5 +348,9 @@ class Normalize(Transform):
             raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")
         # A multiply, then an add, as two kernels: no device may fuse them into one FMA (CUDA's addcmul does,
         # the CPU's does not), so the GPU gives the CPU's bits. Same passes as float() + addcmul.
-        out = torch.mul(x, scale).add_(shift)
+        if self.memory_format is None or x.ndim != 4 or x.is_contiguous(memory_format=self.memory_format):
+            out = torch.mul(x, scale)
+        else:  # the same products, written in the asked layout (a cast keeps it)
+            out = torch.mul(x, scale, out=torch.empty_like(x, dtype=torch.float32, memory_format=self.memory_format))
+        out.add_(shift)
         return out if self.dtype == torch.float32 else out.to(self.dtype)

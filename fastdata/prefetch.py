@@ -115,7 +115,8 @@ class CUDAPrefetcher:
             raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' or install a CUDA build")
         if not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
-        self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype)
+        self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
+                                   memory_format=torch.channels_last)
         self.transforms, self.depth, self.seed = transforms, depth, seed
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0

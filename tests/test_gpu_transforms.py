@@ -165,6 +165,38 @@ def test_draws_and_the_transforms_drawing_them_are_the_same_on_the_gpu():
     assert torch.allclose(t(x.cuda().float(), Draws(3)).cpu(), t(x.float(), Draws(3)), atol=1e-3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_flip_folded_into_the_crop_gives_the_bits_of_the_two_steps(device):
+    """NOTE [flip folded into the crop]: Compose runs crop + flip as one step; the draws and pixels are those
+    of the crop, then the flip, run one after the other (a mirrored grid lands on the mirrored points)."""
+    from fastdata.crops import Draws
+
+    cases = [(RandomResizedCrop(12), (20, 24)), (RandomResizedCrop((17, 31)), (40, 37)),
+             (RandomResizedCrop(64, scale=(0.5, 1.0)), (48, 50)), (RandomCrop(16, padding=4), (20, 24)),
+             (RandomCrop((9, 13)), (20, 24))]
+    for crop, (h, w) in cases:
+        x = batch(b=64, h=h, w=w, seed=h).to(device)
+        for make in (lambda: Draws(7), lambda: torch.Generator(device).manual_seed(7)):
+            g = make()
+            two_steps = RandomHorizontalFlip()(crop(x, g), g)
+            fused = Compose([crop, RandomHorizontalFlip()])(x, make())
+            assert torch.equal(fused, two_steps), (crop, make())
+            unflipped = crop(x, make())
+            mirrored = (fused != unflipped).flatten(1).any(1)
+            assert 10 < int(mirrored.sum()) < 54  # about half the samples were mirrored
+
+
+def test_normalize_writes_the_asked_layout_with_the_same_values():
+    x = batch(h=20, w=24)
+    nchw = x.contiguous()  # grid_sample's output layout: a channels_last copy was needed after it
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = Normalize(dtype=dtype)(nchw)
+        out = Normalize(dtype=dtype, memory_format=torch.channels_last)(nchw)
+        assert out.is_contiguous(memory_format=torch.channels_last) and not plain.is_contiguous(
+            memory_format=torch.channels_last)
+        assert out.dtype == dtype and torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda: RandomHorizontalFlip(2), "p must be"), (lambda: RandomCrop(0), "size must be"),
     (lambda: RandomCrop(8, padding=-1), "padding"), (lambda: RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),

@@ -230,3 +230,33 @@ def test_each_rank_draws_its_own_augmentation(indexed_datasets):
         return pf._seeded().seed  # the draws of the batch just served
 
     assert seed_after_one_batch(0) == seed_after_one_batch(0) != seed_after_one_batch(1)
+
+
+def test_a_training_batch_is_read_and_written_whole_five_times():
+    """RandomResizedCrop + flip + bf16 normalise into channels_last: each pass over the whole batch costs
+    memory bandwidth and, on the GPU, a launch from the training loop's thread. Five are needed (uint8 ->
+    float, resample, multiply, add, cast); the flip (NOTE [flip folded into the crop]) and the layout copy
+    (Normalize writes channels_last itself) add none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastdata.crops import Draws
+
+    b, size = 32, 24
+    passes: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            writes = not func.is_view and not func.__name__.startswith("empty")  # a view or an allocation reads nothing
+            if writes and isinstance(out, torch.Tensor) and out.numel() >= b * 3 * size * size:
+                passes.append(func.__name__)
+            return out
+
+    x = torch.randint(0, 256, (b, 40, 48, 3), dtype=torch.uint8)
+    pf = CUDAPrefetcher([], device="cpu", dtype=torch.bfloat16,
+                        transforms=Compose([RandomResizedCrop(size), RandomHorizontalFlip()]))
+    with Count():
+        out = pf.convert(x, Draws(3))
+    assert out.shape == (b, 3, size, size) and out.dtype == torch.bfloat16
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert len(passes) == 5, passes
