@@ -186,16 +186,15 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
     heads = record_headers(blobs) if heads is None else heads
     plan_boxes = center_boxes(heads[:, 0], heads[:, 1], fraction) if boxes is None else np.asarray(boxes)
     flip = [False] * n if flips is None else np.asarray(flips, dtype=bool).reshape(n).tolist()
-    rows = x.permute(0, 3, 1, 2).split(1)  # each row as the (1, 3, S, S) view the resize writes
-    pixels = x.numpy()  # the same rows as HWC arrays, which a cut is copied into
+    pixels = x.numpy()  # the batch's rows as HWC arrays (no per-row tensor views: a cut needs none)
     done = [False] * n
     for j, src in turbo.decode_regions(blobs, region_plan(heads, plan_boxes, size)):
         if src is not None:
-            _place(src, rows[j], pixels[j], flip[j])
+            _place(src, pixels[j], flip[j])
             done[j] = True
     for j in (j for j in range(n) if not done[j]):  # what the partial decoder did not take, record by record
         try:
-            _decode_whole(blobs[j], size, rows[j], pixels[j], None if boxes is None else
+            _decode_whole(blobs[j], size, pixels[j], None if boxes is None else
                           tuple(plan_boxes[j].tolist()), flip[j], fraction, tuple(heads[j, :2].tolist()))
         except ImageDecodeError as exc:
             exc.position = j  # type: ignore[attr-defined]
@@ -221,10 +220,10 @@ def _bomb_limit() -> float:
     return float("inf") if limit is None else 2 * limit
 
 
-def _decode_whole(data: bytes, size: int, row: "torch.Tensor", out: np.ndarray, box: Box | None, flip: bool,
+def _decode_whole(data: bytes, size: int, out: np.ndarray, box: Box | None, flip: bool,
                   fraction: float, hw: tuple[int, int]) -> None:
     """One record the partial decoder did not take: the whole image decoded by simplejpeg at the box's
-    libjpeg scale, else by Pillow (CMYK, damage it can name), and the same box placed into ``row``."""
+    libjpeg scale, else by Pillow (CMYK, damage it can name), and the same box placed into ``out``."""
     if box is None and hw != (0, 0):
         box = center_box(*hw, fraction)
     src = None
@@ -235,13 +234,12 @@ def _decode_whole(data: bytes, size: int, row: "torch.Tensor", out: np.ndarray, 
         arr = np.array(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))  # writable: torch reads it
         hw = arr.shape[:2] if hw == (0, 0) else hw
         src = _cut(arr, center_box(*hw, fraction) if box is None else box, hw)
-    _place(src, row, out, flip)
+    _place(src, out, flip)
 
 
-def _place(src: np.ndarray, row: "torch.Tensor", out: np.ndarray, flip: bool) -> None:
-    """``src`` (h, w, 3), the box's decoded pixels, into one batch row, given as ``row`` (its (1, 3, size,
-    size) tensor view) and ``out`` (its (size, size, 3) array): resized unless it is already the size (a
-    cut), mirrored when ``flip``."""
+def _place(src: np.ndarray, out: np.ndarray, flip: bool) -> None:
+    """``src`` (h, w, 3), the box's decoded pixels, into ``out``, one batch row's (size, size, 3) array:
+    resized unless it is already the size (a cut), mirrored when ``flip``."""
     if src.shape == out.shape and not flip:  # a box of the output size: a cut, no resampling. numpy copies it
         # with less Python around it than torch's view + copy_ (~3 us; 0.92x against 0.88x the bare decoder
         # at 2 threads in one run), but it mirrors 13x slower than torch
@@ -250,6 +248,7 @@ def _place(src: np.ndarray, row: "torch.Tensor", out: np.ndarray, flip: bool) ->
     import torch
 
     x = torch.from_numpy(src.transpose(2, 0, 1)[None])
+    row = torch.from_numpy(out).permute(2, 0, 1)[None]  # the (1, 3, size, size) view the resize writes
     if src.shape != out.shape:
         # mirrored before the resize, one torch call fewer: the same pixels (the antialiased bilinear's
         # weights are symmetric; tests/test_jpeg.py holds it)
