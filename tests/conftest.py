@@ -131,6 +131,24 @@ def indexed_source(root: Path, n: int = INDEXED_N, size: int = INDEXED_SIZE) -> 
     return root / "list.csv"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_in_pytests_folder(tmp_path_factory):
+    """Processes the tests start (torchrun's agent leaves a torchelastic_* folder behind) make their temporary
+    files under this session's pytest folder, which pytest prunes, not in the machine's /tmp."""
+    import os
+    import tempfile
+
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # re-read TMPDIR
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+
+
 @pytest.fixture(scope="session")
 def indexed_datasets(tmp_path_factory) -> dict[str, Path]:
     """``{"npy": folder, "lmdb": folder}`` of the indexed source; npy has 7 shards of 16 (the last of 4)."""

@@ -94,3 +94,19 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     path = tmp_path / "loader.py"
     path.write_text("def f():\n    from .bench import load_config\n")
     assert imports("fastdata.loader", path, {"fastdata.bench", "fastdata.loader"}) == {"fastdata.bench"}
+
+
+def test_a_source_tree_used_without_installing_it_knows_its_version(tmp_path):
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from fastdata._version import _source_version
+
+    declared = re.search(r'^version = "(.+)"', (ROOT.parent / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert _source_version() == f"{declared}+source"
+    shutil.copytree(ROOT, tmp_path / "fastdata")  # a copy with no pyproject.toml beside it, never installed
+    code = "import fastdata._version as v; print(v._source_version())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0.0.0+unknown"
