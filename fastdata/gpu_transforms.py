@@ -261,9 +261,8 @@ class RandomResizedCrop(Crop):
         return self.params_from(x, uniform((x.shape[0], tries * 4), generator, x.device))
 
     def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        b, (H, W), dev = x.shape[0], x.shape[-2:], x.device
-        full = lambda v: torch.full((b,), float(v), device=dev)  # noqa: E731
-        return rrc_boxes(full(H), full(W), u.view(b, -1, 4), self.scale, self.ratio)
+        (H, W) = x.shape[-2:]
+        return rrc_boxes(H, W, u.view(x.shape[0], -1, 4), self.scale, self.ratio)  # one size: host constants
 
     def _grid(self, x: torch.Tensor, boxes: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``grid_sample``'s sampling points, (B, oh, ow, 2): each output pixel centre mapped into its box

@@ -71,6 +71,20 @@ def test_random_resized_crop_falls_back_to_centre_when_nothing_fits():
     assert boxes.tolist() == [[0.0, 15.0, 10.0, 10.0]] * 4
 
 
+def test_rrc_boxes_for_one_size_given_as_numbers_are_those_of_per_image_sizes():
+    """A batch tensor's boxes take the image size as numbers (host constants, fewer kernels): the same
+    boxes, bit for bit, as the per-image path (the decode-time crops and DALI), fallbacks included."""
+    ratios = [(3 / 4, 4 / 3), (0.5, 2.0), (1.0, 1.0), (0.9, 1.1)]
+    for h, w in [(375, 500), (500, 375), (10, 40), (40, 10), (224, 224), (7, 300), (333, 257), (1, 1)]:
+        for ratio in ratios:
+            u = torch.rand(200, 10, 4, generator=gen(h + w))
+            u[:50, :, 0] = 1.0  # whole-image areas: most fall back
+            for scale in [(0.08, 1.0), (0.9, 1.0)]:
+                n = len(u)
+                per_image = rrc_boxes(torch.full((n,), h), torch.full((n,), w), u, scale, ratio)
+                assert torch.equal(rrc_boxes(h, w, u, scale, ratio), per_image), (h, w, ratio, scale)
+
+
 def test_rrc_boxes_per_image_size_match_torchvisions_rule_sample_by_sample():
     import math
 
