@@ -113,7 +113,7 @@ def rrc_boxes(height: Union[torch.Tensor, int], width: Union[torch.Tensor, int],
     left = torch.floor(ux * (W - w + 1))
     fallback = ~ok.any(dim=1)
     box = [top, left, h, w]  # each a tensor of its own: filled in place
-    for k, value in enumerate(fallback_box[2:] + fallback_box[:2]):  # top, left, height, width
+    for k, value in enumerate(fallback_box):
         if one_size:  # a number goes to the kernel as its argument (where() would make a tensor of it)
             box[k].masked_fill_(fallback, value)
         else:
@@ -132,11 +132,11 @@ def _one_size(height: float, width: float, ratio: tuple[float, float]) -> tuple[
 
 def _fallback_box(H: torch.Tensor, W: torch.Tensor, ratio: tuple[float, float]) -> tuple[torch.Tensor, ...]:
     """torchvision's fallback for images ``H`` x ``W`` (float32): the whole image, narrowed to the nearest
-    allowed aspect ratio, centred. Height, width, top, left."""
+    allowed aspect ratio, centred. Top, left, height, width (the order of a box)."""
     in_ratio = W / H
     fw = torch.where(in_ratio > ratio[1], torch.round(H * ratio[1]), W)
     fh = torch.where(in_ratio < ratio[0], torch.round(W / ratio[0]), H)
-    return fh, fw, torch.div(H - fh, 2, rounding_mode="floor"), torch.div(W - fw, 2, rounding_mode="floor")
+    return torch.div(H - fh, 2, rounding_mode="floor"), torch.div(W - fw, 2, rounding_mode="floor"), fh, fw
 
 
 def draw_resized_crops(key: tuple[int, int, int, int], sizes: np.ndarray, scale: tuple[float, float] = SCALE,

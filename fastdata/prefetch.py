@@ -176,7 +176,7 @@ class CUDAPrefetcher:
             fields = {**batch, "image": batch["image"].permute(0, 3, 1, 2)}
             if self.transforms is not None:
                 fields = self.transforms(fields, generator)
-            image = self.normalize(fields["image"]).contiguous(memory_format=torch.channels_last)
+            image = self.normalize(fields["image"])  # written channels_last by Normalize itself
             return {**_walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
 
         def one(t: torch.Tensor) -> torch.Tensor:
@@ -184,7 +184,7 @@ class CUDAPrefetcher:
                 x = t.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
                 if self.transforms is not None:
                     x = self.transforms(x, generator)
-                return self.normalize(x).contiguous(memory_format=torch.channels_last)
+                return self.normalize(x)  # written channels_last by Normalize itself
             return _target(t)
         return _walk(batch, one)
 
