@@ -21,7 +21,10 @@ Rows, each at 1 and 2 threads:
 Peers that are not installed are skipped with a message (see ../shared/PEERS.md). Also the PSNR of
 fastdata's resize filter against Lanczos on the same decoded pixels.
 
-    python benchmarks/bench_jpeg.py [--images 2048] [--seconds 3] [--rounds 3]
+    python benchmarks/bench_jpeg.py [--images 2048] [--seconds 3] [--rounds 3] [--threads 1,2]
+
+``--threads 1,2,4,8`` adds columns for a machine with more cores (the 1 -> 2 column stays: it is the
+issue's scaling target, and on a 2-vCPU VM that shares its memory bandwidth it reads that VM's limit).
 """
 from __future__ import annotations
 
@@ -173,7 +176,9 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated; 1 and 2 always run")
     args = ap.parse_args()
+    counts = sorted({1, 2, *(int(t) for t in args.threads.split(","))})
     torch.set_num_threads(1)
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-jpeg-"))
     try:
@@ -210,7 +215,7 @@ def main() -> None:
                 np.copyto(slots.batch[j % BATCH], src)
 
         def loader_rate(ds: FastDataset, partial: bool = True) -> Rate:
-            loaders = {t: FastLoader(ds, BATCH, num_threads=t, prefetch=1) for t in (1, 2)}  # kept across
+            loaders = {t: FastLoader(ds, BATCH, num_threads=t, prefetch=1) for t in counts}  # kept across
             # epochs, as a training run keeps its loader: its ring of batch buffers is allocated once
 
             def run(t: int) -> float:
@@ -248,21 +253,25 @@ def main() -> None:
                 **({"DALI CPU pipeline (DALILoader)": dali["train"]} if dali else {})},
         }
         for title, rows in tables.items():
-            rates: dict[str, dict[int, float]] = {name: {1: 0.0, 2: 0.0} for name in rows}
+            rates: dict[str, dict[int, float]] = {name: dict.fromkeys(counts, 0.0) for name in rows}
             for _ in range(args.rounds):  # rows interleaved, best of the rounds: drift on a shared VM hits all
                 for name, run in rows.items():
-                    for t in (1, 2):
+                    for t in counts:
                         rates[name][t] = max(rates[name][t], run(t))
             ours = rates["fastdata"]
-            print(f"\n{title}, best of {args.rounds} interleaved rounds\n{'row':<48} {'1 thread':>10} "
-                  f"{'2 threads':>10} {'1->2':>6} {'fastdata / row (1t, 2t)':>24}")
+            heads = "".join(f"{f'{t} thread' + ('s' if t > 1 else ''):>11}" for t in counts)
+            more = f" {f'1->{counts[-1]}':>6}" if counts[-1] > 2 else ""
+            print(f"\n{title}, best of {args.rounds} interleaved rounds\n{'row':<48}{heads} {'1->2':>6}{more} "
+                  f"fastdata / row ({', '.join(f'{t}t' for t in counts)})", flush=True)
             for name, r in rates.items():
-                print(f"{name:<48} {r[1]:>10,.0f} {r[2]:>10,.0f} {r[2] / r[1]:>5.2f}x "
-                      f"{ours[1] / r[1]:>11.2f}x {ours[2] / r[2]:>10.2f}x")
+                cells = "".join(f"{r[t]:>11,.0f}" for t in counts)
+                most = f" {r[counts[-1]] / r[1]:>5.2f}x" if more else ""
+                print(f"{name:<48}{cells} {r[2] / r[1]:>5.2f}x{most} "
+                      f"{', '.join(f'{ours[t] / r[t]:.2f}x' for t in counts)}", flush=True)
             kind = "train" if title.startswith("training") else "centre"
             two = max(processes_rate(lmdb, kind, 2, args.seconds) for _ in range(args.rounds))
-            print(f"{'fastdata, 2 processes x 1 thread (no shared GIL)':<48} {'':>10} {two:>10,.0f} "
-                  f"{two / ours[1]:>5.2f}x   2 threads / 2 processes: {ours[2] / two:.2f}x")
+            print(f"{'fastdata, 2 processes x 1 thread (no shared GIL)':<48} 2 processes {two:,.0f} "
+                  f"{two / ours[1]:>5.2f}x   2 threads / 2 processes: {ours[2] / two:.2f}x", flush=True)
         psnr = []
         for blob in records[:200]:  # the cheap filter against Lanczos on the very same decoded pixels
             top, left, h, w = jpeg_read.center_box(*jpeg_read.jpeg_size(blob))

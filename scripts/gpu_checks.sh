@@ -9,6 +9,8 @@
 #   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
 #   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
+#   bash scripts/gpu_checks.sh jpeg-bench  # bench_jpeg.py on the machine's cores (no GPU; issue 17's thread
+#                                          # scaling on a machine that is not a 2-vCPU VM; about 5 minutes)
 # Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
 # benchmarks/results/gpu-YYYY-MM-DD.json.
 set -uo pipefail
@@ -59,6 +61,10 @@ stages)
     $PY -m fastdata bench "$D/npy" --device ${BENCH_DEVICE:-cuda} --seconds ${BENCH_SECONDS:-60} ${BENCH_ARGS:-} --json "$OUT/fastdata-bench.json" 2>&1 \
         | tee "$OUT/fastdata-bench.txt"
     ;;
+jpeg-bench)
+    $PY benchmarks/bench_jpeg.py --images 2048 --seconds 2 --rounds 2 --threads "${JPEG_THREADS:-1,2,4,8}" 2>&1 \
+        | tee "$OUT/bench_jpeg.txt"
+    ;;
 *)
-    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|text-bench|stages" >&2; exit 2 ;;
+    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|text-bench|stages|jpeg-bench" >&2; exit 2 ;;
 esac
