@@ -29,45 +29,9 @@ from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
 from .storage.cache import ShardCache
 from .storage.opening import StreamedReads, open_remote
+from .storage.streamed import image_streamed, labels_at_open, shard_groups
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              take_rows, verify_hashes)
-
-
-ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
-
-
-def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
-    """The files of a remote dataset fetched as batches need them: npy image shards (with their labels, unless
-    ``all_labels`` is read at opening, and their other fields' files; variable fields' offsets are read up
-    front) and LMDB shards (format version 2), read memory-mapped."""
-    if storage == "mmap" and manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
-        names = {f for group in _shard_groups(manifest) for f in group}
-        names |= {s["labels"] for s in manifest.get("shards", []) if "labels" in s}  # (unread with all_labels)
-        if "all_labels" in manifest and not _labels_at_open(manifest):
-            names.add(manifest["all_labels"])
-        return frozenset(names)
-    if storage == "mmap" and "lmdb_shards" in manifest:
-        return frozenset(f for group in _shard_groups(manifest) for f in group)
-    return frozenset()
-
-
-def _labels_at_open(manifest: dict[str, Any]) -> bool:
-    """Whether a streamed npy dataset reads every label from ``all_labels`` when it opens (one request, when
-    the file is small) instead of each shard's labels file with the shard."""
-    name = manifest.get("all_labels")
-    sizes = [int(f["bytes"]) for f in manifest["files"] if f.get("path") == name] if name else []
-    return bool(sizes) and sizes[0] <= ALL_LABELS_AT_OPEN
-
-
-def _shard_groups(manifest: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy, unless
-    they are all read at opening), each other field's rows."""
-    fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
-    if "lmdb_shards" in manifest:
-        return [(s["path"], *(f.files(k)[0] for f in fields)) for k, s in enumerate(manifest["lmdb_shards"])]
-    own = not _labels_at_open(manifest)
-    return [(s["images"], *([s["labels"]] if "labels" in s and own else []), *(f.files(k)[0] for f in fields))
-            for k, s in enumerate(manifest.get("shards", []))]
 
 
 class FastDataset(StreamedReads, torch.utils.data.Dataset):
@@ -103,7 +67,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
         self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
-                                                           lambda m: _streamed(m, storage))
+                                                           lambda m: image_streamed(m, storage))
         self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
         self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
@@ -124,6 +88,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                               "masks and boxes keep their geometry; crop and resize with fastdata.RandomResizedCrop / "
                               "CenterCrop (CPU or CUDAPrefetcher transforms), which move every field together")
         self._set_crop(crop, crop_fraction, scale, ratio)
+        self._labels_at_open = labels_at_open(self.manifest)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
         others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()
                   and (self.root / f["path"]).exists()]  # (a streamed dataset's shards arrive later)
@@ -219,7 +184,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._labels_in: Optional[np.ndarray] = None
         if not self.has_labels:
             return np.zeros(0, dtype=np.int64)
-        if self.streams and not _labels_at_open(self.manifest):
+        if self.streams and not self._labels_at_open:
             # streamed: each shard's labels are filled in when the shard arrives (see _fill_labels)
             self._labels_in = np.zeros(len(self.manifest["shards"]), dtype=bool)
             return np.zeros(len(self), dtype=np.int64)
@@ -268,7 +233,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
         files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
         (npy) or its LMDB store handed to the reader (``images`` None)."""
-        groups = _shard_groups(self.manifest)
+        groups = shard_groups(self.manifest, self._labels_at_open)
         store = None
         if self.fields is not None:
             store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,

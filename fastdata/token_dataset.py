@@ -19,6 +19,7 @@ from .formats.token_shards import splitmix
 from .manifest import TOKENS, load_manifest
 from .storage.cache import ShardCache
 from .storage.opening import StreamedReads, open_remote
+from .storage.streamed import token_streamed
 from .storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -28,13 +29,6 @@ _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
     """Index of the shard holding each global token position (int64 throughout: no 2**31 limit)."""
     return np.searchsorted(shard_offsets, starts, side="right") - 1
-
-
-def _streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
-    """The files of a remote token dataset fetched as batches need them: every split's shards, memory-mapped."""
-    if storage != "mmap":
-        return frozenset()
-    return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
 
 
 class TokenDataset(StreamedReads, torch.utils.data.Dataset):
@@ -47,7 +41,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                  cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None) -> None:
         # A URL: its node-local cache; memory-mapped token shards stream in as batches need them
         self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
-                                                           lambda m: _streamed(m, storage))
+                                                           lambda m: token_streamed(m, storage))
         self.manifest = load_manifest(self.root, formats=(TOKENS,))
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
