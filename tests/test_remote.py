@@ -553,6 +553,35 @@ def test_a_plan_learnt_in_chunks_knows_every_shards_next_use_and_run():
     assert np.all(np.diff(chunked.batch) >= 0)  # ...in order of need
 
 
+def test_the_eviction_rules_on_a_known_plan():
+    """NOTE [shard cache]'s rules, on a plan small enough to check by hand: batches read shards 0 1 2 0 3 1,
+    shard 4 never; every shard 10 bytes; shard 3 (first needed at batch 4) is the prefetch in question."""
+    import threading
+
+    from fastdata.storage import evict
+    from fastdata.storage.plan import Plan
+
+    plan = Plan(iter([np.array([b]) for b in (0, 1, 2, 0, 3, 1)]), 5)
+    while plan.learn(threading.Lock()):
+        pass
+    sizes, idle = np.full(5, 10, dtype=np.int64), np.zeros(5, dtype=bool)
+    cand = np.array([0, 1, 2, 4])
+    order, nxt = evict.farthest_first(plan, cand)
+    assert cand[order].tolist() == [4, 2, 1, 0]  # never again, then by next use: Belady
+    assert evict.harmless(plan, 3, sizes[cand[order]], nxt[order], 10)  # shard 4 alone: never read again
+    assert not evict.harmless(plan, 3, sizes[cand[order]], nxt[order], 15)  # shard 2 too: read before 3
+    assert not evict.harmless(plan, 3, sizes[cand[order]], nxt[order], 50)  # not enough room at all
+    present = np.array([True, True, True, False, False])  # 30 bytes read before shard 3, plus its own 10
+    assert evict.near(plan, 3, sizes, present, 160) and not evict.near(plan, 3, sizes, present, 159)
+    # When 3 is due (batch 4), the reader would evict 4 (never again) before 1 (read at 5): fetch now.
+    both = np.array([False, True, False, False, True])
+    assert evict.reader_would_evict(plan, 3, sizes, both, idle, 10)
+    assert not evict.reader_would_evict(plan, 3, sizes, both, np.isin(np.arange(5), [4]), 10)  # 4 is in use
+    assert not evict.reader_would_evict(plan, 3, sizes, both, idle, 20)  # 1 too, which is read before 3
+    # 0 and 2 are not read after batch 4, but both before it: evicting either now costs a download.
+    assert not evict.reader_would_evict(plan, 3, sizes, present, idle, 10)
+
+
 def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_cache_and_resumes(
         s3, proxy, tmp_path, capsys):
     import torch

@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .plan import NEVER, Plan
+from . import evict
+from .plan import Plan
 from .remote import RemoteDataset, download_bar
 
 IN_FLIGHT = 512 << 20
@@ -247,7 +248,7 @@ class ShardCache:
 
     def _make_room(self, s: int, demand: bool) -> bool:
         """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady). A prefetch
-        within a lookahead of a quarter of the limit (:meth:`_near`) evicts only shards needed after ``s``
+        within a lookahead of a quarter of the limit (:func:`evict.near`) evicts only shards needed after ``s``
         (do no harm); beyond it, only what the reader would evict when ``s`` is due (so it never costs a
         download that waiting would not). Otherwise it gets False."""
         if self.limit is None:
@@ -263,19 +264,20 @@ class ShardCache:
             free = self.limit - used - int(self.sizes[s])
             if free < 0:
                 plan = self._active()
-                near = not demand and plan is not None and self._near(s, present, plan)
-                if not demand and plan is not None and not near and \
-                        not self._prefetch_may_evict(s, present, -free, plan):
-                    return False  # the shard the reader would evict when s is due is still in use: wait
+                near = not demand and plan is not None and evict.near(plan, s, self.sizes, present, self.limit)
+                if not demand and plan is not None and not near:
+                    busy = self._pins > 0
+                    busy[list(self._reserved)] = True
+                    if not evict.reader_would_evict(plan, s, self.sizes, present, busy, -free):
+                        return False  # the shard the reader would evict when s is due is still in use: wait
                 present[list(self._reserved)] = False
                 candidates = np.flatnonzero(present & (self._pins == 0))
-                nxt = plan.next_uses(candidates) if plan is not None else np.full(len(candidates), NEVER)
-                order = np.argsort(-nxt, kind="stable")
-                if near:  # do no harm: evict only shards needed after s, the farthest first
-                    room = np.cumsum(self.sizes[candidates[order]])
-                    victims = order[:int(np.searchsorted(room, -free)) + 1]
-                    if len(room) == 0 or room[-1] < -free or (nxt[victims] <= plan.next_use(s)).any():
-                        return False
+                if plan is None:
+                    order = np.arange(len(candidates))
+                else:
+                    order, nxt = evict.farthest_first(plan, candidates)
+                    if near and not evict.harmless(plan, s, self.sizes[candidates[order]], nxt[order], -free):
+                        return False  # do no harm: evict only shards needed after s, the farthest first
                 for c in candidates[order].tolist():
                     if free >= 0:
                         break
@@ -291,31 +293,6 @@ class ShardCache:
                 warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
                               "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
             return demand
-
-    def _near(self, s: int, present: np.ndarray, plan: Plan) -> bool:
-        """Whether the bytes cached or arriving that are read before ``s`` (the prefetch's lookahead), with
-        ``s``, stay within a quarter of the limit: then a prefetch may evict any shard needed after ``s``."""
-        cached = np.flatnonzero(present)
-        ahead = int(self.sizes[cached[plan.next_uses(cached) < plan.next_use(s)]].sum())
-        return ahead + int(self.sizes[s]) <= self.limit // 4  # type: ignore[operator]
-
-    def _prefetch_may_evict(self, s: int, present: np.ndarray, short: int, plan: Plan) -> bool:
-        """Whether fetching ``s`` now evicts what the reader would evict when ``s`` is due: the cached
-        shards (in use or arriving included) ranked by their next use from then on, the first ``short``
-        bytes of them all free now and not read before ``s``."""
-        due = plan.next_use(s)
-        cached = np.flatnonzero(present)
-        nxt = plan.next_uses(cached)
-        then = nxt.copy()  # next use from when s is due
-        for k in np.flatnonzero(nxt < due).tolist():
-            then[k] = plan.next_use(int(cached[k]), due)
-        by_then = np.argsort(-then, kind="stable")
-        room = np.cumsum(self.sizes[cached[by_then]])
-        victims = by_then[:int(np.searchsorted(room, short)) + 1]
-        if len(victims) == 0 or room[-1] < short:
-            return False
-        busy = (self._pins[cached[victims]] > 0) | np.isin(cached[victims], list(self._reserved))
-        return bool(not busy.any() and (nxt[victims] > due).all())
 
     def _unreserve(self, s: int) -> None:
         with self._cond:
