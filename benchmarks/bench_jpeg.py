@@ -18,19 +18,22 @@ Rows, each at 1 and 2 threads:
 - fastdata in 2 processes of 1 loader thread each, run together and counted in one common window (after
   the rounds, best of them): the 1 -> 2 scaling this machine gives decoders that share no GIL, against
   which the threads' is read.
+After the centre table, where the threads' 1 -> 2 time goes: sleeps an image (voluntary context switches) and
+idle CPU at 1 and 2 threads, and how long this machine takes to wake a sleeping thread or process.
 Peers that are not installed are skipped with a message (see ../shared/PEERS.md). Also the PSNR of
 fastdata's resize filter against Lanczos on the same decoded pixels.
 
     python benchmarks/bench_jpeg.py [--images 2048] [--seconds 3] [--rounds 3] [--threads 1,2]
 
 ``--threads 1,2,4,8`` adds columns for a machine with more cores (the 1 -> 2 column stays: it is the
-issue's scaling target, and on a 2-vCPU VM that shares its memory bandwidth it reads that VM's limit).
+issue's scaling target; on a small VM it also reads that VM's limits, see the sleeps row).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import io
+import resource
 import shutil
 import subprocess
 import sys
@@ -109,6 +112,60 @@ def processes_rate(lmdb: Path, kind: str, processes: int, seconds: float) -> flo
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS_RUN, str(lmdb), kind, str(start), str(seconds)],
                               stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     return sum(float(p.communicate()[0].split()[-1]) for p in procs)
+
+
+ECHO = "import os\nwhile os.read(0, 1):\n    os.write(1, b'x')\n"
+
+
+def wake_up_us(rounds: int = 2000) -> tuple[float, float]:
+    """Microseconds this machine takes to wake a sleeping thread (two threads handing an Event back and forth)
+    and a sleeping process (a byte through pipes, to a child and back): the price of each GIL hand-off that
+    finds the other loader thread asleep, which two processes never pay."""
+    ping, pong = threading.Event(), threading.Event()
+
+    def other() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            ping.clear()
+            pong.set()
+    t = threading.Thread(target=other)
+    t.start()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ping.set()
+        pong.wait()
+        pong.clear()
+    threads = (time.perf_counter() - start) / rounds / 2 * 1e6
+    t.join()
+    child = subprocess.Popen([sys.executable, "-c", ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    assert child.stdin is not None and child.stdout is not None
+    start = time.perf_counter()
+    for _ in range(rounds):
+        child.stdin.write(b"x")
+        child.stdout.read(1)
+    processes = (time.perf_counter() - start) / rounds / 2 * 1e6
+    child.stdin.close()
+    child.wait()
+    return threads, processes
+
+
+def sleeps_and_idle(loader: FastLoader, seconds: float) -> tuple[float, float, float]:
+    """``(images/s, sleeps an image, idle share)`` over ``seconds`` of ``loader``'s epochs: the process's
+    voluntary context switches (a thread that waited: for the GIL, mostly) per image, and the share of the
+    machine's CPU time nobody used (``/proc/stat``; NaN where there is none)."""
+    def idle() -> list[int]:
+        try:
+            with open("/proc/stat") as f:
+                return [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return []
+    sum(len(x) for x, _ in loader)  # warm
+    cpu0, sw0, start, n = idle(), resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw, time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        n += sum(len(x) for x, _ in loader)
+    wall, sw1, cpu1 = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw, idle()
+    d = [b - a for a, b in zip(cpu0, cpu1)]
+    return n / wall, (sw1 - sw0) / n, d[3] / sum(d) if d and sum(d) else float("nan")
 
 
 def ffcv_rows(records: list[bytes], labels: np.ndarray, scratch: Path, seconds: float) -> dict[str, Rate]:
@@ -269,6 +326,15 @@ def main() -> None:
                 print(f"{name:<48}{cells} {r[2] / r[1]:>5.2f}x{most} "
                       f"{', '.join(f'{ours[t] / r[t]:.2f}x' for t in counts)}", flush=True)
             kind = "train" if title.startswith("training") else "centre"
+            if kind == "centre":  # where the threads' 1 -> 2 time goes (see wake_up_us)
+                for t in (1, 2):
+                    rate, sleeps, idle = sleeps_and_idle(FastLoader(centre_ds, BATCH, num_threads=t, prefetch=1),
+                                                         args.seconds)
+                    print(f"fastdata, {t} thread{'s' if t > 1 else ''}: {rate:,.0f} img/s, {sleeps:.3f} sleeps an "
+                          f"image (voluntary context switches), {idle:.1%} of the CPUs idle", flush=True)
+                threads, processes = wake_up_us()
+                print(f"this machine wakes a sleeping thread in {threads:.0f} us, a process in {processes:.0f} us "
+                      "(each GIL hand-off that finds the other loader thread asleep pays the first)", flush=True)
             two = max(processes_rate(lmdb, kind, 2, args.seconds) for _ in range(args.rounds))
             print(f"{'fastdata, 2 processes x 1 thread (no shared GIL)':<48} 2 processes {two:,.0f} "
                   f"{two / ours[1]:>5.2f}x   2 threads / 2 processes: {ours[2] / two:.2f}x", flush=True)
