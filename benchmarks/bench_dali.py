@@ -8,14 +8,18 @@ DALI's own in nvJPEG's decode, FastDataset's at decode time on the CPU): images/
 ResNet-50 (bf16, channels_last, batch --train-batch) fed by each through the Trainer, with the Trainer's own
 data stall %, beside the same model on synthetic data already on the GPU (the ceiling); then GPU memory and
 host RSS over --memory-iters DALILoader batches (DALI's users report growth). The DataLoader + Pillow
-recipe's stall is bench_gpu.py's.
+recipe's stall is bench_gpu.py's. Also what DALILoader's feed costs the thread that runs the training step
+(DALI pulls each batch's bytes and crop boxes there): ms a training batch, beside the same feed with the
+records copied out of LMDB, as it was before 2026-11-25.
 
     python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import time
 import os
 import shutil
 import sys
@@ -63,6 +67,11 @@ def main() -> None:
         cores = os.cpu_count() or 1
         print(f"fastdata {fastdata.__version__}, torch {torch.__version__}, {cores} cores, device {device}, "
               f"{len(files)} JPEGs 500x375 stored at shorter side 256, output {args.size}px, batch 64")
+        # first, with no other loader's threads about: the feed is timed on this thread alone
+        feed, copied = feed_ms(DALILoader(scratch / "lmdb", args.train_batch, size=args.size, train=True,
+                                          device=device))
+        print(f"DALILoader's feed on the training step's thread, batch {args.train_batch}: {feed:.2f} ms a batch; "
+              f"with the records copied out of LMDB {copied:.2f} ms ({copied / feed:.2f}x)")
         dali = DALILoader(scratch / "lmdb", 64, size=args.size, train=False, device=device, num_threads=cores)
         native = FastLoader(FastDataset(scratch / "lmdb", size=args.size), 64, num_threads=cores)
         labels = [0] * len(files)
@@ -78,7 +87,8 @@ def main() -> None:
               f"{list(rows.values())[1] / base:.2f}x")
         out = {"device": torch.cuda.get_device_name() if device == "cuda" else device,
                "dali": __import__("nvidia.dali", fromlist=["__version__"]).__version__, "torch": torch.__version__,
-               "cores": cores, "eval_images_per_s": rows}
+               "cores": cores, "eval_images_per_s": rows, "dali_feed_ms_per_batch": feed,
+               "dali_feed_ms_per_batch_copied": copied}
         if device == "cuda" or args.smoke:
             out.update(training_rates(scratch, files, args, device))
             out["dali_stall_pct_resnet50_224"] = out.get(f"dali_stall_pct_resnet50_{args.size}")
@@ -86,6 +96,34 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def feed_ms(loader: Any, epochs: int = 5) -> tuple[float, float]:
+    """Median ms of ``loader._next_batch`` (what DALI calls on the thread that runs ``pipe.run()``: LMDB
+    reads, JPEG headers, crop draws) over ``epochs`` epochs, then the same with each batch's records copied
+    into ``bytes`` (``reader.get_many``) instead of viewed in the memory map. Reaches into the loader on
+    purpose: the feed is timed without DALI's decode around it."""
+    def median() -> float:
+        times = []
+        for _ in range(epochs):
+            loader._feed, loader._fed = loader._plan(), __import__("collections").deque()
+            while True:
+                start = time.perf_counter()
+                try:
+                    loader._next_batch()
+                except StopIteration:
+                    break
+                times.append(time.perf_counter() - start)
+        times.sort()
+        return 1e3 * times[len(times) // 2]
+    median()  # warm: page cache, first imports
+    viewed = median()
+    reader = loader.reader
+    reader.views = lambda rows: contextlib.nullcontext(reader.get_many(rows))  # type: ignore[method-assign]
+    try:
+        return viewed, median()
+    finally:
+        del reader.views
 
 
 def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, device: str = "cuda") -> dict[str, Any]:
