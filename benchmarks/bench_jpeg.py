@@ -203,10 +203,16 @@ def ffcv_rows(records: list[bytes], labels: np.ndarray, scratch: Path, seconds: 
           f"record (fastdata LMDB: {ours / len(records) / 1e3:.1f} KB)")
 
     def rate(decoder: object) -> Rate:
+        loaders: dict[int, object] = {}  # one Loader per thread count, kept across rounds as fastdata's are
+        # (a Loader dropped mid-run also makes numba's finalizers print KeyError tracebacks)
+
         def run(threads: int) -> float:
-            loader = Loader(str(beton), batch_size=BATCH, num_workers=threads, order=OrderOption.SEQUENTIAL,
-                            os_cache=True, pipelines={"image": [decoder], "label": [IntDecoder()]})
-            return timed_rate(lambda: sum(len(x) for x, _ in loader), seconds)
+            if threads not in loaders:
+                loaders[threads] = Loader(str(beton), batch_size=BATCH, num_workers=threads,
+                                          order=OrderOption.SEQUENTIAL, os_cache=True,
+                                          pipelines={"image": [decoder], "label": [IntDecoder()]})
+            loader = loaders[threads]
+            return timed_rate(lambda: sum(len(x) for x, _ in loader), seconds)  # type: ignore[attr-defined]
         return run
     return {"centre": rate(CenterCropRGBImageDecoder((SIZE, SIZE), SIZE / STORED)),
             "train": rate(RandomResizedCropRGBImageDecoder((SIZE, SIZE)))}
