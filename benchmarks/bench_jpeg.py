@@ -5,8 +5,7 @@ Rows, each at 1 and 2 threads:
 - bare decoder: libjpeg-turbo decoding each record at the scale fastdata picks, in the same fast modes,
   nothing else: the box only (libturbojpeg 3, NOTE [partial decode]; centre crops), the physical limit of
   this path; the same, then the box copied into its row of a batch-sized buffer (the write any batch
-  needs; on a machine whose memory bandwidth two cores share it is what two threads can reach); and the
-  whole image (simplejpeg);
+  needs, and a second GIL hand-off a record, as in the loader); and the whole image (simplejpeg);
 - fastdata: FastLoader over ``FastDataset(lmdb, size=224, crop_fraction=224/256)`` (centre) or
   ``crop="random"`` (training), gather and decode into the batch; again with partial decoding turned off
   (whole-image decode, then the box cut or resized), the path without libturbojpeg 3;
