@@ -62,7 +62,7 @@ stages)
         | tee "$OUT/fastdata-bench.txt"
     ;;
 jpeg-bench)
-    $PY benchmarks/bench_jpeg.py --images 2048 --seconds 2 --rounds 2 --threads "${JPEG_THREADS:-1,2,4,8}" 2>&1 \
+    $PY benchmarks/bench_jpeg.py --images 2048 --seconds 2 --rounds 1 --threads "${JPEG_THREADS:-1,2,4,8}" 2>&1 \
         | tee "$OUT/bench_jpeg.txt"
     ;;
 *)
