@@ -339,7 +339,7 @@ def main() -> None:
                           f"image (voluntary context switches), {idle:.1%} of the CPUs idle", flush=True)
                 threads, processes = wake_up_us()
                 print(f"this machine wakes a sleeping thread in {threads:.0f} us, a process in {processes:.0f} us "
-                      "(each GIL hand-off that finds the other loader thread asleep pays the first)", flush=True)
+                      "(on top of the wait itself, each sleep above)", flush=True)
             two = max(processes_rate(lmdb, kind, 2, args.seconds) for _ in range(args.rounds))
             print(f"{'fastdata, 2 processes x 1 thread (no shared GIL)':<48} 2 processes {two:,.0f} "
                   f"{two / ours[1]:>5.2f}x   2 threads / 2 processes: {ours[2] / two:.2f}x", flush=True)
