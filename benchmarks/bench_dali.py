@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--smoke", action="store_true", help="the training rows on the CPU too: checks the script")
     args = ap.parse_args()
+    if 0 < args.memory_iters < 100:  # memory is compared after 100 batches and at the end
+        ap.error("--memory-iters must be 0 (no memory rows) or at least 100")
     device = resolve_device(args.device).type
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-dali-"))
     try:
