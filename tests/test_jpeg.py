@@ -41,6 +41,40 @@ def test_threads_opening_a_new_lmdb_at_once_all_read_it(indexed_datasets, tmp_pa
     assert not failures, failures[0][-2000:]
 
 
+FORK = textwrap.dedent('''
+    import multiprocessing as mp, sys
+    from fastdata.formats.lmdb_store import LmdbReader
+
+    def child(path, out):
+        try:
+            out.put(bytes(LmdbReader(path).get_many([1])[0]))
+        except Exception as exc:
+            out.put(repr(exc))
+
+    path = sys.argv[1]
+    reader = LmdbReader(path)
+    with reader.views([0, 1]) as held:  # a read transaction open when the process forks
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        worker = ctx.Process(target=child, args=(path, out))
+        worker.start()
+        got = out.get(timeout=60)
+        worker.join()
+        sys.exit(0 if got == bytes(held[1]) else f"the forked child read {got!r:.300}")
+''')
+
+
+def test_a_forked_child_reads_a_store_its_parent_holds_a_transaction_on(indexed_datasets, tmp_path):
+    # A DataLoader worker forked while a loader thread (or DALILoader's planned batch) holds a read
+    # transaction inherits it; the child must still open the store (py-lmdb refuses a second open of the
+    # same files while the inherited environment lives, so the child closes what it inherited).
+    script = tmp_path / "fork.py"
+    script.write_text(FORK)
+    path = str(indexed_datasets["lmdb"] / "images-00000.lmdb")
+    done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+
+
 def _jpeg(arr, **kw) -> bytes:
     import io
 

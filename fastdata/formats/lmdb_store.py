@@ -171,16 +171,30 @@ _ENVS_PID = -1
 _ENVS_LOCK = threading.Lock()  # loader threads reach a new store at once: only one may open it
 
 
+_KEYS: dict[str, str] = {}  # path as given -> resolved: resolve() stats every component (~60 us), once a batch
+
+
+def _key(path: Path) -> str:
+    key = _KEYS.get(str(path))
+    if key is None:
+        key = _KEYS[str(path)] = str(Path(path).resolve())
+    return key
+
+
 def _env(path: Path) -> Any:
     global _ENVS_PID
-    key = str(Path(path).resolve())
+    key = _key(path)
     env = _ENVS.get(key) if _ENVS_PID == os.getpid() else None
     if env is not None:  # the common case: no lock on the read path
         return env
     with _ENVS_LOCK:
         if _ENVS_PID != os.getpid():  # an environment must never cross a fork: reopen in the child
+            inherited = list(_ENVS.values())
             _ENVS.clear()
             _ENVS_PID = os.getpid()
+            for old in inherited:  # closed, not only dropped: a read transaction inherited from the parent (a
+                with contextlib.suppress(Exception):  # loader thread's batch, DALILoader's planned one) keeps
+                    old.close()  # it alive, and py-lmdb refuses to open the same files again while it is
         if key not in _ENVS:
             import lmdb
 
@@ -192,7 +206,7 @@ def _env(path: Path) -> Any:
 def forget(path: Path) -> None:
     """Close this process's environment on ``path`` (before the file is deleted: its pages are freed)."""
     with _ENVS_LOCK:
-        env = _ENVS.pop(str(Path(path).resolve()), None) if _ENVS_PID == os.getpid() else None
+        env = _ENVS.pop(_key(path), None) if _ENVS_PID == os.getpid() else None
     if env is not None:
         env.close()
 
