@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 import os
 import shutil
 import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ def feed_ms(loader: Any, epochs: int = 5) -> tuple[float, float]:
     def median() -> float:
         times = []
         for _ in range(epochs):
-            loader._feed, loader._fed = loader._plan(), __import__("collections").deque()
+            loader._feed, loader._fed = loader._plan(), deque()
             while True:
                 start = time.perf_counter()
                 try:

@@ -118,8 +118,8 @@ ECHO = "import os\nwhile os.read(0, 1):\n    os.write(1, b'x')\n"
 
 def wake_up_us(rounds: int = 2000) -> tuple[float, float]:
     """Microseconds this machine takes to wake a sleeping thread (two threads handing an Event back and forth)
-    and a sleeping process (a byte through pipes, to a child and back): the price of each GIL hand-off that
-    finds the other loader thread asleep, which two processes never pay."""
+    and a sleeping process (a byte through pipes, to a child and back): what each sleep of a loader thread
+    costs on top of the wait itself (RESULTS: making it shorter did not make two threads faster)."""
     ping, pong = threading.Event(), threading.Event()
 
     def other() -> None:

@@ -108,7 +108,7 @@ def rrc_boxes(height: Union[torch.Tensor, int], width: Union[torch.Tensor, int],
     h, w, uy, ux = pick(h), pick(w), pick(u[..., 2]), pick(u[..., 3])
     if not one_size:
         H, W = H[:, 0], W[:, 0]
-        fallback_box = list(_fallback_box(H, W, ratio))
+        fallback_box = _fallback_box(H, W, ratio)
     top = torch.floor(uy * (H - h + 1))
     left = torch.floor(ux * (W - w + 1))
     fallback = ~ok.any(dim=1)
@@ -122,12 +122,13 @@ def rrc_boxes(height: Union[torch.Tensor, int], width: Union[torch.Tensor, int],
 
 
 @functools.lru_cache(maxsize=256)  # a run's batches share a few sizes: computed once each
-def _one_size(height: float, width: float, ratio: tuple[float, float]) -> tuple[float, float, float, list]:
+def _one_size(height: float, width: float, ratio: tuple[float, float]
+              ) -> tuple[float, float, float, tuple[float, ...]]:
     """:func:`rrc_boxes`'s per-image constants for one image size, by the same float32 tensor arithmetic,
     as Python numbers (float32 values: a tensor op casts them back exactly): height, width, their product,
     the fallback box."""
     H, W = torch.tensor([height], dtype=torch.float32), torch.tensor([width], dtype=torch.float32)
-    return float(H), float(W), float(H * W), [float(v) for v in _fallback_box(H, W, ratio)]
+    return float(H), float(W), float(H * W), tuple(float(v) for v in _fallback_box(H, W, ratio))
 
 
 def _fallback_box(H: torch.Tensor, W: torch.Tensor, ratio: tuple[float, float]) -> tuple[torch.Tensor, ...]:

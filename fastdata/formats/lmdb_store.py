@@ -192,9 +192,12 @@ def _env(path: Path) -> Any:
             inherited = list(_ENVS.values())
             _ENVS.clear()
             _ENVS_PID = os.getpid()
-            for old in inherited:  # closed, not only dropped: a read transaction inherited from the parent (a
-                with contextlib.suppress(Exception):  # loader thread's batch, DALILoader's planned one) keeps
-                    old.close()  # it alive, and py-lmdb refuses to open the same files again while it is
+            # Closed, not only dropped: a read transaction inherited from the parent (a loader thread's batch,
+            # DALILoader's planned one) would keep an environment alive, and while it lives py-lmdb refuses
+            # to open the same files again.
+            for old in inherited:
+                with contextlib.suppress(Exception):
+                    old.close()
         if key not in _ENVS:
             import lmdb
 
