@@ -7,8 +7,10 @@ Rows, each at 1 and 2 threads:
   this path; the same, then the box copied into its row of a batch-sized buffer (the write any batch
   needs, and a second GIL hand-off a record, as in the loader); and the whole image (simplejpeg);
 - fastdata: FastLoader over ``FastDataset(lmdb, size=224, crop_fraction=224/256)`` (centre) or
-  ``crop="random"`` (training), gather and decode into the batch; again with partial decoding turned off
-  (whole-image decode, then the box cut or resized), the path without libturbojpeg 3;
+  ``crop="random"`` (training), gather and decode into the batch; again with the loop over a batch's
+  records in Python (the path without numba: two GIL hand-offs a record, NOTE [nogil loop]); again with
+  partial decoding turned off (whole-image decode, then the box cut or resized), the path without
+  libturbojpeg 3;
 - FFCV 1.0.2: ``CenterCropRGBImageDecoder((224, 224), 224/256)`` / ``RandomResizedCropRGBImageDecoder((224,
   224))`` over a .beton holding the very same JPEG records, when installed (FFCV's RRC decoder does not
   flip; fastdata's row does);
@@ -49,7 +51,7 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata import decode, jpeg_read, turbo
+from fastdata import decode, jpeg_read, turbo, turbo_loop
 from fastdata.dataset import FastDataset
 from fastdata.formats.lmdb_store import open_lmdb
 from fastdata.manifest import load_manifest
@@ -276,20 +278,26 @@ def main() -> None:
             for _, src in turbo.decode_regions(*plans[j]):
                 np.copyto(slots.batch[j % BATCH], src)
 
-        def loader_rate(ds: FastDataset, partial: bool = True) -> Rate:
+        def loader_rate(ds: FastDataset, partial: bool = True, compiled: bool = True) -> Rate:
             loaders = {t: FastLoader(ds, BATCH, num_threads=t, prefetch=1) for t in counts}  # kept across
             # epochs, as a training run keeps its loader: its ring of batch buffers is allocated once
 
             def run(t: int) -> float:
                 library, turbo.library = turbo.library, (turbo.library if partial else lambda: None)
+                loop, turbo_loop.loop = turbo_loop.loop, (turbo_loop.loop if compiled else lambda: None)
                 try:
                     return timed_rate(lambda: sum(len(x) for x, _ in loaders[t]), args.seconds)
                 finally:
-                    turbo.library = library
+                    turbo.library, turbo_loop.loop = library, loop
             return run
         partial = turbo.library() is not None
         if not partial:
             print("libturbojpeg 3 not found (pip install turbojpeg): no partial decoding, its rows are skipped")
+        compiled = partial and turbo_loop.loop() is not None
+        if partial and not compiled:
+            print("numba not found (pip install numba) or FASTDATA_NOGIL=0: fastdata's loop over records is Python "
+                  "(NOTE [nogil loop]), its comparison row is skipped")
+        python_loop = "fastdata, Python loop over records (no numba)"
         centre_ds, train_ds = (FastDataset(lmdb, size=SIZE, crop_fraction=SIZE / STORED),
                                FastDataset(lmdb, size=SIZE, crop="random"))
         tables: dict[str, dict[str, Rate]] = {
@@ -301,6 +309,7 @@ def main() -> None:
                 "bare decoder, whole image (simplejpeg)": lambda t: per_record_rate(list(range(n)), center_bare, t,
                                                                                    args.seconds),
                 "fastdata": loader_rate(centre_ds),
+                **({python_loop: loader_rate(centre_ds, compiled=False)} if compiled else {}),
                 **({"fastdata, whole-image decode": loader_rate(centre_ds, False)} if partial else {}),
                 **({"FFCV CenterCropRGBImageDecoder": ffcv["centre"]} if ffcv else {}),
                 **({"DALI CPU pipeline (DALILoader)": dali["centre"]} if dali else {}),
@@ -310,6 +319,7 @@ def main() -> None:
                 "bare decoder (full image, same modes)": lambda t: per_record_rate(records, jpeg_read.turbo_decode, t,
                                                                                   args.seconds),
                 "fastdata": loader_rate(train_ds),
+                **({python_loop: loader_rate(train_ds, compiled=False)} if compiled else {}),
                 **({"fastdata, whole-image decode": loader_rate(train_ds, False)} if partial else {}),
                 **({"FFCV RandomResizedCropRGBImageDecoder": ffcv["train"]} if ffcv else {}),
                 **({"DALI CPU pipeline (DALILoader)": dali["train"]} if dali else {})},

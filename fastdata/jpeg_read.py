@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from . import turbo
+from . import turbo, turbo_loop
 from .decode import FULL_SIZE, open_rgb
 from .errors import ImageDecodeError
 
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 # (copying 30 KB into bytes took ~10 us under the GIL) and each box lands in a per-thread scratch buffer.
 # Each GIL release lets the other thread in, and getting it back can mean sleeping until that thread
 # releases it: on 2 vCPUs, 0.8 such sleeps a record with a per-record loop and copied records, 0.45 with
-# views and PyDLL, 0.1-0.2 with the batch plan (voluntary context switches from getrusage, a one-off
-# diagnostic, not a benchmark).
+# views and PyDLL, 0.1-0.3 with the batch plan (voluntary context switches from getrusage, a one-off
+# diagnostic, not a benchmark). Where numba is installed the loop over records is compiled and releases
+# the GIL once a batch (NOTE [nogil loop] in turbo_loop.py): 0.02 sleeps an image for centre crops.
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels
@@ -187,11 +188,20 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
     plan_boxes = center_boxes(heads[:, 0], heads[:, 1], fraction) if boxes is None else np.asarray(boxes)
     flip = [False] * n if flips is None else np.asarray(flips, dtype=bool).reshape(n).tolist()
     pixels = x.numpy()  # the batch's rows as HWC arrays (no per-row tensor views: a cut needs none)
-    done = [False] * n
-    for j, src in turbo.decode_regions(blobs, region_plan(heads, plan_boxes, size)):
-        if src is not None:
+    plan = region_plan(heads, plan_boxes, size)
+    compiled = turbo_loop.loop() if pixels.flags.c_contiguous else None
+    if compiled is not None:  # one GIL release a batch, boxes of the output size copied there (NOTE [nogil loop])
+        marked = np.zeros(n, dtype=bool)
+        for j, src in turbo_loop.decode_into(compiled, blobs, plan, pixels, np.array(flip, dtype=bool), marked):
             _place(src, pixels[j], flip[j])
-            done[j] = True
+            marked[j] = True
+        done = marked.tolist()
+    else:
+        done = [False] * n
+        for j, src in turbo.decode_regions(blobs, plan):
+            if src is not None:
+                _place(src, pixels[j], flip[j])
+                done[j] = True
     for j in (j for j in range(n) if not done[j]):  # what the partial decoder did not take, record by record
         try:
             _decode_whole(blobs[j], size, pixels[j], None if boxes is None else

@@ -2,7 +2,7 @@
 # Prepare the packages the GPU checks need on a machine with no package registry (the `device` machine:
 # Python 3.12, torch with CUDA 13, no DALI, no lmdb), in parts small enough for one transfer each:
 #   .whl/small    the wheels the CPU JPEG path and the LMDB format need (lmdb, simplejpeg, turbojpeg): 1.5 MB
-#   .whl/p0 ...   DALI and its needs, unpacked here into one site folder (other Pythons' extension modules
+#   .whl/p0 ...   DALI and its needs, and numba, unpacked here into one site folder (other Pythons' extension modules
 #                 dropped) and sent as an xz tarball cut into pieces: 280 MB of wheels become 3 parts of 61 MiB
 #   bash scripts/device_wheels.sh
 # Carry `.whl/small` and one part per call (`carry: [".whl/small", ".whl/pK"]`, command
@@ -21,7 +21,7 @@ get() {  # wheels for the device's Python and platform
 }
 rm -rf .whl && mkdir -p .whl/small .whl/all
 get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
-get -d .whl/all "$DALI"
+get -d .whl/all "$DALI" numba  # numba: the compiled JPEG decode loop (NOTE [nogil loop]) for jpeg-bench
 # The device image has these already: a second copy on the path would shadow its own.
 rm -f .whl/all/{numpy,packaging,pyyaml,six,typing_extensions,wheel}-*.whl
 site=.whl/site && mkdir -p "$site"

@@ -10,7 +10,8 @@
 #   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
 #   bash scripts/gpu_checks.sh jpeg-bench  # bench_jpeg.py on the machine's cores (no GPU; issue 17's thread
-#                                          # scaling on a machine that is not a 2-vCPU VM; about 5 minutes)
+#                                          # scaling on a machine that is not a 2-vCPU VM; about 5 minutes;
+#                                          # after `install`, numba's compiled decode loop is measured too)
 # Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
 # benchmarks/results/gpu-YYYY-MM-DD.json.
 set -uo pipefail

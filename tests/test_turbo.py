@@ -7,13 +7,15 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import simplejpeg
+import torch
 from PIL import Image
 
-from fastdata import jpeg_read, turbo
+from fastdata import jpeg_read, turbo, turbo_loop
 from fastdata.synthetic import synthetic_image
 
 needs_library = pytest.mark.skipif(turbo.library() is None, reason="libturbojpeg 3 missing: pip install turbojpeg")
@@ -109,31 +111,116 @@ def test_a_record_with_a_bad_huffman_table_does_not_break_the_next_ones():
         assert np.array_equal(turbo.decode_region(data, d, (0, 0, 10, 10)), _whole(data, d)[:10, :10])
 
 
-@needs_library
-def test_decode_jpeg_gives_the_same_rows_with_and_without_partial_decoding(monkeypatch):
-    rng = np.random.default_rng(1)
+LOOPS = ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    turbo_loop.loop() is None, reason="numba missing (pip install numba) or FASTDATA_NOGIL=0"))]
+
+
+@pytest.fixture(params=LOOPS)
+def batch_loop(request, monkeypatch):
+    """decode_batch's loop over records: Python (turbo.decode_regions) or compiled (NOTE [nogil loop])."""
+    monkeypatch.setenv(turbo_loop.ENV, "1" if request.param == "compiled" else "0")
+    return request.param
+
+
+def _cases(rng: np.random.Generator) -> list[tuple]:
+    """(record, size, box, flip, fraction): centre squares, and random boxes as the training crop draws
+    them, mirrored half the time."""
     cases = [(data, size, None, False, frac) for data in RECORDS.values() for size in (64, 112, 224)
              for frac in (1.0, 0.875)]
-    for data in RECORDS.values():  # random boxes as the training crop draws them, mirrored half the time
+    for data in RECORDS.values():
         H, W = jpeg_read.jpeg_size(data)
         for _ in range(10):
             h, w = int(rng.integers(8, H + 1)), int(rng.integers(8, W + 1))
             box = (int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w)
             cases.append((data, int(rng.choice([32, 100, 224])), box, bool(rng.integers(2)), 1.0))
-    decoded = []
-    real = turbo.decode_regions
+    return cases
+
+
+@needs_library
+def test_decode_jpeg_gives_the_same_rows_with_and_without_partial_decoding(monkeypatch, batch_loop):
+    cases = _cases(np.random.default_rng(1))
+    whole = []
+    real = jpeg_read._decode_whole
 
     def counted(*a, **k):
-        for j, src in real(*a, **k):
-            decoded.append(src is not None)
-            yield j, src
+        whole.append(a[2:4])
+        return real(*a, **k)
 
-    monkeypatch.setattr(turbo, "decode_regions", counted)
+    monkeypatch.setattr(jpeg_read, "_decode_whole", counted)
     partial = [jpeg_read.decode_jpeg(d, s, box=b, flip=f, fraction=fr) for d, s, b, f, fr in cases]
-    assert decoded == [True] * len(cases)  # every record's box was decoded by the partial decoder
+    assert whole == []  # every record's box was decoded by the partial decoder
     monkeypatch.setattr(turbo, "library", lambda: None)
     for (d, s, b, f, fr), got in zip(cases, partial):
         assert np.array_equal(got, jpeg_read.decode_jpeg(d, s, box=b, flip=f, fraction=fr)), (s, b, f, fr)
+
+
+@needs_library
+@pytest.mark.parametrize("size", [224, 100])
+def test_the_compiled_loop_fills_a_batch_with_the_bytes_of_the_python_loop(monkeypatch, size):
+    # one batch mixing every kind of record, boxes of the output size (copied, mirrored or not) and boxes
+    # to resize (more than the arena's slots), a record TurboJPEG refuses mid-batch (its handle replaced)
+    # and a CMYK one the plan leaves out (both decoded the whole-image way), run compiled and as plain Python
+    compiled = turbo_loop.loop()
+    if compiled is None:
+        pytest.skip("numba missing (pip install numba) or FASTDATA_NOGIL=0")
+    data = RECORDS["420"]
+    i = data.index(b"\xff\xda") + 500
+    bad = data[:i] + b"\xff\xd3" + data[i + 2:]  # a stray restart marker: TurboJPEG warns, Pillow decodes it
+    buf = io.BytesIO()
+    Image.fromarray(_photo(300, 260)).convert("CMYK").save(buf, "JPEG", quality=95)
+    rng = np.random.default_rng(size)
+    blobs, boxes = [], []
+    for j in range(48):
+        kind = sorted(RECORDS)[j % len(RECORDS)]
+        blob = bad if j == 17 else buf.getvalue() if j == 23 else RECORDS[kind]
+        H, W = jpeg_read.jpeg_size(blob)
+        side = size if j % 2 else int(rng.integers(8, min(H, W) + 1))  # half copied, half resized
+        side = min(side, H, W)
+        blobs.append(memoryview(blob) if j % 4 < 2 else blob)
+        boxes.append((int(rng.integers(0, H - side + 1)), int(rng.integers(0, W - side + 1)), side, side))
+    flips = rng.integers(0, 2, len(blobs)).astype(bool)
+    calls = []
+
+    def run(*a):
+        calls.append(a[10])  # the record each call starts at
+        return compiled.run(*a)
+
+    out = {}
+    for name, loop in [("python", None), ("compiled", run), ("uncompiled", turbo_loop._run)]:
+        if loop is not None:
+            monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=loop, functions=compiled.functions))
+        x = torch.zeros((len(blobs), size, size, 3), dtype=torch.uint8)
+        monkeypatch.setenv(turbo_loop.ENV, "0" if loop is None else "1")
+        jpeg_read.decode_batch(blobs, size, x, boxes=np.array(boxes), flips=flips)
+        out[name] = x
+    assert torch.equal(out["compiled"], out["python"]) and torch.equal(out["uncompiled"], out["python"])
+    assert sum(b[2] != size for b in boxes[:17]) > turbo_loop.ARENA_SLOTS  # so the arena fills before 17
+    assert len(calls) > 2 and calls[0] == 0  # handed back at a full arena (and at the refusal)
+    assert 17 + 1 in calls  # the loop went on after the refused record with a fresh handle
+
+
+@needs_library
+def test_a_batch_of_centre_crops_is_one_call_of_the_compiled_loop(monkeypatch):
+    # the point of NOTE [nogil loop]: a batch whose boxes need no resize releases the GIL once
+    compiled = turbo_loop.loop()
+    if compiled is None:
+        pytest.skip("numba missing (pip install numba) or FASTDATA_NOGIL=0")
+    calls = []
+
+    def run(*a):
+        calls.append(a[10])
+        return compiled.run(*a)
+
+    monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=run, functions=compiled.functions))
+    blobs = [RECORDS["420"], _jpeg(_photo(256, 300, 9)), _jpeg(_photo(400, 256, 10), subsampling=0),
+             _jpeg(_photo(256, 256, 11)[..., 0])] * 16  # short side 256: centre boxes of 224, no resize
+    x = torch.empty((len(blobs), 224, 224, 3), dtype=torch.uint8)
+    jpeg_read.decode_batch(blobs, 224, x, fraction=0.875)
+    assert calls == [0]
+    monkeypatch.setenv(turbo_loop.ENV, "0")
+    y = torch.empty_like(x)
+    jpeg_read.decode_batch(blobs, 224, y, fraction=0.875)
+    assert torch.equal(x, y)
 
 
 @needs_library
