@@ -258,7 +258,7 @@ def _place(src: np.ndarray, out: np.ndarray, flip: bool) -> None:
     import torch
 
     x = torch.from_numpy(src.transpose(2, 0, 1)[None])
-    row = torch.from_numpy(out).permute(2, 0, 1)[None]  # the (1, 3, size, size) view the resize writes
+    row = torch.from_numpy(out.transpose(2, 0, 1)[None])  # the (1, 3, size, size) view the resize writes
     if src.shape != out.shape:
         # mirrored before the resize, one torch call fewer: the same pixels (the antialiased bilinear's
         # weights are symmetric; tests/test_jpeg.py holds it)

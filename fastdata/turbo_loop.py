@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 # where two processes gave 1.83-2.12x. FFCV compiles its whole loop with numba and releases the GIL once a
 # batch. Here, where numba is installed, the same TurboJPEG calls (header, scale, cropping region,
 # decode) and the copy of each box that is already the output size into its row run in one compiled
-# function that releases the GIL once a batch. A box that needs a resize is decoded into a per-thread
-# arena, up to ARENA_SLOTS at a time, and resized by torch as before (one GIL hand-off a record instead
-# of two). The pixels are the same bytes (the same library calls; tests compare the two loops).
+# function that releases the GIL once a batch. A box that needs a resize (or a mirror) is decoded into a
+# per-thread arena, up to ARENA_SLOTS at a time, and resized by torch as before (one GIL hand-off a record
+# instead of two). The pixels are the same bytes (the same library calls; tests compare the two loops).
 # tj3SetScalingFactor and tj3SetCroppingRegion take small structs of ints by value, which numba cannot
 # pass: they are declared here as taking the structs' 64-bit words (two ints packed little-endian in
 # one integer), which is how the x86-64 System V and AArch64 conventions pass such structs (in integer
@@ -45,7 +45,7 @@ def _run(header: Any, scaling: Any, cropping: Any, decompress: Any, memmove: Any
          flips: np.ndarray, done: np.ndarray, arena: np.ndarray, slots: np.ndarray) -> tuple[int, int, int, int]:
     """The loop numba compiles (plain Python without it; tests run both). From record ``start`` on, decode
     each planned record's region (``plan``: turbo.aligned_regions rows, denominator 0 to skip) into
-    ``arena``; a box of the output size is copied (mirrored where ``flips``) into its row of ``out``
+    ``arena``; a box of the output size, not to be mirrored (``flips``), is copied into its row of ``out``
     ``(n, size, size, 3)`` and marked in ``done``; any other box stays in the arena and its ``(record,
     offset)`` goes into ``slots``. Returns ``(next record, DONE | REFUSED | FULL, scale now set on the
     handle, slots filled)``: REFUSED at the record TurboJPEG refused (the handle may be broken), FULL at
@@ -61,7 +61,8 @@ def _run(header: Any, scaling: Any, cropping: Any, decompress: Any, memmove: Any
         x0, y0, width, height = int(plan[j, 1]), int(plan[j, 2]), int(plan[j, 3]), int(plan[j, 4])
         top, left, src, length = int(plan[j, 5]), int(plan[j, 6]), int(addresses[j]), int(sizes[j])
         need = width * height * 3
-        cut = height - top == size and width - left == size
+        cut = height - top == size and width - left == size and not flips[j]  # mirrors: torch's flip (a
+        # byte loop here took 4x its time)
         if used + need > capacity or (not cut and k == slots.shape[0]):
             return j, FULL, scale, k
         if header(handle, src, length) != 0:
@@ -78,18 +79,9 @@ def _run(header: Any, scaling: Any, cropping: Any, decompress: Any, memmove: Any
             used += need
             k += 1
             continue
-        first = base + used + (top * width + left) * 3
-        if flips[j]:
-            image = arena[used:used + need].reshape(height, width, 3)
-            target = out[j]
-            for r in range(size):
-                for c in range(size):
-                    for ch in range(3):
-                        target[r, c, ch] = image[top + r, left + size - 1 - c, ch]
-        else:
-            target_row = out.ctypes.data + j * size * row
-            for r in range(size):
-                memmove(target_row + r * row, first + r * width * 3, row)
+        target, first = out.ctypes.data + j * size * row, base + used + (top * width + left) * 3
+        for r in range(size):
+            memmove(target + r * row, first + r * width * 3, row)
         done[j] = True
     return n, DONE, scale, k
 
@@ -131,8 +123,18 @@ def _compiled() -> Optional[_Loop]:
         run = numba.njit(nogil=True, cache=True)(_run)
     except RuntimeError:  # no writable cache location: compiled in each process instead
         run = numba.njit(nogil=True)(_run)
+    compiled = _Loop(lib, run)
+    try:  # compiled now, for the argument types decode_into passes, on an empty batch: a numba that cannot
+        # compile it leaves the Python loop in place instead of failing a batch
+        none = np.zeros(0, np.int64)
+        run(*compiled.functions, 0, 1, none, none, np.zeros((0, 7), np.int64), 0, np.zeros((0, 1, 1, 3), np.uint8),
+            np.zeros(0, bool), np.zeros(0, bool), np.zeros(1, np.uint8), np.zeros((ARENA_SLOTS, 2), np.int64))
+    except Exception as exc:  # numba's errors have no common base class worth naming here
+        log.warning("numba %s could not compile the JPEG decode loop (%s: %s); decoding with the Python loop",
+                    numba.__version__, type(exc).__name__, exc)
+        return None
     log.debug("batch decode loop compiled by numba %s", numba.__version__)
-    return _Loop(lib, run)
+    return compiled
 
 
 def loop() -> Optional[_Loop]:
@@ -158,8 +160,8 @@ def decode_into(compiled: _Loop, blobs: Sequence[Any], plan: np.ndarray, pixels:
                 done: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """Decode ``blobs``' planned regions (turbo.aligned_regions rows, denominator 0 to skip) with the
     compiled loop: boxes of the output size go straight into their rows of ``pixels`` (``(n, size, size,
-    3)`` C-contiguous uint8), mirrored where ``flips``, and are marked in ``done``; yields ``(j, pixels of
-    the box)`` for each box that needs a resize, valid until the next item. Records TurboJPEG refused stay
+    3)`` C-contiguous uint8) and are marked in ``done``, unless ``flips`` mirrors them; yields ``(j,
+    pixels of the box)`` for each box that needs a resize or a mirror, valid until the next item. Records TurboJPEG refused stay
     unmarked: the caller decodes them the whole-image way, as after turbo.decode_regions."""
     lib = turbo.library()
     planned = plan[:, 0] != 0

@@ -3,6 +3,7 @@ pixels are exactly those cut from the whole fast decode, so the decoder never ch
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -263,3 +264,27 @@ def test_the_environment_variable_turns_partial_decoding_off_or_names_the_librar
         env[turbo.ENV] = turbo.library().path
         named = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert named.stdout.strip() == "False"
+
+
+@needs_library
+def test_a_loop_numba_cannot_compile_leaves_the_python_loop_in_place(monkeypatch):
+    pytest.importorskip("numba")
+
+    def uncompilable(*args):  # nopython mode has no object(): a TypingError at compile time
+        return object()
+
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(turbo_loop, "_run", uncompilable)
+    turbo_loop._compiled.cache_clear()
+    turbo_loop.log.addHandler(handler)
+    try:
+        assert turbo_loop.loop() is None
+        assert any("could not compile the JPEG decode loop" in m for m in warned)
+        x = torch.empty((1, 64, 64, 3), dtype=torch.uint8)
+        jpeg_read.decode_batch([RECORDS["420"]], 64, x)  # served by the Python loop
+        assert torch.equal(x[0], torch.from_numpy(jpeg_read.decode_jpeg(RECORDS["420"], 64)))
+    finally:
+        turbo_loop.log.removeHandler(handler)
+        turbo_loop._compiled.cache_clear()
