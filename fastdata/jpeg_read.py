@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # releases it: on 2 vCPUs, 0.8 such sleeps a record with a per-record loop and copied records, 0.45 with
 # views and PyDLL, 0.1-0.3 with the batch plan (voluntary context switches from getrusage, a one-off
 # diagnostic, not a benchmark). Where numba is installed the loop over records is compiled and releases
-# the GIL once a batch (NOTE [nogil loop] in turbo_loop.py): 0.02 sleeps an image for centre crops.
+# the GIL once a batch (NOTE [nogil loop] in turbo_loop.py): 0.02-0.05 sleeps an image for centre crops.
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels

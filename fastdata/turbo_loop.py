@@ -111,9 +111,8 @@ def structs_in_registers() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled() -> Optional[_Loop]:
-    lib = turbo.library()
-    if lib is None or not structs_in_registers():
+def _compiled(lib: turbo._Lib) -> Optional[_Loop]:
+    if not structs_in_registers():
         return None
     try:
         import numba
@@ -140,7 +139,8 @@ def _compiled() -> Optional[_Loop]:
 def loop() -> Optional[_Loop]:
     """The compiled loop, or None: numba or libturbojpeg 3 missing, another calling convention, or
     ``FASTDATA_NOGIL=0``."""
-    return None if os.environ.get(ENV) == "0" else _compiled()
+    lib = turbo.library()
+    return None if lib is None or os.environ.get(ENV) == "0" else _compiled(lib)
 
 
 def addresses(blobs: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -161,8 +161,9 @@ def decode_into(compiled: _Loop, blobs: Sequence[Any], plan: np.ndarray, pixels:
     """Decode ``blobs``' planned regions (turbo.aligned_regions rows, denominator 0 to skip) with the
     compiled loop: boxes of the output size go straight into their rows of ``pixels`` (``(n, size, size,
     3)`` C-contiguous uint8) and are marked in ``done``, unless ``flips`` mirrors them; yields ``(j,
-    pixels of the box)`` for each box that needs a resize or a mirror, valid until the next item. Records TurboJPEG refused stay
-    unmarked: the caller decodes them the whole-image way, as after turbo.decode_regions."""
+    pixels of the box)`` for each box that needs a resize or a mirror, valid until the next item. Records
+    TurboJPEG refused stay unmarked: the caller decodes them the whole-image way, as after
+    turbo.decode_regions."""
     lib = turbo.library()
     planned = plan[:, 0] != 0
     if lib is None or not planned.any():
