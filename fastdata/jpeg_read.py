@@ -190,19 +190,17 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
     pixels = x.numpy()  # the batch's rows as HWC arrays (no per-row tensor views: a cut needs none)
     plan = region_plan(heads, plan_boxes, size)
     compiled = turbo_loop.loop() if pixels.flags.c_contiguous else None
-    if compiled is not None:  # one GIL release a batch, boxes of the output size copied there (NOTE [nogil loop])
-        marked = np.zeros(n, dtype=bool)
-        for j, src in turbo_loop.decode_into(compiled, blobs, plan, pixels, np.array(flip, dtype=bool), marked):
+    done = np.zeros(n, dtype=bool)
+    # compiled: one GIL release a batch, boxes of the output size copied there and marked done; it yields the
+    # boxes left to resize or mirror (NOTE [nogil loop]). Else the Python loop yields every box, None where
+    # TurboJPEG refused the record.
+    regions = (turbo.decode_regions(blobs, plan) if compiled is None else
+               turbo_loop.decode_into(compiled, blobs, plan, pixels, np.array(flip, dtype=bool), done))
+    for j, src in regions:
+        if src is not None:
             _place(src, pixels[j], flip[j])
-            marked[j] = True
-        done = marked.tolist()
-    else:
-        done = [False] * n
-        for j, src in turbo.decode_regions(blobs, plan):
-            if src is not None:
-                _place(src, pixels[j], flip[j])
-                done[j] = True
-    for j in (j for j in range(n) if not done[j]):  # what the partial decoder did not take, record by record
+            done[j] = True
+    for j in np.flatnonzero(~done).tolist():  # what the partial decoder did not take, record by record
         try:
             _decode_whole(blobs[j], size, pixels[j], None if boxes is None else
                           tuple(plan_boxes[j].tolist()), flip[j], fraction, tuple(heads[j, :2].tolist()))

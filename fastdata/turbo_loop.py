@@ -57,7 +57,7 @@ def _run(header: Any, scaling: Any, cropping: Any, decompress: Any, memmove: Any
     base, capacity = arena.ctypes.data, arena.shape[0]
     used, k = 0, 0
     for j in range(start, n):
-        d = int(plan[j, 0])  # int(): plain ints for ctypes when run uncompiled; nothing compiled
+        d = int(plan[j, 0])  # int(): plain ints for ctypes when run uncompiled (a no-op once compiled)
         if d == 0:
             continue
         x0, y0, width, height = int(plan[j, 1]), int(plan[j, 2]), int(plan[j, 3]), int(plan[j, 4])
@@ -92,11 +92,10 @@ class _Loop:
     """The compiled loop with the C functions it calls (kept here: ctypes objects own the prototypes)."""
 
     def __init__(self, lib: turbo._Lib, run: Callable[..., tuple[int, int, int, int]]) -> None:
-        free = ctypes.CDLL(lib.path)
         vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
-        def entry(name: str, *types: Any) -> Any:
-            return ctypes.CFUNCTYPE(ci, vp, *types)(ctypes.cast(getattr(free, name), vp).value)
+        def entry(name: str, *types: Any) -> Any:  # the bound function's address, under numba's prototype
+            return ctypes.CFUNCTYPE(ci, vp, *types)(ctypes.cast(getattr(lib, name), vp).value)
 
         self.run = run
         self.functions = (entry("tj3DecompressHeader", vp, ctypes.c_size_t),
@@ -150,11 +149,10 @@ def addresses(blobs: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
     cache), no copy; the caller holds ``blobs`` while the loop reads them."""
     out = np.empty((2, len(blobs)), np.int64)
     for j, blob in enumerate(blobs):
-        if isinstance(blob, bytes):
+        if isinstance(blob, bytes):  # turbo._address passes bytes as they are; the loop needs their address
             out[0, j], out[1, j] = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value or 0, len(blob)
         else:
-            view = np.frombuffer(blob, np.uint8)
-            out[0, j], out[1, j] = view.ctypes.data, view.nbytes
+            out[0, j], out[1, j] = turbo._address(blob)
     return out[0], out[1]
 
 

@@ -155,6 +155,18 @@ def test_decode_jpeg_gives_the_same_rows_with_and_without_partial_decoding(monke
         assert np.array_equal(got, jpeg_read.decode_jpeg(d, s, box=b, flip=f, fraction=fr)), (s, b, f, fr)
 
 
+def _counting(monkeypatch, compiled) -> list[int]:
+    """Serve decode_batch the compiled loop through a wrapper; returns the record each call started at."""
+    calls = []
+
+    def run(*a):
+        calls.append(a[10])
+        return compiled.run(*a)
+
+    monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=run, functions=compiled.functions))
+    return calls
+
+
 @needs_library
 @pytest.mark.parametrize("size", [224, 100])
 def test_the_compiled_loop_fills_a_batch_with_the_bytes_of_the_python_loop(monkeypatch, size):
@@ -180,18 +192,15 @@ def test_the_compiled_loop_fills_a_batch_with_the_bytes_of_the_python_loop(monke
         blobs.append(memoryview(blob) if j % 4 < 2 else blob)
         boxes.append((int(rng.integers(0, H - side + 1)), int(rng.integers(0, W - side + 1)), side, side))
     flips = rng.integers(0, 2, len(blobs)).astype(bool)
-    calls = []
-
-    def run(*a):
-        calls.append(a[10])  # the record each call starts at
-        return compiled.run(*a)
-
     out = {}
-    for name, loop in [("python", None), ("compiled", run), ("uncompiled", turbo_loop._run)]:
-        if loop is not None:
-            monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=loop, functions=compiled.functions))
+    for name in ("python", "compiled", "uncompiled"):
+        if name == "compiled":
+            calls = _counting(monkeypatch, compiled)
+        elif name == "uncompiled":
+            monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=turbo_loop._run,
+                                                                            functions=compiled.functions))
         x = torch.zeros((len(blobs), size, size, 3), dtype=torch.uint8)
-        monkeypatch.setenv(turbo_loop.ENV, "0" if loop is None else "1")
+        monkeypatch.setenv(turbo_loop.ENV, "0" if name == "python" else "1")
         jpeg_read.decode_batch(blobs, size, x, boxes=np.array(boxes), flips=flips)
         out[name] = x
     assert torch.equal(out["compiled"], out["python"]) and torch.equal(out["uncompiled"], out["python"])
@@ -206,19 +215,13 @@ def test_a_batch_of_centre_crops_is_one_call_of_the_compiled_loop(monkeypatch):
     compiled = turbo_loop.loop()
     if compiled is None:
         pytest.skip("numba missing (pip install numba) or FASTDATA_NOGIL=0")
-    calls = []
-
-    def run(*a):
-        calls.append(a[10])
-        return compiled.run(*a)
-
-    monkeypatch.setattr(turbo_loop, "loop", lambda: SimpleNamespace(run=run, functions=compiled.functions))
+    calls = _counting(monkeypatch, compiled)
     blobs = [RECORDS["420"], _jpeg(_photo(256, 300, 9)), _jpeg(_photo(400, 256, 10), subsampling=0),
              _jpeg(_photo(256, 256, 11)[..., 0])] * 16  # short side 256: centre boxes of 224, no resize
     x = torch.empty((len(blobs), 224, 224, 3), dtype=torch.uint8)
     jpeg_read.decode_batch(blobs, 224, x, fraction=0.875)
     assert calls == [0]
-    monkeypatch.setenv(turbo_loop.ENV, "0")
+    monkeypatch.setattr(turbo_loop, "loop", lambda: None)  # the Python loop, for reference
     y = torch.empty_like(x)
     jpeg_read.decode_batch(blobs, 224, y, fraction=0.875)
     assert torch.equal(x, y)
