@@ -4,9 +4,10 @@
    FastLoader + CUDAPrefetcher with no model (uint8 batches in, normalised bf16 on the GPU out).
 2. Data stall, the Trainer's own ``data_stall_pct`` (CUDA events): ResNet-50@224 (batch 256) and
    ResNet-18@112 (batch 512), bf16, channels_last, fed by (a) an ``npy`` dataset in ``shm`` through
-   FastLoader + CUDAPrefetcher with random-resized-crop + flip on the GPU and (b) the plain recipe: torch
-   DataLoader + Pillow (decode, resize, centre crop, float tensor, normalise per sample) on every core,
-   ``.to(device)`` in the loop; beside the same model on synthetic data already on the GPU (the ceiling).
+   FastLoader + CUDAPrefetcher with random-resized-crop + flip on the GPU (replayed from a CUDA graph, and
+   launched op by op beside it) and (b) the plain recipe: torch DataLoader + Pillow (decode, resize,
+   centre crop, float tensor, normalise per sample) on every core, ``.to(device)`` in the loop; beside
+   the same model on synthetic data already on the GPU (the ceiling).
 3. ``storage="cuda"``: the batch gather against a GPU-to-GPU copy of the same bytes (both counted read +
    written), and a CIFAR-10-sized epoch (50k x 32x32) with the host-to-device copies and host syncs per step
    counted (torch profiler, ``torch.cuda.set_sync_debug_mode``).
@@ -46,6 +47,7 @@ from fastdata.train_config import TrainConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import PlainFolder  # noqa: E402  (the plain recipe: Pillow, float tensors, normalise)
 
+EAGER = "fastdata as above, eager conversion (cuda_graphs=False)"  # NOTE [graphed convert]
 # (model, stored side, crop, batch, stall target %)
 RUNS = (("resnet50", 256, 224, 256, 1.0), ("resnet18", 128, 112, 512, 5.0))
 
@@ -188,6 +190,8 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
     feeds = {
         "fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)": lambda: CUDAPrefetcher(
             FastLoader(ds, batch, num_threads=min(8, cores)), device=device, dtype=torch.bfloat16, transforms=aug),
+        EAGER: lambda: CUDAPrefetcher(FastLoader(ds, batch, num_threads=min(8, cores)), device=device,
+                                      dtype=torch.bfloat16, transforms=aug, cuda_graphs=False),
         f"DataLoader + Pillow + .to(device) ({cores} workers)": lambda: torch.utils.data.DataLoader(
             PlainFolder(files, labels, crop), batch, shuffle=True, num_workers=cores,
             pin_memory=device == "cuda", persistent_workers=True, drop_last=True),
@@ -377,6 +381,7 @@ def main() -> None:
             fast = rows["fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)"]
             plain = next(r for name, r in rows.items() if name.startswith("DataLoader"))
             out[f"stall_pct_{key}"] = fast["data_stall_pct"]
+            out[f"stall_pct_{key}_no_cuda_graphs"] = rows[EAGER]["data_stall_pct"]
             out[f"dataloader_stall_pct_{key}"] = plain["data_stall_pct"]
             out[f"rows_{key}"] = rows
             print(f"  target: fastdata's stall <= {target:.0f}%")

@@ -49,6 +49,8 @@ def main() -> None:
         "h2d_ratio": gpu["h2d_ratio"],
         "stall_pct_resnet50_224": gpu["stall_pct_resnet50_224"],
         "stall_pct_resnet18_112": gpu["stall_pct_resnet18_112"],
+        **{k: gpu[k] for k in ("stall_pct_resnet50_224_no_cuda_graphs", "stall_pct_resnet18_112_no_cuda_graphs")
+           if k in gpu},
         "dataloader_stall_pct_resnet50_224": gpu["dataloader_stall_pct_resnet50_224"],
         "dataloader_stall_pct_resnet18_112": gpu["dataloader_stall_pct_resnet18_112"],
         "cuda_gather_ratio": gpu["cuda_gather_ratio"],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -48,10 +48,19 @@ class Draws:
     NOTE [crop draws]). Transforms take it where they take a ``torch.Generator``."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
+        self.seed: Optional[int] = seed
         key = seed & ((1 << 64) - 1)
-        self.key = key - (1 << 64) if key >= 1 << 63 else key
+        self.key: Union[int, torch.Tensor] = key - (1 << 64) if key >= 1 << 63 else key
         self.used = 0
+
+    @classmethod
+    def keyed(cls, key: torch.Tensor, used: int = 0) -> "Draws":
+        """A stream whose key is read from ``key`` (a 0-d int64 tensor, the value of another stream's ``key``)
+        when its numbers are computed: a CUDA graph captured with it draws each replay's numbers from the key
+        filled in before that replay (NOTE [graphed convert] in cuda_graphs.py)."""
+        draws = cls(0)
+        draws.seed, draws.key, draws.used = None, key, used
+        return draws
 
     def rand(self, *shape: int, device: Union[str, torch.device, None] = None) -> torch.Tensor:
         """``torch.rand(*shape)`` from this stream, on ``device`` (computed there: nothing crosses; 17 small

@@ -342,6 +342,14 @@ class Normalize(Transform):
     def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if isinstance(x, dict):
             return {**x, "image": self(x["image"], generator)}
+        return self.cast(self.float32(x))
+
+    def cast(self, y: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """:meth:`float32`'s result as ``dtype`` (the layout kept; with ``copy``, always a new tensor)."""
+        return y.to(self.dtype, copy=copy)
+
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised image tensor in float32, before the cast to ``dtype``."""
         scale, shift = self._coefficients(x.device, x.shape[1])
         if scale.shape[1] != x.shape[1]:
             raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")
@@ -351,5 +359,4 @@ class Normalize(Transform):
             out = torch.mul(x, scale)
         else:  # the same products, written in the asked layout (a cast keeps it)
             out = torch.mul(x, scale, out=torch.empty_like(x, dtype=torch.float32, memory_format=self.memory_format))
-        out.add_(shift)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
+        return out.add_(shift)

@@ -5,7 +5,7 @@ FastLoader's ring buffers already are, others are pinned first) are copied with 
 (views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks
 the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the permute of NHWC is
 channels_last: no copy), the transforms run and :class:`Normalize` casts and normalises (a multiply
-that casts, then an add); a second event marks the batch ready. The consumer's stream waits on that
+that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second event marks the batch ready. The consumer's stream waits on that
 event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used there, so
 it never hands their memory to another tensor too early. A FastLoader buffer is released only after its
 copy event completed (polled with ``query()``; a targeted ``event.synchronize()`` only when the loader
@@ -21,6 +21,8 @@ import torch
 
 from .errors import ConfigError
 from .crops import Draws, batch_seed
+from .cuda_graphs import GraphedConvert, capturable
+from .cuda_graphs import enabled as cuda_graph_use
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
 from .distributed import dist_rank_world
 
@@ -103,12 +105,14 @@ def is_image(t: torch.Tensor) -> bool:
 
 class CUDAPrefetcher:
     """Wrap any iterable of batches (FastLoader, DataLoader, list, generator) and yield them on ``device``,
-    images as normalised ``dtype`` NCHW channels_last, other integer tensors as int64."""
+    images as normalised ``dtype`` NCHW channels_last, other integer tensors as int64. On a GPU, with
+    ``cuda_graphs``, each image batch shape's conversion is replayed from a CUDA graph once seen twice: the
+    same values for a few launches instead of ~115 (NOTE [graphed convert] in cuda_graphs.py)."""
 
     def __init__(self, loader: Any, device: Union[str, torch.device] = "cuda", *,
                  mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
                  normalize: bool = True, dtype: torch.dtype = torch.float32, transforms: Optional[Transform] = None,
-                 depth: int = 1, seed: int = 0) -> None:
+                 depth: int = 1, seed: int = 0, cuda_graphs: bool = True) -> None:
         self.loader = loader
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -118,6 +122,8 @@ class CUDAPrefetcher:
         self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
                                    memory_format=torch.channels_last)
         self.transforms, self.depth, self.seed = transforms, depth, seed
+        graphed = self.device.type == "cuda" and cuda_graphs and cuda_graph_use() and capturable(transforms)
+        self._graphed = GraphedConvert(self._image_float32) if graphed else None  # NOTE [graphed convert]
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
@@ -168,6 +174,18 @@ class CUDAPrefetcher:
         return Draws(batch_seed(self.seed, epoch, pos, rank))
 
     # -- conversion (the same math on every device) ---------------------------------------------------
+    def _image_float32(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        """A uint8 NHWC batch, transformed and normalised in float32 (NCHW, channels_last)."""
+        x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
+        if self.transforms is not None:
+            x = self.transforms(x, generator)
+        return self.normalize.float32(x)  # written channels_last by Normalize itself
+
+    def _image(self, t: torch.Tensor, generator: Rng) -> torch.Tensor:
+        if self._graphed is not None and t.is_cuda and (generator is None or isinstance(generator, Draws)):
+            return self.normalize.cast(self._graphed(t, generator), copy=True)  # never the graph's own buffer
+        return self.normalize.cast(self._image_float32(t, generator))
+
     def convert(self, batch: Any, generator: Rng = None) -> Any:
         """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64. A dict
         of sample fields has its spatial fields moved with the image (NOTE [spatial fields] in
@@ -179,14 +197,7 @@ class CUDAPrefetcher:
             image = self.normalize(fields["image"])  # written channels_last by Normalize itself
             return {**_walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
 
-        def one(t: torch.Tensor) -> torch.Tensor:
-            if is_image(t):
-                x = t.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
-                if self.transforms is not None:
-                    x = self.transforms(x, generator)
-                return self.normalize(x)  # written channels_last by Normalize itself
-            return _target(t)
-        return _walk(batch, one)
+        return _walk(batch, lambda t: self._image(t, generator) if is_image(t) else _target(t))
 
     # -- iteration ------------------------------------------------------------------------------------
     def _source(self) -> Iterator[tuple[Any, Release]]:

@@ -167,6 +167,22 @@ def test_transforms_take_draws_as_they_take_a_generator():
     assert not torch.equal(t(x, Draws(5)), t(x, Draws(6)))
 
 
+def test_draws_keyed_by_a_tensor_read_the_key_when_they_draw():
+    """What a CUDA graph's replays rely on (NOTE [graphed convert]): a stream keyed by a tensor draws what a
+    stream of that key draws, for every key (those above 2**63 included), and follows the tensor's value."""
+    from fastdata.crops import Draws
+
+    key = torch.zeros((), dtype=torch.int64)
+    for seed in (0, 7, 2 ** 40 + 7, 2 ** 63 + 5, 2 ** 64 - 1):
+        key.fill_(Draws(seed).key)
+        keyed, plain = Draws.keyed(key, used=3), Draws(seed)
+        plain.rand(3)
+        assert torch.equal(keyed.rand(5, 40), plain.rand(5, 40)) and keyed.used == plain.used == 203, seed
+    t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
+    key.fill_(Draws(5).key)
+    assert torch.equal(t(batch(), Draws.keyed(key)), t(batch(), Draws(5)))
+
+
 @pytest.mark.cuda
 def test_draws_and_the_transforms_drawing_them_are_the_same_on_the_gpu():
     from fastdata.crops import Draws

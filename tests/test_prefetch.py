@@ -260,3 +260,117 @@ def test_a_training_batch_is_read_and_written_whole_five_times():
     assert out.shape == (b, 3, size, size) and out.dtype == torch.bfloat16
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert len(passes) == 5, passes
+
+
+def test_only_fastdatas_own_transforms_are_captured_in_cuda_graphs(monkeypatch):
+    from fastdata.cuda_graphs import capturable
+    from fastdata.gpu_transforms import CenterCrop, Normalize, RandomCrop
+
+    class Synced(RandomResizedCrop):  # a subclass may sync (boxes counted on the host, say): not captured
+        pass
+
+    assert capturable(None) and capturable(RandomHorizontalFlip()) and capturable(CenterCrop(4))
+    assert capturable(Compose([RandomCrop(8, padding=2), RandomHorizontalFlip()]))
+    assert not capturable(Synced(8)) and not capturable(Normalize())
+    assert not capturable(Compose([RandomResizedCrop(8), Compose([Synced(8)])]))
+    assert CUDAPrefetcher([], device="cpu")._graphed is None  # graphs are a GPU matter
+    if torch.cuda.is_available():
+        assert CUDAPrefetcher([], device="cuda")._graphed is not None
+        assert CUDAPrefetcher([], device="cuda", transforms=Synced(8))._graphed is None
+        assert CUDAPrefetcher([], device="cuda", cuda_graphs=False)._graphed is None
+        monkeypatch.setenv("FASTDATA_CUDA_GRAPHS", "0")
+        assert CUDAPrefetcher([], device="cuda")._graphed is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graphed_conversion_is_bit_equal_to_the_eager_one(indexed_datasets, dtype):
+    """NOTE [graphed convert]: after the warm-up, every batch shape (full and the last partial one) is replayed
+    from a graph, and each replay gives exactly the eager conversion's values with its own batch's draws; batches
+    held past the next one are not overwritten by later replays."""
+    from fastdata.gpu_transforms import CenterCrop, RandomCrop
+
+    ds = FastDataset(indexed_datasets["npy"])
+    for aug in (Compose([RandomResizedCrop(8), RandomHorizontalFlip()]),
+                Compose([RandomCrop(8, padding=2), RandomHorizontalFlip()]), CenterCrop(6), None):
+        runs = {}
+        for graphs in (True, False):
+            pf = CUDAPrefetcher(FastLoader(ds, 16, shuffle=False), device="cuda", dtype=dtype, transforms=aug,
+                                cuda_graphs=graphs, depth=2)
+            kept = []
+            for epoch in range(4):
+                pf.set_epoch(epoch)
+                kept += [x for x, _ in pf]  # every batch kept: a replay must never write into one handed out
+            runs[graphs] = (kept, pf._graphed)
+        (graphed, g), (eager, _) = runs[True], runs[False]
+        torch.cuda.synchronize()
+        assert len(g.graphs) == 2 and not g.failed, aug  # 16 and the last shard's 4: both captured
+        assert all(x.is_contiguous(memory_format=torch.channels_last) and x.dtype == dtype for x in graphed)
+        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)) and len(graphed) == len(eager), aug
+        if aug is not None and not isinstance(aug, CenterCrop):  # each replay drew its own numbers
+            assert not torch.equal(graphed[-7], graphed[-14])  # the same samples in epochs 3 and 2
+
+
+@pytest.mark.cuda
+def test_a_graphed_batch_costs_the_training_thread_a_few_ops():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastdata.crops import Draws
+
+    ops: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randint(0, 256, (32, 40, 48, 3), dtype=torch.uint8, device="cuda")
+    pf = CUDAPrefetcher([], device="cuda", dtype=torch.bfloat16,
+                        transforms=Compose([RandomResizedCrop(24), RandomHorizontalFlip()]))
+    eager = CUDAPrefetcher([], device="cuda", dtype=torch.bfloat16, cuda_graphs=False, transforms=pf.transforms)
+    for k in range(3):
+        pf.convert(x, Draws(k))
+    with Count():
+        out = pf.convert(x, Draws(3))
+    graphed_ops, ops[:] = list(ops), []
+    with Count():
+        want = eager.convert(x, Draws(3))
+    assert torch.equal(out, want) and len(pf._graphed.graphs) == 1
+    assert len(graphed_ops) <= 4 < 100 <= len(ops), (graphed_ops, len(ops))  # copy in, key, cast out
+
+
+FAILED_CAPTURE = """
+import warnings, torch
+from fastdata.crops import Draws
+from fastdata.cuda_graphs import GraphedConvert
+
+def syncing(x, draws):  # .item() cannot be captured
+    return x.float() * float(draws.rand(1, device=x.device).sum().item())
+
+graphed = GraphedConvert(syncing)
+x = torch.randint(0, 256, (4, 6, 6, 3), dtype=torch.uint8, device="cuda")
+side = torch.cuda.Stream()
+with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(side):
+    warnings.simplefilter("always")
+    outs = [graphed(x, Draws(k)) for k in range(5)]
+    assert torch.cuda.current_stream() == side  # the caller's stream is current again
+assert [str(w.message).count("could not capture") for w in caught] == [1], [str(w.message) for w in caught]
+assert graphed.failed and not graphed.graphs
+assert all(torch.equal(o, syncing(x, Draws(k))) for k, o in enumerate(outs))
+y = torch.randn(256, 256, device="cuda")
+assert torch.allclose(y @ y, (y.double() @ y.double()).float(), atol=1e-2)  # the device still works
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+def test_a_failed_capture_leaves_the_eager_path_with_a_warning():
+    """Run in a process of its own: whatever a failed capture leaves in torch's allocator stays there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
