@@ -10,7 +10,9 @@ data stall %, beside the same model on synthetic data already on the GPU (the ce
 host RSS over --memory-iters DALILoader batches (DALI's users report growth). The DataLoader + Pillow
 recipe's stall is bench_gpu.py's. Also what DALILoader's feed costs the thread that runs the training step
 (DALI pulls each batch's bytes and crop boxes there): ms a training batch, beside the same feed with the
-records copied out of LMDB, as it was before 2026-11-25.
+records copied out of LMDB, as it was before 2026-11-25. On a GPU the training rows are also given with
+every JPEG sent to the hardware JPEG decoder (``hw_decoder_load=1``; DALI's default sends 65%, and decodes
+the rest with CUDA kernels beside the model).
 
     python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto] [--json out.json]
 """
@@ -149,10 +151,14 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     feeds = {
         "dali": lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=cores,
                                    device=device),
+        **({"dali_hw": lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype,
+                                          num_threads=cores, device=device, hw_decoder_load=1.0)}
+           if device == "cuda" else {}),
         "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"), b,
                                                       num_threads=cores), device, dtype=dtype),
     }
     names = {"dali": "DALI (nvJPEG mixed decode, crops in the decoder)" if device == "cuda" else "DALI (CPU)",
+             "dali_hw": "DALI as above, every JPEG to the hardware decoder (hw_decoder_load=1)",
              "fastdata": f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"}
     out: dict[str, Any] = {}
     gpu = torch.cuda.get_device_name() if device == "cuda" else device

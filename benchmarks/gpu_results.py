@@ -57,6 +57,7 @@ def main() -> None:
         "cifar_h2d_copies_per_step": gpu["cifar"]["h2d_per_step"],
         "dali_images_per_s": dali["dali_images_per_s"],
         "dali_stall_pct_resnet50_224": dali["dali_stall_pct_resnet50_224"],
+        **{k: dali[k] for k in ("dali_hw_images_per_s", "dali_hw_stall_pct_resnet50_224") if k in dali},
         "memory_prefetcher": gpu["memory_prefetcher"], "memory_dali": memory.get("dali_memory"),
         "note": args.note,
         "raw": {"tests": tests["tests"], "bench_gpu": gpu, "bench_dali": dali,

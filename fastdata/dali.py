@@ -59,7 +59,8 @@ class DALILoader(SamplerBacked):
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
                  num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, prefetch: int = 2) -> None:
+                 world_size: Optional[int] = None, prefetch: int = 2,
+                 hw_decoder_load: Optional[float] = None) -> None:
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
         if "fields" in self.manifest:
@@ -72,6 +73,10 @@ class DALILoader(SamplerBacked):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an integer >= 1, got prefetch={prefetch!r}")
+        if hw_decoder_load is not None and not 0.0 <= hw_decoder_load <= 1.0:
+            raise ConfigError(f"hw_decoder_load must be in [0, 1] (the share of JPEGs for the GPU's hardware decoder), "
+                              f"got hw_decoder_load={hw_decoder_load!r}")
+        self.hw_decoder_load = hw_decoder_load
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
         self.device = torch.device(device)
@@ -120,6 +125,9 @@ class DALILoader(SamplerBacked):
         pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
                              device_id=self.device.index or 0 if gpu else None, seed=self.seed,
                              prefetch_queue_depth=self.prefetch)
+        # hw_decoder_load: the share of a batch's JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs
+        # (DALI's default, 0.65, where None); the rest are decoded by CUDA kernels, on the SMs the model uses
+        hw = {"hw_decoder_load": self.hw_decoder_load} if gpu and self.hw_decoder_load is not None else {}
         with pipe:
             decoder = "mixed" if gpu else "cpu"
             if self.train:  # boxes and flips drawn on the host (see _crops): exact on resume
@@ -127,12 +135,12 @@ class DALILoader(SamplerBacked):
                     source=self._next_batch, num_outputs=4, batch=True,
                     dtype=[types.UINT8, types.INT32, types.INT32, types.INT32])
                 images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder, output_type=types.RGB,
-                                                 axis_names="WH")  # integer anchor/shape: absolute pixels
+                                                 axis_names="WH", **hw)  # integer anchor/shape: absolute pixels
                 images = fn.resize(images, resize_x=self.size, resize_y=self.size)
             else:
                 (jpegs,) = fn.external_source(source=self._next_batch, num_outputs=1, batch=True,
                                               dtype=[types.UINT8])
-                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **hw)
                 images = fn.resize(images, resize_shorter=self.size)
                 mirror = 0
             out = fn.crop_mirror_normalize(images, crop=(self.size, self.size), mirror=mirror, dtype=out_type,

@@ -182,7 +182,10 @@ class CUDAPrefetcher:
         return self.normalize.float32(x)  # written channels_last by Normalize itself
 
     def _image(self, t: torch.Tensor, generator: Rng) -> torch.Tensor:
-        if self._graphed is not None and t.is_cuda and (generator is None or isinstance(generator, Draws)):
+        """An image batch converted, replayed from a CUDA graph where it can be (NOTE [graphed convert])."""
+        # draws from a Draws stream only (a torch.Generator, or torch's global one, is another matter in a graph)
+        keyed = isinstance(generator, Draws) or (generator is None and self.transforms is None)
+        if self._graphed is not None and t.is_cuda and keyed:
             return self.normalize.cast(self._graphed(t, generator), copy=True)  # never the graph's own buffer
         return self.normalize.cast(self._image_float32(t, generator))
 

@@ -185,6 +185,8 @@ def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(inde
     assert [ids(x)[0] for x, _ in dl][:2] == [0, 1]  # then a new epoch
     with pytest.raises(ConfigError, match="prefetch"):
         loader(root, prefetch=0)
+    with pytest.raises(ConfigError, match="hw_decoder_load"):
+        loader(root, hw_decoder_load=1.5)
 
 
 def test_without_dali_the_error_names_the_extra():
@@ -208,8 +210,9 @@ def test_fastdata_train_backend_dali(indexed_datasets, tmp_path):
 @pytest.mark.cuda
 def test_gpu_decode_matches_cpu_decode(indexed_datasets):
     cpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"])])
-    gpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"], device="cuda")])
-    assert gpu.is_cuda and float((gpu.cpu() - cpu).abs().mean()) < 0.02
+    for hw in (None, 1.0, 0.0):  # DALI's default share, all JPEGs, none for the hardware decoder
+        gpu = torch.cat([x for x, _ in loader(indexed_datasets["lmdb"], device="cuda", hw_decoder_load=hw)])
+        assert gpu.is_cuda and float((gpu.cpu() - cpu).abs().mean()) < 0.02, hw
 
 
 @pytest.mark.cuda
