@@ -2,12 +2,15 @@
 # Prepare the packages the GPU checks need on a machine with no package registry (the `device` machine:
 # Python 3.12, torch with CUDA 13, no DALI, no lmdb), in parts small enough for one transfer each:
 #   .whl/small    the wheels the CPU JPEG path and the LMDB format need (lmdb, simplejpeg, turbojpeg): 1.5 MB
-#   .whl/p0 ...   DALI and its needs, and numba, unpacked here into one site folder (other Pythons' extension modules
+#   .whl/p0 ...   DALI and its needs, unpacked here into one site folder (other Pythons' extension modules
 #                 dropped) and sent as an xz tarball cut into pieces: 280 MB of wheels become 3 parts of 61 MiB
+#   .whl/n0       numba and llvmlite, the same way, in a tarball of their own (one part): only jpeg-bench
+#                 needs them (the compiled decode loop, NOTE [nogil loop]), so they cost no DALI call a part
 #   bash scripts/device_wheels.sh
 # Carry `.whl/small` and one part per call (`carry: [".whl/small", ".whl/pK"]`, command
 # `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), one call right after the other (the machine goes back after
 # 30 s idle, and /tmp with it); then `bash scripts/gpu_checks.sh install` there (see scripts/gpu_checks.sh).
+# `.whl/n0` is carried the same way, before `install`, when jpeg-bench is to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON_VERSION:-3.12}
@@ -19,9 +22,14 @@ get() {  # wheels for the device's Python and platform
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 "$@" 2>&1 | grep -v "is ignored" || true
 }
-rm -rf .whl && mkdir -p .whl/small .whl/all
+rm -rf .whl && mkdir -p .whl/small .whl/all .whl/numba .whl/n0
 get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
-get -d .whl/all "$DALI" numba  # numba: the compiled JPEG decode loop (NOTE [nogil loop]) for jpeg-bench
+get -d .whl/all "$DALI"
+get --no-deps -d .whl/numba numba llvmlite  # the compiled JPEG decode loop, for jpeg-bench
+for w in .whl/numba/*.whl; do unzip -q -o "$w" -d .whl/numba/site; done
+rm -rf .whl/numba/site/*.data
+tar -C .whl/numba/site -cf - . | xz -9 -T0 > .whl/n0/numba.tar.xz
+rm -rf .whl/numba
 # The device image has these already: a second copy on the path would shadow its own.
 rm -f .whl/all/{numpy,packaging,pyyaml,six,typing_extensions,wheel}-*.whl
 site=.whl/site && mkdir -p "$site"
@@ -35,4 +43,4 @@ split -b "$PART" -d -a 2 .whl/site.tar.xz .whl/site.tar.xz.part-
 k=0
 for piece in .whl/site.tar.xz.part-*; do mkdir -p ".whl/p$k"; mv "$piece" ".whl/p$k/"; k=$((k + 1)); done
 rm -rf .whl/all "$site" .whl/site.tar.xz
-du -sh .whl/small .whl/p*
+du -sh .whl/small .whl/p* .whl/n0

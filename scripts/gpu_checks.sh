@@ -2,7 +2,8 @@
 # The GPU acceptance (issue 15), run on the `device` machine from the repository root; see
 # scripts/device_wheels.sh for getting lmdb, simplejpeg, turbojpeg and DALI there. Results go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_checks.sh small       # install .whl/small (lmdb, simplejpeg, turbojpeg): enough for all but DALI
-#   bash scripts/gpu_checks.sh install     # reassemble /tmp/dw/site.tar.xz.part-NN into /tmp/site (DALI and its needs)
+#   bash scripts/gpu_checks.sh install     # reassemble /tmp/dw/site.tar.xz.part-NN into /tmp/site (DALI and its needs),
+#                                          # and /tmp/dw/numba.tar.xz (numba, for jpeg-bench) where it was carried
 #   bash scripts/gpu_checks.sh tests       # the cuda-marked tests without DALI (junit XML in $OUT)
 #   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
 #   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes)
@@ -11,7 +12,7 @@
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
 #   bash scripts/gpu_checks.sh jpeg-bench  # bench_jpeg.py on the machine's cores (no GPU; issue 17's thread
 #                                          # scaling on a machine that is not a 2-vCPU VM; about 5 minutes;
-#                                          # after `install`, numba's compiled decode loop is measured too)
+#                                          # with numba installed (.whl/n0), the compiled decode loop too)
 # Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
 # benchmarks/results/gpu-YYYY-MM-DD.json.
 set -uo pipefail
@@ -34,9 +35,15 @@ small)
     ;;
 install)
     mkdir -p "$SITE"
-    cat /tmp/dw/site.tar.xz.part-* | xz -d | tar -C "$SITE" -xf - && rm -f /tmp/dw/site.tar.xz.part-*
-    $PY -c "import nvidia.dali, lmdb, simplejpeg, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
+    if [ -f /tmp/dw/numba.tar.xz ]; then
+        xz -d < /tmp/dw/numba.tar.xz | tar -C "$SITE" -xf - && rm -f /tmp/dw/numba.tar.xz
+        $PY -c "import numba; print('numba', numba.__version__)"
+    fi
+    if compgen -G "/tmp/dw/site.tar.xz.part-*" > /dev/null; then
+        cat /tmp/dw/site.tar.xz.part-* | xz -d | tar -C "$SITE" -xf - && rm -f /tmp/dw/site.tar.xz.part-*
+        $PY -c "import nvidia.dali, lmdb, simplejpeg, torch; print('dali', nvidia.dali.__version__, 'torch', torch.__version__,
 torch.cuda.get_device_name())"
+    fi
     ;;
 tests)
     pytest_run cuda-tests "cuda and not dali" tests

@@ -174,6 +174,7 @@ def test_h2d_copy_overlaps_compute_on_the_side_stream(tmp_path):
     batches = [(torch.randint(0, 256, (128, 224, 224, 3), dtype=torch.uint8).pin_memory(),
                 torch.zeros(128, dtype=torch.long)) for _ in range(6)]
     pf = CUDAPrefetcher(batches, device="cuda", dtype=torch.bfloat16)
+    list(pf)  # the conversion captured in its CUDA graph before the profiler starts (NOTE [graphed convert])
     a = torch.randn(4096, 4096, device="cuda")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
