@@ -209,6 +209,9 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
         loader = make()
         train(model, loader, batch, max(2, steps // 5), device)  # warm-up: cudnn autotuning, workers
         rows[name] = train(model, loader, batch, steps, device)
+        graphed = getattr(loader, "_graphed", None)
+        if graphed is not None:  # whether the rows with graphs really replayed them (NOTE [graphed convert])
+            rows[name].update(cuda_graphs=len(graphed.graphs), cuda_graph_failed=graphed.failed)
         del loader
     return rows
 
@@ -376,6 +379,8 @@ def main() -> None:
             print(f"{model_name}@{crop}, batch {batch}, bf16, channels_last (data stall: the Trainer's own):")
             for name, r in rows.items():
                 stall = f"  data stall {r['data_stall_pct']:5.1f}%" if "data_stall_pct" in r else ""
+                if "cuda_graphs" in r:
+                    stall += f"  ({r['cuda_graphs']} CUDA graphs{', capture failed' if r['cuda_graph_failed'] else ''})"
                 print(f"  {name:<66} {r['images_per_s']:>9,.0f} images/s {r['images_per_s'] / ceiling:>6.1%}"
                       f" of the ceiling{stall}")
             fast = rows["fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)"]
