@@ -148,12 +148,14 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     preprocess_images(ImagePreprocessConfig(src=scratch / "train-jpeg", out=scratch / "train", size=256,
                                             format="lmdb", progress=False))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
+
+    def dali(**kw: Any) -> DALILoader:
+        return DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=cores, device=device,
+                          **kw)
+
     feeds = {
-        "dali": lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=cores,
-                                   device=device),
-        **({"dali_hw": lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype,
-                                          num_threads=cores, device=device, hw_decoder_load=1.0)}
-           if device == "cuda" else {}),
+        "dali": dali,
+        **({"dali_hw": lambda: dali(hw_decoder_load=1.0)} if device == "cuda" else {}),
         "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"), b,
                                                       num_threads=cores), device, dtype=dtype),
     }

@@ -187,11 +187,14 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
                                                                         seconds)}}
     aug = Compose([RandomResizedCrop(crop), RandomHorizontalFlip()])
     ds = in_shm(root)
+
+    def fastdata(threads: int = min(8, cores), cuda_graphs: bool = True) -> CUDAPrefetcher:
+        return CUDAPrefetcher(FastLoader(ds, batch, num_threads=threads), device=device, dtype=torch.bfloat16,
+                              transforms=aug, cuda_graphs=cuda_graphs)
+
     feeds = {
-        "fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)": lambda: CUDAPrefetcher(
-            FastLoader(ds, batch, num_threads=min(8, cores)), device=device, dtype=torch.bfloat16, transforms=aug),
-        EAGER: lambda: CUDAPrefetcher(FastLoader(ds, batch, num_threads=min(8, cores)), device=device,
-                                      dtype=torch.bfloat16, transforms=aug, cuda_graphs=False),
+        "fastdata: npy in shm + CUDAPrefetcher (crop + flip on the GPU)": fastdata,
+        EAGER: lambda: fastdata(cuda_graphs=False),
         f"DataLoader + Pillow + .to(device) ({cores} workers)": lambda: torch.utils.data.DataLoader(
             PlainFolder(files, labels, crop), batch, shuffle=True, num_workers=cores,
             pin_memory=device == "cuda", persistent_workers=True, drop_last=True),
@@ -202,8 +205,7 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
     feeds = {"Trainer on batches already on the GPU (the loop's own ceiling)": lambda: resident, **feeds}
     if model_name in ("resnet18", "cnn-small"):  # the fastest model: how the loader's threads share the host with the loop
         for threads in (2, 4):
-            feeds[f"fastdata as above, {threads} loader threads"] = lambda threads=threads: CUDAPrefetcher(
-                FastLoader(ds, batch, num_threads=threads), device=device, dtype=torch.bfloat16, transforms=aug)
+            feeds[f"fastdata as above, {threads} loader threads"] = lambda threads=threads: fastdata(threads)
     for name, make in feeds.items():
         model = create_model(model_name, num_classes=classes)
         loader = make()

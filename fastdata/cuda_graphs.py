@@ -103,7 +103,8 @@ class GraphedConvert:
     def _capture(self, image: torch.Tensor, draws: Optional[Draws]) -> Optional[_Graph]:
         static = torch.empty_strided(image.shape, image.stride(), dtype=image.dtype, device=image.device)
         key = torch.zeros((), dtype=torch.int64, device=image.device)
-        keyed = None if draws is None else Draws.keyed(key, draws.used)
+        start = None if draws is None else draws.used
+        keyed = None if start is None else Draws.keyed(key, start)
         graph = torch.cuda.CUDAGraph()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=image.device)
@@ -120,5 +121,4 @@ class GraphedConvert:
                           f"{e}); it converts batches eagerly instead (the same values, more host time a batch). "
                           f"Set {ENV}=0 to skip the attempt.", RuntimeWarning, stacklevel=3)
             return None
-        used = 0 if keyed is None or draws is None else keyed.used - draws.used
-        return _Graph(graph, static, key, out, used)
+        return _Graph(graph, static, key, out, 0 if keyed is None else keyed.used - start)

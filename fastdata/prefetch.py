@@ -5,8 +5,8 @@ FastLoader's ring buffers already are, others are pinned first) are copied with 
 (views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks
 the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the permute of NHWC is
 channels_last: no copy), the transforms run and :class:`Normalize` casts and normalises (a multiply
-that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second event marks the batch ready. The consumer's stream waits on that
-event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used there, so
+that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second
+event marks the batch ready. The consumer's stream waits on that event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used there, so
 it never hands their memory to another tensor too early. A FastLoader buffer is released only after its
 copy event completed (polled with ``query()``; a targeted ``event.synchronize()`` only when the loader
 would otherwise run out of buffers). ``depth`` batches are in flight while the model computes on the
@@ -21,8 +21,7 @@ import torch
 
 from .errors import ConfigError
 from .crops import Draws, batch_seed
-from .cuda_graphs import GraphedConvert, capturable
-from .cuda_graphs import enabled as cuda_graph_use
+from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
 from .distributed import dist_rank_world
 
@@ -122,7 +121,7 @@ class CUDAPrefetcher:
         self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
                                    memory_format=torch.channels_last)
         self.transforms, self.depth, self.seed = transforms, depth, seed
-        graphed = self.device.type == "cuda" and cuda_graphs and cuda_graph_use() and capturable(transforms)
+        graphed = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled() and capturable(transforms)
         self._graphed = GraphedConvert(self._image_float32) if graphed else None  # NOTE [graphed convert]
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
