@@ -49,7 +49,8 @@ from bench_train import PlainFolder  # noqa: E402  (the plain recipe: Pillow, fl
 
 EAGER = "fastdata as above, eager conversion (cuda_graphs=False)"  # NOTE [graphed convert]
 # (model, stored side, crop, batch, stall target %)
-RUNS = (("resnet50", 256, 224, 256, 1.0), ("resnet18", 128, 112, 512, 5.0))
+RUNS = (("resnet18", 128, 112, 512, 5.0), ("resnet50", 256, 224, 256, 1.0))  # the tighter target first
+PARTS = ("h2d", "stalls", "gather", "cifar", "memory")
 
 
 def replicated(files: list[Path], root: Path, repeat: int) -> list[Path]:
@@ -319,7 +320,12 @@ def main() -> None:
     ap.add_argument("--cifar", type=int, default=50_000, help="samples of the storage='cuda' epoch")
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--smoke", action="store_true", help="every path on the CPU, small: checks the script")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} "
+                    "(a short GPU lease measures what changed)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        ap.error(f"--parts takes {','.join(PARTS)}, not {','.join(sorted(parts - set(PARTS)))}")
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark measures GPU feeding and has nothing to measure here")
@@ -345,8 +351,8 @@ def main() -> None:
             trees[side] = replicated(distinct, scratch / f"jpeg{side}", repeat)
             preprocess_images(ImagePreprocessConfig(src=scratch / f"jpeg{side}", out=scratch / f"s{side}",
                                                     size=side, progress=False))
-        batch0 = RUNS[0][3]
-        if device == "cuda":
+        batch0 = next(b for _, side, _, b, _ in RUNS if side == 256)  # ResNet-50's batches of the 256 px set
+        if device == "cuda" and "h2d" in parts:
             bw = h2d(batch0 * 256 * 256 * 3, args.seconds)
             rows = {}
             ds = in_shm(scratch / "s256")
@@ -370,7 +376,7 @@ def main() -> None:
             out["epoch_start_ms"] = epoch_start_ms(ds, batch0, best)
             print(f"  an epoch's first batch on the GPU: {out['epoch_start_ms']:.1f} ms after iter()")
             save()
-        for name0, side, crop, batch, target in RUNS:
+        for name0, side, crop, batch, target in RUNS if "stalls" in parts else ():
             model_name, batch = ("cnn-small", 16) if args.smoke else (name0, batch)
             key = f"{name0}_{crop}"
             files = trees[side]
@@ -393,14 +399,14 @@ def main() -> None:
             out[f"rows_{key}"] = rows
             print(f"  target: fastdata's stall <= {target:.0f}%")
             save()
-        if device == "cuda":
+        if device == "cuda" and "gather" in parts:
             g = gather_ratio(scratch / "s256", batch0)
             out.update(g)
             print(f'storage="cuda": gather {g["gather_gbs"]:.0f} GB/s (read + written), GPU copy {g["copy_gbs"]:.0f}'
                   f' GB/s: {g["cuda_gather_ratio"]:.2f}x (target >= 0.5); through FastLoader {g["loader_gbs"]:.0f}'
                   f' GB/s')
             save()
-        if device == "cuda" or args.smoke:
+        if (device == "cuda" or args.smoke) and "cifar" in parts:
             n = args.cifar
             make_image_folder(scratch / "cifar-src", num_classes=10, per_class=n // 10, sizes=((32, 32),))
             preprocess_images(ImagePreprocessConfig(src=scratch / "cifar-src", out=scratch / "cifar", size=32,
@@ -412,6 +418,7 @@ def main() -> None:
                   f'{c["h2d_per_step"]:.3f} host-to-device copies and {c["host_syncs_per_step"]:.3f} host syncs a '
                   f'step ({c["h2d_copies"]} and {c["host_syncs"]} in {c["steps"]} steps)')
             save()
+        if (device == "cuda" or args.smoke) and "memory" in parts:
             pf = CUDAPrefetcher(FastLoader(in_shm(scratch / "s256"), 16 if args.smoke else batch0), device=device,
                                 dtype=torch.bfloat16, transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
             mem = memory_flat(pf, 200 if args.smoke else 1000, device)

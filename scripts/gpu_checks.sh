@@ -6,7 +6,8 @@
 #                                          # and /tmp/dw/numba.tar.xz (numba, for jpeg-bench) where it was carried
 #   bash scripts/gpu_checks.sh tests       # the cuda-marked tests without DALI (junit XML in $OUT)
 #   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
-#   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes)
+#   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes;
+#                                          # BENCH_PARTS=stalls for a subset, see bench_gpu.py --parts)
 #   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
 #   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
@@ -52,7 +53,7 @@ dali-tests)
     pytest_run dali-tests "dali" tests
     ;;
 bench)
-    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" --json "$OUT/bench_gpu.json" 2>&1 \
+    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" ${BENCH_PARTS:+--parts "$BENCH_PARTS"} --json "$OUT/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench_gpu.txt"
     ;;
 dali-bench)
