@@ -67,6 +67,15 @@ class _Graph:
     draws: int  # numbers one conversion draws
 
 
+def _release_default_generator(device: torch.device) -> None:
+    """Undo what a failed capture leaves in torch's default CUDA generator of ``device``: ``torch.cuda.graph``
+    marks its state as capturing, and only a capture that ends well clears the mark, so every later random op
+    on the device fails ("Offset increment outside graph capture encountered unexpectedly"; seen on an H200,
+    torch 2.11). A clone of the state (the same seed and offset, unmarked) takes its place."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
+
+
 class GraphedConvert:
     """``fn(image, draws)`` on CUDA tensors, replayed from a CUDA graph per input shape once that shape was
     converted eagerly ``WARMUP`` times (NOTE [graphed convert]). Returns ``fn``'s output or the graph's own
@@ -117,6 +126,7 @@ class GraphedConvert:
                 out = self.fn(static, keyed)
         except Exception as e:  # noqa: BLE001  (any capture failure: the eager path still works)
             self.failed = True
+            _release_default_generator(image.device)
             warnings.warn(f"CUDAPrefetcher could not capture its batch conversion in a CUDA graph ({type(e).__name__}: "
                           f"{e}); it converts batches eagerly instead (the same values, more host time a batch). "
                           f"Set {ENV}=0 to skip the attempt.", RuntimeWarning, stacklevel=3)
