@@ -155,12 +155,14 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
 
     feeds = {
         "dali": dali,
-        **({"dali_hw": lambda: dali(hw_decoder_load=1.0)} if device == "cuda" else {}),
+        **({"dali_hw": lambda: dali(hw_decoder_load=1.0), "dali_host_sync": lambda: dali(stream_outputs=False)}
+           if device == "cuda" else {}),
         "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"), b,
                                                       num_threads=cores), device, dtype=dtype),
     }
     names = {"dali": "DALI (nvJPEG mixed decode, crops in the decoder)" if device == "cuda" else "DALI (CPU)",
              "dali_hw": "DALI as above, every JPEG to the hardware decoder (hw_decoder_load=1)",
+             "dali_host_sync": "DALI as the first row, outputs synchronised with the host (stream_outputs=False)",
              "fastdata": f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"}
     out: dict[str, Any] = {}
     gpu = torch.cuda.get_device_name() if device == "cuda" else device
@@ -168,19 +170,19 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     for key, make in feeds.items():
         r = rate(lambda it=make(): it, args.seconds)
         out[f"{key}_images_per_s"] = r
-        print(f"  {names[key]:<62} {r:>8,.0f} images/s")
+        print(f"  {names[key]:<80} {r:>8,.0f} images/s")
     ceiling = model_ceiling("resnet50", 8, b, size, device, args.train_seconds)
     out["ceiling_resnet50_images_per_s"] = ceiling
     print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} "
           f"(data stall: the Trainer's own):")
-    print(f"  {'synthetic data on the GPU (ceiling)':<62} {ceiling:>8,.0f} images/s")
+    print(f"  {'synthetic data on the GPU (ceiling)':<80} {ceiling:>8,.0f} images/s")
     for key, make in feeds.items():
         model, loader = create_model("resnet50", num_classes=8), make()
         train(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
         r = train(model, loader, b, args.train_steps, device)
         out[f"{key}_train_images_per_s"] = r["images_per_s"]
         out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
-        print(f"  {names[key]:<62} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
+        print(f"  {names[key]:<80} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
               f"ceiling, data stall {r['data_stall_pct']:.1f}%")
     if args.memory_iters <= 0:
         return out

@@ -1,6 +1,6 @@
 """Merge what `scripts/gpu_checks.sh` wrote on the GPU machine into one committed record (issue 15).
 
-    python benchmarks/gpu_results.py OUT --tests A.xml B.xml --gpu bench_gpu.json --dali bench_dali.json \
+    python benchmarks/gpu_results.py OUT --tests A.xml B.xml --gpu bench_gpu.json [more.json] --dali bench_dali.json \
         [--dali-memory bench_dali.json] [--driver 580.159.04] [--note "..."]
 
 Writes OUT (``benchmarks/results/gpu-YYYY-MM-DD.json``): the acceptance keys first (device, cuda_tests,
@@ -33,13 +33,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--tests", type=Path, nargs="+", required=True)
-    ap.add_argument("--gpu", type=Path, required=True)
+    ap.add_argument("--gpu", type=Path, nargs="+", required=True,
+                    help="bench_gpu JSONs of one machine (runs of --parts subsets), merged in order")
     ap.add_argument("--dali", type=Path, required=True)
     ap.add_argument("--dali-memory", type=Path, help="a bench_dali JSON with the memory rows, if --dali has none")
     ap.add_argument("--driver", default=None)
     ap.add_argument("--note", default=None)
     args = ap.parse_args()
-    gpu, dali = json.loads(args.gpu.read_text()), json.loads(args.dali.read_text())
+    runs = [json.loads(path.read_text()) for path in args.gpu]
+    gpu: dict[str, Any] = {k: v for run in runs for k, v in run.items()}  # a later run's keys win
+    dali = json.loads(args.dali.read_text())
     memory = json.loads(args.dali_memory.read_text()) if args.dali_memory else dali
     tests = test_counts(args.tests)
     record = {
@@ -57,10 +60,11 @@ def main() -> None:
         "cifar_h2d_copies_per_step": gpu["cifar"]["h2d_per_step"],
         "dali_images_per_s": dali["dali_images_per_s"],
         "dali_stall_pct_resnet50_224": dali["dali_stall_pct_resnet50_224"],
-        **{k: dali[k] for k in ("dali_hw_images_per_s", "dali_hw_stall_pct_resnet50_224") if k in dali},
+        **{f"{feed}_{k}": dali[f"{feed}_{k}"] for feed in ("dali_hw", "dali_host_sync")
+           for k in ("images_per_s", "stall_pct_resnet50_224") if f"{feed}_{k}" in dali},
         "memory_prefetcher": gpu["memory_prefetcher"], "memory_dali": memory.get("dali_memory"),
         "note": args.note,
-        "raw": {"tests": tests["tests"], "bench_gpu": gpu, "bench_dali": dali,
+        "raw": {"tests": tests["tests"], "bench_gpu": runs if len(runs) > 1 else runs[0], "bench_dali": dali,
                 **({"bench_dali_memory": memory} if args.dali_memory else {})},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

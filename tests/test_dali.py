@@ -229,3 +229,21 @@ def test_gpu_training_batches_are_bf16_channels_last_and_exact_after_a_resume(in
     b.load_state_dict(a.state_dict())
     for got, (want, _) in zip(head + [x for x, _ in b], whole):
         assert torch.equal(got, want)  # nvJPEG decode and the host-drawn crops are deterministic
+    # NOTE [DALI outputs on the stream]: outputs bound to a busy consumer stream are copied only once DALI
+    # wrote them, and equal the host-synchronous ones
+    synced = [x for x, _ in loader(indexed_datasets["lmdb"], stream_outputs=False, **kw)]
+    streamed = []
+    for x, _ in loader(indexed_datasets["lmdb"], **kw):
+        streamed.append(x)
+        torch.cuda._sleep(20_000_000)  # the stream the next batch is bound to is busy for a while
+    assert len(streamed) == len(whole) and all(torch.equal(a, b) for a, b in zip(streamed, synced))
+
+
+def test_outputs_go_to_the_consumers_stream_with_dalis_default_executor():
+    """NOTE [DALI outputs on the stream]: which pipelines hand their outputs to a CUDA stream."""
+    import nvidia.dali as dali
+
+    from fastdata.dali import _stream_outputs
+
+    assert _stream_outputs(dali.Pipeline(batch_size=2, num_threads=1, device_id=None))  # the default executor
+    assert not _stream_outputs(dali.Pipeline(batch_size=2, num_threads=1, device_id=None, exec_dynamic=False))
