@@ -12,7 +12,9 @@ recipe's stall is bench_gpu.py's. Also what DALILoader's feed costs the thread t
 (DALI pulls each batch's bytes and crop boxes there): ms a training batch, beside the same feed with the
 records copied out of LMDB, as it was before 2026-11-25. On a GPU the training rows are also given with
 every JPEG sent to the hardware JPEG decoder (``hw_decoder_load=1``; DALI's default sends 65%, and decodes
-the rest with CUDA kernels beside the model).
+the rest with CUDA kernels beside the model) and with DALI's outputs synchronised with the host
+(``stream_outputs=False``), and a short profile of each DALI-fed run: host time in ``pipe.run``, kernel time
+on the model's stream and on DALI's.
 
     python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto] [--json out.json]
 """
@@ -57,6 +59,8 @@ def main() -> None:
     ap.add_argument("--train-seconds", type=float, default=20.0, help="seconds of the synthetic-data ceiling")
     ap.add_argument("--train-steps", type=int, default=60, help="measured Trainer steps per feed")
     ap.add_argument("--memory-iters", type=int, default=1000)
+    ap.add_argument("--profile-steps", type=int, default=12, help="profiled ResNet-50 steps per DALI feed: where "
+                    "its steps wait (0: none)")
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--smoke", action="store_true", help="the training rows on the CPU too: checks the script")
     args = ap.parse_args()
@@ -101,6 +105,47 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def where_it_waits(make: Any, batch: int, steps: int, device: str) -> dict[str, float]:
+    """A profiled run of ``steps`` ResNet-50 steps fed by ``make()``, after a warm-up: host ms a step inside
+    DALILoader's ``pipe.run`` and its feed (``record_function`` names in fastdata/dali.py), and on the device
+    the kernel ms a step on the stream that runs most (the model's) and on all others (DALI's), with how busy
+    the model's stream was over the window (its gaps are what the data stall measures)."""
+    from bench_gpu import train
+
+    model, loader = create_model("resnet50", num_classes=8), make()
+    train(model, loader, batch, max(2, steps // 3), device)  # warm-up: cudnn, DALI's pipeline
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=activities) as prof:
+            train(model, loader, batch, steps, device)
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    host = {name: sum(e["dur"] for e in events if e["name"] == name) / 1e3 / steps
+            for name in ("fastdata.dali.run", "fastdata.dali.feed")}
+    spans: dict[Any, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            spans.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+    total = {stream: sum(b - a for a, b in s) for stream, s in spans.items()}
+    model_stream = max(total, key=total.get, default=None)
+    busy, window = 0.0, 1e-9
+    if model_stream is not None:
+        merged: list[list[float]] = []
+        for a, b in sorted(spans[model_stream]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        busy, window = sum(b - a for a, b in merged), merged[-1][1] - merged[0][0]
+    return {"run_ms": host["fastdata.dali.run"], "feed_ms": host["fastdata.dali.feed"],
+            "model_kernel_ms": total.get(model_stream, 0.0) / 1e3 / steps,
+            "other_kernel_ms": sum(v for k, v in total.items() if k != model_stream) / 1e3 / steps,
+            "model_busy_pct": 100 * busy / window if model_stream is not None else 0.0}
 
 
 def feed_ms(loader: Any, epochs: int = 5) -> tuple[float, float]:
@@ -184,6 +229,17 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
         print(f"  {names[key]:<80} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
               f"ceiling, data stall {r['data_stall_pct']:.1f}%")
+    if args.profile_steps > 0:
+        print(f"where the DALI-fed steps wait ({args.profile_steps} profiled steps each; the profiler's own cost "
+              f"inflates host times):")
+        for key, make in feeds.items():
+            if key.startswith("dali"):
+                w = where_it_waits(make, b, args.profile_steps, device)
+                out[f"{key}_profile"] = w
+                print(f"  {names[key]}:\n    host in pipe.run {w['run_ms']:.1f} ms a step (the feed "
+                      f"{w['feed_ms']:.1f} ms of it); the model's stream busy {w['model_busy_pct']:.0f}% of the "
+                      f"window, its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
+                      f"{w['other_kernel_ms']:.1f} ms a step")
     if args.memory_iters <= 0:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)

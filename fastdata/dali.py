@@ -171,9 +171,10 @@ class DALILoader(SamplerBacked):
         consumer's current stream, which waits for them on the device: without a stream DALI blocks the
         training thread until the batch is decoded, so the host cannot queue the next step ahead of the GPU
         (NOTE [DALI outputs on the stream])."""
-        if self.stream_outputs and self.device.type == "cuda" and _stream_outputs(pipe):
-            return pipe.run(torch.cuda.current_stream(self.device))
-        return pipe.run()
+        with torch.profiler.record_function("fastdata.dali.run"):  # named in profiles (bench_dali.py)
+            if self.stream_outputs and self.device.type == "cuda" and _stream_outputs(pipe):
+                return pipe.run(torch.cuda.current_stream(self.device))
+            return pipe.run()
 
     def _to_torch(self, out: Any) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -225,6 +226,10 @@ class DALILoader(SamplerBacked):
 
     def _next_batch(self) -> tuple:
         """DALI's source: the next batch with at least one good JPEG (raises StopIteration at the epoch's end)."""
+        with torch.profiler.record_function("fastdata.dali.feed"):  # called by DALI inside pipe.run
+            return self._next_good_batch()
+
+    def _next_good_batch(self) -> tuple:
         assert self._feed is not None
         for k, position, rows, blobs, sizes, good in self._feed:
             if not good.any():
