@@ -2,7 +2,8 @@
 # The GPU acceptance (issue 15), run on the `device` machine from the repository root; see
 # scripts/device_wheels.sh for getting lmdb, simplejpeg, turbojpeg and DALI there. Results go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_checks.sh small       # install .whl/small (lmdb, simplejpeg, turbojpeg): enough for all but DALI
-#   bash scripts/gpu_checks.sh install     # reassemble /tmp/dw/site.tar.xz.part-NN into /tmp/site (DALI and its needs),
+#   bash scripts/gpu_checks.sh install     # reassemble /tmp/dw/site.tar.xz.part-NN into /tmp/site (DALI and its needs,
+#                                          # and .whl/small's wheels where carried with the last part),
 #                                          # and /tmp/dw/numba.tar.xz (numba, for jpeg-bench) where it was carried
 #   bash scripts/gpu_checks.sh tests       # the cuda-marked tests without DALI (junit XML in $OUT)
 #   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
@@ -36,6 +37,12 @@ small)
     ;;
 install)
     mkdir -p "$SITE"
+    if compgen -G ".whl/small/*.whl" > /dev/null; then  # carried with the last part: lmdb, simplejpeg, turbojpeg
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            .whl/small/*.whl 2>&1 | tail -3
+    else
+        echo "no .whl/small here: carry it with the last part (carry: [\".whl/small\", \".whl/pK\"]), or run 'small' first" >&2
+    fi
     if [ -f /tmp/dw/numba.tar.xz ]; then
         xz -d < /tmp/dw/numba.tar.xz | tar -C "$SITE" -xf - && rm -f /tmp/dw/numba.tar.xz
         $PY -c "import numba; print('numba', numba.__version__)"
