@@ -74,7 +74,11 @@ def _release_default_generator(device: torch.device) -> None:
     on the device fails ("Offset increment outside graph capture encountered unexpectedly"; seen on an H200,
     torch 2.11). A clone of the state (the same seed and offset, unmarked) takes its place."""
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    gen.graphsafe_set_state(gen.clone_state())
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except (AttributeError, RuntimeError) as exc:  # a torch without graph-safe generator states
+        warnings.warn(f"after a failed CUDA-graph capture, torch's CUDA generator could not be reset ({exc}): "
+                      f"random ops on {device} may fail; set {ENV}=0", RuntimeWarning, stacklevel=4)
 
 
 class GraphedConvert:

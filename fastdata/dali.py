@@ -113,6 +113,7 @@ class DALILoader(SamplerBacked):
         self._skipped: dict[int, None] = {}  # samples left out under on_error="skip", in the order found
         self._undecodable: set[int] = set()  # those among them that failed inside DALI: planned batches drop them
         self._pipe: Any = None
+        self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (batches pulled, rows) given to DALI, not yet out
 
@@ -164,6 +165,7 @@ class DALILoader(SamplerBacked):
                                            output_layout="HWC")
             pipe.set_outputs(out)
         pipe.build()
+        self._on_stream = gpu and self.stream_outputs and _stream_outputs(pipe)  # NOTE [DALI outputs on the stream]
         return pipe
 
     def _run(self, pipe: Any) -> tuple:
@@ -172,7 +174,7 @@ class DALILoader(SamplerBacked):
         training thread until the batch is decoded, so the host cannot queue the next step ahead of the GPU
         (NOTE [DALI outputs on the stream])."""
         with torch.profiler.record_function("fastdata.dali.run"):  # named in profiles (bench_dali.py)
-            if self.stream_outputs and self.device.type == "cuda" and _stream_outputs(pipe):
+            if self._on_stream:
                 return pipe.run(torch.cuda.current_stream(self.device))
             return pipe.run()
 
