@@ -107,15 +107,14 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def where_it_waits(make: Any, batch: int, steps: int, device: str) -> dict[str, float]:
-    """A profiled run of ``steps`` ResNet-50 steps fed by ``make()``, after a warm-up: host ms a step inside
-    DALILoader's ``pipe.run`` and its feed (``record_function`` names in fastdata/dali.py), and on the device
-    the kernel ms a step on the stream that runs most (the model's) and on all others (DALI's), with how busy
-    the model's stream was over the window (its gaps are what the data stall measures)."""
+def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
+    """A profiled run of ``steps`` more Trainer steps of ``model`` fed by ``loader`` (both warm: the row just
+    measured): host ms a step inside DALILoader's ``pipe.run`` and its feed (``record_function`` names in
+    fastdata/dali.py), and on the device the kernel ms a step on the stream that runs most (the model's) and
+    on all others (DALI's), with how busy the model's stream was over the window (its gaps are what the data
+    stall measures)."""
     from bench_gpu import train
 
-    model, loader = create_model("resnet50", num_classes=8), make()
-    train(model, loader, batch, max(2, steps // 3), device)  # warm-up: cudnn, DALI's pipeline
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -188,7 +187,8 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
     # an epoch longer than the measured steps (links to the same JPEGs): steady state, as real epochs
-    repeat = max(1, -(-(args.train_steps + max(2, args.train_steps // 5) + 2) * b // len(files)))
+    steps = args.train_steps + max(2, args.train_steps // 5) + args.profile_steps + 2  # warm-up, rows, profile
+    repeat = max(1, -(-steps * b // len(files)))
     replicated(files, scratch / "train-jpeg", repeat)
     preprocess_images(ImagePreprocessConfig(src=scratch / "train-jpeg", out=scratch / "train", size=256,
                                             format="lmdb", progress=False))
@@ -221,6 +221,7 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} "
           f"(data stall: the Trainer's own):")
     print(f"  {'synthetic data on the GPU (ceiling)':<80} {ceiling:>8,.0f} images/s")
+    profiled = []
     for key, make in feeds.items():
         model, loader = create_model("resnet50", num_classes=8), make()
         train(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
@@ -229,17 +230,18 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
         print(f"  {names[key]:<80} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
               f"ceiling, data stall {r['data_stall_pct']:.1f}%")
-    if args.profile_steps > 0:
-        print(f"where the DALI-fed steps wait ({args.profile_steps} profiled steps each; the profiler's own cost "
-              f"inflates host times):")
-        for key, make in feeds.items():
-            if key.startswith("dali"):
-                w = where_it_waits(make, b, args.profile_steps, device)
-                out[f"{key}_profile"] = w
-                print(f"  {names[key]}:\n    host in pipe.run {w['run_ms']:.1f} ms a step (the feed "
-                      f"{w['feed_ms']:.1f} ms of it); the model's stream busy {w['model_busy_pct']:.0f}% of the "
-                      f"window, its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
-                      f"{w['other_kernel_ms']:.1f} ms a step")
+        if args.profile_steps > 0 and key.startswith("dali"):  # the same model and loader, a few steps more
+            out[f"{key}_profile"] = where_it_waits(model, loader, b, args.profile_steps, device)
+            profiled.append(key)
+    if profiled:
+        print(f"where the DALI-fed steps wait ({args.profile_steps} profiled steps each, after each row's own; the "
+              f"profiler's own cost inflates host times):")
+        for key in profiled:
+            w = out[f"{key}_profile"]
+            print(f"  {names[key]}:\n    host in pipe.run {w['run_ms']:.1f} ms a step (the feed "
+                  f"{w['feed_ms']:.1f} ms of it); the model's stream busy {w['model_busy_pct']:.0f}% of the "
+                  f"window, its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
+                  f"{w['other_kernel_ms']:.1f} ms a step")
     if args.memory_iters <= 0:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)

@@ -6,10 +6,11 @@ FastLoader's ring buffers already are, others are pinned first) are copied with 
 the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the permute of NHWC is
 channels_last: no copy), the transforms run and :class:`Normalize` casts and normalises (a multiply
 that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second
-event marks the batch ready. The consumer's stream waits on that event (no host sync), and ``record_stream`` tells the caching allocator the outputs are used there, so
-it never hands their memory to another tensor too early. A FastLoader buffer is released only after its
-copy event completed (polled with ``query()``; a targeted ``event.synchronize()`` only when the loader
-would otherwise run out of buffers). ``depth`` batches are in flight while the model computes on the
+event marks the batch ready. The consumer's stream waits on that event (no host sync), and
+``record_stream`` tells the caching allocator the outputs are used there, so it never hands their memory
+to another tensor too early. A FastLoader buffer is released only after its copy event completed (polled
+with ``query()``; a targeted ``event.synchronize()`` only when the loader would otherwise run out of
+buffers). ``depth`` batches are in flight while the model computes on the
 current one. ``device="cpu"`` runs the same conversion synchronously.
 """
 from __future__ import annotations
