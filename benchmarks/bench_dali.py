@@ -61,6 +61,11 @@ def main() -> None:
     ap.add_argument("--memory-iters", type=int, default=1000)
     ap.add_argument("--profile-steps", type=int, default=12, help="profiled ResNet-50 steps per DALI feed: where "
                     "its steps wait (0: none)")
+    ap.add_argument("--dali-threads", default="4", help="DALI's CPU threads in the training rows, comma-separated: "
+                    "every DALI training row for each (the first as the main rows); 4 is DALILoader's default")
+    ap.add_argument("--feeds", default="", help="only these training rows, comma-separated (dali, dali_hw, dali_here, "
+                    "dali_host_sync, fastdata); all where empty")
+    ap.add_argument("--no-eval", action="store_true", help="skip the evaluation-transform rows (training rows only)")
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--smoke", action="store_true", help="the training rows on the CPU too: checks the script")
     args = ap.parse_args()
@@ -81,23 +86,12 @@ def main() -> None:
                                           device=device))
         print(f"DALILoader's feed on the training step's thread, batch {args.train_batch}: {feed:.2f} ms a batch; "
               f"with the records copied out of LMDB {copied:.2f} ms ({copied / feed:.2f}x)")
-        dali = DALILoader(scratch / "lmdb", 64, size=args.size, train=False, device=device, num_threads=cores)
-        native = FastLoader(FastDataset(scratch / "lmdb", size=args.size), 64, num_threads=cores)
-        labels = [0] * len(files)
-        plain = lambda: torch.utils.data.DataLoader(PillowFolder(files, labels, args.size), 64,  # noqa: E731
-                                                     shuffle=True, num_workers=cores)
-        rows = {f"DALI ({'mixed GPU' if device == 'cuda' else 'CPU'} decode)": rate(lambda: dali, args.seconds),
-                f"FastDataset LMDB CPU decode, {cores} threads": rate(lambda: native, args.seconds),
-                f"DataLoader + Pillow over the JPEG files, {cores} workers": rate(plain, args.seconds)}
-        for name, r in rows.items():
-            print(f"{name:<55} {r:>8,.0f} images/s")
-        base = list(rows.values())[2]
-        print(f"vs DataLoader + Pillow: DALI {list(rows.values())[0] / base:.2f}x, FastDataset CPU decode "
-              f"{list(rows.values())[1] / base:.2f}x")
         out = {"device": torch.cuda.get_device_name() if device == "cuda" else device,
                "dali": __import__("nvidia.dali", fromlist=["__version__"]).__version__, "torch": torch.__version__,
-               "cores": cores, "eval_images_per_s": rows, "dali_feed_ms_per_batch": feed,
+               "cores": cores, "dali_feed_ms_per_batch": feed,
                "dali_feed_ms_per_batch_copied": copied}
+        if not args.no_eval:
+            out["eval_images_per_s"] = eval_rates(scratch, files, args, device, cores)
         if device == "cuda" or args.smoke:
             out.update(training_rates(scratch, files, args, device))
             out["dali_stall_pct_resnet50_224"] = out.get(f"dali_stall_pct_resnet50_{args.size}")
@@ -105,6 +99,26 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def eval_rates(scratch: Path, files: list[Path], args: argparse.Namespace, device: str, cores: int) -> dict[str, float]:
+    """Evaluation transforms, batch 64: DALI, FastDataset's CPU decode and DataLoader + Pillow, images/s."""
+    from fastdata.dali import DALILoader
+
+    dali = DALILoader(scratch / "lmdb", 64, size=args.size, train=False, device=device, num_threads=cores)
+    native = FastLoader(FastDataset(scratch / "lmdb", size=args.size), 64, num_threads=cores)
+    labels = [0] * len(files)
+    plain = lambda: torch.utils.data.DataLoader(PillowFolder(files, labels, args.size), 64,  # noqa: E731
+                                                 shuffle=True, num_workers=cores)
+    rows = {f"DALI ({'mixed GPU' if device == 'cuda' else 'CPU'} decode)": rate(lambda: dali, args.seconds),
+            f"FastDataset LMDB CPU decode, {cores} threads": rate(lambda: native, args.seconds),
+            f"DataLoader + Pillow over the JPEG files, {cores} workers": rate(plain, args.seconds)}
+    for name, r in rows.items():
+        print(f"{name:<55} {r:>8,.0f} images/s")
+    base = list(rows.values())[2]
+    print(f"vs DataLoader + Pillow: DALI {list(rows.values())[0] / base:.2f}x, FastDataset CPU decode "
+          f"{list(rows.values())[1] / base:.2f}x")
+    return rows
 
 
 def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
@@ -125,7 +139,7 @@ def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, 
         prof.export_chrome_trace(str(trace))
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     host = {name: sum(e["dur"] for e in events if e["name"] == name) / 1e3 / steps
-            for name in ("fastdata.dali.run", "fastdata.dali.feed")}
+            for name in ("fastdata.dali.run", "fastdata.dali.feed", "fastdata.dali.wait")}
     spans: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cat") == "kernel":
@@ -142,6 +156,7 @@ def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, 
                 merged.append([a, b])
         busy, window = sum(b - a for a, b in merged), merged[-1][1] - merged[0][0]
     return {"run_ms": host["fastdata.dali.run"], "feed_ms": host["fastdata.dali.feed"],
+            "wait_ms": host["fastdata.dali.wait"],
             "model_kernel_ms": total.get(model_stream, 0.0) / 1e3 / steps,
             "other_kernel_ms": sum(v for k, v in total.items() if k != model_stream) / 1e3 / steps,
             "model_busy_pct": 100 * busy / window if model_stream is not None else 0.0}
@@ -194,21 +209,33 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
                                             format="lmdb", progress=False))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the model autocasts to bf16 on CUDA only
 
-    def dali(**kw: Any) -> DALILoader:
-        return DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=cores, device=device,
-                          **kw)
+    threads = [int(t) for t in args.dali_threads.split(",")]
 
-    feeds = {
-        "dali": dali,
-        **({"dali_hw": lambda: dali(hw_decoder_load=1.0), "dali_host_sync": lambda: dali(stream_outputs=False)}
-           if device == "cuda" else {}),
-        "fastdata": lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"), b,
-                                                      num_threads=cores), device, dtype=dtype),
-    }
-    names = {"dali": "DALI (nvJPEG mixed decode, crops in the decoder)" if device == "cuda" else "DALI (CPU)",
-             "dali_hw": "DALI as above, every JPEG to the hardware decoder (hw_decoder_load=1)",
-             "dali_host_sync": "DALI as the first row, outputs synchronised with the host (stream_outputs=False)",
-             "fastdata": f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"}
+    def dali(t: int, **kw: Any) -> Any:
+        return lambda: DALILoader(scratch / "train", b, size=size, train=True, dtype=dtype, num_threads=t,
+                                  device=device, **kw)
+
+    kind = "nvJPEG mixed decode, crops in the decoder" if device == "cuda" else "CPU"
+    feeds: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for i, t in enumerate(threads):  # the first thread count gives the main rows' keys; the others a suffix
+        sfx = "" if i == 0 else f"_t{t}"
+        feeds[f"dali{sfx}"], names[f"dali{sfx}"] = dali(t), f"DALI ({kind}, {t} CPU threads)"
+        if device == "cuda":
+            feeds[f"dali_hw{sfx}"] = dali(t, hw_decoder_load=1.0)
+            names[f"dali_hw{sfx}"] = f"DALI as above, {t} CPU threads, every JPEG to the hardware decoder"
+    if device == "cuda":
+        feeds["dali_here"] = dali(threads[0], run_ahead=False)
+        names["dali_here"] = f"DALI ({threads[0]} CPU threads), pipe.run on the training thread (run_ahead=False)"
+        feeds["dali_host_sync"] = dali(threads[0], run_ahead=False, stream_outputs=False)
+        names["dali_host_sync"] = (f"DALI ({threads[0]} CPU threads), as above, outputs synchronised with the host "
+                                   "(stream_outputs=False)")
+    feeds["fastdata"] = lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"),
+                                                          b, num_threads=cores), device, dtype=dtype)
+    names["fastdata"] = f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"
+    if args.feeds:
+        keep = set(args.feeds.split(","))
+        feeds = {k: v for k, v in feeds.items() if k.split("_t")[0] in keep}
     out: dict[str, Any] = {}
     gpu = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"training crops at {size}, batch {b}, no model, {gpu}:")
@@ -238,8 +265,10 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
               f"profiler's own cost inflates host times):")
         for key in profiled:
             w = out[f"{key}_profile"]
-            print(f"  {names[key]}:\n    host in pipe.run {w['run_ms']:.1f} ms a step (the feed "
-                  f"{w['feed_ms']:.1f} ms of it); the model's stream busy {w['model_busy_pct']:.0f}% of the "
+            host = (f"host in pipe.run {w['run_ms']:.1f} ms a step (the feed {w['feed_ms']:.1f} ms of it)"
+                    if w["run_ms"] > 0 else "pipe.run on the loader thread (the profiler sees the training "
+                    f"thread only), the training thread waiting for it {w['wait_ms']:.1f} ms a step")
+            print(f"  {names[key]}:\n    {host}; the model's stream busy {w['model_busy_pct']:.0f}% of the "
                   f"window, its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
                   f"{w['other_kernel_ms']:.1f} ms a step")
     if args.memory_iters <= 0:

@@ -28,10 +28,13 @@ device, the host goes on. Older DALIs keep the host-synchronous call.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import queue
+import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -75,7 +78,8 @@ class DALILoader(SamplerBacked):
                  num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, prefetch: int = 2,
-                 hw_decoder_load: Optional[float] = None, stream_outputs: bool = True) -> None:
+                 hw_decoder_load: Optional[float] = None, stream_outputs: bool = True,
+                 run_ahead: Optional[bool] = None) -> None:
         self.root = Path(path)
         self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
         if "fields" in self.manifest:
@@ -98,6 +102,8 @@ class DALILoader(SamplerBacked):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
+        # NOTE [DALI off the training thread]: on a GPU, pipe.run and the feed run on a loader thread
+        self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.reader = open_lmdb(self.root, self.manifest)
         self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
         self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
@@ -115,7 +121,9 @@ class DALILoader(SamplerBacked):
         self._pipe: Any = None
         self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
-        self._fed: deque[tuple[int, np.ndarray]] = deque()  # (batches pulled, rows) given to DALI, not yet out
+        self._ahead: Optional[_Ahead] = None  # the loader thread of the iteration under way (run_ahead)
+        self._iteration: object = None  # which iteration is under way
+        self._fed: deque[tuple[int, np.ndarray]] = deque()  # (served count, rows) given to DALI, not yet out
 
     # -- proxies --------------------------------------------------------------------------------------
     @property
@@ -202,8 +210,9 @@ class DALILoader(SamplerBacked):
         return np.stack([left, top], 1), np.stack([w, h], 1), flips[good].astype(np.int32)
 
     def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[memoryview], list[tuple[int, int]], np.ndarray]]:
-        """This epoch's batches from the sampler's position: (batches pulled so far, the batch's global position,
-        rows, the JPEG records as views valid until the next batch is planned, sizes, good mask). Only reads; the sampler advances when a batch reaches the consumer."""
+        """This epoch's batches from the sampler's position: (batches served once this one is handed out, its
+        global position, rows, the JPEG records as views valid until the next batch is planned, sizes, good
+        mask). Only reads; the sampler advances when a batch reaches the consumer."""
         s = self.sampler
         first = s.served
         for k, idx in enumerate(s.batches(), 1):
@@ -224,7 +233,7 @@ class DALILoader(SamplerBacked):
                     self._skip(bad)
                 if self._undecodable:
                     good &= ~np.isin(rows, list(self._undecodable))
-                yield k, s.batch_position(first + k - 1), rows, blobs, sizes, good
+                yield first + k, s.batch_position(first + k - 1), rows, blobs, sizes, good
 
     def _next_batch(self) -> tuple:
         """DALI's source: the next batch with at least one good JPEG (raises StopIteration at the epoch's end)."""
@@ -233,10 +242,10 @@ class DALILoader(SamplerBacked):
 
     def _next_good_batch(self) -> tuple:
         assert self._feed is not None
-        for k, position, rows, blobs, sizes, good in self._feed:
+        for served, position, rows, blobs, sizes, good in self._feed:
             if not good.any():
                 continue
-            self._fed.append((k, rows[good]))
+            self._fed.append((served, rows[good]))
             jpegs = [np.frombuffer(b, np.uint8) for b, g in zip(blobs, good) if g]
             if not self.train:
                 return (jpegs,)
@@ -264,40 +273,146 @@ class DALILoader(SamplerBacked):
         return bad
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._ahead is not None:  # an abandoned iteration's loader thread stops before anything is rebuilt
+            self._ahead.close()
+            self._ahead = None
         if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
             self._rebuild()
-        pipe, s, pulled = self._pipe, self.sampler, 0
-        self._feed, self._fed = self._plan(), deque()
+        s, token = self.sampler, object()
+        self._iteration = token
+        ahead = self._ahead = _Ahead(self) if self.run_ahead else None
         try:
-            while True:
-                try:
-                    (out,) = self._run(pipe)  # schedules the next batch, returns the oldest
-                except StopIteration:
-                    break
-                except RuntimeError as exc:  # DALI failed on the oldest batch and cannot go on
-                    rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
-                    bad = self._find_undecodable(rows) if self.on_error == "skip" else []
-                    if not bad:
-                        raise ImageDecodeError(
-                            f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
-                            f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
-                                                              " (on_error='skip' leaves out what the host cannot "
-                                                              "decode either)")) from exc
-                    self._skip(bad)  # leave them out and go on from this batch with a new pipeline
-                    self._undecodable.update(bad)
-                    pipe = None  # this reference too: the old pipeline goes before the new one is built
-                    pipe = self._rebuild()
-                    self._feed, self._fed, pulled = self._plan(), deque(), 0
-                    continue
-                k, rows = self._fed.popleft()
-                s.advance(k - pulled)  # the batches served, all-skipped ones included
-                pulled = k
-                y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
-                yield self._to_torch(out), y
+            for x, y, served in ahead if ahead is not None else self._produce(lambda: None):
+                s.advance(served - s.served)  # the batches served, all-skipped ones included
+                yield x, y
         except BaseException:
-            if self._pipe is pipe:  # a pipeline that raised (or was abandoned) is not reused
+            if self._iteration is token:  # a pipeline that raised (or was abandoned) is not reused
                 self._pipe = None
             raise
-        pipe.reset()
+        finally:
+            if ahead is not None:
+                ahead.close()
+                if self._ahead is ahead:
+                    self._ahead = None
         self._feed = None
         s.end_epoch()
+
+    def _produce(self, caught_up: Callable[[], None]) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This epoch's batches from the sampler's position as (images, labels, batches served once they are
+        handed out), on whichever thread runs it. After a decode error, ``caught_up()`` waits until the
+        consumer has taken every batch produced before it: the new plan starts at the sampler's position."""
+        pipe = self._pipe
+        self._feed, self._fed = self._plan(), deque()
+        while True:
+            try:
+                (out,) = self._run(pipe)  # schedules the next batch, returns the oldest
+            except StopIteration:
+                break
+            except RuntimeError as exc:  # DALI failed on the oldest batch and cannot go on
+                rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
+                bad = self._find_undecodable(rows) if self.on_error == "skip" else []
+                if not bad:
+                    raise ImageDecodeError(
+                        f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
+                        f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
+                                                          " (on_error='skip' leaves out what the host cannot "
+                                                          "decode either)")) from exc
+                self._skip(bad)  # leave them out and go on from this batch with a new pipeline
+                self._undecodable.update(bad)
+                caught_up()
+                pipe = None  # this reference too: the old pipeline goes before the new one is built
+                pipe = self._rebuild()
+                self._feed, self._fed = self._plan(), deque()
+                continue
+            served, rows = self._fed.popleft()
+            y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
+            yield self._to_torch(out), y, served
+        pipe.reset()
+
+
+class _Ahead:
+    """NOTE [DALI off the training thread]: ``pipe.run`` and the feed it calls (LMDB reads, JPEG headers,
+    crop draws) cost the thread that calls them 3-15 ms a batch of 256 (H200, 2026-11-26, bench_dali), time
+    the training thread needs to queue the model's kernels ahead of the GPU: ResNet-50 fed by DALI stalled
+    16-37% there whatever DALI's threads or hardware-decoder share, with the outputs bound to the consumer's
+    stream. So on a GPU a loader thread runs :meth:`DALILoader._produce` on a side stream and queues
+    ``depth`` batches, each with an event the consumer's stream waits for (no host sync); ``record_stream``
+    keeps the caching allocator from reusing a batch's memory before the consumer's kernels are done. The
+    sampler still advances on the consumer's thread, when a batch is handed out."""
+
+    _END = object()
+
+    def __init__(self, loader: "DALILoader", depth: int = 2) -> None:
+        self.loader = loader
+        self.cuda = loader.device.type == "cuda"
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.taken = threading.Condition()
+        self.produced = self.handed = 0
+        self.thread = threading.Thread(target=self._work, name="fastdata-dali", daemon=True)
+        self.thread.start()
+
+    def _caught_up(self) -> None:
+        with self.taken:
+            self.taken.wait_for(lambda: self.handed >= self.produced or self.stop.is_set())
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        loader = self.loader
+        try:
+            if self.cuda:
+                torch.cuda.set_device(loader.device)
+                stream = torch.cuda.Stream(loader.device)
+            with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+                for x, y, served in loader._produce(self._caught_up):
+                    done = None
+                    if self.cuda:
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    else:  # DALI's CPU outputs may be views of buffers it reuses once it runs on
+                        x = x.clone(memory_format=torch.channels_last)
+                    self.produced += 1
+                    if not self._put((x, y, served, done)):
+                        return
+            self._put(self._END)
+        except BaseException as exc:  # handed to the consumer, who raises it
+            self._put(exc)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        while True:
+            with torch.profiler.record_function("fastdata.dali.wait"):  # the consumer waiting (bench_dali.py)
+                item = self.queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            x, y, served, done = item
+            if done is not None:
+                current = torch.cuda.current_stream(self.loader.device)
+                current.wait_event(done)  # on the device: the host goes on
+                x.record_stream(current)
+                y.record_stream(current)
+            with self.taken:
+                self.handed += 1
+                self.taken.notify_all()
+            yield x, y, served
+
+    def close(self) -> None:
+        """Stop the loader thread (the consumer left the loop, or the epoch ended) and wait for it."""
+        self.stop.set()
+        with self.taken:
+            self.taken.notify_all()
+        while self.thread.is_alive():
+            try:
+                self.queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.thread.join()

@@ -22,6 +22,13 @@ def ids(x: torch.Tensor) -> list[int]:
     return sample_ids(torch.round(x.float().permute(0, 2, 3, 1) * 255).clamp(0, 255).to(torch.uint8)).tolist()
 
 
+@pytest.fixture(params=[False, True], ids=["here", "ahead"])
+def ahead(request):
+    """DALILoader's pipe.run on the consumer's thread, or on its loader thread (NOTE [DALI off the training
+    thread]; the default on a GPU): the same batches, order, state and error policy."""
+    return request.param
+
+
 def loader(path, **kw):
     from fastdata.dali import DALILoader
 
@@ -29,8 +36,8 @@ def loader(path, **kw):
     return DALILoader(path, kw.pop("batch_size", 16), **{k: v for k, v in args.items() if k != "batch_size"})
 
 
-def test_eval_shapes_values_and_every_sample_once(indexed_datasets):
-    dl = loader(indexed_datasets["lmdb"])
+def test_eval_shapes_values_and_every_sample_once(indexed_datasets, ahead):
+    dl = loader(indexed_datasets["lmdb"], run_ahead=ahead)
     batches = list(dl)
     assert len(dl) == len(batches) == 7 and [len(x) for x, _ in batches] == [16] * 6 + [4]
     x, y = batches[0]
@@ -41,22 +48,23 @@ def test_eval_shapes_values_and_every_sample_once(indexed_datasets):
     assert [int(v) for _, y in batches for v in y] == [i % 3 for i in seen]
 
 
-def test_same_batches_as_fastloader_for_the_same_seed_and_epoch(indexed_datasets):
+def test_same_batches_as_fastloader_for_the_same_seed_and_epoch(indexed_datasets, ahead):
     native = FastLoader(FastDataset(indexed_datasets["lmdb"]), 16, shuffle=True, seed=4, copy=True)
-    dali = loader(indexed_datasets["lmdb"], shuffle=True, seed=4)
+    dali = loader(indexed_datasets["lmdb"], shuffle=True, seed=4, run_ahead=ahead)
     for epoch in (0, 3):
         native.set_epoch(epoch)
         dali.set_epoch(epoch)
         assert [ids(x) for x, _ in dali] == [sample_ids(x).tolist() for x, _ in native]
 
 
-def test_two_ranks_and_resume(indexed_datasets):
-    per_rank = [[i for x, _ in loader(indexed_datasets["lmdb"], shuffle=True, rank=r, world_size=2) for i in ids(x)]
+def test_two_ranks_and_resume(indexed_datasets, ahead):
+    per_rank = [[i for x, _ in loader(indexed_datasets["lmdb"], shuffle=True, rank=r, world_size=2, run_ahead=ahead)
+                 for i in ids(x)]
                 for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) and sorted(per_rank[0] + per_rank[1]) == list(range(INDEXED_N))
     three = [[i for x, _ in loader(indexed_datasets["lmdb"], rank=r, world_size=3) for i in ids(x)] for r in range(3)]
     assert sorted(sum(three, [])) == list(range(INDEXED_N))  # evaluation on 3 ranks: 34 + 33 + 33, no repeats
-    a = loader(indexed_datasets["lmdb"], shuffle=True, seed=2)
+    a = loader(indexed_datasets["lmdb"], shuffle=True, seed=2, run_ahead=ahead)
     it = iter(a)
     first = [i for _ in range(3) for i in ids(next(it)[0])]
     b = loader(indexed_datasets["lmdb"], shuffle=True, seed=2)
@@ -71,12 +79,12 @@ def test_training_mode_augments_and_casts(indexed_datasets):
     assert x.shape == (16, 3, 6, 6) and x.dtype == torch.bfloat16 and y.shape == (16,)
 
 
-def test_training_crops_and_flips_are_exact_after_a_resume(photo_folder, tmp_path):
+def test_training_crops_and_flips_are_exact_after_a_resume(photo_folder, tmp_path, ahead):
     from fastdata.cli import main
 
     assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
                  "--workers", "1", "--quiet"]) == 0
-    kw = {"train": True, "shuffle": True, "seed": 5, "size": 24, "batch_size": 8}
+    kw = {"train": True, "shuffle": True, "seed": 5, "size": 24, "batch_size": 8, "run_ahead": ahead}
     whole = loader(tmp_path / "lm", **kw)
     whole.set_epoch(1)
     full = [x for x, _ in whole]
@@ -144,7 +152,7 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
     assert sorted(seen) == [i for i in range(INDEXED_N) if i != 5] and dl.skipped == [5]
 
 
-def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_path):
+def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_path, ahead):
     from fastdata.cli import main
     from fastdata.errors import ImageDecodeError
 
@@ -153,8 +161,9 @@ def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_pat
     inside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "huffman", 17, huffman=True)  # fails inside DALI
     outside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "zeroed", 17)  # caught on the host before DALI
     with pytest.raises(ImageDecodeError, match="on_error='skip'"):
-        list(loader(inside, batch_size=8))
-    kw = {"train": True, "shuffle": True, "seed": 1, "size": 16, "batch_size": 8, "on_error": "skip", "prefetch": 3}
+        list(loader(inside, batch_size=8, run_ahead=ahead))
+    kw = {"train": True, "shuffle": True, "seed": 1, "size": 16, "batch_size": 8, "on_error": "skip", "prefetch": 3,
+          "run_ahead": ahead}
     got, want = loader(inside, **kw), loader(outside, **kw)
     for epoch in (0, 1):
         got.set_epoch(epoch)
@@ -167,11 +176,11 @@ def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_pat
     assert got.skipped == want.skipped == [17]
 
 
-def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path):
+def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path, ahead):
     from fastdata.errors import ConfigError
 
     root = corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5)
-    dl = loader(root, batch_size=1, on_error="skip", prefetch=4)  # DALI pulls 4 batches ahead of the consumer
+    dl = loader(root, batch_size=1, on_error="skip", prefetch=4, run_ahead=ahead)  # DALI pulls 4 batches ahead
     it = iter(dl)
     head = [ids(next(it)[0])[0] for _ in range(6)]
     assert head == [0, 1, 2, 3, 4, 6] and dl.state_dict()["position"] == 7  # sample 5's batch was skipped
@@ -230,8 +239,11 @@ def test_gpu_training_batches_are_bf16_channels_last_and_exact_after_a_resume(in
     for got, (want, _) in zip(head + [x for x, _ in b], whole):
         assert torch.equal(got, want)  # nvJPEG decode and the host-drawn crops are deterministic
     # NOTE [DALI outputs on the stream]: outputs bound to a busy consumer stream are copied only once DALI
-    # wrote them, and equal the host-synchronous ones
-    synced = [x for x, _ in loader(indexed_datasets["lmdb"], stream_outputs=False, **kw)]
+    # wrote them, and equal the host-synchronous ones; NOTE [DALI off the training thread]: the loader
+    # thread's batches (the default on a GPU) equal those of pipe.run on this thread
+    synced = [x for x, _ in loader(indexed_datasets["lmdb"], stream_outputs=False, run_ahead=False, **kw)]
+    here = [x for x, _ in loader(indexed_datasets["lmdb"], run_ahead=False, **kw)]
+    assert len(here) == len(whole) and all(torch.equal(a, b) for a, b in zip(here, synced))
     streamed = []
     for x, _ in loader(indexed_datasets["lmdb"], **kw):
         streamed.append(x)
