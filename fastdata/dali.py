@@ -345,6 +345,8 @@ class _Ahead:
     def __init__(self, loader: "DALILoader", depth: int = 2) -> None:
         self.loader = loader
         self.cuda = loader.device.type == "cuda"
+        self.index = (loader.device.index if loader.device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else None  # read on the consumer's thread: a new thread starts on device 0
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.taken = threading.Condition()
@@ -369,8 +371,8 @@ class _Ahead:
         loader = self.loader
         try:
             if self.cuda:
-                torch.cuda.set_device(loader.device)
-                stream = torch.cuda.Stream(loader.device)
+                torch.cuda.set_device(self.index)
+                stream = torch.cuda.Stream(self.index)
             with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
                 for x, y, served in loader._produce(self._caught_up):
                     done = None
