@@ -139,14 +139,19 @@ def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, 
         prof.export_chrome_trace(str(trace))
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     host = {name: sum(e["dur"] for e in events if e["name"] == name) / 1e3 / steps
-            for name in ("fastdata.dali.run", "fastdata.dali.feed", "fastdata.dali.wait")}
+            for name in ("fastdata.dali.run", "fastdata.dali.feed", "fastdata.run_ahead.wait")}
+    syncs: dict[str, float] = {}  # CUDA runtime calls that wait for the device (any thread), ms a step
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and ("Synchronize" in e["name"] or e["name"] in (
+                "cudaFree", "cudaMalloc", "cudaFreeHost", "cudaHostAlloc", "cuMemFree_v2", "cuMemAlloc_v2")):
+            syncs[e["name"]] = syncs.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
     spans: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cat") == "kernel":
             spans.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
     total = {stream: sum(b - a for a, b in s) for stream, s in spans.items()}
     model_stream = max(total, key=total.get, default=None)
-    busy, window = 0.0, 1e-9
+    busy, window, restart = 0.0, 1e-9, 0.0
     if model_stream is not None:
         merged: list[list[float]] = []
         for a, b in sorted(spans[model_stream]):
@@ -155,11 +160,18 @@ def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, 
             else:
                 merged.append([a, b])
         busy, window = sum(b - a for a, b in merged), merged[-1][1] - merged[0][0]
+        gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+        restart = max(gaps, default=0.0)
+        if restart > 100e3:  # the profiled run's first batch (DALI's batches in flight run out, the queue filled)
+            window -= restart
+        else:
+            restart = 0.0
     return {"run_ms": host["fastdata.dali.run"], "feed_ms": host["fastdata.dali.feed"],
-            "wait_ms": host["fastdata.dali.wait"],
+            "wait_ms": host["fastdata.run_ahead.wait"],
             "model_kernel_ms": total.get(model_stream, 0.0) / 1e3 / steps,
             "other_kernel_ms": sum(v for k, v in total.items() if k != model_stream) / 1e3 / steps,
-            "model_busy_pct": 100 * busy / window if model_stream is not None else 0.0}
+            "model_busy_pct": 100 * busy / window if model_stream is not None else 0.0,
+            "restart_ms": restart / 1e3 if model_stream is not None else 0.0, "sync_ms": syncs}
 
 
 def feed_ms(loader: Any, epochs: int = 5) -> tuple[float, float]:
@@ -197,12 +209,13 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     and host RSS over ``--memory-iters`` DALI batches."""
     from fastdata.dali import DALILoader
 
-    from bench_gpu import ceiling as model_ceiling, memory_flat, replicated, train
+    from bench_gpu import ceiling as model_ceiling, memory_flat, replicated, train_steady
 
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1
     # an epoch longer than the measured steps (links to the same JPEGs): steady state, as real epochs
-    steps = args.train_steps + max(2, args.train_steps // 5) + args.profile_steps + 2  # warm-up, rows, profile
+    warm = max(2, args.train_steps // 5)  # steps logged apart: the Trainer's first interval
+    steps = args.train_steps + warm + args.profile_steps + 2  # warm-up, rows, profile
     repeat = max(1, -(-steps * b // len(files)))
     replicated(files, scratch / "train-jpeg", repeat)
     preprocess_images(ImagePreprocessConfig(src=scratch / "train-jpeg", out=scratch / "train", size=256,
@@ -245,18 +258,19 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         print(f"  {names[key]:<80} {r:>8,.0f} images/s")
     ceiling = model_ceiling("resnet50", 8, b, size, device, args.train_seconds)
     out["ceiling_resnet50_images_per_s"] = ceiling
-    print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} "
-          f"(data stall: the Trainer's own):")
+    print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} (data stall: the Trainer's own, over "
+          f"the {args.train_steps - args.train_steps % warm} steps after the first {warm} of one iteration):")
     print(f"  {'synthetic data on the GPU (ceiling)':<80} {ceiling:>8,.0f} images/s")
     profiled = []
     for key, make in feeds.items():
         model, loader = create_model("resnet50", num_classes=8), make()
-        train(model, loader, b, max(2, args.train_steps // 5), device)  # warm-up: cudnn, DALI's pipeline
-        r = train(model, loader, b, args.train_steps, device)
+        # the first `warm` steps (cudnn, DALI's pipeline build) apart; the stall of the steps after them
+        r = train_steady(model, loader, b, warm, args.train_steps, device)
         out[f"{key}_train_images_per_s"] = r["images_per_s"]
         out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
+        out[f"{key}_start_wait_s"] = r["start_wait_s"]
         print(f"  {names[key]:<80} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
-              f"ceiling, data stall {r['data_stall_pct']:.1f}%")
+              f"ceiling, data stall {r['data_stall_pct']:.1f}% (first {warm} steps waited {r['start_wait_s']:.2f} s)")
         if args.profile_steps > 0 and key.startswith("dali"):  # the same model and loader, a few steps more
             out[f"{key}_profile"] = where_it_waits(model, loader, b, args.profile_steps, device)
             profiled.append(key)
@@ -269,8 +283,10 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
                     if w["run_ms"] > 0 else "pipe.run on the loader thread (the profiler sees the training "
                     f"thread only), the training thread waiting for it {w['wait_ms']:.1f} ms a step")
             print(f"  {names[key]}:\n    {host}; the model's stream busy {w['model_busy_pct']:.0f}% of the "
-                  f"window, its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
+                  f"window (less a {w['restart_ms']:.0f} ms wait for the restarted iteration's first batch), its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
                   f"{w['other_kernel_ms']:.1f} ms a step")
+            waits = ", ".join(f"{k} {v:.1f}" for k, v in sorted(w["sync_ms"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            print(f"    calls that wait for the device, ms a step (all threads): {waits or 'none over 0.05 ms'}")
     if args.memory_iters <= 0:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)

@@ -171,6 +171,25 @@ def train(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: s
     return {"images_per_s": steps * batch / end["time_s"], "data_stall_pct": end["data_stall_pct"]}
 
 
+def train_steady(model: torch.nn.Module, loader: Any, batch: int, warm: int, steps: int,
+                 device: str) -> dict[str, float]:
+    """One iteration of ``warm + steps`` Trainer steps (bf16 on CUDA, channels_last), logged every ``warm``
+    steps: images/s and the Trainer's data stall % over the intervals after the first (steady state), and
+    the seconds the first interval waited (the loader's start: a pipeline's build, its first batches)."""
+    steps = max(warm, steps - steps % warm)
+    cfg = TrainConfig(max_steps=warm + steps, amp="bf16", lr=0.01, schedule="constant", device=device,
+                      progress=False, val_every=0, log_every=warm)
+    trainer = Trainer(model, loader, config=cfg)
+    logged = [r for r in trainer.fit() if r.get("event") == "train"]
+    trainer.close()
+    first, rest = logged[0], logged[1:]
+    seconds = [warm * batch / r["samples_per_s"] for r in rest]  # each interval's length
+    first_s = warm * batch / first["samples_per_s"]
+    return {"images_per_s": len(rest) * warm * batch / sum(seconds),
+            "data_stall_pct": sum(r["data_stall_pct"] * t for r, t in zip(rest, seconds)) / sum(seconds),
+            "start_wait_s": first["data_stall_pct"] / 100 * first_s}
+
+
 def ceiling(model_name: str, classes: int, batch: int, crop: int, device: str, seconds: float) -> float:
     """Images/s of one training step of ``model_name`` on synthetic data already on ``device`` (the ceiling)."""
     net = ModelStep(model_name, classes, torch.device(device))

@@ -19,19 +19,17 @@ reads, header parsing and decoding overlap the training step. The sampler advanc
 handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
 
 NOTE [DALI outputs on the stream]: ``pipe.run()`` without a stream synchronises the host with the batch's
-GPU work (DALI's documented default), so every step the training thread waits for DALI's decode before it
-queues the model's next kernels, and loses its lead over the GPU. That is the likely cause of the DALI-fed
-ResNet-50's data stall (16.0% on an H200, 2026-11-26, against 0.8% for the npy path, whose copies and
-conversion never block the host); not yet measured with the change. With DALI's default executor
-(``exec_dynamic``) ``run`` takes the consumer's stream instead: the stream waits for the batch on the
-device, the host goes on. Older DALIs keep the host-synchronous call.
+GPU work (DALI's documented default). With DALI's default executor (``exec_dynamic``) ``run`` takes a
+stream instead, which waits for the batch on the device while the host goes on; older DALIs keep the
+host-synchronous call. On an H200 (2026-11-26) this was not what stalled ResNet-50: the streamed and
+host-synchronous rows stalled alike (16.2% / 12.2%, then 36.0% / 36.9%). Those stalls were measured over
+60 steps of an iteration that began by rebuilding the pipeline, and that start's wait (0.6-1.9 s, the
+same runs' arithmetic) is most or all of them: see :meth:`DALILoader._drain` and bench_dali's steady-state
+rows.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import queue
-import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -46,6 +44,7 @@ from .crops import draw_resized_crops
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD
 from .jpeg_read import decode_jpeg, jpeg_size, looks_like_jpeg
 from .manifest import IMAGES_LMDB, load_manifest
+from .run_ahead import RunAhead
 from .sampler import DistributedBatchSampler, SamplerBacked
 
 INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
@@ -102,7 +101,7 @@ class DALILoader(SamplerBacked):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
-        # NOTE [DALI off the training thread]: on a GPU, pipe.run and the feed run on a loader thread
+        # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/run_ahead.py)
         self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.reader = open_lmdb(self.root, self.manifest)
         self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
@@ -121,7 +120,7 @@ class DALILoader(SamplerBacked):
         self._pipe: Any = None
         self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
-        self._ahead: Optional[_Ahead] = None  # the loader thread of the iteration under way (run_ahead)
+        self._ahead: Optional[RunAhead] = None  # the loader thread of the iteration under way (run_ahead)
         self._iteration: object = None  # which iteration is under way
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (served count, rows) given to DALI, not yet out
 
@@ -196,6 +195,8 @@ class DALILoader(SamplerBacked):
             feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream(self.device))
         else:
             x = torch.from_numpy(np.asarray(out.as_array()))
+            if self.run_ahead:  # DALI may reuse the buffer once the loader thread runs the next batch
+                x = x.clone()
         x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view: channels_last, as CUDAPrefetcher yields
         return x.to(self.dtype) if x.dtype != self.dtype else x
 
@@ -258,6 +259,25 @@ class DALILoader(SamplerBacked):
         self._pipe = self._build()
         return self._pipe
 
+    def _drain(self) -> None:
+        """Run out what an abandoned iteration left scheduled, then reset the pipeline for reuse: its source
+        ends at once, DALI serves the batches it had already pulled (none reached the consumer, so the
+        sampler never counted them) and raises StopIteration. A rebuild instead costs 0.3-2 s on a GPU
+        (nvJPEG's set-up; H200, 2026-11-26), paid on every resume or ``break`` out of the loop."""
+        pipe = self._pipe
+        self._feed = iter(())
+        try:
+            for _ in range(self.prefetch + 2):  # at most `prefetch` batches are in flight
+                self._run(pipe)
+        except StopIteration:
+            pipe.reset()
+            self._feed = None
+            return
+        except RuntimeError:  # DALI failed on a batch being thrown away: a new pipeline
+            pass
+        self._rebuild()
+        self._feed = None
+
     def _skip(self, rows: list[int]) -> None:
         """Record samples left out (once each: a batch may be planned again after a decode error)."""
         self._skipped.update(dict.fromkeys(rows))
@@ -276,14 +296,20 @@ class DALILoader(SamplerBacked):
         if self._ahead is not None:  # an abandoned iteration's loader thread stops before anything is rebuilt
             self._ahead.close()
             self._ahead = None
-        if self._pipe is None or self._feed is not None:  # first use, or the last epoch was left unfinished
+        if self._pipe is None:  # first use, or the last pipeline raised
             self._rebuild()
+        elif self._feed is not None:  # the last iteration was left unfinished
+            self._drain()
         s, token = self.sampler, object()
         self._iteration = token
-        ahead = self._ahead = _Ahead(self) if self.run_ahead else None
+        def take(served: int) -> None:  # the batches served, all-skipped ones included
+            s.advance(served - s.served)
+
+        ahead = self._ahead = RunAhead(self._produce, self.device, on_take=take) if self.run_ahead else None
         try:
             for x, y, served in ahead if ahead is not None else self._produce(lambda: None):
-                s.advance(served - s.served)  # the batches served, all-skipped ones included
+                if ahead is None:
+                    take(served)
                 yield x, y
         except BaseException:
             if self._iteration is token:  # a pipeline that raised (or was abandoned) is not reused
@@ -328,93 +354,3 @@ class DALILoader(SamplerBacked):
             y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
             yield self._to_torch(out), y, served
         pipe.reset()
-
-
-class _Ahead:
-    """NOTE [DALI off the training thread]: ``pipe.run`` and the feed it calls (LMDB reads, JPEG headers,
-    crop draws) cost the thread that calls them 3-15 ms a batch of 256 (H200, 2026-11-26, bench_dali), time
-    the training thread needs to queue the model's kernels ahead of the GPU: ResNet-50 fed by DALI stalled
-    16-37% there whatever DALI's threads or hardware-decoder share, with the outputs bound to the consumer's
-    stream. So on a GPU a loader thread runs :meth:`DALILoader._produce` on a side stream and queues
-    ``depth`` batches, each with an event the consumer's stream waits for (no host sync); ``record_stream``
-    keeps the caching allocator from reusing a batch's memory before the consumer's kernels are done. The
-    sampler still advances on the consumer's thread, when a batch is handed out."""
-
-    _END = object()
-
-    def __init__(self, loader: "DALILoader", depth: int = 2) -> None:
-        self.loader = loader
-        self.cuda = loader.device.type == "cuda"
-        self.index = (loader.device.index if loader.device.index is not None else torch.cuda.current_device()) \
-            if self.cuda else None  # read on the consumer's thread: a new thread starts on device 0
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.taken = threading.Condition()
-        self.produced = self.handed = 0
-        self.thread = threading.Thread(target=self._work, name="fastdata-dali", daemon=True)
-        self.thread.start()
-
-    def _caught_up(self) -> None:
-        with self.taken:
-            self.taken.wait_for(lambda: self.handed >= self.produced or self.stop.is_set())
-
-    def _put(self, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self) -> None:
-        loader = self.loader
-        try:
-            if self.cuda:
-                torch.cuda.set_device(self.index)
-                stream = torch.cuda.Stream(self.index)
-            with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
-                for x, y, served in loader._produce(self._caught_up):
-                    done = None
-                    if self.cuda:
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                    else:  # DALI's CPU outputs may be views of buffers it reuses once it runs on
-                        x = x.clone(memory_format=torch.channels_last)
-                    self.produced += 1
-                    if not self._put((x, y, served, done)):
-                        return
-            self._put(self._END)
-        except BaseException as exc:  # handed to the consumer, who raises it
-            self._put(exc)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        while True:
-            with torch.profiler.record_function("fastdata.dali.wait"):  # the consumer waiting (bench_dali.py)
-                item = self.queue.get()
-            if item is self._END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            x, y, served, done = item
-            if done is not None:
-                current = torch.cuda.current_stream(self.loader.device)
-                current.wait_event(done)  # on the device: the host goes on
-                x.record_stream(current)
-                y.record_stream(current)
-            with self.taken:
-                self.handed += 1
-                self.taken.notify_all()
-            yield x, y, served
-
-    def close(self) -> None:
-        """Stop the loader thread (the consumer left the loop, or the epoch ended) and wait for it."""
-        self.stop.set()
-        with self.taken:
-            self.taken.notify_all()
-        while self.thread.is_alive():
-            try:
-                self.queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self.thread.join()

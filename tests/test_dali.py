@@ -24,8 +24,8 @@ def ids(x: torch.Tensor) -> list[int]:
 
 @pytest.fixture(params=[False, True], ids=["here", "ahead"])
 def ahead(request):
-    """DALILoader's pipe.run on the consumer's thread, or on its loader thread (NOTE [DALI off the training
-    thread]; the default on a GPU): the same batches, order, state and error policy."""
+    """DALILoader's pipe.run on the consumer's thread, or on its loader thread (NOTE [loader thread]; the
+    default on a GPU): the same batches, order, state and error policy."""
     return request.param
 
 
@@ -174,6 +174,18 @@ def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_pat
             served += len(a[1])
         assert served == 41  # 42 photos, one left out
     assert got.skipped == want.skipped == [17]
+    # an iteration left after k batches, then iterated again: DALI's batches in flight are run out (the
+    # undecodable one among them for some k: a new pipeline then) and the rest follows exactly
+    want.set_epoch(2)
+    full = [(a.clone(), b.clone()) for a, b in want]
+    for k in range(1, len(full)):
+        dl = loader(inside, **kw)
+        dl.set_epoch(2)
+        it = iter(dl)
+        head = [next(it) for _ in range(k)]
+        rest = list(dl)
+        assert len(head) + len(rest) == len(full)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(head + rest, full)), k
 
 
 def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(indexed_datasets, tmp_path, ahead):
@@ -187,8 +199,10 @@ def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(inde
     resumed = loader(root, batch_size=1, on_error="skip")
     resumed.load_state_dict(dl.state_dict())
     assert [i for x, _ in resumed for i in ids(x)] == list(range(7, INDEXED_N))
+    pipe = dl._pipe
     again = iter(dl)  # the abandoned iteration's loader, iterated again, goes on from where it was left
     assert ids(next(again)[0]) == [7]
+    assert dl._pipe is pipe  # with the same pipeline: the batches DALI held were run out, not rebuilt
     del it  # closing the abandoned iteration leaves the running one alone
     assert [i for x, _ in again for i in ids(x)] == list(range(8, INDEXED_N))
     assert [ids(x)[0] for x, _ in dl][:2] == [0, 1]  # then a new epoch
@@ -239,7 +253,7 @@ def test_gpu_training_batches_are_bf16_channels_last_and_exact_after_a_resume(in
     for got, (want, _) in zip(head + [x for x, _ in b], whole):
         assert torch.equal(got, want)  # nvJPEG decode and the host-drawn crops are deterministic
     # NOTE [DALI outputs on the stream]: outputs bound to a busy consumer stream are copied only once DALI
-    # wrote them, and equal the host-synchronous ones; NOTE [DALI off the training thread]: the loader
+    # wrote them, and equal the host-synchronous ones; NOTE [loader thread]: the loader
     # thread's batches (the default on a GPU) equal those of pipe.run on this thread
     synced = [x for x, _ in loader(indexed_datasets["lmdb"], stream_outputs=False, run_ahead=False, **kw)]
     here = [x for x, _ in loader(indexed_datasets["lmdb"], run_ahead=False, **kw)]

@@ -375,3 +375,75 @@ def test_a_failed_capture_leaves_the_eager_path_with_a_warning():
 
     run = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def ahead_items(n: int, fail_at: int = -1, restart_at: int = -1, log: list | None = None):
+    """A producer for RunAhead: n items (x filled with i, tag i); raises at ``fail_at``; calls
+    ``caught_up`` before item ``restart_at`` and logs how many the consumer had taken then."""
+    def produce(caught_up):
+        for i in range(n):
+            if i == fail_at:
+                raise ValueError(f"bad item {i}")
+            if i == restart_at:
+                caught_up()
+                log.append(taken[0])
+            yield torch.full((2, 3), float(i)), torch.tensor([i]), i
+    taken = [0]
+    return produce, taken
+
+
+def test_run_ahead_hands_over_every_item_in_order_and_raises_the_producers_error():
+    from fastdata.run_ahead import RunAhead
+
+    produce, _ = ahead_items(7)
+    got = [(float(x[0, 0]), int(y), tag) for x, y, tag in RunAhead(produce, torch.device("cpu"), depth=2)]
+    assert got == [(float(i), i, i) for i in range(7)]
+    produce, _ = ahead_items(7, fail_at=4)
+    seen = []
+    with pytest.raises(ValueError, match="bad item 4"):
+        for _, _, tag in RunAhead(produce, torch.device("cpu")):
+            seen.append(tag)
+    assert seen == [0, 1, 2, 3]  # every item before the error, then the error itself
+
+
+def test_run_ahead_restarts_only_once_the_consumer_took_everything_before():
+    import time
+
+    from fastdata.run_ahead import RunAhead
+
+    log: list = []
+    produce, taken = ahead_items(8, restart_at=5, log=log)
+
+    def take(tag):  # the consumer's bookkeeping, slow: the producer runs ahead, then waits at item 5
+        time.sleep(0.02)
+        taken[0] += 1
+
+    tags = [tag for _, _, tag in RunAhead(produce, torch.device("cpu"), depth=4, on_take=take)]
+    assert tags == list(range(8)) and log == [5]
+
+
+def test_run_ahead_close_stops_a_producer_blocked_on_a_full_queue():
+    from fastdata.run_ahead import RunAhead
+
+    produce, _ = ahead_items(10_000)
+    ahead = RunAhead(produce, torch.device("cpu"), depth=1)
+    it = iter(ahead)
+    assert next(it)[2] == 0
+    ahead.close()
+    assert not ahead.thread.is_alive() and ahead.produced < 10
+
+
+@pytest.mark.cuda
+def test_run_ahead_batches_are_read_only_after_the_side_streams_work():
+    """The producer's stream is busy before it writes each batch; the consumer's reads must wait for the
+    event, not find the buffer half-written."""
+    from fastdata.run_ahead import RunAhead
+
+    def produce(caught_up):
+        for i in range(6):
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(50_000_000)  # tens of ms of work on the loader thread's stream first
+            x.fill_(float(i + 1))
+            yield x, torch.full((4,), i, device="cuda"), i
+    for x, y, i in RunAhead(produce, torch.device("cuda")):
+        assert torch.equal(x, torch.full_like(x, float(i + 1))) and torch.equal(y, torch.full_like(y, i))
