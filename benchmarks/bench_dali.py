@@ -6,15 +6,19 @@ DataLoader + Pillow over the original JPEG files (all cores as worker processes)
 (shorter side to --size, centre crop), batch 64. On a GPU also training crops (random-resized-crop + flip:
 DALI's own in nvJPEG's decode, FastDataset's at decode time on the CPU): images/s with no model, then
 ResNet-50 (bf16, channels_last, batch --train-batch) fed by each through the Trainer, with the Trainer's own
-data stall %, beside the same model on synthetic data already on the GPU (the ceiling); then GPU memory and
-host RSS over --memory-iters DALILoader batches (DALI's users report growth). The DataLoader + Pillow
-recipe's stall is bench_gpu.py's. Also what DALILoader's feed costs the thread that runs the training step
-(DALI pulls each batch's bytes and crop boxes there): ms a training batch, beside the same feed with the
-records copied out of LMDB, as it was before 2026-11-25. On a GPU the training rows are also given with
-every JPEG sent to the hardware JPEG decoder (``hw_decoder_load=1``; DALI's default sends 65%, and decodes
-the rest with CUDA kernels beside the model) and with DALI's outputs synchronised with the host
-(``stream_outputs=False``), and a short profile of each DALI-fed run: host time in ``pipe.run``, kernel time
-on the model's stream and on DALI's.
+data stall % over one iteration's steps after its first interval (the first interval, with the loader's
+start, is given apart as seconds waited), beside the same model on synthetic data already on the GPU (the
+ceiling); then GPU memory and host RSS over --memory-iters DALILoader batches (DALI's users report growth).
+The DataLoader + Pillow recipe's stall is bench_gpu.py's. Also what DALILoader's feed costs the thread that
+runs it (LMDB reads, JPEG headers, crop draws), ms a training batch, beside the same feed with the records
+copied out of LMDB; and DALILoader's first batch after ``iter()``, new and after an abandoned iteration. On a
+GPU the training rows are also given with every JPEG sent to the hardware JPEG decoder
+(``hw_decoder_load=1``; DALI's default sends 65%, and decodes the rest with CUDA kernels beside the model),
+with ``pipe.run`` on the training thread (``run_ahead=False``; a loader thread is the default on a GPU)
+and with DALI's outputs synchronised with the host too (``stream_outputs=False``); ``--dali-threads``
+repeats the DALI rows for several CPU thread counts, ``--feeds`` keeps some rows only. Then a short
+profile of each DALI-fed run: host time in ``pipe.run`` (or the training thread's wait for the loader
+thread), kernel time on the model's stream and on DALI's, CUDA calls that wait for the device.
 
     python benchmarks/bench_dali.py [--images 1024] [--size 224] [--device auto] [--json out.json]
 """
@@ -174,6 +178,28 @@ def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, 
             "restart_ms": restart / 1e3 if model_stream is not None else 0.0, "sync_ms": syncs}
 
 
+def first_batch_ms(make: Any, device: str) -> tuple[float, float]:
+    """Ms from ``iter()`` to the first batch on the device: of a new loader (DALI builds its pipeline), then
+    of the same loader iterated again after an iteration left after 5 batches (its pipeline reused:
+    DALILoader._drain)."""
+    def first(loader: Any) -> tuple[float, Any]:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        sync()
+        return 1e3 * (time.perf_counter() - start), it
+
+    loader = make()
+    new, it = first(loader)
+    for _ in range(4):
+        next(it)
+    del it  # left unfinished
+    again, it = first(loader)
+    return new, again
+
+
 def feed_ms(loader: Any, epochs: int = 5) -> tuple[float, float]:
     """Median ms of ``loader._next_batch`` (what DALI calls on the thread that runs ``pipe.run()``: LMDB
     reads, JPEG headers, crop draws) over ``epochs`` epochs, then the same with each batch's records copied
@@ -274,6 +300,11 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         if args.profile_steps > 0 and key.startswith("dali"):  # the same model and loader, a few steps more
             out[f"{key}_profile"] = where_it_waits(model, loader, b, args.profile_steps, device)
             profiled.append(key)
+    if "dali" in feeds:
+        new, again = first_batch_ms(feeds["dali"], device)
+        out["dali_first_batch_ms"], out["dali_first_batch_again_ms"] = new, again
+        print(f"DALILoader's first batch after iter(): {new:,.0f} ms new (its pipeline built), {again:,.0f} ms "
+              "when iterated again after an iteration left unfinished (the pipeline run out and reused)")
     if profiled:
         print(f"where the DALI-fed steps wait ({args.profile_steps} profiled steps each, after each row's own; the "
               f"profiler's own cost inflates host times):")

@@ -101,6 +101,8 @@ class DALILoader(SamplerBacked):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
+        if self.device.type == "cuda" and self.device.index is None:  # torch's current device, as .to("cuda")
+            self.device = torch.device("cuda", torch.cuda.current_device())
         # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/run_ahead.py)
         self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.reader = open_lmdb(self.root, self.manifest)
@@ -147,7 +149,7 @@ class DALILoader(SamplerBacked):
         # Pipelined and asynchronous (DALI's default executor): while the consumer works on batch k, DALI
         # decodes batches k+1..k+prefetch, and pulls their bytes from _next_batch on this thread.
         pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
-                             device_id=self.device.index or 0 if gpu else None, seed=self.seed,
+                             device_id=self.device.index if gpu else None, seed=self.seed,
                              prefetch_queue_depth=self.prefetch)
         # hw_decoder_load: the share of a batch's JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs
         # (DALI's default, 0.65, where None); the rest are decoded by CUDA kernels, on the SMs the model uses
@@ -262,8 +264,9 @@ class DALILoader(SamplerBacked):
     def _drain(self) -> None:
         """Run out what an abandoned iteration left scheduled, then reset the pipeline for reuse: its source
         ends at once, DALI serves the batches it had already pulled (none reached the consumer, so the
-        sampler never counted them) and raises StopIteration. A rebuild instead costs 0.3-2 s on a GPU
-        (nvJPEG's set-up; H200, 2026-11-26), paid on every resume or ``break`` out of the loop."""
+        sampler never counted them) and raises StopIteration. With a rebuild instead, a restarted iteration's
+        first batch kept ResNet-50 waiting 0.3-1.8 s on an H200 (bench_dali's profile, 2026-11-26), on every
+        ``break`` out of the loop; bench_dali's ``first_batch_ms`` measures both."""
         pipe = self._pipe
         self._feed = iter(())
         try:
