@@ -10,6 +10,7 @@
 #   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes;
 #                                          # BENCH_PARTS=stalls for a subset, see bench_gpu.py --parts)
 #   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
+#                                          # (DALI_ARGS="--no-eval --feeds dali,dali_here,fastdata" for a subset)
 #   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
 #   bash scripts/gpu_checks.sh jpeg-bench  # bench_jpeg.py on the machine's cores (no GPU; issue 17's thread
@@ -64,8 +65,8 @@ bench)
         | tee "$OUT/bench_gpu.txt"
     ;;
 dali-bench)
-    $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" \
-        --json "$OUT/bench_dali.json" 2>&1 | tee "$OUT/bench_dali.txt"
+    $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" ${DALI_ARGS:-} \
+        --json "$OUT/bench_dali.json" 2>&1 | grep -v "Profiler clears\|_warn_once" | tee "$OUT/bench_dali.txt"
     ;;
 text-bench)
     $PY benchmarks/bench_text.py --mb 100 --batch 512 --seconds 3 2>&1 | tee "$OUT/bench_text.txt"
