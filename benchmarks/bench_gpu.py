@@ -183,9 +183,10 @@ def train_steady(model: torch.nn.Module, loader: Any, batch: int, warm: int, ste
     logged = [r for r in trainer.fit() if r.get("event") == "train"]
     trainer.close()
     first, rest = logged[0], logged[1:]
-    seconds = [warm * batch / r["samples_per_s"] for r in rest]  # each interval's length
-    first_s = warm * batch / first["samples_per_s"]
-    return {"images_per_s": len(rest) * warm * batch / sum(seconds),
+    steps_in = [b["step"] - a["step"] for a, b in zip(logged, rest)]  # each later interval's steps
+    seconds = [n * batch / r["samples_per_s"] for n, r in zip(steps_in, rest)]  # and its length
+    first_s = first["step"] * batch / first["samples_per_s"]
+    return {"images_per_s": sum(steps_in) * batch / sum(seconds),
             "data_stall_pct": sum(r["data_stall_pct"] * t for r, t in zip(rest, seconds)) / sum(seconds),
             "start_wait_s": first["data_stall_pct"] / 100 * first_s}
 

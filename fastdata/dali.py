@@ -305,6 +305,7 @@ class DALILoader(SamplerBacked):
             self._drain()
         s, token = self.sampler, object()
         self._iteration = token
+
         def take(served: int) -> None:  # the batches served, all-skipped ones included
             s.advance(served - s.served)
 
@@ -314,8 +315,10 @@ class DALILoader(SamplerBacked):
                 if ahead is None:
                     take(served)
                 yield x, y
+        except GeneratorExit:  # left unfinished: the next iteration runs out what DALI holds (_drain)
+            raise
         except BaseException:
-            if self._iteration is token:  # a pipeline that raised (or was abandoned) is not reused
+            if self._iteration is token:  # a pipeline that raised is not reused
                 self._pipe = None
             raise
         finally:
