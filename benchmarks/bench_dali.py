@@ -295,8 +295,13 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         out[f"{key}_train_images_per_s"] = r["images_per_s"]
         out[f"{key}_stall_pct_resnet50_{size}"] = r["data_stall_pct"]
         out[f"{key}_start_wait_s"] = r["start_wait_s"]
+        thread = ""
+        if getattr(loader, "loader_thread_batches", 0):  # DALILoader with run_ahead: its thread's own time
+            out[f"{key}_loader_thread_ms"] = ms = 1e3 * loader.loader_thread_s / loader.loader_thread_batches
+            thread = f"; its loader thread {ms:.1f} ms a batch"
         print(f"  {names[key]:<80} {r['images_per_s']:>8,.0f} images/s  {r['images_per_s'] / ceiling:>6.1%} of the "
-              f"ceiling, data stall {r['data_stall_pct']:.1f}% (first {warm} steps waited {r['start_wait_s']:.2f} s)")
+              f"ceiling, data stall {r['data_stall_pct']:.1f}% (first {warm} steps waited {r['start_wait_s']:.2f} s"
+              f"{thread})")
         if args.profile_steps > 0 and key.startswith("dali"):  # the same model and loader, a few steps more
             out[f"{key}_profile"] = where_it_waits(model, loader, b, args.profile_steps, device)
             profiled.append(key)

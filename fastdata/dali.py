@@ -124,6 +124,8 @@ class DALILoader(SamplerBacked):
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
         self._ahead: Optional[RunAhead] = None  # the loader thread of the iteration under way (run_ahead)
         self._iteration: object = None  # which iteration is under way
+        self.loader_thread_s = 0.0  # the loader thread's time producing batches, and their count (run_ahead)
+        self.loader_thread_batches = 0
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (served count, rows) given to DALI, not yet out
 
     # -- proxies --------------------------------------------------------------------------------------
@@ -324,6 +326,8 @@ class DALILoader(SamplerBacked):
         finally:
             if ahead is not None:
                 ahead.close()
+                self.loader_thread_s += ahead.busy_s
+                self.loader_thread_batches += ahead.produced
                 if self._ahead is ahead:
                     self._ahead = None
         self._feed = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -45,6 +46,7 @@ class RunAhead:
         self.stop = threading.Event()
         self.taken = threading.Condition()
         self.produced = self.handed = 0
+        self.busy_s = 0.0  # seconds the thread spent producing (not waiting on the queue): diagnostics
         self.thread = threading.Thread(target=self._work, name="fastdata-run-ahead", daemon=True)
         self.thread.start()
 
@@ -68,7 +70,14 @@ class RunAhead:
                 torch.cuda.set_device(self.index)
                 stream = torch.cuda.Stream(self.index)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for x, y, tag in self.produce(self._caught_up):
+                items = self.produce(self._caught_up)
+                while True:
+                    start = time.perf_counter()
+                    try:
+                        x, y, tag = next(items)
+                    except StopIteration:
+                        break
+                    self.busy_s += time.perf_counter() - start
                     done = None
                     if stream is not None:
                         done = torch.cuda.Event()

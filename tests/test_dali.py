@@ -40,6 +40,7 @@ def test_eval_shapes_values_and_every_sample_once(indexed_datasets, ahead):
     dl = loader(indexed_datasets["lmdb"], run_ahead=ahead)
     batches = list(dl)
     assert len(dl) == len(batches) == 7 and [len(x) for x, _ in batches] == [16] * 6 + [4]
+    assert dl.loader_thread_batches == (7 if ahead else 0)  # what bench_dali reads of the loader thread
     x, y = batches[0]
     assert x.shape == (16, 3, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert x.is_contiguous(memory_format=torch.channels_last) and 0 <= float(x.min()) and float(x.max()) <= 1

@@ -396,8 +396,9 @@ def test_run_ahead_hands_over_every_item_in_order_and_raises_the_producers_error
     from fastdata.run_ahead import RunAhead
 
     produce, _ = ahead_items(7)
-    got = [(float(x[0, 0]), int(y), tag) for x, y, tag in RunAhead(produce, torch.device("cpu"), depth=2)]
-    assert got == [(float(i), i, i) for i in range(7)]
+    ahead = RunAhead(produce, torch.device("cpu"), depth=2)
+    got = [(float(x[0, 0]), int(y), tag) for x, y, tag in ahead]
+    assert got == [(float(i), i, i) for i in range(7)] and ahead.produced == 7 and ahead.busy_s > 0
     produce, _ = ahead_items(7, fail_at=4)
     seen = []
     with pytest.raises(ValueError, match="bad item 4"):
