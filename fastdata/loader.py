@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import numpy as np
 import torch
 
+from ._threads import limit_intraop_threads
 from .errors import ConfigError, FastdataError
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -231,7 +232,10 @@ class FastLoader(SamplerBacked):
         free: deque[int] = deque(range(self.slots))
         pending: deque[tuple[int, Future]] = deque()
         lock = threading.Lock()
-        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fastdata-loader")
+        # NOTE [intra-op threads per loader thread]: the loader threads share torch's intra-op threads
+        share = max(1, torch.get_num_threads() // self.num_threads)
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fastdata-loader",
+                                  initializer=limit_intraop_threads, initargs=(share,))
         exhausted = False
 
         def top_up() -> None:

@@ -11,7 +11,7 @@ ROOT = Path(fastdata.__file__).parent
 # Lowest first: errors/io -> manifest/formats -> storage (and the write side) -> datasets -> sampler/loader
 # -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
 LAYERS = [
-    ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed", "fastdata.turbo",
+    ["fastdata.errors", "fastdata._io", "fastdata._threads", "fastdata._version", "fastdata.distributed", "fastdata.turbo",
      "fastdata.turbo_loop"],
     ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.jpeg_read", "fastdata.tokenizer", "fastdata.models",
      "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],

@@ -218,3 +218,34 @@ def test_ring_buffers_are_pinned_when_cuda_is_available(ds):
     loader = FastLoader(ds, 16)
     x, y = next(iter(loader))
     assert loader.pin_memory and x.is_pinned() and y.is_pinned()
+
+
+def test_loader_threads_share_torchs_intraop_threads_and_leave_the_others_alone(indexed_datasets):
+    """NOTE [intra-op threads per loader thread]: each worker gets its share of torch's intra-op threads
+    for itself; the consumer's count and torch's process-wide setting stay as they were."""
+    from fastdata._threads import _omp_set_num_threads
+
+    if _omp_set_num_threads() is None:
+        pytest.skip("no OpenMP runtime found in this process (not Linux, or torch built without OpenMP)")
+    seen: set[int] = set()
+
+    class Spy(FastDataset):
+        def get_batch(self, indices, out=None, draw=None):
+            seen.add(torch.get_num_threads())
+            return super().get_batch(indices, out=out, draw=draw)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for threads, share in ((2, 2), (4, 1), (8, 1)):
+            seen.clear()
+            assert len(list(FastLoader(Spy(indexed_datasets["npy"]), 16, num_threads=threads))) == 7
+            assert seen == {share}, (threads, seen)
+            assert torch.get_num_threads() == 4  # the consumer's own
+        fresh: list[int] = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [4]  # a thread started afterwards takes torch's setting, not a loader thread's
+    finally:
+        torch.set_num_threads(before)
