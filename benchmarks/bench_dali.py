@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -117,12 +117,28 @@ def eval_rates(scratch: Path, files: list[Path], args: argparse.Namespace, devic
     rows = {f"DALI ({'mixed GPU' if device == 'cuda' else 'CPU'} decode)": rate(lambda: dali, args.seconds),
             f"FastDataset LMDB CPU decode, {cores} threads": rate(lambda: native, args.seconds),
             f"DataLoader + Pillow over the JPEG files, {cores} workers": rate(plain, args.seconds)}
+    with every_loader_thread_on_all_cores():  # NOTE [intra-op threads per loader thread], as before it
+        rows[f"  the same FastDataset, each thread with torch's {torch.get_num_threads()} intra-op threads"] = rate(
+            lambda: native, args.seconds)
     for name, r in rows.items():
-        print(f"{name:<55} {r:>8,.0f} images/s")
+        print(f"{name:<70} {r:>8,.0f} images/s")
     base = list(rows.values())[2]
     print(f"vs DataLoader + Pillow: DALI {list(rows.values())[0] / base:.2f}x, FastDataset CPU decode "
           f"{list(rows.values())[1] / base:.2f}x")
     return rows
+
+
+@contextlib.contextmanager
+def every_loader_thread_on_all_cores() -> Iterator[None]:
+    """FastLoader's threads as before 2026-11-26: each with torch's process-wide intra-op thread count."""
+    import fastdata.loader as loader_module
+
+    share = loader_module.limit_intraop_threads
+    loader_module.limit_intraop_threads = lambda n: False
+    try:
+        yield
+    finally:
+        loader_module.limit_intraop_threads = share
 
 
 def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
