@@ -122,8 +122,6 @@ class DALILoader(SamplerBacked):
         self._pipe: Any = None
         self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
-        self._ahead: Optional[RunAhead] = None  # the loader thread of the iteration under way (run_ahead)
-        self._iteration: object = None  # which iteration is under way
         self.loader_thread_s = 0.0  # the loader thread's time producing batches, and their count (run_ahead)
         self.loader_thread_batches = 0
         self._fed: deque[tuple[int, np.ndarray]] = deque()  # (served count, rows) given to DALI, not yet out
@@ -298,20 +296,19 @@ class DALILoader(SamplerBacked):
         return bad
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._ahead is not None:  # an abandoned iteration's loader thread stops before anything is rebuilt
-            self._ahead.close()
-            self._ahead = None
+        return self._track(self._epoch())  # an iteration still under way is closed first (its thread stopped)
+
+    def _epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._pipe is None:  # first use, or the last pipeline raised
             self._rebuild()
         elif self._feed is not None:  # the last iteration was left unfinished
             self._drain()
-        s, token = self.sampler, object()
-        self._iteration = token
+        s = self.sampler
 
         def take(served: int) -> None:  # the batches served, all-skipped ones included
             s.advance(served - s.served)
 
-        ahead = self._ahead = RunAhead(self._produce, self.device, on_take=take) if self.run_ahead else None
+        ahead = RunAhead(self._produce, self.device, on_take=take) if self.run_ahead else None
         try:
             for x, y, served in ahead if ahead is not None else self._produce(lambda: None):
                 if ahead is None:
@@ -319,17 +316,14 @@ class DALILoader(SamplerBacked):
                 yield x, y
         except GeneratorExit:  # left unfinished: the next iteration runs out what DALI holds (_drain)
             raise
-        except BaseException:
-            if self._iteration is token:  # a pipeline that raised is not reused
-                self._pipe = None
+        except BaseException:  # a pipeline that raised is not reused
+            self._pipe = None
             raise
         finally:
             if ahead is not None:
                 ahead.close()
                 self.loader_thread_s += ahead.busy_s
                 self.loader_thread_batches += ahead.produced
-                if self._ahead is ahead:
-                    self._ahead = None
         self._feed = None
         s.end_epoch()
 

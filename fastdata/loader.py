@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -107,7 +106,6 @@ class FastLoader(SamplerBacked):
         self.copy = copy
         self.on_device = getattr(dataset, "device", torch.device("cpu")).type != "cpu"
         self._ring: list[Batch] = []
-        self._active: Optional[weakref.ref] = None
 
     @classmethod
     def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
@@ -115,10 +113,6 @@ class FastLoader(SamplerBacked):
         The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
         cfg = config if isinstance(config, dict) else load_config(config)
         return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._close_active()  # an iterator still running would serve the old position
-        self.sampler.load_state_dict(state)
 
     @property
     def slots(self) -> int:
@@ -180,9 +174,7 @@ class FastLoader(SamplerBacked):
         self._close_active()
         if self.on_device:  # device batches are fresh tensors from index_select: nothing to hand back
             return ((batch, _noop) for batch in self._iter_device())
-        gen = self._produce()
-        self._active = weakref.ref(gen)
-        return gen
+        return self._track(self._produce())
 
     def iter_manual(self) -> Iterator[Any]:
         """Yield ``(x, y, release)`` (``(batch, release)`` for dict batches); the slot behind the batch is
@@ -190,13 +182,6 @@ class FastLoader(SamplerBacked):
         if self.dict_batches:
             return self.iter_batches()
         return ((x, y, release) for (x, y), release in self.iter_batches())
-
-    def _close_active(self) -> None:
-        # The ring is shared: a second live iterator would refill buffers the first one still hands out.
-        old = self._active() if self._active is not None else None
-        if old is not None:
-            old.close()
-        self._active = None
 
     def _ensure_ring(self) -> list[Any]:
         if len(self._ring) != self.slots and self.dict_batches:

@@ -25,6 +25,7 @@ are dealt to nodes, so that a node reads (and its cache fetches) only its own sh
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -234,9 +235,24 @@ class DistributedBatchSampler:
 
 
 class SamplerBacked:
-    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies."""
+    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies, and
+    one live iteration at a time (their buffers, pipelines and plans are shared: a second live iterator would
+    refill what the first still hands out, or serve an old position)."""
 
     sampler: DistributedBatchSampler
+    _active: Optional["weakref.ref[Any]"] = None  # the iteration under way, if any
+
+    def _track(self, gen: Iterator[Any]) -> Iterator[Any]:
+        """Make ``gen`` the iteration under way, closing the one before it."""
+        self._close_active()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _close_active(self) -> None:
+        old = self._active() if self._active is not None else None
+        if old is not None:
+            old.close()
+        self._active = None
 
     def __len__(self) -> int:
         """Batches this rank serves in a whole epoch."""
@@ -250,4 +266,5 @@ class SamplerBacked:
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._close_active()  # an iterator still running would serve the old position
         self.sampler.load_state_dict(state)

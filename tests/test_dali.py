@@ -206,7 +206,9 @@ def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(inde
     again = iter(dl)  # the abandoned iteration's loader, iterated again, goes on from where it was left
     assert ids(next(again)[0]) == [7]
     assert dl._pipe is pipe  # with the same pipeline: the batches DALI held were run out, not rebuilt
-    del it  # closing the abandoned iteration leaves the running one alone
+    with pytest.raises(StopIteration):  # the new iteration closed it (and stopped its loader thread)
+        next(it)
+    del it  # dropping it leaves the running one alone
     assert [i for x, _ in again for i in ids(x)] == list(range(8, INDEXED_N))
     assert [ids(x)[0] for x, _ in dl][:2] == [0, 1]  # then a new epoch
     it = iter(dl)
