@@ -271,26 +271,29 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
                                   device=device, **kw)
 
     kind = "nvJPEG mixed decode, crops in the decoder" if device == "cuda" else "CPU"
+    wanted = set(args.feeds.split(",")) if args.feeds else None
     feeds: dict[str, Any] = {}
     names: dict[str, str] = {}
+
+    def add(key: str, row: str, make: Any, name: str) -> None:  # row: the --feeds name of this key's row
+        if wanted is None or row in wanted:
+            feeds[key], names[key] = make, name
+
     for i, t in enumerate(threads):  # the first thread count gives the main rows' keys; the others a suffix
         sfx = "" if i == 0 else f"_t{t}"
-        feeds[f"dali{sfx}"], names[f"dali{sfx}"] = dali(t), f"DALI ({kind}, {t} CPU threads)"
+        add(f"dali{sfx}", "dali", dali(t), f"DALI ({kind}, {t} CPU threads)")
         if device == "cuda":
-            feeds[f"dali_hw{sfx}"] = dali(t, hw_decoder_load=1.0)
-            names[f"dali_hw{sfx}"] = f"DALI as above, {t} CPU threads, every JPEG to the hardware decoder"
+            add(f"dali_hw{sfx}", "dali_hw", dali(t, hw_decoder_load=1.0),
+                f"DALI as above, {t} CPU threads, every JPEG to the hardware decoder")
     if device == "cuda":
-        feeds["dali_here"] = dali(threads[0], run_ahead=False)
-        names["dali_here"] = f"DALI ({threads[0]} CPU threads), pipe.run on the training thread (run_ahead=False)"
-        feeds["dali_host_sync"] = dali(threads[0], run_ahead=False, stream_outputs=False)
-        names["dali_host_sync"] = (f"DALI ({threads[0]} CPU threads), as above, outputs synchronised with the host "
-                                   "(stream_outputs=False)")
-    feeds["fastdata"] = lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size, crop="random"),
-                                                          b, num_threads=cores), device, dtype=dtype)
-    names["fastdata"] = f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)"
-    if args.feeds:
-        keep = set(args.feeds.split(","))
-        feeds = {k: v for k, v in feeds.items() if k.split("_t")[0] in keep}
+        add("dali_here", "dali_here", dali(threads[0], run_ahead=False),
+            f"DALI ({threads[0]} CPU threads), pipe.run on the training thread (run_ahead=False)")
+        add("dali_host_sync", "dali_host_sync", dali(threads[0], run_ahead=False, stream_outputs=False),
+            f"DALI ({threads[0]} CPU threads), as above, outputs synchronised with the host (stream_outputs=False)")
+    add("fastdata", "fastdata", lambda: CUDAPrefetcher(FastLoader(FastDataset(scratch / "train", size=size,
+                                                                              crop="random"), b, num_threads=cores),
+                                                       device, dtype=dtype),
+        f"FastDataset LMDB CPU decode, crops at decode time ({cores} threads)")
     out: dict[str, Any] = {}
     gpu = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"training crops at {size}, batch {b}, no model, {gpu}:")
@@ -335,11 +338,13 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
                     if w["run_ms"] > 0 else "pipe.run on the loader thread (the profiler sees the training "
                     f"thread only), the training thread waiting for it {w['wait_ms']:.1f} ms a step")
             print(f"  {names[key]}:\n    {host}; the model's stream busy {w['model_busy_pct']:.0f}% of the "
-                  f"window (less a {w['restart_ms']:.0f} ms wait for the restarted iteration's first batch), its kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
+                  f"window (less a {w['restart_ms']:.0f} ms wait for the restarted iteration's first batch), its "
+                  f"kernels {w['model_kernel_ms']:.1f} ms a step; kernels on other streams "
                   f"{w['other_kernel_ms']:.1f} ms a step")
-            waits = ", ".join(f"{k} {v:.1f}" for k, v in sorted(w["sync_ms"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            waits = ", ".join(f"{k} {v:.1f}" for k, v in sorted(w["sync_ms"].items(), key=lambda kv: -kv[1])
+                              if v >= 0.05)
             print(f"    calls that wait for the device, ms a step (all threads): {waits or 'none over 0.05 ms'}")
-    if args.memory_iters <= 0:
+    if args.memory_iters <= 0 or "dali" not in feeds:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)
     mem = out["dali_memory"]

@@ -161,13 +161,20 @@ def prefetch_rate(ds: FastDataset, batch: int, threads: int, seconds: float, dev
     return timed_rate(lambda: sum(len(x) for x, _ in pf), seconds)
 
 
-def train(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
-    """``steps`` Trainer steps (bf16 on CUDA, channels_last): images/s and the Trainer's data stall %."""
+def fit(model: torch.nn.Module, loader: Any, steps: int, device: str, **config: Any) -> list[dict[str, Any]]:
+    """The Trainer's history of ``steps`` steps (bf16 on CUDA, channels_last), the bench's settings."""
     cfg = TrainConfig(max_steps=steps, amp="bf16", lr=0.01, schedule="constant", device=device,
-                      progress=False, val_every=0)  # log_every: the default, as `fastdata train`
+                      progress=False, val_every=0, **config)
     trainer = Trainer(model, loader, config=cfg)
-    end = trainer.fit()[-1]
+    history = trainer.fit()
     trainer.close()
+    return history
+
+
+def train(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
+    """``steps`` Trainer steps: images/s and the Trainer's data stall % (log_every: the default, as
+    `fastdata train`)."""
+    end = fit(model, loader, steps, device)[-1]
     return {"images_per_s": steps * batch / end["time_s"], "data_stall_pct": end["data_stall_pct"]}
 
 
@@ -177,11 +184,7 @@ def train_steady(model: torch.nn.Module, loader: Any, batch: int, warm: int, ste
     steps: images/s and the Trainer's data stall % over the intervals after the first (steady state), and
     the seconds the first interval waited (the loader's start: a pipeline's build, its first batches)."""
     steps = max(warm, steps - steps % warm)
-    cfg = TrainConfig(max_steps=warm + steps, amp="bf16", lr=0.01, schedule="constant", device=device,
-                      progress=False, val_every=0, log_every=warm)
-    trainer = Trainer(model, loader, config=cfg)
-    logged = [r for r in trainer.fit() if r.get("event") == "train"]
-    trainer.close()
+    logged = [r for r in fit(model, loader, warm + steps, device, log_every=warm) if r.get("event") == "train"]
     first, rest = logged[0], logged[1:]
     steps_in = [b["step"] - a["step"] for a, b in zip(logged, rest)]  # each later interval's steps
     seconds = [n * batch / r["samples_per_s"] for n, r in zip(steps_in, rest)]  # and its length

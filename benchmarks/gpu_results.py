@@ -60,9 +60,11 @@ def main() -> None:
         "cifar_h2d_copies_per_step": gpu["cifar"]["h2d_per_step"],
         "dali_images_per_s": dali["dali_images_per_s"],
         "dali_stall_pct_resnet50_224": dali["dali_stall_pct_resnet50_224"],
-        **{f"{feed}_{k}": dali[f"{feed}_{k}"] for feed in ("dali", "dali_hw", "dali_here", "dali_host_sync")
-           for k in ("images_per_s", "stall_pct_resnet50_224", "start_wait_s") if f"{feed}_{k}" in dali},
-        **{k: dali[k] for k in ("dali_first_batch_ms", "dali_first_batch_again_ms") if k in dali},
+        **{f"{feed}_{k}": dali[f"{feed}_{k}"] for feed in ("dali_hw", "dali_here", "dali_host_sync")
+           for k in ("images_per_s", "stall_pct_resnet50_224") if f"{feed}_{k}" in dali},
+        **{k: dali[k] for k in (*(f"{feed}_start_wait_s" for feed in ("dali", "dali_hw", "dali_here",
+                                                                         "dali_host_sync")),
+                                "dali_first_batch_ms", "dali_first_batch_again_ms") if k in dali},
         "memory_prefetcher": gpu["memory_prefetcher"], "memory_dali": memory.get("dali_memory"),
         "note": args.note,
         "raw": {"tests": tests["tests"], "bench_gpu": runs if len(runs) > 1 else runs[0], "bench_dali": dali,

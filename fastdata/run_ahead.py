@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-Produce = Callable[[Callable[[], None]], Iterator[tuple[torch.Tensor, torch.Tensor, Any]]]
+Item = tuple[torch.Tensor, torch.Tensor, Any]  # (x, y, tag)
+Produce = Callable[[Callable[[], None]], Iterator[Item]]  # produce(caught_up)
 
 
 class RunAhead:
@@ -89,7 +90,7 @@ class RunAhead:
         except BaseException as exc:  # handed to the consumer, who raises it
             self._put(exc)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, Any]]:
+    def __iter__(self) -> Iterator[Item]:
         while True:
             with torch.profiler.record_function("fastdata.run_ahead.wait"):  # the consumer waiting (bench_dali.py)
                 item = self.queue.get()
