@@ -6,11 +6,12 @@ default every core. So 16 loader threads resizing decoded JPEGs (``jpeg_read._re
 a 16-thread OpenMP team on 16 cores. ``torch.set_num_threads`` cannot help: it also changes the setting
 every later thread starts from (the training thread's own, if it has not run a parallel op yet). OpenMP's
 ``omp_set_num_threads`` sets the calling thread's own count, so each loader thread calls it, through the
-OpenMP runtime torch itself loaded, after torch's lazy per-thread set-up (which would overwrite it). On a
-2-vCPU VM, 2 loader threads decoding an LMDB at 224: 2,147 -> 2,320 images/s (medians of 4 alternating
-rounds, 2026-11-26; within that machine's noise). The case it is for, 16 threads on 16 cores, is measured
-by bench_dali's and bench_jpeg's FastDataset rows on the GPU machine. Where the runtime cannot be found
-(not Linux, not OpenMP) nothing changes.
+OpenMP runtime torch itself loaded, after torch's lazy per-thread set-up (which would overwrite it).
+bench_dali's evaluation rows give FastDataset's decode with and without the share in one run: on a 2-vCPU
+VM, 2 threads, 2,428 against 2,140 images/s (2026-11-26, benchmarks/RESULTS.md; that machine is noisy). The
+case it is for, 16 threads on 16 cores, is for the GPU machine's run. (bench_jpeg sets torch's threads to 1
+for the whole process, so its rows do not show it.) Where the runtime cannot be found (not Linux, not
+OpenMP) nothing changes.
 """
 from __future__ import annotations
 
