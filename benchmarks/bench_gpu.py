@@ -227,7 +227,7 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
     y = torch.randint(0, classes, (batch,), device=device)
     resident = [(Normalize(dtype=torch.bfloat16)(x).contiguous(memory_format=torch.channels_last), y)] * 64
     feeds = {"Trainer on batches already on the GPU (the loop's own ceiling)": lambda: resident, **feeds}
-    if model_name in ("resnet18", "cnn-small"):  # the fastest model: how the loader's threads share the host with the loop
+    if model_name in ("resnet18", "cnn-small"):  # the fastest model: how loader threads share the host with the loop
         for threads in (2, 4):
             feeds[f"fastdata as above, {threads} loader threads"] = lambda threads=threads: fastdata(threads)
     for name, make in feeds.items():
@@ -443,11 +443,13 @@ def main() -> None:
             save()
         if (device == "cuda" or args.smoke) and "memory" in parts:
             pf = CUDAPrefetcher(FastLoader(in_shm(scratch / "s256"), 16 if args.smoke else batch0), device=device,
-                                dtype=torch.bfloat16, transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
+                                dtype=torch.bfloat16,
+                                transforms=Compose([RandomResizedCrop(224), RandomHorizontalFlip()]))
             mem = memory_flat(pf, 200 if args.smoke else 1000, device)
             out["memory_prefetcher"] = mem
-            print(f"{mem['iterations']:,} CUDAPrefetcher batches: GPU max allocated {mem['gpu_max_allocated_100'] / 2**20:,.0f} MiB"
-                  f" after 100, {mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB over 100-{mem['iterations']:,}; host RSS "
+            print(f"{mem['iterations']:,} CUDAPrefetcher batches: GPU max allocated "
+                  f"{mem['gpu_max_allocated_100'] / 2**20:,.0f} MiB after 100, "
+                  f"{mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB over 100-{mem['iterations']:,}; host RSS "
                   f"{mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
             save()
     finally:

@@ -163,7 +163,8 @@ def main() -> None:
               f"shm {copies['shm']:.2f} copies, ram {copies['ram']:.2f} copies "
               f"(raw: shm {mem['shm'] / 2**20:,.0f} MiB, ram {mem['ram'] / 2**20:,.0f} MiB)")
         if args.json:
-            args.json.write_text(json.dumps({"rows": rows, "node_memory": mem, "dataset_bytes": dataset_bytes}, indent=2))
+            report = {"rows": rows, "node_memory": mem, "dataset_bytes": dataset_bytes}
+            args.json.write_text(json.dumps(report, indent=2))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)

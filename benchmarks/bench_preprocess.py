@@ -3,8 +3,8 @@
 Cases: ImageNet-like photos (500x375) and large photos (2400x1800), both to S=256 center-crop; and, when
 FFCV is installed, FFCV's DatasetWriter beside fastdata (JPEG store and raw pixels, each resize filter).
 Reports images/s per core (images per CPU-second: fastdata with 1 worker vs the naive loop) with the
-wall-clock ratio beside it, and the wall-clock speed-up from 1 to 2 workers. Targets (issue 3): >= 3x per core on large photos, >= 1.2x on
-ImageNet-like ones, >= 1.8x going from 1 to 2 workers.
+wall-clock ratio beside it, and the wall-clock speed-up from 1 to 2 workers. Targets (issue 3): >= 3x per
+core on large photos, >= 1.2x on ImageNet-like ones, >= 1.8x going from 1 to 2 workers.
 
     python benchmarks/bench_preprocess.py [--imagenet 300] [--large 60] [--size 256] [--workers 2]
 """
@@ -161,7 +161,8 @@ def run_case(name: str, src: Path, n: int, size: int, workers: int, scratch: Pat
            "per_core_speedup_wall": t_naive / t_w1, "worker_scaling": t_w1 / t_wn,
            "parent_ms_per_img": 1000 * parent / n, "workers_ms_per_img": 1000 * (c_wn - parent) / n}
     print(f"{name:>14} {n:>6} {n / t_naive:>9.1f} {n / t_w1:>12.1f} {n / t_wn:>12.1f} "
-          f"{n / c_naive:>11.1f} {n / c_w1:>12.1f} {c_naive / c_w1:>8.2f}x {t_naive / t_w1:>8.2f}x {t_w1 / t_wn:>7.2f}x")
+          f"{n / c_naive:>11.1f} {n / c_w1:>12.1f} {c_naive / c_w1:>8.2f}x {t_naive / t_w1:>8.2f}x "
+          f"{t_w1 / t_wn:>7.2f}x")
     return row
 
 
@@ -214,7 +215,8 @@ def ffcv_writer_rows(src: Path, size: int, workers: int, scratch: Path, repeats:
             theirs = n / timed(lambda: ffcv(mode, w), repeats)[0]
             lz = n / timed(lambda: fd(fmt, "lanczos", w), repeats)[0]
             bl = n / timed(lambda: fd(fmt, "bilinear", w), repeats)[0]
-            print(f"{label:<36} {w:>7} {theirs:>8.0f} {lz:>11.0f} {bl:>12.0f} {lz / theirs:>7.2f}x {bl / theirs:>6.2f}x")
+            print(f"{label:<36} {w:>7} {theirs:>8.0f} {lz:>11.0f} {bl:>12.0f} {lz / theirs:>7.2f}x "
+                  f"{bl / theirs:>6.2f}x")
 
 
 def main() -> None:
@@ -236,7 +238,8 @@ def main() -> None:
               f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, S={args.size}")
         print("wall: images/s (best of N); cpu: images per CPU-second; per core = naive CPU / fastdata-1w CPU")
         print(f"{'case':>14} {'images':>6} {'naive/s':>9} {'fastdata 1w':>12} {f'fastdata {args.workers}w':>12} "
-              f"{'naive/cpu-s':>11} {'fd 1w/cpu-s':>12} {'per core':>9} {'(wall)':>9} {'1->' + str(args.workers) + 'w':>8}")
+              f"{'naive/cpu-s':>11} {'fd 1w/cpu-s':>12} {'per core':>9} {'(wall)':>9} "
+              f"{'1->' + str(args.workers) + 'w':>8}")
         rows = [run_case(name, scratch / name, 4 * (counts[name] // 4), args.size, args.workers, scratch,
                          args.repeats)
                 for name in cases]

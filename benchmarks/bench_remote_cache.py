@@ -107,8 +107,8 @@ def main() -> None:
               f"{os.cpu_count()} CPUs; {images:,} images of {args.size}x{args.size}x3 in {len(files) // 2} shards "
               f"of {args.shard_images}, {total / 1e6:,.0f} MB; batch {args.batch}, {args.threads} loader threads; "
               f"{args.epochs} epochs; fastdata shuffle_window={args.window}")
-        print("\n| cache | reader | MB downloaded per epoch | images/s per epoch | MB over all epochs (scaled when stopped) | "
-              "note |\n|---|---|---|---|---|---|")
+        print("\n| cache | reader | MB downloaded per epoch | images/s per epoch | "
+              "MB over all epochs (scaled when stopped) | note |\n|---|---|---|---|---|---|")
         for frac in args.fractions:
             limit = int(frac * total)
             cache = scratch / f"fd{frac}"

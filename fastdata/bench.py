@@ -105,7 +105,8 @@ def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
     st, ceiling, tips = report["stages"], report["ceiling_images_per_s"], []
     dataset_bytes = report["samples"] * int(np.prod(report["sample_shape"]))
     gather, loader = st["batch gather"]["images_per_s"], st["FastLoader"]["images_per_s"]
-    if st["storage read (page cache)"]["images_per_s"] < ceiling and dataset_bytes < 0.5 * (report["machine"]["memory_bytes"] or 0):
+    fits = dataset_bytes < 0.5 * (report["machine"]["memory_bytes"] or 0)
+    if st["storage read (page cache)"]["images_per_s"] < ceiling and fits:
         tips.append(f"the dataset ({dataset_bytes / 2**30:.1f} GiB) fits in RAM: storage='shm' (one copy per machine) "
                     "or 'ram' avoids reading files while training")
     if loader < ceiling and loader < 2 * gather and (os.cpu_count() or 1) > 2:
@@ -133,8 +134,8 @@ def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"{report['dataset']}: {report['samples']} samples {tuple(report['sample_shape'])}, model {report['model']}, "
-             f"batch {report['batch_size']}, device {report['device']}",
+    lines = [f"{report['dataset']}: {report['samples']} samples {tuple(report['sample_shape'])}, "
+             f"model {report['model']}, batch {report['batch_size']}, device {report['device']}",
              f"{'stage':<52} {'images/s':>11} {'GB/s':>7} {'x ceiling':>10}"]
     for name, s in report["stages"].items():
         lines.append(f"{name:<52} {s['images_per_s']:>11,.0f} {s['gb_per_s']:>7.2f} {s['share_of_ceiling']:>9.2f}x"
@@ -254,7 +255,8 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     if net is None:
         verdict = f"each batch takes {1000 * wait:.1f} ms to come from the loader ({skipped})"
     elif share > 0.1:
-        verdict = f"the loader is the bottleneck: each step waits {1000 * wait:.0f} ms for data, {100 * share:.0f}% of the step"
+        verdict = (f"the loader is the bottleneck: each step waits {1000 * wait:.0f} ms for data, "
+                   f"{100 * share:.0f}% of the step")
     else:
         verdict = f"the loader keeps up: each step waits {1000 * wait:.1f} ms for data, {100 * share:.0f}% of the step"
     return {"loader": spec, "steps": len(waits), "wait_ms": 1000 * wait, "work_ms": 1000 * work, "wait_share": share,
@@ -298,8 +300,8 @@ def autotune(data: Path, *, batch_size: int = 256, seconds: float = 60.0, progre
     datasets = {s: FastDataset(data, storage=s) for s in ("mmap", "ram")}
     results = []
     for c in candidates:
-        loader = FastLoader(datasets[c["storage"]], min(batch_size, len(datasets["mmap"])), num_threads=c["num_threads"],
-                            prefetch=c["prefetch"], pin_memory=c["pin_memory"])
+        loader = FastLoader(datasets[c["storage"]], min(batch_size, len(datasets["mmap"])),
+                            num_threads=c["num_threads"], prefetch=c["prefetch"], pin_memory=c["pin_memory"])
         results.append({**c, "images_per_s": timed_rate(lambda: sum(len(x) for x, _ in loader), box)})
         bar.update(1)
     bar.close()

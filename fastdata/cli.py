@@ -101,9 +101,11 @@ def _bench(args: argparse.Namespace) -> int:
         if report["model"] is None:
             step = f"model step skipped: {report['model_skipped']}"
         else:
-            step = (f"model step {report['work_ms']:.1f} ms ({report['model']} on {tuple(report['model_input_shape'])}, "
-                    f"from the first batch {tuple(report['batch_shape'])} {report['batch_dtype']})")
-        print(f"{args.loader}: {report['steps']} steps, {step}, waiting {report['wait_ms']:.1f} ms\n{report['verdict']}")
+            step = (f"model step {report['work_ms']:.1f} ms ({report['model']} on "
+                    f"{tuple(report['model_input_shape'])}, from the first batch {tuple(report['batch_shape'])} "
+                    f"{report['batch_dtype']})")
+        print(f"{args.loader}: {report['steps']} steps, {step}, waiting {report['wait_ms']:.1f} ms\n"
+              f"{report['verdict']}")
     elif args.data is None:
         raise ConfigError("give a dataset folder (fastdata bench DATA) or --loader module:factory")
     elif args.autotune:
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .preprocess.images import FORMATS, ON_ERROR
     from .train_config import TrainConfig
 
-    parser = argparse.ArgumentParser(prog="fastdata", description="Preprocess once, then train without waiting on data.")
+    parser = argparse.ArgumentParser(prog="fastdata",
+                                     description="Preprocess once, then train without waiting on data.")
     parser.add_argument("--version", action="version", version=f"fastdata {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

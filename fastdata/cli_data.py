@@ -170,5 +170,5 @@ def add_data_commands(sub: Any) -> None:
     _add_list_remove(sub, "shm", "list or remove the per-machine dataset copies in /dev/shm", "copies", "every copy",
                      "shm folder (default $FASTDATA_SHM_DIR or /dev/shm)", _shm)
     _add_list_remove(sub, "cache", "list or remove the node cache of remote datasets", "datasets",
-                     "every dataset (run it between jobs)", "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)",
-                     _cache)
+                     "every dataset (run it between jobs)",
+                     "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)", _cache)

@@ -100,7 +100,8 @@ class DALILoader(SamplerBacked):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the CPU)")
+            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the "
+                              "CPU)")
         if self.device.type == "cuda" and self.device.index is None:  # torch's current device, as .to("cuda")
             self.device = torch.device("cuda", torch.cuda.current_device())
         # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/run_ahead.py)

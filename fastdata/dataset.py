@@ -18,18 +18,17 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ._io import safe_join
-from .errors import ConfigError, FormatError, ImageDecodeError
+from .errors import ConfigError, ImageDecodeError
 from .formats import lmdb_store
 from .formats.lmdb_store import LmdbReader, open_lmdb
 from .manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
-from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
-from .jpeg_read import decode_batch, record_headers
+from .crops import RATIO, SCALE
+from .jpeg_read import BatchDecoder
 from .field_store import Alloc, FieldStore, collate_fields, split_fields
 from .schema import Field, fields_of
 from .storage.cache import ShardCache
 from .storage.opening import StreamedReads, open_remote
-from .storage.streamed import image_streamed, labels_at_open, shard_groups
+from .storage.streamed import Labels, image_streamed, labels_at_open, shard_groups
 from .storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
                              take_rows, verify_hashes)
 
@@ -83,7 +82,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
         if self.is_lmdb and self.fields is not None and (self.size != self.manifest["max_short_side"] or
                                                          crop != "center" or crop_fraction != 1.0):
-            raise ConfigError(f"{self.root} stores its images with sample fields ({', '.join(f.name for f in self.fields)}): "
+            names = ", ".join(f.name for f in self.fields)
+            raise ConfigError(f"{self.root} stores its images with sample fields ({names}): "
                               f"they are read whole at their stored {self.manifest['max_short_side']} pixels, so that "
                               "masks and boxes keep their geometry; crop and resize with fastdata.RandomResizedCrop / "
                               "CenterCrop (CPU or CUDAPrefetcher transforms), which move every field together")
@@ -95,25 +95,22 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
         if self._verify:  # ... and hashed there too (ram/cuda: while loading, one read)
             verify_hashes(self.root, self.manifest, others)
-        self._labels = self._load_labels()
+        self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
+                                   at_open=self._labels_at_open)
         self._open(self._verify)
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
-        if crop not in ("center", "random"):
-            raise ConfigError(f"crop must be 'center' or 'random', got crop={crop!r}")
+        decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them
         if (crop != "center" or fraction != 1.0) and not self.is_lmdb:
             raise ConfigError(f"crop={crop!r}, crop_fraction={fraction!r} apply to LMDB datasets (decode-time crops); "
                               f"{self.root} holds fixed-size pixels: crop them on the GPU with "
                               "fastdata.RandomResizedCrop / CenterCrop in CUDAPrefetcher(transforms=...)")
-        if not 0 < fraction <= 1:
-            raise ConfigError(f"crop_fraction must be in (0, 1], got crop_fraction={fraction!r}")
-        check_scale_ratio(scale, ratio)
-        self.crop, self.crop_fraction, self.scale, self.ratio = crop, float(fraction), tuple(scale), tuple(ratio)
+        self._decoder: Optional[BatchDecoder] = decoder if self.is_lmdb else None
 
     @property
     def random_crops(self) -> bool:
         """True when batches take a ``draw`` key (FastLoader passes ``(seed, epoch, position, rank)``)."""
-        return self.crop == "random"
+        return self._decoder is not None and self._decoder.random
 
     # -- metadata -------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -129,14 +126,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         fetches its label files for this, not its images)."""
         if not self.has_labels:
             raise ConfigError(f"{self.root} has no 'label' field (its fields: {[f.name for f in self.fields or []]})")
-        if self._labels_in is not None and not self._labels_in.all():
-            shards = self.manifest["shards"]
-            for s in np.flatnonzero(~self._labels_in).tolist():
-                assert self._remote is not None
-                self._fill_labels(s, self._remote.fetch(self._remote.entry(shards[s]["labels"])))
-        view = self._labels.view()
-        view.setflags(write=False)
-        return view
+        remote = self._remote
+        return self._label_store.complete(lambda name: remote.fetch(remote.entry(name)))  # type: ignore[union-attr]
 
     def sample_shards(self) -> Optional[np.ndarray]:
         """The shard holding each sample (for ``shuffle_window``); None for a one-store LMDB (version 1)."""
@@ -171,6 +162,11 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return names
 
     @property
+    def _labels(self) -> np.ndarray:
+        """Every sample's label (filled in as streamed shards arrive: :class:`Labels`)."""
+        return self._label_store.array
+
+    @property
     def has_labels(self) -> bool:
         """False for a dataset with fields but no class label (segmentation, detection, captions)."""
         return self.fields is None or any(f.kind == "label" for f in self.fields)
@@ -179,27 +175,6 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     def streams(self) -> bool:
         """True when shards are fetched from object storage as batches need them (NOTE [shard cache])."""
         return self._remote is not None and self.storage == "mmap" and not self.is_lmdb
-
-    def _load_labels(self) -> np.ndarray:
-        self._labels_in: Optional[np.ndarray] = None
-        if not self.has_labels:
-            return np.zeros(0, dtype=np.int64)
-        if self.streams and not self._labels_at_open:
-            # streamed: each shard's labels are filled in when the shard arrives (see _fill_labels)
-            self._labels_in = np.zeros(len(self.manifest["shards"]), dtype=bool)
-            return np.zeros(len(self), dtype=np.int64)
-        if self.is_lmdb:
-            names = [self.manifest["labels"]]
-        elif self.streams:  # every label in one file, fetched when the dataset opened
-            names = [self.manifest["all_labels"]]
-        else:
-            names = [s["labels"] for s in self.manifest["shards"]]
-        labels = np.concatenate([np.load(safe_join(self.root, n), allow_pickle=False) for n in names])
-        if labels.shape != (len(self),) or labels.dtype != np.int64:
-            raise FormatError(f"{self.root}: labels have shape {labels.shape} and dtype {labels.dtype}, expected "
-                              f"({len(self)},) int64: the dataset is damaged")
-        labels.setflags(write=False)
-        return labels
 
     def _open(self, verify: bool) -> None:
         self._shards: list[np.ndarray] = []
@@ -242,8 +217,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         def opener(s: int, path: Path) -> Any:
             if verify:
                 verify_hashes(self.root, self.manifest, list(groups[s]))
-            if self._labels_in is not None and "labels" in self.manifest["shards"][s]:
-                self._fill_labels(s, self.root / self.manifest["shards"][s]["labels"])
+            self._label_store.arrived(s)
             if store is not None:
                 store.open_shard(s)
             if images is None:
@@ -256,17 +230,6 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             if store is not None:
                 store.close_shard(s)
         self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
-
-    def _fill_labels(self, s: int, path: Path) -> None:
-        """A streamed shard's labels, checked, into their place in ``self._labels``."""
-        assert self._labels_in is not None
-        n, ss = int(self.manifest["shards"][s]["samples"]), int(self.manifest["shard_size"])
-        labels = np.load(path, allow_pickle=False)
-        if labels.shape != (n,) or labels.dtype != np.int64:
-            raise FormatError(f"{path}: labels have shape {labels.shape} and dtype {labels.dtype}, expected ({n},) "
-                              "int64: the dataset is damaged")
-        self._labels[s * ss:s * ss + n] = labels
-        self._labels_in[s] = True
 
     # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
@@ -395,7 +358,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
         # loader threads decode in parallel, each straight into its row of the batch. ``pinned``: the caller
         # holds the batch's streamed stores already (a batch with fields).
-        assert self._reader is not None and self.size is not None
+        assert self._reader is not None
         # streamed: the batch's stores fetched (or waited for) and pinned while read
         stores = (contextlib.nullcontext() if self._cache is None or pinned else
                   self._cache.reading(np.unique(idx // self._reader.shard_size)))
@@ -404,22 +367,13 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     def _decode_views(self, idx: np.ndarray, blobs: list[memoryview], x: torch.Tensor,
                       draw: Optional[tuple[int, int, int, int]]) -> None:
-        assert self._reader is not None and self.size is not None
-        heads = record_headers(blobs)  # each frame header read once, here (a damaged one fails at decode)
-        boxes, flips = self._random_boxes(heads[:, :2], draw) if self.crop == "random" else (None, None)
+        assert self._reader is not None and self._decoder is not None
         try:
-            decode_batch(blobs, self.size, x, heads=heads, boxes=boxes, flips=flips, fraction=self.crop_fraction)
+            self._decoder.decode(blobs, x, draw)
         except ImageDecodeError as exc:
             i = int(idx[getattr(exc, "position", 0)])
             raise ImageDecodeError(f"{self._reader.path_of(i)}: sample {i} is not a decodable JPEG ({exc}): "
                                    "run `fastdata verify` on the dataset") from exc
-
-    def _random_boxes(self, sizes: np.ndarray, draw: Optional[tuple[int, int, int, int]]
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """Boxes over each whole stored image of ``sizes`` (``(n, 2)`` heights, widths), and the flips."""
-        if draw is None:  # ds[i], DataLoader: torch's generator (seeded per worker by DataLoader)
-            draw = (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
-        return draw_resized_crops(draw, sizes, self.scale, self.ratio)
 
     def __getitem__(self, index: Union[int, Indices]) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):

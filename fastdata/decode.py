@@ -2,8 +2,8 @@
 (preprocessing's decoder; the loader's, of LMDB records into batch rows, is jpeg_read.py).
 
 Large JPEGs are decoded at reduced scale (libjpeg's DCT scaling, 2-8x fewer pixels to decode, through
-simplejpeg or ``Image.draft``) and resized with ``reducing_gap`` (``Image.reduce`` first), so a 4000 px photo costs little more
-than a 500 px one. Everything here is deterministic, so outputs are byte-identical across runs.
+simplejpeg or ``Image.draft``) and resized with ``reducing_gap`` (``Image.reduce`` first), so a 4000 px
+photo costs little more than a 500 px one. Everything here is deterministic, so outputs are byte-identical across runs.
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ class _PillowFiles:
     def __getitem__(self, i: int) -> Any:
         import torch
 
-        return torch.from_numpy(load_array(self.files[i], self.size, "center-crop").copy()), 0  # PIL arrays are read-only
+        pixels = load_array(self.files[i], self.size, "center-crop").copy()  # PIL arrays are read-only
+        return torch.from_numpy(pixels), 0
 
 
 def _loader_speeds(src: Path, data: Path, size: int, batch_size: int, seed: int) -> tuple[float, float]:

@@ -47,7 +47,8 @@ Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
 def masks_of(batch: dict[str, torch.Tensor]) -> list[str]:
     """The keys of a dict batch's masks: ``(B, H, W)`` tensors with the image's batch and size."""
     image = batch["image"]
-    return [k for k, v in batch.items() if k != "image" and v.ndim == 3 and v.shape == (image.shape[0], *image.shape[-2:])]
+    shape = (image.shape[0], *image.shape[-2:])
+    return [k for k, v in batch.items() if k != "image" and v.ndim == 3 and v.shape == shape]
 
 
 def move_boxes(batch: dict[str, torch.Tensor], scale: tuple[torch.Tensor, torch.Tensor],
@@ -203,7 +204,8 @@ class RandomCrop(Crop):
     def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         (h, w), (H, W), p = self.size, x.shape[-2:], self.padding
         if h > H + 2 * p or w > W + 2 * p:
-            raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images ({H + 2 * p}, {W + 2 * p})")
+            raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images "
+                              f"({H + 2 * p}, {W + 2 * p})")
         # (B, 2): top, left in the padded image; python numbers, so nothing crosses to the device
         return torch.stack((u[:, 0] * (H + 2 * p - h + 1), u[:, 1] * (W + 2 * p - w + 1)), dim=1).long()
 
@@ -336,7 +338,8 @@ class Normalize(Transform):
             mean = torch.tensor(self.mean if self.mean is not None else [0.0] * channels, dtype=torch.float64)
             std = torch.tensor(self.std if self.std is not None else [1.0] * channels, dtype=torch.float64)
             scale, shift = 1.0 / (255.0 * std), -mean / std
-            self._cache[device] = (scale.float().view(1, -1, 1, 1).to(device), shift.float().view(1, -1, 1, 1).to(device))
+            scale, shift = (t.float().view(1, -1, 1, 1).to(device) for t in (scale, shift))
+            self._cache[device] = (scale, shift)
         return self._cache[device]
 
     def __call__(self, x: Batch, generator: Rng = None) -> Batch:

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import io
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 from PIL import Image
 
 from . import turbo, turbo_loop
+from .crops import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 from .decode import FULL_SIZE, open_rgb
-from .errors import ImageDecodeError
+from .errors import ConfigError, ImageDecodeError
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +209,43 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
         except ImageDecodeError as exc:
             exc.position = j  # type: ignore[attr-defined]
             raise
+
+
+@dataclass(frozen=True)
+class BatchDecoder:
+    """How an LMDB dataset decodes a batch of records to ``size`` x ``size``: the centre square of side
+    ``fraction`` of the short side (``crop="center"``), or a random-resized crop (``scale``, ``ratio`` as
+    torchvision) of the whole stored image mirrored half the time (``crop="random"``), drawn from a batch's
+    ``(seed, epoch, position, rank)`` key (NOTE [crop draws] in crops.py) before anything is decoded."""
+
+    size: int
+    crop: str = "center"
+    fraction: float = 1.0
+    scale: tuple[float, float] = SCALE
+    ratio: tuple[float, float] = RATIO
+
+    def __post_init__(self) -> None:
+        if self.crop not in ("center", "random"):
+            raise ConfigError(f"crop must be 'center' or 'random', got crop={self.crop!r}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"crop_fraction must be in (0, 1], got crop_fraction={self.fraction!r}")
+        check_scale_ratio(self.scale, self.ratio)
+
+    @property
+    def random(self) -> bool:
+        return self.crop == "random"
+
+    def decode(self, blobs: Sequence[bytes], x: "torch.Tensor", draw: Optional[tuple[int, int, int, int]]) -> None:
+        """Decode ``blobs`` into ``x`` (:func:`decode_batch`), random boxes drawn from ``draw``; without one
+        (``ds[i]``, a DataLoader), from torch's global generator (seeded per worker by DataLoader)."""
+        heads = record_headers(blobs)  # each frame header read once, here (a damaged one fails at decode)
+        boxes = flips = None
+        if self.random:
+            import torch
+
+            key = draw if draw is not None else (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
+            boxes, flips = draw_resized_crops(key, heads[:, :2], self.scale, self.ratio)
+        decode_batch(blobs, self.size, x, heads=heads, boxes=boxes, flips=flips, fraction=self.fraction)
 
 
 def region_plan(heads: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:

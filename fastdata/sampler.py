@@ -67,8 +67,9 @@ class DistributedBatchSampler:
             elif shards is not None and len(shards) == num_samples:
                 bounds, members = group_by_shard(shards)
             else:
-                raise ConfigError("shuffle_window needs each sample's shard: the dataset must say where its samples are "
-                                  "stored (FastDataset and TokenDataset do; an LMDB made before LMDB shards does not)")
+                raise ConfigError("shuffle_window needs each sample's shard: the dataset must say where its "
+                                  "samples are stored (FastDataset and TokenDataset do; an LMDB made before LMDB "
+                                  "shards does not)")
         self.shuffle_window = shuffle_window
         self._bounds, self._members = bounds, members
         self._n_shards = len(bounds) - 1 if bounds is not None else 0

@@ -86,7 +86,8 @@ class ModelStep:
 def step_chunk(model: str, batch: int, height: int, width: int, device: torch.device) -> int:
     """The most samples of ``height`` x ``width`` one chunk of a model step may hold on ``device``: a CPU
     step keeps at most :data:`CPU_STEP_BUDGET` of activations, a GPU step half the free memory."""
-    per_sample = max(ACTIVATION_BYTES_PER_PIXEL.get(model, max(ACTIVATION_BYTES_PER_PIXEL.values())) * height * width, 1)
+    per_pixel = ACTIVATION_BYTES_PER_PIXEL.get(model, max(ACTIVATION_BYTES_PER_PIXEL.values()))
+    per_sample = max(per_pixel * height * width, 1)
     budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else CPU_STEP_BUDGET
     return max(1, min(batch, budget // per_sample))
 

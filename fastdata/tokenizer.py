@@ -81,7 +81,8 @@ class HFTokenizer(Tokenizer):
         self.eos_id = eos
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

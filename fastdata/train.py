@@ -89,7 +89,8 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
         self.train_loader, self.val_loader = train_loader, val_loader
         self.channels_last = cfg.channels_last and is_convnet(model)
-        model = model.to(self.device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
+        layout = torch.channels_last if self.channels_last else torch.preserve_format
+        model = model.to(self.device, memory_format=layout)
         # a process group (torchrun's, or one the caller made, even of one process): DDP and SyncBatchNorm
         grouped = self.dist.world_size > 1 or (dist.is_available() and dist.is_initialized())
         if cfg.sync_bn and grouped:
@@ -348,7 +349,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
             self.train_loader.load_state_dict(state["loader"])
-        self.epoch, self.step, self.best, self.bad_evals = state["epoch"], state["step"], state["best"], state["bad_evals"]
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
         checkpoint.set_rng_state(state["rng"])
         if self.dist.main and self.cfg.progress:
             log.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)

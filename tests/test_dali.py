@@ -134,8 +134,8 @@ def test_eval_parity_with_the_cpu_decode_path(tmp_path):
         for i in range(6):
             img = np.stack([200 * xx + 20 * i, 150 * yy + 40 * c, 100 + 80 * xx * yy], -1)
             Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(tmp_path / "src" / f"c{c}" / f"{i}.jpg", quality=95)
-    assert main(["preprocess", "images", str(tmp_path / "src"), str(tmp_path / "lm"), "--format", "lmdb", "--size", "48",
-                 "--workers", "1", "--quiet"]) == 0
+    assert main(["preprocess", "images", str(tmp_path / "src"), str(tmp_path / "lm"), "--format", "lmdb",
+                 "--size", "48", "--workers", "1", "--quiet"]) == 0
     dali = torch.cat([x for x, _ in loader(tmp_path / "lm", size=40, shuffle=False)])
     ref, _ = FastDataset(tmp_path / "lm", size=40).get_batch(np.arange(len(dali)))
     diff = (dali.permute(0, 2, 3, 1) * 255 - ref.float()).abs()

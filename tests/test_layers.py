@@ -11,10 +11,10 @@ ROOT = Path(fastdata.__file__).parent
 # Lowest first: errors/io -> manifest/formats -> storage (and the write side) -> datasets -> sampler/loader
 # -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
 LAYERS = [
-    ["fastdata.errors", "fastdata._io", "fastdata._threads", "fastdata._version", "fastdata.distributed", "fastdata.turbo",
-     "fastdata.turbo_loop"],
-    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.jpeg_read", "fastdata.tokenizer", "fastdata.models",
-     "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
+    ["fastdata.errors", "fastdata._io", "fastdata._threads", "fastdata._version", "fastdata.distributed",
+     "fastdata.turbo", "fastdata.turbo_loop"],
+    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.jpeg_read",
+     "fastdata.tokenizer", "fastdata.models", "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
     ["fastdata.storage", "fastdata.preprocess"],
     ["fastdata.field_store", "fastdata.dataset", "fastdata.splits", "fastdata.token_dataset"],
     ["fastdata.order", "fastdata.sampler", "fastdata.loader", "fastdata.run_ahead"],

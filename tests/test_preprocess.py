@@ -118,7 +118,8 @@ def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
     args = [str(src), "--size", "48", "--shard-size", "8", "--format", fmt, "--workers", "1", "--quiet"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
-    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]], out, 3)
+    command = [sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]]
+    kill_when_journaled(command, out, 3)
     journaled = json.loads((out / ".fastdata-partial" / "journal.json").read_text())["units"]
     base = out if fmt == "npy" else out / ".fastdata-partial"
     kept = {f["path"]: (base / f["path"]).stat().st_ino for u in journaled for f in u["files"]}

@@ -112,7 +112,8 @@ def test_state_from_another_dataset_is_refused():
         s.load_state_dict(DistributedBatchSampler(10, 2, seed=3, rank=0, world_size=1).state_dict())
 
 
-@pytest.mark.parametrize("kwargs, needle", [({"batch_size": 0}, "batch_size=0"), ({"rank": 2, "world_size": 2}, "rank=2"),
+@pytest.mark.parametrize("kwargs, needle", [({"batch_size": 0}, "batch_size=0"),
+                                            ({"rank": 2, "world_size": 2}, "rank=2"),
                                             ({"num_samples": 0}, "num_samples=0")])
 def test_bad_arguments_name_the_value(kwargs, needle):
     args = {"num_samples": 10, "batch_size": 2, "rank": 0, "world_size": 1, **kwargs}

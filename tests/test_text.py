@@ -56,7 +56,8 @@ def test_bytes_round_trip_across_many_shards(tmp_path, gz):
     assert m["format"] == "fastdata.tokens" and m["dtype"] == "<u2" and m["tokenizer"]["eos_id"] == 256
     assert len(m["splits"]["train"]["shards"]) > 10  # documents spread over many shards...
     val = is_val(np.arange(len(docs)), 0.2, 0)
-    for split, want in (("train", [d for d, v in zip(docs, val) if not v]), ("val", [d for d, v in zip(docs, val) if v])):
+    for split, want in (("train", [d for d, v in zip(docs, val) if not v]),
+                        ("val", [d for d, v in zip(docs, val) if v])):
         got = [bytes(d[:-1].astype(np.uint8)).decode() for d in docs_of(stream(out, split), 256)]
         assert got == want  # ...and not one byte lost at their boundaries
         offsets = np.load(out / f"{split}-docs.npy")
@@ -78,7 +79,8 @@ def test_hf_bpe_trained_here_round_trips(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     src = write_jsonl(tmp_path / "d.jsonl", docs)
     out = tmp_path / "out"
-    preprocess(src, out, "--tokenizer", str(tmp_path / "tokenizer.json"), "--val-fraction", "0", "--shard-tokens", "900")
+    preprocess(src, out, "--tokenizer", str(tmp_path / "tokenizer.json"), "--val-fraction", "0",
+               "--shard-tokens", "900")
     m = json.loads((out / "manifest.json").read_text())
     eos = tok.token_to_id("<|endoftext|>")
     assert m["tokenizer"]["kind"] == "huggingface" and m["tokenizer"]["eos_id"] == eos
@@ -103,7 +105,8 @@ def test_bytes_tokenizer_decodes_what_it_encodes_and_drops_the_end_of_document()
 @pytest.fixture
 def token_folder(tmp_path) -> Path:
     out = tmp_path / "tok"
-    preprocess(write_jsonl(tmp_path / "d.jsonl", make_docs(400)), out, "--val-fraction", "0.1", "--shard-tokens", "1000")
+    preprocess(write_jsonl(tmp_path / "d.jsonl", make_docs(400)), out, "--val-fraction", "0.1",
+               "--shard-tokens", "1000")
     return out
 
 

@@ -359,7 +359,8 @@ def test_compile_trains_to_the_same_weights():
 
     def run(compile: bool) -> dict:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 3))
         cfg = TrainConfig(epochs=1, lr=0.1, device="cpu", progress=False, compile=compile, schedule="constant")
         Trainer(model, CUDAPrefetcher(data, device="cpu"), None, config=cfg).fit()
         return model.state_dict()  # the Trainer saves and steps the module beneath the compiled wrapper

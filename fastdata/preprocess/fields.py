@@ -124,7 +124,8 @@ class RecordDecoder:
             with Image.open(path) as m:
                 m.load()
                 if m.mode not in ("L", "P", "I", "I;16", "I;16L", "1"):
-                    raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids (L, P or 16-bit)")
+                    raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids "
+                                           "(L, P or 16-bit)")
                 arr = np.asarray(m)
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
             raise ImageDecodeError(f"mask {rel}: {type(exc).__name__}: {exc}") from exc

@@ -68,7 +68,8 @@ def discover(src: Path | str) -> Source:
     """An ImageFolder tree when ``src`` is a folder, a ``path,label`` list when it is a ``.csv`` file."""
     src = Path(src)
     if not src.exists():
-        raise SourceError(f"source {src} does not exist: pass an image folder (one sub-folder per class) or a .csv list")
+        raise SourceError(f"source {src} does not exist: pass an image folder (one sub-folder per class) or a "
+                          ".csv list")
     if src.is_dir():
         source = _from_folder(src)
     elif src.suffix.lower() == ".csv":

@@ -230,7 +230,8 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], root: 
                     writer.mark(idx)
                     continue
                 if len(ids) and int(ids.max()) >= tok.vocab_size:
-                    raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {tok.vocab_size}")
+                    raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size "
+                                        f"{tok.vocab_size}")
                 for unit in writer.add("val" if v else "train", ids, idx):
                     jr.add(unit, skipped, partial)
         for unit in writer.finish():

@@ -30,8 +30,9 @@ def parse_size(value: Union[int, float, str, None], name: str = "cache_limit") -
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]], cache_dir: Optional[Union[str, Path]],
-                cache_limit: Union[int, str, None], streamed: Callable[[dict[str, Any]], frozenset[str]]
+def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]],
+                cache_dir: Optional[Union[str, Path]], cache_limit: Union[int, str, None],
+                streamed: Callable[[dict[str, Any]], frozenset[str]]
                 ) -> tuple[Path, Optional[RemoteDataset], Optional[int]]:
     """``(local folder, remote or None, limit in bytes)`` for a dataset ``path``: a URL's cache folder with
     every file but ``streamed(manifest)`` downloaded (those come with the batches), else the path itself.

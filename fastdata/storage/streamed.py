@@ -1,10 +1,16 @@
 """Which files of a dataset in object storage are streamed (fetched as batches need them, NOTE [shard cache]
-in cache.py) rather than downloaded when it opens, and which of them travel together as one shard's group."""
+in cache.py) rather than downloaded when it opens, which of them travel together as one shard's group, and
+an image dataset's labels, read at opening or filled in as streamed shards arrive."""
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-from ..manifest import IMAGES_NPY
+import numpy as np
+
+from .._io import safe_join
+from ..errors import FormatError
+from ..manifest import IMAGES_LMDB, IMAGES_NPY
 from ..schema import fields_of
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
@@ -54,3 +60,62 @@ def token_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     if storage != "mmap":
         return frozenset()
     return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
+
+
+class Labels:
+    """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
+    when the dataset opens (its labels files, or a streamed dataset's ``all_labels`` when small enough:
+    :func:`labels_at_open`), or else filled in shard by shard as a streamed dataset's shards arrive
+    (:meth:`fill`), ``filled`` saying which are in."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
+                 at_open: bool) -> None:
+        self.root, self.manifest = root, manifest
+        n = int(manifest["num_samples"])
+        self.filled: Optional[np.ndarray] = None  # per shard, while labels arrive with streamed shards
+        if not has_labels:
+            self.array = np.zeros(0, dtype=np.int64)
+            return
+        if streams and not at_open:
+            self.filled = np.zeros(len(manifest["shards"]), dtype=bool)
+            self.array = np.zeros(n, dtype=np.int64)
+            return
+        if manifest["format"] == IMAGES_LMDB:
+            names = [manifest["labels"]]
+        elif streams:  # every label in one file, fetched when the dataset opened
+            names = [manifest["all_labels"]]
+        else:
+            names = [s["labels"] for s in manifest["shards"]]
+        labels = np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names])
+        if labels.shape != (n,) or labels.dtype != np.int64:
+            raise FormatError(f"{root}: labels have shape {labels.shape} and dtype {labels.dtype}, expected "
+                              f"({n},) int64: the dataset is damaged")
+        labels.setflags(write=False)
+        self.array = labels
+
+    def arrived(self, s: int) -> None:
+        """Streamed shard ``s`` is in the cache: its labels, which came with it, are filled in."""
+        if self.filled is not None and "labels" in self.manifest["shards"][s]:
+            self.fill(s, safe_join(self.root, self.manifest["shards"][s]["labels"]))
+
+    def fill(self, s: int, path: Path) -> None:
+        """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array``."""
+        if self.filled is None:  # every label was read at opening
+            return
+        n, ss = int(self.manifest["shards"][s]["samples"]), int(self.manifest["shard_size"])
+        labels = np.load(path, allow_pickle=False)
+        if labels.shape != (n,) or labels.dtype != np.int64:
+            raise FormatError(f"{path}: labels have shape {labels.shape} and dtype {labels.dtype}, expected ({n},) "
+                              "int64: the dataset is damaged")
+        self.array[s * ss:s * ss + n] = labels
+        self.filled[s] = True
+
+    def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:
+        """Every label, read-only: the shards' labels files not in yet fetched first (``fetch(name)`` gives a
+        file's local path), without their images."""
+        if self.filled is not None:
+            for s in np.flatnonzero(~self.filled).tolist():
+                self.fill(s, fetch(self.manifest["shards"][s]["labels"]))
+        view = self.array.view()
+        view.setflags(write=False)
+        return view
