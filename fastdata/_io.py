@@ -53,14 +53,16 @@ def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> s
     return h.hexdigest()
 
 
-def disk_error(exc: OSError, path: Path) -> OutputError:
-    """Turn an ``OSError`` raised while writing ``path`` into a user-facing error."""
+RESUME_ADVICE = "free some space and rerun the same command, which resumes from the last complete shard"
+
+
+def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputError:
+    """Turn an ``OSError`` raised while writing ``path`` into a user-facing error; ``advice`` says what to do
+    when the disk is full."""
     if exc.errno in _FULL_ERRNOS:
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         return DiskFullError(
-            f"no space left while writing {path} ({os.strerror(exc.errno)}; {free / 2**20:.1f} MiB free): "
-            "free some space and rerun the same command, which resumes from the last complete shard"
-        )
+            f"no space left while writing {path} ({os.strerror(exc.errno)}; {free / 2**20:.1f} MiB free): {advice}")
     return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 

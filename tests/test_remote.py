@@ -237,6 +237,38 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
     assert main(["cache", "list"]) == 0 and capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
+def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s3, indexed_datasets, tmp_path,
+                                                                              monkeypatch):
+    import resource
+    import signal
+
+    from fastdata.cli import main
+    from fastdata.storage.remote import RemoteDataset, push
+
+    url, cache = s3("fullcache") + "/ds", tmp_path / "cache"
+    push(indexed_datasets["npy"], url)
+    remote = RemoteDataset(url, cache_dir=cache)
+    remote.prepare(frozenset(e["path"] for e in remote.manifest["files"]))  # the manifest only
+    shard = max(e["bytes"] for e in remote.manifest["files"])
+    assert 2_000 < shard  # image shards (3.2 kB) cannot be written; labels files (< 1 kB) can
+
+    def small_disk() -> None:  # no file may grow past 2 kB: write() fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000, 2_000))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    monkeypatch.setenv("FASTDATA_CACHE", str(cache))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "fastdata", "verify", url, "--quiet"], capture_output=True,
+                       text=True, preexec_fn=small_disk, timeout=300)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "no space left while writing" in err and str(remote.dir) in err and "cache_limit" in err, err
+    assert "tries" not in err and time.monotonic() - t0 < 60, err  # a full disk is not a network fault
+    assert not list(remote.dir.glob("images-*.npy")) and not list(remote.dir.rglob("*.part-*"))
+    assert main(["verify", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
+
+
 def test_urls_need_the_remote_extra_and_local_paths_refuse_remote_options(monkeypatch, indexed_datasets):
     from fastdata.dataset import FastDataset
     from fastdata.errors import ConfigError, MissingDependencyError

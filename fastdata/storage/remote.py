@@ -11,7 +11,9 @@ The folder holds the manifest from the start (its id is that manifest's hash) an
 arrive: FastDataset streams image shards into it as batches need them (storage/cache.py), any other
 reader waits for every file, and then it is an ordinary dataset folder. The next job on the same data
 reuses it; ``fastdata cache list|remove`` manage the folders. A download whose bytes do not match while
-the remote manifest changed is refused: a job never mixes two versions of a dataset.
+the remote manifest changed is refused: a job never mixes two versions of a dataset. A network fault is
+retried; a full cache disk is not (trying again does not free space): the partial file is removed and
+one line says what to do (DiskFullError; a rerun keeps what is cached).
 
 NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
 (object stores write whole objects: a marker exists only after its object is complete); the manifest goes
@@ -32,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from .._io import HASH_NAME, fsync_dir, new_hash, write_bytes_atomic
-from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError
+from .._io import HASH_NAME, disk_error, fsync_dir, new_hash, write_bytes_atomic
+from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError, OutputError
 from ..manifest import MANIFEST_NAME, file_problem
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
@@ -43,6 +45,9 @@ PUSH_MARKERS = ".fastdata-push"
 SOURCE_NAME = ".source.json"
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
+CACHE_FULL_ADVICE = ("give the dataset a cache_limit below the free space (`--cache-limit`: shards are then "
+                     "streamed and evicted), remove other datasets' copies (`fastdata cache remove`), or point "
+                     "cache_dir / $FASTDATA_CACHE at a larger disk; a rerun keeps the files already cached")
 _SECRET = re.compile(r"((?:X-Amz-[A-Za-z-]+|Signature|sig|token|AWSAccessKeyId|key|secret)=)[^&\s'\"]+", re.I)
 
 
@@ -88,8 +93,8 @@ def _retry(what: str, fn: Callable[[], Any], tries: int, backoff: float) -> Any:
     for attempt in range(tries):
         try:
             return fn()
-        except (FileNotFoundError, ChecksumError, MissingDependencyError, ConfigError, FormatError):
-            raise
+        except (FileNotFoundError, ChecksumError, MissingDependencyError, ConfigError, FormatError, OutputError):
+            raise  # (OutputError: this machine's disk, e.g. a full cache, which trying again does not mend)
         except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
             if attempt + 1 == tries:
                 raise FormatError(f"cannot read {scrub(what)} after {tries} tries: {type(exc).__name__}: "
@@ -199,16 +204,27 @@ class RemoteDataset:
     def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
         tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
         digest, size = new_hash(), 0
+
+        def local(op: Callable[[], Any]) -> Any:  # this machine's side: its errors are not the network's
+            try:
+                return op()
+            except OSError as exc:
+                raise disk_error(exc, final, CACHE_FULL_ADVICE) from exc
         try:
-            with open(tmp, "wb") as dst:
+            dst = local(lambda: open(tmp, "wb"))
+            try:
                 for block in self._blocks(object_path(self.root, entry["path"]), int(entry["bytes"])):
                     digest.update(block)
-                    dst.write(block)
+                    local(lambda: dst.write(block))
                     size += len(block)
                     if progress is not None:
                         progress(len(block))
-                dst.flush()
-                os.fsync(dst.fileno())
+                local(lambda: (dst.flush(), os.fsync(dst.fileno())))
+            finally:
+                try:
+                    dst.close()
+                except OSError:  # flushing what a failed write left buffered: that error is on its way already
+                    pass
             problem = file_problem(entry, size, digest.hexdigest())
             if problem is not None and self._manifest_changed():
                 raise FormatError(f"{scrub(self.url)} changed while this job was reading it (its {MANIFEST_NAME} "
@@ -217,7 +233,7 @@ class RemoteDataset:
             if problem is not None:  # a truncated or corrupted body: retried by the caller, never renamed
                 what = HASH_NAME if problem == "hash" else problem
                 raise IOError(f"the downloaded bytes' {what} differs from the manifest's (truncated or corrupted)")
-            os.replace(tmp, final)
+            local(lambda: os.replace(tmp, final))
             with self._count:
                 self.fetched["files"] += 1
                 self.fetched["bytes"] += size
