@@ -1,8 +1,9 @@
 """Training checkpoints: everything needed to continue a run exactly where it stopped.
 
 A checkpoint holds tensors, numbers and strings only (no pickled code), so it loads with
-``torch.load(weights_only=True)``; it is written under a temporary name and renamed, so a crash mid-write
-leaves the previous checkpoint intact. The Trainer decides what goes in and when (rank 0 writes).
+``torch.load(weights_only=True)``; it is written under a temporary name, flushed to disk and renamed, so a
+crash or a full disk mid-write leaves the previous checkpoint intact (a full disk is one clear error). The
+Trainer decides what goes in and when (rank 0 writes).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ._io import disk_error, fsync_dir
 from .errors import FormatError
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -38,11 +40,38 @@ def set_rng_state(rng: dict[str, Any]) -> None:
 
 
 def write(path: Path, state: dict[str, Any]) -> None:
-    """Save ``state`` to ``path`` atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Save ``state`` to ``path`` atomically and durably; a write that fails (a full disk: DiskFullError)
+    leaves the previous checkpoint as it was and no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(tmp, "wb")
+        try:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            try:
+                f.close()
+            except OSError:  # flushing what a failed write left buffered: that error is on its way already
+                pass
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        raise disk_error(cause, path, "free space there or give --checkpoint another folder; the previous "
+                                      "checkpoint is intact") from exc
+
+
+def _os_error(exc: BaseException) -> "OSError | None":
+    """The OSError behind ``exc`` (torch.save reports a failed write as a RuntimeError whose context is it)."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 def read(path: Path, device: torch.device, model: nn.Module) -> dict[str, Any]:

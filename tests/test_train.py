@@ -231,6 +231,30 @@ def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
     assert r.returncode == 1 and "holds a SmallCNN, not a ResNet" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_images, tmp_path):
+    import resource
+
+    assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path))) == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    limit = len(before) // 2  # the next checkpoint, as big, cannot be written
+
+    def small_disk() -> None:  # no file may grow past `limit`: write() fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--max-steps", "4", "--checkpoint",
+                                                                      str(tmp_path), "--resume")],
+                       capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "no space left while writing" in err and "checkpoint.pt" in err and "previous checkpoint is intact" in err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+    assert load_ckpt(tmp_path)["step"] == 2
+    assert main(train_args(small_images, "--max-steps", "4", "--checkpoint", str(tmp_path), "--resume")) == 0
+    assert load_ckpt(tmp_path)["step"] == 4  # room again: the run goes on from the kept checkpoint
+
+
 @pytest.mark.cuda
 def test_fp16_gradscaler_channels_last_and_stall_on_gpu(small_images, tmp_path):
     log = tmp_path / "log.jsonl"
