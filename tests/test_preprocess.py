@@ -1,6 +1,7 @@
 """``fastdata preprocess images`` end to end: real files in, shards/LMDB out, through the CLI."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -145,6 +146,114 @@ def test_rerun_same_args_is_noop_other_args_refused_unless_overwrite(photo_folde
     assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (16, 16, 3)  # refused: untouched
     assert main(args("--size", "20", "--overwrite")) == 0
     assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (20, 20, 3)
+
+
+def test_a_second_run_on_the_same_output_waits_for_the_first(photo_folder, tmp_path):
+    """NOTE [one writer]: while OUT is held, another preprocess into it says so and waits, writing nothing."""
+    import threading
+
+    from fastdata.preprocess import journal
+
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    args = [str(photo_folder), "--size", "16", "--quiet"]
+    assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
+    lines: list[str] = []
+    with journal.exclusive(out):
+        proc = subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out),
+                                 *args[1:]], stderr=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while not any("waiting" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(f"{out} is being written by another fastdata preprocess" in line for line in lines), lines
+        time.sleep(0.5)
+        assert proc.poll() is None and list(out.iterdir()) == []  # waiting, nothing written
+    assert proc.wait(timeout=120) == 0
+    reader.join(timeout=10)
+    assert tree_bytes(out) == tree_bytes(ref)
+
+
+def test_a_forked_child_does_not_keep_the_output_held(tmp_path):
+    """NOTE [one writer]: a process forked while OUT is held (a worker) does not hold it once the run ends."""
+    from fastdata.preprocess import journal
+
+    out = tmp_path / "out"
+    with journal.exclusive(out):
+        child = os.fork()
+        if child == 0:  # lives on past the run, as an orphaned worker would
+            time.sleep(30)
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        probe = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                "from fastdata.preprocess import journal\nwith journal.exclusive(Path(sys.argv[1])): "
+                                "print('held')", str(out)], capture_output=True, text=True, timeout=20)
+        assert probe.stdout == "held\n" and "waiting" not in probe.stderr and time.monotonic() - t0 < 20
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+@pytest.mark.slow
+def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_path):
+    """kill -9 of a run ends its worker processes (which used to wait on their queue forever) and frees OUT
+    for the rerun (NOTE [one writer])."""
+    from fastdata.synthetic import make_image_folder
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_image_folder(src, num_classes=2, per_class=60, sizes=((640, 480),))
+    command = [sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(out), "--size", "32",
+               "--shard-size", "8", "--workers", "2", "--quiet"]
+    proc = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    journal_file = out / ".fastdata-partial" / "journal.json"
+    deadline = time.monotonic() + 120
+    while not journal_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    try:
+        assert len(workers) == 2
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # gone with their run
+        r = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "waiting" not in r.stderr, r.stderr
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert main(["verify", str(out), "--quiet"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["images", "text"])
+def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, kind):
+    """Every rank of a torchrun job calling the preprocess: one writes, the others wait and find it done."""
+    from fastdata.synthetic import make_image_folder
+
+    src = tmp_path / "src"
+    if kind == "images":
+        make_image_folder(src, num_classes=2, per_class=60, sizes=((640, 480), (480, 640)))
+        args = ["preprocess", "images", str(src), "--size", "48", "--shard-size", "8", "--workers", "2", "--quiet"]
+    else:
+        src.mkdir()
+        rng = random.Random(0)
+        for i in range(40):
+            (src / f"{i}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(20_000)))
+        args = ["preprocess", "text", str(src), "--tokenizer", "bytes", "--shard-tokens", "50000", "--quiet"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert main([*args[:3], str(ref), *args[3:]]) == 0
+    procs = [subprocess.Popen([sys.executable, "-m", "fastdata", *args[:3], str(out), *args[3:]],
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    assert sum("waiting for it to end" in err for _, err in results) >= 1, results
+    assert tree_bytes(out) == tree_bytes(ref)
+    assert main(["verify", str(out), "--quiet"]) == 0
 
 
 def test_on_error_fail_names_the_file_without_traceback(awkward_folder, tmp_path):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import decode
-from .._io import disk_error, fsync_dir, write_bytes_atomic
+from .._io import fsync_dir, write_bytes_atomic
 from ..errors import ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE, npy_bytes
@@ -99,24 +99,16 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     out = config.out
-    done = journal.prepare_output(out, fingerprint, config.overwrite)
-    if done is not None:
-        log.info("%s is already complete with these arguments", out)
-        return done
-    partial = journal.partial_dir(out)
-    jr = journal.load(partial)
-    if jr is None or jr.fingerprint != fingerprint:
-        journal.remove_partial(out)
-        jr = journal.Journal(fingerprint)
-    try:
-        partial.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise disk_error(exc, partial) from exc
-    jr.keep_intact(out, partial)
-    if jr.units:
-        log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
-    _run(config, source, jr, partial)
-    return _finish(config, source, jr, partial, params, fingerprint)
+    with journal.exclusive(out):  # NOTE [one writer] in journal.py
+        done = journal.prepare_output(out, fingerprint, config.overwrite)
+        if done is not None:
+            log.info("%s is already complete with these arguments", out)
+            return done
+        jr, partial = journal.resume(out, fingerprint)
+        if jr.units:
+            log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
+        _run(config, source, jr, partial)
+        return _finish(config, source, jr, partial, params, fingerprint)
 
 
 def _chunks(start: int, stop: int, workers: int, max_files: int) -> list[tuple[int, int]]:

@@ -2,19 +2,45 @@
 
 It lives in ``OUT/.fastdata-partial/journal.json``, rewritten atomically after every completed unit, and
 is removed once the manifest is written. A unit is trusted on resume only if its files still hash right.
+
+NOTE [one writer]: a run holds OUT (``flock`` on the folder) from its first check to its manifest, so two
+runs never write the same temporary files: a second one (every rank of a torchrun job calling the
+preprocess, two terminals) says it waits, then finds OUT finished (a rerun with the same arguments returns
+its manifest) or resumes what the first left. The lock goes with the process that holds it, ``kill -9``
+included: forked workers close their inherited copy, so an orphaned worker never holds OUT. On a file
+system without ``flock`` on folders (some NFS mounts) runs are not serialised.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import logging
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-from .._io import write_json_atomic
+from .._io import disk_error, write_json_atomic
 from ..errors import OutputError
 from ..manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
+
+log = logging.getLogger(__name__)
+_held: set[int] = set()  # folder descriptors locked by this process (NOTE [one writer])
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the inherited lock descriptors, so that only the holder keeps OUT locked."""
+    for fd in list(_held):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 JOURNAL_NAME = "journal.json"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
@@ -78,14 +104,55 @@ def read_fingerprint(out: Path) -> str | None:
         return None
 
 
-def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
-    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
+def _make_output(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
+
+
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """OUT made if needed, and held by this run until the block ends (NOTE [one writer])."""
+    _make_output(out)
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    _held.add(fd)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is being written by another fastdata preprocess: waiting for it to end", out)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # no flock on this file system's folders: run unserialised
+            if exc.errno not in (errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        yield
+    finally:
+        _held.discard(fd)
+        os.close(fd)
+
+
+def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
+    """The journal of OUT's unfinished run with this fingerprint, its units checked (a fresh one otherwise),
+    and the partial folder, made."""
+    partial = partial_dir(out)
+    jr = load(partial)
+    if jr is None or jr.fingerprint != fingerprint:
+        remove_partial(out)
+        jr = Journal(fingerprint)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise disk_error(exc, partial) from exc
+    jr.keep_intact(out, partial)
+    return jr, partial
+
+
+def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
+    _make_output(out)
     names = [p.name for p in out.iterdir()]
     if not names:
         return None

@@ -13,10 +13,12 @@ hundred images per second per parent.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import multiprocessing as mp
 import os
 import signal
+import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -53,10 +55,25 @@ def _start_method() -> str:
     return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 
 
-def _init_worker(slots: Optional[_Slots]) -> None:
+def _init_worker(slots: Optional[_Slots], parent: int) -> None:
     global _slots
     _slots = slots
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, by the parent
+    _die_with(parent)
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when the run that started it ends, ``kill -9`` included: left alone, a worker of a
+    killed run waits on its task queue forever, holding a copy of the run's memory (Linux; elsewhere a
+    worker lives on until its queue breaks). Linux sends the signal when the thread that started the worker
+    ends: the pool lives within one :func:`ordered_map` iteration, driven by one thread."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent:  # the run died before the line above
+        os._exit(1)
 
 
 def slot(k: Optional[int]) -> Optional[memoryview]:
@@ -93,7 +110,7 @@ def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int,
             _slots = None
         return
     with ProcessPoolExecutor(workers, mp_context=mp.get_context(_start_method()), initializer=_init_worker,
-                             initargs=(slots,)) as pool:  # None unless forked workers can share them
+                             initargs=(slots, os.getpid())) as pool:  # None unless forked workers can share them
         it = enumerate(tasks)
         pending: deque[tuple[int, Any]] = deque()
         try:

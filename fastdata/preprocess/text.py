@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from .._io import disk_error, fsync_dir, write_bytes_atomic
+from .._io import fsync_dir, write_bytes_atomic
 from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
@@ -159,21 +159,13 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         st = p.stat()
         h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     fingerprint = h.hexdigest()
-    done = journal.prepare_output(config.out, fingerprint, config.overwrite)
-    if done is not None:
-        return done
-    partial = journal.partial_dir(config.out)
-    jr = journal.load(partial)
-    if jr is None or jr.fingerprint != fingerprint:
-        journal.remove_partial(config.out)
-        jr = journal.Journal(fingerprint)
-    try:
-        partial.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise disk_error(exc, partial) from exc
-    jr.keep_intact(config.out, partial)
-    total_bytes = _run(config, tok, files, root, jr, partial)
-    return _finish(config, tok, files, jr, partial, fingerprint, total_bytes)
+    with journal.exclusive(config.out):  # NOTE [one writer] in journal.py
+        done = journal.prepare_output(config.out, fingerprint, config.overwrite)
+        if done is not None:
+            return done
+        jr, partial = journal.resume(config.out, fingerprint)
+        total_bytes = _run(config, tok, files, root, jr, partial)
+        return _finish(config, tok, files, jr, partial, fingerprint, total_bytes)
 
 
 def _params(config: TextPreprocessConfig, tok: Tokenizer) -> dict[str, Any]:
