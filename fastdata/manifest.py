@@ -71,7 +71,68 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
         safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, str(path))  # refuses unknown kinds, bad dtypes, a missing image field
+    check_layout(manifest, str(path))
     return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_layout(manifest: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose numbers cannot describe its files (an edited or damaged one). Readers map
+    sample ``i`` to row ``i % shard_size`` of shard ``i // shard_size`` and a token window to its shard by
+    the shards' token counts: a wrong count, shape or dtype would serve wrong rows, or fail deep inside a
+    batch, instead of here with one line."""
+    def refuse(what: str) -> None:
+        raise FormatError(f"{where}: {what}: the manifest is damaged; re-run `fastdata preprocess` (or restore "
+                          "the dataset's own manifest.json)")
+
+    fmt = manifest["format"]
+    if fmt == TOKENS:
+        if manifest.get("dtype") not in ("<u2", "<u4"):
+            refuse(f"token dtype {manifest.get('dtype')!r} is not '<u2' or '<u4'")
+        splits = manifest.get("splits")
+        if not isinstance(splits, dict) or not splits:
+            refuse("it has no 'splits'")
+        for name, split in splits.items():
+            shards = split.get("shards") if isinstance(split, dict) else None
+            if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("tokens"))
+                                                       and isinstance(s.get("path"), str) for s in shards):
+                refuse(f"split {name!r} has no list of shards with paths and token counts")
+            if not _count(split.get("tokens")) or split["tokens"] != sum(s["tokens"] for s in shards):
+                refuse(f"split {name!r} says {split.get('tokens')!r} tokens, its shards hold "
+                       f"{sum(s['tokens'] for s in shards)}")
+        return
+    n = manifest.get("num_samples")
+    if not _count(n):
+        refuse(f"num_samples is {n!r}")
+    classes = manifest.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        refuse("'classes' is not a list of names")
+    if fmt == IMAGES_NPY:
+        shape = manifest.get("sample_shape")
+        if (not isinstance(shape, list) or len(shape) != 3 or not all(_count(d) and d > 0 for d in shape)
+                or shape[2] != 3):
+            refuse(f"sample_shape {shape!r} is not [height, width, 3]")
+        if manifest.get("dtype") != "|u1":
+            refuse(f"image dtype {manifest.get('dtype')!r} is not '|u1' (uint8)")
+        key = "shards"
+    elif "lmdb_shards" in manifest:
+        key = "lmdb_shards"
+    else:  # LMDB format version 1: one store
+        if not isinstance(manifest.get("lmdb"), str):
+            refuse("it names no LMDB store")
+        return
+    shards, size = manifest.get(key), manifest.get("shard_size")
+    if not _count(size) or size < 1:
+        refuse(f"shard_size is {size!r}")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("samples")) for s in shards):
+        refuse(f"'{key}' is not a list of shards with sample counts")
+    counts = [s["samples"] for s in shards]
+    if sum(counts) != n or any(c != size for c in counts[:-1]) or (counts and not 0 < counts[-1] <= size):
+        refuse(f"its {len(counts)} shards hold {counts[:3]}{'...' if len(counts) > 3 else ''} samples, not "
+               f"{n} samples in shards of {size}")
 
 
 # NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file

@@ -46,6 +46,24 @@ def preprocess(src: Path, out: Path, *extra: str) -> None:
     assert main(["preprocess", "text", str(src), str(out), "--quiet", "--workers", "1", *extra]) == 0
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] + 1000), "its shards hold"),
+    (lambda m: m.update(dtype="<i8"), "token dtype '<i8'"),
+    (lambda m: m.pop("splits"), "no 'splits'"),
+], ids=["tokens", "dtype", "splits"])
+def test_a_token_manifest_that_cannot_describe_its_shards_is_refused(tmp_path, edit, needle):
+    from fastdata.errors import FormatError
+
+    out = tmp_path / "out"
+    preprocess(write_jsonl(tmp_path / "d.jsonl", make_docs(200)), out, "--shard-tokens", "1000")
+    m = json.loads((out / "manifest.json").read_text())
+    edit(m)
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="the manifest is damaged") as err:  # before: IndexError or KeyError
+        TokenDataset(out, seq_len=16)
+    assert needle in str(err.value)
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_bytes_round_trip_across_many_shards(tmp_path, gz):
     docs = make_docs(300)

@@ -80,6 +80,48 @@ def test_manifest_paths_may_not_escape_the_folder(dataset, capsys):
     assert "refusing" in capsys.readouterr().err
 
 
+def _shards_key(m: dict) -> str:
+    return "shards" if "shards" in m else "lmdb_shards"
+
+
+def _uneven(m: dict) -> None:  # the same total, another split between shards: rows would land elsewhere
+    shards = m[_shards_key(m)]
+    shards[0]["samples"] -= 1
+    shards[-1]["samples"] += 1
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.update(shard_size=0), "shard_size is 0"),
+    (lambda m: m.update(shard_size=14), "shards hold [16, 16, 10] samples, not 42 samples in shards of 14"),
+    (_uneven, "shards hold [15, 16, 11] samples, not 42"),
+    (lambda m: m.update(num_samples=43), "not 43 samples"),
+    (lambda m: m.update(num_samples=-1), "num_samples is -1"),
+    (lambda m: m.pop("classes"), "'classes' is not a list"),
+    (lambda m: m[_shards_key(m)][1].pop("samples"), "is not a list of shards with sample counts"),
+], ids=["shard_size_0", "shard_size_other", "uneven", "count", "negative", "classes", "no_samples"])
+def test_a_manifest_whose_numbers_cannot_describe_its_files_is_refused(dataset, edit, needle, capsys):
+    m = json.loads((dataset / "manifest.json").read_text())
+    edit(m)
+    (dataset / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="the manifest is damaged") as err:
+        load_manifest(dataset)
+    assert needle in str(err.value)
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    out = capsys.readouterr().err
+    assert needle in out and len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+@pytest.mark.parametrize("change, needle", [({"dtype": "<f4"}, "image dtype '<f4'"),
+                                            ({"sample_shape": [16, 16]}, "sample_shape [16, 16]")])
+def test_an_npy_manifest_with_another_pixel_layout_is_refused(photo_folder, tmp_path, change, needle):
+    out = tmp_path / "ds"
+    assert main(["preprocess", "images", str(photo_folder), str(out), "--size", "16", "--quiet"]) == 0
+    _edit_manifest(out, **change)
+    with pytest.raises(FormatError, match="the manifest is damaged") as err:
+        load_manifest(out)
+    assert needle in str(err.value)
+
+
 def test_newer_format_version_is_refused_naming_the_writer(dataset):
     _edit_manifest(dataset, format_version=99, fastdata_version="9.9.9")
     with pytest.raises(VersionError, match=r"version 99 was written by fastdata 9\.9\.9.*upgrade fastdata"):
