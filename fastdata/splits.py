@@ -61,8 +61,11 @@ def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarra
     """A deterministic random split of ``range(n)`` by ``seed``: sorted ``(train, val)`` index arrays."""
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got val_fraction={val_fraction!r}")
-    perm = np.random.default_rng((seed, 0x5E1)).permutation(n)
     n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise ConfigError(f"val_fraction={val_fraction!r} of {n} samples leaves {n - n_val} for training: use a "
+                          "smaller --val-fraction, or a validation dataset of its own (--val)")
+    perm = np.random.default_rng((seed, 0x5E1)).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 

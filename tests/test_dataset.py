@@ -200,3 +200,19 @@ def test_public_api():
     for name in fastdata.__all__:
         assert getattr(fastdata, name) is not None
     assert fastdata.FastDataset is FastDataset
+
+
+def test_a_validation_split_is_disjoint_deterministic_and_leaves_samples_to_train():
+    from fastdata.errors import ConfigError
+    from fastdata.splits import split_indices
+
+    train, val = split_indices(1000, 0.1, seed=3)
+    assert len(val) == 100 and len(train) == 900
+    assert np.array_equal(np.sort(np.concatenate([train, val])), np.arange(1000))  # every sample, once
+    assert all(np.array_equal(a, b) for a, b in zip((train, val), split_indices(1000, 0.1, seed=3)))
+    assert not np.array_equal(val, split_indices(1000, 0.1, seed=4)[1])
+    assert len(split_indices(12, 0.01)[1]) == 1  # at least one validation sample
+    with pytest.raises(ConfigError, match=r"val_fraction=0.99 of 12 samples leaves 0 for training"):
+        split_indices(12, 0.99)  # before: "num_samples must be a positive integer, got num_samples=0"
+    with pytest.raises(ConfigError, match="leaves 0 for training"):
+        split_indices(1, 0.5)
