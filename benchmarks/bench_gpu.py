@@ -66,6 +66,16 @@ def replicated(files: list[Path], root: Path, repeat: int) -> list[Path]:
     return out
 
 
+def drop_shm_copies(scratch: Path) -> None:
+    """Remove the /dev/shm copies of this run's datasets (copies outlive a job on purpose; these are in RAM
+    and their datasets are gone with ``scratch``)."""
+    from fastdata.storage.shm import list_copies, remove_copies
+
+    ours = [c["id"] for c in list_copies() if str(c.get("dataset", "")).startswith(str(scratch.resolve()))]
+    if ours:  # (an empty list would remove every copy)
+        remove_copies(ours)
+
+
 def in_shm(root: Path) -> FastDataset:
     """``root`` with ``storage="shm"`` (one copy per node), or in RAM where /dev/shm cannot hold it (said)."""
     try:
@@ -453,6 +463,7 @@ def main() -> None:
                   f"{mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
             save()
     finally:
+        drop_shm_copies(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
