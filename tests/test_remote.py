@@ -269,6 +269,23 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     assert main(["verify", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
 
 
+def test_push_to_a_file_url_makes_its_folders_and_reads_back_the_same_batches(indexed_datasets, tmp_path,
+                                                                             capsys):
+    pytest.importorskip("fsspec")
+    from fastdata.cli import main
+    from fastdata.dataset import FastDataset
+    from fastdata.loader import FastLoader
+
+    url = (tmp_path / "share" / "datasets" / "x").as_uri()  # folders that do not exist yet (a shared mount)
+    assert main(["push", str(indexed_datasets["npy"]), url, "--quiet"]) == 0  # before: FileNotFoundError
+    assert "15 object(s) uploaded" in capsys.readouterr().out
+    assert main(["push", str(indexed_datasets["npy"]), url, "--quiet"]) == 0
+    assert "0 object(s) uploaded, 15 already there" in capsys.readouterr().out
+    remote = FastDataset(url, cache_dir=tmp_path / "cache")
+    local = FastDataset(indexed_datasets["npy"])
+    assert _same(_epoch(FastLoader(remote, 16, shuffle=False)), _epoch(FastLoader(local, 16, shuffle=False)))
+
+
 def test_urls_need_the_remote_extra_and_local_paths_refuse_remote_options(monkeypatch, indexed_datasets):
     from fastdata.dataset import FastDataset
     from fastdata.errors import ConfigError, MissingDependencyError

@@ -315,10 +315,12 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
     manifest = load_manifest(local)
     fs, root = filesystem(url.rstrip("/"), storage_options)
     counts = {"uploaded": 0, "skipped": 0}
+    folders = _folders(fs)
 
     def one(entry: dict[str, Any]) -> None:
         name = entry["path"]
         target, marker = object_path(root, name), object_path(root, f"{PUSH_MARKERS}/{name}.{HASH_NAME}")
+        folders(target, marker)
         if _retry(f"{url}/{name}", lambda: _already_there(fs, target, marker, entry), tries, backoff):
             counts["skipped"] += 1
             if progress is not None:
@@ -336,6 +338,22 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
     data = (local / MANIFEST_NAME).read_bytes()
     _retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), tries, backoff)
     return counts
+
+
+def _folders(fs: Any) -> Callable[..., None]:
+    """``make(*paths)``: each path's parent folder made, where the target is a file system with folders
+    (``file://`` or a plain path, e.g. a shared mount); object stores have none to make."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not {"file", "local"} & set(protocols):
+        return lambda *paths: None
+
+    def make(*paths: str) -> None:
+        for path in paths:
+            try:
+                fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            except OSError as exc:
+                raise disk_error(exc, Path(path)) from exc
+    return make
 
 
 def _already_there(fs: Any, target: str, marker: str, entry: dict[str, Any]) -> bool:
