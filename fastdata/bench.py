@@ -19,8 +19,15 @@ import numpy as np
 import torch
 
 from . import turbo
-from .errors import ConfigError, FastdataError
+from .errors import ConfigError, FastdataError, require
 from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
+
+
+def _check(batch_size: Optional[int], seconds: float) -> None:
+    """Refuse a bad batch size or time budget before anything is measured (a stage takes seconds)."""
+    require(batch_size is None or (isinstance(batch_size, int) and batch_size > 0), "batch_size", batch_size,
+            "a positive integer")
+    require(isinstance(seconds, (int, float)) and seconds >= 0, "seconds", seconds, "a number of seconds >= 0")
 
 
 def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256, device: str = "auto",
@@ -33,6 +40,7 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     from .progress import progress_bar
     from .distributed import resolve_device
 
+    _check(batch_size, seconds)
     dev = resolve_device(device)
     ds = FastDataset(data)
     sample_bytes = int(np.prod(ds.sample_shape))
@@ -203,6 +211,9 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     """
     from .distributed import resolve_device
 
+    _check(batch_size, seconds)
+    require(image_size is None or (isinstance(image_size, int) and image_size > 0), "image_size", image_size,
+            "a positive integer")
     dev = resolve_device(device)
     factory = load_factory(spec)
     try:
@@ -287,6 +298,7 @@ def autotune(data: Path, *, batch_size: int = 256, seconds: float = 60.0, progre
     from .loader import FastLoader
     from .progress import progress_bar
 
+    _check(batch_size, seconds)
     cores = os.cpu_count() or 1
     pins = [True, False] if torch.cuda.is_available() else [False]
     threads = sorted({1, 2, min(4, cores), cores})

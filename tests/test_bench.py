@@ -131,6 +131,17 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "not a folder" in r.stderr
 
 
+@pytest.mark.parametrize("extra, needle", [(["--batch-size", "0"], "batch_size=0"),
+                                           (["--seconds", "-1"], "seconds=-1.0"),
+                                           (["--autotune", "--batch-size", "-2"], "batch_size=-2")])
+def test_bad_settings_are_refused_before_anything_is_measured(indexed_datasets, capsys, extra, needle):
+    t0 = time.monotonic()
+    assert main(["bench", str(indexed_datasets["npy"]), "--device", "cpu", "--quiet", *extra]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "stage" not in err  # before: after the first stages, seconds each
+    assert time.monotonic() - t0 < 5
+
+
 def test_autotune_writes_a_config_fastloader_and_train_accept(indexed_datasets, tmp_path):
     cfg = tmp_path / "best.json"
     assert main(["bench", str(indexed_datasets["npy"]), "--autotune", "--batch-size", "16", "--seconds", "4",
