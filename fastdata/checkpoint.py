@@ -71,7 +71,7 @@ def _os_error(exc: BaseException) -> "OSError | None":
     seen: BaseException | None = exc
     while seen is not None and not isinstance(seen, OSError):
         seen = seen.__cause__ or seen.__context__
-    return seen
+    return seen if isinstance(seen, OSError) else None
 
 
 def read(path: Path, device: torch.device, model: nn.Module) -> dict[str, Any]:
