@@ -74,8 +74,9 @@ class HashingWriter:
     preprocessing parent's time per shard is then the longer of the two, not their sum.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, advice: str = RESUME_ADVICE) -> None:
         self.path = Path(path)
+        self.advice = advice  # what a full disk's error tells the user to do
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.hash = new_hash()
         self.size = 0
@@ -83,7 +84,7 @@ class HashingWriter:
         try:
             self._f = open(self.tmp, "wb")
         except OSError as exc:
-            raise disk_error(exc, self.tmp) from exc
+            raise disk_error(exc, self.tmp, self.advice) from exc
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -96,7 +97,7 @@ class HashingWriter:
             self._f.write(view)
         except OSError as exc:
             self.abort()
-            raise disk_error(exc, self.tmp) from exc
+            raise disk_error(exc, self.tmp, self.advice) from exc
         finally:
             if hashed is not None:
                 hashed.result()  # the caller may reuse `data` once this returns
@@ -119,7 +120,7 @@ class HashingWriter:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()
-            raise disk_error(exc, self.path) from exc
+            raise disk_error(exc, self.path, self.advice) from exc
         return {"path": self.path.name, "bytes": self.size, HASH_NAME: self.hash.hexdigest()}
 
     def abort(self) -> None:
@@ -131,8 +132,8 @@ class HashingWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> dict[str, Any]:
-    w = HashingWriter(path)
+def write_bytes_atomic(path: Path, data: bytes, advice: str = RESUME_ADVICE) -> dict[str, Any]:
+    w = HashingWriter(path, advice)
     w.write(data)
     return w.commit()
 

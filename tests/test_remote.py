@@ -267,6 +267,11 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     assert "tries" not in err and time.monotonic() - t0 < 60, err  # a full disk is not a network fault
     assert not list(remote.dir.glob("images-*.npy")) and not list(remote.dir.rglob("*.part-*"))
     assert main(["verify", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
+    monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "empty"))  # full before even the manifest fits
+    assert len(remote._manifest_bytes) > 2_000
+    r = subprocess.run([sys.executable, "-m", "fastdata", "verify", url, "--quiet"], capture_output=True,
+                       text=True, preexec_fn=small_disk, timeout=300)
+    assert r.returncode == 1 and "manifest.json" in r.stderr and "cache_limit" in r.stderr, r.stderr
 
 
 def test_push_to_a_file_url_makes_its_folders_and_reads_back_the_same_batches(indexed_datasets, tmp_path,

@@ -161,8 +161,8 @@ class RemoteDataset:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # every rank may get here: one writes (fixed temporary names)
                 if not (self.dir / MANIFEST_NAME).is_file():
                     write_bytes_atomic(self.dir / SOURCE_NAME, json.dumps(  # for `fastdata cache list`
-                        {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode())
-                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes)
+                        {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode(), CACHE_FULL_ADVICE)
+                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes, CACHE_FULL_ADVICE)
                     fsync_dir(self.dir)
         entries = [e for e in self.manifest["files"] if e["path"] not in skip]
         if entries:
