@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import checkpoint
+from ._io import disk_error
 from .distributed import hold_group, init_distributed, release_group
 from .errors import ConfigError
 from .models import is_convnet
@@ -143,8 +144,12 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self._log_file is not None:
-            with open(self._log_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self._log_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:  # the run stops: the user asked for this log (a checkpoint resumes it)
+                raise disk_error(exc, self._log_file, "free space there or give --log-file another path, then "
+                                                      "rerun with --resume (from the last checkpoint)") from exc
 
     def _reduce(self, *values: torch.Tensor) -> list[float]:
         """Sum across ranks and bring to the host: the one sync of a log interval."""

@@ -253,6 +253,18 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_ima
     assert load_ckpt(tmp_path)["step"] == 2
     assert main(train_args(small_images, "--max-steps", "4", "--checkpoint", str(tmp_path), "--resume")) == 0
     assert load_ckpt(tmp_path)["step"] == 4  # room again: the run goes on from the kept checkpoint
+    log = tmp_path / "log.jsonl"  # the metrics log on a full disk: one line too
+
+    def tiny_disk() -> None:  # a few log records fit, not eight
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000, 1_000))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--max-steps", "8", "--log-every",
+                                                                      "1", "--log-file", str(log))],
+                       capture_output=True, text=True, timeout=120, preexec_fn=tiny_disk)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "no space left while writing" in err and "log.jsonl" in err and "--resume" in err, err
 
 
 @pytest.mark.cuda
