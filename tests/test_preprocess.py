@@ -281,6 +281,8 @@ BAD_ARGS = {  # name: (source, output, what the one-line error says)
     "output is a file": (lambda t, ok: ok, lambda t: _file(t / "f"), "not a folder"),
     "output under a file": (lambda t, ok: ok, lambda t: _file(t / "f") / "sub", "cannot create output folder"),
     "output holds other files": (lambda t, ok: ok, lambda t: _file(_dir(t / "busy") / "mine.txt").parent, "not empty"),
+    # a rerun read the output as a class folder, and refused the same arguments as "another source"
+    "output inside the source": (lambda t, ok: ok, lambda t: t / "photos" / "ds", "inside the source folder"),
 }
 
 
@@ -293,6 +295,8 @@ def test_bad_arguments_give_one_line_errors(photo_folder, tmp_path, case):
     assert len(r.stderr.strip().splitlines()) == 1
     if case == "output holds other files":
         assert [p.name for p in out.iterdir()] == ["mine.txt"]  # nothing of the user's touched, nothing added
+    if case == "output inside the source":
+        assert not out.exists()
 
 
 def test_bad_csv_row_is_one_line_error(tmp_path):

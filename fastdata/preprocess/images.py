@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import decode
 from .._io import fsync_dir, write_bytes_atomic
-from ..errors import ImageDecodeError, require
+from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE, npy_bytes
 from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
@@ -92,6 +92,11 @@ class ImagePreprocessConfig:
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     """Run (or resume) preprocessing; returns the manifest. Reruns with the same arguments are no-ops."""
     source = discover_any(config.src, config.coco)
+    src, out = source.location.resolve(), config.out.resolve()
+    if source.kind == "folder" and (out == src or src in out.parents):  # its folder would become a class
+        raise ConfigError(f"the output folder {config.out} is inside the source folder {config.src}: the next "
+                          "run would read it as a class of its own (and renumber the others); choose an output "
+                          "folder outside it")
     if config.shuffle_seed is not None:
         source = source.shuffled(config.shuffle_seed)
     params = config.output_params()
