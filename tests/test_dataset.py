@@ -91,10 +91,15 @@ def test_lmdb_record_that_does_not_decode_is_a_clear_error(indexed_datasets, tmp
         ds.get_batch([6, 7])
 
 
-@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
-def test_torch_dataloader_drop_in_with_workers(indexed_datasets, fmt):
-    ds = FastDataset(indexed_datasets[fmt])
-    loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+@pytest.mark.parametrize("fmt, context", [("npy", None), ("lmdb", None),
+                                          pytest.param("npy", "spawn", marks=pytest.mark.slow),
+                                          pytest.param("lmdb", "spawn", marks=pytest.mark.slow)])
+def test_torch_dataloader_drop_in_with_workers(indexed_datasets, fmt, context):
+    """Forked workers inherit the dataset; spawned ones (macOS, Windows, CUDA users) get it pickled: its
+    settings, not its pixels, and open the files themselves."""
+    ds = FastDataset(indexed_datasets[fmt], storage="ram" if fmt == "npy" and context else "mmap")
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                         multiprocessing_context=context)
     seen, labels = [], []
     for x, y in loader:
         assert x.dtype == torch.uint8 and x.shape[1:] == (INDEXED_SIZE, INDEXED_SIZE, 3)
