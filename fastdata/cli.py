@@ -299,6 +299,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fastdata: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("fastdata: interrupted; rerun the same command to resume", file=sys.stderr)
+        hint = _after_interrupt(args)
+        print("fastdata: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
+
+
+def _after_interrupt(args: argparse.Namespace) -> Optional[str]:
+    """What a rerun does after Ctrl-C: preprocess and push resume by themselves, train only with --resume."""
+    if args.command in ("preprocess", "push"):
+        return "rerun the same command to resume"
+    if args.command == "train":
+        if getattr(args, "checkpoint", None):
+            return f"rerun with --resume to continue from the last checkpoint in {args.checkpoint}"
+        return "without --checkpoint there is nothing to resume from"
+    return None
 

@@ -123,6 +123,10 @@ class Trainer:
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
         if cfg.resume:
             self.load_checkpoint()
+        elif self._checkpoint_path() is not None and self._checkpoint_path().is_file():  # type: ignore[union-attr]
+            raise ConfigError(f"{self._checkpoint_path()} holds another run's checkpoint, which this run would "
+                              "overwrite: pass --resume (resume=True) to continue it, or choose another --checkpoint "
+                              "folder (or delete it to start afresh)")
 
     # -- small helpers --------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

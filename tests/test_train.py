@@ -231,6 +231,35 @@ def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
     assert r.returncode == 1 and "holds a SmallCNN, not a ResNet" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_checkpoint_is_never_overwritten_by_a_run_that_does_not_resume_it(small_images, tmp_path):
+    assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path))) == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--max-steps", "3",
+                                                                      "--checkpoint", str(tmp_path))],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "pass --resume" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before  # before: overwritten by a run from step 0
+    assert main(train_args(small_images, "--max-steps", "3", "--checkpoint", str(tmp_path), "--resume")) == 0
+    assert load_ckpt(tmp_path)["step"] == 3
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_how_to_continue(small_images, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "fastdata", *train_args(small_images, "--epochs", "100000",
+                                                                            "--checkpoint", str(tmp_path))],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "checkpoint.pt").exists() and time.monotonic() < deadline:  # an epoch is done
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert f"rerun with --resume to continue from the last checkpoint in {tmp_path}" in err, err  # not "the same"
+    assert main(train_args(small_images, "--max-steps", "1", "--epochs", "100000", "--checkpoint", str(tmp_path),
+                           "--resume")) == 0  # (the step count is past 1: it stops at once, from the checkpoint)
+    assert load_ckpt(tmp_path)["epoch"] >= 1
+
+
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_images, tmp_path):
     import resource
