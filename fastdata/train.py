@@ -84,6 +84,11 @@ class Trainer:
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
                  loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> None:
         cfg = self.cfg = config
+        existing = Path(cfg.checkpoint_dir) / checkpoint.CHECKPOINT_NAME if cfg.checkpoint_dir else None
+        if existing is not None and existing.is_file() and not cfg.resume:  # before any process group is held
+            raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
+                              "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
+                              "delete it to start afresh)")
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         check_device(cfg, self.device)
@@ -123,10 +128,7 @@ class Trainer:
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
         if cfg.resume:
             self.load_checkpoint()
-        elif self._checkpoint_path() is not None and self._checkpoint_path().is_file():  # type: ignore[union-attr]
-            raise ConfigError(f"{self._checkpoint_path()} holds another run's checkpoint, which this run would "
-                              "overwrite: pass --resume (resume=True) to continue it, or choose another --checkpoint "
-                              "folder (or delete it to start afresh)")
+
 
     # -- small helpers --------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -153,7 +155,7 @@ class Trainer:
                     f.write(json.dumps(record) + "\n")
             except OSError as exc:  # the run stops: the user asked for this log (a checkpoint resumes it)
                 raise disk_error(exc, self._log_file, "free space there or give --log-file another path, then "
-                                                      "rerun with --resume (from the last checkpoint)") from exc
+                                                      "rerun (with --resume if it has a --checkpoint)") from exc
 
     def _reduce(self, *values: torch.Tensor) -> list[float]:
         """Sum across ranks and bring to the host: the one sync of a log interval."""
