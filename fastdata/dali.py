@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ._io import safe_join
+from .distributed import check_cuda
 from .errors import ConfigError, ImageDecodeError, MissingDependencyError
 from .formats.lmdb_store import open_lmdb
 from .crops import draw_resized_crops
@@ -99,9 +100,7 @@ class DALILoader(SamplerBacked):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' (DALI decodes on the "
-                              "CPU)")
+        check_cuda(self.device, "pass device='cpu' (DALI decodes on the CPU)")
         if self.device.type == "cuda" and self.device.index is None:  # torch's current device, as .to("cuda")
             self.device = torch.device("cuda", torch.cuda.current_device())
         # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/run_ahead.py)

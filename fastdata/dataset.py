@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .distributed import check_cuda
 from .errors import ConfigError, ImageDecodeError
 from .formats import lmdb_store
 from .formats.lmdb_store import LmdbReader, open_lmdb
@@ -71,6 +72,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
+        check_cuda(self.device, "pass storage='ram' or 'shm' (or device='cpu')")
         self._shm_dir = shm_dir
         self.is_lmdb = self.manifest["format"] == IMAGES_LMDB
         if self.is_lmdb and storage != "mmap":

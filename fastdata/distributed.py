@@ -65,6 +65,15 @@ class DistInfo:
         return self.rank == 0
 
 
+def check_cuda(device: "torch.device", hint: str) -> None:
+    """Refuse a CUDA ``device`` where torch sees no GPU, ``hint`` saying what to pass instead (torch's own
+    error comes later, from deep inside the first copy: "Torch not compiled with CUDA enabled")."""
+    import torch
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={str(device)!r} but torch sees no CUDA device: {hint}")
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
     group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
@@ -75,8 +84,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = str(resolve_device(device))
     if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA device: use --device cpu")
+        check_cuda(torch.device(device), "use --device cpu")
         dev = torch.device("cuda", local) if device == "cuda" else torch.device(device)
         torch.cuda.set_device(dev)
     else:

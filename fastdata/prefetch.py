@@ -24,7 +24,7 @@ from .errors import ConfigError
 from .crops import Draws, batch_seed
 from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 from .gpu_transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
-from .distributed import dist_rank_world
+from .distributed import check_cuda, dist_rank_world
 
 Release = Optional[Callable[[], None]]
 
@@ -115,8 +115,7 @@ class CUDAPrefetcher:
                  depth: int = 1, seed: int = 0, cuda_graphs: bool = True) -> None:
         self.loader = loader
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but torch sees no CUDA device: pass device='cpu' or install a CUDA build")
+        check_cuda(self.device, "pass device='cpu' or install a CUDA build")
         if not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
         self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,

@@ -221,3 +221,10 @@ def test_a_validation_split_is_disjoint_deterministic_and_leaves_samples_to_trai
         split_indices(12, 0.99)  # before: "num_samples must be a positive integer, got num_samples=0"
     with pytest.raises(ConfigError, match="leaves 0 for training"):
         split_indices(1, 0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_cuda_storage_without_a_gpu_says_what_to_pass_instead(indexed_datasets):
+    with pytest.raises(ConfigError, match=r"torch sees no CUDA device: pass storage='ram' or 'shm'"):
+        FastDataset(indexed_datasets["npy"], storage="cuda")  # before: AssertionError from inside torch
+    assert FastDataset(indexed_datasets["npy"], storage="cuda", device="cpu").get_batch([3])[1].tolist() == [0]
