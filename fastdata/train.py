@@ -84,7 +84,7 @@ class Trainer:
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
                  loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> None:
         cfg = self.cfg = config
-        existing = Path(cfg.checkpoint_dir) / checkpoint.CHECKPOINT_NAME if cfg.checkpoint_dir else None
+        existing = self._checkpoint_path()
         if existing is not None and existing.is_file() and not cfg.resume:  # before any process group is held
             raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
                               "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "

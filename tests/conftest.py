@@ -172,6 +172,18 @@ def npy_copy(indexed_datasets, tmp_path) -> Path:
     return Path(shutil.copytree(indexed_datasets["npy"], tmp_path / "ds"))
 
 
+def disk_of(limit: int):
+    """A ``preexec_fn`` for a subprocess on a "full disk": no file it writes may grow past ``limit`` bytes,
+    and a write beyond fails with EFBIG, as on a full disk, instead of killing it (SIGXFSZ ignored)."""
+    def preexec() -> None:
+        import resource
+        import signal
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return preexec
+
+
 def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
     """Run ``cmd`` (a preprocess) and SIGKILL it once its journal lists ``min_units`` finished units."""
     import json

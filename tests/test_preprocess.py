@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import AWKWARD_BAD, AWKWARD_GOOD, kill_when_journaled
+from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, kill_when_journaled
 from fastdata.cli import main
 from fastdata import decode
 from fastdata.preprocess import parallel
@@ -312,18 +312,13 @@ def test_invalid_option_values(photo_folder, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path):
-    import resource
-
     out, ref = tmp_path / "out", tmp_path / "ref"
 
     def args(dest: Path) -> list[str]:
         return ["preprocess", "images", str(photo_folder), str(dest), "--size", "32", "--shard-size", "8",
                 "--workers", "1", "--quiet"]
 
-    def small_disk() -> None:  # no file may grow past 20 kB; a shard is 8 x 32 x 32 x 3 = 24.6 kB
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
-
+    small_disk = disk_of(20_000)  # no file may grow past 20 kB; a shard is 8 x 32 x 32 x 3 = 24.6 kB
     r = subprocess.run([sys.executable, "-m", "fastdata", *args(out)], capture_output=True, text=True,
                        preexec_fn=small_disk, timeout=300)
     assert r.returncode == 1 and "no space left" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -240,9 +240,7 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
 @pytest.mark.slow
 def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s3, indexed_datasets, tmp_path,
                                                                               monkeypatch):
-    import resource
-    import signal
-
+    from conftest import disk_of
     from fastdata.cli import main
     from fastdata.storage.remote import RemoteDataset, push
 
@@ -253,10 +251,7 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     shard = max(e["bytes"] for e in remote.manifest["files"])
     assert 2_000 < shard  # image shards (3.2 kB) cannot be written; labels files (< 1 kB) can
 
-    def small_disk() -> None:  # no file may grow past 2 kB: write() fails with EFBIG, as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000, 2_000))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
+    small_disk = disk_of(2_000)  # no file may grow past 2 kB
     monkeypatch.setenv("FASTDATA_CACHE", str(cache))
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "fastdata", "verify", url, "--quiet"], capture_output=True,

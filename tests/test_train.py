@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import disk_of
 from fastdata.cli import main
 from fastdata.dataset import FastDataset
 from fastdata.loader import FastLoader
@@ -262,19 +263,13 @@ def test_ctrl_c_says_how_to_continue(small_images, tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_images, tmp_path):
-    import resource
-
     assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path))) == 0
     before = (tmp_path / "checkpoint.pt").read_bytes()
     limit = len(before) // 2  # the next checkpoint, as big, cannot be written
 
-    def small_disk() -> None:  # no file may grow past `limit`: write() fails with EFBIG, as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
     r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--max-steps", "4", "--checkpoint",
                                                                       str(tmp_path), "--resume")],
-                       capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+                       capture_output=True, text=True, timeout=120, preexec_fn=disk_of(limit))
     err = r.stderr.strip()
     assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "no space left while writing" in err and "checkpoint.pt" in err and "previous checkpoint is intact" in err
@@ -284,13 +279,10 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_ima
     assert load_ckpt(tmp_path)["step"] == 4  # room again: the run goes on from the kept checkpoint
     log = tmp_path / "log.jsonl"  # the metrics log on a full disk: one line too
 
-    def tiny_disk() -> None:  # a few log records fit, not eight
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000, 1_000))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
     r = subprocess.run([sys.executable, "-m", "fastdata", *train_args(small_images, "--max-steps", "8", "--log-every",
                                                                       "1", "--log-file", str(log))],
-                       capture_output=True, text=True, timeout=120, preexec_fn=tiny_disk)
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=disk_of(1_000))  # a few log records fit, not eight
     err = r.stderr.strip()
     assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "no space left while writing" in err and "log.jsonl" in err and "--resume" in err, err

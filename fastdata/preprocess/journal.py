@@ -104,19 +104,15 @@ def read_fingerprint(out: Path) -> str | None:
         return None
 
 
-def _make_output(out: Path) -> None:
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """OUT made if needed, and held by this run until the block ends (NOTE [one writer])."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
-
-
-@contextlib.contextmanager
-def exclusive(out: Path) -> Iterator[None]:
-    """OUT made if needed, and held by this run until the block ends (NOTE [one writer])."""
-    _make_output(out)
     fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     _held.add(fd)
     try:
@@ -151,8 +147,8 @@ def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
 
 
 def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
-    """Make OUT usable; returns the existing manifest when OUT is already finished with these arguments."""
-    _make_output(out)
+    """Make OUT (made and held by :func:`exclusive`) usable; returns the existing manifest when OUT is already
+    finished with these arguments."""
     names = [p.name for p in out.iterdir()]
     if not names:
         return None

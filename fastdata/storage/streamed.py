@@ -86,10 +86,8 @@ class Labels:
             names = [manifest["all_labels"]]
         else:
             names = [s["labels"] for s in manifest["shards"]]
-        labels = np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names])
-        if labels.shape != (n,) or labels.dtype != np.int64:
-            raise FormatError(f"{root}: labels have shape {labels.shape} and dtype {labels.dtype}, expected "
-                              f"({n},) int64: the dataset is damaged")
+        labels = _checked(np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names]), n,
+                          root)
         labels.setflags(write=False)
         self.array = labels
 
@@ -99,15 +97,11 @@ class Labels:
             self.fill(s, safe_join(self.root, self.manifest["shards"][s]["labels"]))
 
     def fill(self, s: int, path: Path) -> None:
-        """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array``."""
-        if self.filled is None:  # every label was read at opening
-            return
+        """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array`` (only while
+        labels arrive with streamed shards: ``filled`` is set)."""
+        assert self.filled is not None
         n, ss = int(self.manifest["shards"][s]["samples"]), int(self.manifest["shard_size"])
-        labels = np.load(path, allow_pickle=False)
-        if labels.shape != (n,) or labels.dtype != np.int64:
-            raise FormatError(f"{path}: labels have shape {labels.shape} and dtype {labels.dtype}, expected ({n},) "
-                              "int64: the dataset is damaged")
-        self.array[s * ss:s * ss + n] = labels
+        self.array[s * ss:s * ss + n] = _checked(np.load(path, allow_pickle=False), n, path)
         self.filled[s] = True
 
     def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:
@@ -119,3 +113,11 @@ class Labels:
         view = self.array.view()
         view.setflags(write=False)
         return view
+
+
+def _checked(labels: np.ndarray, n: int, where: Path) -> np.ndarray:
+    """``labels`` if they are ``n`` int64 labels; else the dataset is damaged."""
+    if labels.shape != (n,) or labels.dtype != np.int64:
+        raise FormatError(f"{where}: labels have shape {labels.shape} and dtype {labels.dtype}, expected ({n},) "
+                          "int64: the dataset is damaged")
+    return labels
