@@ -148,29 +148,36 @@ def test_rerun_same_args_is_noop_other_args_refused_unless_overwrite(photo_folde
     assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (20, 20, 3)
 
 
-def test_a_second_run_on_the_same_output_waits_for_the_first(photo_folder, tmp_path):
-    """NOTE [one writer]: while OUT is held, another preprocess into it says so and waits, writing nothing."""
+def _started_while_held(out: Path, commands: list[list[str]]) -> tuple[list[subprocess.Popen], list[list[str]]]:
+    """Each command started while this process holds OUT, returned once every one has said it is waiting (the
+    caller releases OUT): their stderr lines, read on, so runs racing for OUT never depend on start-up times."""
     import threading
 
+    procs = [subprocess.Popen([sys.executable, "-m", "fastdata", *cmd], stderr=subprocess.PIPE, text=True)
+             for cmd in commands]
+    lines: list[list[str]] = [[] for _ in procs]
+    for proc, mine in zip(procs, lines):
+        threading.Thread(target=lambda p=proc, m=mine: m.extend(p.stderr), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not all(any("waiting" in ln for ln in mine) for mine in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for mine in lines:
+        assert any(f"{out} is being written by another fastdata preprocess" in ln for ln in mine), lines
+    return procs, lines
+
+
+def test_a_second_run_on_the_same_output_waits_for_the_first(photo_folder, tmp_path):
+    """NOTE [one writer]: while OUT is held, another preprocess into it says so and waits, writing nothing."""
     from fastdata.preprocess import journal
 
     out, ref = tmp_path / "out", tmp_path / "ref"
     args = [str(photo_folder), "--size", "16", "--quiet"]
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
-    lines: list[str] = []
     with journal.exclusive(out):
-        proc = subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out),
-                                 *args[1:]], stderr=subprocess.PIPE, text=True)
-        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 120
-        while not any("waiting" in line for line in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert any(f"{out} is being written by another fastdata preprocess" in line for line in lines), lines
+        (proc,), _ = _started_while_held(out, [["preprocess", "images", args[0], str(out), *args[1:]]])
         time.sleep(0.5)
         assert proc.poll() is None and list(out.iterdir()) == []  # waiting, nothing written
     assert proc.wait(timeout=120) == 0
-    reader.join(timeout=10)
     assert tree_bytes(out) == tree_bytes(ref)
 
 
@@ -233,6 +240,7 @@ def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_p
 @pytest.mark.parametrize("kind", ["images", "text"])
 def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, kind):
     """Every rank of a torchrun job calling the preprocess: one writes, the others wait and find it done."""
+    from fastdata.preprocess import journal
     from fastdata.synthetic import make_image_folder
 
     src = tmp_path / "src"
@@ -247,11 +255,10 @@ def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, k
         args = ["preprocess", "text", str(src), "--tokenizer", "bytes", "--shard-tokens", "50000", "--quiet"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main([*args[:3], str(ref), *args[3:]]) == 0
-    procs = [subprocess.Popen([sys.executable, "-m", "fastdata", *args[:3], str(out), *args[3:]],
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
-    assert [rc for rc, _ in results] == [0, 0, 0], results
-    assert sum("waiting for it to end" in err for _, err in results) >= 1, results
+    # started while the test holds OUT, so all three are waiting when it is released and race for it
+    with journal.exclusive(out):
+        procs, lines = _started_while_held(out, [[*args[:3], str(out), *args[3:]]] * 3)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0], lines
     assert tree_bytes(out) == tree_bytes(ref)
     assert main(["verify", str(out), "--quiet"]) == 0
 
