@@ -85,9 +85,17 @@ def _train(args: argparse.Namespace) -> int:
                         augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend,
                         shuffle_window=args.shuffle_window, **cache)
         model, train, val = build(pipe, info.device)
-    Trainer(model, train, val, config=cfg).fit()
+    trainer = Trainer(model, train, val, config=cfg)
+    trainer.fit()
     shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
-    return 0
+    if trainer.stop_signal is None:
+        return 0
+    if info.rank == 0:  # NOTE [stop signals]: the run is not finished, and says how to go on
+        from .train_stop import signal_name
+
+        print(f"fastdata: stopped by {signal_name(trainer.stop_signal)} at step {trainer.step}, checkpoint saved in "
+              f"{args.checkpoint}: rerun with --resume to continue", file=sys.stderr)
+    return 128 + trainer.stop_signal  # what a shell reports for a process the signal ended
 
 
 def _bench(args: argparse.Namespace) -> int:

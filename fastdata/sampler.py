@@ -231,8 +231,10 @@ class DistributedBatchSampler:
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
         layout = tuple(int(v) for v in state.get("nodes", (1, 1)))
         self._resumed = (self.epoch, (layout[0], layout[1])) if self.shuffle_window is not None else None
-        if self.start >= self.num_samples:  # saved at the very end of an epoch: the next one is due
-            self.end_epoch()
+        # Saved after an epoch's last batch but before its iteration ended: the state stays in that epoch, with
+        # nothing left to serve. Moving on to the next epoch here made the caller's set_epoch(epoch) (the
+        # Trainer's, a torch-style loop's) restart the finished epoch and serve it twice.
+        self.start = min(self.start, self.num_samples)
 
 
 class SamplerBacked:

@@ -25,8 +25,9 @@ from ._io import disk_error
 from .distributed import hold_group, init_distributed, release_group
 from .errors import ConfigError
 from .models import is_convnet
-from .train_meter import Meter
-from .train_config import TrainConfig, check_device
+from .train_meter import Meter, StepProfiler
+from .train_config import TrainConfig, check_device, lr_lambda
+from .train_stop import StopSignals, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +37,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if cfg.schedule == "onecycle":  # linear up for 30%, then cosine down to 0
-            peak = max(1, int(0.3 * total_steps))
-            if step < peak:
-                return 0.04 + 0.96 * step / peak
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - peak) / max(1, total_steps - peak))))
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
 
 
 def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
@@ -79,6 +64,8 @@ class Trainer:
     here). Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
     A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
     the whole dict (default: cross-entropy on ``label``, or per pixel on ``mask``; see :func:`default_loss`).
+    With a checkpoint folder, SIGTERM or SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint
+    (NOTE [stop signals]); ``stop_signal`` then holds the signal's number.
     """
 
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
@@ -126,6 +113,9 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
+        self.stop_signal: Optional[int] = None  # the signal fit() stopped on (NOTE [stop signals])
+        self._signals = StopSignals(enabled=False)
+        self._saved_at: Optional[tuple[int, int]] = None  # (epoch, step) of the last checkpoint written
         if cfg.resume:
             self.load_checkpoint()
 
@@ -157,6 +147,13 @@ class Trainer:
                 raise disk_error(exc, self._log_file, "free space there or give --log-file another path, then "
                                                       "rerun (with --resume if it has a --checkpoint)") from exc
 
+    def _signalled(self) -> bool:
+        """Whether to stop for a signal now (NOTE [stop signals]): alone, once one came; in a group, once a
+        log interval's reduce carried it to every rank."""
+        if self.dist.world_size == 1 and self._signals.received:
+            self.stop_signal = self._signals.received
+        return self.stop_signal is not None
+
     def _reduce(self, *values: torch.Tensor) -> list[float]:
         """Sum across ranks and bring to the host: the one sync of a log interval."""
         stacked = torch.stack([v.double() for v in values])
@@ -178,11 +175,35 @@ class Trainer:
         if self.dist.world_size > 1 and self.ddp is None:  # closed: see close()
             raise ConfigError("this Trainer was closed (shutdown_distributed() closes every Trainer): "
                               "build a new one after init_distributed() to train again")
-        cfg, model = self.cfg, self.forward
+        cfg = self.cfg
         start = time.monotonic()
-        stop: Optional[str] = None
         bar = self._progress()
-        profiler = self._start_profiler()
+        profiler = StepProfiler(cfg.profile_steps, self.device, Path(cfg.checkpoint_dir or "."), self.dist.main,
+                                self._waited) if cfg.profile_steps else None
+        self.stop_signal = None
+        with StopSignals(enabled=cfg.checkpoint_dir is not None) as self._signals:
+            stop = self._epochs(start, bar, profiler)
+            if stop in ("max_steps", "max_time", "early_stop", "signal") and self._saved_at != (self.epoch,
+                                                                                                 self.step):
+                self.save_checkpoint()
+        if profiler is not None:
+            profiler.stop(self._waited)
+        if bar is not None:
+            bar.close()
+        reason = f"signal {signal_name(self.stop_signal)}" if self.stop_signal else stop or "epochs"
+        summary = {"event": "end", "reason": reason, "epoch": self.epoch, "step": self.step,
+                   "time_s": time.monotonic() - start,
+                   "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
+        self._log(summary)
+        if self.dist.main and cfg.progress:
+            log.info("stopped (%s) after %d steps in %.1f s; data stall %.1f%%", summary["reason"], self.step,
+                     summary["time_s"], summary["data_stall_pct"])
+        return self.history
+
+    def _epochs(self, start: float, bar: Any, profiler: Optional[StepProfiler]) -> Optional[str]:
+        """Train until the last epoch ends (returns None) or a stop says why it came early."""
+        cfg, model = self.cfg, self.forward
+        stop: Optional[str] = None
         while self.epoch < cfg.num_epochs and stop is None:
             if hasattr(self.train_loader, "set_epoch"):
                 self.train_loader.set_epoch(self.epoch)
@@ -221,19 +242,9 @@ class Trainer:
                 if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
                     stop = self._validate_and_check()
                 self.save_checkpoint()
-        if stop in ("max_steps", "max_time", "early_stop"):
-            self.save_checkpoint()
-        self._stop_profiler(profiler)
-        if bar is not None:
-            bar.close()
-        summary = {"event": "end", "reason": stop or "epochs", "epoch": self.epoch, "step": self.step,
-                   "time_s": time.monotonic() - start,
-                   "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
-        self._log(summary)
-        if self.dist.main and cfg.progress:
-            log.info("stopped (%s) after %d steps in %.1f s; data stall %.1f%%", summary["reason"], self.step,
-                     summary["time_s"], summary["data_stall_pct"])
-        return self.history
+                if stop is None and self._signalled():
+                    stop = "signal"
+        return stop
 
     def _optimizer_step(self) -> None:
         cfg = self.cfg
@@ -249,11 +260,11 @@ class Trainer:
     def _after_step(self, meter: Meter, start: float, bar: Any, profiler: Any) -> Optional[str]:
         cfg = self.cfg
         if profiler is not None:
-            profiler.step()
-            if self.step == cfg.profile_steps:
-                self._stop_profiler(profiler)
+            profiler.step(self.step, self._waited)
         if self.step % cfg.log_every == 0:
             self._log_interval(meter, bar)
+        if self._signalled():
+            return "signal"
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
         if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
@@ -268,6 +279,10 @@ class Trainer:
     def _log_interval(self, meter: Meter, bar: Any) -> None:
         samples = torch.tensor(float(meter.samples), device=self.device, dtype=torch.float64)
         loss_sum, correct, count, samples_all = self._reduce(meter.loss_sum, meter.correct, meter.count, samples)
+        if self.dist.world_size > 1 and self._signals.enabled:  # NOTE [stop signals]: every rank, the same step
+            seen = torch.tensor(self._signals.received or 0, device=self.device, dtype=torch.int64)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            self.stop_signal = int(seen) or None
         waited, total = meter.wait_and_total()
         self._waited, self._busy = self._waited + waited, self._busy + total
         stall = 100 * waited / max(total, 1e-9)
@@ -346,6 +361,7 @@ class Trainer:
                 "rng": checkpoint.rng_state()})
         if self.dist.world_size > 1:
             dist.barrier()
+        self._saved_at = (self.epoch, self.step)
 
     def load_checkpoint(self) -> bool:
         """Continue from ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
@@ -374,31 +390,3 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-
-    def _start_profiler(self) -> Any:
-        if not self.cfg.profile_steps:
-            return None
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(activities=acts)
-        prof.__enter__()
-        prof.fastdata_wait0 = self._waited  # type: ignore[attr-defined]
-        prof.fastdata_t0 = time.perf_counter()  # type: ignore[attr-defined]
-        return prof
-
-    def _stop_profiler(self, prof: Any) -> None:
-        if prof is None or getattr(prof, "fastdata_done", False):
-            return
-        prof.__exit__(None, None, None)
-        prof.fastdata_done = True
-        wall = time.perf_counter() - prof.fastdata_t0
-        waited = self._waited - prof.fastdata_wait0
-        if self.dist.main:
-            out = Path(self.cfg.checkpoint_dir or ".") / "trace.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(out))
-            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            log.info("%s", prof.key_averages().table(sort_by=key, row_limit=10))
-            log.info("profiled %d steps: trace in %s; waiting for data %.1f%% of the time", self.cfg.profile_steps,
-                     out, 100 * waited / max(wall, 1e-9))

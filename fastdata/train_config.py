@@ -5,9 +5,10 @@ option), so the CLI and the Python API behave alike.
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .errors import ConfigError, require
 
@@ -101,3 +102,20 @@ def check_device(cfg: TrainConfig, device: "torch.device") -> None:
         raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
     if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at each optimizer step: warm-up + cosine, constant after warm-up, or one-cycle."""
+    def f(step: int) -> float:
+        if cfg.schedule == "onecycle":  # linear up for 30%, then cosine down to 0
+            peak = max(1, int(0.3 * total_steps))
+            if step < peak:
+                return 0.04 + 0.96 * step / peak
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - peak) / max(1, total_steps - peak))))
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f

@@ -1,11 +1,16 @@
-"""What one log interval of the training loop measured: loss and accuracy sums kept on the device (no
-sync per step) and the data stall, the time a step waited for its batch (CUDA events on a GPU)."""
+"""What the training loop measures: per log interval, loss and accuracy sums kept on the device (no sync per
+step) and the data stall, the time a step waited for its batch (CUDA events on a GPU); ``--profile``'s
+operator table and trace."""
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("fastdata.train")  # the Trainer's reports: stdout under `fastdata train`
 
 
 class Meter:
@@ -81,3 +86,39 @@ class Meter:
             self.waited = sum(a.elapsed_time(b) for a, b in self.events) / 1000
             total = self.first.elapsed_time(self.events[-1][1]) / 1000 or total
         return self.waited, total
+
+
+class StepProfiler:
+    """``--profile N``: ``torch.profiler`` over the run's first N steps, then the ten costliest operators,
+    a Chrome trace in ``out`` and the share of that time the loop waited for data (written by rank 0)."""
+
+    def __init__(self, steps: int, device: torch.device, out: Path, main: bool, waited: float) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.steps, self.device, self.out, self.main = steps, device, out, main
+        self.prof: Any = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        self.done = False
+        self.waited0, self.t0 = waited, time.perf_counter()
+
+    def step(self, step: int, waited: float) -> None:
+        if not self.done:
+            self.prof.step()
+            if step == self.steps:
+                self.stop(waited)
+
+    def stop(self, waited: float) -> None:
+        if self.done:
+            return
+        self.prof.__exit__(None, None, None)
+        self.done = True
+        wall = time.perf_counter() - self.t0
+        if self.main:
+            trace = self.out / "trace.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(trace))
+            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            log.info("%s", self.prof.key_averages().table(sort_by=key, row_limit=10))
+            log.info("profiled %d steps: trace in %s; waiting for data %.1f%% of the time", self.steps, trace,
+                     100 * (waited - self.waited0) / max(wall, 1e-9))

@@ -74,7 +74,8 @@ def test_len_and_epoch_advance():
 
 @pytest.mark.parametrize("n, b, w1, w2, k, drop_last", [
     (100, 8, 2, 2, 3, False), (100, 8, 2, 3, 2, False), (101, 4, 3, 2, 5, False), (100, 8, 1, 4, 6, False),
-    (100, 8, 2, 3, 2, True), (37, 5, 4, 1, 1, False)])
+    (100, 8, 2, 3, 2, True), (37, 5, 4, 1, 1, False),
+    (100, 8, 2, 3, 7, False)])  # saved after the epoch's last batch, before its iteration ended: nothing is left
 def test_resume_mid_epoch_covers_the_rest_once(n, b, w1, w2, k, drop_last):
     """World w1 serves k batches per rank; a new world w2 resumes and serves the rest of the epoch."""
     first, states = [], []

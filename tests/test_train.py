@@ -136,6 +136,22 @@ def test_stops_at_max_steps_and_checkpoint_is_complete(small_images, tmp_path):
     assert ck["loader"]["position"] == 8 and ck["loader"]["epoch"] == 1
 
 
+def test_a_run_stopped_after_an_epochs_last_step_resumes_into_the_next_epoch(small_images, tmp_path):
+    """The checkpoint of a stop after the epoch's last batch (before its iteration ended) holds that epoch with
+    nothing left; the resumed run used to serve the finished epoch again."""
+    common = ["--epochs", "50", "--schedule", "constant", "--augment", "crop-flip"]
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    assert main(train_args(small_images, *common, "--max-steps", "6", "--checkpoint", str(run))) == 0
+    assert load_ckpt(run)["epoch"] == 0 and load_ckpt(run)["loader"]["position"] == 48  # 6 steps an epoch
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", str(run), "--resume")) == 0
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", str(ref))) == 0
+    a, b = load_ckpt(ref), load_ckpt(run)
+    assert (b["epoch"], b["step"], b["loader"]["position"]) == (a["epoch"], a["step"], a["loader"]["position"]) \
+        == (1, 9, 24)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
 def test_stops_at_max_time(small_images, tmp_path):
     t = time.monotonic()
     log = tmp_path / "log.jsonl"
@@ -165,7 +181,8 @@ def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
 
 
 def test_learning_rate_schedules_and_weight_decay_groups():
-    from fastdata.train import lr_lambda, param_groups
+    from fastdata.train import param_groups
+    from fastdata.train_config import lr_lambda
 
     cos = lr_lambda(TrainConfig(warmup_steps=10), 110)
     assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(60) == pytest.approx(0.5)
@@ -259,6 +276,68 @@ def test_ctrl_c_says_how_to_continue(small_images, tmp_path):
     assert main(train_args(small_images, "--max-steps", "1", "--epochs", "100000", "--checkpoint", str(tmp_path),
                            "--resume")) == 0  # (the step count is past 1: it stops at once, from the checkpoint)
     assert load_ckpt(tmp_path)["epoch"] >= 1
+
+
+def _started_and_logging(args: list[str], log: Path, records: int = 4, torchrun: int = 0) -> subprocess.Popen:
+    """``fastdata train`` (under torchrun with that many ranks) started and past its first few log records."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    proc = subprocess.Popen([*launch, "-m", "fastdata", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and log.read_text().count('"event": "train"') >= records:
+            return proc
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"no training logged: {proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preempted_run_saves_where_it_stopped_and_resumes_to_the_same_weights(small_images, tmp_path, sig):
+    """NOTE [stop signals]: SIGTERM (Kubernetes, kill) or SIGUSR1 (SLURM) ends the run after its step with a
+    checkpoint of that step; --resume then reaches the weights of a run never stopped."""
+    common = ["--epochs", "100000", "--schedule", "constant", "--augment", "crop-flip", "--log-every", "1"]
+    log, run, ref = tmp_path / "log.jsonl", tmp_path / "run", tmp_path / "ref"
+    bare = _started_and_logging(train_args(small_images, *common, "--log-file", str(tmp_path / "bare.jsonl")),
+                                tmp_path / "bare.jsonl")
+    bare.send_signal(sig)  # without a checkpoint folder there is nothing to save: the signal ends it as always
+    assert bare.wait(timeout=60) == -sig
+    proc = _started_and_logging(train_args(small_images, *common, "--checkpoint", str(run), "--log-file", str(log)),
+                                log)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    end = json.loads(log.read_text().splitlines()[-1])
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err
+    assert end["event"] == "end" and end["reason"] == f"signal {sig.name}"
+    stopped = load_ckpt(run)
+    assert stopped["step"] == end["step"] and stopped["epoch"] == end["epoch"]  # saved where it stopped
+    assert f"stopped by {sig.name} at step {end['step']}, checkpoint saved in {run}: rerun with --resume" in err
+    until = ["--max-steps", str(end["step"] + 5)]
+    assert main(train_args(small_images, *common, *until, "--checkpoint", str(run), "--resume")) == 0
+    assert main(train_args(small_images, *common, *until, "--checkpoint", str(ref))) == 0
+    a, b = load_ckpt(ref), load_ckpt(run)
+    assert a["step"] == b["step"] == end["step"] + 5
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpoint(small_images, tmp_path):
+    """torchrun forwards SIGTERM to its ranks: they agree on the step at a log interval (NOTE [stop signals]),
+    rank 0 saves it, and every process ends (a rank that went on would wait forever in its collective)."""
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    proc = _started_and_logging(train_args(small_images, "--epochs", "100000", "--log-every", "3", "--checkpoint",
+                                           str(ck), "--log-file", str(log)), log, records=3, torchrun=2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]  # within torchrun's 30 s grace, or it kills the ranks
+    end = json.loads(log.read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["reason"] == "signal SIGTERM", err[-3000:]
+    assert end["step"] % 3 == 0 or load_ckpt(ck)["loader"]["position"] == 0  # a log interval, or an epoch's end
+    assert load_ckpt(ck)["step"] == end["step"]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err.split("stopped by SIGTERM")[0], err[-3000:]
 
 
 @pytest.mark.slow
