@@ -76,6 +76,10 @@ class Trainer:
             raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
                               "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
                               "delete it to start afresh)")
+        if len(train_loader) == 0:  # else every epoch ends at once, and the run "finishes" having learnt nothing
+            raise ConfigError("the training loader serves no batch in an epoch (its len() is 0): with drop_last, "
+                              "a batch larger than a rank's share of the data is dropped whole; use a smaller "
+                              "batch size or drop_last=False")
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         check_device(cfg, self.device)

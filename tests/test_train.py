@@ -15,6 +15,7 @@ import torch
 from conftest import disk_of
 from fastdata.cli import main
 from fastdata.dataset import FastDataset
+from fastdata.errors import ConfigError
 from fastdata.loader import FastLoader
 from fastdata.models import create_model
 from fastdata.prefetch import CUDAPrefetcher
@@ -198,8 +199,6 @@ def test_learning_rate_schedules_and_weight_decay_groups():
 def test_label_smoothing_and_sync_bn_on_cpu(small_images):
     import torch.nn.functional as F
 
-    from fastdata.errors import ConfigError
-
     loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
     t = Trainer(create_model("cnn-small", num_classes=3), loader,
                 config=TrainConfig(label_smoothing=0.2, progress=False, device="cpu"))
@@ -239,6 +238,14 @@ def test_images_too_small_for_the_model_are_refused_before_training(indexed_data
     err = capsys.readouterr().err
     assert "cnn-small needs images of at least 16x16" in err and "8x8" in err, err
     assert main([*args, "--model", "resnet18", "--batch-size", "8"]) == 0  # its padded convs take any size
+
+
+def test_a_training_loader_without_batches_is_refused(small_images):
+    """drop_last with a batch larger than the data: before, every epoch ended at once and fit() 'finished'."""
+    loader = FastLoader(FastDataset(small_images), 64, drop_last=True)
+    assert len(loader) == 0
+    with pytest.raises(ConfigError, match="serves no batch"):
+        Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(device="cpu", epochs=2))
 
 
 def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
