@@ -19,8 +19,8 @@ LAYERS = [
     ["fastdata.field_store", "fastdata.dataset", "fastdata.splits", "fastdata.token_dataset"],
     ["fastdata.order", "fastdata.sampler", "fastdata.loader", "fastdata.run_ahead"],
     ["fastdata.gpu_transforms", "fastdata.cuda_graphs", "fastdata.prefetch", "fastdata.dali"],
-    ["fastdata.train_config", "fastdata.train_meter", "fastdata.checkpoint", "fastdata.train", "fastdata.train_setup",
-     "fastdata.timing", "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.cli_data", "fastdata.__main__"],
+    ["fastdata.train_config", "fastdata.train_meter", "fastdata.train_stop", "fastdata.checkpoint", "fastdata.train",
+     "fastdata.train_setup", "fastdata.timing", "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.cli_data", "fastdata.__main__"],
 ]
 
 
