@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .models import is_convnet
 from .train_meter import Meter, StepProfiler
 from .train_config import TrainConfig, check_device, lr_lambda
-from .train_stop import StopSignals, signal_name
+from .train_stop import EarlyStops, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Trainer:
         self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
         self.stop_signal: Optional[int] = None  # the signal fit() stopped on (NOTE [stop signals])
-        self._signals = StopSignals(enabled=False)
+        self._stops = EarlyStops(False, None, alone=True)  # fit() makes the run's own
         self._saved_at: Optional[tuple[int, int]] = None  # (epoch, step) of the last checkpoint written
         if cfg.resume:
             self.load_checkpoint()
@@ -151,13 +151,6 @@ class Trainer:
                 raise disk_error(exc, self._log_file, "free space there or give --log-file another path, then "
                                                       "rerun (with --resume if it has a --checkpoint)") from exc
 
-    def _signalled(self) -> bool:
-        """Whether to stop for a signal now (NOTE [stop signals]): alone, once one came; in a group, once a
-        log interval's reduce carried it to every rank."""
-        if self.dist.world_size == 1 and self._signals.received:
-            self.stop_signal = self._signals.received
-        return self.stop_signal is not None
-
     def _reduce(self, *values: torch.Tensor) -> list[float]:
         """Sum across ranks and bring to the host: the one sync of a log interval."""
         stacked = torch.stack([v.double() for v in values])
@@ -184,12 +177,12 @@ class Trainer:
         bar = self._progress()
         profiler = StepProfiler(cfg.profile_steps, self.device, Path(cfg.checkpoint_dir or "."), self.dist.main,
                                 self._waited) if cfg.profile_steps else None
-        self.stop_signal = None
-        with StopSignals(enabled=cfg.checkpoint_dir is not None) as self._signals:
-            stop = self._epochs(start, bar, profiler)
+        with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
+            stop = self._epochs(bar, profiler)
             if stop in ("max_steps", "max_time", "early_stop", "signal") and self._saved_at != (self.epoch,
                                                                                                  self.step):
-                self.save_checkpoint()
+                self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
+        self.stop_signal = self._stops.signal
         if profiler is not None:
             profiler.stop(self._waited)
         if bar is not None:
@@ -204,7 +197,7 @@ class Trainer:
                      summary["time_s"], summary["data_stall_pct"])
         return self.history
 
-    def _epochs(self, start: float, bar: Any, profiler: Optional[StepProfiler]) -> Optional[str]:
+    def _epochs(self, bar: Any, profiler: Optional[StepProfiler]) -> Optional[str]:
         """Train until the last epoch ends (returns None) or a stop says why it came early."""
         cfg, model = self.cfg, self.forward
         stop: Optional[str] = None
@@ -234,7 +227,7 @@ class Trainer:
                 meter.add(loss.detach(), out.detach(), y)
                 if last_micro:
                     self._optimizer_step()
-                    stop = self._after_step(meter, start, bar, profiler)
+                    stop = self._after_step(meter, bar, profiler)
                     if stop:
                         break
             if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
@@ -246,8 +239,7 @@ class Trainer:
                 if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
                     stop = self._validate_and_check()
                 self.save_checkpoint()
-                if stop is None and self._signalled():
-                    stop = "signal"
+                stop = stop or self._stops.due()
         return stop
 
     def _optimizer_step(self) -> None:
@@ -261,14 +253,15 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
 
-    def _after_step(self, meter: Meter, start: float, bar: Any, profiler: Any) -> Optional[str]:
+    def _after_step(self, meter: Meter, bar: Any, profiler: Any) -> Optional[str]:
         cfg = self.cfg
         if profiler is not None:
             profiler.step(self.step, self._waited)
         if self.step % cfg.log_every == 0:
             self._log_interval(meter, bar)
-        if self._signalled():
-            return "signal"
+        stop = self._stops.due()
+        if stop:
+            return stop
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
         if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
@@ -276,17 +269,15 @@ class Trainer:
                 return "early_stop"
         if cfg.max_steps and self.step >= cfg.max_steps:
             return "max_steps"
-        if cfg.max_time and time.monotonic() - start >= cfg.max_time:
-            return "max_time"
         return None
 
     def _log_interval(self, meter: Meter, bar: Any) -> None:
         samples = torch.tensor(float(meter.samples), device=self.device, dtype=torch.float64)
         loss_sum, correct, count, samples_all = self._reduce(meter.loss_sum, meter.correct, meter.count, samples)
-        if self.dist.world_size > 1 and self._signals.enabled:  # NOTE [stop signals]: every rank, the same step
-            seen = torch.tensor(self._signals.received or 0, device=self.device, dtype=torch.int64)
+        if self.dist.world_size > 1:  # NOTE [agreed stops]: a stop any rank sees is every rank's, at this step
+            seen = torch.tensor(self._stops.view(), device=self.device, dtype=torch.int64)
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-            self.stop_signal = int(seen) or None
+            self._stops.agree(seen.tolist())
         waited, total = meter.wait_and_total()
         self._waited, self._busy = self._waited + waited, self._busy + total
         stall = 100 * waited / max(total, 1e-9)

@@ -37,7 +37,7 @@ class TrainConfig:
 
     epochs: Optional[int] = None  # None: 1 epoch, or as many as max_steps needs when it is set
     max_steps: Optional[int] = None
-    max_time: Optional[float] = None  # seconds (parse_duration turns "00:12:00:00" into seconds)
+    max_time: Optional[float] = None  # seconds ("00:12:00:00" through parse_duration); in DDP, at log intervals
     lr: float = 0.1
     optimizer: str = "sgd"  # "sgd" (momentum, nesterov) or "adamw"
     momentum: float = 0.9

@@ -347,6 +347,46 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_with_a_checkpo
     assert "stopped by SIGTERM" in err and "Traceback" not in err.split("stopped by SIGTERM")[0], err[-3000:]
 
 
+SKEWED_RANKS = """
+import json, sys, time
+import torch
+from fastdata import CUDAPrefetcher, FastDataset, FastLoader
+from fastdata.distributed import init_distributed, shutdown_distributed
+from fastdata.models import create_model
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig
+
+info = init_distributed("cpu")
+torch.manual_seed(0)
+loader = CUDAPrefetcher(FastLoader(FastDataset(sys.argv[1]), 4), device="cpu")
+cfg = TrainConfig(epochs=100000, max_time=1.5, log_every=5, device="cpu", progress=False)
+trainer = Trainer(create_model("cnn-small", num_classes=3), loader, config=cfg)
+if info.rank == 1:
+    time.sleep(0.5)  # this rank's clock starts later: alone, it reaches max_time ~0.5 s of steps after rank 0
+history = trainer.fit()
+with open(f"{sys.argv[2]}.{info.rank}", "w") as f:
+    json.dump({"rank": info.rank, "step": trainer.step, "reason": history[-1]["reason"]}, f)
+shutdown_distributed()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ranks_whose_clocks_differ_stop_for_max_time_after_the_same_step(small_images, tmp_path):
+    """NOTE [agreed stops]: each rank checked max_time on its own clock, so a rank that began fit() later went
+    on for another step while the others stopped, and the run hung in that step's all-reduce."""
+    script = tmp_path / "skewed.py"
+    script.write_text(SKEWED_RANKS)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), str(small_images), str(tmp_path / "end")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ends = [json.loads((tmp_path / f"end.{rank}").read_text()) for rank in (0, 1)]
+    assert [e["rank"] for e in ends] == [0, 1] and ends[0]["step"] == ends[1]["step"] > 0, ends
+    assert ends[0]["reason"] == ends[1]["reason"] == "max_time"
+    assert ends[0]["step"] % 5 == 0 or ends[0]["step"] % 6 == 0, ends  # at a log interval or an epoch's end
+
+
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_images, tmp_path):
     assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path))) == 0
