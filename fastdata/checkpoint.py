@@ -7,6 +7,7 @@ Trainer decides what goes in and when (rank 0 writes).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ._io import disk_error, fsync_dir
-from .errors import FormatError
+from .errors import FormatError, OutputError
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -39,6 +40,19 @@ def set_rng_state(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
 
 
+def prepare_folder(folder: Path) -> None:
+    """Make the checkpoint folder now: a path that cannot hold checkpoints fails before training, not at the
+    first save an epoch (or hours) later."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"checkpoint folder {folder} is a file: give --checkpoint a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create checkpoint folder {folder}: {exc.strerror or exc}") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write in checkpoint folder {folder}: give --checkpoint a writable folder")
+
+
 def write(path: Path, state: dict[str, Any]) -> None:
     """Save ``state`` to ``path`` atomically and durably; a write that fails (a full disk: DiskFullError)
     leaves the previous checkpoint as it was and no temporary file."""
@@ -58,7 +72,8 @@ def write(path: Path, state: dict[str, Any]) -> None:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except (OSError, RuntimeError) as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (no folder to hold it, say: the error below says why)
+            tmp.unlink(missing_ok=True)
         cause = _os_error(exc)
         if cause is None:
             raise

@@ -82,6 +82,8 @@ class Trainer:
                               "batch size or drop_last=False")
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
+        if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
+            checkpoint.prepare_folder(Path(cfg.checkpoint_dir))
         check_device(cfg, self.device)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
         self.train_loader, self.val_loader = train_loader, val_loader

@@ -81,6 +81,11 @@ class TrainConfig:
         need(self.clip is None or self.clip > 0, "clip", "positive")
         need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
         need(self.log_every >= 1, "log_every", "a positive integer")
+        for name in ("warmup_steps", "checkpoint_every", "val_every", "val_every_steps", "early_stop_patience",
+                     "profile_steps"):  # (a negative warm-up made the learning rate negative)
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")
+        for name in ("momentum", "weight_decay", "early_stop_min_delta"):
+            need(getattr(self, name) >= 0, name, "0 or more")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
 
     @property

@@ -219,15 +219,29 @@ def test_clipping_and_accumulation_in_python(small_images):
     assert t.step == 3 and all(p.grad is None for p in t.model.parameters())  # zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train", "/nonexistent/data"], "not a folder"),
-    (None, "unknown model 'vgg99'"),
-    (None, "--amp fp16 needs a CUDA device"),
-])
-def test_bad_input_is_one_clear_line(small_images, args, needle):
-    if args is None:
-        args = train_args(small_images, "--model", "vgg99") if "vgg" in needle else \
-            train_args(small_images, "--amp", "fp16")
+def _a_file(t: Path) -> str:
+    (t / "f").write_text("x")
+    return str(t / "f")
+
+
+BAD_TRAIN_ARGS = {  # name: (flags after the dataset's, a function of tmp_path giving them, what the error says)
+    "missing dataset": (lambda t: None, "not a folder"),
+    "unknown model": (lambda t: ["--model", "vgg99"], "unknown model 'vgg99'"),
+    "fp16 on the CPU": (lambda t: ["--amp", "fp16"], "--amp fp16 needs a CUDA device"),
+    # these two failed at the first save, an epoch in, with a NotADirectoryError traceback
+    "checkpoint folder is a file": (lambda t: ["--checkpoint", _a_file(t)], "is a file: give --checkpoint a folder"),
+    "checkpoint folder under a file": (lambda t: ["--checkpoint", _a_file(t) + "/sub"],
+                                       "cannot create checkpoint folder"),
+    "negative checkpoint_every": (lambda t: ["--checkpoint-every", "-1"], "checkpoint_every must be 0 or a positive"),
+    "negative warm-up": (lambda t: ["--warmup-steps", "-3"], "warmup_steps must be 0 or a positive"),  # lr < 0
+}
+
+
+@pytest.mark.parametrize("case", BAD_TRAIN_ARGS)
+def test_bad_input_is_one_clear_line_before_training(small_images, tmp_path, case):
+    flags, needle = BAD_TRAIN_ARGS[case]
+    extra = flags(tmp_path)
+    args = ["train", "/nonexistent/data"] if extra is None else train_args(small_images, "--epochs", "100000", *extra)
     r = subprocess.run([sys.executable, "-m", "fastdata", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
 
