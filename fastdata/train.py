@@ -233,6 +233,7 @@ class Trainer:
                     if stop:
                         break
             if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
+                self._partial_accumulation(micro % cfg.accum)
                 self._optimizer_step()
             if meter.has_data():
                 self._log_interval(meter, bar)  # the epoch's last, partial interval
@@ -243,6 +244,15 @@ class Trainer:
                 self.save_checkpoint()
                 stop = stop or self._stops.due()
         return stop
+
+    def _partial_accumulation(self, micros: int) -> None:
+        """An epoch ended after ``micros`` of ``accum`` micro-batches: their gradients, as one batch of them, and
+        averaged over ranks here (they ran under ``no_sync()``: ranks stepped on their own and drifted apart)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.ddp is not None:
+            for g in grads:  # once an epoch
+                dist.all_reduce(g)
+        torch._foreach_mul_(grads, self.cfg.accum / micros / (self.dist.world_size if self.ddp is not None else 1))
 
     def _optimizer_step(self) -> None:
         cfg = self.cfg

@@ -55,6 +55,18 @@ def test_two_ranks_at_half_batch_equal_one_rank_at_full_batch(indexed_datasets, 
         assert three[0][key] == pytest.approx(val["w1-b16-a1-s5"][0]["initial"][key], abs=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_epochs_that_end_mid_accumulation_keep_two_ranks_equal_to_one_big_batch(indexed_datasets, tmp_path):
+    """5 epochs of 100 samples: 7 steps each, the last of 4 samples. Two ranks at batch 2 with accum 4 end an
+    epoch after 1 of 4 micro-batches, whose backward ran under no_sync(): that step used each rank's own
+    gradients and the replicas drifted apart; now it is averaged over ranks, as one batch of those samples."""
+    one = worker(tmp_path, indexed_datasets["npy"], 1, 16, 1, steps=100)
+    two = worker(tmp_path, indexed_datasets["npy"], 2, 2, 4, steps=100)
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), k
+
+
 @pytest.mark.slow
 def test_accumulation_equals_one_big_step(indexed_datasets, tmp_path):
     big = worker(tmp_path, indexed_datasets["npy"], 1, 16, 1)
