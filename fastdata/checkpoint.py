@@ -8,13 +8,15 @@ Trainer decides what goes in and when (rank 0 writes).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ._io import disk_error, fsync_dir
@@ -89,11 +91,26 @@ def _os_error(exc: BaseException) -> "OSError | None":
     return seen if isinstance(seen, OSError) else None
 
 
-def read(path: Path, device: torch.device, model: nn.Module) -> dict[str, Any]:
-    """Load ``path`` for ``model`` (weights loaded into it), refusing a file that is unreadable or was
-    written for another model, with a message that says what to do."""
+def rank0_bytes(path: Path, main: bool, device: torch.device) -> Optional[bytes]:
+    """Rank 0's checkpoint file (None if it has none), on every rank of the process group: rank 0 alone
+    writes checkpoints, so on node-local disks the other nodes' folders are empty, and ranks that each read
+    their own folder resumed from different steps (or not at all) and hung."""
+    data = path.read_bytes() if main and path.is_file() else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if int(size) == 0:
+        return None
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if main else
+           torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, 0)
+    return data if main else buf.cpu().numpy().tobytes()
+
+
+def read(path: Path, device: torch.device, model: nn.Module, data: Optional[bytes] = None) -> dict[str, Any]:
+    """Load ``path`` (or ``data``, its bytes) for ``model`` (weights loaded into it), refusing a file that is
+    unreadable or was written for another model, with a message that says what to do."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(io.BytesIO(data) if data is not None else path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
         raise FormatError(f"cannot read checkpoint {path}: {exc}") from exc
     if state.get("model_class") != type(model).__name__:

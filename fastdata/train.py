@@ -181,8 +181,7 @@ class Trainer:
                                 self._waited) if cfg.profile_steps else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
             stop = self._epochs(bar, profiler)
-            if stop in ("max_steps", "max_time", "early_stop", "signal") and self._saved_at != (self.epoch,
-                                                                                                 self.step):
+            if stop is not None and self._saved_at != (self.epoch, self.step):  # an early stop: save where it is
                 self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
         self.stop_signal = self._stops.signal
         if profiler is not None:
@@ -371,13 +370,15 @@ class Trainer:
         self._saved_at = (self.epoch, self.step)
 
     def load_checkpoint(self) -> bool:
-        """Continue from ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
+        """Continue from (rank 0's) ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
         path = self._checkpoint_path()
         if path is None:
             raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
-        if not path.is_file():
+        grouped = self.dist.world_size > 1
+        data = checkpoint.rank0_bytes(path, self.dist.main, self.device) if grouped else None
+        if (grouped and data is None) or (not grouped and not path.is_file()):
             return False
-        state = checkpoint.read(path, self.device, self.model)
+        state = checkpoint.read(path, self.device, self.model, data)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -413,6 +413,55 @@ def test_ranks_whose_clocks_differ_stop_for_max_time_after_the_same_step(small_i
     assert ends[0]["step"] % 5 == 0 or ends[0]["step"] % 6 == 0, ends  # at a log interval or an epoch's end
 
 
+RANK_LOCAL_FOLDERS = """
+import sys
+import torch
+from fastdata import CUDAPrefetcher, FastDataset, FastLoader
+from fastdata.distributed import init_distributed, shutdown_distributed
+from fastdata.models import create_model
+from fastdata.train import Trainer
+from fastdata.train_config import TrainConfig
+
+data, base, steps, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
+info = init_distributed("cpu")
+torch.manual_seed(0)
+loader = CUDAPrefetcher(FastLoader(FastDataset(data), 4), device="cpu")
+cfg = TrainConfig(epochs=100, max_steps=steps, schedule="constant", lr=0.05, device="cpu", progress=False,
+                  checkpoint_dir=f"{base}/node{info.rank}", resume=resume)  # each rank a node with its own disk
+trainer = Trainer(create_model("cnn-small", num_classes=3), loader, config=cfg)
+trainer.fit()
+if info.rank == 1:
+    torch.save({"step": trainer.step, "model": trainer.model.state_dict()}, f"{base}/rank1.pt")
+shutdown_distributed()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ranks_resume_from_rank_0s_checkpoint_when_their_own_disks_hold_none(small_images, tmp_path):
+    """Rank 0 alone writes checkpoints: with node-local folders the other ranks' are empty, and they started
+    from step 0 while rank 0 resumed (then hung, or trained apart). They now all resume from rank 0's."""
+    script = tmp_path / "local.py"
+    script.write_text(RANK_LOCAL_FOLDERS)
+
+    def run(base: Path, steps: int, resume: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(script), str(small_images), str(base), str(steps), resume],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return torch.load(base / "rank1.pt", weights_only=True)
+
+    run(tmp_path / "a", 4, "fresh")
+    assert (tmp_path / "a" / "node0" / "checkpoint.pt").is_file()
+    assert not (tmp_path / "a" / "node1" / "checkpoint.pt").exists()
+    resumed = run(tmp_path / "a", 7, "resume")
+    straight = run(tmp_path / "b", 7, "fresh")
+    assert resumed["step"] == straight["step"] == 7
+    for k, v in straight["model"].items():
+        if "running" not in k:  # (BN statistics are each rank's own under DDP)
+            assert torch.equal(v, resumed["model"][k]), k
+
+
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(small_images, tmp_path):
     assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path))) == 0
