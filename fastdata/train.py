@@ -26,17 +26,10 @@ from .distributed import hold_group, init_distributed, release_group
 from .errors import ConfigError
 from .models import is_convnet
 from .train_meter import Meter, StepProfiler
-from .train_config import TrainConfig, check_device, lr_lambda
+from .train_config import TrainConfig, check_device, lr_lambda, param_groups
 from .train_stop import EarlyStops, signal_name
 
 log = logging.getLogger(__name__)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on weights only: norms' scales and all biases (1-D parameters) are exempt."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
@@ -76,10 +69,17 @@ class Trainer:
             raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
                               "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
                               "delete it to start afresh)")
-        if len(train_loader) == 0:  # else every epoch ends at once, and the run "finishes" having learnt nothing
+        try:
+            batches: Optional[int] = len(train_loader)
+        except TypeError:  # a DataLoader of an iterable dataset
+            batches = None
+        if batches == 0:  # else every epoch ends at once, and the run "finishes" having learnt nothing
             raise ConfigError("the training loader serves no batch in an epoch (its len() is 0): with drop_last, "
                               "a batch larger than a rank's share of the data is dropped whole; use a smaller "
                               "batch size or drop_last=False")
+        if batches is None and not cfg.max_steps:
+            raise ConfigError("the training loader has no len() (an iterable dataset): pass max_steps (--max-steps) "
+                              "so that the run, and its learning-rate schedule, have a length")
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
@@ -107,8 +107,7 @@ class Trainer:
                                              momentum=cfg.momentum, nesterov=cfg.momentum > 0)
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
-        self.steps_per_epoch = max(1, math.ceil(len(train_loader) / cfg.accum))
-        self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
+        self.total_steps = cfg.max_steps or cfg.num_epochs * max(1, math.ceil(batches / cfg.accum))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)

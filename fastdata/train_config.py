@@ -1,4 +1,5 @@
-"""What a training run does, as one validated frozen dataclass (``TrainConfig``), and what a device can run.
+"""What a training run does, as one validated frozen dataclass (``TrainConfig``), what a device can run, and
+the optimizer settings it implies (weight-decay groups, the learning-rate schedule).
 
 ``fastdata train`` builds a TrainConfig from its flags, taking every default from here (one default per
 option), so the CLI and the Python API behave alike.
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import ConfigError, require
 
@@ -124,3 +125,10 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
         progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
+
+
+def param_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weights only: norms' scales and all biases (1-D parameters) are exempt."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import struct
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -182,6 +183,26 @@ def disk_of(limit: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     return preexec
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300, **kwargs: object) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=nproc ARGS``, its output captured as text. A run that outlives
+    ``timeout`` (ranks hung in a collective) is killed with every process it started, so no orphaned rank
+    goes on using the CI machine's cores, and the test fails with TimeoutExpired."""
+    import os
+    import signal
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:

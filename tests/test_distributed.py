@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import INDEXED_N
+from conftest import INDEXED_N, torchrun as run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = Path(__file__).parent / "dist_loader_worker.py"
@@ -17,9 +15,7 @@ WORKER = Path(__file__).parent / "dist_loader_worker.py"
 
 def torchrun(nproc: int, out: Path, *args: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), *args[:1], str(out), *args[1:]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = run_torchrun(nproc, str(WORKER), *args[:1], str(out), *args[1:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(nproc)]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import disk_of
+from conftest import disk_of, torchrun
 from fastdata.cli import main
 from fastdata.dataset import FastDataset
 from fastdata.errors import ConfigError
@@ -27,10 +27,8 @@ WORKER = Path(__file__).parent / "dist_train_worker.py"
 
 def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps: int = 5) -> dict:
     out = tmp_path / f"w{nproc}-b{batch}-a{accum}-s{steps}.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(data), str(out), str(batch), str(accum), str(steps)]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash in a rank prints every thread's Python stack
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    r = torchrun(nproc, str(WORKER), str(data), str(out), str(batch), str(accum), str(steps), env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
@@ -102,8 +100,7 @@ def test_fastdata_train_under_torchrun(small_images, tmp_path):
     log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
     args = train_args(small_images, "--max-steps", "4", "--epochs", "10", "--val-fraction", "0.25",
                       "--checkpoint", str(ck), "--log-file", str(log))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastdata", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    r = torchrun(2, "-m", "fastdata", *args, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     events = [json.loads(line) for line in log.read_text().splitlines()]
     ends = [e for e in events if e.get("event") == "end"]
@@ -194,8 +191,7 @@ def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
 
 
 def test_learning_rate_schedules_and_weight_decay_groups():
-    from fastdata.train import param_groups
-    from fastdata.train_config import lr_lambda
+    from fastdata.train_config import lr_lambda, param_groups
 
     cos = lr_lambda(TrainConfig(warmup_steps=10), 110)
     assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(60) == pytest.approx(0.5)
@@ -272,6 +268,28 @@ def test_a_training_loader_without_batches_is_refused(small_images):
     assert len(loader) == 0
     with pytest.raises(ConfigError, match="serves no batch"):
         Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(device="cpu", epochs=2))
+
+
+def test_a_loader_without_len_trains_for_max_steps_and_is_refused_without_them(small_images):
+    """A DataLoader of an IterableDataset (a WebDataset-style stream) has no len(): max_steps gives the run its
+    length; before, Trainer failed with TypeError whatever the settings."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    ds = FastDataset(small_images)
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            for i in range(len(ds)):
+                x, y = ds[i]
+                yield x.permute(2, 0, 1).float() / 255, y
+
+    loader = DataLoader(Stream(), batch_size=8)
+    with pytest.raises(ConfigError, match="no len"):
+        Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(device="cpu", progress=False))
+    t = Trainer(create_model("cnn-small", num_classes=3), loader,
+                config=TrainConfig(device="cpu", max_steps=9, progress=False))
+    history = t.fit()
+    assert t.step == 9 and t.epoch == 1 and history[-1]["reason"] == "max_steps"  # 6 batches an epoch
 
 
 def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
@@ -403,9 +421,7 @@ def test_ranks_whose_clocks_differ_stop_for_max_time_after_the_same_step(small_i
     on for another step while the others stopped, and the run hung in that step's all-reduce."""
     script = tmp_path / "skewed.py"
     script.write_text(SKEWED_RANKS)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script), str(small_images), str(tmp_path / "end")], capture_output=True, text=True,
-                       timeout=120)
+    r = torchrun(2, str(script), str(small_images), str(tmp_path / "end"), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     ends = [json.loads((tmp_path / f"end.{rank}").read_text()) for rank in (0, 1)]
     assert [e["rank"] for e in ends] == [0, 1] and ends[0]["step"] == ends[1]["step"] > 0, ends
@@ -445,9 +461,7 @@ def test_ranks_resume_from_rank_0s_checkpoint_when_their_own_disks_hold_none(sma
     script.write_text(RANK_LOCAL_FOLDERS)
 
     def run(base: Path, steps: int, resume: str) -> dict:
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            str(script), str(small_images), str(base), str(steps), resume],
-                           capture_output=True, text=True, timeout=120)
+        r = torchrun(2, str(script), str(small_images), str(base), str(steps), resume, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
         return torch.load(base / "rank1.pt", weights_only=True)
 
