@@ -54,7 +54,8 @@ class Trainer:
     """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
 
     Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved
-    here). Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
+    here); one without ``len()`` (an iterable dataset's) needs ``max_steps``. Under torchrun, build the
+    loaders after :func:`init_distributed` so each serves its shard.
     A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
     the whole dict (default: cross-entropy on ``label``, or per pixel on ``mask``; see :func:`default_loss`).
     With a checkpoint folder, SIGTERM or SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint
