@@ -126,6 +126,7 @@ class CUDAPrefetcher:
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
+        self._fetched_all: Optional[int] = None  # the epoch whose every batch is fetched, its iteration not over
 
     # -- proxies --------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -150,6 +151,11 @@ class CUDAPrefetcher:
         state = dict(self.loader.state_dict())
         if self._unserved and "position" in state:
             state["epoch"], state["position"] = self._unserved[0]
+        elif self._fetched_all is not None and "position" in state and "num_samples" in state:
+            # every batch handed out, and the loader moved on to the next epoch when the look-ahead found none
+            # left: the state stays in that epoch with nothing to serve, else the caller's set_epoch(epoch)
+            # restarted it (the sampler keeps such a state, see its load_state_dict)
+            state["epoch"], state["position"] = self._fetched_all, state["num_samples"]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -249,6 +255,8 @@ class CUDAPrefetcher:
                 reclaim(force_one=True)  # the loader needs a buffer back to keep producing
             item = next(source, None)
             if item is None:
+                if self._unserved:  # (called before the batch it follows is handed out: that one is still here)
+                    self._fetched_all = self._unserved[-1][0]
                 return False
             batch, release = item
             self._unserved.append(self._position())
@@ -286,5 +294,6 @@ class CUDAPrefetcher:
                 yield out
         finally:
             self._unserved.clear()
+            self._fetched_all = None
             while held:
                 reclaim(force_one=True)

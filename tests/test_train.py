@@ -565,12 +565,18 @@ def gpu_run(data: Path, ckpt: Path, max_steps: int, resume: bool = False) -> Tra
 
 
 @pytest.mark.cuda
-def test_gpu_bf16_accumulation_clipping_checkpoint_and_resume_to_the_same_weights(small_images, tmp_path):
+@pytest.mark.parametrize("cut", [4, 3])  # 6 batches an epoch, 2 a step: mid-epoch; after the epoch's last step
+def test_gpu_bf16_accumulation_clipping_checkpoint_and_resume_to_the_same_weights(small_images, tmp_path, cut):
+    """At 3, the prefetcher's look-ahead had ended the loader's epoch: the state said epoch 1 from its start,
+    and the resumed run trained epoch 0 again."""
     torch.use_deterministic_algorithms(True, warn_only=True)  # the same kernels in both runs
     try:
         whole = gpu_run(small_images, tmp_path / "whole", 7)
-        gpu_run(small_images, tmp_path / "cut", 4)  # stops mid-epoch: 6 batches an epoch, 2 batches a step
-        assert load_ckpt(tmp_path / "cut")["step"] == 4 and load_ckpt(tmp_path / "cut")["loader"]["position"] > 0
+        gpu_run(small_images, tmp_path / "cut", cut)
+        state = load_ckpt(tmp_path / "cut")
+        epoch, position = (0, 48) if cut == 3 else (1, 16)
+        assert (state["step"], state["epoch"], state["loader"]["epoch"], state["loader"]["position"]) == \
+            (cut, epoch, epoch, position)
         resumed = gpu_run(small_images, tmp_path / "cut", 7, resume=True)
     finally:
         torch.use_deterministic_algorithms(False)
