@@ -53,13 +53,13 @@ def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.
 class Trainer:
     """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
 
-    Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved
-    here); one without ``len()`` (an iterable dataset's) needs ``max_steps``. Under torchrun, build the
-    loaders after :func:`init_distributed` so each serves its shard.
-    A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
-    the whole dict (default: cross-entropy on ``label``, or per pixel on ``mask``; see :func:`default_loss`).
-    With a checkpoint folder, SIGTERM or SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint
-    (NOTE [stop signals]); ``stop_signal`` then holds the signal's number.
+    Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved here);
+    one without ``len()`` (an iterable dataset's) needs ``max_steps``. Under torchrun, build the loaders
+    after :func:`init_distributed` so each serves its shard. A dataset with sample fields yields dicts: the
+    model gets ``batch["image"]`` and ``loss_fn(out, batch)`` the whole dict (default: cross-entropy on
+    ``label``, or per pixel on ``mask``; see :func:`default_loss`). With a checkpoint folder, SIGTERM or
+    SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint (NOTE [stop signals]);
+    ``stop_signal`` then holds the signal's number.
     """
 
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
@@ -128,9 +128,8 @@ class Trainer:
 
     # -- small helpers --------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        on = self.amp_dtype is not None
+        return torch.autocast(self.device.type, dtype=self.amp_dtype) if on else contextlib.nullcontext()
 
     def _to_device(self, t: torch.Tensor, image: bool = False) -> torch.Tensor:
         t = t.to(self.device, non_blocking=True)
@@ -189,9 +188,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         reason = f"signal {signal_name(self.stop_signal)}" if self.stop_signal else stop or "epochs"
-        summary = {"event": "end", "reason": reason, "epoch": self.epoch, "step": self.step,
-                   "time_s": time.monotonic() - start,
-                   "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
+        summary = {"event": "end", "reason": reason, "epoch": self.epoch, "step": self.step, "time_s":
+                   time.monotonic() - start, "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
         self._log(summary)
         if self.dist.main and cfg.progress:
             log.info("stopped (%s) after %d steps in %.1f s; data stall %.1f%%", summary["reason"], self.step,
@@ -384,6 +382,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
             self.train_loader.load_state_dict(state["loader"])
+        elif self.dist.main:
+            log.warning("the training loader has no state_dict(): the resumed run reads its data from the start")
         self.epoch, self.step = state["epoch"], state["step"]
         self.best, self.bad_evals = state["best"], state["bad_evals"]
         checkpoint.set_rng_state(state["rng"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -270,7 +271,7 @@ def test_a_training_loader_without_batches_is_refused(small_images):
         Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(device="cpu", epochs=2))
 
 
-def test_a_loader_without_len_trains_for_max_steps_and_is_refused_without_them(small_images):
+def test_a_loader_without_len_trains_for_max_steps_and_is_refused_without_them(small_images, tmp_path):
     """A DataLoader of an IterableDataset (a WebDataset-style stream) has no len(): max_steps gives the run its
     length; before, Trainer failed with TypeError whatever the settings."""
     from torch.utils.data import DataLoader, IterableDataset
@@ -287,9 +288,20 @@ def test_a_loader_without_len_trains_for_max_steps_and_is_refused_without_them(s
     with pytest.raises(ConfigError, match="no len"):
         Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(device="cpu", progress=False))
     t = Trainer(create_model("cnn-small", num_classes=3), loader,
-                config=TrainConfig(device="cpu", max_steps=9, progress=False))
+                config=TrainConfig(device="cpu", max_steps=9, progress=False, checkpoint_dir=str(tmp_path)))
     history = t.fit()
     assert t.step == 9 and t.epoch == 1 and history[-1]["reason"] == "max_steps"  # 6 batches an epoch
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fastdata.train").addHandler(handler)
+    try:
+        t = Trainer(create_model("cnn-small", num_classes=3), loader,  # its data starts over: said, not silent
+                    config=TrainConfig(device="cpu", max_steps=11, progress=False, checkpoint_dir=str(tmp_path),
+                                       resume=True))
+    finally:
+        logging.getLogger("fastdata.train").removeHandler(handler)
+    assert t.step == 9 and any("the resumed run reads its data from the start" in m for m in said), said
 
 
 def test_checkpoint_from_another_model_is_refused(small_images, tmp_path):
