@@ -179,9 +179,7 @@ class Trainer:
         profiler = StepProfiler(cfg.profile_steps, self.device, Path(cfg.checkpoint_dir or "."), self.dist.main,
                                 self._waited) if cfg.profile_steps else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
-            stop = self._epochs(bar, profiler)
-            if stop is not None and self._saved_at != (self.epoch, self.step):  # an early stop: save where it is
-                self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
+            stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
         self.stop_signal = self._stops.signal
         if profiler is not None:
             profiler.stop(self._waited)
@@ -227,7 +225,9 @@ class Trainer:
                 if last_micro:
                     self._optimizer_step()
                     stop = self._after_step(meter, bar, profiler)
-                    if stop:
+                    if stop:  # saved while the iteration is live: a look-ahead's batches are not counted as served
+                        if self._saved_at != (self.epoch, self.step):
+                            self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
                         break
             if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
                 self._partial_accumulation(micro % cfg.accum)
