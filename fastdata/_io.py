@@ -56,6 +56,17 @@ def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> s
 RESUME_ADVICE = "free some space and rerun the same command, which resumes from the last complete shard"
 
 
+def make_folder(folder: Path, what: str, not_a_folder: str) -> None:
+    """Make ``folder`` (and its parents) or raise one OutputError: ``not_a_folder`` where a file holds the
+    path, else "cannot create WHAT FOLDER: why"."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(not_a_folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {what} {folder}: {exc.strerror or exc}") from exc
+
+
 def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputError:
     """Turn an ``OSError`` raised while writing ``path`` into a user-facing error; ``advice`` says what to do
     when the disk is full."""

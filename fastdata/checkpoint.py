@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._io import disk_error, fsync_dir
+from ._io import disk_error, fsync_dir, make_folder
 from .errors import FormatError, OutputError
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -45,12 +45,7 @@ def set_rng_state(rng: dict[str, Any]) -> None:
 def prepare_folder(folder: Path) -> None:
     """Make the checkpoint folder now: a path that cannot hold checkpoints fails before training, not at the
     first save an epoch (or hours) later."""
-    if folder.exists() and not folder.is_dir():
-        raise OutputError(f"checkpoint folder {folder} is a file: give --checkpoint a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create checkpoint folder {folder}: {exc.strerror or exc}") from exc
+    make_folder(folder, "checkpoint folder", f"checkpoint folder {folder} is a file: give --checkpoint a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in checkpoint folder {folder}: give --checkpoint a writable folder")
 

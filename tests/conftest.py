@@ -185,15 +185,21 @@ def disk_of(limit: int):
     return preexec
 
 
+def torchrun_cmd(nproc: int) -> list[str]:
+    """The launcher: ``torchrun --standalone --nproc_per_node=nproc``, with this Python."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300, **kwargs: object) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=nproc ARGS``, its output captured as text. A run that outlives
     ``timeout`` (ranks hung in a collective) is killed with every process it started, so no orphaned rank
     goes on using the CI machine's cores, and the test fails with TimeoutExpired."""
     import os
     import signal
-    import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = [*torchrun_cmd(nproc), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import disk_of, torchrun
+from conftest import disk_of, torchrun, torchrun_cmd
 from fastdata.cli import main
 from fastdata.dataset import FastDataset
 from fastdata.errors import ConfigError
@@ -343,8 +343,7 @@ def test_ctrl_c_says_how_to_continue(small_images, tmp_path):
 
 def _started_and_logging(args: list[str], log: Path, records: int = 4, torchrun: int = 0) -> subprocess.Popen:
     """``fastdata train`` (under torchrun with that many ranks) started and past its first few log records."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
-        if torchrun else [sys.executable]
+    launch = torchrun_cmd(torchrun) if torchrun else [sys.executable]
     proc = subprocess.Popen([*launch, "-m", "fastdata", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 120

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .._io import disk_error, write_json_atomic
+from .._io import disk_error, make_folder, write_json_atomic
 from ..errors import OutputError
 from ..manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
 
@@ -107,12 +107,7 @@ def read_fingerprint(out: Path) -> str | None:
 @contextlib.contextmanager
 def exclusive(out: Path) -> Iterator[None]:
     """OUT made if needed, and held by this run until the block ends (NOTE [one writer])."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create output folder {out}: {exc.strerror}") from exc
+    make_folder(out, "output folder", f"output {out} exists and is not a folder: choose a new or empty folder")
     fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     _held.add(fd)
     try:
