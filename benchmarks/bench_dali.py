@@ -39,12 +39,12 @@ from typing import Any, Iterator
 import torch
 
 import fastdata
-from fastdata.models import create_model
-from fastdata.dataset import FastDataset
-from fastdata.loader import FastLoader
-from fastdata.prefetch import CUDAPrefetcher
+from fastdata.train.models import create_model
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
+from fastdata.gpu.prefetch import CUDAPrefetcher
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.synthetic import make_image_folder
+from fastdata.cli.synthetic import make_image_folder
 from fastdata.distributed import resolve_device
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -131,7 +131,7 @@ def eval_rates(scratch: Path, files: list[Path], args: argparse.Namespace, devic
 @contextlib.contextmanager
 def every_loader_thread_on_all_cores() -> Iterator[None]:
     """FastLoader's threads as before 2026-11-26: each with torch's process-wide intra-op thread count."""
-    import fastdata.loader as loader_module
+    import fastdata.loading.loader as loader_module
 
     share = loader_module.limit_intraop_threads
     loader_module.limit_intraop_threads = lambda n: False
@@ -144,7 +144,7 @@ def every_loader_thread_on_all_cores() -> Iterator[None]:
 def where_it_waits(model: torch.nn.Module, loader: Any, batch: int, steps: int, device: str) -> dict[str, float]:
     """A profiled run of ``steps`` more Trainer steps of ``model`` fed by ``loader`` (both warm: the row just
     measured): host ms a step inside DALILoader's ``pipe.run`` and its feed (``record_function`` names in
-    fastdata/dali.py), and on the device the kernel ms a step on the stream that runs most (the model's) and
+    fastdata/gpu/dali.py), and on the device the kernel ms a step on the stream that runs most (the model's) and
     on all others (DALI's), with how busy the model's stream was over the window (its gaps are what the data
     stall measures)."""
     from bench_gpu import train

@@ -21,7 +21,7 @@ from PIL import Image
 
 from fastdata import FastDataset, FastLoader
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.timing import machine, timed_rate
+from fastdata.cli.timing import machine, timed_rate
 
 SIZE, BATCH = 256, 64
 

@@ -32,17 +32,17 @@ from typing import Any, Callable
 
 import torch
 
-from fastdata.dataset import FastDataset
+from fastdata.datasets.images import FastDataset
 from fastdata.errors import FastdataError
-from fastdata.gpu_transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
-from fastdata.loader import FastLoader
-from fastdata.models import create_model
-from fastdata.prefetch import CUDAPrefetcher
+from fastdata.imaging.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
+from fastdata.loading.loader import FastLoader
+from fastdata.train.models import create_model
+from fastdata.gpu.prefetch import CUDAPrefetcher
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.synthetic import make_image_folder
-from fastdata.timing import ModelStep, machine, sync, timed_rate
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig
+from fastdata.cli.synthetic import make_image_folder
+from fastdata.cli.timing import ModelStep, machine, sync, timed_rate
+from fastdata.train.trainer import Trainer
+from fastdata.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import PlainFolder  # noqa: E402  (the plain recipe: Pillow, float tensors, normalise)
@@ -273,7 +273,7 @@ def gather_ratio(root: Path, batch: int) -> dict[str, float]:
 def cifar_epoch(root: Path, device: str) -> dict[str, float]:
     """One epoch of ResNet-18 over a CIFAR-sized ``storage="cuda"`` dataset, crops + flips on the GPU: host
     to device copies and host syncs per step, counted."""
-    from fastdata.gpu_transforms import RandomCrop
+    from fastdata.imaging.transforms import RandomCrop
 
     ds = FastDataset(root, storage="cuda", device=device)
     loader = CUDAPrefetcher(FastLoader(ds, 512), device=device, dtype=torch.bfloat16,

@@ -51,14 +51,14 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata import decode, jpeg_read, turbo, turbo_loop
-from fastdata.dataset import FastDataset
+from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read, turbojpeg as turbo, turbojpeg_loop as turbo_loop
+from fastdata.datasets.images import FastDataset
 from fastdata.formats.lmdb_store import open_lmdb
-from fastdata.manifest import load_manifest
-from fastdata.loader import FastLoader
+from fastdata.formats.manifest import load_manifest
+from fastdata.loading.loader import FastLoader
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.synthetic import make_image_folder
-from fastdata.timing import timed_rate
+from fastdata.cli.synthetic import make_image_folder
+from fastdata.cli.timing import timed_rate
 
 BATCH, SIZE, STORED, QUALITY = 256, 224, 256, 90
 Rate = Callable[[int], float]  # threads -> images/s
@@ -83,8 +83,8 @@ def per_record_rate(records: list, fn: Callable[..., object], threads: int, seco
 
 PROCESS_RUN = """
 import sys, time, torch
-from fastdata.dataset import FastDataset
-from fastdata.loader import FastLoader
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
 torch.set_num_threads(1)
 path, kind, start, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 ds = (FastDataset(path, size=%d, crop="random") if kind == "train" else

@@ -25,7 +25,7 @@ from PIL import Image
 
 import fastdata
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.synthetic import make_image_folder
+from fastdata.cli.synthetic import make_image_folder
 
 
 def naive_loop(src: Path, out: Path, size: int) -> int:

@@ -44,10 +44,10 @@ import numpy as np
 
 import fastdata
 from fastdata._io import write_bytes_atomic
-from fastdata.dataset import FastDataset
+from fastdata.datasets.images import FastDataset
 from fastdata.formats.base import npy_bytes
-from fastdata.loader import FastLoader
-from fastdata.manifest import new_manifest, write_manifest
+from fastdata.loading.loader import FastLoader
+from fastdata.formats.manifest import new_manifest, write_manifest
 from fastdata.storage.remote import push
 
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import fastdata
-from fastdata.dataset import FastDataset
-from fastdata.loader import FastLoader
-from fastdata.sampler import DistributedBatchSampler
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
+from fastdata.loading.sampler import DistributedBatchSampler
 from fastdata.storage.remote import push
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

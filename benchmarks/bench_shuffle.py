@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from fastdata.sampler import DistributedBatchSampler
+from fastdata.loading.sampler import DistributedBatchSampler
 
 N, CLASSES, SHARD, BATCH = 1_281_167, 1000, 1024, 256
 

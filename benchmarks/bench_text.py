@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 import fastdata
-from fastdata.timing import timed_rate
+from fastdata.cli.timing import timed_rate
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
-from fastdata.tokenizer import load_tokenizer
-from fastdata.token_dataset import TokenDataset
+from fastdata.formats.tokenizer import load_tokenizer
+from fastdata.datasets.tokens import TokenDataset
 
 
 def corpus(path: Path, mb: int) -> list[str]:

@@ -1,5 +1,5 @@
 """Bytes each node downloads per epoch from object storage, for datasets far larger than any run here:
-pure arithmetic on the real order code (``fastdata.order.EpochOrder``), no data.
+pure arithmetic on the real order code (``fastdata.loading.order.EpochOrder``), no data.
 
 A node reads its windows (K shards, read together) one after another, then its pieces of the pool at
 the end of the epoch (NOTE [streamed order]); its cache holds ``cache`` bytes. Per node and epoch, the
@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from fastdata.order import EpochOrder
+from fastdata.loading.order import EpochOrder
 from fastdata.storage.opening import parse_size
 
 INF = 1 << 62

@@ -1,6 +1,6 @@
 """``python -m fastdata`` (also what ``torchrun -m fastdata`` runs)."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

@@ -73,7 +73,7 @@ text-bench)
     ;;
 stages)
     D=/tmp/fastdata-stages
-    $PY -c "from fastdata.synthetic import make_image_folder as m; m('$D/jpeg', num_classes=8, per_class=256)"
+    $PY -c "from fastdata.cli.synthetic import make_image_folder as m; m('$D/jpeg', num_classes=8, per_class=256)"
     $PY -m fastdata preprocess images "$D/jpeg" "$D/npy" --size 256 --quiet
     $PY -m fastdata bench "$D/npy" --device ${BENCH_DEVICE:-cuda} --seconds ${BENCH_SECONDS:-60} ${BENCH_ARGS:-} --json "$OUT/fastdata-bench.json" 2>&1 \
         | tee "$OUT/fastdata-bench.txt"

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${EXTRAS:-}" ]; then
-    if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then EXTRAS="test,dali"; else EXTRAS="test"; fi
+    if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then EXTRAS="test,dali,docs"; else EXTRAS="test,docs"; fi
 fi
 EXTRAS="$EXTRAS" bash scripts/setup.sh
 exec .venv/bin/python -m pytest "$@"

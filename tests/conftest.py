@@ -100,7 +100,7 @@ AWKWARD_BAD = ["ñandú/empty.png", "ñandú/garbage.webp", "ñandú/truncated.j
 @pytest.fixture
 def photo_folder(tmp_path: Path) -> Path:
     """Photo-like JPEGs in 3 classes (synthetic, made locally)."""
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.synthetic import make_image_folder
 
     root = tmp_path / "photos"
     make_image_folder(root, num_classes=3, per_class=14, sizes=((120, 90), (90, 120), (100, 100)))
@@ -153,7 +153,7 @@ def temp_files_in_pytests_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def indexed_datasets(tmp_path_factory) -> dict[str, Path]:
     """``{"npy": folder, "lmdb": folder}`` of the indexed source; npy has 7 shards of 16 (the last of 4)."""
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     base = tmp_path_factory.mktemp("indexed")
     csv = indexed_source(base / "src")
@@ -239,7 +239,7 @@ def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) 
     import shutil
 
     from fastdata.formats.lmdb_store import open_lmdb
-    from fastdata.manifest import load_manifest
+    from fastdata.formats.manifest import load_manifest
 
     root = shutil.copytree(src, dst)
     reader = open_lmdb(root, load_manifest(root))

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import sample_ids  # noqa: E402
-from fastdata.dataset import FastDataset  # noqa: E402
-from fastdata.loader import FastLoader  # noqa: E402
+from fastdata.datasets.images import FastDataset  # noqa: E402
+from fastdata.loading.loader import FastLoader  # noqa: E402
 
 dataset, out, batch, stop_after = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")

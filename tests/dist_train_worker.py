@@ -9,13 +9,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from fastdata.dataset import FastDataset
+from fastdata.datasets.images import FastDataset
 from fastdata.errors import ConfigError
-from fastdata.loader import FastLoader
-from fastdata.prefetch import CUDAPrefetcher
+from fastdata.loading.loader import FastLoader
+from fastdata.gpu.prefetch import CUDAPrefetcher
 from fastdata.distributed import init_distributed, shutdown_distributed
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig
+from fastdata.train.trainer import Trainer
+from fastdata.train.config import TrainConfig
 
 data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 info = init_distributed("cpu")

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from fastdata.cli import main
-from fastdata.dataset import FastDataset
-from fastdata.loader import FastLoader
+from fastdata.cli.main import main
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
 
 LOADERS = textwrap.dedent('''
     import time, torch
@@ -74,7 +74,7 @@ def test_report_names_a_bottleneck_and_json_has_every_stage(indexed_datasets, tm
 
 
 def test_slow_loader_is_diagnosed_with_the_true_wait_share(user_loaders, capsys):
-    from fastdata.bench import diagnose_loader
+    from fastdata.cli.bench import diagnose_loader
 
     r = diagnose_loader("myloaders:slow", model="cnn-small", batch_size=8, image_size=16, device="cpu", seconds=3)
     truth = 50 / (50 + r["work_ms"])  # the loader sleeps 50 ms a batch
@@ -83,7 +83,7 @@ def test_slow_loader_is_diagnosed_with_the_true_wait_share(user_loaders, capsys)
 
 
 def test_fast_loader_with_slow_consumer_is_not_the_bottleneck(user_loaders):
-    from fastdata.bench import diagnose_loader
+    from fastdata.cli.bench import diagnose_loader
 
     r = diagnose_loader("myloaders:fast", model="resnet18", batch_size=8, image_size=64, device="cpu", seconds=3)
     assert not r["bottleneck"] and r["wait_share"] < 0.05 and "keeps up" in r["verdict"]
@@ -92,7 +92,7 @@ def test_fast_loader_with_slow_consumer_is_not_the_bottleneck(user_loaders):
 def test_a_small_dataloader_on_the_cpu_is_diagnosed_quickly_with_its_own_batches(user_loaders):
     # Defaults only, as a new user types it: the model step takes the loader's (32, 3, 96, 96) batches on
     # cnn-small, not 256 x 224 x 224 on ResNet-50 (minutes and ~19 GB on this machine before the fix).
-    code = ("import resource, sys; from fastdata.cli import main; "
+    code = ("import resource, sys; from fastdata.cli.main import main; "
             "rc = main(['bench', '--loader', 'myloaders:small_dataloader', '--device', 'cpu']); "
             "print('MAXRSS', max(resource.getrusage(w).ru_maxrss for w in "
             "(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))); sys.exit(rc)")
@@ -108,7 +108,7 @@ def test_a_small_dataloader_on_the_cpu_is_diagnosed_quickly_with_its_own_batches
 
 
 def test_batches_that_are_not_images_are_timed_without_a_model_step(user_loaders):
-    from fastdata.bench import diagnose_loader
+    from fastdata.cli.bench import diagnose_loader
 
     r = diagnose_loader("myloaders:token_batches", device="cpu", seconds=1)
     assert r["model"] is None and "not images" in r["model_skipped"] and r["batch_shape"] == [4, 128]
@@ -178,8 +178,8 @@ def test_plot_needs_matplotlib_or_draws(indexed_datasets, tmp_path, capsys):
 def test_advice_names_partial_jpeg_decoding_only_for_a_jpeg_store_without_it(indexed_datasets, monkeypatch):
     import torch
 
-    from fastdata import turbo
-    from fastdata.bench import advice
+    from fastdata.imaging import turbojpeg as turbo
+    from fastdata.cli.bench import advice
 
     stage = {"images_per_s": 1e9, "gb_per_s": 1.0}
     report = {"stages": {name: stage for name in ("storage read (page cache)", "batch gather", "FastLoader")},

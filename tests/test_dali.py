@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import INDEXED_N, corrupt_lmdb_copy, sample_ids
-from fastdata.dataset import FastDataset
-from fastdata.loader import FastLoader
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
 
 pytestmark = pytest.mark.dali
 UNIT = {"mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}  # outputs in [0, 1]: pixel ids can be read back
@@ -81,7 +81,7 @@ def test_training_mode_augments_and_casts(indexed_datasets):
 
 
 def test_training_crops_and_flips_are_exact_after_a_resume(photo_folder, tmp_path, ahead):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
                  "--workers", "1", "--quiet"]) == 0
@@ -124,7 +124,7 @@ def test_crop_boxes_follow_the_rrc_rule_and_skip_nothing(indexed_datasets):
 def test_eval_parity_with_the_cpu_decode_path(tmp_path):
     from PIL import Image
 
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     # Smooth pictures: the two paths use different resize kernels and sub-pixel crop positions, so the
     # comparison is of the images, not of the kernels (high-frequency stripes would differ by ~13/255).
@@ -154,7 +154,7 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
 
 
 def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_path, ahead):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     from fastdata.errors import ImageDecodeError
 
     assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
@@ -233,7 +233,7 @@ def test_without_dali_the_error_names_the_extra():
 
 @pytest.mark.slow
 def test_fastdata_train_backend_dali(indexed_datasets, tmp_path):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     assert main(["train", str(indexed_datasets["lmdb"]), "--backend", "dali", "--model", "resnet18", "--crop", "8",
                  "--batch-size", "16", "--max-steps", "3", "--device", "cpu", "--quiet", "--val-fraction", "0.2"]) == 0

@@ -11,7 +11,7 @@ import torch
 
 from conftest import INDEXED_N, INDEXED_SIZE, corrupt_lmdb_copy, sample_ids
 from fastdata.storage import shm
-from fastdata.dataset import FastDataset
+from fastdata.datasets.images import FastDataset
 from fastdata.errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
 
 MODES = ["mmap", "ram", "shm", "cuda"]
@@ -147,7 +147,7 @@ def test_tampered_shard_is_refused(npy_copy, tmp_path, storage, kw):
 def test_shm_one_copy_shared_by_two_processes(indexed_datasets, tmp_path):
     d = tmp_path / "shm"
     d.mkdir()
-    code = ("import sys, os; from fastdata.dataset import FastDataset; "
+    code = ("import sys, os; from fastdata.datasets.images import FastDataset; "
             "ds = FastDataset(sys.argv[1], storage='shm', shm_dir=sys.argv[2]); "
             "x, _ = ds.get_batch([5, 77]); print(ds._flat.filename, *x[:, 0, 0, :2].flatten().tolist())")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(indexed_datasets["npy"]), str(d)],
@@ -173,7 +173,7 @@ def test_shm_full_disk_is_a_clear_error(indexed_datasets, tmp_path):
     d = tmp_path / "shm"
     d.mkdir()
     code = ("import resource, signal, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000)); "
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); from fastdata.dataset import FastDataset; "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); from fastdata.datasets.images import FastDataset; "
             "from fastdata.errors import FastdataError\n"
             "try: FastDataset(sys.argv[1], storage='shm', shm_dir=sys.argv[2])\n"
             "except FastdataError as e: print(e)")
@@ -184,7 +184,7 @@ def test_shm_full_disk_is_a_clear_error(indexed_datasets, tmp_path):
 
 
 def test_shm_cli_lists_and_removes(indexed_datasets, tmp_path, capsys):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     d = tmp_path / "shm"
     d.mkdir()
@@ -209,7 +209,7 @@ def test_public_api():
 
 def test_a_validation_split_is_disjoint_deterministic_and_leaves_samples_to_train():
     from fastdata.errors import ConfigError
-    from fastdata.splits import split_indices
+    from fastdata.datasets.splits import split_indices
 
     train, val = split_indices(1000, 0.1, seed=3)
     assert len(val) == 100 and len(train) == 900

@@ -7,7 +7,7 @@ from PIL import Image
 
 from conftest import quadrants, save_with_orientation
 from fastdata.errors import ImageDecodeError
-from fastdata import decode, jpeg_read
+from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read
 
 
 def px(path, size=16, mode="squash"):
@@ -94,7 +94,7 @@ def test_center_crop_at_the_stored_size_is_an_exact_cut(tmp_path, w, h):
                           pixels[top:top + m, left:left + m])
 
 def test_draft_decode_of_large_jpeg_is_close_to_full_decode(tmp_path):
-    from fastdata.synthetic import synthetic_image
+    from fastdata.cli.synthetic import synthetic_image
 
     Image.fromarray(synthetic_image(np.random.default_rng(0), 1, 4, 2400, 1600)).save(tmp_path / "big.jpg", quality=92)
     fast = decode.load_array(tmp_path / "big.jpg", 256, "center-crop").astype(float)
@@ -120,7 +120,7 @@ def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
 
     from PIL import Image
 
-    from fastdata.jpeg_read import jpeg_size
+    from fastdata.imaging.decode_batch import jpeg_size
 
     cases = [("RGB", (123, 45), {}), ("RGB", (45, 123), {"progressive": True}), ("L", (64, 7), {}),
              ("RGB", (300, 200), {"exif": Image.Exif(), "icc_profile": b"\0" * 3000})]
@@ -138,7 +138,7 @@ def test_jpeg_size_reads_the_frame_header_without_decoding(tmp_path):
 def test_preprocessing_decodes_jpegs_with_libjpeg_turbo_to_pillows_exact_pixels(tmp_path, size, monkeypatch):
     import sys
 
-    from fastdata.synthetic import synthetic_image
+    from fastdata.cli.synthetic import synthetic_image
 
     path = tmp_path / "p.jpg"
     Image.fromarray(np.asarray(synthetic_image(np.random.default_rng(1), 2, 4, *size))).save(path, quality=90)
@@ -151,8 +151,8 @@ def test_preprocessing_decodes_jpegs_with_libjpeg_turbo_to_pillows_exact_pixels(
 
 
 def test_preprocess_filter_option_changes_only_the_resampling(photo_folder, tmp_path):
-    from fastdata.cli import main
-    from fastdata.manifest import load_manifest
+    from fastdata.cli.main import main
+    from fastdata.formats.manifest import load_manifest
 
     for name in ("lanczos", "bilinear"):
         assert main(["preprocess", "images", str(photo_folder), str(tmp_path / name), "--size", "32", "--workers", "1",

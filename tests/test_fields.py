@@ -14,7 +14,7 @@ from PIL import Image
 from fastdata import (CenterCrop, Compose, CUDAPrefetcher, FastDataset, FastLoader, RandomCrop, RandomHorizontalFlip,
                       RandomResizedCrop)
 from fastdata.errors import FormatError, ImageDecodeError, SourceError
-from fastdata.manifest import MANIFEST_NAME, load_manifest
+from fastdata.formats.manifest import MANIFEST_NAME, load_manifest
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 
 BLUE, RED, GREEN = (0, 0, 255), (255, 0, 0), (0, 255, 0)
@@ -484,7 +484,7 @@ def test_boxes_that_leave_the_crop_are_dropped_with_their_class_ids():
 
 
 def test_the_cli_detects_the_source_and_inspect_lists_the_fields(tmp_path, capsys):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     records = make_scenes(tmp_path, 3, jpeg_big=False)
     coco_json(records, tmp_path / "instances.json")
     assert main(["preprocess", "images", str(tmp_path), str(tmp_path / "det"), "--size", "32", "--coco",
@@ -522,7 +522,7 @@ def test_the_trainer_learns_segmentation_from_a_dict_dataset(scenes_ds):
 
 
 def test_a_split_of_a_dataset_with_fields_serves_dicts(indexed_fields):
-    from fastdata.splits import split
+    from fastdata.datasets.splits import split
     train, val = split(FastDataset(indexed_fields), 0.2, seed=1)
     got = np.concatenate([check_batch(b) for b in FastLoader(train, 4, pin_memory=False)] +
                          [check_batch(b) for b in FastLoader(val, 4, pin_memory=False)])
@@ -542,7 +542,7 @@ def test_cuda_storage_gathers_every_field_on_the_device(indexed_fields):
 
 
 def test_fastdata_train_uses_the_label_field_and_refuses_a_dataset_without_one(indexed_fields, tmp_path, capsys):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     assert main(["train", str(indexed_fields), "--epochs", "1", "--batch-size", "8", "--model", "cnn-small",
                  "--device", "cpu", "--quiet"]) == 0
     make_scenes(tmp_path / "seg", 2, jpeg_big=False)
@@ -557,7 +557,7 @@ def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_
     import subprocess
     import sys
     from conftest import kill_when_journaled
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     records = make_scenes(tmp_path, 60, sizes=((120, 90), (90, 130)), jpeg_big=False)
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     args = ["--size", "48", "--shard-size", "6", "--quiet", "--format", fmt]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdata.errors import ConfigError
-from fastdata.gpu_transforms import (CenterCrop, Compose, Normalize, RandomCrop, RandomHorizontalFlip,
+from fastdata.imaging.transforms import (CenterCrop, Compose, Normalize, RandomCrop, RandomHorizontalFlip,
                                      RandomResizedCrop, rrc_boxes)
 
 
@@ -135,7 +135,7 @@ def test_compose_is_reproducible_with_the_same_generator():
 
 
 def test_draws_are_uniform_independent_of_how_they_are_split_and_of_the_seed():
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     def splitmix64(x: int) -> int:  # the published algorithm, in Python's unbounded integers
         m = (1 << 64) - 1
@@ -159,7 +159,7 @@ def test_draws_are_uniform_independent_of_how_they_are_split_and_of_the_seed():
 
 
 def test_transforms_take_draws_as_they_take_a_generator():
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     x = batch()
     t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
@@ -170,7 +170,7 @@ def test_transforms_take_draws_as_they_take_a_generator():
 def test_draws_keyed_by_a_tensor_read_the_key_when_they_draw():
     """What a CUDA graph's replays rely on (NOTE [graphed convert]): a stream keyed by a tensor draws what a
     stream of that key draws, for every key (those above 2**63 included), and follows the tensor's value."""
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     key = torch.zeros((), dtype=torch.int64)
     for seed in (0, 7, 2 ** 40 + 7, 2 ** 63 + 5, 2 ** 64 - 1):
@@ -185,7 +185,7 @@ def test_draws_keyed_by_a_tensor_read_the_key_when_they_draw():
 
 @pytest.mark.cuda
 def test_draws_and_the_transforms_drawing_them_are_the_same_on_the_gpu():
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     assert torch.equal(Draws(123).rand(4, 1000, device="cuda").cpu(), Draws(123).rand(4, 1000))
     x = batch(b=32)
@@ -199,7 +199,7 @@ def test_draws_and_the_transforms_drawing_them_are_the_same_on_the_gpu():
 def test_a_flip_folded_into_the_crop_gives_the_bits_of_the_two_steps(device):
     """NOTE [flip folded into the crop]: Compose runs crop + flip as one step; the draws and pixels are those
     of the crop, then the flip, run one after the other (a mirrored grid lands on the mirrored points)."""
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     cases = [(RandomResizedCrop(12), (20, 24)), (RandomResizedCrop((17, 31)), (40, 37)),
              (RandomResizedCrop(64, scale=(0.5, 1.0)), (48, 50)), (RandomCrop(16, padding=4), (20, 24)),

@@ -88,7 +88,7 @@ def _jpeg(arr, **kw) -> bytes:
 def _record(w: int = 341, h: int = 256) -> bytes:
     import numpy as np
 
-    from fastdata.synthetic import synthetic_image
+    from fastdata.cli.synthetic import synthetic_image
 
     return _jpeg(synthetic_image(np.random.default_rng(3), 1, 4, w, h))
 
@@ -112,8 +112,8 @@ def test_a_record_at_its_stored_size_is_the_fast_decode_cut_and_pillow_agrees(mo
     import numpy as np
     from PIL import Image
 
-    from fastdata import turbo
-    from fastdata.jpeg_read import decode_jpeg
+    from fastdata.imaging import turbojpeg as turbo
+    from fastdata.imaging.decode_batch import decode_jpeg
 
     data = _record()
     left = (341 - 256) // 2
@@ -130,7 +130,7 @@ def test_the_eval_crop_fraction_cuts_the_centre_224_of_a_256_record_without_resa
     import numpy as np
     from PIL import Image
 
-    from fastdata import jpeg_read
+    from fastdata.imaging import decode_batch as jpeg_read
 
     data = _record()
     assert jpeg_read.center_box(256, 341, 224 / 256) == (16, 58, 224, 224)
@@ -146,7 +146,7 @@ def test_dct_scaling_is_used_only_at_half_or_less_and_keeps_the_geometry():
 
     import numpy as np
 
-    from fastdata import decode, jpeg_read
+    from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read
 
     assert jpeg_read.dct_denominator(256, 341, 224) == 1  # 7/8 would fit but is slower than a full decode
     assert jpeg_read.dct_denominator(450, 450, 224) == 2 and jpeg_read.dct_denominator(450, 600, 100) == 4
@@ -171,7 +171,7 @@ def test_a_box_is_resized_with_antialiased_bilinear_and_mirrored():
     import torch
     import torch.nn.functional as F
 
-    from fastdata.jpeg_read import decode_jpeg
+    from fastdata.imaging.decode_batch import decode_jpeg
 
     data = _record()
     box = (10, 20, 200, 150)  # top, left, height, width in stored pixels
@@ -201,7 +201,7 @@ def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
     import numpy as np
     from PIL import Image
 
-    from fastdata.jpeg_read import decode_jpeg
+    from fastdata.imaging.decode_batch import decode_jpeg
 
     gray = np.zeros((80, 120), np.uint8)
     gray[:, 60:] = 200
@@ -218,7 +218,7 @@ def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
 
 @pytest.mark.parametrize("damage", ["cut", "zeros"])
 def test_a_damaged_record_is_an_image_decode_error(damage):
-    from fastdata.jpeg_read import decode_jpeg
+    from fastdata.imaging.decode_batch import decode_jpeg
     from fastdata.errors import ImageDecodeError
 
     data = _record()
@@ -230,7 +230,7 @@ def test_a_damaged_record_is_an_image_decode_error(damage):
 def test_decoding_into_a_batch_row_gives_the_same_pixels():
     import numpy as np
 
-    from fastdata.jpeg_read import decode_jpeg
+    from fastdata.imaging.decode_batch import decode_jpeg
 
     data = _record()
     for size in (224, 100):  # a resize of the full decode, and of a 1/2-scale square
@@ -243,8 +243,8 @@ def test_decoding_into_a_batch_row_gives_the_same_pixels():
 @pytest.fixture(scope="module")
 def photo_lmdb(tmp_path_factory):
     """30 photo-like JPEGs (landscape, portrait, square) stored at shorter side 80 in an LMDB."""
-    from fastdata.cli import main
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.main import main
+    from fastdata.cli.synthetic import make_image_folder
 
     base = tmp_path_factory.mktemp("photo-lmdb")
     make_image_folder(base / "src", num_classes=3, per_class=10, sizes=((120, 90), (90, 120), (100, 100)))
@@ -258,8 +258,8 @@ def test_decode_time_crops_draw_exactly_what_the_batched_gpu_transform_draws(dev
     import numpy as np
     import torch
 
-    from fastdata.crops import Draws, batch_seed, draw_resized_crops
-    from fastdata.gpu_transforms import RandomHorizontalFlip, RandomResizedCrop
+    from fastdata.imaging.draws import Draws, batch_seed, draw_resized_crops
+    from fastdata.imaging.transforms import RandomHorizontalFlip, RandomResizedCrop
 
     key = (5, 2, 64, 1)
     boxes, flips = draw_resized_crops(key, np.array([[80, 107]] * 16))
@@ -282,11 +282,11 @@ def _served(loader, epochs=1):
 def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
     import numpy as np
 
-    from fastdata.crops import draw_resized_crops
-    from fastdata.dataset import FastDataset
-    from fastdata.jpeg_read import decode_jpeg, jpeg_size
+    from fastdata.imaging.draws import draw_resized_crops
+    from fastdata.datasets.images import FastDataset
+    from fastdata.imaging.decode_batch import decode_jpeg, jpeg_size
     from fastdata.formats.lmdb_store import open_lmdb
-    from fastdata.loader import FastLoader
+    from fastdata.loading.loader import FastLoader
 
     ds = FastDataset(photo_lmdb, size=48, crop="random")
     assert ds.sample_shape == (48, 48, 3) and ds.random_crops
@@ -305,8 +305,8 @@ def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
 def test_random_crops_survive_resume_and_thread_counts_and_change_with_the_epoch(photo_lmdb):
     import torch
 
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
 
     ds = FastDataset(photo_lmdb, size=40, crop="random")
     whole = _served(FastLoader(ds, 4, seed=1, num_threads=1), epochs=2)
@@ -326,7 +326,7 @@ def test_random_crops_survive_resume_and_thread_counts_and_change_with_the_epoch
 def test_random_crop_boxes_cover_the_whole_stored_image_not_its_centre_square():
     import numpy as np
 
-    from fastdata.crops import draw_resized_crops
+    from fastdata.imaging.draws import draw_resized_crops
 
     boxes, _ = draw_resized_crops((0, 0, 0, 0), np.array([[80, 107]] * 4000))
     top, left, h, w = boxes.T
@@ -338,7 +338,7 @@ def test_random_crop_boxes_cover_the_whole_stored_image_not_its_centre_square():
 def test_random_crops_without_fastloader_and_their_misuse(photo_lmdb, indexed_datasets):
     import torch
 
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import ConfigError
 
     ds = FastDataset(photo_lmdb, size=32, crop="random")
@@ -364,9 +364,9 @@ def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_pa
     import lmdb
     import torch
 
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.formats.lmdb_store import open_lmdb
-    from fastdata.loader import FastLoader
+    from fastdata.loading.loader import FastLoader
 
     v2 = indexed_datasets["lmdb"]
     manifest = json.loads((v2 / "manifest.json").read_text())
@@ -393,7 +393,7 @@ def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_pa
 def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_datasets):
     import json
 
-    from fastdata.jpeg_read import looks_like_jpeg
+    from fastdata.imaging.decode_batch import looks_like_jpeg
     from fastdata.formats.lmdb_store import open_lmdb
 
     root = indexed_datasets["lmdb"]
@@ -409,7 +409,7 @@ def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_
 
 
 def test_the_end_marker_screen_reads_any_buffer_and_allows_zero_padding():
-    from fastdata.jpeg_read import looks_like_jpeg
+    from fastdata.imaging.decode_batch import looks_like_jpeg
 
     data = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
     for pad in (0, 10, 100):  # padding past the 64 bytes looked at first
@@ -426,7 +426,7 @@ def test_a_header_claiming_a_huge_image_is_refused_before_anything_is_decoded():
     import pytest
 
     from fastdata.errors import ImageDecodeError
-    from fastdata.jpeg_read import decode_jpeg, jpeg_header
+    from fastdata.imaging.decode_batch import decode_jpeg, jpeg_header
 
     data = bytearray(_record())
     sof = data.index(b"\xff\xc0")

@@ -8,19 +8,19 @@ from pathlib import Path
 import fastdata
 
 ROOT = Path(fastdata.__file__).parent
-# Lowest first: errors/io -> manifest/formats -> storage (and the write side) -> datasets -> sampler/loader
-# -> prefetch/transforms -> train/bench/cli. A module may import its own layer or any layer below.
+# One row per package, lowest first: a module may import its own row or any row below it. storage sits
+# below preprocess because preparing a dataset at a URL writes through the storage layer's remote files.
 LAYERS = [
-    ["fastdata.errors", "fastdata._io", "fastdata._threads", "fastdata._version", "fastdata.distributed",
-     "fastdata.turbo", "fastdata.turbo_loop"],
-    ["fastdata.schema", "fastdata.manifest", "fastdata.formats", "fastdata.decode", "fastdata.jpeg_read",
-     "fastdata.tokenizer", "fastdata.models", "fastdata.progress", "fastdata.synthetic", "fastdata.crops"],
-    ["fastdata.storage", "fastdata.preprocess"],
-    ["fastdata.field_store", "fastdata.dataset", "fastdata.splits", "fastdata.token_dataset"],
-    ["fastdata.order", "fastdata.sampler", "fastdata.loader", "fastdata.run_ahead"],
-    ["fastdata.gpu_transforms", "fastdata.cuda_graphs", "fastdata.prefetch", "fastdata.dali"],
-    ["fastdata.train_config", "fastdata.train_meter", "fastdata.train_stop", "fastdata.checkpoint", "fastdata.train",
-     "fastdata.train_setup", "fastdata.timing", "fastdata.bench", "fastdata.demo", "fastdata.cli", "fastdata.cli_data", "fastdata.__main__"],
+    ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed", "fastdata.progress"],
+    ["fastdata.formats"],
+    ["fastdata.imaging"],
+    ["fastdata.storage"],
+    ["fastdata.preprocess"],
+    ["fastdata.datasets"],
+    ["fastdata.loading"],
+    ["fastdata.gpu", "fastdata.dali"],  # fastdata.dali: the door to fastdata.gpu.dali
+    ["fastdata.train"],
+    ["fastdata.cli", "fastdata.__main__"],
 ]
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import INDEXED_N, sample_ids
-from fastdata.dataset import FastDataset
+from fastdata.datasets.images import FastDataset
 from fastdata.errors import ConfigError, FastdataError
-from fastdata.loader import FastLoader
+from fastdata.loading.loader import FastLoader
 
 
 @pytest.fixture
@@ -194,7 +194,7 @@ def test_cuda_storage_gathers_on_the_gpu(indexed_datasets):
 
 @pytest.mark.cuda
 def test_cuda_storage_steps_copy_nothing_to_the_gpu_and_never_sync(indexed_datasets, monkeypatch):
-    import fastdata.loader as loader_mod
+    import fastdata.loading.loader as loader_mod
 
     gpu = FastDataset(indexed_datasets["npy"], storage="cuda", device="cuda")
     monkeypatch.setattr(loader_mod, "DEVICE_INDEX_CHUNK", 64)  # several index uploads in one epoch
@@ -223,7 +223,7 @@ def test_ring_buffers_are_pinned_when_cuda_is_available(ds):
 def test_loader_threads_share_torchs_intraop_threads_and_leave_the_others_alone(indexed_datasets):
     """NOTE [intra-op threads per loader thread]: each worker gets its share of torch's intra-op threads
     for itself; the consumer's count and torch's process-wide setting stay as they were."""
-    from fastdata._threads import _omp_set_num_threads
+    from fastdata.loading._threads import _omp_set_num_threads
 
     if _omp_set_num_threads() is None:
         pytest.skip("no OpenMP runtime found in this process (not Linux, or torch built without OpenMP)")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import INDEXED_N, sample_ids
-from fastdata.dataset import FastDataset
-from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
-from fastdata.loader import FastLoader
-from fastdata.prefetch import CUDAPrefetcher, move
+from fastdata.datasets.images import FastDataset
+from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+from fastdata.loading.loader import FastLoader
+from fastdata.gpu.prefetch import CUDAPrefetcher, move
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -195,8 +195,8 @@ def test_h2d_copy_overlaps_compute_on_the_side_stream(tmp_path):
 
 @pytest.mark.cuda
 def test_gpu_token_windows_and_gpu_storage_match_the_cpu_path(tmp_path, indexed_datasets):
-    from fastdata.cli import main
-    from fastdata.token_dataset import TokenDataset
+    from fastdata.cli.main import main
+    from fastdata.datasets.tokens import TokenDataset
 
     text = "".join(f"document {i} " * (i % 7 + 1) + "\n" for i in range(300))
     (tmp_path / "t.txt").write_text(text)
@@ -240,7 +240,7 @@ def test_a_training_batch_is_read_and_written_whole_five_times():
     (Normalize writes channels_last itself) add none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     b, size = 32, 24
     passes: list[str] = []
@@ -264,8 +264,8 @@ def test_a_training_batch_is_read_and_written_whole_five_times():
 
 
 def test_only_fastdatas_own_transforms_are_captured_in_cuda_graphs(monkeypatch):
-    from fastdata.cuda_graphs import capturable
-    from fastdata.gpu_transforms import CenterCrop, Normalize, RandomCrop
+    from fastdata.gpu.cuda_graphs import capturable
+    from fastdata.imaging.transforms import CenterCrop, Normalize, RandomCrop
 
     class Synced(RandomResizedCrop):  # a subclass may sync (boxes counted on the host, say): not captured
         pass
@@ -290,7 +290,7 @@ def test_graphed_conversion_is_bit_equal_to_the_eager_one(dtype):
     from a graph, and each replay gives exactly the eager conversion's values with its own batch's draws; batches
     held past the next one are not overwritten by later replays. Images of noise: on uniform ones every crop and
     flip gives the same values, and a replay with stale draws would pass."""
-    from fastdata.gpu_transforms import CenterCrop, RandomCrop
+    from fastdata.imaging.transforms import CenterCrop, RandomCrop
 
     rng = torch.Generator().manual_seed(0)
     epoch = [torch.randint(0, 256, (n, 12, 10, 3), dtype=torch.uint8, generator=rng) for n in [16] * 6 + [4]]
@@ -319,7 +319,7 @@ def test_graphed_conversion_is_bit_equal_to_the_eager_one(dtype):
 def test_a_graphed_batch_costs_the_training_thread_a_few_ops():
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fastdata.crops import Draws
+    from fastdata.imaging.draws import Draws
 
     ops: list[str] = []
 
@@ -345,8 +345,8 @@ def test_a_graphed_batch_costs_the_training_thread_a_few_ops():
 
 FAILED_CAPTURE = """
 import warnings, torch
-from fastdata.crops import Draws
-from fastdata.cuda_graphs import GraphedConvert
+from fastdata.imaging.draws import Draws
+from fastdata.gpu.cuda_graphs import GraphedConvert
 
 def syncing(x, draws):  # .item() cannot be captured
     return x.float() * float(draws.rand(1, device=x.device).sum().item())
@@ -393,7 +393,7 @@ def ahead_items(n: int, fail_at: int = -1, restart_at: int = -1, log: list | Non
 
 
 def test_run_ahead_hands_over_every_item_in_order_and_raises_the_producers_error():
-    from fastdata.run_ahead import RunAhead
+    from fastdata.loading.run_ahead import RunAhead
 
     produce, _ = ahead_items(7)
     ahead = RunAhead(produce, torch.device("cpu"), depth=2)
@@ -410,7 +410,7 @@ def test_run_ahead_hands_over_every_item_in_order_and_raises_the_producers_error
 def test_run_ahead_restarts_only_once_the_consumer_took_everything_before():
     import time
 
-    from fastdata.run_ahead import RunAhead
+    from fastdata.loading.run_ahead import RunAhead
 
     log: list = []
     produce, taken = ahead_items(8, restart_at=5, log=log)
@@ -424,7 +424,7 @@ def test_run_ahead_restarts_only_once_the_consumer_took_everything_before():
 
 
 def test_run_ahead_close_stops_a_producer_blocked_on_a_full_queue():
-    from fastdata.run_ahead import RunAhead
+    from fastdata.loading.run_ahead import RunAhead
 
     produce, _ = ahead_items(10_000)
     ahead = RunAhead(produce, torch.device("cpu"), depth=1)
@@ -438,7 +438,7 @@ def test_run_ahead_close_stops_a_producer_blocked_on_a_full_queue():
 def test_run_ahead_batches_are_read_only_after_the_side_streams_work():
     """The producer's stream is busy before it writes each batch; the consumer's reads must wait for the
     event, not find the buffer half-written."""
-    from fastdata.run_ahead import RunAhead
+    from fastdata.loading.run_ahead import RunAhead
 
     def produce(caught_up):
         for i in range(6):

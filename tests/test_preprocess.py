@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, kill_when_journaled
-from fastdata.cli import main
-from fastdata import decode
+from fastdata.cli.main import main
+from fastdata.imaging import decode_file as decode
 from fastdata.preprocess import parallel
 
 
@@ -86,7 +86,7 @@ def test_output_is_identical_for_1_and_2_workers(photo_folder, tmp_path, fmt, mo
 
 
 def test_shuffle_stores_the_samples_in_the_seeds_order_for_any_worker_count(photo_folder, tmp_path, monkeypatch):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
 
     monkeypatch.setattr(parallel, "_start_method", lambda: "fork")
     plain, outs = tmp_path / "plain", []
@@ -112,7 +112,7 @@ def test_shuffle_stores_the_samples_in_the_seeds_order_for_any_worker_count(phot
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
 def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.synthetic import make_image_folder
 
     src = tmp_path / "src"
     make_image_folder(src, num_classes=2, per_class=60, sizes=((640, 480), (480, 640)))
@@ -206,7 +206,7 @@ def test_a_forked_child_does_not_keep_the_output_held(tmp_path):
 def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_path):
     """kill -9 of a run ends its worker processes (which used to wait on their queue forever) and frees OUT
     for the rerun (NOTE [one writer])."""
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.synthetic import make_image_folder
 
     src, out = tmp_path / "src", tmp_path / "out"
     make_image_folder(src, num_classes=2, per_class=60, sizes=((640, 480),))
@@ -241,7 +241,7 @@ def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_p
 def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, kind):
     """Every rank of a torchrun job calling the preprocess: one writes, the others wait and find it done."""
     from fastdata.preprocess import journal
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.synthetic import make_image_folder
 
     src = tmp_path / "src"
     if kind == "images":

@@ -93,7 +93,7 @@ def _downloads(ds, proxy) -> list[dict]:
 
 
 def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.storage.remote import push
 
     url = s3("push-read") + "/sets/npy"
@@ -113,11 +113,11 @@ def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, inde
 
 
 def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
-    from fastdata.cli import main
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
-    from fastdata.token_dataset import TokenDataset
+    from fastdata.datasets.tokens import TokenDataset
 
     url = s3("other-formats")
     push(indexed_datasets["lmdb"], url + "/lmdb")
@@ -158,7 +158,7 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
 
 
 def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
     from fastdata.storage.remote import RemoteDataset, push
 
@@ -181,7 +181,7 @@ def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_dat
 
 
 def test_a_half_pushed_or_hostile_dataset_is_refused(s3, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
 
     url = s3("hostile")
@@ -205,7 +205,7 @@ def test_ranks_on_a_node_share_one_cache_and_a_dead_downloaders_leftovers_go(s3,
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = remote.dir / f"images-00000.npy.part-{int(dead.stdout)}-abcd"
     leftover.write_bytes(b"half a download")
-    script = ("import sys; from fastdata.dataset import FastDataset; "
+    script = ("import sys; from fastdata.datasets.images import FastDataset; "
               "ds = FastDataset(sys.argv[1], cache_dir=sys.argv[2]); print(int(ds.get_batch(range(100))[1].sum()))")
     procs = [subprocess.Popen([sys.executable, "-c", script, url, str(cache)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
@@ -216,7 +216,7 @@ def test_ranks_on_a_node_share_one_cache_and_a_dead_downloaders_leftovers_go(s3,
 
 
 def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monkeypatch):
-    from fastdata.cli import main
+    from fastdata.cli.main import main
 
     monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))
     url = s3("cli-bucket") + "/x"
@@ -241,7 +241,7 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
 def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s3, indexed_datasets, tmp_path,
                                                                               monkeypatch):
     from conftest import disk_of
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     from fastdata.storage.remote import RemoteDataset, push
 
     url, cache = s3("fullcache") + "/ds", tmp_path / "cache"
@@ -260,7 +260,7 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "no space left while writing" in err and str(remote.dir) in err and "cache_limit" in err, err
     assert "tries" not in err and time.monotonic() - t0 < 60, err  # a full disk is not a network fault
-    from fastdata.manifest import check_file
+    from fastdata.formats.manifest import check_file
 
     present = [e for e in remote.manifest["files"] if (remote.dir / e["path"]).exists()]
     assert all(check_file(remote.dir, e) is None for e in present)  # what has a final name is whole
@@ -276,9 +276,9 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
 def test_push_to_a_file_url_makes_its_folders_and_reads_back_the_same_batches(indexed_datasets, tmp_path,
                                                                              capsys):
     pytest.importorskip("fsspec")
-    from fastdata.cli import main
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
 
     url = (tmp_path / "share" / "datasets" / "x").as_uri()  # folders that do not exist yet (a shared mount)
     assert main(["push", str(indexed_datasets["npy"]), url, "--quiet"]) == 0  # before: FileNotFoundError
@@ -291,7 +291,7 @@ def test_push_to_a_file_url_makes_its_folders_and_reads_back_the_same_batches(in
 
 
 def test_urls_need_the_remote_extra_and_local_paths_refuse_remote_options(monkeypatch, indexed_datasets):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import ConfigError, MissingDependencyError
     from fastdata.storage.remote import is_url, scrub
 
@@ -325,8 +325,8 @@ def _without_all_labels(src, dst):
 @pytest.mark.parametrize("layout", ["all_labels", "per_shard"])
 def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, proxy, indexed_datasets, tmp_path,
                                                                           layout):
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
 
     data = indexed_datasets["npy"] if layout == "all_labels" else _without_all_labels(indexed_datasets["npy"],
@@ -402,8 +402,8 @@ def _size_now(path) -> int:
 
 
 def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
 
     url = s3("limit") + "/ds"
@@ -438,8 +438,8 @@ def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy
 
 
 def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
 
     url = s3("faults") + "/ds"
@@ -456,13 +456,13 @@ def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_d
     assert _same(got, _epoch(FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=2, num_threads=2)))
     assert proxy.faults == {"reset": 1, "truncate": 1, "corrupt": 2, "503": 2}
     assert not list(ds.root.rglob("*.part-*"))
-    from fastdata.manifest import verify
+    from fastdata.formats.manifest import verify
     problems = verify(ds.root)  # only verified bytes were ever given a final name (the shards' label files
     assert all(p.startswith("labels-") and p.endswith(": missing") for p in problems), problems  # are never read)
 
 
 def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
     from fastdata.storage.remote import RemoteDataset, push
 
@@ -482,7 +482,7 @@ def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, in
 
 
 def test_a_dataset_changed_under_a_running_job_is_refused_not_mixed(s3, indexed_datasets, tmp_path):
-    from fastdata.dataset import FastDataset
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
     from fastdata.storage.remote import push
 
@@ -542,8 +542,8 @@ def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cac
                                                                                 tmp_path):
     from collections import Counter
 
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
 
     url = s3("window") + "/ds"
@@ -640,7 +640,7 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
         s3, proxy, tmp_path, capsys):
     import torch
 
-    from fastdata.cli import main
+    from fastdata.cli.main import main
     from fastdata.storage.remote import push
 
     from conftest import indexed_source
@@ -682,8 +682,8 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     import torch
     from test_fields import make_scenes
 
-    from fastdata.dataset import FastDataset
-    from fastdata.loader import FastLoader
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
     from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
     from fastdata.storage.remote import push
 

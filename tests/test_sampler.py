@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from fastdata.errors import ConfigError
-from fastdata.sampler import DistributedBatchSampler
+from fastdata.loading.sampler import DistributedBatchSampler
 
 
 def epoch_batches(n, b, world, drop_last, epoch=0, seed=0, shuffle=True):

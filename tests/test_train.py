@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from conftest import disk_of, torchrun, torchrun_cmd
-from fastdata.cli import main
-from fastdata.dataset import FastDataset
+from fastdata.cli.main import main
+from fastdata.datasets.images import FastDataset
 from fastdata.errors import ConfigError
-from fastdata.loader import FastLoader
-from fastdata.models import create_model
-from fastdata.prefetch import CUDAPrefetcher
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig, parse_duration
+from fastdata.loading.loader import FastLoader
+from fastdata.train.models import create_model
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.train.trainer import Trainer
+from fastdata.train.config import TrainConfig, parse_duration
 
 WORKER = Path(__file__).parent / "dist_train_worker.py"
 
@@ -76,7 +76,7 @@ def test_accumulation_equals_one_big_step(indexed_datasets, tmp_path):
 
 @pytest.fixture(scope="module")
 def small_images(tmp_path_factory) -> Path:
-    from fastdata.synthetic import make_image_folder
+    from fastdata.cli.synthetic import make_image_folder
 
     base = tmp_path_factory.mktemp("train")
     make_image_folder(base / "src", num_classes=3, per_class=16, sizes=((48, 40),))
@@ -192,7 +192,7 @@ def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
 
 
 def test_learning_rate_schedules_and_weight_decay_groups():
-    from fastdata.train_config import lr_lambda, param_groups
+    from fastdata.train.config import lr_lambda, param_groups
 
     cos = lr_lambda(TrainConfig(warmup_steps=10), 110)
     assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(60) == pytest.approx(0.5)
@@ -407,9 +407,9 @@ import json, sys, time
 import torch
 from fastdata import CUDAPrefetcher, FastDataset, FastLoader
 from fastdata.distributed import init_distributed, shutdown_distributed
-from fastdata.models import create_model
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig
+from fastdata.train.models import create_model
+from fastdata.train.trainer import Trainer
+from fastdata.train.config import TrainConfig
 
 info = init_distributed("cpu")
 torch.manual_seed(0)
@@ -445,9 +445,9 @@ import sys
 import torch
 from fastdata import CUDAPrefetcher, FastDataset, FastLoader
 from fastdata.distributed import init_distributed, shutdown_distributed
-from fastdata.models import create_model
-from fastdata.train import Trainer
-from fastdata.train_config import TrainConfig
+from fastdata.train.models import create_model
+from fastdata.train.trainer import Trainer
+from fastdata.train.config import TrainConfig
 
 data, base, steps, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
 info = init_distributed("cpu")
@@ -561,7 +561,7 @@ def test_a_callers_group_of_one_process_gets_ddp_and_trains_as_without(small_ima
 
 def gpu_run(data: Path, ckpt: Path, max_steps: int, resume: bool = False) -> Trainer:
     """ResNet-18 on the GPU: bf16, accumulation, clipping, crops + flips on the GPU, checkpoints every 2 steps."""
-    from fastdata.gpu_transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+    from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 
     torch.manual_seed(0)
     loader = CUDAPrefetcher(FastLoader(FastDataset(data), 8, seed=3), device="cuda", dtype=torch.bfloat16,
@@ -664,7 +664,7 @@ def test_compile_trains_to_the_same_weights():
 def test_every_train_flag_defaults_to_the_train_config_default():
     import dataclasses
 
-    from fastdata.cli import build_parser
+    from fastdata.cli.main import build_parser
 
     args = vars(build_parser().parse_args(["train", "data"]))
     renamed = {"profile_steps": "profile", "checkpoint_dir": "checkpoint", "log_file": "log_file"}

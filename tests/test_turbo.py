@@ -1,4 +1,4 @@
-"""Partial JPEG decoding (NOTE [partial decode] in fastdata/turbo.py): only the box is decoded, and its
+"""Partial JPEG decoding (NOTE [partial decode] in fastdata/imaging/turbojpeg.py): only the box is decoded, and its
 pixels are exactly those cut from the whole fast decode, so the decoder never changes a batch."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from fastdata import jpeg_read, turbo, turbo_loop
-from fastdata.synthetic import synthetic_image
+from fastdata.imaging import decode_batch as jpeg_read, turbojpeg as turbo, turbojpeg_loop as turbo_loop
+from fastdata.cli.synthetic import synthetic_image
 
 needs_library = pytest.mark.skipif(turbo.library() is None, reason="libturbojpeg 3 missing: pip install turbojpeg")
 
@@ -256,7 +256,7 @@ def test_scratch_decodes_reuse_one_buffer_per_thread_and_grow_for_larger_boxes()
 
 
 def test_the_environment_variable_turns_partial_decoding_off_or_names_the_library(tmp_path):
-    code = "from fastdata import turbo; print(turbo.library() is None)"
+    code = "from fastdata.imaging import turbojpeg as turbo; print(turbo.library() is None)"
     env = dict(os.environ, FASTDATA_TURBOJPEG="0")
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert off.stdout.strip() == "True"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fastdata.cli import main
+from fastdata.cli.main import main
 from fastdata.errors import FormatError, VersionError
-from fastdata.manifest import load_manifest
+from fastdata.formats.manifest import load_manifest
 
 
 @pytest.fixture(params=["npy", "lmdb"])

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._io import HashingWriter, iter_blocks, write_bytes_atomic
-from ..schema import Field, offsets_file
+from .schema import Field, offsets_file
 from .base import UnitWriter, npy_bytes, npy_header
 
 IMAGE_DTYPE = np.dtype("|u1")
@@ -32,7 +32,7 @@ def labels_name(k: int) -> str:
 
 
 class Rows:
-    """A run of samples with fields (NOTE [fields] in schema.py): ``images`` ``(n, S, S, 3)`` and, per extra
+    """A run of samples with fields (NOTE [fields] in fastdata/formats/schema.py): ``images`` ``(n, S, S, 3)`` and, per extra
     field, an ``(n, *shape)`` array (fixed size) or a list of ``n`` arrays (variable length)."""
 
     def __init__(self, images: np.ndarray, fields: dict[str, Any]) -> None:

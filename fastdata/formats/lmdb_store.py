@@ -5,7 +5,7 @@ Format version 2 splits the records over LMDB shards ``images-00000.lmdb`` ... o
 (the manifest's ``lmdb_shards``; keys stay global), so a dataset in object storage streams shard by shard
 like the npy format. Version 1 datasets (one ``images.lmdb``, the manifest's ``lmdb``) still load.
 
-Format version 3 adds sample fields (NOTE [fields] in schema.py): the images, stored square at the
+Format version 3 adds sample fields (NOTE [fields] in fastdata/formats/schema.py): the images, stored square at the
 dataset's size like npy images so that masks and boxes share their geometry, are the LMDB's JPEG
 records; every other field is the npy datasets' files (``mask-00000.npy``, ...), one per LMDB shard.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
-from ..schema import Field
+from .schema import Field
 from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows
 

@@ -1,4 +1,4 @@
-"""Decode one record with fields (NOTE [fields] in schema.py): its image as today, its mask and boxes moved
+"""Decode one record with fields (NOTE [fields] in fastdata/formats/schema.py): its image as today, its mask and boxes moved
 by the same geometry, its ids, numbers and caption checked and converted. Runs in the worker processes.
 
 NOTE [record geometry]: ``resize`` maps the upright image of ``W x H`` pixels to ``S x S`` by an axis-aligned
@@ -20,9 +20,9 @@ from typing import Any, Optional
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from .. import decode
+from ..imaging import decode_file as decode
 from ..errors import ImageDecodeError
-from ..tokenizer import cached_tokenizer
+from ..formats.tokenizer import cached_tokenizer
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -38,7 +38,7 @@ class Geometry:
 
 
 def geometry(w: int, h: int, size: int, mode: str) -> Geometry:
-    """The map :func:`fastdata.decode.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
+    """The map :func:`fastdata.imaging.decode_file.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
     if mode == "center-crop":
         m = min(w, h)
         if m == size:  # resize() cuts without resampling, at integer offsets

@@ -15,15 +15,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import decode
+from ..imaging import decode_file as decode
 from .._io import fsync_dir, write_bytes_atomic
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE, npy_bytes
-from ..manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
-from ..schema import Field
-from ..tokenizer import cached_tokenizer, token_dtype
-from . import journal, parallel
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
+from ..formats.schema import Field
+from ..formats.tokenizer import cached_tokenizer, token_dtype
+from . import journal
+from . import parallel
 from .fields import RecordDecoder, open_source
 from .records import discover_any
 from .sources import Source
@@ -104,7 +105,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     out = config.out
-    with journal.exclusive(out):  # NOTE [one writer] in journal.py
+    with journal.exclusive(out):  # NOTE [one writer] in fastdata/preprocess/journal.py
         done = journal.prepare_output(out, fingerprint, config.overwrite)
         if done is not None:
             log.info("%s is already complete with these arguments", out)
@@ -186,7 +187,7 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
 
 
 def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
-    """The fields a source's samples get (NOTE [fields] in schema.py); empty for (image, class) sources."""
+    """The fields a source's samples get (NOTE [fields] in fastdata/formats/schema.py); empty for (image, class) sources."""
     if not source.kinds:
         return []
     s = config.size
@@ -219,7 +220,7 @@ def _stack(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:
 
 
 def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
-    """Worker: decode one chunk of records with fields (NOTE [record geometry] in fields.py). Returns
+    """Worker: decode one chunk of records with fields (NOTE [record geometry] in fastdata/preprocess/fields.py). Returns
     (source indices decoded, (pixels, None when in the shared slot, or an LMDB's JPEG bytes; {field:
     per-sample values}), failures)."""
     root, paths, first, fmt, size, resize, filter_name, values, labels, spec, blobs, quality = task
@@ -315,7 +316,7 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
                         **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {}),
                         "samples": u["samples"]} for u in jr.units]}  # other fields' files: Field.files
         version = 1  # (image, class) datasets stay version 1, which every fastdata reads
-        if fields:  # format version 2 (NOTE [fields] in schema.py)
+        if fields:  # format version 2 (NOTE [fields] in fastdata/formats/schema.py)
             version = 2
     else:
         files = lmdb_store.build(out, partial, len(jr.units), labels=source.has_label)

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 
 from .._io import disk_error, make_folder, write_json_atomic
 from ..errors import OutputError
-from ..manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
+from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
 
 log = logging.getLogger(__name__)
 _held: set[int] = set()  # folder descriptors locked by this process (NOTE [one writer])

@@ -1,4 +1,4 @@
-"""Sources of samples with fields (NOTE [fields] in schema.py): JSONL/CSV records, a segmentation pair of
+"""Sources of samples with fields (NOTE [fields] in fastdata/formats/schema.py): JSONL/CSV records, a segmentation pair of
 folders, a COCO detection JSON over an image folder, and Parquet files as Hugging Face ``datasets`` writes.
 
 Each becomes a :class:`~fastdata.preprocess.sources.Source` whose ``extras`` hold one raw value per sample
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import ImageDecodeError, MissingDependencyError, SourceError
-from ..schema import valid_name
+from ..formats.schema import valid_name
 from .sources import Source, class_ids, discover, inside, is_image_name
 
 CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class ids or names, one class list

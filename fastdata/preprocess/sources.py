@@ -29,7 +29,7 @@ class Source:
     paths: list[str]
     labels: list[int]
     classes: list[str]
-    # Samples with fields (NOTE [fields] in schema.py): field name -> kind, and per field one raw value per
+    # Samples with fields (NOTE [fields] in fastdata/formats/schema.py): field name -> kind, and per field one raw value per
     # sample (a mask path, a list of boxes, ids, numbers, a caption); empty for (image, class) sources.
     kinds: dict[str, str] = field(default_factory=dict)
     extras: dict[str, list[Any]] = field(default_factory=dict)

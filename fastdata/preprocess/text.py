@@ -22,8 +22,8 @@ from .._io import fsync_dir, write_bytes_atomic
 from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
-from ..manifest import TOKENS, new_manifest, write_manifest
-from ..tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
+from ..formats.manifest import TOKENS, new_manifest, write_manifest
+from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
 from . import journal
 from .parallel import default_workers, ordered_map
 
@@ -159,7 +159,7 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         st = p.stat()
         h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     fingerprint = h.hexdigest()
-    with journal.exclusive(config.out):  # NOTE [one writer] in journal.py
+    with journal.exclusive(config.out):  # NOTE [one writer] in fastdata/preprocess/journal.py
         done = journal.prepare_output(config.out, fingerprint, config.overwrite)
         if done is not None:
             return done

@@ -1,5 +1,5 @@
 """Which cached shards may go to make room, decided from a :class:`Plan` of the coming reads alone (no
-files, no locks): the rules of NOTE [shard cache] in cache.py, which applies them to the disk."""
+files, no locks): the rules of NOTE [shard cache] in fastdata/storage/cache.py, which applies them to the disk."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,5 @@
 """What the coming batches of a loader pass read, per shard: the plan ShardCache prefetches and evicts by
-(NOTE [shard cache] in cache.py), learnt a chunk at a time so that two epochs of 10^9 samples cost their
+(NOTE [shard cache] in fastdata/storage/cache.py), learnt a chunk at a time so that two epochs of 10^9 samples cost their
 runs of batches per shard, not a read per sample."""
 from __future__ import annotations
 

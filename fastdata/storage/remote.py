@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from .._io import HASH_NAME, disk_error, fsync_dir, new_hash, write_bytes_atomic
 from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError, OutputError
-from ..manifest import MANIFEST_NAME, file_problem
+from ..formats.manifest import MANIFEST_NAME, file_problem
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
 _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -309,7 +309,7 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
          tries: int = 5, backoff: float = 0.2, progress: Optional[Callable[[int], None]] = None) -> dict[str, int]:
     """Upload the finished dataset ``local`` to ``url`` (see NOTE [push]); returns counts of objects
     ``uploaded`` and ``skipped`` (already there with the same size and checksum)."""
-    from ..manifest import load_manifest, require_intact
+    from ..formats.manifest import load_manifest, require_intact
 
     local = Path(local)
     manifest = load_manifest(local)

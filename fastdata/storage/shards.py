@@ -3,7 +3,7 @@ shard files into memory maps, one contiguous RAM copy, the node's ``/dev/shm`` c
 
 FastDataset (image shards) and TokenDataset (token streams) both open their data here, so every mode
 checks files the same way (sizes on every open, sha256 when asked or when the bytes are read anyway;
-see NOTE [file check] in manifest.py) and hands back the same :class:`OpenedShards`.
+see NOTE [file check] in fastdata/formats/manifest.py) and hands back the same :class:`OpenedShards`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from .._io import new_hash, safe_join
 from ..errors import ConfigError, FormatError
 from ..formats.base import npy_header
-from ..manifest import damaged_error, file_problem, require_intact
+from ..formats.manifest import damaged_error, file_problem, require_intact
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
@@ -140,7 +140,7 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
 
 
 def take_rows(maps: Sequence[np.ndarray], shard: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
-    """``dst[j] = maps[shard[j]][rows[j]]``, one ``np.take`` per shard touched (NOTE [gather] in dataset.py):
+    """``dst[j] = maps[shard[j]][rows[j]]``, one ``np.take`` per shard touched (NOTE [gather] in fastdata/datasets/images.py):
     straight into ``dst``'s slices when each shard's rows are one contiguous run (sorted batches), else a
     take per shard and one scatter. Rows must be in range (``mode="clip"`` skips numpy's temporary)."""
     if len(shard) == 0:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from .._io import HASH_NAME, disk_error, fsync_dir, iter_blocks, new_hash, safe_join
 from ..errors import OutputError
-from ..manifest import damaged_error, file_problem
+from ..formats.manifest import damaged_error, file_problem
 
 PREFIX = "fastdata-"
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from .._io import safe_join
 from ..errors import FormatError
-from ..manifest import IMAGES_LMDB, IMAGES_NPY
-from ..schema import fields_of
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY
+from ..formats.schema import fields_of
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
 

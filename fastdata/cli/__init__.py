@@ -1,0 +1,1 @@
+"""The ``fastdata`` command: subcommands, bench, timing, the demo and its synthetic data."""

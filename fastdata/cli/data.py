@@ -1,0 +1,174 @@
+"""The ``fastdata`` commands that look after datasets rather than make or use them: ``verify``, ``push``,
+``inspect``, ``shm`` (the per-machine /dev/shm copies) and ``cache`` (the node cache of remote datasets)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ..formats.manifest import load_manifest, total_bytes, verify
+    from ..progress import progress_bar
+    from ..storage.remote import SOURCE_NAME, RemoteDataset, is_url
+
+    if is_url(args.path):  # every file is downloaded into the node cache and checked against the manifest
+        remote = RemoteDataset(args.path)
+        bar = progress_bar(total=total_bytes(remote.manifest), desc="download", unit="B", unit_scale=True,
+                           enabled=not args.quiet)
+        try:
+            args.path = remote.local(bar.update)
+        finally:
+            bar.close()
+    manifest = load_manifest(args.path)
+    cache = (Path(args.path) / SOURCE_NAME).is_file()  # a node cache: streamed files come and go
+    absent = [e for e in manifest["files"] if cache and not (Path(args.path) / e["path"]).is_file()]
+    bar = progress_bar(total=total_bytes(manifest) - sum(int(e["bytes"]) for e in absent), desc="verify",
+                       unit="B", unit_scale=True, enabled=not args.quiet)
+    try:
+        problems = verify(args.path, bar.update, partial=cache)
+    finally:
+        bar.close()
+    if problems:
+        print(f"{args.path}: {len(problems)} problem(s):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: OK, {len(manifest['files']) - len(absent)} files intact"
+          + (f"; {len(absent)} not in this node cache (fetched and checked when read; `fastdata verify URL` "
+             "downloads and checks them all)" if absent else ""))
+    return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    from ..formats.manifest import load_manifest, total_bytes
+    from ..progress import progress_bar
+    from ..storage.remote import push
+
+    bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
+                       enabled=not args.quiet)
+    try:
+        counts = push(args.data, args.url, workers=args.workers, progress=bar.update)
+    finally:
+        bar.close()
+    print(f"{args.url}: {counts['uploaded']} object(s) uploaded, {counts['skipped']} already there; manifest last")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ..formats.manifest import describe
+    from ..storage.remote import RemoteDataset, is_url
+
+    if is_url(args.path):  # only the manifest is read (into the node cache): nothing else is downloaded
+        remote = RemoteDataset(args.path)
+        info = describe(remote.prepare(frozenset(f["path"] for f in remote.manifest["files"])))
+        info["path"] = args.path
+    else:
+        info = describe(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return 0
+    print(f"path:      {info['path']}")
+    print(f"format:    {info['format']} (version {info['format_version']}, fastdata {info['fastdata_version']})")
+    if info.get("num_samples") is not None:
+        print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"]
+                                                     else ""))
+    for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
+        if key in info:
+            print(f"{key + ':':<13} {info[key]}")
+    for name, desc in info.get("fields", {}).items():
+        print(f"field:     {name}: {desc}")
+    print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
+    print(f"params:    {json.dumps(info['params'])}")
+    print(f"source:    {info['source'].get('kind', 'text')} {info['source']['path']}")
+    if "splits" in info:
+        t = info["tokenizer"]
+        print(f"tokenizer: {t['spec']} ({t['kind']}, vocab {t['vocab_size']}, end-of-document id {t['eos_id']})")
+        for name, sp in info["splits"].items():
+            print(f"{name + ':':<10} {sp['tokens']:,} tokens, {sp['documents']:,} documents, {sp['shards']} shards")
+        print(f"bytes/token: {info['bytes_per_token']:.2f}")
+    if "classes" in info:
+        print(f"classes:   {len(info['classes'])}")
+        for name, count in info["classes"].items():
+            print(f"  {count:>8}  {name}")
+    return 0
+
+
+def _shm(args: argparse.Namespace) -> int:
+    from ..storage import shm
+
+    if args.action == "list":
+        copies = shm.list_copies(args.dir)
+        for c in copies:
+            print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}")
+        print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.shm_dir(args.dir)}", file=sys.stderr)
+        return 0
+    return _remove(args, "copies", "copy", lambda ids: shm.remove_copies(ids, args.dir), shm.shm_dir(args.dir))
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from ..storage.remote import default_cache_dir, list_cached, remove_cached
+
+    where = args.dir or default_cache_dir()
+    if args.action == "list":
+        found = list_cached(where)
+        for c in found:
+            print(f"{c['id']}  {c['cached_bytes'] / 2**20:>10,.1f} of {c['bytes'] / 2**20:,.1f} MiB  "
+                  f"{c['cached_files']}/{c['files']} files  {c['url']}")
+        print(f"{len(found)} dataset(s) in {where}", file=sys.stderr)
+        return 0
+    return _remove(args, "datasets", "cached dataset", lambda ids: remove_cached(ids, where), where)
+
+
+def _remove(args: argparse.Namespace, things: str, thing: str, remove: Callable[[list[str]], list[str]],
+            where: Path) -> int:
+    """``fastdata shm|cache remove IDS|--all``: remove, print each id removed, name the ids not found."""
+    if not args.ids and not args.all:
+        print(f"fastdata: error: name the {things} to remove (ids from `fastdata {args.command} list`) or pass --all",
+              file=sys.stderr)
+        return 2
+    removed = remove([] if args.all else args.ids)
+    for cid in removed:
+        print(f"removed {cid}")
+    missing = sorted(set(args.ids) - set(removed))
+    if missing:
+        print(f"fastdata: error: no {thing} named {', '.join(missing)} in {where}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_list_remove(sub: Any, name: str, help: str, things: str, every: str, dir_help: str, func: Any) -> None:
+    """A ``list | remove [IDS] [--all] [--dir]`` command (``shm``, ``cache``)."""
+    cmd = sub.add_parser(name, help=help)
+    cmd.add_argument("action", choices=("list", "remove"))
+    cmd.add_argument("ids", nargs="*", help=f"remove: ids of the {things} (see `fastdata {name} list`)")
+    cmd.add_argument("--all", action="store_true", help=f"remove: {every}")
+    cmd.add_argument("--dir", type=Path, default=None, help=dir_help)
+    cmd.set_defaults(func=func)
+
+
+def add_data_commands(sub: Any) -> None:
+    """Register the commands above on the ``fastdata`` subparsers."""
+    ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
+    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: checked via the node cache)")
+    ver.add_argument("--quiet", action="store_true")
+    ver.set_defaults(func=_verify)
+
+    pu = sub.add_parser("push", help="upload a finished dataset to object storage (manifest last; reruns resume)")
+    pu.add_argument("data", type=Path)
+    pu.add_argument("url", help="fsspec URL: s3://bucket/prefix, gs://..., az://..., file://...")
+    pu.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
+    pu.add_argument("--quiet", action="store_true")
+    pu.set_defaults(func=_push)
+
+    ins = sub.add_parser("inspect", help="what a dataset folder (or URL) holds")
+    ins.add_argument("path", help="dataset folder or URL (only its manifest is downloaded)")
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.set_defaults(func=_inspect)
+    _add_list_remove(sub, "shm", "list or remove the per-machine dataset copies in /dev/shm", "copies", "every copy",
+                     "shm folder (default $FASTDATA_SHM_DIR or /dev/shm)", _shm)
+    _add_list_remove(sub, "cache", "list or remove the node cache of remote datasets", "datasets",
+                     "every dataset (run it between jobs)",
+                     "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)", _cache)

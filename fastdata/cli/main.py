@@ -1,0 +1,324 @@
+"""The ``fastdata`` command: argparse subcommands that build the library's config objects.
+
+A :class:`FastdataError` becomes one line on stderr and exit status 1, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .data import add_data_commands
+from ..errors import ConfigError, FastdataError
+
+
+def _preprocess_images(args: argparse.Namespace) -> int:
+    from ..preprocess.images import ImagePreprocessConfig, preprocess_images, summary
+
+    config = ImagePreprocessConfig(
+        src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
+        shard_size=args.shard_size, on_error=args.on_error, quality=args.quality, filter=args.filter,
+        overwrite=args.overwrite, progress=not args.quiet, coco=args.coco, mask_dtype=args.mask_dtype,
+        tokenizer=args.tokenizer, shuffle_seed=args.shuffle)
+    manifest = preprocess_images(config)
+    print(summary(manifest), file=sys.stderr)
+    return 0
+
+
+def _preprocess_text(args: argparse.Namespace) -> int:
+    from ..preprocess.text import TextPreprocessConfig, preprocess_text, summary
+
+    config = TextPreprocessConfig(src=args.src, out=args.out, tokenizer=args.tokenizer, field=args.field,
+                                  val_fraction=args.val_fraction, workers=args.workers, on_error=args.on_error,
+                                  shard_tokens=args.shard_tokens, seed=args.seed, overwrite=args.overwrite,
+                                  progress=not args.quiet)
+    print(summary(preprocess_text(config)), file=sys.stderr)
+    return 0
+
+
+def _path_or_url(text: str) -> str | Path:
+    """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    from ..storage.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..formats.manifest import TOKENS
+    from ..train.assemble import ImageRun, build, build_lm, manifest_of
+    from ..distributed import init_distributed, shutdown_distributed
+    from ..train.trainer import Trainer
+    from ..train.config import TrainConfig, check_device, parse_duration
+
+    cfg = TrainConfig(
+        epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
+        optimizer=args.optimizer, weight_decay=args.weight_decay, schedule=args.schedule,
+        warmup_steps=args.warmup_steps, label_smoothing=args.label_smoothing, amp=args.amp, accum=args.accum,
+        clip=args.clip, compile=args.compile, sync_bn=args.sync_bn,
+        checkpoint_dir=str(args.checkpoint) if args.checkpoint else None, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, val_every=args.val_every, val_every_steps=args.val_every_steps,
+        early_stop_patience=args.early_stop_patience, early_stop_min_delta=args.early_stop_min_delta,
+        log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,
+        profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet)
+    info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
+    if args.config is not None:  # autotuned loader settings; explicit --storage / --threads still win
+        from ..loading.loader import load_config
+
+        tuned = load_config(args.config)
+        args.storage = args.storage or tuned["storage"]
+        args.threads = args.threads or tuned["loader"]["num_threads"]
+    check_device(cfg, info.device)  # before the data is opened
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    args.storage = args.storage or "mmap"
+    cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit}
+    if manifest_of(args.data, args.cache_dir)["format"] == TOKENS:
+        model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
+                                     args.threads, args.seed, info.device, args.shuffle_window, **cache)
+    else:
+        pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
+                        val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
+                        augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend,
+                        shuffle_window=args.shuffle_window, **cache)
+        model, train, val = build(pipe, info.device)
+    trainer = Trainer(model, train, val, config=cfg)
+    trainer.fit()
+    shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
+    if trainer.stop_signal is None:
+        return 0
+    if info.rank == 0:  # NOTE [stop signals]: the run is not finished, and says how to go on
+        from ..train.stop import signal_name
+
+        print(f"fastdata: stopped by {signal_name(trainer.stop_signal)} at step {trainer.step}, checkpoint saved in "
+              f"{args.checkpoint}: rerun with --resume to continue", file=sys.stderr)
+    return 128 + trainer.stop_signal  # what a shell reports for a process the signal ended
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    # Only the options given on the command line: each mode's defaults are its function's (see its docstring).
+    given = {k: v for k, v in (("model", args.model), ("batch_size", args.batch_size), ("seconds", args.seconds))
+             if v is not None}
+    if args.loader:
+        report = bench.diagnose_loader(args.loader, image_size=args.image_size, device=args.device, **given)
+        if report["model"] is None:
+            step = f"model step skipped: {report['model_skipped']}"
+        else:
+            step = (f"model step {report['work_ms']:.1f} ms ({report['model']} on "
+                    f"{tuple(report['model_input_shape'])}, from the first batch {tuple(report['batch_shape'])} "
+                    f"{report['batch_dtype']})")
+        print(f"{args.loader}: {report['steps']} steps, {step}, waiting {report['wait_ms']:.1f} ms\n"
+              f"{report['verdict']}")
+    elif args.data is None:
+        raise ConfigError("give a dataset folder (fastdata bench DATA) or --loader module:factory")
+    elif args.autotune:
+        given.pop("model", None)
+        given.setdefault("seconds", 120.0)  # the CLI's budget (autotune() alone defaults to 60 s)
+        report = bench.autotune(args.data, progress=not args.quiet, **given)
+        print(f"best: storage={report['storage']} {report['loader']} -> {report['images_per_s']:,.0f} images/s "
+              f"(default {report['default_images_per_s']:,.0f})")
+    else:
+        report = bench.bench_pipeline(args.data, device=args.device, progress=not args.quiet, **given)
+        print(bench.render(report))
+        if args.plot:
+            bench.plot(report, args.plot)
+            print(f"stage chart written to {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, per_class=args.per_class)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..imaging.decode_file import FILTERS, RESIZE_MODES
+    from ..preprocess.images import FORMATS, ON_ERROR
+    from ..train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="fastdata",
+                                     description="Preprocess once, then train without waiting on data.")
+    parser.add_argument("--version", action="version", version=f"fastdata {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
+    pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
+    img = pre_sub.add_parser("images", help="images (and masks, boxes, labels, captions) -> .npy shards or JPEG LMDB")
+    img.add_argument("src", type=Path, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records (with an "
+                     "'image' column), a folder with images/ and masks/, .parquet file(s), or (with --coco) the image "
+                     "folder")
+    img.add_argument("out", type=Path, help="output dataset folder")
+    img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
+    img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop", help="npy: how to reach SxS")
+    img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
+    img.add_argument("--workers", type=int, default=None, help="decoding processes (default: all cores)")
+    img.add_argument("--shard-size", type=int, default=1024, help="samples per shard (default 1024)")
+    img.add_argument("--on-error", choices=ON_ERROR, default="skip", help="unreadable images: skip (default) or fail")
+    img.add_argument("--quality", type=int, default=90, help="lmdb: JPEG quality (default 90)")
+    img.add_argument("--filter", choices=tuple(FILTERS), default="lanczos",
+                     help="resize filter (default lanczos; bilinear is ~2x cheaper, see benchmarks/RESULTS.md)")
+    img.add_argument("--coco", type=Path, default=None, help="COCO instances.json: boxes for the images in SRC")
+    img.add_argument("--mask-dtype", choices=("uint8", "uint16"), default="uint8",
+                     help="masks with ids above 255 need uint16 (default uint8)")
+    img.add_argument("--tokenizer", default="bytes", help="text fields (captions): bytes | PATH/tokenizer.json | "
+                     "tiktoken:NAME")
+    img.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                     help="store the samples in a random order drawn from SEED (default: the source's order, "
+                          "class after class for a folder), so a small FastLoader shuffle_window mixes classes")
+    img.add_argument("--overwrite", action="store_true", help="replace a dataset made with other arguments")
+    img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    img.set_defaults(func=_preprocess_images)
+
+    txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) -> uint16/uint32 token shards")
+    txt.add_argument("src", type=Path, help="a .txt/.jsonl file (optionally .gz) or a folder of them")
+    txt.add_argument("out", type=Path, help="output dataset folder")
+    txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
+    txt.add_argument("--field", default="text", help="jsonl: the field holding the document")
+    txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
+    txt.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    txt.add_argument("--on-error", choices=("skip", "fail"), default="skip")
+    txt.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 64 Mi)")
+    txt.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    txt.add_argument("--overwrite", action="store_true")
+    txt.add_argument("--quiet", action="store_true")
+    txt.set_defaults(func=_preprocess_text)
+
+    add_data_commands(sub)
+
+    D = TrainConfig  # every training default lives in TrainConfig: one default per option
+    tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
+    tr.add_argument("data", type=_path_or_url, help="dataset folder made by `fastdata preprocess`, or its URL "
+                                                    "(s3://..., gs://...: streamed through the node cache)")
+    tr.add_argument("--val", type=_path_or_url, default=None, help="validation dataset folder or URL")
+    tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
+    tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
+                                                  "gpt-tiny (default for tokens)")
+    tr.add_argument("--seq-len", type=int, default=256, help="tokens: window length")
+    tr.add_argument("--epochs", type=int, default=D.epochs,
+                    help="default 1, or as many as --max-steps needs when it is given")
+    tr.add_argument("--batch-size", type=int, default=256, help="per process")
+    tr.add_argument("--lr", type=float, default=D.lr)
+    tr.add_argument("--optimizer", choices=("sgd", "adamw"), default=D.optimizer)
+    tr.add_argument("--weight-decay", type=float, default=D.weight_decay)
+    tr.add_argument("--schedule", choices=("cosine", "onecycle", "constant"), default=D.schedule)
+    tr.add_argument("--warmup-steps", type=int, default=D.warmup_steps)
+    tr.add_argument("--label-smoothing", type=float, default=D.label_smoothing)
+    tr.add_argument("--amp", choices=("bf16", "fp16", "none"), default=D.amp)
+    tr.add_argument("--accum", type=int, default=D.accum, help="gradient accumulation steps")
+    tr.add_argument("--clip", type=float, default=D.clip, help="clip the gradient norm to this")
+    tr.add_argument("--storage", choices=("mmap", "ram", "shm", "cuda"), default=None, help="default mmap")
+    tr.add_argument("--threads", type=int, default=None, help="loader threads")
+    tr.add_argument("--shuffle-window", type=int, default=None, metavar="K",
+                    help="shuffle shards, then samples within windows of K shards (data larger than the cache)")
+    tr.add_argument("--cache-dir", default=None, help="URL datasets: the node cache (default $FASTDATA_CACHE)")
+    tr.add_argument("--cache-limit", default=None, help="URL datasets: bytes the cache may hold, e.g. 200GB")
+    tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
+    tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
+    tr.add_argument("--backend", choices=("native", "dali"), default="native",
+                    help="dali: decode an LMDB dataset's JPEGs with NVIDIA DALI (pip install 'fastdata[dali]')")
+    tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
+    tr.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="also checkpoint every N steps")
+    tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    tr.add_argument("--max-steps", type=int, default=D.max_steps)
+    tr.add_argument("--max-time", default=None, help="DD:HH:MM:SS or seconds")
+    tr.add_argument("--early-stop-patience", type=int, default=D.early_stop_patience)
+    tr.add_argument("--early-stop-min-delta", type=float, default=D.early_stop_min_delta)
+    tr.add_argument("--val-every", type=int, default=D.val_every, help="validate every N epochs")
+    tr.add_argument("--val-every-steps", type=int, default=D.val_every_steps)
+    tr.add_argument("--sync-bn", action="store_true")
+    tr.add_argument("--compile", action="store_true")
+    tr.add_argument("--profile", type=int, default=D.profile_steps, metavar="N", help="profile the first N steps")
+    tr.add_argument("--device", default=D.device, help="auto, cuda or cpu")
+    tr.add_argument("--seed", type=int, default=D.seed)
+    tr.add_argument("--log-every", type=int, default=D.log_every)
+    tr.add_argument("--log-file", type=Path, default=None, help="JSONL metrics")
+    tr.add_argument("--config", type=Path, default=None, help="loader settings from `fastdata bench --autotune`")
+    tr.add_argument("--quiet", action="store_true")
+    tr.set_defaults(func=_train)
+
+    be = sub.add_parser("bench", help="find where a training pipeline waits; --autotune the loader")
+    be.add_argument("data", type=Path, nargs="?", default=None, help="dataset folder")
+    be.add_argument("--model", default=None, help="default resnet50; --loader: resnet50 on a GPU, cnn-small on the CPU")
+    be.add_argument("--batch-size", type=int, default=None, help="default 256; --loader: the loader's own")
+    be.add_argument("--device", default="auto")
+    be.add_argument("--seconds", type=float, default=None,
+                    help="time budget (default 120 s; 30 s with --loader)")
+    be.add_argument("--loader", default=None, metavar="MODULE:FACTORY", help="diagnose your own loader")
+    be.add_argument("--image-size", type=int, default=None,
+                    help="--loader: side of the model's synthetic input (default: the loader's batches')")
+    be.add_argument("--autotune", action="store_true", help="search loader settings; write them with --json")
+    be.add_argument("--json", type=Path, default=None, help="write every figure (and the autotuned config)")
+    be.add_argument("--plot", type=Path, default=None, help="stage chart PNG (needs matplotlib)")
+    be.add_argument("--quiet", action="store_true")
+    be.set_defaults(func=_bench)
+
+    demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, load it, train on it, report speed")
+    demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")
+    demo.add_argument("--per-class", type=int, default=100, help="images per class (4 classes)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _version() -> str:
+    from .._version import __version__
+
+    return __version__
+
+
+class _StdoutHandler(logging.Handler):
+    """Writes to the ``sys.stdout`` of the moment: a training run's report lines are the command's output."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed emit never raises
+            self.handleError(record)
+
+
+def _setup_logging(quiet: bool) -> None:
+    from ..progress import set_quiet
+
+    set_quiet(quiet)  # (the bars no command draws itself too: a URL dataset's downloads)
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="fastdata: %(message)s",
+                        stream=sys.stderr)
+    report = logging.getLogger("fastdata.train")  # validation lines, the end summary, --profile's table
+    if not any(isinstance(h, _StdoutHandler) for h in report.handlers):
+        report.addHandler(_StdoutHandler())
+        report.propagate = False
+    report.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "quiet", False))
+    try:
+        return int(args.func(args) or 0)
+    except FastdataError as exc:
+        print(f"fastdata: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        hint = _after_interrupt(args)
+        print("fastdata: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130
+
+
+def _after_interrupt(args: argparse.Namespace) -> Optional[str]:
+    """What a rerun does after Ctrl-C: preprocess and push resume by themselves, train only with --resume."""
+    if args.command in ("preprocess", "push"):
+        return "rerun the same command to resume"
+    if args.command == "train":
+        if getattr(args, "checkpoint", None):
+            return f"rerun with --resume to continue from the last checkpoint in {args.checkpoint}"
+        return "without --checkpoint there is nothing to resume from"
+    return None
+

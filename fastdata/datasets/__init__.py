@@ -1,0 +1,1 @@
+"""The read side: FastDataset (images), TokenDataset, fields, splits."""

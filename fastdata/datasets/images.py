@@ -1,0 +1,393 @@
+"""FastDataset: preprocessed uint8 images served as whole batches from page cache, RAM, /dev/shm or GPU.
+
+NOTE [gather]: a batch is one vectorised gather, never a Python loop over samples. ``ram``/``shm``/``cuda``
+hold the dataset as one contiguous ``(N, S, S, 3)`` array, so a batch is one ``np.take`` (or one
+``index_select`` on the device) straight into the output buffer. ``mmap`` keeps one memory map per
+shard: indices are grouped by shard, one ``take`` per shard touched; when each shard's indices are
+contiguous in the request (FastLoader sorts every batch, see loading/loader.py) each ``take`` writes straight
+into its slice of the output. ``np.take`` releases the GIL, so loader threads gather in parallel.
+Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with the default
+``mode="raise"`` numpy writes into a temporary and copies it to ``out`` (2.0 vs 13.9 GB/s measured here).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..distributed import check_cuda
+from ..errors import ConfigError, ImageDecodeError
+from ..formats import lmdb_store
+from ..formats.lmdb_store import LmdbReader, open_lmdb
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
+from ..imaging.draws import RATIO, SCALE
+from ..imaging.decode_batch import BatchDecoder
+from .fields import Alloc, FieldStore, collate_fields, split_fields
+from ..formats.schema import Field, fields_of
+from ..storage.cache import ShardCache
+from ..storage.opening import StreamedReads, open_remote
+from ..storage.streamed import Labels, image_streamed, labels_at_open, shard_groups
+from ..storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
+                             take_rows, verify_hashes)
+
+
+class FastDataset(StreamedReads, torch.utils.data.Dataset):
+    """A dataset folder made by ``fastdata preprocess images``, as a map-style torch dataset.
+
+    ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``; ``ds[list]`` and :meth:`get_batch` gather a whole
+    batch in one read. ``storage``: ``"mmap"`` (default; the page cache is shared by every process),
+    ``"ram"`` (one contiguous copy in this process), ``"shm"`` (one copy per machine in /dev/shm, shared
+    by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
+    ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``, ...): its files are downloaded once per node into
+    ``cache_dir`` and verified there (NOTE [remote cache]); ``storage_options`` go to fsspec. With the default
+    ``storage="mmap"`` an npy dataset streams: each image shard is fetched as the loader's coming batches
+    need it, and ``cache_limit`` (bytes or ``"200GB"``) bounds this dataset's files in the cache, evicting
+    the shard needed last (NOTE [shard cache]); other storages and LMDB datasets download every file first.
+
+    An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (default: the stored short side).
+    ``crop="center"`` (evaluation) keeps the centre square, its side ``crop_fraction`` of the short side
+    (``224/256`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``). ``crop="random"`` (training without
+    a GPU) decodes a random-resized crop (``scale``, ``ratio`` as torchvision) of the whole stored image and
+    mirrors half of them, drawn per batch from ``(seed, epoch, position, rank)`` when FastLoader serves it
+    (the same draws as the GPU ``RandomResizedCrop`` + ``RandomHorizontalFlip``; see NOTE [crop draws]),
+    from torch's global generator otherwise. The box is decided before decoding (NOTE [jpeg read path]).
+    """
+
+    def __init__(self, path: Union[str, Path], *, storage: str = "mmap", device: Union[str, torch.device] = "cuda",
+                 size: Optional[int] = None, verify: Optional[bool] = None,
+                 shm_dir: Optional[Union[str, Path]] = None, crop: str = "center", crop_fraction: float = 1.0,
+                 scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
+                 storage_options: Optional[dict[str, Any]] = None,
+                 cache_dir: Optional[Union[str, Path]] = None,
+                 cache_limit: Union[int, str, None] = None) -> None:
+        if storage not in STORAGE:
+            raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
+        self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
+                                                           lambda m: image_streamed(m, storage))
+        self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
+        self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
+        self.storage = storage
+        self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
+        check_cuda(self.device, "pass storage='ram' or 'shm' (or device='cpu')")
+        self._shm_dir = shm_dir
+        self.is_lmdb = self.manifest["format"] == IMAGES_LMDB
+        if self.is_lmdb and storage != "mmap":
+            raise ConfigError(f"storage={storage!r} needs an npy dataset; {self.root} is an LMDB of JPEGs, read "
+                              "(memory-mapped) and decoded per batch: use storage='mmap'")
+        if size is not None and not self.is_lmdb:
+            raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
+                              f"{self.manifest['sample_shape']} samples already")
+        self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
+        if self.is_lmdb and self.fields is not None and (self.size != self.manifest["max_short_side"] or
+                                                         crop != "center" or crop_fraction != 1.0):
+            names = ", ".join(f.name for f in self.fields)
+            raise ConfigError(f"{self.root} stores its images with sample fields ({names}): "
+                              f"they are read whole at their stored {self.manifest['max_short_side']} pixels, so that "
+                              "masks and boxes keep their geometry; crop and resize with fastdata.RandomResizedCrop / "
+                              "CenterCrop (CPU or CUDAPrefetcher transforms), which move every field together")
+        self._set_crop(crop, crop_fraction, scale, ratio)
+        self._labels_at_open = labels_at_open(self.manifest)
+        self._verify = verify if verify is not None else storage in ("ram", "cuda")
+        others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()
+                  and (self.root / f["path"]).exists()]  # (a streamed dataset's shards arrive later)
+        check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
+        if self._verify:  # ... and hashed there too (ram/cuda: while loading, one read)
+            verify_hashes(self.root, self.manifest, others)
+        self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
+                                   at_open=self._labels_at_open)
+        self._open(self._verify)
+
+    def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
+        decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them
+        if (crop != "center" or fraction != 1.0) and not self.is_lmdb:
+            raise ConfigError(f"crop={crop!r}, crop_fraction={fraction!r} apply to LMDB datasets (decode-time crops); "
+                              f"{self.root} holds fixed-size pixels: crop them on the GPU with "
+                              "fastdata.RandomResizedCrop / CenterCrop in CUDAPrefetcher(transforms=...)")
+        self._decoder: Optional[BatchDecoder] = decoder if self.is_lmdb else None
+
+    @property
+    def random_crops(self) -> bool:
+        """True when batches take a ``draw`` key (FastLoader passes ``(seed, epoch, position, rank)``)."""
+        return self._decoder is not None and self._decoder.random
+
+    # -- metadata -------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest["classes"])
+
+    @property
+    def targets(self) -> np.ndarray:
+        """Every sample's label (int64), like torchvision's ``ImageFolder.targets`` (a streamed dataset
+        fetches its label files for this, not its images)."""
+        if not self.has_labels:
+            raise ConfigError(f"{self.root} has no 'label' field (its fields: {[f.name for f in self.fields or []]})")
+        remote = self._remote
+        return self._label_store.complete(lambda name: remote.fetch(remote.entry(name)))  # type: ignore[union-attr]
+
+    def sample_shards(self) -> Optional[np.ndarray]:
+        """The shard holding each sample (for ``shuffle_window``); None for a one-store LMDB (version 1)."""
+        bounds = self.shard_bounds()
+        return None if bounds is None else np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
+
+    def shard_bounds(self) -> Optional[np.ndarray]:
+        """Each shard's first sample, then ``len(self)``: shards hold consecutive samples (for
+        ``shuffle_window`` without a number per sample); None for a one-store LMDB (version 1)."""
+        if self.is_lmdb and "lmdb_shards" not in self.manifest:
+            return None
+        return np.r_[np.arange(0, len(self), int(self.manifest["shard_size"]), dtype=np.int64), len(self)]
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return (self.size, self.size, 3) if self.is_lmdb else tuple(self.manifest["sample_shape"])
+
+    sample_dtype = torch.uint8
+
+    def __repr__(self) -> str:
+        return (f"FastDataset({str(self.root)!r}, storage={self.storage!r}, samples={len(self)}, "
+                f"shape={self.sample_shape})")
+
+    # -- opening --------------------------------------------------------------------------------------
+    def _image_files(self) -> set[str]:
+        """The files opened (and checked) by open_shards: image shards, and the extra fields' files."""
+        names = set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
+        shards = len(self.manifest["lmdb_shards" if self.is_lmdb else "shards"]) if self.fields is not None else 0
+        for f in self.fields or []:
+            if f.kind not in ("image", "label"):
+                names.update(n for k in range(shards) for n in f.files(k))
+        return names
+
+    @property
+    def _labels(self) -> np.ndarray:
+        """Every sample's label (filled in as streamed shards arrive: :class:`Labels`)."""
+        return self._label_store.array
+
+    @property
+    def has_labels(self) -> bool:
+        """False for a dataset with fields but no class label (segmentation, detection, captions)."""
+        return self.fields is None or any(f.kind == "label" for f in self.fields)
+
+    @property
+    def streams(self) -> bool:
+        """True when shards are fetched from object storage as batches need them (NOTE [shard cache])."""
+        return self._remote is not None and self.storage == "mmap" and not self.is_lmdb
+
+    def _open(self, verify: bool) -> None:
+        self._shards: list[np.ndarray] = []
+        self._flat: Optional[np.ndarray] = None
+        self._dev: Optional[torch.Tensor] = None
+        self._dev_labels: Optional[torch.Tensor] = None
+        self._reader: Optional[LmdbReader] = None
+        self._cache: Optional[ShardCache] = None
+        self._store: Optional[FieldStore] = None
+        if self.is_lmdb:
+            self._reader = open_lmdb(self.root, self.manifest)
+            if self._remote is not None and "lmdb_shards" in self.manifest:
+                self._stream(verify, None)
+            elif self.fields is not None:
+                self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify)
+            return
+        images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
+                          self.sample_shape, np.dtype(np.uint8))
+        if self.streams:
+            self._stream(verify, images)
+            return
+        opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
+        self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
+        if self.fields is not None:
+            self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                     device=self.device, shm_dir=self._shm_dir)
+        if self._dev is not None and self.has_labels:
+            self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
+
+    def _stream(self, verify: bool, images: Optional[ShardSet]) -> None:
+        """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
+        files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
+        (npy) or its LMDB store handed to the reader (``images`` None)."""
+        groups = shard_groups(self.manifest, self._labels_at_open)
+        store = None
+        if self.fields is not None:
+            store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
+                                             streamed=True)
+
+        def opener(s: int, path: Path) -> Any:
+            if verify:
+                verify_hashes(self.root, self.manifest, list(groups[s]))
+            self._label_store.arrived(s)
+            if store is not None:
+                store.open_shard(s)
+            if images is None:
+                return path
+            return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
+
+        def closer(s: int, path: Path) -> None:
+            if images is None:
+                lmdb_store.forget(path)
+            if store is not None:
+                store.close_shard(s)
+        self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
+
+    # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
+    # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_flat", "_dev", "_dev_labels",
+                                                                      "_reader", "_cache", "_store")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # The sending process checked the files; a private RAM copy is hashed again while it is read (free:
+        # the bytes pass through anyway), maps are not re-hashed in every worker.
+        self._open(self._verify and self.storage in ("ram", "cuda"))
+
+    # -- reading --------------------------------------------------------------------------------------
+    def _indices(self, indices: Indices) -> np.ndarray:
+        if isinstance(indices, slice):
+            return np.arange(len(self), dtype=np.int64)[indices]
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu().numpy()
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+            raise IndexError(f"indices must be a 1-D sequence of integers, got shape {idx.shape} dtype {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"index out of range for a dataset of {n} samples (got {idx.min()}..{idx.max()})")
+        return np.where(idx < 0, idx + n, idx)
+
+    def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None,
+                  draw: Optional[tuple[int, int, int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``indices`` at once: ``(B, S, S, 3)`` uint8 and ``(B,)`` int64 (see NOTE [gather]).
+
+        ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the images; the result is ``out[:B]``.
+        ``draw`` = ``(seed, epoch, position, rank)`` seeds the batch's random crops (``crop="random"``).
+        A dataset with sample fields returns a dict instead (see :meth:`_get_fields`).
+        """
+        if self.fields is not None:
+            return self._get_fields(indices, out)  # type: ignore[return-value]
+        if self._dev is not None:
+            idx_t = (indices.to(self.device) if isinstance(indices, torch.Tensor) else
+                     torch.from_numpy(self._indices(indices)).to(self.device))
+            if idx_t.dtype != torch.int64:
+                idx_t = idx_t.long()
+            x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)
+            return x, self._dev_labels[idx_t]
+        idx = self._indices(indices)
+        x = self._host_images(idx, batch_rows(out, len(idx), torch.uint8, self.sample_shape) if out is not None
+                              else None, draw)
+        return x, torch.from_numpy(self._labels[idx])
+
+    def _host_images(self, idx: np.ndarray, buf: Optional[torch.Tensor],
+                     draw: Optional[tuple[int, int, int, int]] = None, maps: Optional[Any] = None) -> torch.Tensor:
+        """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None);
+        ``maps``: a streamed batch's shards, pinned by the caller."""
+        x = buf if buf is not None else torch.empty((len(idx), *self.sample_shape), dtype=torch.uint8)
+        if self._reader is not None:
+            self._decode_into(idx, x, draw, pinned=maps is not None)
+        elif self._flat is not None:
+            np.take(self._flat, idx, axis=0, out=x.numpy(), mode="clip")
+        else:
+            self._gather_shards(idx, x.numpy(), maps)
+        return x
+
+    def _get_fields(self, indices: Indices, out: Union[None, torch.Tensor, Alloc]) -> dict[str, torch.Tensor]:
+        """A batch of a dataset with fields: ``{"image": (B, S, S, 3) uint8, "label": (B,) int64 (when there is
+        one), each fixed field (B, ...), each variable field's values and "<name>_offsets" (B + 1)}``. ``out``
+        is an image buffer as for (image, label) datasets, or ``out(key, shape, dtype)`` giving each buffer."""
+        idx = self._indices(indices)
+        b = len(idx)
+        if isinstance(out, torch.Tensor):
+            image_buf = batch_rows(out, b, torch.uint8, self.sample_shape)
+            alloc: Optional[Alloc] = None
+        else:
+            alloc = out
+            image_buf = out("image", (b, *self.sample_shape), torch.uint8) if out is not None else None
+        batch: dict[str, torch.Tensor] = {}
+        idx_t = None
+        pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
+            np.unique(idx // int(self.manifest["shard_size"])))
+        with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
+            if self._dev is not None:  # storage="cuda": gathered on the device
+                idx_t = torch.from_numpy(idx).to(self.device)
+                batch["image"] = torch.index_select(self._dev, 0, idx_t)
+                if self._dev_labels is not None:
+                    batch["label"] = self._dev_labels[idx_t]
+            else:
+                batch["image"] = self._host_images(idx, image_buf, maps=maps)
+                if self.has_labels:
+                    y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
+                    np.take(self._labels, idx, out=y.numpy(), mode="clip")
+                    batch["label"] = y
+            assert self._store is not None
+            batch.update(self._store.gather(idx, alloc, idx_t))
+        return batch
+
+    def collate(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``collate_fn`` for ``DataLoader(ds, batch_size=B, collate_fn=ds.collate)`` over a dataset with
+        fields: the batch :meth:`get_batch` gives (fixed fields stacked, variable ones concatenated with
+        offsets)."""
+        return collate_fields(samples, self.fields or [])
+
+    def _gather_shards(self, idx: np.ndarray, dst: np.ndarray, maps: Optional[Any] = None) -> None:
+        ss = int(self.manifest["shard_size"])
+        shard = idx // ss
+        rows = idx - shard * ss
+        if len(idx) == 0:
+            return
+        if self._cache is None or maps is not None:
+            take_rows(self._shards if maps is None else maps, shard, rows, dst)
+        else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
+            with self._cache.reading(np.unique(shard)) as maps:
+                take_rows(maps, shard, rows, dst)
+
+    def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
+        """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; after the first
+        ``now`` it may run on into the next epoch), so their shards are fetched ahead of them and evicted by
+        next use (FastLoader calls this); a token for :meth:`end_reads`."""
+        if self._cache is None:
+            return None
+        per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
+        return self._cache.plan((np.asarray(b, dtype=np.int64) // per_shard for b in batches), now)
+
+    def _decode_into(self, idx: np.ndarray, x: torch.Tensor, draw: Optional[tuple[int, int, int, int]],
+                     pinned: bool = False) -> None:
+        # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
+        # loader threads decode in parallel, each straight into its row of the batch. ``pinned``: the caller
+        # holds the batch's streamed stores already (a batch with fields).
+        assert self._reader is not None
+        # streamed: the batch's stores fetched (or waited for) and pinned while read
+        stores = (contextlib.nullcontext() if self._cache is None or pinned else
+                  self._cache.reading(np.unique(idx // self._reader.shard_size)))
+        with stores, self._reader.views(idx) as blobs:  # decoded from the page cache, no copy
+            self._decode_views(idx, blobs, x, draw)
+
+    def _decode_views(self, idx: np.ndarray, blobs: list[memoryview], x: torch.Tensor,
+                      draw: Optional[tuple[int, int, int, int]]) -> None:
+        assert self._reader is not None and self._decoder is not None
+        try:
+            self._decoder.decode(blobs, x, draw)
+        except ImageDecodeError as exc:
+            i = int(idx[getattr(exc, "position", 0)])
+            raise ImageDecodeError(f"{self._reader.path_of(i)}: sample {i} is not a decodable JPEG ({exc}): "
+                                   "run `fastdata verify` on the dataset") from exc
+
+    def __getitem__(self, index: Union[int, Indices]) -> Any:
+        if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            if self.fields is not None:
+                return split_fields(self._get_fields([int(index)], None), self.fields)[0]
+            x, y = self.get_batch([int(index)])
+            return x[0], y[0]
+        return self.get_batch(index)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """torch's batched-fetch hook: a list of samples, built from one :meth:`get_batch`."""
+        if self.fields is not None:
+            return split_fields(self._get_fields(indices, None), self.fields)
+        x, y = self.get_batch(indices)
+        return list(zip(x.unbind(0), y.unbind(0)))

@@ -1,0 +1,231 @@
+"""``manifest.json``: what a dataset folder holds, how it was made, and the checksum of every file.
+
+The manifest is written last (atomically), so a folder without one is an unfinished run. Readers call
+:func:`load_manifest`, which refuses unknown formats and versions before anything else is read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .._version import __version__
+from .._io import HASH_NAME, hash_file, safe_join, write_json_atomic
+from ..errors import ChecksumError, FormatError, VersionError
+from .schema import fields_of
+
+MANIFEST_NAME = "manifest.json"
+PARTIAL_DIR = ".fastdata-partial"  # journal and parts of an unfinished preprocess run
+IMAGES_NPY = "fastdata.images.npy"
+IMAGES_LMDB = "fastdata.images.lmdb"
+TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
+# format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
+# LMDB 2: shards, LMDB 3: sample fields (lmdb_store.py); npy 2: sample fields beyond (image, label) (formats/schema.py)
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 2, IMAGES_LMDB: 3, TOKENS: 1}
+
+
+def fastdata_version() -> str:
+    return __version__
+
+
+def new_manifest(fmt: str, version: Optional[int] = None, **fields: Any) -> dict[str, Any]:
+    """A manifest of ``fmt`` at ``version`` (default: the newest; a writer names an older one when its
+    output needs nothing newer, so older readers still read it)."""
+    return {"format": fmt, "format_version": version or FORMAT_VERSIONS[fmt], "fastdata_version": fastdata_version(),
+            **fields}
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    write_json_atomic(Path(root) / MANIFEST_NAME, manifest)
+
+
+def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
+    """Read and validate ``root/manifest.json``; ``formats`` restricts which formats are accepted."""
+    root = Path(root)
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise FormatError(f"{root} is not a folder: pass a dataset folder made by `fastdata preprocess`")
+    if not path.is_file():
+        hint = " (an unfinished run: rerun the same `fastdata preprocess` to resume)" if (
+            root / PARTIAL_DIR).exists() else ""
+        raise FormatError(f"{root} has no {MANIFEST_NAME}: it is not a fastdata dataset{hint}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path} is not valid JSON ({exc}): the manifest is damaged") from exc
+    if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
+        raise FormatError(f"{path} lacks 'format'/'format_version': not a fastdata manifest")
+    fmt, version = manifest["format"], manifest["format_version"]
+    if fmt not in FORMAT_VERSIONS:
+        raise FormatError(f"{path}: unknown format {fmt!r}; this fastdata reads {sorted(FORMAT_VERSIONS)}")
+    if not isinstance(version, int) or version > FORMAT_VERSIONS[fmt] or version < 1:
+        raise VersionError(
+            f"{path}: {fmt} version {version!r} was written by fastdata {manifest.get('fastdata_version', '?')}; "
+            f"this fastdata {fastdata_version()} reads up to version {FORMAT_VERSIONS[fmt]}: upgrade fastdata"
+        )
+    if formats is not None and fmt not in formats:
+        raise FormatError(f"{root} holds {fmt}, but this reader needs one of {list(formats)}")
+    if not isinstance(manifest.get("files"), list):
+        raise FormatError(f"{path} has no 'files' list: the manifest is damaged")
+    for entry in manifest["files"]:
+        safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
+    if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
+        fields_of(manifest, str(path))  # refuses unknown kinds, bad dtypes, a missing image field
+    check_layout(manifest, str(path))
+    return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_layout(manifest: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose numbers cannot describe its files (an edited or damaged one). Readers map
+    sample ``i`` to row ``i % shard_size`` of shard ``i // shard_size`` and a token window to its shard by
+    the shards' token counts: a wrong count, shape or dtype would serve wrong rows, or fail deep inside a
+    batch, instead of here with one line."""
+    def refuse(what: str) -> None:
+        raise FormatError(f"{where}: {what}: the manifest is damaged; re-run `fastdata preprocess` (or restore "
+                          "the dataset's own manifest.json)")
+
+    fmt = manifest["format"]
+    if fmt == TOKENS:
+        if manifest.get("dtype") not in ("<u2", "<u4"):
+            refuse(f"token dtype {manifest.get('dtype')!r} is not '<u2' or '<u4'")
+        splits = manifest.get("splits")
+        if not isinstance(splits, dict) or not splits:
+            refuse("it has no 'splits'")
+        for name, split in splits.items():
+            shards = split.get("shards") if isinstance(split, dict) else None
+            if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("tokens"))
+                                                       and isinstance(s.get("path"), str) for s in shards):
+                refuse(f"split {name!r} has no list of shards with paths and token counts")
+            if not _count(split.get("tokens")) or split["tokens"] != sum(s["tokens"] for s in shards):
+                refuse(f"split {name!r} says {split.get('tokens')!r} tokens, its shards hold "
+                       f"{sum(s['tokens'] for s in shards)}")
+        return
+    n = manifest.get("num_samples")
+    if not _count(n):
+        refuse(f"num_samples is {n!r}")
+    classes = manifest.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        refuse("'classes' is not a list of names")
+    if fmt == IMAGES_NPY:
+        shape = manifest.get("sample_shape")
+        if (not isinstance(shape, list) or len(shape) != 3 or not all(_count(d) and d > 0 for d in shape)
+                or shape[2] != 3):
+            refuse(f"sample_shape {shape!r} is not [height, width, 3]")
+        if manifest.get("dtype") != "|u1":
+            refuse(f"image dtype {manifest.get('dtype')!r} is not '|u1' (uint8)")
+        key = "shards"
+    elif "lmdb_shards" in manifest:
+        key = "lmdb_shards"
+    else:  # LMDB format version 1: one store
+        if not isinstance(manifest.get("lmdb"), str):
+            refuse("it names no LMDB store")
+        return
+    shards, size = manifest.get(key), manifest.get("shard_size")
+    if not _count(size) or size < 1:
+        refuse(f"shard_size is {size!r}")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("samples")) for s in shards):
+        refuse(f"'{key}' is not a list of shards with sample counts")
+    counts = [s["samples"] for s in shards]
+    if sum(counts) != n or any(c != size for c in counts[:-1]) or (counts and not 0 < counts[-1] <= size):
+        refuse(f"its {len(counts)} shards hold {counts[:3]}{'...' if len(counts) > 3 else ''} samples, not "
+               f"{n} samples in shards of {size}")
+
+
+# NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file
+# with its manifest entry through `file_problem`; callers that already stream the bytes (a load into RAM,
+# the shm copy) pass the digest they computed on the way, so no file is read twice to be checked.
+def file_problem(entry: dict[str, Any], size: Optional[int], digest: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a file of ``size`` bytes (None: absent) hashing to ``digest`` (None: not hashed)
+    against its manifest ``entry``: ``"missing"``, ``"size"``, ``"hash"``, or None when it matches."""
+    if size is None:
+        return "missing"
+    if size != int(entry["bytes"]):
+        return "size"
+    if digest is not None and digest != entry[HASH_NAME]:
+        return "hash"
+    return None
+
+
+def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
+               progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
+    """:func:`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
+    path = safe_join(root, entry["path"])
+    size = path.stat().st_size if path.is_file() else None
+    digest = hash_file(path, progress) if hashed and size == entry["bytes"] else None
+    if progress is not None and size is not None and digest is None and hashed:
+        progress(int(entry["bytes"]))  # a file refused on its size still counts as done for the bar
+    return file_problem(entry, size, digest)
+
+
+def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optional[int] = None,
+                  advice: str = "re-run `fastdata preprocess`") -> FormatError:
+    """The error a reader raises for a :func:`file_problem` (the message says what to do)."""
+    if problem == "missing":
+        return FormatError(f"{path} is missing: the dataset is incomplete; {advice}")
+    if problem == "size":
+        return ChecksumError(f"{path} has {size} bytes but the manifest says {entry['bytes']}: truncated or "
+                             f"replaced; {advice}")
+    return ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): run "
+                         f"`fastdata verify` and {advice}")
+
+
+def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:
+    """Raise :func:`damaged_error` unless ``root / entry["path"]`` matches its entry."""
+    problem = check_file(root, entry, hashed=hashed)
+    if problem is not None:
+        path = safe_join(root, entry["path"])
+        raise damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
+
+
+def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False) -> list[str]:
+    """Re-hash every file the manifest lists; returns one line per problem (empty when intact). ``partial``:
+    the folder is a node cache of a remote dataset, where a file not (or no longer) cached is fetched and
+    checked when read: absent files are not problems there."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    problems = []
+    for entry in manifest["files"]:
+        problem = check_file(root, entry, progress=progress)
+        if problem == "missing" and not partial:
+            problems.append(f"{entry['path']}: missing")
+        elif problem == "size":
+            size = safe_join(root, entry["path"]).stat().st_size
+            problems.append(f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} "
+                            "(truncated or replaced)")
+        elif problem == "hash":
+            problems.append(f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)")
+    return problems
+
+
+def total_bytes(manifest: dict[str, Any]) -> int:
+    return sum(int(e["bytes"]) for e in manifest["files"])
+
+
+def describe(root: Path | str) -> dict[str, Any]:
+    """What ``fastdata inspect`` shows: format, counts per class, shape, dtype, bytes, parameters."""
+    root = Path(root)
+    m = load_manifest(root)
+    out = {k: m.get(k) for k in ("format", "format_version", "fastdata_version", "num_samples", "params", "source")}
+    if "classes" in m:
+        out["classes"] = dict(zip(m["classes"], m.get("class_counts", [])))
+    if m["format"] == TOKENS:
+        out["tokenizer"] = m["tokenizer"]
+        out["dtype"] = m["dtype"]
+        out["splits"] = {k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["shards"])}
+                         for k, v in m["splits"].items()}
+        out["bytes_per_token"] = m["bytes_per_token"]
+        out["skipped"] = m.get("skipped_count", 0)
+    if "fields" in m:
+        out["fields"] = {f["name"]: f"{f['kind']} {f['dtype']} {tuple(f['shape'])}" for f in m["fields"]}
+    for k in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
+        if k in m:
+            out[k] = m[k]
+    out["files"] = len(m["files"])
+    out["bytes"] = total_bytes(m)
+    out.setdefault("skipped", len(m.get("skipped", [])))
+    out["path"] = str(root)
+    return out

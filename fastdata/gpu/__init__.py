@@ -1,0 +1,1 @@
+"""On the device: CUDAPrefetcher, its CUDA graphs, DALILoader."""

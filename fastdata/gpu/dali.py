@@ -1,0 +1,360 @@
+"""DALILoader: JPEGs from a fastdata LMDB decoded by NVIDIA DALI (nvJPEG on the GPU with device "mixed").
+
+Import it explicitly (``from fastdata.dali import DALILoader``): fastdata never imports DALI by itself.
+The JPEG bytes enter the pipeline through ``fn.external_source`` in the order of fastdata's own
+:class:`~fastdata.loading.sampler.DistributedBatchSampler`, so DALI serves the same batches as FastLoader (same
+``(seed, epoch)`` order, each batch's samples ascending, exactly once per epoch across ranks, equal batch
+counts, mid-epoch resume); DALI's own reader sharding is not used. Batches come out as CUDAPrefetcher's
+do: ``(B, 3, size, size)`` channels_last, normalised with ``mean``/``std`` in 0-1 units, int64 labels.
+Training: random-resized-crop (area 8-100%, aspect 3/4-4/3) and a random flip; evaluation: shorter side
+to ``size``, centre crop. The crop boxes and flips are drawn on the host from ``(seed, epoch, batch
+position, rank)`` with the same rule as :class:`~fastdata.imaging.transforms.RandomResizedCrop` (each image's
+size read from its JPEG header) and fed to DALI, which decodes only the box (``decoders.image_slice``):
+a resumed run draws exactly the crops of the uninterrupted one, which DALI's own random operators
+(seeded once per pipeline) cannot do.
+
+The pipeline runs with DALI's default (asynchronous, pipelined) executor: DALI pulls each batch's bytes
+and crop boxes from :meth:`DALILoader._next_batch` ``prefetch`` batches ahead of the consumer, so LMDB
+reads, header parsing and decoding overlap the training step. The sampler advances only when a batch is
+handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
+
+NOTE [DALI outputs on the stream]: ``pipe.run()`` without a stream synchronises the host with the batch's
+GPU work (DALI's documented default). With DALI's default executor (``exec_dynamic``) ``run`` takes a
+stream instead, which waits for the batch on the device while the host goes on; older DALIs keep the
+host-synchronous call. On an H200 (2026-11-26) this was not what stalled ResNet-50: the streamed and
+host-synchronous rows stalled alike (16.2% / 12.2%, then 36.0% / 36.9%). Those stalls were measured over
+60 steps of an iteration that began by rebuilding the pipeline, and that start's wait (0.6-1.9 s, the
+same runs' arithmetic) is most or all of them: see :meth:`DALILoader._drain` and bench_dali's steady-state
+rows.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .._io import safe_join
+from ..distributed import check_cuda
+from ..errors import ConfigError, ImageDecodeError, MissingDependencyError
+from ..formats.lmdb_store import open_lmdb
+from ..imaging.draws import draw_resized_crops
+from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ..imaging.decode_batch import decode_jpeg, jpeg_size, looks_like_jpeg
+from ..formats.manifest import IMAGES_LMDB, load_manifest
+from ..loading.run_ahead import RunAhead
+from ..loading.sampler import DistributedBatchSampler, SamplerBacked
+
+INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
+                "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
+
+
+def _dali() -> Any:
+    try:
+        import nvidia.dali as dali
+        import nvidia.dali.fn  # noqa: F401
+        import nvidia.dali.types  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(INSTALL_HINT) from exc
+    return dali
+
+
+def _stream_outputs(pipe: Any) -> bool:
+    """Whether ``pipe.run`` can hand its outputs to a CUDA stream instead of the host: DALI's default executor
+    since DALI 1.4x (``exec_dynamic``), whose ``run`` takes the stream."""
+    return bool(getattr(pipe, "exec_dynamic", False)) and "cuda_stream" in inspect.signature(pipe.run).parameters
+
+
+class DALILoader(SamplerBacked):
+    """Batches of an LMDB dataset decoded and augmented by DALI; see the module docstring."""
+
+    def __init__(self, path: Union[str, Path], batch_size: int, *, size: int = 224, train: bool = True,
+                 shuffle: Optional[bool] = None, seed: int = 0, drop_last: bool = False,
+                 device: Union[str, torch.device] = "cuda", mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
+                 num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
+                 on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, prefetch: int = 2,
+                 hw_decoder_load: Optional[float] = None, stream_outputs: bool = True,
+                 run_ahead: Optional[bool] = None) -> None:
+        self.root = Path(path)
+        self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
+        if "fields" in self.manifest:
+            names = ", ".join(f["name"] for f in self.manifest["fields"])
+            raise ConfigError(f"{self.root} has sample fields ({names}): DALILoader serves (image, class) LMDBs; "
+                              "read it with FastDataset and FastLoader, whose transforms move every field with the "
+                              "image")
+        self._dali = _dali()
+        if on_error not in ("skip", "fail"):
+            raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch must be an integer >= 1, got prefetch={prefetch!r}")
+        if hw_decoder_load is not None and not 0.0 <= hw_decoder_load <= 1.0:
+            raise ConfigError(f"hw_decoder_load must be in [0, 1] (the share of JPEGs for the GPU's hardware decoder), "
+                              f"got hw_decoder_load={hw_decoder_load!r}")
+        self.hw_decoder_load = hw_decoder_load
+        self.stream_outputs = bool(stream_outputs)  # NOTE [DALI outputs on the stream]; False: host-synchronous
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got dtype={dtype}")
+        self.device = torch.device(device)
+        check_cuda(self.device, "pass device='cpu' (DALI decodes on the CPU)")
+        if self.device.type == "cuda" and self.device.index is None:  # torch's current device, as .to("cuda")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/loading/run_ahead.py)
+        self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
+        self.reader = open_lmdb(self.root, self.manifest)
+        self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
+        self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
+        n = len(self.labels) if self.indices is None else len(self.indices)
+        self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.sampler = DistributedBatchSampler(n, batch_size, shuffle=train if shuffle is None else shuffle,
+                                               seed=seed, drop_last=drop_last, pad=train if pad is None else pad,
+                                               rank=rank, world_size=world_size)
+        self.num_threads = num_threads or min(4, torch.get_num_threads())
+        self.prefetch = prefetch
+        self.seed = seed
+        self._skipped: dict[int, None] = {}  # samples left out under on_error="skip", in the order found
+        self._undecodable: set[int] = set()  # those among them that failed inside DALI: planned batches drop them
+        self._pipe: Any = None
+        self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
+        self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
+        self.loader_thread_s = 0.0  # the loader thread's time producing batches, and their count (run_ahead)
+        self.loader_thread_batches = 0
+        self._fed: deque[tuple[int, np.ndarray]] = deque()  # (served count, rows) given to DALI, not yet out
+
+    # -- proxies --------------------------------------------------------------------------------------
+    @property
+    def skipped(self) -> list[int]:
+        """Samples left out under ``on_error="skip"`` (each once, in the order they were found)."""
+        return list(self._skipped)
+
+    @property
+    def dataset(self) -> "DALILoader":
+        return self
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.manifest["classes"])
+
+    # -- the pipeline ---------------------------------------------------------------------------------
+    def _build(self) -> Any:
+        dali = self._dali
+        fn, types = dali.fn, dali.types
+        gpu = self.device.type == "cuda"
+        out_type = types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT  # DALI has no bf16: cast after
+        # Pipelined and asynchronous (DALI's default executor): while the consumer works on batch k, DALI
+        # decodes batches k+1..k+prefetch, and pulls their bytes from _next_batch on this thread.
+        pipe = dali.Pipeline(batch_size=self.batch_size, num_threads=self.num_threads,
+                             device_id=self.device.index if gpu else None, seed=self.seed,
+                             prefetch_queue_depth=self.prefetch)
+        # hw_decoder_load: the share of a batch's JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs
+        # (DALI's default, 0.65, where None); the rest are decoded by CUDA kernels, on the SMs the model uses
+        hw = {"hw_decoder_load": self.hw_decoder_load} if gpu and self.hw_decoder_load is not None else {}
+        with pipe:
+            decoder = "mixed" if gpu else "cpu"
+            if self.train:  # boxes and flips drawn on the host (see _crops): exact on resume
+                jpegs, anchor, shape, mirror = fn.external_source(
+                    source=self._next_batch, num_outputs=4, batch=True,
+                    dtype=[types.UINT8, types.INT32, types.INT32, types.INT32])
+                images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder, output_type=types.RGB,
+                                                 axis_names="WH", **hw)  # integer anchor/shape: absolute pixels
+                images = fn.resize(images, resize_x=self.size, resize_y=self.size)
+            else:
+                (jpegs,) = fn.external_source(source=self._next_batch, num_outputs=1, batch=True,
+                                              dtype=[types.UINT8])
+                images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **hw)
+                images = fn.resize(images, resize_shorter=self.size)
+                mirror = 0
+            out = fn.crop_mirror_normalize(images, crop=(self.size, self.size), mirror=mirror, dtype=out_type,
+                                           mean=[255 * m for m in self.mean], std=[255 * s for s in self.std],
+                                           output_layout="HWC")
+            pipe.set_outputs(out)
+        pipe.build()
+        self._on_stream = gpu and self.stream_outputs and _stream_outputs(pipe)  # NOTE [DALI outputs on the stream]
+        return pipe
+
+    def _run(self, pipe: Any) -> tuple:
+        """One ``pipe.run()``. On a GPU with DALI's default (dynamic) executor, the outputs are bound to the
+        consumer's current stream, which waits for them on the device: without a stream DALI blocks the
+        training thread until the batch is decoded, so the host cannot queue the next step ahead of the GPU
+        (NOTE [DALI outputs on the stream])."""
+        with torch.profiler.record_function("fastdata.dali.run"):  # named in profiles (bench_dali.py)
+            if self._on_stream:
+                return pipe.run(torch.cuda.current_stream(self.device))
+            return pipe.run()
+
+    def _to_torch(self, out: Any) -> torch.Tensor:
+        if self.device.type == "cuda":
+            from nvidia.dali.plugin.pytorch import feed_ndarray
+
+            t = out.as_tensor()
+            x = torch.empty(t.shape(), dtype=torch.float16 if self.dtype == torch.float16 else torch.float32,
+                            device=self.device)
+            feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream(self.device))
+        else:
+            x = torch.from_numpy(np.asarray(out.as_array()))
+            if self.run_ahead:  # DALI may reuse the buffer once the loader thread runs the next batch
+                x = x.clone()
+        x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view: channels_last, as CUDAPrefetcher yields
+        return x.to(self.dtype) if x.dtype != self.dtype else x
+
+    def _crops(self, sizes: list[tuple[int, int]], good: np.ndarray,
+               position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Crop anchors (x, y), shapes (w, h) and flips (int32) for the good samples of one batch, drawn
+        from ``(seed, epoch, position, rank)``: one draw per sample of the batch, skipped ones included,
+        so skipping a record never shifts the others' crops."""
+        s = self.sampler
+        boxes, flips = draw_resized_crops((self.seed, s.epoch, position, s.rank), np.asarray(sizes).reshape(-1, 2))
+        top, left, h, w = boxes[good].astype(np.int32).T
+        return np.stack([left, top], 1), np.stack([w, h], 1), flips[good].astype(np.int32)
+
+    def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[memoryview], list[tuple[int, int]], np.ndarray]]:
+        """This epoch's batches from the sampler's position: (batches served once this one is handed out, its
+        global position, rows, the JPEG records as views valid until the next batch is planned, sizes, good
+        mask). Only reads; the sampler advances when a batch reaches the consumer."""
+        s = self.sampler
+        first = s.served
+        for k, idx in enumerate(s.batches(), 1):
+            idx = np.sort(idx)  # the same per-batch order as FastLoader
+            rows = idx if self.indices is None else self.indices[idx]
+            # Views of the memory-mapped store, not copies (py-lmdb copies a record into bytes under the GIL,
+            # on the thread that runs the training step: 0.3-0.9 ms a batch of 256 in bench_dali): DALI copies
+            # each batch when it is fed, within the call that pulled it, and the read transaction stays open
+            # until the next batch is planned.
+            with self.reader.views(rows) as blobs:
+                sizes = [jpeg_size(b) if b is not None and looks_like_jpeg(b) else (0, 0) for b in blobs]
+                good = np.array([h > 0 and w > 0 for h, w in sizes], dtype=bool)
+                if not good.all():
+                    bad = rows[~good].tolist()
+                    if self.on_error == "fail":
+                        raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
+                                               "`fastdata verify`, or pass on_error='skip'")
+                    self._skip(bad)
+                if self._undecodable:
+                    good &= ~np.isin(rows, list(self._undecodable))
+                yield first + k, s.batch_position(first + k - 1), rows, blobs, sizes, good
+
+    def _next_batch(self) -> tuple:
+        """DALI's source: the next batch with at least one good JPEG (raises StopIteration at the epoch's end)."""
+        with torch.profiler.record_function("fastdata.dali.feed"):  # called by DALI inside pipe.run
+            return self._next_good_batch()
+
+    def _next_good_batch(self) -> tuple:
+        assert self._feed is not None
+        for served, position, rows, blobs, sizes, good in self._feed:
+            if not good.any():
+                continue
+            self._fed.append((served, rows[good]))
+            jpegs = [np.frombuffer(b, np.uint8) for b, g in zip(blobs, good) if g]
+            if not self.train:
+                return (jpegs,)
+            return (jpegs, *self._crops(sizes, good, position))
+        raise StopIteration
+
+    def _rebuild(self) -> Any:
+        """A new pipeline in place of the old one, whose buffers are freed before the new one is built."""
+        self._pipe = None
+        self._pipe = self._build()
+        return self._pipe
+
+    def _drain(self) -> None:
+        """Run out what an abandoned iteration left scheduled, then reset the pipeline for reuse: its source
+        ends at once, DALI serves the batches it had already pulled (none reached the consumer, so the
+        sampler never counted them) and raises StopIteration. With a rebuild instead, a restarted iteration's
+        first batch kept ResNet-50 waiting 0.3-1.8 s on an H200 (bench_dali's profile, 2026-11-26), on every
+        ``break`` out of the loop; bench_dali's ``first_batch_ms`` measures both."""
+        pipe = self._pipe
+        self._feed = iter(())
+        try:
+            for _ in range(self.prefetch + 2):  # at most `prefetch` batches are in flight
+                self._run(pipe)
+        except StopIteration:
+            pipe.reset()
+            self._feed = None
+            return
+        except RuntimeError:  # DALI failed on a batch being thrown away: a new pipeline
+            pass
+        self._rebuild()
+        self._feed = None
+
+    def _skip(self, rows: list[int]) -> None:
+        """Record samples left out (once each: a batch may be planned again after a decode error)."""
+        self._skipped.update(dict.fromkeys(rows))
+
+    def _find_undecodable(self, rows: np.ndarray) -> list[int]:
+        """The samples of a batch that DALI failed on which the host cannot decode either (Pillow)."""
+        bad = []
+        for row, blob in zip(rows.tolist(), self.reader.get_many(rows)):
+            try:
+                decode_jpeg(blob, self.size)
+            except ImageDecodeError:
+                bad.append(row)
+        return bad
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._track(self._epoch())  # an iteration still under way is closed first (its thread stopped)
+
+    def _epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._pipe is None:  # first use, or the last pipeline raised
+            self._rebuild()
+        elif self._feed is not None:  # the last iteration was left unfinished
+            self._drain()
+        s = self.sampler
+
+        def take(served: int) -> None:  # the batches served, all-skipped ones included
+            s.advance(served - s.served)
+
+        ahead = RunAhead(self._produce, self.device, on_take=take) if self.run_ahead else None
+        try:
+            for x, y, served in ahead if ahead is not None else self._produce(lambda: None):
+                if ahead is None:
+                    take(served)
+                yield x, y
+        except GeneratorExit:  # left unfinished: the next iteration runs out what DALI holds (_drain)
+            raise
+        except BaseException:  # a pipeline that raised is not reused
+            self._pipe = None
+            raise
+        finally:
+            if ahead is not None:
+                ahead.close()
+                self.loader_thread_s += ahead.busy_s
+                self.loader_thread_batches += ahead.produced
+        self._feed = None
+        s.end_epoch()
+
+    def _produce(self, caught_up: Callable[[], None]) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This epoch's batches from the sampler's position as (images, labels, batches served once they are
+        handed out), on whichever thread runs it. After a decode error, ``caught_up()`` waits until the
+        consumer has taken every batch produced before it: the new plan starts at the sampler's position."""
+        pipe = self._pipe
+        self._feed, self._fed = self._plan(), deque()
+        while True:
+            try:
+                (out,) = self._run(pipe)  # schedules the next batch, returns the oldest
+            except StopIteration:
+                break
+            except RuntimeError as exc:  # DALI failed on the oldest batch and cannot go on
+                rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
+                bad = self._find_undecodable(rows) if self.on_error == "skip" else []
+                if not bad:
+                    raise ImageDecodeError(
+                        f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
+                        f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
+                                                          " (on_error='skip' leaves out what the host cannot "
+                                                          "decode either)")) from exc
+                self._skip(bad)  # leave them out and go on from this batch with a new pipeline
+                self._undecodable.update(bad)
+                caught_up()
+                pipe = None  # this reference too: the old pipeline goes before the new one is built
+                pipe = self._rebuild()
+                self._feed, self._fed = self._plan(), deque()
+                continue
+            served, rows = self._fed.popleft()
+            y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
+            yield self._to_torch(out), y, served
+        pipe.reset()

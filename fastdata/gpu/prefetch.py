@@ -1,0 +1,299 @@
+"""CUDAPrefetcher: batches copied to the GPU on a side stream, converted and augmented there, one step ahead.
+
+NOTE [prefetch]: for each batch, on one side stream created once per prefetcher: host tensors (pinned;
+FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``
+(views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks
+the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the permute of NHWC is
+channels_last: no copy), the transforms run and :class:`Normalize` casts and normalises (a multiply
+that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second
+event marks the batch ready. The consumer's stream waits on that event (no host sync), and
+``record_stream`` tells the caching allocator the outputs are used there, so it never hands their memory
+to another tensor too early. A FastLoader buffer is released only after its copy event completed (polled
+with ``query()``; a targeted ``event.synchronize()`` only when the loader would otherwise run out of
+buffers). ``depth`` batches are in flight while the model computes on the
+current one. ``device="cpu"`` runs the same conversion synchronously.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ..errors import ConfigError
+from ..imaging.draws import Draws, batch_seed
+from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
+from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
+from ..distributed import check_cuda, dist_rank_world
+
+Release = Optional[Callable[[], None]]
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested tuple/list/dict; other leaves pass through."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_walk(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: the storage elements a (non-negatively strided, non-empty) tensor reads."""
+    lo = t.storage_offset()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), t.dtype
+
+
+def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.Tensor]]:
+    """Copy every CPU tensor of ``batch`` to ``device`` (always a copy, never an alias of a loader buffer).
+
+    CPU tensors that view one storage, such as a token batch's ``x`` and ``y`` (one window buffer shifted by
+    one), cross once as the span of storage they cover and become the same views on ``device``: half the
+    bytes, and no host-side ``.contiguous()`` into pageable memory. With ``pin``, host memory is pinned first
+    (buffers that already are, such as FastLoader's, are used as they are) and copies are non-blocking.
+    Returns the moved batch and the host tensors read, which must stay alive until the copies complete.
+    """
+    leaves: list[torch.Tensor] = []
+    _walk(batch, leaves.append)
+    spans: dict[tuple[int, int, torch.dtype], list[int]] = {}  # storage, dtype -> [lo, hi, elements used]
+    for t in leaves:
+        if t.device.type == "cpu" and t.numel() and not t.is_contiguous() and min(t.stride()) >= 0:
+            lo, hi = _extent(t)
+            span = spans.setdefault(_storage_key(t), [lo, hi, 0])
+            span[0], span[1], span[2] = min(span[0], lo), max(span[1], hi), span[2] + t.numel()
+    host: list[torch.Tensor] = []
+    moved_spans: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]] = {}
+
+    def copy(src: torch.Tensor) -> torch.Tensor:
+        if pin and not src.is_pinned():
+            src = src.pin_memory()
+        host.append(src)
+        return src.to(device, non_blocking=pin, copy=True)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t.to(device, copy=True)
+        key = _storage_key(t)
+        span = spans.get(key)
+        if span is not None and span[1] - span[0] <= span[2]:  # the span is no bigger than its views
+            if key not in moved_spans:
+                moved_spans[key] = (copy(t.as_strided((span[1] - span[0],), (1,), span[0])), span[0])
+            flat, lo = moved_spans[key]
+            return flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+        return copy(t if t.is_contiguous() else t.contiguous())
+
+    return _walk(batch, one), host
+
+
+def _target(t: torch.Tensor) -> torch.Tensor:
+    """Integer tensors (labels, masks, token ids, offsets) as int64, what losses and embeddings take."""
+    return t.long() if not t.is_floating_point() and t.dtype != torch.bool else t
+
+
+def is_image(t: torch.Tensor) -> bool:
+    """Only 4-D uint8 tensors are images (NHWC); token batches and labels are not."""
+    return t.dtype == torch.uint8 and t.ndim == 4
+
+
+class CUDAPrefetcher:
+    """Wrap any iterable of batches (FastLoader, DataLoader, list, generator) and yield them on ``device``,
+    images as normalised ``dtype`` NCHW channels_last, other integer tensors as int64. On a GPU, with
+    ``cuda_graphs``, each image batch shape's conversion is replayed from a CUDA graph once seen twice: the
+    same values for a few launches instead of ~115 (NOTE [graphed convert] in fastdata/gpu/cuda_graphs.py)."""
+
+    def __init__(self, loader: Any, device: Union[str, torch.device] = "cuda", *,
+                 mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
+                 normalize: bool = True, dtype: torch.dtype = torch.float32, transforms: Optional[Transform] = None,
+                 depth: int = 1, seed: int = 0, cuda_graphs: bool = True) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        check_cuda(self.device, "pass device='cpu' or install a CUDA build")
+        if not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
+        self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
+                                   memory_format=torch.channels_last)
+        self.transforms, self.depth, self.seed = transforms, depth, seed
+        graphed = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled() and capturable(transforms)
+        self._graphed = GraphedConvert(self._image_float32) if graphed else None  # NOTE [graphed convert]
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._epoch_counter = 0
+        self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
+        self._fetched_all: Optional[int] = None  # the epoch whose every batch is fetched, its iteration not over
+
+    # -- proxies --------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def sampler(self) -> Any:
+        return self.loader.sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.loader, "set_epoch"):
+            self.loader.set_epoch(epoch)
+        self._epoch_counter = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state as the consumer sees it: batches fetched ahead but not yet handed out
+        (``depth`` of them on a GPU) are not counted, so a resume serves them again."""
+        state = dict(self.loader.state_dict())
+        if self._unserved and "position" in state:
+            state["epoch"], state["position"] = self._unserved[0]
+        elif self._fetched_all is not None and "position" in state and "num_samples" in state:
+            # every batch handed out, and the loader moved on to the next epoch when the look-ahead found none
+            # left: the state stays in that epoch with nothing to serve, else the caller's set_epoch(epoch)
+            # restarted it (the sampler keeps such a state, see its load_state_dict)
+            state["epoch"], state["position"] = self._fetched_all, state["num_samples"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    # -- per-batch randomness -------------------------------------------------------------------------
+    def _position(self) -> tuple[int, int]:
+        """(epoch, global position) of the batch just fetched, from a FastLoader's sampler when there is one."""
+        s = getattr(self.loader, "sampler", None)
+        if s is not None and hasattr(s, "batch_position"):
+            return s.epoch, s.batch_position(s.served - 1)
+        return self._epoch_counter, self._batch_in_epoch
+
+    def _seeded(self) -> Draws:
+        """The draws for the batch just fetched, seeded from ``(seed, epoch, position, rank)``: the same
+        draws after a resume and on every device, different ones on each rank (ranks serve different samples);
+        NOTE [crop draws] in fastdata/imaging/draws.py."""
+        epoch, pos = self._position()
+        rank = getattr(getattr(self.loader, "sampler", None), "rank", None)
+        rank = dist_rank_world()[0] if rank is None else rank
+        return Draws(batch_seed(self.seed, epoch, pos, rank))
+
+    # -- conversion (the same math on every device) ---------------------------------------------------
+    def _image_float32(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        """A uint8 NHWC batch, transformed and normalised in float32 (NCHW, channels_last)."""
+        x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view with channels_last strides
+        if self.transforms is not None:
+            x = self.transforms(x, generator)
+        return self.normalize.float32(x)  # written channels_last by Normalize itself
+
+    def _image(self, t: torch.Tensor, generator: Rng) -> torch.Tensor:
+        """An image batch converted, replayed from a CUDA graph where it can be (NOTE [graphed convert])."""
+        # draws from a Draws stream only (a torch.Generator, or torch's global one, is another matter in a graph)
+        keyed = isinstance(generator, Draws) or (generator is None and self.transforms is None)
+        if self._graphed is not None and t.is_cuda and keyed:
+            return self.normalize.cast(self._graphed(t, generator), copy=True)  # never the graph's own buffer
+        return self.normalize.cast(self._image_float32(t, generator))
+
+    def convert(self, batch: Any, generator: Rng = None) -> Any:
+        """Convert a batch already on ``device``: images -> normalised NCHW, integer tensors -> int64. A dict
+        of sample fields has its spatial fields moved with the image (NOTE [spatial fields] in
+        imaging/transforms.py) before the conversion."""
+        if isinstance(batch, dict) and isinstance(batch.get("image"), torch.Tensor) and is_image(batch["image"]):
+            fields = {**batch, "image": batch["image"].permute(0, 3, 1, 2)}
+            if self.transforms is not None:
+                fields = self.transforms(fields, generator)
+            image = self.normalize(fields["image"])  # written channels_last by Normalize itself
+            return {**_walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
+
+        return _walk(batch, lambda t: self._image(t, generator) if is_image(t) else _target(t))
+
+    # -- iteration ------------------------------------------------------------------------------------
+    def _source(self) -> Iterator[tuple[Any, Release]]:
+        manual = getattr(self.loader, "iter_batches", None)
+        if manual is not None and self.device.type == "cuda":  # hold FastLoader buffers until copied
+            yield from manual()
+        else:
+            for batch in self.loader:
+                yield batch, None
+
+    def __iter__(self) -> Iterator[Any]:
+        self._batch_in_epoch = 0
+        it = self._iter_cuda() if self.device.type == "cuda" else self._iter_sync()
+        yield from it
+        self._epoch_counter += 1
+
+    def _iter_sync(self) -> Iterator[Any]:
+        for batch, _ in self._source():
+            gen = self._seeded() if self.transforms is not None else None
+            self._batch_in_epoch += 1
+            moved, _ = move(batch, self.device, pin=False)
+            yield self.convert(moved, gen)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:  # one stream for the prefetcher's lifetime (a new one per epoch leaks)
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _iter_cuda(self) -> Iterator[Any]:
+        stream = self._side_stream()
+        source = self._source()
+        ready: deque[tuple[Any, torch.cuda.Event]] = deque()
+        held: deque[tuple[torch.cuda.Event, Release, Any]] = deque()  # host buffers still being read
+        slots = getattr(self.loader, "slots", None)
+
+        def reclaim(force_one: bool = False) -> None:
+            while held and (force_one or held[0][0].query()):
+                event, release, _host = held.popleft()
+                if force_one:
+                    event.synchronize()  # waits for this one copy, not for the device
+                    force_one = False
+                if release is not None:
+                    release()
+
+        def enqueue() -> bool:
+            if slots is not None and len(held) >= slots - 1:
+                reclaim(force_one=True)  # the loader needs a buffer back to keep producing
+            item = next(source, None)
+            if item is None:
+                if self._unserved:  # (called before the batch it follows is handed out: that one is still here)
+                    self._fetched_all = self._unserved[-1][0]
+                return False
+            batch, release = item
+            self._unserved.append(self._position())
+            gen = self._seeded() if self.transforms is not None else None
+            self._batch_in_epoch += 1
+            on_gpu: list[torch.Tensor] = []
+            _walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
+            if on_gpu:  # made on the loader's stream (storage="cuda"): read them only once they are written
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                for t in on_gpu:
+                    t.record_stream(stream)
+            with torch.cuda.stream(stream):
+                moved, host = move(batch, self.device, pin=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+                out = self.convert(moved, gen)
+                done = torch.cuda.Event()
+                done.record(stream)
+            held.append((copied, release, host))  # `host` keeps pinned copies of pageable tensors alive
+            ready.append((out, done))
+            return True
+
+        try:
+            for _ in range(self.depth):
+                if not enqueue():
+                    break
+            while ready:
+                out, done = ready.popleft()
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(done)
+                _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
+                reclaim()
+                enqueue()
+                self._unserved.popleft()
+                yield out
+        finally:
+            self._unserved.clear()
+            self._fetched_all = None
+            while held:
+                reclaim(force_one=True)

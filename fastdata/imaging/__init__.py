@@ -1,0 +1,1 @@
+"""Pixels: decoding files and JPEG records, libjpeg-turbo, the random crop draws, the transforms."""

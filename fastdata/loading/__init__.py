@@ -1,0 +1,1 @@
+"""The epoch's order, the distributed sampler, FastLoader and its threads."""

@@ -1,0 +1,275 @@
+"""FastLoader: whole batches gathered by background threads into a ring of preallocated buffers.
+
+NOTE [ring]: the loader owns ``num_threads + prefetch`` buffer slots (pinned when CUDA is available, so
+host-to-device copies can be ``non_blocking``). A slot is refilled only after its consumer released it.
+Plain iteration releases a batch when the next one is requested: **a yielded batch is valid until the
+next** ``next()`` (keep it longer with ``copy=True`` or ``.clone()``). ``iter_manual()`` hands out
+``(x, y, release)`` instead, for consumers such as CUDAPrefetcher that must hold a buffer until an
+asynchronous copy from it completed.
+
+A dataset with sample fields (NOTE [fields] in fastdata/formats/schema.py) gives dict batches; each slot then holds one
+buffer per key, allocated at the first batch and grown (1.5x) when a variable-length field needs more,
+so the ring stays pinned and no batch allocates. ``iter_manual()`` hands out ``(batch, release)`` there.
+
+Every batch's indices are served in ascending order (a batch is a set of samples for SGD; sorted reads
+are sequential in the page cache and let a multi-shard gather write each shard's rows in place).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import numpy as np
+import torch
+
+from ._threads import limit_intraop_threads
+from ..errors import ConfigError, FastdataError
+from .sampler import DistributedBatchSampler, SamplerBacked
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+DEVICE_INDEX_CHUNK = 1 << 16  # samples whose indices cross to the device at once (storage="cuda")
+
+
+def _noop() -> None:
+    pass
+
+
+class SlotBuffers:
+    """One ring slot's buffers for dict batches: ``slot(key, shape, dtype)`` gives a (pinned) tensor of that
+    shape, reusing the key's buffer while it is big enough (``get_batch(out=...)`` of a dataset with fields)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = int(np.prod(shape))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            grown = n if buf is None or buf.dtype != dtype else max(n, buf.numel() * 3 // 2)
+            buf = self._buffers[key] = torch.empty(grown, dtype=dtype, pin_memory=self.pin)
+        return buf[:n].view(shape)
+
+
+def load_config(path: Union[Path, str]) -> dict[str, Any]:
+    """Read an ``--autotune`` JSON (``{"storage", "loader": {...}, ...}``), refusing anything else."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
+        raise ConfigError(f"{path} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
+    allowed = {"num_threads", "prefetch", "pin_memory"}
+    if set(cfg["loader"]) - allowed:
+        raise ConfigError(f"{path}: unknown loader settings {sorted(set(cfg['loader']) - allowed)}")
+    return cfg
+
+
+class FastLoader(SamplerBacked):
+    """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
+    in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable). ``pad=False``
+    serves every sample exactly once across ranks (for evaluation; ranks may get one batch fewer).
+    ``shuffle_window=K`` shuffles shards, then samples within windows of K shards: a stretch of the epoch
+    reads at most K shards (for data streamed from object storage through a small cache; see
+    NOTE [windowed shuffle] in fastdata/loading/sampler.py)."""
+
+    def __init__(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 *, num_threads: Optional[int] = None, prefetch: int = 2, pin_memory: Optional[bool] = None,
+                 copy: bool = False, pad: bool = True, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, shuffle_window: Optional[int] = None) -> None:
+        for attr in ("get_batch", "sample_shape", "sample_dtype", "__len__"):
+            if not hasattr(dataset, attr):
+                raise ConfigError(f"dataset must provide get_batch(), sample_shape and sample_dtype (a FastDataset or "
+                                  f"TokenDataset), got dataset={type(dataset).__name__} without {attr!r}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ConfigError(f"num_threads must be a positive integer, got num_threads={num_threads!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0, got prefetch={prefetch!r}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        shards = bounds = None
+        if shuffle_window is not None:  # windows of shards (NOTE [windowed shuffle] in fastdata/loading/sampler.py)
+            bounds = dataset.shard_bounds() if hasattr(dataset, "shard_bounds") else None
+            if bounds is None and hasattr(dataset, "sample_shards"):
+                shards = dataset.sample_shards()
+        self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
+                                               drop_last=drop_last, pad=pad, rank=rank, world_size=world_size,
+                                               shuffle_window=shuffle_window, shards=shards, shard_bounds=bounds)
+        self.num_threads = num_threads or min(4, os.cpu_count() or 1)
+        self.prefetch = prefetch
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.copy = copy
+        self.on_device = getattr(dataset, "device", torch.device("cpu")).type != "cpu"
+        self._ring: list[Batch] = []
+
+    @classmethod
+    def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
+        """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
+        The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
+        cfg = config if isinstance(config, dict) else load_config(config)
+        return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
+
+    @property
+    def slots(self) -> int:
+        return self.num_threads + self.prefetch
+
+    # -- iteration ------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        if self.on_device:
+            return self._iter_device()
+        return self._iter_auto()
+
+    @property
+    def dict_batches(self) -> bool:
+        """True when batches are dicts of fields (a dataset with sample fields), not ``(x, y)``."""
+        return getattr(self.dataset, "fields", None) is not None
+
+    def _iter_auto(self) -> Iterator[Any]:
+        for batch, release in self.iter_batches():
+            if self.copy:
+                batch = {k: v.clone() for k, v in batch.items()} if isinstance(batch, dict) else tuple(
+                    t.clone() for t in batch)
+            yield batch
+            release()
+
+    def _iter_device(self) -> Iterator[Any]:
+        # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads. The
+        # order crosses to the device once per DEVICE_INDEX_CHUNK samples, so a step makes no host-to-device
+        # copy and no sync; a dataset with sample fields gathers its variable fields by host index instead.
+        self._close_active()
+        on_host = self.dict_batches
+        group: list[np.ndarray] = []
+        queued = 0
+        for idx in self.sampler.batches():
+            group.append(np.sort(idx))
+            queued += len(idx)
+            if queued >= DEVICE_INDEX_CHUNK:
+                yield from self._device_group(group, on_host)
+                group, queued = [], 0
+        yield from self._device_group(group, on_host)
+        self.sampler.end_epoch()
+
+    def _device_group(self, group: list[np.ndarray], on_host: bool) -> Iterator[Any]:
+        """The batches of ``group`` (sorted host index arrays), their indices uploaded in one copy."""
+        if not group:
+            return
+        flat = torch.from_numpy(np.concatenate(group))
+        if not on_host:
+            flat = flat.to(self.dataset.device, non_blocking=True)
+        start = 0
+        for idx in group:
+            batch = self.dataset.get_batch(flat[start:start + len(idx)])
+            start += len(idx)
+            self.sampler.advance()
+            yield batch
+
+    def iter_batches(self) -> Iterator[tuple[Any, Callable[[], None]]]:
+        """Yield ``(batch, release)``: the slot behind ``batch`` (an ``(x, y)`` tuple or a dict of fields) is
+        refilled only after ``release()`` is called (NOTE [ring])."""
+        self._close_active()
+        if self.on_device:  # device batches are fresh tensors from index_select: nothing to hand back
+            return ((batch, _noop) for batch in self._iter_device())
+        return self._track(self._produce())
+
+    def iter_manual(self) -> Iterator[Any]:
+        """Yield ``(x, y, release)`` (``(batch, release)`` for dict batches); the slot behind the batch is
+        refilled only after ``release()`` is called."""
+        if self.dict_batches:
+            return self.iter_batches()
+        return ((x, y, release) for (x, y), release in self.iter_batches())
+
+    def _ensure_ring(self) -> list[Any]:
+        if len(self._ring) != self.slots and self.dict_batches:
+            self._ring = [SlotBuffers(self.pin_memory) for _ in range(self.slots)]
+        elif len(self._ring) != self.slots:
+            shape = (self.batch_size, *self.dataset.sample_shape)
+            self._ring = [(torch.empty(shape, dtype=self.dataset.sample_dtype, pin_memory=self.pin_memory),
+                           torch.empty(self.batch_size, dtype=torch.int64, pin_memory=self.pin_memory))
+                          for _ in range(self.slots)]
+        return self._ring
+
+    def _fill(self, slot: int, idx: np.ndarray, position: int) -> Any:
+        if self.dict_batches:
+            return self.dataset.get_batch(np.sort(idx), out=self._ring[slot])
+        x_buf, y_buf = self._ring[slot]
+        n = len(idx)
+        if getattr(self.dataset, "random_crops", False):  # decode-time crops, drawn as CUDAPrefetcher draws
+            s = self.sampler
+            x, y = self.dataset.get_batch(np.sort(idx), out=x_buf, draw=(s.seed, s.epoch, position, s.rank))
+        else:
+            x, y = self.dataset.get_batch(np.sort(idx), out=x_buf)
+        if y.untyped_storage().data_ptr() == x_buf.untyped_storage().data_ptr():
+            return x, y  # targets are a view of the sample buffer (token windows: y = window[:, 1:])
+        y_buf[:n].copy_(y)
+        return x, y_buf[:n]
+
+    def _produce(self) -> Iterator[tuple[Any, Callable[[], None]]]:
+        self._ensure_ring()
+        batches = self.sampler.batches()  # streamed: never the whole epoch at once
+        first, pulled = self.sampler.served, 0
+        plan = getattr(self.dataset, "plan_reads", None)  # a streamed dataset fetches these batches' shards ahead
+        reads = plan(self.sampler.coming_batches(), len(self.sampler)) if plan else None
+        free: deque[int] = deque(range(self.slots))
+        pending: deque[tuple[int, Future]] = deque()
+        lock = threading.Lock()
+        # NOTE [intra-op threads per loader thread]: the loader threads share torch's intra-op threads
+        share = max(1, torch.get_num_threads() // self.num_threads)
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="fastdata-loader",
+                                  initializer=limit_intraop_threads, initargs=(share,))
+        exhausted = False
+
+        def top_up() -> None:
+            nonlocal exhausted, pulled
+            while not exhausted:
+                with lock:
+                    if not free:
+                        return
+                    slot = free.popleft()
+                idx = next(batches, None)
+                if idx is None:
+                    exhausted = True
+                    with lock:
+                        free.appendleft(slot)
+                    return
+                position = self.sampler.batch_position(first + pulled)
+                pulled += 1
+                pending.append((slot, pool.submit(self._fill, slot, idx, position)))
+
+        def releaser(slot: int) -> Callable[[], None]:
+            done = False
+
+            def release() -> None:
+                nonlocal done
+                if not done:
+                    done = True
+                    with lock:
+                        free.append(slot)
+            return release
+
+        try:
+            top_up()
+            while pending:
+                slot, fut = pending.popleft()
+                batch = fut.result()  # re-raises a worker's error here, in the consumer's thread
+                self.sampler.advance()
+                yield batch, releaser(slot)
+                top_up()
+                if not pending and not exhausted:
+                    raise FastdataError(f"all {self.slots} FastLoader buffers are held by the consumer: call "
+                                        "release() for each batch from iter_manual() once it is done with it")
+            self.sampler.end_epoch()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True)
+            if reads is not None:
+                self.dataset.end_reads(reads)
+
+    def __repr__(self) -> str:
+        return (f"FastLoader({self.dataset!r}, batch_size={self.batch_size}, threads={self.num_threads}, "
+                f"slots={self.slots}, pinned={self.pin_memory}, rank={self.sampler.rank}/{self.sampler.world_size})")

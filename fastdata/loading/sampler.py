@@ -1,0 +1,273 @@
+"""The sample order every fastdata backend serves: fixed by ``(seed, epoch)``, split across DDP ranks,
+resumable mid-epoch, even with another world size.
+
+NOTE [epoch plan]: an epoch is the permutation ``perm`` of ``range(N)`` drawn from ``(seed, epoch)``.
+A resumed epoch starts at a global position ``start``: the samples still due are ``rest = perm[start:]``.
+Without ``drop_last``, ``rest`` is padded with its own first samples up to a multiple of the world size
+(at most ``world - 1`` repeats, as ``DistributedSampler`` does); with ``drop_last`` it is cut to a
+multiple of ``world * batch_size`` (nothing repeats, every batch is full); with ``pad=False`` (for
+evaluation) it is neither, so every sample is served exactly once and ranks may serve one sample, and
+so one batch, fewer. Rank ``r`` takes
+``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
+``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
+
+NOTE [windowed shuffle]: with ``shuffle_window=K`` and the samples each shard holds, ``perm`` is drawn
+in two steps from ``(seed, epoch)``: the shards in a random order, then the samples of each window of K
+consecutive shards of that order in a random order among themselves. A stretch of the epoch then reads
+at most K shards (the first batch needs at most K; a node cache of K shards never thrashes), at the cost
+of batches mixing only within a window (``benchmarks/bench_shuffle.py`` measures how much). Everything
+above holds for any permutation, so exactly-once, equal batch counts and resume at another world size
+are unchanged; a window covering every shard gives exactly the plain permutation. Such an order is
+computed a window at a time (NOTE [streamed order] in fastdata/loading/order.py): the sampler streams a rank's batches
+and never holds the epoch, so 2·10^9 samples cost what one window costs. On several nodes the windows
+are dealt to nodes, so that a node reads (and its cache fetches) only its own share of the shards.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from ..distributed import dist_rank_world
+from ..errors import ConfigError
+from .order import EpochOrder, group_by_shard
+
+
+class DistributedBatchSampler:
+    """Batches of sample indices for one rank; usable as a ``DataLoader(batch_sampler=...)``.
+
+    Every rank yields the same number of batches (so DDP never hangs), except with ``pad=False``: then
+    every sample is served exactly once, for evaluation loops that run no collective per batch (such as
+    :meth:`fastdata.train.trainer.Trainer.evaluate`). ``state_dict()`` records how far
+    the epoch got; ``load_state_dict()`` resumes at the next unseen sample (see NOTE [epoch plan]).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, pad: bool = True, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, shuffle_window: Optional[int] = None,
+                 shards: Optional[np.ndarray] = None, shard_bounds: Optional[np.ndarray] = None,
+                 node_size: Optional[int] = None) -> None:
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got batch_size={batch_size!r}")
+        if not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+        bounds = members = None
+        if shuffle_window is not None:
+            if not isinstance(shuffle_window, int) or shuffle_window < 1:
+                raise ConfigError(f"shuffle_window must be a positive number of shards, got "
+                                  f"shuffle_window={shuffle_window!r}")
+            if shard_bounds is not None:  # shards of consecutive samples, by their first sample
+                bounds = np.asarray(shard_bounds, dtype=np.int64)
+                if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_samples or np.any(np.diff(bounds) < 0):
+                    raise ConfigError(f"shard_bounds must rise from 0 to num_samples={num_samples}")
+            elif shards is not None and len(shards) == num_samples:
+                bounds, members = group_by_shard(shards)
+            else:
+                raise ConfigError("shuffle_window needs each sample's shard: the dataset must say where its "
+                                  "samples are stored (FastDataset and TokenDataset do; an LMDB made before LMDB "
+                                  "shards does not)")
+        self.shuffle_window = shuffle_window
+        self._bounds, self._members = bounds, members
+        self._n_shards = len(bounds) - 1 if bounds is not None else 0
+        self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
+        self.drop_last, self.pad = drop_last, pad
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.layout = self._layout(node_size)
+        self._resumed: Optional[tuple[int, tuple[int, int]]] = None  # (epoch, layout) of a loaded state
+        self._orders: dict[tuple[int, tuple[int, int]], EpochOrder] = {}
+        self.epoch = 0
+        self.start = 0  # global position this epoch (re)starts from
+        self.served = 0  # batches handed out since `start` (kept up to date by the consumer, see advance())
+
+    def _layout(self, node_size: Optional[int]) -> tuple[int, int]:
+        """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given."""
+        if self.shuffle_window is None:
+            return (1, 1)
+        if node_size is None:
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if not isinstance(node_size, int) or node_size < 1:
+            raise ConfigError(f"node_size must be a positive number of ranks, got node_size={node_size!r}")
+        nodes = self.world_size // node_size
+        return (nodes, node_size) if nodes > 1 and nodes * node_size == self.world_size else (1, 1)
+
+    # -- the plan -------------------------------------------------------------------------------------
+    def order(self, epoch: Optional[int] = None) -> EpochOrder:
+        """Epoch ``epoch``'s order (NOTE [streamed order] in fastdata/loading/order.py), computed as it is read."""
+        epoch = self.epoch if epoch is None else epoch
+        key = (epoch, self._layout_of(epoch))
+        if key not in self._orders:
+            while len(self._orders) >= 2:  # this epoch's and the next one's
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = self._new_order(epoch)
+        return self._orders[key]
+
+    def _layout_of(self, epoch: int) -> tuple[int, int]:
+        return self._resumed[1] if self._resumed is not None and self._resumed[0] == epoch else self.layout
+
+    def _new_order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(self.num_samples, self.seed, epoch, shuffle=self.shuffle, window=self.shuffle_window,
+                          bounds=self._bounds, members=self._members, layout=self._layout_of(epoch))
+
+    def permutation(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The whole epoch's order (all ranks), int64 (made whole: for small datasets and tests)."""
+        return self.order(epoch).at(np.arange(self.num_samples, dtype=np.int64))
+
+    def _due(self, start: int) -> int:
+        """How many positions the ranks serve from ``start`` on: ``rest`` padded or cut (NOTE [epoch plan])."""
+        left, w, b = self.num_samples - start, self.world_size, self.batch_size
+        if self.drop_last:
+            return left // (w * b) * (w * b)
+        return -(-left // w) * w if self.pad else left
+
+    def _rank_count(self, start: int) -> int:
+        """How many of those positions this rank serves."""
+        return len(range(self.rank, self._due(start), self.world_size))
+
+    def _positions(self, start: int, i0: int, i1: int) -> np.ndarray:
+        """Positions in ``perm`` of this rank's samples ``i0 .. i1 - 1`` of the epoch resumed at ``start``
+        (padding repeats ``rest``'s first samples)."""
+        i = np.arange(i0, i1, dtype=np.int64) * self.world_size + self.rank
+        return start + i % (self.num_samples - start)
+
+    def _stream(self, epoch: int, start: int, served: int, order: Optional[EpochOrder] = None
+                ) -> Iterator[np.ndarray]:
+        """This rank's batches of ``epoch`` resumed at ``start``, from batch ``served`` on, computed a chunk
+        of batches at a time (never the whole epoch)."""
+        order, b = order or self.order(epoch), self.batch_size
+        count = self._rank_count(start)
+        step = b * max(1, (1 << 16) // b)
+        for c0 in range(served * b, count, step):
+            chunk = order.at(self._positions(start, c0, min(count, c0 + step)))
+            for i in range(0, len(chunk), b):
+                yield chunk[i:i + b]
+
+    def rank_indices(self) -> np.ndarray:
+        """This rank's samples for the rest of the epoch, in order (made whole: prefer :meth:`batches`)."""
+        count = self._rank_count(self.start)
+        return self.order().at(self._positions(self.start, 0, count))
+
+    def batches(self, mine: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
+        """This rank's batches from the current position (int64 arrays; does not advance the state),
+        streamed; ``mine`` is :meth:`rank_indices` when the caller has it already."""
+        if mine is None:
+            yield from self._stream(self.epoch, self.start, self.served)
+            return
+        for i in range(self.served * self.batch_size, len(mine), self.batch_size):
+            yield mine[i:i + self.batch_size]
+
+    def coming_batches(self) -> Iterator[np.ndarray]:
+        """:meth:`batches`, then the next epoch's from its start: the reads a cache can plan for (the
+        next epoch's order is known already). Its orders are its own: another thread may run it."""
+        epoch, start, served = self.epoch, self.start, self.served
+        yield from self._stream(epoch, start, served, self._new_order(epoch))
+        yield from self._stream(epoch + 1, 0, 0, self._new_order(epoch + 1))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches():
+            self.advance()
+            yield batch.tolist()
+        self.end_epoch()
+
+    def epoch_batches(self) -> int:
+        """Batches this rank serves in a whole epoch (the same on every rank unless ``pad=False``)."""
+        n, w, b = self.num_samples, self.world_size, self.batch_size
+        if self.drop_last:
+            return n // (w * b)
+        mine = -(-n // w) if self.pad else len(range(self.rank, n, w))
+        return -(-mine // b)
+
+    def __len__(self) -> int:
+        """Batches this rank serves in the rest of the current epoch."""
+        count = self._rank_count(self.start)
+        return -(-count // self.batch_size) - self.served
+
+    # -- progress and resumption ----------------------------------------------------------------------
+    def advance(self, batches: int = 1) -> None:
+        """Record that ``batches`` more batches were handed to the consumer."""
+        self.served += batches
+
+    def end_epoch(self) -> None:
+        """The epoch was served in full: the next one starts from its beginning."""
+        self.epoch += 1
+        self.start = self.served = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (as ``DistributedSampler.set_epoch``); a resumed position is kept for its epoch."""
+        if epoch != self.epoch:
+            self.epoch, self.start, self.served = epoch, 0, 0
+
+    def batch_position(self, k: int) -> int:
+        """Global position of this epoch's ``k``-th batch since ``start`` (the same on every rank): the key
+        the augmentation draws are seeded with, so they survive a resume."""
+        return self.start + k * self.batch_size * self.world_size
+
+    def position(self) -> int:
+        """Global position reached: every sample of ``perm[:position]`` has been served by some rank."""
+        return min(self.num_samples, self.batch_position(self.served))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
+                 "num_samples": self.num_samples}
+        if self.shuffle_window is not None:  # (absent otherwise: states saved before windows still load)
+            state["shuffle_window"] = self.shuffle_window
+            layout = self.order().layout
+            if layout != (1, 1):  # windows dealt to nodes: the epoch's order depends on the layout
+                state["nodes"] = list(layout)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_samples") != self.num_samples:
+            raise ConfigError(f"the state is for {state.get('num_samples')} samples but this dataset has "
+                              f"{self.num_samples}: it belongs to another dataset")
+        if (state.get("seed") != self.seed or state.get("shuffle") != self.shuffle
+                or state.get("shuffle_window") != self.shuffle_window):
+            raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}, "
+                              f"shuffle_window={state.get('shuffle_window')}; this sampler has seed={self.seed}, "
+                              f"shuffle={self.shuffle}, shuffle_window={self.shuffle_window}: the order would differ")
+        self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
+        layout = tuple(int(v) for v in state.get("nodes", (1, 1)))
+        self._resumed = (self.epoch, (layout[0], layout[1])) if self.shuffle_window is not None else None
+        # Saved after an epoch's last batch but before its iteration ended: the state stays in that epoch, with
+        # nothing left to serve. Moving on to the next epoch here made the caller's set_epoch(epoch) (the
+        # Trainer's, a torch-style loop's) restart the finished epoch and serve it twice.
+        self.start = min(self.start, self.num_samples)
+
+
+class SamplerBacked:
+    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies, and
+    one live iteration at a time (their buffers, pipelines and plans are shared: a second live iterator would
+    refill what the first still hands out, or serve an old position)."""
+
+    sampler: DistributedBatchSampler
+    _active: Optional["weakref.ref[Any]"] = None  # the iteration under way, if any
+
+    def _track(self, gen: Iterator[Any]) -> Iterator[Any]:
+        """Make ``gen`` the iteration under way, closing the one before it."""
+        self._close_active()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _close_active(self) -> None:
+        old = self._active() if self._active is not None else None
+        if old is not None:
+            old.close()
+        self._active = None
+
+    def __len__(self) -> int:
+        """Batches this rank serves in a whole epoch."""
+        return self.sampler.epoch_batches()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch got to, counting only batches already handed to the consumer."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._close_active()  # an iterator still running would serve the old position
+        self.sampler.load_state_dict(state)

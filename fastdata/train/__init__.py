@@ -1,0 +1,1 @@
+"""Training: the Trainer, its config, meter, stop signals, checkpoints, models, assembling a run."""

@@ -1,0 +1,134 @@
+"""What a training run does, as one validated frozen dataclass (``TrainConfig``), what a device can run, and
+the optimizer settings it implies (weight-decay groups, the learning-rate schedule).
+
+``fastdata train`` builds a TrainConfig from its flags, taking every default from here (one default per
+option), so the CLI and the Python API behave alike.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..errors import ConfigError, require
+
+if TYPE_CHECKING:  # torch is imported where a device is checked: `fastdata preprocess` never loads it
+    import torch
+
+AMP = ("bf16", "fp16", "none")
+
+
+def parse_duration(text: str | float | int | None) -> Optional[float]:
+    """Seconds from ``DD:HH:MM:SS`` / ``HH:MM:SS`` / ``MM:SS`` / a number of seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    try:
+        parts = [float(p) for p in str(text).split(":")]
+    except ValueError:
+        raise ConfigError(f"max_time must look like DD:HH:MM:SS or a number of seconds, got {text!r}") from None
+    if len(parts) > 4:
+        raise ConfigError(f"max_time must look like DD:HH:MM:SS, got {text!r}")
+    return sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the loop does, validated on construction. Batch size belongs to the loader (per process)."""
+
+    epochs: Optional[int] = None  # None: 1 epoch, or as many as max_steps needs when it is set
+    max_steps: Optional[int] = None
+    max_time: Optional[float] = None  # seconds ("00:12:00:00" through parse_duration); in DDP, at log intervals
+    lr: float = 0.1
+    optimizer: str = "sgd"  # "sgd" (momentum, nesterov) or "adamw"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4  # applied to weights only: never to norms or biases
+    schedule: str = "cosine"  # "cosine" (after warm-up), "onecycle", "constant"
+    warmup_steps: int = 0
+    label_smoothing: float = 0.0
+    amp: str = "none"
+    accum: int = 1
+    clip: Optional[float] = None
+    channels_last: bool = True
+    compile: bool = False
+    sync_bn: bool = False
+    cudnn_benchmark: bool = True
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0  # optimizer steps; 0: at epoch ends and when stopping
+    resume: bool = False
+    val_every: int = 1  # epochs (0: never at epoch ends)
+    val_every_steps: int = 0
+    early_stop_patience: int = 0  # validations without improvement of val loss before stopping (0: off)
+    early_stop_min_delta: float = 0.0
+    log_every: int = 50
+    log_file: Optional[str] = None
+    profile_steps: int = 0
+    device: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, expected: str) -> None:
+            require(ok, name, getattr(self, name), expected)
+        need(self.epochs is None or (isinstance(self.epochs, int) and self.epochs >= 1), "epochs",
+             "a positive integer or None")
+        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        need(self.max_time is None or self.max_time > 0, "max_time", "positive seconds")
+        need(self.lr > 0, "lr", "positive")
+        need(self.optimizer in ("sgd", "adamw"), "optimizer", "'sgd' or 'adamw'")
+        need(self.schedule in ("cosine", "onecycle", "constant"), "schedule", "'cosine', 'onecycle' or 'constant'")
+        need(self.amp in AMP, "amp", f"one of {AMP}")
+        need(isinstance(self.accum, int) and self.accum >= 1, "accum", "a positive integer")
+        need(self.clip is None or self.clip > 0, "clip", "positive")
+        need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
+        need(self.log_every >= 1, "log_every", "a positive integer")
+        for name in ("warmup_steps", "checkpoint_every", "val_every", "val_every_steps", "early_stop_patience",
+                     "profile_steps"):  # (a negative warm-up made the learning rate negative)
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")
+        for name in ("momentum", "weight_decay", "early_stop_min_delta"):
+            need(getattr(self, name) >= 0, name, "0 or more")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
+
+    @property
+    def num_epochs(self) -> int:
+        """``epochs``, or when unset: 1, unbounded if ``max_steps`` is set (the run stops at that step)."""
+        if self.epochs is not None:
+            return self.epochs
+        return sys.maxsize if self.max_steps else 1
+
+
+def check_device(cfg: TrainConfig, device: "torch.device") -> None:
+    """Refuse settings ``device`` cannot run (``fastdata train`` calls it before opening any data)."""
+    import torch
+
+    if cfg.amp == "fp16" and device.type != "cuda":
+        raise ConfigError("--amp fp16 needs a CUDA device (GradScaler): use --amp bf16 or none on the CPU "
+                          "(amp='bf16' or 'none' in TrainConfig)")
+    if cfg.sync_bn and device.type != "cuda":
+        raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
+    if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at each optimizer step: warm-up + cosine, constant after warm-up, or one-cycle."""
+    def f(step: int) -> float:
+        if cfg.schedule == "onecycle":  # linear up for 30%, then cosine down to 0
+            peak = max(1, int(0.3 * total_steps))
+            if step < peak:
+                return 0.04 + 0.96 * step / peak
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - peak) / max(1, total_steps - peak))))
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def param_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weights only: norms' scales and all biases (1-D parameters) are exempt."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

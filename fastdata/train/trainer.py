@@ -1,0 +1,400 @@
+"""The training loop: AMP, DDP under torchrun, accumulation, clipping, checkpoints, early stopping.
+
+One readable loop (``Trainer.fit``): every technique is visible where it happens. Metrics stay on the
+device and are synchronised once per log interval; the data stall (time the step waited for its batch,
+measured with CUDA events on a GPU) is reported with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import checkpoint
+from .._io import disk_error
+from ..distributed import hold_group, init_distributed, release_group
+from ..errors import ConfigError
+from .models import is_convnet
+from .meter import Meter, StepProfiler
+from .config import TrainConfig, check_device, lr_lambda, param_groups
+from .stop import EarlyStops, signal_name
+
+log = logging.getLogger("fastdata.train")  # the name users configure, kept by the move to train/trainer.py
+
+
+def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """Cross-entropy on the targets: class logits ``(B, C)`` or a language model's ``(B, T, V)``; for a dict
+    batch (sample fields), on its ``label``, else per pixel on its ``mask`` for ``(B, C, H, W)`` logits."""
+    def loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+        if isinstance(target, dict):
+            if "label" in target and out.ndim == 2:
+                target = target["label"]
+            elif "mask" in target and out.ndim == 4:
+                return F.cross_entropy(out, target["mask"].long(), label_smoothing=label_smoothing)
+            else:
+                raise ConfigError(f"batches hold fields {sorted(target)}: pass Trainer(loss_fn=lambda out, batch: "
+                                  "...) to say what the model's output is scored against")
+        if out.ndim == 3:  # language model: (B, T, V) logits, (B, T) targets
+            out, target = out.flatten(0, 1), target.flatten()
+        return F.cross_entropy(out, target, label_smoothing=label_smoothing)
+    return loss
+
+
+class Trainer:
+    """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
+
+    Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved here);
+    one without ``len()`` (an iterable dataset's) needs ``max_steps``. Under torchrun, build the loaders
+    after :func:`init_distributed` so each serves its shard. A dataset with sample fields yields dicts: the
+    model gets ``batch["image"]`` and ``loss_fn(out, batch)`` the whole dict (default: cross-entropy on
+    ``label``, or per pixel on ``mask``; see :func:`default_loss`). With a checkpoint folder, SIGTERM or
+    SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint (NOTE [stop signals]);
+    ``stop_signal`` then holds the signal's number.
+    """
+
+    def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
+                 loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> None:
+        cfg = self.cfg = config
+        existing = self._checkpoint_path()
+        if existing is not None and existing.is_file() and not cfg.resume:  # before any process group is held
+            raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
+                              "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
+                              "delete it to start afresh)")
+        try:
+            batches: Optional[int] = len(train_loader)
+        except TypeError:  # a DataLoader of an iterable dataset
+            batches = None
+        if batches == 0:  # else every epoch ends at once, and the run "finishes" having learnt nothing
+            raise ConfigError("the training loader serves no batch in an epoch (its len() is 0): with drop_last, "
+                              "a batch larger than a rank's share of the data is dropped whole; use a smaller "
+                              "batch size or drop_last=False")
+        if batches is None and not cfg.max_steps:
+            raise ConfigError("the training loader has no len() (an iterable dataset): pass max_steps (--max-steps) "
+                              "so that the run, and its learning-rate schedule, have a length")
+        self.dist = init_distributed(cfg.device)
+        self.device = self.dist.device
+        if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
+            checkpoint.prepare_folder(Path(cfg.checkpoint_dir))
+        check_device(cfg, self.device)
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.channels_last = cfg.channels_last and is_convnet(model)
+        layout = torch.channels_last if self.channels_last else torch.preserve_format
+        model = model.to(self.device, memory_format=layout)
+        # a process group (torchrun's, or one the caller made, even of one process): DDP and SyncBatchNorm
+        grouped = self.dist.world_size > 1 or (dist.is_available() and dist.is_initialized())
+        if cfg.sync_bn and grouped:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model = model  # the module whose weights are saved
+        if grouped:  # DDP broadcasts rank 0's weights: every rank starts identical
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.ddp = model if grouped else None
+        self.forward = torch.compile(model) if cfg.compile else model
+        if self.ddp is not None:
+            hold_group(self)
+        if cfg.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
+                                             momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+        else:
+            self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
+        self.total_steps = cfg.max_steps or cfg.num_epochs * max(1, math.ceil(batches / cfg.accum))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+        self.loss_fn = loss_fn or default_loss(cfg.label_smoothing)
+        self.epoch = self.step = 0
+        self.best: Optional[float] = None
+        self.bad_evals = 0
+        self.history: list[dict[str, Any]] = []
+        self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
+        self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
+        self.stop_signal: Optional[int] = None  # the signal fit() stopped on (NOTE [stop signals])
+        self._stops = EarlyStops(False, None, alone=True)  # fit() makes the run's own
+        self._saved_at: Optional[tuple[int, int]] = None  # (epoch, step) of the last checkpoint written
+        if cfg.resume:
+            self.load_checkpoint()
+
+
+    # -- small helpers --------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        on = self.amp_dtype is not None
+        return torch.autocast(self.device.type, dtype=self.amp_dtype) if on else contextlib.nullcontext()
+
+    def _to_device(self, t: torch.Tensor, image: bool = False) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        return t.contiguous(memory_format=torch.channels_last) if image and self.channels_last and t.ndim == 4 else t
+
+    def _inputs(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """``(model input, targets)`` on the device: ``(x, y)``, or a dict batch's image and the whole dict."""
+        if isinstance(batch, dict):
+            moved = {k: self._to_device(v, image=k == "image") for k, v in batch.items()}
+            return moved["image"], moved
+        return self._to_device(batch[0], image=True), self._to_device(batch[1])
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self._log_file is not None:
+            try:
+                with open(self._log_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:  # the run stops: the user asked for this log (a checkpoint resumes it)
+                raise disk_error(exc, self._log_file, "free space there or give --log-file another path, then "
+                                                      "rerun (with --resume if it has a --checkpoint)") from exc
+
+    def _reduce(self, *values: torch.Tensor) -> list[float]:
+        """Sum across ranks and bring to the host: the one sync of a log interval."""
+        stacked = torch.stack([v.double() for v in values])
+        if self.dist.world_size > 1:
+            dist.all_reduce(stacked)
+        return stacked.tolist()
+
+    def close(self) -> None:
+        """Drop the DDP wrapper, which holds the process group (:func:`shutdown_distributed` closes every
+        live Trainer before it frees the group). The trainer then refuses to train; ``evaluate`` and
+        ``save_checkpoint`` still work for as long as the group exists."""
+        if self.ddp is not None:
+            self.ddp = None
+            self.forward = self.model
+            release_group(self)
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        if self.dist.world_size > 1 and self.ddp is None:  # closed: see close()
+            raise ConfigError("this Trainer was closed (shutdown_distributed() closes every Trainer): "
+                              "build a new one after init_distributed() to train again")
+        cfg = self.cfg
+        start = time.monotonic()
+        bar = self._progress()
+        profiler = StepProfiler(cfg.profile_steps, self.device, Path(cfg.checkpoint_dir or "."), self.dist.main,
+                                self._waited) if cfg.profile_steps else None
+        with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
+            stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+        self.stop_signal = self._stops.signal
+        if profiler is not None:
+            profiler.stop(self._waited)
+        if bar is not None:
+            bar.close()
+        reason = f"signal {signal_name(self.stop_signal)}" if self.stop_signal else stop or "epochs"
+        summary = {"event": "end", "reason": reason, "epoch": self.epoch, "step": self.step, "time_s":
+                   time.monotonic() - start, "data_stall_pct": 100 * self._waited / max(self._busy, 1e-9)}
+        self._log(summary)
+        if self.dist.main and cfg.progress:
+            log.info("stopped (%s) after %d steps in %.1f s; data stall %.1f%%", summary["reason"], self.step,
+                     summary["time_s"], summary["data_stall_pct"])
+        return self.history
+
+    def _epochs(self, bar: Any, profiler: Optional[StepProfiler]) -> Optional[str]:
+        """Train until the last epoch ends (returns None) or a stop says why it came early."""
+        cfg, model = self.cfg, self.forward
+        stop: Optional[str] = None
+        while self.epoch < cfg.num_epochs and stop is None:
+            if hasattr(self.train_loader, "set_epoch"):
+                self.train_loader.set_epoch(self.epoch)
+            model.train()
+            meter = Meter(self.device)
+            micro = 0
+            batches = iter(self.train_loader)
+            while True:
+                meter.wait_begin()
+                batch = next(batches, None)  # the only place the loop can wait for data
+                if batch is None:
+                    break
+                x, y = self._inputs(batch)
+                meter.wait_end()
+                micro += 1
+                last_micro = micro % cfg.accum == 0
+                # DDP all-reduces gradients in backward; skip that on all but the last micro-step.
+                sync = contextlib.nullcontext() if (self.ddp is None or last_micro) else self.ddp.no_sync()
+                with sync:
+                    with self._autocast():
+                        out = model(x)
+                        loss = self.loss_fn(out, y)
+                    self.scaler.scale(loss / cfg.accum).backward()
+                meter.add(loss.detach(), out.detach(), y)
+                if last_micro:
+                    self._optimizer_step()
+                    stop = self._after_step(meter, bar, profiler)
+                    if stop:  # saved while the iteration is live: a look-ahead's batches are not counted as served
+                        if self._saved_at != (self.epoch, self.step):
+                            self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
+                        break
+            if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
+                self._partial_accumulation(micro % cfg.accum)
+                self._optimizer_step()
+            if meter.has_data():
+                self._log_interval(meter, bar)  # the epoch's last, partial interval
+            if stop is None:
+                self.epoch += 1
+                if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
+                    stop = self._validate_and_check()
+                self.save_checkpoint()
+                stop = stop or self._stops.due()
+        return stop
+
+    def _partial_accumulation(self, micros: int) -> None:
+        """An epoch ended after ``micros`` of ``accum`` micro-batches: their gradients, as one batch of them, and
+        averaged over ranks here (they ran under ``no_sync()``: ranks stepped on their own and drifted apart)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.ddp is not None:
+            for g in grads:  # once an epoch
+                dist.all_reduce(g)
+        torch._foreach_mul_(grads, self.cfg.accum / micros / (self.dist.world_size if self.ddp is not None else 1))
+
+    def _optimizer_step(self) -> None:
+        cfg = self.cfg
+        if cfg.clip is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)  # frees gradient memory instead of writing zeros
+        self.scheduler.step()
+        self.step += 1
+
+    def _after_step(self, meter: Meter, bar: Any, profiler: Any) -> Optional[str]:
+        cfg = self.cfg
+        if profiler is not None:
+            profiler.step(self.step, self._waited)
+        if self.step % cfg.log_every == 0:
+            self._log_interval(meter, bar)
+        stop = self._stops.due()
+        if stop:
+            return stop
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
+            if self._validate_and_check():
+                return "early_stop"
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return "max_steps"
+        return None
+
+    def _log_interval(self, meter: Meter, bar: Any) -> None:
+        samples = torch.tensor(float(meter.samples), device=self.device, dtype=torch.float64)
+        loss_sum, correct, count, samples_all = self._reduce(meter.loss_sum, meter.correct, meter.count, samples)
+        if self.dist.world_size > 1:  # NOTE [agreed stops]: a stop any rank sees is every rank's, at this step
+            seen = torch.tensor(self._stops.view(), device=self.device, dtype=torch.int64)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            self._stops.agree(seen.tolist())
+        waited, total = meter.wait_and_total()
+        self._waited, self._busy = self._waited + waited, self._busy + total
+        stall = 100 * waited / max(total, 1e-9)
+        elapsed = max(1e-9, meter.elapsed())
+        record = {"event": "train", "epoch": self.epoch, "step": self.step, "loss": loss_sum / max(1, count),
+                  "accuracy": correct / max(1, count), "lr": self.scheduler.get_last_lr()[0],
+                  "samples_per_s": samples_all / elapsed, "data_stall_pct": stall}
+        if count != samples_all:  # several targets per sample (language models): report tokens too
+            record["tokens_per_s"] = count / elapsed
+        self._log(record)
+        if bar is not None:
+            bar.update(self.step - bar.n)
+            rate = {"tok_s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else \
+                {"img_s": f"{record['samples_per_s']:.0f}"}
+            bar.set_postfix(loss=f"{record['loss']:.3f}", **rate, stall=f"{stall:.1f}%")
+        meter.reset()
+
+    # -- validation and early stopping ----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, loader: Any = None) -> dict[str, float]:
+        """Loss and accuracy over ``loader`` (the validation loader), summed over every rank's shard.
+
+        Runs no collective per batch (the module without its DDP wrapper), so ranks may serve different
+        batch counts: a loader with ``pad=False`` gives exact metrics, each sample counted once.
+        """
+        loader = loader if loader is not None else self.val_loader
+        forward = self.forward if self.ddp is None else self.model
+        self.forward.eval()
+        meter = Meter(self.device)  # the training loop's sums, on the device until the one reduce below
+        language_model = False
+        for batch in loader:
+            x, y = self._inputs(batch)
+            with self._autocast():
+                out = forward(x)
+                loss = self.loss_fn(out, y)
+            meter.add(loss, out, y)
+            language_model = out.ndim == 3
+        self.forward.train()
+        loss_sum_, correct_, count_ = self._reduce(meter.loss_sum, meter.correct, meter.count)
+        metrics = {"val_loss": loss_sum_ / max(1, count_), "val_accuracy": correct_ / max(1, count_)}
+        if count_ and language_model:
+            metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
+        return metrics
+
+    def _validate_and_check(self) -> Optional[str]:
+        metrics = self.evaluate()
+        self._log({"event": "val", "epoch": self.epoch, "step": self.step, **metrics})
+        if self.dist.main and self.cfg.progress:
+            ppl = f", perplexity {metrics['val_perplexity']:.2f}" if "val_perplexity" in metrics else ""
+            log.info("epoch %d step %d: val loss %.4f, accuracy %.1f%%%s", self.epoch, self.step,
+                     metrics["val_loss"], 100 * metrics["val_accuracy"], ppl)
+        if self.best is None or self.best - metrics["val_loss"] > self.cfg.early_stop_min_delta:
+            self.best, self.bad_evals = metrics["val_loss"], 0
+            return None
+        self.bad_evals += 1
+        if self.cfg.early_stop_patience and self.bad_evals >= self.cfg.early_stop_patience:
+            return "early_stop"
+        return None
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _checkpoint_path(self) -> Optional[Path]:
+        return Path(self.cfg.checkpoint_dir) / checkpoint.CHECKPOINT_NAME if self.cfg.checkpoint_dir else None
+
+    def save_checkpoint(self) -> None:
+        """Everything needed to continue exactly here, written atomically by rank 0 (see train/checkpoint.py)."""
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
+        if self.dist.main:
+            checkpoint.write(path, {
+                "model": self.model.state_dict(), "model_class": type(self.model).__name__,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
+                "best": self.best, "bad_evals": self.bad_evals, "config": asdict(self.cfg),
+                "rng": checkpoint.rng_state()})
+        if self.dist.world_size > 1:
+            dist.barrier()
+        self._saved_at = (self.epoch, self.step)
+
+    def load_checkpoint(self) -> bool:
+        """Continue from (rank 0's) ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
+        path = self._checkpoint_path()
+        if path is None:
+            raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
+        grouped = self.dist.world_size > 1
+        data = checkpoint.rank0_bytes(path, self.dist.main, self.device) if grouped else None
+        if (grouped and data is None) or (not grouped and not path.is_file()):
+            return False
+        state = checkpoint.read(path, self.device, self.model, data)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
+            self.train_loader.load_state_dict(state["loader"])
+        elif self.dist.main:
+            log.warning("the training loader has no state_dict(): the resumed run reads its data from the start")
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
+        checkpoint.set_rng_state(state["rng"])
+        if self.dist.main and self.cfg.progress:
+            log.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+        return True
+
+    # -- progress bar and profiler --------------------------------------------------------------------
+    def _progress(self) -> Any:
+        if not (self.cfg.progress and self.dist.main):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
