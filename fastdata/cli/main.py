@@ -49,8 +49,10 @@ def _path_or_url(text: str) -> str | Path:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
-    from ..formats.manifest import TOKENS
-    from ..train.assemble import ImageRun, build, build_lm, manifest_of
+    from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
+    from ..storage.opening import open_path
+    from ..storage.streamed import streamed_files
+    from ..train.assemble import ImageRun, build, build_lm
     from ..distributed import init_distributed, shutdown_distributed
     from ..train.trainer import Trainer
     from ..train.config import TrainConfig, check_device, parse_duration
@@ -76,15 +78,18 @@ def _train(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"
     cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit}
-    if manifest_of(args.data, args.cache_dir)["format"] == TOKENS:
-        model, train, val = build_lm(args.data, args.model, args.batch_size, args.seq_len, args.storage,
-                                     args.threads, args.seed, info.device, args.shuffle_window, **cache)
+    # the dataset's manifest is read once for the whole run, and its kind decides the run
+    opened = open_path(args.data, (IMAGES_NPY, IMAGES_LMDB, TOKENS), **cache,
+                       streamed=lambda m: streamed_files(m, args.storage))
+    if opened.manifest["format"] == TOKENS:
+        model, train, val = build_lm(opened, args.model, args.batch_size, args.seq_len, args.storage,
+                                     args.threads, args.seed, info.device, args.shuffle_window)
     else:
         pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                         val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
                         augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend,
                         shuffle_window=args.shuffle_window, **cache)
-        model, train, val = build(pipe, info.device)
+        model, train, val = build(pipe, info.device, opened)
     trainer = Trainer(model, train, val, config=cfg)
     trainer.fit()
     shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
@@ -142,8 +147,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..imaging.decode_file import FILTERS, RESIZE_MODES
-    from ..preprocess.images import FORMATS, ON_ERROR
+    from ..imaging.decode_file import FILTERS
+    from ..preprocess.images import FORMATS, ON_ERROR, RESIZE_MODES
     from ..train.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="fastdata",
@@ -154,12 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
     pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
     img = pre_sub.add_parser("images", help="images (and masks, boxes, labels, captions) -> .npy shards or JPEG LMDB")
-    img.add_argument("src", type=Path, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records (with an "
-                     "'image' column), a folder with images/ and masks/, .parquet file(s), or (with --coco) the image "
-                     "folder")
+    img.add_argument("src", type=_path_or_url, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records (with "
+                     "an 'image' column), a folder with images/ and masks/, .parquet file(s), WebDataset .tar shards (a "
+                     "folder, a .tar, or a brace pattern such as shards/{00000..00009}.tar; a URL too), or (with "
+                     "--coco) the image folder")
     img.add_argument("out", type=Path, help="output dataset folder")
     img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
-    img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop", help="npy: how to reach SxS")
+    img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop",
+                     help="npy: how to reach SxS; lmdb: max-side keeps the aspect with the longer side at most S "
+                          "(default: the shorter side at most S)")
     img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
     img.add_argument("--workers", type=int, default=None, help="decoding processes (default: all cores)")
     img.add_argument("--shard-size", type=int, default=1024, help="samples per shard (default 1024)")
@@ -304,7 +312,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FastdataError as exc:
-        print(f"fastdata: error: {exc}", file=sys.stderr)
+        from .._io import scrub
+
+        print(f"fastdata: error: {scrub(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         hint = _after_interrupt(args)

@@ -7,7 +7,8 @@ shard: indices are grouped by shard, one ``take`` per shard touched; when each s
 contiguous in the request (FastLoader sorts every batch, see loading/loader.py) each ``take`` writes straight
 into its slice of the output. ``np.take`` releases the GIL, so loader threads gather in parallel.
 Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with the default
-``mode="raise"`` numpy writes into a temporary and copies it to ``out`` (2.0 vs 13.9 GB/s measured here).
+``mode="raise"`` numpy writes into a temporary and copies it to ``out``, several times slower
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -20,44 +21,87 @@ import torch
 
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError
-from ..formats import lmdb_store
-from ..formats.lmdb_store import LmdbReader, open_lmdb
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, load_manifest
-from ..imaging.draws import RATIO, SCALE
-from ..imaging.decode_batch import BatchDecoder
-from .fields import Alloc, FieldStore, collate_fields, split_fields
+from ..formats.lmdb_store import LmdbReader
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY
 from ..formats.schema import Field, fields_of
-from ..storage.cache import ShardCache
-from ..storage.opening import StreamedReads, open_remote
-from ..storage.streamed import Labels, image_streamed, labels_at_open, shard_groups
-from ..storage.shards import (STORAGE, Indices, ShardSet, batch_rows, check_sizes, map_npy, open_shards,
-                             take_rows, verify_hashes)
+from ..imaging.decode_batch import BatchDecoder
+from ..imaging.draws import RATIO, SCALE
+from ..storage.fields import Alloc, collate_fields, split_fields
+from ..storage.images import check_other_files, open_images
+from ..storage.opening import OpenedPath, StreamedReads, open_path
+from ..storage.shards import STORAGE, Indices, batch_rows, take_rows
+from ..storage.streamed import Labels, image_streamed, labels_at_open
 
 
 class FastDataset(StreamedReads, torch.utils.data.Dataset):
     """A dataset folder made by ``fastdata preprocess images``, as a map-style torch dataset.
 
-    ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``; ``ds[list]`` and :meth:`get_batch` gather a whole
-    batch in one read. ``storage``: ``"mmap"`` (default; the page cache is shared by every process),
-    ``"ram"`` (one contiguous copy in this process), ``"shm"`` (one copy per machine in /dev/shm, shared
-    by every rank, worker and job), ``"cuda"`` (the whole dataset on ``device``; batches gathered there).
-    ``verify`` hashes every file against the manifest (default: when the bytes are read anyway).
+    ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``.
+    ``ds[list]`` and :meth:`get_batch` gather a whole batch in one read (NOTE [gather]).
+    A dataset with sample fields (masks, boxes, captions) gives a dict of fields instead.
     ``path`` may be an fsspec URL (``s3://bucket/prefix``, ...): its files are downloaded once per node into
-    ``cache_dir`` and verified there (NOTE [remote cache]); ``storage_options`` go to fsspec. With the default
-    ``storage="mmap"`` an npy dataset streams: each image shard is fetched as the loader's coming batches
-    need it, and ``cache_limit`` (bytes or ``"200GB"``) bounds this dataset's files in the cache, evicting
-    the shard needed last (NOTE [shard cache]); other storages and LMDB datasets download every file first.
+    ``cache_dir`` and verified there (NOTE [remote cache]).
+    With the default ``storage="mmap"`` a remote npy dataset streams: each image shard is fetched as the
+    loader's coming batches need it, and the shard needed last is evicted first (NOTE [shard cache]).
+    Other storages and LMDB datasets download every file first.
 
-    An LMDB dataset decodes its JPEGs on the CPU to ``size`` x ``size`` (default: the stored short side).
-    ``crop="center"`` (evaluation) keeps the centre square, its side ``crop_fraction`` of the short side
-    (``224/256`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``). ``crop="random"`` (training without
-    a GPU) decodes a random-resized crop (``scale``, ``ratio`` as torchvision) of the whole stored image and
-    mirrors half of them, drawn per batch from ``(seed, epoch, position, rank)`` when FastLoader serves it
-    (the same draws as the GPU ``RandomResizedCrop`` + ``RandomHorizontalFlip``; see NOTE [crop draws]),
-    from torch's global generator otherwise. The box is decided before decoding (NOTE [jpeg read path]).
+    An LMDB dataset decodes its JPEGs on the CPU, batch by batch.
+    ``crop="center"`` (evaluation) keeps the centre square.
+    ``crop="random"`` (training without a GPU) decodes a random-resized crop of the whole stored image and
+    mirrors half of them.
+    Those draws are made per batch from ``(seed, epoch, position, rank)`` when FastLoader serves the dataset
+    (the same draws as the GPU ``RandomResizedCrop`` + ``RandomHorizontalFlip``; NOTE [crop draws]), and
+    from torch's global generator otherwise.
+    The box is decided before decoding (NOTE [jpeg read path]).
+
+    Args:
+        path: The dataset folder, or an fsspec URL of one (``s3://``, ``gs://``, ``az://``, ``https://``).
+        storage: Where the pixels live while training.
+            ``"mmap"`` (default): memory-mapped shards; the page cache is shared by every process.
+            ``"ram"``: one contiguous copy in this process.
+            ``"shm"``: one copy per machine in /dev/shm, shared by every rank, worker and job.
+            ``"cuda"``: the whole dataset on ``device``; batches are gathered there.
+            LMDB datasets take ``"mmap"`` only.
+        device: The GPU that holds the dataset when ``storage="cuda"`` (default ``"cuda"``); ignored otherwise.
+        size: LMDB only: the side of the decoded square images (default: the stored short side).
+        verify: Hash every file against the manifest while opening.
+            Default (None): only where the bytes are read anyway (``storage="ram"`` or ``"cuda"``).
+        shm_dir: The folder of the shared copy for ``storage="shm"`` (default: ``$FASTDATA_SHM_DIR``, else
+            /dev/shm).
+        crop: LMDB only: ``"center"`` (default) or ``"random"``.
+        crop_fraction: LMDB only, ``crop="center"``: the centre square's side as a fraction of the short side,
+            in (0, 1] (default 1.0). ``224/256`` is torchvision's ``Resize(256)`` + ``CenterCrop(224)``.
+        scale: LMDB only, ``crop="random"``: the range of the crop's share of the image area, as
+            torchvision's ``RandomResizedCrop`` (default ``(0.08, 1.0)``).
+        ratio: LMDB only, ``crop="random"``: the range of the crop's aspect ratio, as torchvision
+            (default ``(3/4, 4/3)``).
+        storage_options: URLs only: options passed to fsspec (credentials, endpoint); default None.
+        cache_dir: URLs only: the node-local cache folder (default: ``$FASTDATA_CACHE``, else
+            ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``).
+        cache_limit: URLs only: the most bytes of this dataset kept in the cache, as a number or a size
+            such as ``"200GB"`` (default None: no bound).
+            A dataset that does not stream must fit under it whole.
+
+    Raises:
+        ConfigError: An argument has a bad value, or does not apply to this dataset (``size`` or a crop on an
+            npy dataset, ``storage`` other than ``"mmap"`` on an LMDB, URL options on a local path, a CUDA
+            device where torch sees none).
+        FormatError: The folder or URL is not a fastdata image dataset, or a file's size is not the
+            manifest's.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+        ChecksumError: A file's bytes do not match the manifest (with ``verify``, or as a remote file arrives).
+        MissingDependencyError: ``path`` is a URL and fsspec (or its protocol's package) is not installed.
+        OutputError: The cache folder cannot be written (DiskFullError when its disk is full).
+        ImageDecodeError: Reading a batch met a JPEG record that does not decode (LMDB datasets).
+
+    Examples:
+        >>> ds = FastDataset("data/train", storage="shm")
+        >>> images, labels = ds.get_batch([0, 5, 9])  # (3, S, S, 3) uint8, (3,) int64
+        >>> loader = FastLoader(ds, batch_size=256, shuffle=True)
     """
 
-    def __init__(self, path: Union[str, Path], *, storage: str = "mmap", device: Union[str, torch.device] = "cuda",
+    def __init__(self, path: Union[str, Path, OpenedPath], *, storage: str = "mmap",
+                 device: Union[str, torch.device] = "cuda",
                  size: Optional[int] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, crop: str = "center", crop_fraction: float = 1.0,
                  scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
@@ -66,9 +110,10 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                  cache_limit: Union[int, str, None] = None) -> None:
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
-        self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
-                                                           lambda m: image_streamed(m, storage))
-        self.manifest = load_manifest(self.root, formats=(IMAGES_NPY, IMAGES_LMDB))
+        self._opened = open_path(path, (IMAGES_NPY, IMAGES_LMDB), storage_options=storage_options,
+                                 cache_dir=cache_dir, cache_limit=cache_limit,
+                                 streamed=lambda m: image_streamed(m, storage))
+        self.root, self.manifest, self._remote = self._opened.root, self._opened.manifest, self._opened.remote
         self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
@@ -92,11 +137,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._set_crop(crop, crop_fraction, scale, ratio)
         self._labels_at_open = labels_at_open(self.manifest)
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
-        others = [f["path"] for f in self.manifest["files"] if f["path"] not in self._image_files()
-                  and (self.root / f["path"]).exists()]  # (a streamed dataset's shards arrive later)
-        check_sizes(self.root, self.manifest, others)  # the image shards are checked by open_shards
-        if self._verify:  # ... and hashed there too (ram/cuda: while loading, one read)
-            verify_hashes(self.root, self.manifest, others)
+        # the image shards are checked (and hashed: ram/cuda while loading, one read) by open_images
+        check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify)
         self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
                                    at_open=self._labels_at_open)
         self._open(self._verify)
@@ -110,6 +152,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._decoder: Optional[BatchDecoder] = decoder if self.is_lmdb else None
 
     @property
+    def lmdb_reader(self) -> Optional[LmdbReader]:
+        """An LMDB dataset's JPEG records, read without decoding (DALILoader decodes them on the GPU); None
+        for an npy dataset."""
+        return self._reader
+
+    @property
     def random_crops(self) -> bool:
         """True when batches take a ``draw`` key (FastLoader passes ``(seed, epoch, position, rank)``)."""
         return self._decoder is not None and self._decoder.random
@@ -120,6 +168,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     @property
     def classes(self) -> list[str]:
+        """The class names, in label order (like torchvision's ``ImageFolder.classes``)."""
         return list(self.manifest["classes"])
 
     @property
@@ -145,6 +194,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
+        """One image's shape, ``(S, S, 3)`` (HWC uint8)."""
         return (self.size, self.size, 3) if self.is_lmdb else tuple(self.manifest["sample_shape"])
 
     sample_dtype = torch.uint8
@@ -153,16 +203,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return (f"FastDataset({str(self.root)!r}, storage={self.storage!r}, samples={len(self)}, "
                 f"shape={self.sample_shape})")
 
-    # -- opening --------------------------------------------------------------------------------------
-    def _image_files(self) -> set[str]:
-        """The files opened (and checked) by open_shards: image shards, and the extra fields' files."""
-        names = set() if self.is_lmdb else {s["images"] for s in self.manifest["shards"]}
-        shards = len(self.manifest["lmdb_shards" if self.is_lmdb else "shards"]) if self.fields is not None else 0
-        for f in self.fields or []:
-            if f.kind not in ("image", "label"):
-                names.update(n for k in range(shards) for n in f.files(k))
-        return names
-
+    # -- opening (storage/images.py) -----------------------------------------------------------------
     @property
     def _labels(self) -> np.ndarray:
         """Every sample's label (filled in as streamed shards arrive: :class:`Labels`)."""
@@ -179,65 +220,23 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return self._remote is not None and self.storage == "mmap" and not self.is_lmdb
 
     def _open(self, verify: bool) -> None:
-        self._shards: list[np.ndarray] = []
-        self._flat: Optional[np.ndarray] = None
-        self._dev: Optional[torch.Tensor] = None
-        self._dev_labels: Optional[torch.Tensor] = None
-        self._reader: Optional[LmdbReader] = None
-        self._cache: Optional[ShardCache] = None
-        self._store: Optional[FieldStore] = None
-        if self.is_lmdb:
-            self._reader = open_lmdb(self.root, self.manifest)
-            if self._remote is not None and "lmdb_shards" in self.manifest:
-                self._stream(verify, None)
-            elif self.fields is not None:
-                self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify)
-            return
-        images = ShardSet(self.root, self.manifest, [(s["images"], s["samples"]) for s in self.manifest["shards"]],
-                          self.sample_shape, np.dtype(np.uint8))
-        if self.streams:
-            self._stream(verify, images)
-            return
-        opened = open_shards(images, self.storage, verify=verify, device=self.device, shm_dir=self._shm_dir)
+        opened = open_images(self._opened, self.fields, self.storage, self._label_store,
+                             sample_shape=self.sample_shape, verify=verify, streams=self.streams,
+                             labels_at_open=self._labels_at_open, device=self.device, shm_dir=self._shm_dir)
         self._shards, self._flat, self._dev = opened.maps, opened.flat, opened.device
-        if self.fields is not None:
-            self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
-                                     device=self.device, shm_dir=self._shm_dir)
-        if self._dev is not None and self.has_labels:
-            self._dev_labels = torch.from_numpy(self._labels.copy()).to(self.device)
+        self._dev_labels, self._reader, self._cache, self._store = (opened.device_labels, opened.reader,
+                                                                    opened.cache, opened.fields)
+        self._hold(self._reader)
 
-    def _stream(self, verify: bool, images: Optional[ShardSet]) -> None:
-        """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
-        files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
-        (npy) or its LMDB store handed to the reader (``images`` None)."""
-        groups = shard_groups(self.manifest, self._labels_at_open)
-        store = None
-        if self.fields is not None:
-            store = self._store = FieldStore(self.root, self.manifest, self.fields, self.storage, verify=verify,
-                                             streamed=True)
-
-        def opener(s: int, path: Path) -> Any:
-            if verify:
-                verify_hashes(self.root, self.manifest, list(groups[s]))
-            self._label_store.arrived(s)
-            if store is not None:
-                store.open_shard(s)
-            if images is None:
-                return path
-            return map_npy(self.root, images.files[s][0], (images.files[s][1], *self.sample_shape), images.dtype)
-
-        def closer(s: int, path: Path) -> None:
-            if images is None:
-                lmdb_store.forget(path)
-            if store is not None:
-                store.close_shard(s)
-        self._cache = ShardCache(self._remote, groups, opener, limit=self._limit, closer=closer)
+    def _drop_storage(self) -> None:
+        self._shards, self._flat, self._dev, self._dev_labels = [], None, None, None
+        self._reader, self._cache, self._store = None, None, None
 
     # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_shards", "_flat", "_dev", "_dev_labels",
-                                                                      "_reader", "_cache", "_store")}
+                                                                      "_reader", "_cache", "_store", "_released")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -269,6 +268,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         ``draw`` = ``(seed, epoch, position, rank)`` seeds the batch's random crops (``crop="random"``).
         A dataset with sample fields returns a dict instead (see :meth:`_get_fields`).
         """
+        self._check_open()
         if self.fields is not None:
             return self._get_fields(indices, out)  # type: ignore[return-value]
         if self._dev is not None:
@@ -300,6 +300,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         """A batch of a dataset with fields: ``{"image": (B, S, S, 3) uint8, "label": (B,) int64 (when there is
         one), each fixed field (B, ...), each variable field's values and "<name>_offsets" (B + 1)}``. ``out``
         is an image buffer as for (image, label) datasets, or ``out(key, shape, dtype)`` giving each buffer."""
+        self._check_open()
         idx = self._indices(indices)
         b = len(idx)
         if isinstance(out, torch.Tensor):

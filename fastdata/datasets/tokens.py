@@ -16,9 +16,9 @@ import torch
 
 from ..errors import ConfigError, FormatError
 from ..formats.token_shards import splitmix
-from ..formats.manifest import TOKENS, load_manifest
+from ..formats.manifest import TOKENS
 from ..storage.cache import ShardCache
-from ..storage.opening import StreamedReads, open_remote
+from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.streamed import token_streamed
 from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from ..formats.tokenizer import Tokenizer, load_tokenizer
@@ -31,18 +31,70 @@ def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
     return np.searchsorted(shard_offsets, starts, side="right") - 1
 
 
-class TokenDataset(StreamedReads, torch.utils.data.Dataset):
-    """A split of a ``fastdata preprocess text`` folder as fixed-length training windows."""
+def windows(arr: np.ndarray, length: int, void: np.dtype) -> Optional[np.ndarray]:
+    """Every ``length``-token window of ``arr`` as one ``void`` item (None when ``arr`` is shorter)."""
+    if len(arr) < length:
+        return None
+    return np.lib.stride_tricks.sliding_window_view(arr, length).view(void)[:, 0]
 
-    def __init__(self, path: Union[str, Path], split: str = "train", seq_len: int = 1024, *,
+
+class TokenDataset(StreamedReads, torch.utils.data.Dataset):
+    """A split of a ``fastdata preprocess text`` folder as fixed-length training windows.
+
+    ``ds[i]`` is int64 ``(x, y)``, ``y`` being ``x`` shifted by one token.
+    :meth:`get_batch` (used by FastLoader) keeps the stored uint16/uint32 dtype, and its ``x`` and ``y`` are two
+    views of one ``(B, seq_len + 1)`` window buffer, so a batch crosses PCIe once at 2 bytes a token.
+    CUDAPrefetcher casts it to int64 on the GPU.
+    ``path`` may be an fsspec URL: with ``storage="mmap"`` its token shards stream in as batches need them
+    (NOTE [shard cache]).
+
+    Args:
+        path: The dataset folder, or an fsspec URL of one.
+        split: The split to read, one of the manifest's (default ``"train"``).
+        seq_len: Tokens of input per window; a window holds ``seq_len + 1`` (default 1024).
+        stride: Window ``i`` starts at ``i * stride`` (default None: ``seq_len``, windows side by side).
+        random_windows: Start window ``i`` at a pseudo-random offset fixed by ``(seed, i)`` instead, as nanoGPT
+            samples, but reproducible and resumable (default False).
+        seed: The seed of ``random_windows`` (default 0).
+        storage: ``"mmap"`` (default), ``"ram"`` or ``"shm"``, as for FastDataset.
+        tokenizer: A tokenizer (or its spec: ``"bytes"``, a ``tokenizer.json`` path, ``"tiktoken:NAME"``) that
+            must be the one the dataset was made with (default None: not checked).
+        verify: Hash the token shards against the manifest while opening (default None: with ``storage="ram"``).
+        shm_dir: The folder of the shared copy for ``storage="shm"`` (default: ``$FASTDATA_SHM_DIR``, else
+            /dev/shm).
+        storage_options: URLs only: options passed to fsspec (default None).
+        cache_dir: URLs only: the node-local cache folder (default: ``$FASTDATA_CACHE``, else
+            ``~/.cache/fastdata``).
+        cache_limit: URLs only: the most bytes of this dataset kept in the cache, as a number or a size such as
+            ``"200GB"`` (default None: no bound).
+
+    Raises:
+        ConfigError: ``split``, ``storage``, ``seq_len`` or a URL option is bad, or the split has fewer than
+            ``seq_len + 1`` tokens.
+        FormatError: The folder is not a token dataset, a file's size is not the manifest's, or ``tokenizer`` is
+            not the one the dataset was made with.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+        ChecksumError: A shard's bytes do not match the manifest.
+        MissingDependencyError: ``path`` is a URL and fsspec is not installed, or ``tokenizer`` needs a package
+            that is not.
+
+    Examples:
+        >>> ds = TokenDataset("data/owt", "train", seq_len=1024)
+        >>> loader = CUDAPrefetcher(FastLoader(ds, batch_size=64), "cuda")
+        >>> for x, y in loader:  # (64, 1024) int64 each, on the GPU
+        ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    """
+
+    def __init__(self, path: Union[str, Path, OpenedPath], split: str = "train", seq_len: int = 1024, *,
                  stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
                  tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, storage_options: Optional[dict[str, Any]] = None,
                  cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None) -> None:
         # A URL: its node-local cache; memory-mapped token shards stream in as batches need them
-        self.root, self._remote, self._limit = open_remote(path, storage_options, cache_dir, cache_limit,
-                                                           lambda m: token_streamed(m, storage))
-        self.manifest = load_manifest(self.root, formats=(TOKENS,))
+        opened = open_path(path, (TOKENS,), storage_options=storage_options, cache_dir=cache_dir,
+                           cache_limit=cache_limit, streamed=lambda m: token_streamed(m, storage))
+        self.root, self.manifest = opened.root, opened.manifest
+        self._remote, self._limit = opened.remote, opened.limit
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
         if storage not in ("mmap", "ram", "shm"):
@@ -82,24 +134,32 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                           key=self.split)
         self._cache: Optional[ShardCache] = None
         if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
+            root, dtype, length, void = self.root, self.np_dtype, self.seq_len + 1, self._void
+
             def opener(s: int, path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
-                arr = map_npy(self.root, tokens.files[s][0], (tokens.files[s][1],), self.np_dtype)
-                return arr, self._windows(arr)
+                # (refers to no dataset: a dropped dataset is collected and its cache closed, see close())
+                arr = map_npy(root, tokens.files[s][0], (tokens.files[s][1],), dtype)
+                return arr, windows(arr, length, void)
             names = [rel for rel, _ in tokens.files]
             self._cache = ShardCache(self._remote, names, opener, limit=self._limit)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
+            self._hold()
             return
         opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
         self._flat, self._shards = opened.flat, opened.maps
         if len(self._shards) == 1:  # one shard: serve it as the flat stream (no shard lookup per batch)
             self._flat, self._shards = self._shards[0], []
-        # Window views are made once here: making one costs ~15 us, a batch of 64 windows ~10 us.
+        # Window views are made once here: making one costs more than gathering a small batch.
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
         self._shard_windows = [self._windows(a) for a in self._shards]
+        self._hold()
+
+    def _drop_storage(self) -> None:
+        self._flat, self._shards, self._flat_windows, self._shard_windows, self._cache = None, [], None, [], None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows",
-                                                                     "_shard_windows", "_cache")}
+                                                                     "_shard_windows", "_cache", "_released")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -121,6 +181,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
 
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the windows; the result views ``out[:B]``.
         """
+        self._check_open()
         idx = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
         n, b, length = len(self), len(idx), self.seq_len + 1
         if b and idx.astype(np.uint64).max() >= n:  # negative indices wrap to huge: one reduction for both ends
@@ -139,17 +200,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
         """Every window of ``arr`` as one item of a 1-D array (a void item of ``seq_len + 1`` tokens, one token
         apart): no data is copied, and a gather copies each window with one memcpy (see NOTE [window gather])."""
-        length = self.seq_len + 1
-        if len(arr) < length:
-            return None
-        return np.lib.stride_tricks.sliding_window_view(arr, length).view(self._void)[:, 0]
+        return windows(arr, self.seq_len + 1, self._void)
 
     def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
         # NOTE [window gather]: indexing the 1-D view of void windows copies each window with one memcpy and
         # runs at the speed of np.take over contiguous rows at the same random offsets, the memory system's
-        # limit for 2 KB reads (bench_text measures both). A 2-D fancy index of the sliding-window view was
-        # 10-20% slower, an element-wise take of start + arange(L) ran at 1.4 GB/s, and np.take on a strided
-        # view tries to materialise every window. The copy into ``dst`` costs another 20-30% at 2 KB windows.
+        # limit for 2 KB reads (bench_text measures both). A 2-D fancy index of the sliding-window view and an
+        # element-wise take of start + arange(L) are slower, and np.take on a strided view tries to materialise
+        # every window. The copy into ``dst`` adds a second pass (benchmarks/RESULTS.md).
         rows = dst.view(self._void).reshape(-1)
         if self._flat_windows is not None:
             rows[...] = self._flat_windows[starts]

@@ -40,7 +40,28 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
 
 
 def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
-    """Read and validate ``root/manifest.json``; ``formats`` restricts which formats are accepted."""
+    """Read and validate a dataset folder's ``manifest.json``.
+
+    Unknown formats and versions are refused before anything else is read.
+
+    Args:
+        root: The dataset folder.
+        formats: The format names accepted, such as ``("fastdata.images.npy",)`` (default None: any known one).
+
+    Returns:
+        The manifest as a dict: format and version, counts, shapes, dtypes, the files with their sizes and
+        checksums, the preprocessing parameters and source.
+
+    Raises:
+        FormatError: ``root`` is not a folder, has no manifest (an unfinished run says so), or the manifest is
+            not valid JSON, not a fastdata manifest, of an unknown format, not one of ``formats``, or damaged.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+
+    Examples:
+        >>> m = load_manifest("data/train")
+        >>> m["format"], m["num_samples"]
+        ('fastdata.images.npy', 1281167)
+    """
     root = Path(root)
     path = root / MANIFEST_NAME
     if not root.is_dir():
@@ -53,25 +74,33 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{path} is not valid JSON ({exc}): the manifest is damaged") from exc
+    return check_manifest(manifest, root, formats, where=str(path))
+
+
+def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]] = None, *,
+                   where: str) -> dict[str, Any]:
+    """``manifest`` (already parsed, e.g. fetched from object storage) checked as :func:`load_manifest`
+    checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout.
+    ``where`` names it in messages."""
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
-        raise FormatError(f"{path} lacks 'format'/'format_version': not a fastdata manifest")
+        raise FormatError(f"{where} lacks 'format'/'format_version': not a fastdata manifest")
     fmt, version = manifest["format"], manifest["format_version"]
     if fmt not in FORMAT_VERSIONS:
-        raise FormatError(f"{path}: unknown format {fmt!r}; this fastdata reads {sorted(FORMAT_VERSIONS)}")
+        raise FormatError(f"{where}: unknown format {fmt!r}; this fastdata reads {sorted(FORMAT_VERSIONS)}")
     if not isinstance(version, int) or version > FORMAT_VERSIONS[fmt] or version < 1:
         raise VersionError(
-            f"{path}: {fmt} version {version!r} was written by fastdata {manifest.get('fastdata_version', '?')}; "
+            f"{where}: {fmt} version {version!r} was written by fastdata {manifest.get('fastdata_version', '?')}; "
             f"this fastdata {fastdata_version()} reads up to version {FORMAT_VERSIONS[fmt]}: upgrade fastdata"
         )
     if formats is not None and fmt not in formats:
-        raise FormatError(f"{root} holds {fmt}, but this reader needs one of {list(formats)}")
+        raise FormatError(f"{where} holds {fmt}, but this reader needs one of {list(formats)}")
     if not isinstance(manifest.get("files"), list):
-        raise FormatError(f"{path} has no 'files' list: the manifest is damaged")
+        raise FormatError(f"{where} has no 'files' list: the manifest is damaged")
     for entry in manifest["files"]:
         safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
-        fields_of(manifest, str(path))  # refuses unknown kinds, bad dtypes, a missing image field
-    check_layout(manifest, str(path))
+        fields_of(manifest, where)  # refuses unknown kinds, bad dtypes, a missing image field
+    check_layout(manifest, where)
     return manifest
 
 
@@ -182,9 +211,28 @@ def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) ->
 
 
 def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False) -> list[str]:
-    """Re-hash every file the manifest lists; returns one line per problem (empty when intact). ``partial``:
-    the folder is a node cache of a remote dataset, where a file not (or no longer) cached is fetched and
-    checked when read: absent files are not problems there."""
+    """Re-hash every file a dataset's manifest lists, as ``fastdata verify`` does.
+
+    Args:
+        root: The dataset folder.
+        progress: Called with each file's size in bytes once it is checked, for a progress bar (default None).
+        partial: The folder is a node cache of a remote dataset (default False).
+            A file not (or no longer) cached there is fetched and checked when read, so absent files are not
+            problems.
+
+    Returns:
+        One line per problem (a file missing, of the wrong size, or whose checksum differs); empty when the
+        dataset is intact.
+
+    Raises:
+        FormatError: ``root`` is not a dataset folder, or its manifest is damaged.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+
+    Examples:
+        >>> problems = verify("data/train")
+        >>> problems  # e.g. ["images-00003.npy: sha256 mismatch (file was modified or damaged)"]
+        []
+    """
     root = Path(root)
     manifest = load_manifest(root)
     problems = []
@@ -206,7 +254,20 @@ def total_bytes(manifest: dict[str, Any]) -> int:
 
 
 def describe(root: Path | str) -> dict[str, Any]:
-    """What ``fastdata inspect`` shows: format, counts per class, shape, dtype, bytes, parameters."""
+    """Summarise a dataset folder, as ``fastdata inspect`` shows it.
+
+    Args:
+        root: The dataset folder.
+
+    Returns:
+        A JSON-ready dict: format and versions, sample count, counts per class, sample shape and dtype, fields,
+        splits and tokenizer (token datasets), file count, total bytes, skipped inputs, preprocessing
+        parameters and source, and the folder's path.
+
+    Raises:
+        FormatError: ``root`` is not a dataset folder, or its manifest is damaged.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+    """
     root = Path(root)
     m = load_manifest(root)
     out = {k: m.get(k) for k in ("format", "format_version", "fastdata_version", "num_samples", "params", "source")}

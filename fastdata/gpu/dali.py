@@ -21,11 +21,9 @@ handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
 NOTE [DALI outputs on the stream]: ``pipe.run()`` without a stream synchronises the host with the batch's
 GPU work (DALI's documented default). With DALI's default executor (``exec_dynamic``) ``run`` takes a
 stream instead, which waits for the batch on the device while the host goes on; older DALIs keep the
-host-synchronous call. On an H200 (2026-11-26) this was not what stalled ResNet-50: the streamed and
-host-synchronous rows stalled alike (16.2% / 12.2%, then 36.0% / 36.9%). Those stalls were measured over
-60 steps of an iteration that began by rebuilding the pipeline, and that start's wait (0.6-1.9 s, the
-same runs' arithmetic) is most or all of them: see :meth:`DALILoader._drain` and bench_dali's steady-state
-rows.
+host-synchronous call. The streamed and host-synchronous calls stall alike in measurements so far: over a
+short run, the wait at an iteration's start (a pipeline rebuilt, see :meth:`DALILoader._drain`) dominates,
+so judge them by bench_dali's steady-state rows (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -37,16 +35,16 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .._io import safe_join
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError, MissingDependencyError
-from ..formats.lmdb_store import open_lmdb
+from ..datasets.images import FastDataset
+from ..datasets.splits import DatasetView
 from ..imaging.draws import draw_resized_crops
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..imaging.decode_batch import decode_jpeg, jpeg_size, looks_like_jpeg
-from ..formats.manifest import IMAGES_LMDB, load_manifest
 from ..loading.run_ahead import RunAhead
 from ..loading.sampler import DistributedBatchSampler, SamplerBacked
+from ..storage.opening import OpenedPath
 
 INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
                 "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
@@ -62,6 +60,24 @@ def _dali() -> Any:
     return dali
 
 
+def _lmdb_samples(data: Union[str, Path, OpenedPath, FastDataset, DatasetView]
+                  ) -> tuple[FastDataset, Optional[np.ndarray]]:
+    """The local LMDB dataset under ``data`` and the samples of it to serve (None: all), its manifest read
+    once: a folder or an opened path is opened here, a dataset or a view of one is used as it is."""
+    indices = None
+    if isinstance(data, DatasetView):
+        data, indices = data.base, data.indices
+    if not isinstance(data, FastDataset):
+        data = FastDataset(data)
+    if not data.is_lmdb or data.lmdb_reader is None:
+        raise ConfigError(f"DALILoader reads JPEG LMDB datasets; {data.root} is {data.manifest['format']}: "
+                          "preprocess with --format lmdb, or read it with FastDataset and FastLoader")
+    if data._remote is not None:  # noqa: SLF001 - the dataset this package opened or was handed
+        raise ConfigError(f"DALILoader reads a local LMDB folder, and {data.root} came from object storage: read "
+                          "it with FastDataset and FastLoader (they stream it through the node cache)")
+    return data, indices
+
+
 def _stream_outputs(pipe: Any) -> bool:
     """Whether ``pipe.run`` can hand its outputs to a CUDA stream instead of the host: DALI's default executor
     since DALI 1.4x (``exec_dynamic``), whose ``run`` takes the stream."""
@@ -69,21 +85,80 @@ def _stream_outputs(pipe: Any) -> bool:
 
 
 class DALILoader(SamplerBacked):
-    """Batches of an LMDB dataset decoded and augmented by DALI; see the module docstring."""
+    """Batches of a JPEG LMDB dataset decoded and augmented by NVIDIA DALI, in fastdata's own order.
 
-    def __init__(self, path: Union[str, Path], batch_size: int, *, size: int = 224, train: bool = True,
+    The data's way::
+
+        DistributedBatchSampler -> sorted batch indices -> JPEG records read from the LMDB (views, no copy)
+            -> crop boxes and flips drawn on the host -> fn.external_source -> DALI decodes only the box
+            (nvJPEG with device "mixed") -> resize, crop, mirror, normalise -> (B, 3, size, size) channels_last
+
+    DALI serves the same batches as FastLoader: the same ``(seed, epoch)`` order, each batch's samples
+    ascending, exactly once per epoch across ranks, equal batch counts, mid-epoch resume.
+    Batches come out as CUDAPrefetcher's do: normalised images, channels_last, and int64 labels.
+    Training draws a random-resized crop (area 8-100%, aspect 3/4-4/3) and a random flip per image from
+    ``(seed, epoch, batch position, rank)``, with the rule of :class:`~fastdata.imaging.transforms.RandomResizedCrop`,
+    so a resumed run draws exactly the crops of the uninterrupted one.
+    Evaluation resizes the shorter side to ``size`` and crops the centre.
+    DALI pulls each batch ``prefetch`` batches ahead of the consumer; the sampler advances only when a batch
+    is handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
+    Import it explicitly (``from fastdata.dali import DALILoader``): fastdata never imports DALI by itself.
+
+    Args:
+        path: A local LMDB dataset: its folder, a FastDataset of it, or a ``DatasetView`` (some of its samples).
+        batch_size: Images per batch.
+        size: The side of the square output images (default 224).
+        train: Random-resized crops and flips (default True); False: resize and centre crop.
+        shuffle: Draw a new order every epoch (default None: ``train``).
+        seed: The seed of the order and of the crops (default 0); every rank must pass the same one.
+        drop_last: Cut the epoch to whole batches on every rank (default False).
+        device: ``"cuda"`` (default: decoded on the GPU) or ``"cpu"`` (decoded by DALI on the CPU).
+        mean: Per-channel mean in 0-1 units (default: ImageNet's).
+        std: Per-channel standard deviation in 0-1 units (default: ImageNet's).
+        dtype: ``torch.float32`` (default), ``torch.float16`` or ``torch.bfloat16``.
+        num_threads: DALI's CPU threads (default: ``min(4, torch.get_num_threads())``).
+        on_error: ``"fail"`` (default) raises on a record that does not decode; ``"skip"`` leaves it out and
+            lists it in :attr:`skipped`.
+        pad: Repeat a few samples so every rank serves as many batches (default None: ``train``).
+        rank: This process's rank (default: torch.distributed's when initialised, else 0).
+        world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
+        prefetch: Batches DALI decodes ahead of the consumer, >= 1 (default 2).
+        hw_decoder_load: The share of JPEGs given to the GPU's hardware JPEG decoder, in [0, 1] (default None:
+            DALI's own default).
+        stream_outputs: Hand ``pipe.run``'s outputs to the consumer's CUDA stream where DALI allows it, instead
+            of a host-synchronous call (default True; NOTE [DALI outputs on the stream]).
+        run_ahead: Run the pipeline and its feed on a loader thread (default None: on a GPU;
+            NOTE [loader thread] in fastdata/loading/run_ahead.py).
+
+    Raises:
+        ConfigError: The dataset is not a local (image, class) JPEG LMDB, an argument is out of range, or
+            ``device`` is CUDA where torch sees no GPU.
+        MissingDependencyError: NVIDIA DALI is not installed (``pip install 'fastdata[dali]'``).
+        FormatError: The folder is not a fastdata dataset (as for FastDataset).
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+        ImageDecodeError: While iterating, a record does not decode and ``on_error="fail"`` (with ``"skip"``:
+            DALI failed on a batch in which the host can decode every image).
+
+    Examples:
+        >>> from fastdata.dali import DALILoader
+        >>> train = DALILoader("data/train-lmdb", 256, size=176, train=True, dtype=torch.bfloat16)
+        >>> for images, labels in train:  # (256, 3, 176, 176) bfloat16 channels_last on the GPU, (256,) int64
+        ...     ...
+    """
+
+    def __init__(self, path: Union[str, Path, OpenedPath, FastDataset, DatasetView], batch_size: int, *, size: int = 224, train: bool = True,
                  shuffle: Optional[bool] = None, seed: int = 0, drop_last: bool = False,
                  device: Union[str, torch.device] = "cuda", mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD, dtype: torch.dtype = torch.float32,
-                 num_threads: Optional[int] = None, indices: Optional[np.ndarray] = None,
+                 num_threads: Optional[int] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, prefetch: int = 2,
                  hw_decoder_load: Optional[float] = None, stream_outputs: bool = True,
                  run_ahead: Optional[bool] = None) -> None:
-        self.root = Path(path)
-        self.manifest = load_manifest(self.root, formats=(IMAGES_LMDB,))
-        if "fields" in self.manifest:
-            names = ", ".join(f["name"] for f in self.manifest["fields"])
+        base, self.indices = _lmdb_samples(path)
+        self.root, self.manifest = base.root, base.manifest
+        if base.fields is not None:
+            names = ", ".join(f.name for f in base.fields)
             raise ConfigError(f"{self.root} has sample fields ({names}): DALILoader serves (image, class) LMDBs; "
                               "read it with FastDataset and FastLoader, whose transforms move every field with the "
                               "image")
@@ -105,9 +180,8 @@ class DALILoader(SamplerBacked):
             self.device = torch.device("cuda", torch.cuda.current_device())
         # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/loading/run_ahead.py)
         self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
-        self.reader = open_lmdb(self.root, self.manifest)
-        self.labels = np.load(safe_join(self.root, self.manifest["labels"]), allow_pickle=False)
-        self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
+        self.reader = base.lmdb_reader
+        self.labels = base.targets
         n = len(self.labels) if self.indices is None else len(self.indices)
         self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
         self.mean, self.std = tuple(mean), tuple(std)
@@ -134,10 +208,12 @@ class DALILoader(SamplerBacked):
 
     @property
     def dataset(self) -> "DALILoader":
+        """The loader itself (what torch-style code reads as ``loader.dataset``)."""
         return self
 
     @property
     def classes(self) -> list[str]:
+        """The class names, in label order."""
         return list(self.manifest["classes"])
 
     # -- the pipeline ---------------------------------------------------------------------------------
@@ -222,7 +298,7 @@ class DALILoader(SamplerBacked):
             idx = np.sort(idx)  # the same per-batch order as FastLoader
             rows = idx if self.indices is None else self.indices[idx]
             # Views of the memory-mapped store, not copies (py-lmdb copies a record into bytes under the GIL,
-            # on the thread that runs the training step: 0.3-0.9 ms a batch of 256 in bench_dali): DALI copies
+            # on the thread that runs the training step, a cost bench_dali's profile shows): DALI copies
             # each batch when it is fed, within the call that pulled it, and the read transaction stays open
             # until the next batch is planned.
             with self.reader.views(rows) as blobs:
@@ -264,9 +340,9 @@ class DALILoader(SamplerBacked):
     def _drain(self) -> None:
         """Run out what an abandoned iteration left scheduled, then reset the pipeline for reuse: its source
         ends at once, DALI serves the batches it had already pulled (none reached the consumer, so the
-        sampler never counted them) and raises StopIteration. With a rebuild instead, a restarted iteration's
-        first batch kept ResNet-50 waiting 0.3-1.8 s on an H200 (bench_dali's profile, 2026-11-26), on every
-        ``break`` out of the loop; bench_dali's ``first_batch_ms`` measures both."""
+        sampler never counted them) and raises StopIteration. A rebuild instead would make a restarted
+        iteration's first batch wait for a whole new pipeline, on every ``break`` out of the loop; bench_dali's
+        ``first_batch_ms`` measures both (benchmarks/RESULTS.md)."""
         pipe = self._pipe
         self._feed = iter(())
         try:

@@ -4,10 +4,13 @@ cache.py runs the streaming itself)."""
 from __future__ import annotations
 
 import re
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..errors import ConfigError
+from ..formats.manifest import MANIFEST_NAME, check_manifest, load_manifest
 from .remote import RemoteDataset, is_url, scrub
 
 if TYPE_CHECKING:
@@ -30,34 +33,108 @@ def parse_size(value: Union[int, float, str, None], name: str = "cache_limit") -
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def open_remote(path: Union[str, Path], storage_options: Optional[dict[str, Any]],
-                cache_dir: Optional[Union[str, Path]], cache_limit: Union[int, str, None],
-                streamed: Callable[[dict[str, Any]], frozenset[str]]
-                ) -> tuple[Path, Optional[RemoteDataset], Optional[int]]:
-    """``(local folder, remote or None, limit in bytes)`` for a dataset ``path``: a URL's cache folder with
-    every file but ``streamed(manifest)`` downloaded (those come with the batches), else the path itself.
-    A dataset that streams nothing must fit under ``cache_limit`` whole."""
+@dataclass(frozen=True)
+class OpenedPath:
+    """A dataset path opened for reading, its manifest read once: pass it instead of the path to a second
+    reader of the same dataset in this run (a train and an eval reader, DALILoader) so that neither reads
+    nor fetches the manifest again.
+
+    Attributes:
+        root: the local folder (a URL's node-cache folder).
+        manifest: the checked manifest.
+        remote: the :class:`RemoteDataset` a URL was opened through; None for a local folder.
+        limit: the cache bound in bytes (``cache_limit``); None for no bound or a local folder.
+    """
+
+    root: Path
+    manifest: dict[str, Any]
+    remote: Optional[RemoteDataset] = None
+    limit: Optional[int] = None
+
+
+def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
+              storage_options: Optional[dict[str, Any]] = None, cache_dir: Optional[Union[str, Path]] = None,
+              cache_limit: Union[int, str, None] = None,
+              streamed: Callable[[dict[str, Any]], frozenset[str]] = lambda m: frozenset()) -> OpenedPath:
+    """A dataset folder or URL opened: its manifest read and checked once (one of ``formats``), a URL's files
+    but ``streamed(manifest)`` downloaded into the node cache (those come with the batches), the cache bound
+    parsed. An :class:`OpenedPath` is checked against ``formats`` and returned as it is.
+
+    Raises:
+        ConfigError: URL options given for a local folder or an opened path; a dataset that streams nothing
+            and does not fit under ``cache_limit``.
+        FormatError: no manifest, a damaged one, or a format not in ``formats``.
+    """
+    if isinstance(path, OpenedPath):
+        if storage_options is not None or cache_dir is not None or cache_limit is not None:
+            raise ConfigError("storage_options, cache_dir and cache_limit were given when the dataset was opened; "
+                              "pass them there, not again with the opened dataset")
+        check_manifest(path.manifest, path.root, formats, where=str(path.root / MANIFEST_NAME))
+        return path
     limit = parse_size(cache_limit)
     if not is_url(str(path)):  # a local folder is read in place
         if storage_options is not None or cache_dir is not None or cache_limit is not None:
             raise ConfigError(f"storage_options, cache_dir and cache_limit apply to URLs (s3://..., gs://...); "
                               f"{path} is a local path")
-        return Path(path), None, None
+        return OpenedPath(Path(path), load_manifest(path, formats))
     remote = RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir)
-    stream = streamed(remote.manifest)
-    need = sum(int(f["bytes"]) for f in remote.manifest["files"] if f["path"] not in stream)
+    manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}")
+    stream = streamed(manifest)
+    need = sum(int(f["bytes"]) for f in manifest["files"] if f["path"] not in stream)
     if limit is not None and not stream and need > limit:
         raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
                           f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
                           "storage='mmap')")
-    return remote.prepare(stream), remote, limit
+    return OpenedPath(remote.prepare(stream), manifest, remote, limit)
+
+
+def _release(cache: Optional["ShardCache"], reader: Any) -> None:
+    if cache is not None:
+        cache.close()
+    if reader is not None:
+        reader.close()
 
 
 class StreamedReads:
-    """What every dataset streamed through a :class:`ShardCache` (``_cache``; None when local) offers;
-    ``plan_reads(batches, now)`` stays the dataset's own (it maps samples to shards)."""
+    """What every dataset opened through this layer offers: reads streamed through a :class:`ShardCache`
+    (``_cache``; None when local), and :meth:`close`. ``plan_reads(batches, now)`` stays the dataset's own
+    (it maps samples to shards)."""
 
     _cache: Optional["ShardCache"]
+
+    def _hold(self, reader: Any = None) -> None:
+        """Called once opened: closing the dataset, or dropping it, stops the cache's threads, lets go of its
+        pins and closes ``reader`` (LMDB environments). The finalizer refers to them, never to the dataset,
+        so a dropped dataset is collected."""
+        self._released = weakref.finalize(self, _release, self._cache, reader)
+
+    def close(self) -> None:
+        """Release what the dataset holds: prefetch threads, pinned shards, LMDB environments and memory maps
+        (a copy in /dev/shm stays for the next reader). Batches read earlier stay valid; reading again
+        raises. Calling it twice does nothing.
+
+        Example:
+            >>> with FastDataset("data/train") as ds:
+            ...     x, y = ds.get_batch([0, 1])
+        """
+        released = getattr(self, "_released", None)
+        if released is not None:
+            released()
+        self._drop_storage()
+        self._closed = True
+
+    def _drop_storage(self) -> None:
+        """Forget the maps and arrays the dataset reads (each dataset knows its own)."""
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ConfigError(f"{self!r} was closed: open the dataset again to read it")
+
+    def __enter__(self) -> "StreamedReads":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def end_reads(self, token: Optional[object]) -> None:
         """The loader pass that planned ``token`` is over (its prefetching stops)."""

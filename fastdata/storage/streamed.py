@@ -62,6 +62,11 @@ def token_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
 
 
+def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
+    """The files of a remote dataset of any format fetched as batches need them (the others come at opening)."""
+    return image_streamed(manifest, storage) | token_streamed(manifest, storage)
+
+
 class Labels:
     """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
     when the dataset opens (its labels files, or a streamed dataset's ``all_labels`` when small enough:

@@ -16,10 +16,12 @@ from ..datasets.splits import split
 from ..errors import ConfigError
 from ..imaging.transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from ..loading.loader import FastLoader
-from ..formats.manifest import load_manifest
+from ..formats.manifest import TOKENS
 from .models import create_model
 from ..gpu.prefetch import CUDAPrefetcher
-from ..storage.remote import RemoteDataset, is_url
+from ..storage.opening import OpenedPath, open_path
+from ..storage.remote import is_url
+from ..storage.streamed import streamed_files
 
 AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 
@@ -57,13 +59,6 @@ class ImageRun:
             raise ConfigError("--shuffle-window applies to the native backend (DALI shuffles in its own reader)")
 
 
-def manifest_of(path: Union[str, Path], cache_dir: Optional[str] = None) -> dict[str, Any]:
-    """The manifest of a dataset folder or URL (a URL's only: nothing else is downloaded)."""
-    if is_url(path):
-        return RemoteDataset(str(path), cache_dir=cache_dir).manifest
-    return load_manifest(path)
-
-
 def crop_side(p: ImageRun, side: int) -> int:
     """The side of the crops taken from ``side`` px images: ``--crop``, else 7/8 of the side (224 of 256)."""
     return p.crop or side * 7 // 8
@@ -81,12 +76,14 @@ def transforms(p: ImageRun, side: int) -> tuple[Optional[Transform], Optional[Tr
     return Compose([RandomResizedCrop(crop), RandomHorizontalFlip()]), CenterCrop(crop)
 
 
-def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
-    """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``."""
-    if p.backend == "dali":
-        return build_dali(p, device)
+def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
+          ) -> tuple[torch.nn.Module, Any, Optional[Any]]:
+    """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``.
+    ``opened``: ``p.data`` already opened (its manifest read once per run). The samples are decided once,
+    as datasets or views of one; only the loader differs by backend."""
     cache = {"cache_dir": p.cache_dir, "cache_limit": p.cache_limit}
-    ds = FastDataset(p.data, storage=p.storage, device=device, **cache)
+    ds = FastDataset(opened, storage=p.storage, device=device) if opened is not None else FastDataset(
+        p.data, storage=p.storage, device=device, **cache)
     if not ds.has_labels:
         fields = ", ".join(f.name for f in ds.fields or [])
         raise ConfigError(f"{p.data} has no 'label' field ({fields}): `fastdata train` trains classifiers; train a "
@@ -101,6 +98,13 @@ def build(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, CUDAPrefe
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
     side = ds.sample_shape[0]
+    if p.backend == "dali":  # DALI decodes, crops and flips on the device
+        from ..gpu.dali import DALILoader
+
+        size = crop_side(p, side)
+        train = DALILoader(train_ds, p.batch_size, size=size, train=True, seed=p.seed, device=device)
+        val = None if val_ds is None else DALILoader(val_ds, p.batch_size, size=size, train=False, device=device)
+        return image_model(p.model, len(ds.classes), size), train, val
     train_tf, eval_tf = transforms(p, side)
     seen = crop_side(p, side) if p.augment == "rrc-flip" else side
     model = image_model(p.model, len(ds.classes), seen)
@@ -137,7 +141,7 @@ def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Opt
     return train, val
 
 
-def build_lm(data: Union[str, Path], model: Optional[str], batch_size: int, seq_len: int, storage: str,
+def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_size: int, seq_len: int, storage: str,
              threads: Optional[int], seed: int, device: torch.device, shuffle_window: Optional[int] = None,
              cache_dir: Optional[str] = None, cache_limit: Union[int, str, None] = None
              ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
@@ -146,32 +150,12 @@ def build_lm(data: Union[str, Path], model: Optional[str], batch_size: int, seq_
 
     if (model or "gpt-tiny") != "gpt-tiny":
         raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
-    cache = {"cache_dir": cache_dir, "cache_limit": cache_limit}
-    train_ds = TokenDataset(data, "train", seq_len, storage=storage, **cache)
+    if not isinstance(data, OpenedPath):  # the manifest read once, for both splits
+        data = open_path(data, (TOKENS,), cache_dir=cache_dir, cache_limit=cache_limit,
+                         streamed=lambda m: streamed_files(m, storage))
+    train_ds = TokenDataset(data, "train", seq_len, storage=storage)
     val_ds = None
     if train_ds.manifest["splits"]["val"]["tokens"] >= seq_len + 1:
-        val_ds = TokenDataset(data, "val", seq_len, storage=storage, **cache)
+        val_ds = TokenDataset(data, "val", seq_len, storage=storage)
     train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device, shuffle_window=shuffle_window)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
-
-
-def build_dali(p: ImageRun, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
-    """The same run with an LMDB dataset decoded by DALI (GPU decode on CUDA): augmentation happens in DALI."""
-    from ..gpu.dali import DALILoader
-    from ..datasets.splits import split_indices
-    from ..formats.manifest import IMAGES_LMDB
-
-    m = load_manifest(p.data)
-    if m["format"] != IMAGES_LMDB:
-        raise ConfigError(f"--backend dali reads JPEG LMDB datasets; {p.data} is {m['format']}: preprocess with "
-                          "--format lmdb, or use the native backend")
-    size = crop_side(p, m["max_short_side"])
-    model = image_model(p.model, len(m["classes"]), size)
-    train_idx = val_idx = None
-    if p.val_fraction:
-        train_idx, val_idx = split_indices(m["num_samples"], p.val_fraction, p.seed)
-    train = DALILoader(p.data, p.batch_size, size=size, train=True, seed=p.seed, device=device, indices=train_idx)
-    val = None
-    if p.val is not None or val_idx is not None:
-        val = DALILoader(p.val or p.data, p.batch_size, size=size, train=False, device=device, indices=val_idx)
-    return model, train, val

@@ -1,0 +1,113 @@
+"""An image dataset's bytes opened for reading, in one storage mode: ``.npy`` shards memory-mapped, one
+contiguous copy in RAM or /dev/shm, one tensor on the GPU, an LMDB reader, or shards streamed from object
+storage through the node cache (NOTE [shard cache] in fastdata/storage/cache.py); the sample fields' files
+with them. :class:`~fastdata.datasets.images.FastDataset` keeps only the batching on top of this."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..formats.lmdb_store import LmdbReader, open_lmdb
+from ..formats.manifest import IMAGES_LMDB
+from ..formats.schema import Field
+from .cache import ShardCache
+from .fields import FieldStore
+from .opening import OpenedPath
+from .shards import ShardSet, check_sizes, map_npy, open_shards, verify_hashes
+from .streamed import Labels, shard_groups
+
+
+@dataclass
+class OpenedImages:
+    """Where an image dataset's bytes live once opened; exactly one of ``maps`` (non-empty), ``flat``,
+    ``device``, ``reader`` or ``cache`` holds the images (``cache`` beside ``reader`` for a streamed LMDB)."""
+
+    maps: list[np.ndarray] = field(default_factory=list)  # mmap: one map per shard
+    flat: Optional[np.ndarray] = None  # ram/shm: one (N, S, S, 3) array
+    device: Optional[torch.Tensor] = None  # cuda: the whole dataset on the device...
+    device_labels: Optional[torch.Tensor] = None  # ...and its labels
+    reader: Optional[LmdbReader] = None  # LMDB: JPEG records
+    cache: Optional[ShardCache] = None  # streamed: shards fetched as the coming batches need them
+    fields: Optional[FieldStore] = None  # the sample fields' files (datasets with fields)
+
+
+def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool) -> set[str]:
+    """The files opened (and checked) by :func:`open_images`: image shards and the extra fields' files."""
+    names = set() if is_lmdb else {s["images"] for s in manifest["shards"]}
+    shards = len(manifest["lmdb_shards" if is_lmdb else "shards"]) if fields is not None else 0
+    for f in fields or []:
+        if f.kind not in ("image", "label"):
+            names.update(n for k in range(shards) for n in f.files(k))
+    return names
+
+
+def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool,
+                      verify: bool) -> None:
+    """Size (and with ``verify`` hash) every present file that :func:`open_images` does not open itself
+    (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
+    opened = image_files(manifest, fields, is_lmdb)
+    others = [f["path"] for f in manifest["files"] if f["path"] not in opened and (root / f["path"]).exists()]
+    check_sizes(root, manifest, others)
+    if verify:
+        verify_hashes(root, manifest, others)
+
+
+def open_images(opened: OpenedPath, fields: Optional[list[Field]], storage: str, labels: Labels, *,
+                sample_shape: tuple[int, ...], verify: bool, streams: bool, labels_at_open: bool,
+                device: torch.device, shm_dir: Optional[Path]) -> OpenedImages:
+    """The bytes of an opened dataset in ``storage`` mode (``streams``: npy shards through the node cache;
+    a URL's LMDB shards always stream); ``labels`` are filled in as streamed shards arrive."""
+    root, manifest = opened.root, opened.manifest
+    out = OpenedImages()
+    if manifest["format"] == IMAGES_LMDB:
+        out.reader = open_lmdb(root, manifest)
+        if opened.remote is not None and "lmdb_shards" in manifest:
+            _stream(out, opened, fields, storage, labels, labels_at_open, None, verify)
+        elif fields is not None:
+            out.fields = FieldStore(root, manifest, fields, storage, verify=verify)
+        return out
+    images = ShardSet(root, manifest, [(s["images"], s["samples"]) for s in manifest["shards"]], sample_shape,
+                      np.dtype(np.uint8))
+    if streams:
+        _stream(out, opened, fields, storage, labels, labels_at_open, images, verify)
+        return out
+    shards = open_shards(images, storage, verify=verify, device=device, shm_dir=shm_dir)
+    out.maps, out.flat, out.device = shards.maps, shards.flat, shards.device
+    if fields is not None:
+        out.fields = FieldStore(root, manifest, fields, storage, verify=verify, device=device, shm_dir=shm_dir)
+    if out.device is not None and (fields is None or any(f.kind == "label" for f in fields)):
+        out.device_labels = torch.from_numpy(labels.array.copy()).to(device)
+    return out
+
+
+def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]], storage: str, labels: Labels,
+            labels_at_open: bool, images: Optional[ShardSet], verify: bool) -> None:
+    """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
+    files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
+    (npy) or its LMDB store handed to the reader (``images`` None)."""
+    root, manifest = opened.root, opened.manifest
+    groups = shard_groups(manifest, labels_at_open)
+    store = None
+    if fields is not None:
+        store = out.fields = FieldStore(root, manifest, fields, storage, verify=verify, streamed=True)
+
+    def opener(s: int, path: Path) -> Any:
+        if verify:
+            verify_hashes(root, manifest, list(groups[s]))
+        labels.arrived(s)
+        if store is not None:
+            store.open_shard(s)
+        if images is None:
+            return path
+        return map_npy(root, images.files[s][0], (images.files[s][1], *images.row_shape), images.dtype)
+
+    def closer(s: int, path: Path) -> None:
+        if images is None:
+            out.reader.release(path)  # type: ignore[union-attr]
+        if store is not None:
+            store.close_shard(s)
+    out.cache = ShardCache(opened.remote, groups, opener, limit=opened.limit, closer=closer)

@@ -1,0 +1,85 @@
+"""Datasets release what they hold: close(), the context manager, and a dropped dataset (threads, file
+descriptors, maps, the node cache's prefetch threads and pins, LMDB environments)."""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from fastdata import ConfigError, FastDataset, FastLoader, TokenDataset
+from test_remote import s3  # noqa: F401 - the moto server fixture
+
+pytestmark = pytest.mark.faults
+
+
+def _held() -> tuple[int, int]:
+    gc.collect()
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def _epoch(ds) -> list[np.ndarray]:
+    return [x.numpy().copy() for x, _ in FastLoader(ds, 16, num_threads=2)]
+
+
+@pytest.mark.parametrize("fmt, storage", [("npy", "mmap"), ("npy", "ram"), ("lmdb", "mmap")])
+def test_fifty_dropped_datasets_leave_threads_and_descriptors_flat(indexed_datasets, fmt, storage):
+    path = indexed_datasets[fmt]
+    want = _epoch(FastDataset(path, storage=storage))
+    before = _held()
+    for _ in range(50):
+        ds = FastDataset(path, storage=storage)
+        assert all(np.array_equal(a, b) for a, b in zip(_epoch(ds), want))
+        del ds
+    assert _held() == before
+
+
+def test_close_releases_and_refuses_later_reads_but_earlier_batches_stay(indexed_datasets):
+    with FastDataset(indexed_datasets["lmdb"]) as ds:
+        x, y = ds.get_batch([3, 1])
+        kept = x.clone()
+    assert ds.lmdb_reader is None
+    with pytest.raises(ConfigError, match="was closed"):
+        ds.get_batch([0])
+    assert np.array_equal(x, kept) and y.tolist() == [0, 1]
+    ds.close()  # a second close does nothing
+
+
+def test_a_dropped_streamed_dataset_stops_its_cache_threads(s3, indexed_datasets, tmp_path):  # noqa: F811
+    from fastdata.storage.remote import push
+
+    url = s3("close-streamed") + "/npy"
+    push(indexed_datasets["npy"], url)
+    cache = {"cache_dir": tmp_path / "cache", "cache_limit": 4000}  # a few shards: prefetch and eviction run
+    want = _epoch(FastDataset(url, **cache))
+    before = _held()
+    for _ in range(10):
+        ds = FastDataset(url, **cache)
+        assert all(np.array_equal(a, b) for a, b in zip(_epoch(ds), want))
+        del ds
+    assert _held() == before
+    ds = FastDataset(url, **cache)
+    _epoch(ds)
+    ds.close()
+    assert _held() == before
+    assert not any(t.name.startswith("fastdata-prefetch") and t.is_alive() for t in threading.enumerate())
+
+
+def test_token_dataset_close_and_drop(tmp_path):
+    from fastdata.cli.main import main
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    assert main(["preprocess", "text", str(tmp_path / "a.txt"), str(tmp_path / "tok"), "--tokenizer", "bytes",
+                 "--quiet"]) == 0
+    before = _held()
+    for _ in range(20):
+        ds = TokenDataset(tmp_path / "tok", "train", 16)
+        assert len(list(FastLoader(ds, 8, num_threads=2))) > 0
+        del ds
+    assert _held() == before
+    with TokenDataset(tmp_path / "tok", "train", 16) as ds:
+        ds.get_batch([0])
+    with pytest.raises(ConfigError, match="was closed"):
+        ds.get_batch([0])
