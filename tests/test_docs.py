@@ -1,0 +1,121 @@
+"""The docs: the site builds with ``mkdocs build --strict`` (a broken link, anchor or reference fails it), the
+API page lists every public name where it lives, and the README stays a short front page whose links resolve."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastdata
+
+pytestmark = pytest.mark.docs
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def needs_mkdocs() -> None:
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent of a dotted name is missing
+            found = False
+        if not found:
+            pytest.skip(f"needs the docs extra (pip install -e '.[docs]'): {module} is not importable")
+
+
+def build(root: Path, site: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # mkdocs-material's banner: not a build warning
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_site_builds_strict_and_renders_the_api(tmp_path):
+    needs_mkdocs()
+    done = build(ROOT, tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    for name in fastdata.__all__:
+        assert f'id="{fastdata._EXPORTS[name]}.{name}"' in api, f"{name} is not rendered in the API page"
+    assert (tmp_path / "site" / "benchmarks" / "RESULTS" / "index.html").is_file()
+
+
+def copy_of_the_docs(tmp_path: Path) -> Path:
+    """What the build reads, in a folder of its own: mkdocs.yml, docs/, the package and the results."""
+    root = tmp_path / "repo"
+    ignore = shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc")
+    root.mkdir()
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    for folder in ("docs", "fastdata", "benchmarks/history"):
+        shutil.copytree(ROOT / folder, root / folder, ignore=ignore)
+    shutil.copy(ROOT / "benchmarks" / "RESULTS.md", root / "benchmarks" / "RESULTS.md")
+    return root
+
+
+@pytest.mark.parametrize("planted, named", [
+    ("[a page that is not there](no-such-page.md)", "no-such-page.md"),
+    ("[a row that is not there](../benchmarks/RESULTS.md#no-such-row)", "no-such-row"),
+    ("[a name that is not there][fastdata.loading.loader.NoSuchLoader]", "NoSuchLoader"),
+])
+def test_a_strict_build_fails_on_a_broken_link_or_reference(tmp_path, planted, named):
+    needs_mkdocs()
+    root = copy_of_the_docs(tmp_path)
+    page = root / "docs" / "loading.md"
+    page.write_text(page.read_text() + f"\nSee {planted}.\n")
+    done = build(root, tmp_path / "site")
+    assert done.returncode != 0, f"the build passed with {planted!r} planted:\n{done.stdout}{done.stderr}"
+    assert named in done.stdout + done.stderr
+
+
+def test_the_api_page_lists_every_public_name_where_it_lives():
+    entries = set(re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE))
+    expected = {f"{fastdata._EXPORTS[name]}.{name}" for name in fastdata.__all__} | {"fastdata.gpu.dali.DALILoader"}
+    assert entries == expected, f"missing: {sorted(expected - entries)}; not public: {sorted(entries - expected)}"
+
+
+def anchors(path: Path) -> set[str]:
+    """The ids a link may point at in a markdown file: explicit ``id="..."`` and GitHub's heading slugs."""
+    text = path.read_text()
+    ids = set(re.findall(r'id="([^"]+)"', text))
+    for heading in re.findall(r"^#+ (.+)$", text, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        ids.add(slug)
+    return ids
+
+
+def broken_links(readme: Path, root: Path) -> list[str]:
+    """Relative links of ``readme`` that lead to no file, or to no heading or id in a markdown file."""
+    broken = []
+    for target in LINK.findall(readme.read_text()):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (root / path) if path else readme
+        if not file.exists():
+            broken.append(f"{target}: no file {path}")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading or id #{anchor} in {path}")
+    return broken
+
+
+def test_the_readme_is_a_short_front_page_whose_links_resolve():
+    readme = ROOT / "README.md"
+    lines = readme.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail into docs/ (at most 200)"
+    broken = broken_links(readme, ROOT)
+    assert not broken, "README.md links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "RESULTS.md").write_text('## Which path when\n\n| <a id="loader"></a>x |\n')
+    readme = tmp_path / "README.md"
+    readme.write_text("[a](RESULTS.md#loader) [b](RESULTS.md#which-path-when) [c](https://example.com/x.md)\n"
+                      "[d](gone.md) [e](RESULTS.md#no-such-row)\n")
+    assert broken_links(readme, tmp_path) == ["gone.md: no file gone.md",
+                                              "RESULTS.md#no-such-row: no heading or id #no-such-row in RESULTS.md"]
