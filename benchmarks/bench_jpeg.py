@@ -15,6 +15,8 @@ Rows, each at 1 and 2 threads:
   224))`` over a .beton holding the very same JPEG records, when installed (FFCV's RRC decoder does not
   flip; fastdata's row does);
 - DALI's CPU pipeline (``DALILoader(device="cpu")``) when installed;
+- training crops only: fastdata over a second store of the same photos made with ``--resize max-side``
+  (longer side at most 256, FFCV's ``max_resolution``): fewer pixels a record, the trade FFCV's store makes;
 - the previous path (Pillow draft + Lanczos per record), centre crops only;
 - fastdata in 2 processes of 1 loader thread each, run together and counted in one common window (after
   the rounds, best of them): the 1 -> 2 scaling this machine gives decoders that share no GIL, against
@@ -249,13 +251,20 @@ def main() -> None:
         make_image_folder(scratch / "jpeg", num_classes=8, per_class=args.images // 8, sizes=((500, 375), (375, 500)))
         preprocess_images(ImagePreprocessConfig(src=scratch / "jpeg", out=scratch / "lmdb", size=STORED, format="lmdb",
                                                 quality=QUALITY, progress=False))
-        lmdb = scratch / "lmdb"
+        lmdb, lmdb_max = scratch / "lmdb", scratch / "lmdb-max-side"
+        preprocess_images(ImagePreprocessConfig(src=scratch / "jpeg", out=lmdb_max, size=STORED, format="lmdb",
+                                                resize="max-side", quality=QUALITY, progress=False))
         n = args.images // 8 * 8
         records = open_lmdb(lmdb, load_manifest(lmdb)).get_many(range(n))
         labels = FastDataset(lmdb).targets
         print(f"fastdata {fastdata.__version__}, simplejpeg {simplejpeg.__version__}, torch {torch.__version__}; "
               f"{n} records (500x375 sources stored at shorter side {STORED}, quality {QUALITY}), uint8 {SIZE}px, "
               f"batch {BATCH}")
+        for name, store in (("shorter side", lmdb), ("max-side", lmdb_max)):
+            blobs = open_lmdb(store, load_manifest(store)).get_many(range(n))
+            pixels = np.mean([np.prod(jpeg_read.jpeg_size(b)) for b in blobs])
+            print(f"{name} {STORED} store: {np.mean([len(b) for b in blobs]) / 1e3:.1f} KB, {pixels / 1e3:.1f} "
+                  "kpixels a record")
         ffcv, dali = ffcv_rows(records, labels, scratch, args.seconds), dali_rows(lmdb, args.seconds)
 
         # The bare decoders' geometry, decided before the clock starts: per record, only the decode is timed.
@@ -319,6 +328,7 @@ def main() -> None:
                 "bare decoder (full image, same modes)": lambda t: per_record_rate(records, jpeg_read.turbo_decode, t,
                                                                                   args.seconds),
                 "fastdata": loader_rate(train_ds),
+                f"fastdata, max-side {STORED} store": loader_rate(FastDataset(lmdb_max, size=SIZE, crop="random")),
                 **({python_loop: loader_rate(train_ds, compiled=False)} if compiled else {}),
                 **({"fastdata, whole-image decode": loader_rate(train_ds, False)} if partial else {}),
                 **({"FFCV RandomResizedCropRGBImageDecoder": ffcv["train"]} if ffcv else {}),

@@ -166,6 +166,29 @@ def run_case(name: str, src: Path, n: int, size: int, workers: int, scratch: Pat
     return row
 
 
+def fd_store(src: Path, out: Path, size: int, fmt: str, flt: str, workers: int, resize: str) -> None:
+    """One fastdata preprocess into a fresh ``out``, writeback sync included."""
+    shutil.rmtree(out, ignore_errors=True)
+    preprocess_images(ImagePreprocessConfig(src=src, out=out, size=size, format=fmt, filter=flt, workers=workers,
+                                            resize=resize, quality=90, progress=False))
+    os.sync()
+
+
+def lmdb_resize_rows(src: Path, size: int, workers: int, scratch: Path, repeats: int) -> None:
+    """fastdata's LMDB writer storing the shorter side at ``size`` (default) against ``--resize max-side``
+    (the longer side at ``size``, FFCV's ``max_resolution``), each filter, same photos, same run."""
+    n = len(list(src.rglob("*.jpg")))
+    warm(src)
+    print(f"\nfastdata LMDB writer, {n} 500x375 photos, wall images/s (best of {repeats}), sync included")
+    print(f"{'filter':<10} {'workers':>7} {'shorter side':>13} {'max-side':>9} {'ratio':>6}")
+    for flt in ("lanczos", "bilinear"):
+        for w in sorted({1, workers}):
+            short = n / timed(lambda: fd_store(src, scratch / "fd-short", size, "lmdb", flt, w, "center-crop"),
+                              repeats)[0]
+            most = n / timed(lambda: fd_store(src, scratch / "fd-max", size, "lmdb", flt, w, "max-side"), repeats)[0]
+            print(f"{flt:<10} {w:>7} {short:>13.0f} {most:>9.0f} {most / short:>5.2f}x")
+
+
 def ffcv_writer_rows(src: Path, size: int, workers: int, scratch: Path, repeats: int) -> None:
     """fastdata preprocess against FFCV's DatasetWriter on the same photos and workers, writeback sync
     included (``os.sync()`` inside the timed region): JPEG stores (fastdata LMDB, shorter side ``size``,
@@ -191,30 +214,28 @@ def ffcv_writer_rows(src: Path, size: int, workers: int, scratch: Path, repeats:
 
     longest = -(-size * 4 // 3)  # FFCV caps the longer side: 4:3 photos get shorter side `size`, as fastdata's
 
-    def ffcv(mode: str, w: int) -> None:
+    def ffcv(mode: str, w: int, cap: int) -> None:
         out = scratch / "ffcv.beton"
         out.unlink(missing_ok=True)
-        DatasetWriter(str(out), {"image": RGBImageField(write_mode=mode, max_resolution=longest, jpeg_quality=90),
+        DatasetWriter(str(out), {"image": RGBImageField(write_mode=mode, max_resolution=cap, jpeg_quality=90),
                                  "label": IntField()}, num_workers=w).from_indexed_dataset(Folder())
         os.sync()
 
-    def fd(fmt: str, flt: str, w: int) -> None:
-        out = scratch / f"fd-{fmt}"
-        shutil.rmtree(out, ignore_errors=True)
-        preprocess_images(ImagePreprocessConfig(src=src, out=out, size=size, format=fmt, filter=flt, workers=w,
-                                                quality=90, progress=False))
-        os.sync()
+    def fd(fmt: str, flt: str, w: int, resize: str) -> None:
+        fd_store(src, scratch / f"fd-{fmt}", size, fmt, flt, w, resize)
 
     warm(src)
     n = len(files)
     print(f"\nagainst FFCV's DatasetWriter, {n} 500x375 photos, wall images/s (best of {repeats}), sync included")
     print(f"{'output':<36} {'workers':>7} {'FFCV':>8} {'fd lanczos':>11} {'fd bilinear':>12} {'ratio (lz, bl)':>16}")
-    for fmt, mode, label in (("lmdb", "jpg", f"JPEG, shorter side {size}, q90"),
-                             ("npy", "raw", f"raw pixels ({size}x{size} vs FFCV {longest}x{size})")):
+    for fmt, mode, label, cap, resize in (
+            ("lmdb", "jpg", f"JPEG, shorter side {size}, q90", longest, "center-crop"),
+            ("lmdb", "jpg", f"JPEG, longer side {size}, q90 (max-side)", size, "max-side"),  # the same geometry
+            ("npy", "raw", f"raw pixels ({size}x{size} vs FFCV {longest}x{size})", longest, "center-crop")):
         for w in sorted({1, workers}):
-            theirs = n / timed(lambda: ffcv(mode, w), repeats)[0]
-            lz = n / timed(lambda: fd(fmt, "lanczos", w), repeats)[0]
-            bl = n / timed(lambda: fd(fmt, "bilinear", w), repeats)[0]
+            theirs = n / timed(lambda: ffcv(mode, w, cap), repeats)[0]
+            lz = n / timed(lambda: fd(fmt, "lanczos", w, resize), repeats)[0]
+            bl = n / timed(lambda: fd(fmt, "bilinear", w, resize), repeats)[0]
             print(f"{label:<36} {w:>7} {theirs:>8.0f} {lz:>11.0f} {bl:>12.0f} {lz / theirs:>7.2f}x "
                   f"{bl / theirs:>6.2f}x")
 
@@ -252,6 +273,7 @@ def main() -> None:
             p, w = r["parent_ms_per_img"], r["workers_ms_per_img"]
             print(f"{r['case']:>14}: parent {p:.3f} ms, workers {w:.3f} ms -> one core of parent work per "
                   f"~{w / p:.0f} workers ({1000 / p:.0f} img/s; its write, hash and flush threads overlap)")
+        lmdb_resize_rows(scratch / "imagenet-like", args.size, args.workers, scratch, args.repeats)
         ffcv_writer_rows(scratch / "imagenet-like", args.size, args.workers, scratch, args.repeats)
         ceiling_w = writer_ceiling(scratch, args.size)
         print(f"the parent's shard writer alone (write + sha256, no decoding): {ceiling_w:,.0f} img/s at S={args.size}")

@@ -75,8 +75,29 @@ def check_cuda(device: "torch.device", hint: str) -> None:
 
 
 def init_distributed(device: str = "auto") -> DistInfo:
-    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, pick this process's device, and join the process
-    group (nccl on CUDA, gloo on CPU) when there is more than one process. Idempotent."""
+    """Read torchrun's environment, pick this process's device, and join the process group when there is one.
+
+    The rank, world size and local rank come from ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (0, 1, 0 when
+    unset).
+    With more than one process the group is joined: nccl on CUDA, gloo on the CPU.
+    Calling it again returns the same answer without joining twice.
+
+    Args:
+        device: ``"auto"`` (default: CUDA when torch sees a GPU, else the CPU), ``"cpu"``, ``"cuda"`` (this
+            process's GPU: ``cuda:LOCAL_RANK``, made current) or ``"cuda:N"``.
+
+    Returns:
+        ``DistInfo(rank, world_size, local_rank, device)``; its ``main`` is True on rank 0.
+
+    Raises:
+        ConfigError: ``device`` is CUDA where torch sees no GPU.
+
+    Examples:
+        >>> info = init_distributed()  # under `torchrun --nproc-per-node 8 train.py`
+        >>> loader = FastLoader(FastDataset("data/train"), 256)  # this rank's share of every epoch
+        >>> ...
+        >>> shutdown_distributed()
+    """
     import torch
     import torch.distributed as dist
 
@@ -114,10 +135,12 @@ def release_group(holder: Any) -> None:
 def shutdown_distributed() -> None:
     """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
 
-    Every registered holder (each live Trainer: its DDP wrapper holds the group) is closed first. A group
-    still alive when the interpreter exits keeps gloo's threads running into finalisation, where one that
-    takes the GIL can abort the process ("terminate called without an active exception") after a run
-    that went well."""
+    Every registered holder (each live Trainer: its DDP wrapper holds the group) is closed first.
+    Call it at the end of a distributed run: a group still alive when the interpreter exits keeps gloo's
+    threads running into finalisation, where one that takes the GIL can abort the process ("terminate called
+    without an active exception") after a run that went well.
+    Without a process group it does nothing.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -126,3 +149,31 @@ def shutdown_distributed() -> None:
         gc.collect()  # DDP wrappers sit in reference cycles: free them now, not at exit
         dist.barrier()
         dist.destroy_process_group()
+
+
+def group_size() -> int:
+    """The size of the joined process group (1 without one). Never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else 1
+
+
+def broadcast_bytes(data: Optional[bytes]) -> Optional[bytes]:
+    """Rank 0's ``data`` (None: it has none) on every rank of the joined process group, as two broadcasts
+    of tensors (a length, then the bytes: nothing is pickled); ``data`` itself without a group. Every rank
+    must call it, at the same point: it is a collective."""
+    if group_size() == 1:
+        return data
+    import torch
+    import torch.distributed as dist
+
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    main = dist.get_rank() == 0
+    size = torch.tensor([-1 if data is None or not main else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if int(size) < 0:
+        return None
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if main and data else
+           torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, 0)
+    return data if main else buf.cpu().numpy().tobytes()

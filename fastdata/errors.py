@@ -7,15 +7,28 @@ from __future__ import annotations
 
 
 class FastdataError(Exception):
-    """Base class of every error fastdata raises on purpose."""
+    """Base class of every error fastdata raises on purpose.
+
+    Its message says what went wrong, where (the file, URL or argument), and what to do about it.
+    The ``fastdata`` command prints it on one line and exits non-zero, without a traceback.
+
+    Examples:
+        >>> try:
+        ...     ds = FastDataset("data/train")
+        ... except FastdataError as exc:
+        ...     sys.exit(f"error: {exc}")
+    """
 
 
 class SourceError(FastdataError):
-    """The preprocessing source (image folder, CSV list) is missing, empty or malformed."""
+    """The preprocessing source (image folder, CSV list, records, text files) is missing, empty or malformed."""
 
 
 class ImageDecodeError(FastdataError):
-    """One input image could not be decoded (truncated, empty, not an image...)."""
+    """One input image could not be decoded (truncated, empty, not an image...).
+
+    Preprocessing raises it with ``on_error="fail"``; reading an LMDB dataset raises it for a damaged record.
+    """
 
 
 class OutputError(FastdataError):
@@ -23,7 +36,10 @@ class OutputError(FastdataError):
 
 
 class DiskFullError(OutputError):
-    """The disk filled up while writing; nothing that looks finished was left behind."""
+    """The disk filled up while writing; nothing that looks finished was left behind.
+
+    A subclass of :class:`OutputError`; a rerun after freeing space resumes.
+    """
 
 
 class FormatError(FastdataError):
@@ -31,11 +47,14 @@ class FormatError(FastdataError):
 
 
 class VersionError(FormatError):
-    """A manifest was written by a format version this fastdata cannot read."""
+    """A manifest was written by a format version this fastdata cannot read; upgrading fastdata reads it."""
 
 
 class ChecksumError(FormatError):
-    """A file's bytes do not match the checksum recorded in the manifest."""
+    """A file's bytes do not match the checksum recorded in the manifest.
+
+    ``fastdata verify`` lists every damaged file of a dataset.
+    """
 
 
 class MissingDependencyError(FastdataError):
@@ -43,7 +62,10 @@ class MissingDependencyError(FastdataError):
 
 
 class ConfigError(FastdataError, ValueError):
-    """An argument has a bad value; the message names the argument and echoes the value."""
+    """An argument has a bad value; the message names the argument and echoes the value.
+
+    It is also a ``ValueError``, so code that catches ``ValueError`` keeps working.
+    """
 
 
 def require(ok: bool, name: str, value: object, expected: str) -> None:

@@ -211,22 +211,26 @@ def torchrun(nproc: int, *args: str, timeout: float = 300, **kwargs: object) -> 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def journaled_units(out: Path) -> list[dict]:
+    """The units a preprocess run into ``out`` has journaled so far (empty before its first)."""
+    from fastdata.preprocess.journal import load, partial_dir
+
+    jr = load(partial_dir(out))
+    return jr.units if jr is not None else []
+
+
 def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
     """Run ``cmd`` (a preprocess) and SIGKILL it once its journal lists ``min_units`` finished units."""
-    import json
     import os
     import signal
     import subprocess
     import time
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    journal, deadline = out / ".fastdata-partial" / "journal.json", time.monotonic() + 120
+    deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if len(json.loads(journal.read_text())["units"]) >= min_units:
-                break
-        except (OSError, ValueError):
-            pass
+        if len(journaled_units(out)) >= min_units:
+            break
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -111,3 +111,34 @@ def test_a_source_tree_used_without_installing_it_knows_its_version(tmp_path):
     code = "import fastdata._version as v; print(v._source_version())"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0.0.0+unknown"
+
+
+def test_preprocess_never_imports_torch(tmp_path):
+    """`fastdata preprocess` (images and text, with worker processes) runs where torch cannot be imported: a
+    `torch` package that raises is first on the path of the command and of every process it starts."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('fastdata preprocess imported torch')\n")
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (20, 16), (i * 40, 90, 7)).save(src / c / f"{i}.jpg")
+    (tmp_path / "t.txt").write_text("some text to tokenise, more than a few tokens long. " * 20)
+    env = {**__import__("os").environ, "PYTHONPATH": f"{fake.parent}:{ROOT.parent}"}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
+    assert "fastdata preprocess imported torch" in probe.stderr  # the trap works
+    for fmt in ("npy", "lmdb"):
+        r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(tmp_path / fmt),
+                            "--size", "8", "--format", fmt, "--workers", "2", "--quiet"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "text", str(tmp_path / "t.txt"),
+                        str(tmp_path / "tok"), "--tokenizer", "bytes", "--quiet"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, kill_when_journaled
+from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, journaled_units, kill_when_journaled
 from fastdata.cli.main import main
 from fastdata.imaging import decode_file as decode
 from fastdata.preprocess import parallel
@@ -121,7 +121,7 @@ def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
     command = [sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]]
     kill_when_journaled(command, out, 3)
-    journaled = json.loads((out / ".fastdata-partial" / "journal.json").read_text())["units"]
+    journaled = journaled_units(out)
     base = out if fmt == "npy" else out / ".fastdata-partial"
     kept = {f["path"]: (base / f["path"]).stat().st_ino for u in journaled for f in u["files"]}
     assert len(journaled) >= 3
@@ -213,9 +213,8 @@ def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_p
     command = [sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(out), "--size", "32",
                "--shard-size", "8", "--workers", "2", "--quiet"]
     proc = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-    journal_file = out / ".fastdata-partial" / "journal.json"
     deadline = time.monotonic() + 120
-    while not journal_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not journaled_units(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                   text=True).stdout.split()]
@@ -451,3 +450,63 @@ def test_units_are_flushed_in_the_background_and_come_back_in_order():
         failing.finish()
     failing.abort()  # waits for what is under way, removes the unit in progress
     assert failing.aborted
+
+
+def test_lmdb_max_side_keeps_the_aspect_with_the_longer_side_at_most_s_and_decodes(tmp_path):
+    """``--resize max-side``: FFCV's max_resolution. Upright sizes (EXIF turned), never upscaled."""
+    from conftest import quadrants, save_with_orientation
+    from fastdata.datasets.images import FastDataset
+    from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.formats.manifest import load_manifest
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    Image.fromarray(quadrants(640, 480)).save(src / "1_wide.jpg", quality=95)
+    save_with_orientation(src / "2_turned.jpg", quadrants(300, 500), 6)  # stored 500x300, upright 300x500
+    Image.fromarray(quadrants(50, 30)).save(src / "3_small.png")
+    Image.fromarray(quadrants(100, 64)).save(src / "4_exact.png")
+    out = tmp_path / "out"
+    assert main(["preprocess", "images", str(tmp_path / "src"), str(out), "--format", "lmdb", "--resize", "max-side",
+                 "--size", "64", "--quality", "95", "--quiet"]) == 0
+    manifest = load_manifest(out)
+    assert manifest["max_side"] == 64 and manifest["params"]["resize"] == "max-side"
+    records = open_lmdb(out, manifest).get_many(range(4))
+    stored = [Image.open(io.BytesIO(r)) for r in records]
+    assert [im.size for im in stored] == [(64, 48), (38, 64), (50, 30), (64, 41)]
+    top_left = [np.asarray(im.convert("RGB"))[2, 2].astype(int) for im in stored]
+    assert all(np.abs(px - (255, 0, 0)).max() < 40 for px in top_left)  # upright: red stays top-left
+    ds = FastDataset(out, size=32, crop="random")
+    x, y = ds.get_batch(np.arange(4), draw=(0, 0, 0, 0))
+    assert tuple(x.shape) == (4, 32, 32, 3) and y.tolist() == [0, 0, 0, 0]
+    centre = FastDataset(out, size=32)[0][0].numpy()
+    assert np.abs(centre[1, 1].astype(int) - (255, 0, 0)).max() < 40  # centre crop of the wide record
+    r = run_cli("preprocess", "images", tmp_path / "src", tmp_path / "npy", "--resize", "max-side", "--quiet")
+    assert r.returncode == 1 and "--format lmdb" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_journal_appends_a_line_per_unit_and_a_torn_last_line_is_dropped(tmp_path):
+    """Recording a unit appends one line (the file is never rewritten, so the millionth unit costs what the
+    first did); a line torn by a crash is ignored and a resume compacts the file."""
+    from fastdata.preprocess import journal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    jr, partial = journal.resume(out, "fp")
+    path = partial / journal.JOURNAL_NAME
+    inode = path.stat().st_ino
+    skipped = []
+    for k in range(1000):
+        skipped.append({"index": 10 * k + 3, "path": f"{k}.jpg", "reason": "bad"})
+        before = path.stat().st_size
+        jr.add({"index": k, "source_end": 10 * (k + 1), "samples": 9, "files": []}, skipped, partial)
+        line = path.read_bytes()[before:]
+        assert line.endswith(b"\n") and line.count(b"\n") == 1 and len(line) < 200
+    assert path.stat().st_ino == inode
+    with open(path, "ab") as f:
+        f.write(b'{"unit": {"index": 1000, "sour')  # a crash in the middle of the next line
+    again = journal.load(partial)
+    assert again.fingerprint == "fp" and again.units == jr.units and again.skipped == skipped
+    assert again.source_end == 10000 and again.num_samples == 9000
+    jr2, _ = journal.resume(out, "fp")
+    assert jr2.units == jr.units and path.read_bytes().count(b"\n") == 1001
+    assert journal.resume(out, "another")[0].units == []  # other arguments start afresh

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...imaging import turbojpeg as turbo
+from ..imaging import turbojpeg as turbo
 from ..errors import ConfigError, FastdataError, require
 from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
 

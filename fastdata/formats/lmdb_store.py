@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -166,12 +167,21 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[
     return np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
 
 
-_ENVS: dict[str, Any] = {}  # path -> env: py-lmdb allows one open environment per file and process
+# NOTE [shared environments]: py-lmdb allows one open environment per file and process, so every reader of a
+# file in a process shares one, and closing it unmaps pages that any reader's views may still point into (a
+# train and an eval dataset on one LMDB: closing one segfaulted the other).
+# 1. Each environment counts the readers holding it; a reader holds a file from its first read until it
+#    releases it (:meth:`LmdbReader.release`, :meth:`LmdbReader.close`, or its garbage collection).
+# 2. The environment is closed when its last holder lets go, never before.
+# 3. An environment never crosses a fork: the child closes what it inherited and counts afresh.
+_ENVS: dict[str, list[Any]] = {}  # resolved path -> [env, readers holding it]
 _ENVS_PID = -1
-_ENVS_LOCK = threading.Lock()  # loader threads reach a new store at once: only one may open it
+# Loader threads reach a new store at once: only one may open it. Re-entrant: the collector may run a dropped
+# reader's finalizer (a release) inside the locked region, on the same thread.
+_ENVS_LOCK = threading.RLock()
 
 
-_KEYS: dict[str, str] = {}  # path as given -> resolved: resolve() stats every component (~60 us), once a batch
+_KEYS: dict[str, str] = {}  # path as given -> resolved: resolve() stats every component, once a batch
 
 
 def _key(path: Path) -> str:
@@ -181,37 +191,65 @@ def _key(path: Path) -> str:
     return key
 
 
-def _env(path: Path) -> Any:
+def _forked() -> None:
+    """In a forked child (``_ENVS_LOCK`` held): close every inherited environment and start counting afresh.
+    Closed, not only dropped: a read transaction inherited from the parent (a loader thread's batch,
+    DALILoader's planned one) would keep an environment alive, and while it lives py-lmdb refuses to open
+    the same file again."""
     global _ENVS_PID
-    key = _key(path)
-    env = _ENVS.get(key) if _ENVS_PID == os.getpid() else None
-    if env is not None:  # the common case: no lock on the read path
-        return env
-    with _ENVS_LOCK:
-        if _ENVS_PID != os.getpid():  # an environment must never cross a fork: reopen in the child
-            inherited = list(_ENVS.values())
-            _ENVS.clear()
-            _ENVS_PID = os.getpid()
-            # Closed, not only dropped: a read transaction inherited from the parent (a loader thread's batch,
-            # DALILoader's planned one) would keep an environment alive, and while it lives py-lmdb refuses
-            # to open the same files again.
-            for old in inherited:
-                with contextlib.suppress(Exception):
-                    old.close()
-        if key not in _ENVS:
-            import lmdb
-
-            _ENVS[key] = lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False, meminit=False,
-                                   max_readers=1024)
-        return _ENVS[key]
+    if _ENVS_PID == os.getpid():
+        return
+    inherited = [entry[0] for entry in _ENVS.values()]
+    _ENVS.clear()
+    _ENVS_PID = os.getpid()
+    for old in inherited:
+        with contextlib.suppress(Exception):
+            old.close()
 
 
-def forget(path: Path) -> None:
-    """Close this process's environment on ``path`` (before the file is deleted: its pages are freed)."""
-    with _ENVS_LOCK:
-        env = _ENVS.pop(_key(path), None) if _ENVS_PID == os.getpid() else None
-    if env is not None:
-        env.close()
+class _Holds:
+    """The environments one reader holds in this process (NOTE [shared environments])."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.envs: dict[str, Any] = {}
+
+    def env(self, path: Path) -> Any:
+        key = _key(path)
+        if self.pid == os.getpid():
+            env = self.envs.get(key)
+            if env is not None:  # the common case: no lock on the read path
+                return env
+        with _ENVS_LOCK:
+            _forked()
+            if self.pid != os.getpid():  # what it held in the parent is not counted here
+                self.pid, self.envs = os.getpid(), {}
+            while key not in self.envs:
+                entry = _ENVS.get(key)
+                if entry is None:
+                    import lmdb
+
+                    entry = _ENVS[key] = [lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False,
+                                                    meminit=False, max_readers=1024), 0]
+                entry[1] += 1
+                if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
+                    self.envs[key] = entry[0]
+            return self.envs[key]
+
+    def release(self, path: Optional[Path] = None) -> None:
+        """Let go of ``path`` (None: of every file held); the last holder closes the environment (under the
+        lock: py-lmdb refuses to open a file again while its old environment is not yet closed)."""
+        with _ENVS_LOCK:
+            if self.pid != os.getpid():  # held in the parent process: not ours to count down
+                return
+            for key in list(self.envs) if path is None else [_key(path)]:
+                if self.envs.pop(key, None) is None:
+                    continue
+                entry = _ENVS[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _ENVS[key]
+                    entry[0].close()
 
 
 class LmdbReader:
@@ -222,6 +260,27 @@ class LmdbReader:
         self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
         self.shard_size = shard_size or 0
         self.path = self.paths[0] if len(self.paths) == 1 else self.paths[0].parent
+        self._hold()
+
+    def _hold(self) -> None:
+        self._holds = _Holds()
+        weakref.finalize(self, self._holds.release)  # a dropped reader lets go of its environments
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_holds"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._hold()
+
+    def release(self, path: Path) -> None:
+        """Stop holding the store ``path`` (its file may then be deleted): its environment is closed unless
+        another reader in this process still holds it (NOTE [shared environments]). A later read reopens it."""
+        self._holds.release(path)
+
+    def close(self) -> None:
+        """Let go of every store (as :meth:`release`); views handed out earlier must no longer be used."""
+        self._holds.release()
 
     def path_of(self, i: int) -> Path:
         """The store holding sample ``i``."""
@@ -235,8 +294,8 @@ class LmdbReader:
     def views(self, indices: Sequence[int]) -> "contextlib.AbstractContextManager[list[memoryview]]":
         """``with reader.views(indices) as blobs``: the records as read-only views of the memory-mapped
         stores, valid only inside the block (their read transactions stay open until it ends). No copy:
-        the loader decodes straight from the page cache, and a 30 KB record copied into ``bytes`` costs
-        ~10 us with the GIL held (py-lmdb copies under it), which two loader threads then queue for."""
+        the loader decodes straight from the page cache, whereas a record copied into ``bytes`` is copied with
+        the GIL held (py-lmdb copies under it), which two loader threads then queue for."""
         return self._reading(indices, copy=False)
 
     @contextlib.contextmanager
@@ -250,7 +309,7 @@ class LmdbReader:
                 shard = idx // self.shard_size
                 groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
             for s, rows in groups:  # one read transaction per store touched
-                txn = txns.enter_context(_env(self.paths[s]).begin(buffers=not copy))
+                txn = txns.enter_context(self._holds.env(self.paths[s]).begin(buffers=not copy))
                 for r in rows:
                     out[r] = txn.get(key(int(idx[r])))
             yield out

@@ -1,26 +1,28 @@
 """CUDA graphs for CUDAPrefetcher's image conversion: one replay a batch instead of about a hundred launches.
 
-NOTE [graphed convert]: on a GPU, CUDAPrefetcher converts each image batch (crop, flip, normalise: 115
-dispatched ops for random-resized-crop + flip, most of them small kernels on per-sample numbers) from the
-training loop's thread, where every launch costs host time a fast model's step cannot spare: ResNet-18@112
-stalled 17% on an H100 (2026-11-24, benchmarks/RESULTS.md "GPU acceptance"), and cutting the draws from ~75
-kernels to 17 had taken it from 31.5%, so the stall is host launch time. So once a batch shape has been
-converted ``WARMUP`` times eagerly (which also fills the transforms' caches), its conversion up to the
-float32 normalised image is captured in a CUDA graph, and each later batch of that shape costs: a copy into
-the graph's input, a fill of its key (the batch's :class:`Draws` key, read by the captured draw kernels, so
-each replay draws its own batch's numbers: NOTE [crop draws]), the replay, and the cast to the output dtype
-into a new tensor (a copy for float32), which is what the consumer gets: the graph's own buffers are never
-handed out, so a batch kept past the next one stays intact. The same kernels on the same inputs: bit-equal
-to the eager path (tests/test_prefetch.py, on a GPU).
+NOTE [graphed convert]: the rules of replaying the image conversion from CUDA graphs.
 
-Graphs are used only where every op is known to be capturable (static shapes, no host sync): fastdata's
-RandomResizedCrop, RandomCrop, CenterCrop and RandomHorizontalFlip, alone or in a Compose, and Normalize.
-Dict batches (their boxes change in number), other transforms and ``torch.Generator`` draws run eagerly. At
-most ``MAX_SHAPES`` shapes are captured (typically a full and a last partial batch); each graph keeps its
-intermediates (about 2.5x its batch in float32) for the prefetcher's life. A capture that fails leaves the
-eager path, with a warning. ``FASTDATA_CUDA_GRAPHS=0`` or ``CUDAPrefetcher(cuda_graphs=False)`` turn it off.
-On an H200 (2026-11-26) the graphs took ResNet-18@112's data stall from 4.1% to 3.2%, ResNet-50@224's from
-1.0% to 0.8%, beside the eager conversion in the same run (benchmarks/RESULTS.md).
+1. On a GPU, CUDAPrefetcher converts each image batch (crop, flip, normalise: 115 dispatched ops for
+   random-resized-crop + flip, most of them small kernels on per-sample numbers) from the training loop's thread.
+2. There every launch costs host time that a fast model's step cannot spare: for small models the data stall is
+   host launch time (benchmarks/RESULTS.md).
+3. Once a batch shape has been converted ``WARMUP`` times eagerly (which also fills the transforms' caches), its
+   conversion up to the float32 normalised image is captured in a CUDA graph.
+4. Each later batch of that shape costs a copy into the graph's input, a fill of its key, the replay, and the
+   cast to the output dtype into a new tensor (a copy for float32).
+5. The key is the batch's :class:`Draws` key, read by the captured draw kernels, so each replay draws its own
+   batch's numbers (NOTE [crop draws]).
+6. The consumer gets that new tensor, never the graph's own buffers, so a batch kept past the next one stays
+   intact.
+7. The same kernels run on the same inputs, so the output is bit-equal to the eager path (tests/test_prefetch.py,
+   on a GPU).
+8. Graphs are used only where every op is known to be capturable (static shapes, no host sync): fastdata's
+   RandomResizedCrop, RandomCrop, CenterCrop and RandomHorizontalFlip, alone or in a Compose, and Normalize.
+9. Dict batches (their boxes change in number), other transforms and ``torch.Generator`` draws run eagerly.
+10. At most ``MAX_SHAPES`` shapes are captured (typically a full and a last partial batch); each graph keeps its
+    intermediates (about 2.5x its batch in float32) for the prefetcher's life.
+11. A capture that fails leaves the eager path, with a warning.
+12. ``FASTDATA_CUDA_GRAPHS=0`` or ``CUDAPrefetcher(cuda_graphs=False)`` turn graphs off.
 """
 from __future__ import annotations
 
@@ -71,8 +73,8 @@ class _Graph:
 def _release_default_generator(device: torch.device) -> None:
     """Undo what a failed capture leaves in torch's default CUDA generator of ``device``: ``torch.cuda.graph``
     marks its state as capturing, and only a capture that ends well clears the mark, so every later random op
-    on the device fails ("Offset increment outside graph capture encountered unexpectedly"; seen on an H200,
-    torch 2.11). A clone of the state (the same seed and offset, unmarked) takes its place."""
+    on the device fails ("Offset increment outside graph capture encountered unexpectedly"; torch 2.11).
+    A clone of the state (the same seed and offset, unmarked) takes its place."""
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     try:
         gen.graphsafe_set_state(gen.clone_state())

@@ -105,7 +105,8 @@ class DALILoader(SamplerBacked):
     Import it explicitly (``from fastdata.dali import DALILoader``): fastdata never imports DALI by itself.
 
     Args:
-        path: A local LMDB dataset: its folder, a FastDataset of it, or a ``DatasetView`` (some of its samples).
+        path: A local LMDB dataset: its folder, an ``OpenedPath`` of it, a FastDataset of it, or a
+            ``DatasetView`` (some of its samples).
         batch_size: Images per batch.
         size: The side of the square output images (default 224).
         train: Random-resized crops and flips (default True); False: resize and centre crop.

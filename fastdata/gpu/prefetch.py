@@ -1,17 +1,21 @@
 """CUDAPrefetcher: batches copied to the GPU on a side stream, converted and augmented there, one step ahead.
 
-NOTE [prefetch]: for each batch, on one side stream created once per prefetcher: host tensors (pinned;
-FastLoader's ring buffers already are, others are pinned first) are copied with ``non_blocking=True``
-(views of one buffer, such as a token batch's x and y, cross once: see :func:`move`); an event marks
-the end of the copies; uint8 NHWC images become NCHW ``channels_last`` views (the permute of NHWC is
-channels_last: no copy), the transforms run and :class:`Normalize` casts and normalises (a multiply
-that casts, then an add; replayed from a CUDA graph where it can be: NOTE [graphed convert]); a second
-event marks the batch ready. The consumer's stream waits on that event (no host sync), and
-``record_stream`` tells the caching allocator the outputs are used there, so it never hands their memory
-to another tensor too early. A FastLoader buffer is released only after its copy event completed (polled
-with ``query()``; a targeted ``event.synchronize()`` only when the loader would otherwise run out of
-buffers). ``depth`` batches are in flight while the model computes on the
-current one. ``device="cpu"`` runs the same conversion synchronously.
+NOTE [prefetch]: the rules of a batch's way to the GPU.
+
+1. Every batch goes through one side stream, created once per prefetcher (a new stream per epoch leaks).
+2. Host tensors are pinned (FastLoader's ring buffers already are; others are pinned first) and copied with
+   ``non_blocking=True``; views of one buffer, such as a token batch's x and y, cross once (:func:`move`).
+3. An event marks the end of the copies.
+4. uint8 NHWC images become NCHW ``channels_last`` views: the permute of NHWC is channels_last, no copy.
+5. The transforms run, then :class:`Normalize` casts and normalises (a multiply that casts, then an add),
+   replayed from a CUDA graph where it can be (NOTE [graphed convert]).
+6. A second event marks the batch ready; the consumer's stream waits on it, with no host sync.
+7. ``record_stream`` tells the caching allocator the outputs are used on the consumer's stream, so it never
+   hands their memory to another tensor too early.
+8. A FastLoader buffer is released only after its copy event completed: polled with ``query()``, and waited
+   for with that one event's ``synchronize()`` only when the loader would otherwise run out of buffers.
+9. ``depth`` batches are in flight while the model computes on the current one.
+10. ``device="cpu"`` runs the same conversion synchronously.
 """
 from __future__ import annotations
 
@@ -104,10 +108,51 @@ def is_image(t: torch.Tensor) -> bool:
 
 
 class CUDAPrefetcher:
-    """Wrap any iterable of batches (FastLoader, DataLoader, list, generator) and yield them on ``device``,
-    images as normalised ``dtype`` NCHW channels_last, other integer tensors as int64. On a GPU, with
-    ``cuda_graphs``, each image batch shape's conversion is replayed from a CUDA graph once seen twice: the
-    same values for a few launches instead of ~115 (NOTE [graphed convert] in fastdata/gpu/cuda_graphs.py)."""
+    """Yield the batches of any loader on ``device``, converted and augmented there, ``depth`` batches ahead.
+
+    The data's way, for each batch (NOTE [prefetch])::
+
+        loader batch (pinned host tensors) -> non_blocking copy on a side stream -> uint8 NHWC viewed as
+            NCHW channels_last -> transforms -> Normalize (cast, normalise) -> the consumer's stream waits
+            on an event (no host sync) -> the loader's buffer is released once its copy completed
+
+    The loader may be a FastLoader, a DataLoader, a list or a generator.
+    Images (4-D uint8 tensors) come out as normalised ``dtype`` NCHW channels_last; other integer tensors as int64.
+    A dict batch has its spatial fields (masks, boxes) moved with the image.
+    Random transforms draw from ``(seed, epoch, position, rank)``, so a resumed run draws the same numbers
+    (NOTE [crop draws] in fastdata/imaging/draws.py).
+    On a GPU, with ``cuda_graphs``, each image batch shape's conversion is replayed from a CUDA graph once seen
+    twice: the same values for a few launches instead of about a hundred (NOTE [graphed convert] in
+    fastdata/gpu/cuda_graphs.py).
+    ``device="cpu"`` runs the same conversion synchronously.
+    ``len()``, ``dataset``, ``sampler``, ``set_epoch`` and ``load_state_dict`` are the loader's.
+
+    Args:
+        loader: The iterable of batches: ``(x, y)`` tuples, dicts of fields, or nested tuples/lists of tensors.
+        device: Where batches go (default ``"cuda"``).
+        mean: Per-channel mean, in 0-1 units as torchvision's (default: ImageNet's).
+        std: Per-channel standard deviation, in 0-1 units (default: ImageNet's).
+        normalize: Give ``(x / 255 - mean) / std`` (default True); False gives ``x / 255``.
+        dtype: The images' floating dtype on the device (default ``torch.float32``; ``torch.bfloat16`` halves
+            the bytes).
+        transforms: A transform (or :class:`Compose` of them) run on the uint8 NCHW batch before Normalize
+            (default None).
+        depth: Batches in flight ahead of the one the model computes on, >= 1 (default 1).
+        seed: The seed of the transforms' random draws (default 0).
+        cuda_graphs: Replay the image conversion from CUDA graphs where its ops allow (default True;
+            ``FASTDATA_CUDA_GRAPHS=0`` also turns it off).
+
+    Raises:
+        ConfigError: ``device`` is CUDA where torch sees no GPU, ``depth`` is not an integer >= 1, or ``mean``
+            / ``std`` / ``dtype`` are bad (both or neither, ``std`` > 0, a floating dtype).
+
+    Examples:
+        >>> loader = FastLoader(FastDataset("data/train"), batch_size=256)
+        >>> gpu = CUDAPrefetcher(loader, "cuda", dtype=torch.bfloat16,
+        ...                      transforms=Compose([RandomResizedCrop(176), RandomHorizontalFlip()]))
+        >>> for images, labels in gpu:  # (256, 3, 176, 176) bfloat16 channels_last, (256,) int64
+        ...     loss = loss_fn(model(images), labels)
+    """
 
     def __init__(self, loader: Any, device: Union[str, torch.device] = "cuda", *,
                  mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
@@ -134,13 +179,16 @@ class CUDAPrefetcher:
 
     @property
     def dataset(self) -> Any:
+        """The loader's dataset."""
         return self.loader.dataset
 
     @property
     def sampler(self) -> Any:
+        """The loader's sampler."""
         return self.loader.sampler
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch: the loader's order, and the transforms' draws for a loader without a sampler."""
         if hasattr(self.loader, "set_epoch"):
             self.loader.set_epoch(epoch)
         self._epoch_counter = epoch
@@ -159,6 +207,7 @@ class CUDAPrefetcher:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the loader at a :meth:`state_dict`'s position."""
         self.loader.load_state_dict(state)
 
     # -- per-batch randomness -------------------------------------------------------------------------

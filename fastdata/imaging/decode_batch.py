@@ -23,27 +23,25 @@ if TYPE_CHECKING:
     import torch
 
 # NOTE [jpeg read path]: an LMDB record is decoded by libjpeg-turbo (simplejpeg: no compiler, releases the
-# GIL) with its fast integer IDCT and plain chroma upsampling (as FFCV decodes: 41 dB PSNR against the
-# accurate mode, 14% less time), then its box (the centre square, or a random-resized-crop box: decided
-# before decoding) is cut or resized straight into the batch row. Only libjpeg's 1/2, 1/4 and 1/8 scales
-# are used, when the box is at least twice the output: measured on a 341x256 record they cost 0.52/0.50/
-# 0.43 ms against 0.56 ms for a full decode, while 7/8, 6/8 and 5/8 cost 0.90/0.79/0.71 ms (their scaled
-# IDCTs have no SIMD), more than a full decode plus a resize. The resize is torch's antialiased bilinear on
-# uint8, written into the row (0.15 ms for 240x300 -> 224; Pillow's bilinear takes 0.78 ms). Where
-# libturbojpeg 3 is at hand only the box is decoded (NOTE [partial decode] in fastdata/imaging/turbojpeg.py: the same pixels,
-# 0.7-0.8x the time). Whatever libjpeg-turbo cannot read (CMYK, damaged data) is decoded by Pillow and
-# goes through the same box.
+# GIL) with its fast integer IDCT and plain chroma upsampling (as FFCV decodes: close to the accurate mode,
+# in less time), then its box (the centre square, or a random-resized-crop box: decided before decoding) is
+# cut or resized straight into the batch row. Only libjpeg's 1/2, 1/4 and 1/8 scales are used, when the box
+# is at least twice the output: they cost less than a full decode, while 7/8, 6/8 and 5/8 cost more than a
+# full decode plus a resize (their scaled IDCTs have no SIMD). The resize is torch's antialiased bilinear on
+# uint8, written into the row (several times faster than Pillow's bilinear). Where libturbojpeg 3 is at hand
+# only the box is decoded (NOTE [partial decode] in fastdata/imaging/turbojpeg.py: the same pixels, in less
+# time). Whatever libjpeg-turbo cannot read (CMYK, damaged data) is decoded by Pillow and goes through the
+# same box. The figures behind these choices are in benchmarks/RESULTS.md.
 # Two loader threads share one GIL, so the Python around the two long GIL-free calls (the decode, the
 # resize) is kept short and holds the GIL throughout. A batch is planned at once: every frame header read,
 # then the boxes, libjpeg scales and iMCU-aligned regions computed in numpy for the whole batch, so the
 # loop over records only passes numbers to TurboJPEG (its calls of a microsecond keep the GIL: PyDLL) and
 # torch (one call to view the pixels, one to resize). Records are read as views of the LMDB's memory map
-# (copying 30 KB into bytes took ~10 us under the GIL) and each box lands in a per-thread scratch buffer.
+# (a copy into bytes would run under the GIL) and each box lands in a per-thread scratch buffer.
 # Each GIL release lets the other thread in, and getting it back can mean sleeping until that thread
-# releases it: on 2 vCPUs, 0.8 such sleeps a record with a per-record loop and copied records, 0.45 with
-# views and PyDLL, 0.1-0.3 with the batch plan (voluntary context switches from getrusage, a one-off
-# diagnostic, not a benchmark). Where numba is installed the loop over records is compiled and releases
-# the GIL once a batch (NOTE [nogil loop] in fastdata/imaging/turbojpeg_loop.py): 0.02-0.05 sleeps an image for centre crops.
+# releases it: views, PyDLL and the batch plan each cut those sleeps. Where numba is installed the loop over
+# records is compiled and releases the GIL once a batch (NOTE [nogil loop] in
+# fastdata/imaging/turbojpeg_loop.py), which cuts them again.
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels
@@ -290,8 +288,7 @@ def _place(src: np.ndarray, out: np.ndarray, flip: bool) -> None:
     """``src`` (h, w, 3), the box's decoded pixels, into ``out``, one batch row's (size, size, 3) array:
     resized unless it is already the size (a cut), mirrored when ``flip``."""
     if src.shape == out.shape and not flip:  # a box of the output size: a cut, no resampling. numpy copies it
-        # with less Python around it than torch's view + copy_ (~3 us; 0.92x against 0.88x the bare decoder
-        # at 2 threads in one run), but it mirrors 13x slower than torch
+        # with less Python around it than torch's view + copy_, but it mirrors far slower than torch
         np.copyto(out, src)
         return
     import torch
@@ -330,7 +327,7 @@ def _resize_into(x: "torch.Tensor", row: "torch.Tensor") -> None:
     import torch
 
     try:  # the op behind F.interpolate(antialias=True), with out=: it writes the row in place (its direct
-        # binding: 2 us a call without the GIL against 4 us through torch.ops, which matters at 2 threads)
+        # binding runs without the GIL and costs less a call than torch.ops, which matters at 2 threads)
         torch._C._nn._upsample_bilinear2d_aa(x, list(row.shape[2:]), False, None, None, out=row)
     except (AttributeError, RuntimeError, TypeError):  # an older or newer torch without this overload
         row.copy_(torch.nn.functional.interpolate(x, size=row.shape[2:], mode="bilinear", antialias=True,

@@ -1,15 +1,20 @@
 """The augmentation draws every backend shares: one seed per batch, random-resized-crop boxes, flips.
 
-NOTE [crop draws]: a batch's random crops come from ``batch_seed(seed, epoch, position, rank)``, so a
-resumed run draws the same crops and each rank its own. For a batch of ``n`` samples (rows in the order
-served), the draws are ``u = rand(n, 10, 4)`` for the boxes, then ``rand(n) < p`` for the flips, from one
-:class:`Draws` stream: exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws in
-CUDAPrefetcher, on any device. ``Draws`` hashes (seed, counter) with integer arithmetic, so the numbers are
-the same on the CPU and on a GPU (torch's CUDA generator is another algorithm than its CPU one: seeded
-alike, they differ), and drawing them on a GPU copies nothing from the host. The LMDB reader's decode-time
-crops (``FastDataset(crop="random")``) and the DALI backend call :func:`draw_resized_crops` with each
-image's own size, so they agree with one another and with the batched transform up to the image each box
-is drawn on (the whole stored image, not a centre square).
+NOTE [crop draws]: the rules every backend's random crops and flips follow.
+
+1. A batch's draws come from ``batch_seed(seed, epoch, position, rank)``, so a resumed run draws the same crops
+   and each rank its own.
+2. For a batch of ``n`` samples (rows in the order served), the draws are ``u = rand(n, 10, 4)`` for the boxes,
+   then ``rand(n) < p`` for the flips, from one :class:`Draws` stream.
+3. That is exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws in CUDAPrefetcher, on any
+   device.
+4. ``Draws`` hashes (seed, counter) with integer arithmetic, so the numbers are the same on the CPU and on a GPU
+   (torch's CUDA generator is another algorithm than its CPU one: seeded alike, they differ).
+5. Drawing them on a GPU copies nothing from the host.
+6. The LMDB reader's decode-time crops (``FastDataset(crop="random")``) and the DALI backend call
+   :func:`draw_resized_crops` with each image's own size, so they agree with one another.
+7. They agree with the batched transform up to the image each box is drawn on: the whole stored image, not a
+   centre square.
 """
 from __future__ import annotations
 

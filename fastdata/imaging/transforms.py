@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .draws import TRIES, Draws, check_scale_ratio, rrc_boxes, uniform
 from ..errors import ConfigError
 
-Rng = Union[None, torch.Generator, Draws]  # where draws come from: see crops.uniform
+Rng = Union[None, torch.Generator, Draws]  # where draws come from: see draws.uniform
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -84,8 +84,19 @@ class Transform:
 
 
 class Compose(Transform):
-    """Apply ``transforms`` in order, all drawing from the same generator. On an image tensor, a crop followed
-    by :class:`RandomHorizontalFlip` runs as one step (NOTE [flip folded into the crop])."""
+    """Apply several transforms in order, all drawing from the same generator.
+
+    On an image tensor, a crop followed by :class:`RandomHorizontalFlip` runs as one step, with the same draws
+    and pixels (NOTE [flip folded into the crop]).
+    A dict batch of sample fields goes through each transform in turn.
+
+    Args:
+        transforms: The transforms, applied first to last.
+
+    Examples:
+        >>> train = Compose([RandomResizedCrop(224), RandomHorizontalFlip()])
+        >>> out = train(images_nchw, generator)  # (B, 3, 224, 224) float, pixel units
+    """
 
     def __init__(self, transforms: Sequence[Transform]) -> None:
         self.transforms = list(transforms)
@@ -135,7 +146,16 @@ def crop_and_flip(crop: Crop, p: float, x: torch.Tensor, generator: Rng) -> torc
 
 
 class RandomHorizontalFlip(Transform):
-    """Mirror each sample left-right with probability ``p``."""
+    """Mirror each sample left-right with probability ``p``.
+
+    Masks and boxes of a dict batch are mirrored with the image (NOTE [spatial fields]).
+
+    Args:
+        p: The probability that a sample is mirrored, in [0, 1] (default 0.5).
+
+    Raises:
+        ConfigError: ``p`` is outside [0, 1].
+    """
 
     def __init__(self, p: float = 0.5) -> None:
         if not 0.0 <= p <= 1.0:
@@ -143,12 +163,15 @@ class RandomHorizontalFlip(Transform):
         self.p = p
 
     def params(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        """``(B,)`` bool: which samples are mirrored."""
         return uniform((x.shape[0],), generator, x.device) < self.p
 
     def apply(self, x: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+        """NCHW images mirrored where ``flip``."""
         return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
 
     def apply_fields(self, batch: dict[str, torch.Tensor], flip: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A dict batch with its image, masks and boxes mirrored where ``flip``."""
         out = dict(batch)
         out["image"] = self.apply(batch["image"], flip)
         for k in masks_of(batch):
@@ -165,7 +188,17 @@ class RandomHorizontalFlip(Transform):
 
 
 class CenterCrop(Transform):
-    """Crop the centre ``size`` (offsets rounded as torchvision does)."""
+    """Crop the centre of every image to ``size``, offsets rounded as torchvision does.
+
+    Masks and boxes of a dict batch are cropped with the image (NOTE [spatial fields]).
+    The result is a view of the input: no pixels are copied.
+
+    Args:
+        size: The output's side, or ``(height, width)``.
+
+    Raises:
+        ConfigError: ``size`` is not a positive int or pair, or (on call) is larger than the images.
+    """
 
     def __init__(self, size: Size) -> None:
         self.size = _pair(size, "size")
@@ -188,7 +221,19 @@ class CenterCrop(Transform):
 
 
 class RandomCrop(Crop):
-    """Pad by ``padding`` (with ``fill``), then crop ``size`` at a random offset per sample (CIFAR style)."""
+    """Pad every image, then crop it to ``size`` at a random offset per sample (CIFAR style).
+
+    Masks of a dict batch are cropped at the same offset and padded with 0; boxes move with them
+    (NOTE [spatial fields]).
+
+    Args:
+        size: The output's side, or ``(height, width)``.
+        padding: Pixels added on every side before cropping, >= 0 (default 0).
+        fill: The value of the padded pixels (default 0).
+
+    Raises:
+        ConfigError: ``size`` or ``padding`` is bad, or (on call) ``size`` is larger than the padded images.
+    """
 
     draws = 2
 
@@ -199,9 +244,11 @@ class RandomCrop(Crop):
         self.padding, self.fill = padding, fill
 
     def params(self, x: torch.Tensor, generator: Rng) -> torch.Tensor:
+        """``(B, 2)`` int64 offsets (top, left) in the padded images, drawn from ``generator``."""
         return self.params_from(x, uniform((x.shape[0], 2), generator, x.device))
 
     def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``(B, 2)`` int64 offsets (top, left) from ``u``, ``(B, 2)`` uniforms."""
         (h, w), (H, W), p = self.size, x.shape[-2:], self.padding
         if h > H + 2 * p or w > W + 2 * p:
             raise ConfigError(f"RandomCrop size {self.size} is larger than the padded images "
@@ -245,9 +292,22 @@ class RandomCrop(Crop):
 class RandomResizedCrop(Crop):
     """Crop a random area/aspect box per sample and resize it to ``size`` (the ImageNet recipe).
 
-    Boxes follow torchvision's rule (10 tries of area ~ U(scale), log-aspect ~ U(log ratio), else the
-    centre crop clamped to ``ratio``), drawn for the whole batch at once; all boxes are resampled in one
-    ``grid_sample`` (bilinear, no antialiasing). The output is float in pixel units.
+    Boxes follow torchvision's rule: 10 tries of area ~ U(scale) and log-aspect ~ U(log ratio), else the
+    centre crop clamped to ``ratio``.
+    They are drawn for the whole batch at once (NOTE [crop draws] in fastdata/imaging/draws.py).
+    All boxes are resampled in one ``grid_sample`` (bilinear, no antialiasing).
+    The output is float in pixel units.
+    Masks of a dict batch are resampled by nearest neighbour and boxes mapped with the image
+    (NOTE [spatial fields]).
+
+    Args:
+        size: The output's side, or ``(height, width)``.
+        scale: The range of the box's share of the image area, ``0 < min <= max <= 1`` (default
+            ``(0.08, 1.0)``).
+        ratio: The range of the box's aspect ratio (width / height), ``0 < min <= max`` (default ``(3/4, 4/3)``).
+
+    Raises:
+        ConfigError: ``size``, ``scale`` or ``ratio`` is out of range.
     """
 
     def __init__(self, size: Size, scale: tuple[float, float] = (0.08, 1.0),
@@ -263,6 +323,7 @@ class RandomResizedCrop(Crop):
         return self.params_from(x, uniform((x.shape[0], tries * 4), generator, x.device))
 
     def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``(B, 4)`` float boxes (top, left, height, width) from ``u``, ``(B, 40)`` uniforms (10 tries of 4)."""
         (H, W) = x.shape[-2:]
         return rrc_boxes(H, W, u.view(x.shape[0], -1, 4), self.scale, self.ratio)  # one size: host constants
 
@@ -298,6 +359,7 @@ class RandomResizedCrop(Crop):
         return F.grid_sample(xf, grid.to(xf.dtype), mode="bilinear", padding_mode="border", align_corners=False)
 
     def apply_fields(self, batch: dict[str, torch.Tensor], boxes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A dict batch with its image resampled, its masks resampled by nearest neighbour and its boxes mapped."""
         out = dict(batch)
         out["image"] = self.apply(batch["image"], boxes)
         grid = self._grid(batch["image"], boxes)
@@ -317,10 +379,23 @@ class RandomResizedCrop(Crop):
 
 
 class Normalize(Transform):
-    """Pixel units -> ``(x / 255 - mean) / std`` (mean, std in 0-1 units, torchvision's convention),
-    computed in float32 as a multiply and an add and cast to ``dtype``. ``mean=None`` gives ``x / 255``.
-    ``memory_format``: the output's layout (e.g. ``torch.channels_last``), written by the multiply itself
-    rather than by a copy afterwards."""
+    """Turn pixel units into ``(x / 255 - mean) / std``, cast to ``dtype``; it ends a pipeline.
+
+    The math runs in float32 as a multiply and an add, two kernels, so every device gives the same bits.
+    Only the image of a dict batch is touched.
+
+    Args:
+        mean: Per-channel mean in 0-1 units, torchvision's convention (default: ImageNet's).
+            ``None`` (with ``std=None``) gives ``x / 255``.
+        std: Per-channel standard deviation in 0-1 units, each > 0 (default: ImageNet's).
+        dtype: The output's floating dtype (default ``torch.float32``).
+        memory_format: The output's layout (e.g. ``torch.channels_last``), written by the multiply itself rather
+            than by a copy afterwards (default None: the input's).
+
+    Raises:
+        ConfigError: Only one of ``mean`` and ``std`` is given, ``std`` is not positive, ``dtype`` is not
+            floating, or (on call) the images' channels differ from ``mean``'s.
+    """
 
     def __init__(self, mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
                  dtype: torch.dtype = torch.float32, memory_format: Optional[torch.memory_format] = None) -> None:

@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 # NOTE [partial decode]: a crop of a JPEG needs part of the work of decoding it. libjpeg-turbo 3's
 # tj3SetCroppingRegion never decodes the rows below the box, only entropy-decodes the rows above it (no
 # IDCT, no upsampling, no colour conversion) and does the same for the columns left and right of it, to
-# the iMCU (16 px for 4:2:0). Measured on this repo's 341x256 q90 records (26 KB) on one core: whole fast
-# decode 0.36 ms, the centre 224 box 0.31 ms, a box of half the short side 0.23 ms; random-resized-crop
-# boxes average about half the image. The pixels are bit-identical to cutting the same box out of the
-# whole decode (same library, same fast IDCT and plain upsampling; tested against simplejpeg), so the
+# the iMCU (16 px for 4:2:0). So a box costs less than the whole decode, the smaller the box the less
+# (benchmarks/RESULTS.md); random-resized-crop boxes average about half the image. The pixels are
+# bit-identical to cutting the same box out of the whole decode (same library, same fast IDCT and plain
+# upsampling; tested against simplejpeg), so the
 # choice of decoder never changes a batch. simplejpeg cannot crop and hides its copy of the library; the
 # `turbojpeg` wheel ships libturbojpeg 3 as a shared library (its own Python module is not used), loaded
 # here with ctypes: the decode runs without the GIL (CDLL), calls of a microsecond keep it (PyDLL). Order:

@@ -1,6 +1,7 @@
 """A batch's JPEG boxes decoded in one call that holds no GIL: the loop over records compiled by numba
 (optional), calling libturbojpeg 3's C entry points (NOTE [nogil loop]). Without numba, or where the
-calling convention is not one this module knows, :func:`jpeg_read.decode_batch` keeps its Python loop.
+calling convention is not one this module knows, :func:`fastdata.imaging.decode_batch.decode_batch` keeps
+its Python loop.
 """
 from __future__ import annotations
 
@@ -18,25 +19,23 @@ from . import turbojpeg as turbo
 
 log = logging.getLogger(__name__)
 
-# NOTE [nogil loop]: turbo.decode_regions decodes a batch record by record from Python. Each record
+# NOTE [nogil loop]: turbojpeg.decode_regions decodes a batch record by record from Python. Each record
 # releases the GIL for its decode and retakes it, then again for its copy or resize into the batch row;
-# with two loader threads a retake can find the GIL held by the other thread and sleep (0.2-0.3 sleeps an
-# image on a 2-vCPU VM, against 0.02 with one thread), so two threads gave 1.70-1.83x one thread's rate
-# where two processes gave 1.83-2.12x. FFCV compiles its whole loop with numba and releases the GIL once a
-# batch. Here, where numba is installed, the same TurboJPEG calls (header, scale, cropping region,
-# decode) and the copy of each box that is already the output size into its row run in one compiled
+# with two loader threads a retake can find the GIL held by the other thread and sleep, so two threads
+# scale worse than two processes (benchmarks/RESULTS.md). FFCV compiles its whole loop with numba and
+# releases the GIL once a batch. Here, where numba is installed, the same TurboJPEG calls (header, scale,
+# cropping region, decode) and the copy of each box that is already the output size into its row run in one compiled
 # function that releases the GIL once a batch. A box that needs a resize (or a mirror) is decoded into a
 # per-thread arena, up to ARENA_SLOTS at a time, and resized by torch as before (one GIL hand-off a record
 # instead of two). The pixels are the same bytes (the same library calls; tests compare the two loops).
-# Measured (benchmarks/RESULTS.md, "A compiled loop", four runs on that VM): two threads 1.81-1.96x one
-# thread's rate for centre crops (the Python loop 1.71-1.85x in the same runs), 0.02-0.05 sleeps an image.
+# Two threads then scale closer to two processes, with far fewer GIL sleeps (benchmarks/RESULTS.md).
 # tj3SetScalingFactor and tj3SetCroppingRegion take small structs of ints by value, which numba cannot
 # pass: they are declared here as taking the structs' 64-bit words (two ints packed little-endian in
 # one integer), which is how the x86-64 System V and AArch64 conventions pass such structs (in integer
 # registers). So the loop runs only there (Linux, macOS); Windows' x64 convention passes a 16-byte
 # struct by reference, and it keeps the Python loop. FASTDATA_NOGIL=0 turns the loop off. The compiled
-# code is cached beside this file (or in numba's user cache): ~0.9 s to compile once, then ~0.3 s to load
-# in each new process, plus numba's import, at the first LMDB batch.
+# code is cached beside this file (or in numba's user cache): compiled once, then loaded in each new process
+# (plus numba's import) at the first LMDB batch, a fraction of a second.
 ENV = "FASTDATA_NOGIL"
 ARENA_SLOTS = 8  # boxes decoded for a resize before the loop hands them back to Python
 DONE, REFUSED, FULL = 0, 1, 2  # how a call of the loop ended
@@ -64,7 +63,7 @@ def _run(header: Any, scaling: Any, cropping: Any, decompress: Any, memmove: Any
         top, left, src, length = int(plan[j, 5]), int(plan[j, 6]), int(addresses[j]), int(sizes[j])
         need = width * height * 3
         cut = height - top == size and width - left == size and not flips[j]  # mirrors: torch's flip (a
-        # byte loop here took 4x its time)
+        # byte loop here is slower)
         if used + need > capacity or (not cut and k == slots.shape[0]):
             return j, FULL, scale, k
         if header(handle, src, length) != 0:

@@ -2,16 +2,15 @@
 
 NOTE [intra-op threads per loader thread]: torch's CPU ops parallelise with OpenMP, and a thread that
 torch did not start (a FastLoader worker) takes torch's process-wide setting on its first parallel op: by
-default every core. So 16 loader threads resizing decoded JPEGs (``jpeg_read._resize_into``) each opened
+default every core. So 16 loader threads resizing decoded JPEGs (``decode_batch._resize_into``) each opened
 a 16-thread OpenMP team on 16 cores. ``torch.set_num_threads`` cannot help: it also changes the setting
 every later thread starts from (the training thread's own, if it has not run a parallel op yet). OpenMP's
 ``omp_set_num_threads`` sets the calling thread's own count, so each loader thread calls it, through the
 OpenMP runtime torch itself loaded, after torch's lazy per-thread set-up (which would overwrite it).
-bench_dali's evaluation rows give FastDataset's decode with and without the share in one run: on a 2-vCPU
-VM, 2 threads, 2,428 against 2,140 images/s (2026-11-26, benchmarks/RESULTS.md; that machine is noisy). The
-case it is for, 16 threads on 16 cores, is for the GPU machine's run. (bench_jpeg sets torch's threads to 1
-for the whole process, so its rows do not show it.) Where the runtime cannot be found (not Linux, not
-OpenMP) nothing changes.
+bench_dali's evaluation rows give FastDataset's decode with and without the share in one run
+(benchmarks/RESULTS.md); the case it is for is many loader threads on as many cores. (bench_jpeg sets
+torch's threads to 1 for the whole process, so its rows do not show it.) Where the runtime cannot be found
+(not Linux, not OpenMP) nothing changes.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """RunAhead: a loader's producing loop on a thread of its own, its batches handed over through a short queue.
 
 NOTE [loader thread]: DALILoader's ``pipe.run`` and the feed it calls (LMDB reads, JPEG headers, crop
-draws) cost the thread that calls them 3-17 ms a batch of 256 (H200, 2026-11-26, bench_dali's profile),
-time the training thread needs to queue the model's kernels ahead of the GPU. So on a GPU the loop runs
-here, on a side stream, ``depth`` batches ahead; each batch carries an event that the consumer's stream
-waits for (on the device: no host sync), and ``record_stream`` keeps the caching allocator from reusing a
-batch's memory before the consumer's kernels are done with it. Same run, DALI training crops at 224 and no
-model: 23,964 images/s against 8,104 with ``pipe.run`` on the consuming thread.
+draws) cost the thread that calls them milliseconds a batch (bench_dali's profile), time the training thread
+needs to queue the model's kernels ahead of the GPU. So on a GPU the loop runs here, on a side stream,
+``depth`` batches ahead; each batch carries an event that the consumer's stream waits for (on the device: no
+host sync), and ``record_stream`` keeps the caching allocator from reusing a batch's memory before the
+consumer's kernels are done with it. It serves DALI's training crops several times faster than ``pipe.run``
+on the consuming thread (benchmarks/RESULTS.md).
 
 Exactly-once bookkeeping stays with the consumer: each item carries a tag (DALILoader's count of batches
 served once it is handed out), given to ``on_take`` on the consumer's thread as the item is handed out

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -24,25 +24,65 @@ from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manif
 from ..formats.schema import Field
 from ..formats.tokenizer import cached_tokenizer, token_dtype
 from . import journal
-from . import parallel
+from . import parallel, ray_pool
 from .fields import RecordDecoder, open_source
-from .records import discover_any
+from .tars import discover_source
 from .sources import Source
+from ..storage.remote import is_url
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("npy", "lmdb")
+MAX_SIDE = "max-side"  # lmdb: the longer side at most S, aspect kept, never upscaled (FFCV's max_resolution)
+RESIZE_MODES = (*decode.RESIZE_MODES, MAX_SIDE)
 ON_ERROR = ("skip", "fail")
 _MAX_CHUNK = 16  # files per worker task: ~3 MB of 256px pixels; small chunks keep the tail short
 _CHUNK_BYTES = 8 << 20  # and at most this many bytes of pixels (one shared slot), but at least one image
 @dataclass(frozen=True)
 class ImagePreprocessConfig:
-    """Everything ``fastdata preprocess images`` takes; validated on construction."""
+    """Everything ``fastdata preprocess images`` takes, as one frozen dataclass validated on construction.
 
-    src: Path
+    Args:
+        src: The source: an image folder (one sub-folder per class), a ``path,label`` CSV, a ``.jsonl`` or
+            ``.csv`` of records, Parquet, a segmentation pair (``images/`` + ``masks/``), the image folder
+            of ``coco``, or WebDataset tars (a folder, one tar, or a brace pattern; local or a URL).
+        out: The dataset folder to write.
+        size: npy: the side of the square uint8 samples; LMDB: the largest short side of the stored JPEGs
+            (the largest longer side with ``resize="max-side"``); 8..8192 (default 256).
+        resize: How an image becomes a ``size`` square (npy, and LMDB with sample fields): ``"center-crop"``
+            (default), ``"squash"`` or ``"pad"`` (letterboxed with black).
+            LMDB only: ``"max-side"`` keeps the aspect with the longer side at most ``size``, never upscaled
+            (FFCV's ``max_resolution``).
+        format: ``"npy"`` (uint8 shards, no decoding while training) or ``"lmdb"`` (re-encoded JPEGs, decoded
+            while training) (default ``"npy"``).
+        workers: Decoding processes (default None: every core this process may use).
+        shard_size: Samples per shard (default 1024).
+        on_error: ``"skip"`` leaves an undecodable file out and names it in the manifest; ``"fail"`` stops
+            (default ``"skip"``).
+        quality: LMDB only: the JPEG quality of the stored records, 1..100 (default 90).
+        filter: The resize filter: ``"lanczos"`` (default), or the cheaper ``"bicubic"`` or ``"bilinear"``
+            (benchmarks/RESULTS.md).
+        overwrite: Replace a dataset in ``out`` made from another source or with other parameters
+            (default False).
+        progress: Show a progress bar (default True).
+        coco: A COCO ``instances.json`` over the image folder ``src``, for detection (default None).
+        mask_dtype: The masks' dtype: ``"uint8"`` (default), or ``"uint16"`` for more than 256 class or instance
+            ids.
+        tokenizer: The tokenizer of text fields (captions), as ``fastdata preprocess text --tokenizer``
+            (default ``"bytes"``).
+        shuffle_seed: Store the samples in a random order drawn from this seed (default None: source order).
+        engine: ``"local"`` (default: a process pool here) or ``"ray"`` (Ray tasks on a cluster; the same bytes,
+            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node.
+        ray_address: The Ray cluster's ``HOST:PORT`` (default None: the one on this machine, or a new local one).
+
+    Raises:
+        ConfigError: A field is out of range; the message names the field and echoes the value.
+    """
+
+    src: Union[Path, str]  # a path, or a URL of WebDataset tars
     out: Path
     size: int = 256
-    resize: str = "center-crop"
+    resize: str = "center-crop"  # lmdb: max-side keeps the aspect (longer side <= size); else shorter side <= size
     format: str = "npy"
     workers: Optional[int] = None  # None: every core this process may use
     shard_size: int = 1024
@@ -55,13 +95,18 @@ class ImagePreprocessConfig:
     mask_dtype: str = "uint8"  # masks: uint8, or uint16 for more than 256 class/instance ids
     tokenizer: str = "bytes"  # for text fields (captions), as `fastdata preprocess text --tokenizer`
     shuffle_seed: Optional[int] = None  # store the samples in a random order from this seed (Source.shuffled)
+    engine: str = "local"  # or "ray": the same bytes (NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py)
+    ray_address: Optional[str] = None  # HOST:PORT; None: the cluster on this machine, or a new local one
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "src", Path(self.src))
+        object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # tars at a URL
         object.__setattr__(self, "out", Path(self.out))
         require(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
-        require(self.resize in decode.RESIZE_MODES, "resize", self.resize, f"one of {decode.RESIZE_MODES}")
+        require(self.resize in RESIZE_MODES, "resize", self.resize, f"one of {RESIZE_MODES}")
         require(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
+        require(self.resize != MAX_SIDE or self.format == "lmdb", "resize", self.resize,
+                f"one of {decode.RESIZE_MODES} for the npy format (its samples are S x S; {MAX_SIDE!r} is for "
+                "--format lmdb)")
         require(self.workers is None or (isinstance(self.workers, int) and self.workers >= 1), "workers",
                self.workers, "a positive integer")
         require(isinstance(self.shard_size, int) and self.shard_size >= 1, "shard_size", self.shard_size,
@@ -70,6 +115,7 @@ class ImagePreprocessConfig:
         require(isinstance(self.quality, int) and 1 <= self.quality <= 100, "quality", self.quality, "1..100")
         require(self.filter in decode.FILTERS, "filter", self.filter, f"one of {tuple(decode.FILTERS)}")
         require(self.mask_dtype in ("uint8", "uint16"), "mask_dtype", self.mask_dtype, "'uint8' or 'uint16'")
+        require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
         require(self.shuffle_seed is None or (isinstance(self.shuffle_seed, int) and self.shuffle_seed >= 0),
                 "shuffle_seed", self.shuffle_seed, "a non-negative integer")
         if self.coco is not None:
@@ -82,6 +128,8 @@ class ImagePreprocessConfig:
             params["resize"] = self.resize
         else:
             params["quality"] = self.quality
+            if self.resize == MAX_SIDE:  # named only then: shorter-side stores keep their fingerprint
+                params["resize"] = MAX_SIDE
         if self.filter != "lanczos":  # named only when not the default: older runs keep their fingerprint
             params["filter"] = self.filter
         for key, default in (("mask_dtype", "uint8"), ("tokenizer", "bytes"), ("shuffle_seed", None)):
@@ -91,26 +139,61 @@ class ImagePreprocessConfig:
 
 
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
-    """Run (or resume) preprocessing; returns the manifest. Reruns with the same arguments are no-ops."""
-    source = discover_any(config.src, config.coco)
-    src, out = source.location.resolve(), config.out.resolve()
+    """Preprocess an image source into a dataset folder: uint8 .npy shards or a JPEG LMDB.
+
+    The data's way::
+
+        source (folder, CSV, records, Parquet, COCO, segmentation pair, tars) -> chunks -> worker processes
+            decode and resize -> results written in source order into shards (or LMDB parts) -> each complete
+            shard journaled -> manifest.json written last, by atomic rename
+
+    The output is byte-identical for any worker count.
+    A killed run resumes from its complete shards; a rerun with the same arguments returns at once.
+
+    Args:
+        config: What to read, what to write and how (:class:`ImagePreprocessConfig`).
+
+    Returns:
+        The dataset's manifest, as written to ``config.out/manifest.json``.
+
+    Raises:
+        SourceError: The source is missing, empty or malformed.
+        ConfigError: The output folder is inside the source folder.
+        ImageDecodeError: An image does not decode and ``on_error="fail"``, or no image decodes at all.
+        OutputError: The output folder cannot be written, holds something else, or holds a dataset made with
+            other arguments and ``overwrite`` is off (DiskFullError when the disk fills up).
+        MissingDependencyError: The source needs an optional package (Parquet: pyarrow; a URL: fsspec; a
+            tokenizer's).
+
+    Examples:
+        >>> manifest = preprocess_images(ImagePreprocessConfig(src="raw/train", out="data/train", size=256))
+        >>> manifest["num_samples"]
+        1281167
+    """
+    journal.check_writable(config.out)  # before the source is listed (tars are read whole for that)
+    source = discover_source(config.src, config.coco)
+    src, out = Path(source.location).resolve(), config.out.resolve()
     if source.kind == "folder" and (out == src or src in out.parents):  # its folder would become a class
         raise ConfigError(f"the output folder {config.out} is inside the source folder {config.src}: the next "
                           "run would read it as a class of its own (and renumber the others); choose an output "
                           "folder outside it")
+    if config.resize == MAX_SIDE and source.kinds:
+        raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
+                          f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
+                          "squash or pad")
     if config.shuffle_seed is not None:
         source = source.shuffled(config.shuffle_seed)
     params = config.output_params()
     if source.kinds and config.format == "lmdb":  # images stored square, so the other fields share their geometry
         params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
-    out = config.out
-    with journal.exclusive(out):  # NOTE [one writer] in fastdata/preprocess/journal.py
-        done = journal.prepare_output(out, fingerprint, config.overwrite)
-        if done is not None:
-            log.info("%s is already complete with these arguments", out)
-            return done
-        jr, partial = journal.resume(out, fingerprint)
+    # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
+    with journal.output(config.out, fingerprint, config.overwrite) as target:
+        if target.done is not None:
+            log.info("%s is already complete with these arguments", config.out)
+            return target.done
+        config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
+        jr, partial = journal.resume(config.out, fingerprint)
         if jr.units:
             log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
         _run(config, source, jr, partial)
@@ -125,7 +208,9 @@ def _chunks(start: int, stop: int, workers: int, max_files: int) -> list[tuple[i
 def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path) -> None:
     from ..progress import progress_bar
 
-    workers = config.workers or parallel.default_workers()
+    needs = None if is_url(source.location) else source.root  # every Ray node must see a local source
+    pool = ray_pool.RayPool.open(config.ray_address, config.workers, needs) if config.engine == "ray" else None
+    workers = pool.workers if pool else config.workers or parallel.default_workers()
     row_bytes = config.size * config.size * 3
     max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // row_bytes)) if config.format == "npy" else _MAX_CHUNK
     fields = sample_fields(config, source)
@@ -152,13 +237,13 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
                   config.quality) for a, b in chunks]
     else:
         tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
-                  config.filter) for a, b in chunks]
+                  config.filter, source.blobs.chunk(a, b) if source.blobs is not None else None) for a, b in chunks]
     # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
     slot_bytes = max_files * row_bytes if config.format == "npy" else 0
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
     try:
-        for (ok_src, payload, failures), view in parallel.ordered_map(_work_fields if fields else _work, tasks,
-                                                                      workers, slot_bytes):
+        work = _work_fields if fields else _work
+        for (ok_src, payload, failures), view in (pool or parallel).ordered_map(work, tasks, workers, slot_bytes):
             values = None
             if fields:
                 payload, values = payload
@@ -253,6 +338,17 @@ def _pixel_rows(shared: Optional[memoryview], n: int, size: int) -> np.ndarray:
         shared, np.uint8, int(np.prod(shape))).reshape(shape)
 
 
+def max_side_jpeg(src: Any, size: int, quality: int, resample: int) -> bytes:
+    """``src`` -> the LMDB record of ``--resize max-side``: JPEG bytes with the longer side at most ``size``,
+    aspect kept, never upscaled (FFCV's ``max_resolution``). The output size comes from the upright image's
+    full size, so a JPEG decoded at a reduced DCT scale gets the same geometry."""
+    img, (w, h) = decode.open_rgb_sized(src, size, "pad")  # pad's scale is size / longer side: the same draft
+    if max(w, h) > size:
+        s = size / max(w, h)
+        img = img.resize((max(1, round(w * s)), max(1, round(h * s))), resample, reducing_gap=decode.REDUCING_GAP)
+    return decode.encode_jpeg(img, quality)
+
+
 def _reason(exc: Exception) -> str:
     """Why a file was skipped: a decode error as it says, a file that vanished or cannot be read (the same
     policy as a bad image) by its OS error."""
@@ -271,7 +367,7 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
 
     npy pixels go into the shared slot when there is one (the samples returned are then ``None``).
     """
-    root, paths, first, fmt, size, resize, quality, filter_name = task
+    root, paths, first, fmt, size, resize, quality, filter_name, blobs = task
     resample = decode.FILTERS[filter_name]
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
@@ -280,10 +376,12 @@ def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list
     if fmt == "npy":
         samples = _pixel_rows(shared, len(paths), size)
     for j, rel in enumerate(paths):
-        path = Path(root) / rel
         try:
+            path = open_source(Path(root), rel, blobs, j)
             if fmt == "npy":
                 samples[len(ok)] = decode.load_array(path, size, resize, resample)
+            elif resize == MAX_SIDE:
+                samples.append(max_side_jpeg(path, size, quality, resample))
             else:
                 samples.append(decode.load_jpeg(path, size, quality, resample))
         except (ImageDecodeError, OSError) as exc:
@@ -326,6 +424,8 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         fmt, extra = IMAGES_LMDB, {"lmdb_shards": [{"path": lmdb_store.shard_name(u["index"]), "samples": u["samples"]}
                                                    for u in jr.units], "shard_size": config.shard_size,
                                    "key_format": "%012d", "encoding": "jpeg", "max_short_side": config.size}
+        if config.resize == MAX_SIDE:  # the short side is at most S too, so max_short_side stays true
+            extra["max_side"] = config.size
         if source.has_label:
             extra["labels"] = lmdb_store.LABELS_NAME
         version = 3 if fields else 2  # version 3: square records with fields (lmdb_store's docstring)
@@ -341,7 +441,7 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
     manifest = new_manifest(
         fmt, version=version, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
         files=files, params=params, fingerprint=fingerprint,
-        source={"kind": source.kind, "path": str(source.location.resolve()), "num_files": len(source.paths)},
+        source={"kind": source.kind, "path": source.where, "num_files": len(source.paths)},
         skipped=[{"path": s["path"], "reason": s["reason"]} for s in jr.skipped], **extra)
     write_manifest(out, manifest)
     journal.remove_partial(out)

@@ -1,18 +1,37 @@
 """The journal of an unfinished preprocess run: which units are complete, so a rerun resumes after them.
 
-It lives in ``OUT/.fastdata-partial/journal.json``, rewritten atomically after every completed unit, and
-is removed once the manifest is written. A unit is trusted on resume only if its files still hash right.
+It lives in ``OUT/.fastdata-partial/journal.jsonl``: a first line with the run's fingerprint, then one
+line appended (and fsynced) per completed unit with the files skipped before its end, so recording a unit
+costs the same at the millionth shard as at the first. A line torn by a crash is ignored; a resumed run
+rewrites the file with the units still intact. It is removed once the manifest is written. A unit is
+trusted on resume only if its files still hash right.
 
 NOTE [one writer]: a run holds OUT (``flock`` on the folder) from its first check to its manifest, so two
 runs never write the same temporary files: a second one (every rank of a torchrun job calling the
 preprocess, two terminals) says it waits, then finds OUT finished (a rerun with the same arguments returns
 its manifest) or resumes what the first left. The lock goes with the process that holds it, ``kill -9``
-included: forked workers close their inherited copy, so an orphaned worker never holds OUT. On a file
-system without ``flock`` on folders (some NFS mounts) runs are not serialised.
+included: forked workers close their inherited copy, so an orphaned worker never holds OUT. A run that
+waited checks, once it holds the lock, that the folder it locked is still the one at OUT (an overwrite
+swaps another in: NOTE [overwrite]); if not, it waits on the new one. On a file system without ``flock``
+on folders (some NFS mounts) runs are not serialised.
+
+NOTE [overwrite]: ``--overwrite`` never deletes a finished dataset before its replacement exists.
+1. The new dataset is built in ``.NAME.fastdata-next`` beside OUT (same parent, so the same file system),
+   with its own journal: a killed overwrite leaves OUT as it was, and rerunning it resumes there.
+2. Once that folder holds its manifest, the two folders are exchanged in one ``renameat2(RENAME_EXCHANGE)``
+   (Linux); the old dataset, now under the staging name, is renamed ``.NAME.fastdata-old`` and deleted.
+   A ``.fastdata-old`` folder is only ever garbage, removed by the next run that holds OUT.
+3. The run holds both folders (NOTE [one writer]) through the exchange and the deletion, so a run waiting
+   on OUT finds the new dataset.
+4. Where the folders cannot be exchanged (no ``renameat2``, a file system without the flag) OUT is renamed
+   away and the new folder renamed in: a crash between those two renames leaves OUT missing, the old
+   dataset in ``.NAME.fastdata-old`` and the new one in ``.NAME.fastdata-next``. Where nothing can be made
+   beside OUT (its parent read-only, or OUT a mount point) the old dataset is deleted first, as a warning says.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -20,31 +39,21 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .._io import disk_error, make_folder, write_json_atomic
+from .._io import LOCKS_HELD, disk_error, fsync_dir, make_folder, write_bytes_atomic
 from ..errors import OutputError
 from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
 
 log = logging.getLogger(__name__)
-_held: set[int] = set()  # folder descriptors locked by this process (NOTE [one writer])
+_held = LOCKS_HELD  # folder descriptors locked by this process, let go in forked children (NOTE [locks across fork])
 
-
-def _forget_in_child() -> None:
-    """In a forked child: close the inherited lock descriptors, so that only the holder keeps OUT locked."""
-    for fd in list(_held):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _held.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-JOURNAL_NAME = "journal.json"
+JOURNAL_NAME = "journal.jsonl"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
-_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images\.lmdb|labels\.npy|"
+_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images(-\d{5})?\.lmdb|labels\.npy|"
                     r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5}\.npy|"
                     r"(train|val)-\d{5}\.npy|(train|val)-docs\.npy|"
                     + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
@@ -65,10 +74,29 @@ class Journal:
         return sum(u["samples"] for u in self.units)
 
     def add(self, unit: dict[str, Any], skipped: list[dict[str, Any]], partial: Path) -> None:
-        """Record a completed unit and the skipped files before its end, then persist."""
+        """Record a completed unit and the skipped files before its end: one line appended and made durable."""
+        start = self.source_end
         self.units.append(unit)
+        new = [s for s in skipped if start <= s["index"] < unit["source_end"]]
         self.skipped = [s for s in skipped if s["index"] < unit["source_end"]]
-        write_json_atomic(partial / JOURNAL_NAME, asdict(self))
+        path = partial / JOURNAL_NAME
+        try:
+            with open(path, "ab") as f:
+                f.write(_line({"unit": unit, "skipped": new}))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise disk_error(exc, path) from exc
+
+    def save(self, partial: Path) -> None:
+        """Write the whole journal afresh (atomically): a new run, or one resumed with fewer units."""
+        lines = [_line({"fingerprint": self.fingerprint})]
+        end = 0
+        for unit in self.units:
+            lines.append(_line({"unit": unit, "skipped": [s for s in self.skipped
+                                                          if end <= s["index"] < unit["source_end"]]}))
+            end = unit["source_end"]
+        write_bytes_atomic(partial / JOURNAL_NAME, b"".join(lines))
 
     def keep_intact(self, out: Path, partial: Path) -> None:
         """Drop units (and all after them) whose files are missing or changed since they were recorded."""
@@ -81,12 +109,27 @@ class Journal:
                     return
 
 
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
 def load(partial: Path) -> Journal | None:
+    """The journal in ``partial`` (None when there is none or its first line is unreadable: start afresh);
+    a last line torn by a crash is dropped, with the unit it was recording."""
     try:
-        data = json.loads((partial / JOURNAL_NAME).read_text())
-        return Journal(data["fingerprint"], data["units"], data["skipped"])
+        with open(partial / JOURNAL_NAME, "rb") as f:
+            jr = Journal(json.loads(f.readline())["fingerprint"])
+            for raw in f:
+                try:
+                    entry = json.loads(raw)
+                    unit, skipped = entry["unit"], entry["skipped"]
+                except (ValueError, KeyError, TypeError):
+                    break
+                jr.units.append(unit)
+                jr.skipped.extend(skipped)
+        return jr
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # no journal, or one torn by a crash before its first rename: start afresh
+        return None
 
 
 def partial_dir(out: Path) -> Path:
@@ -107,22 +150,46 @@ def read_fingerprint(out: Path) -> str | None:
 @contextlib.contextmanager
 def exclusive(out: Path) -> Iterator[None]:
     """OUT made if needed, and held by this run until the block ends (NOTE [one writer])."""
-    make_folder(out, "output folder", f"output {out} exists and is not a folder: choose a new or empty folder")
-    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    _held.add(fd)
-    try:
+    while True:
+        make_folder(out, "output folder", f"output {out} exists and is not a folder: choose a new or empty folder")
+        fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        _held.add(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("%s is being written by another fastdata preprocess: waiting for it to end", out)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:  # no flock on this file system's folders: run unserialised
-            if exc.errno not in (errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
+            _lock(fd, out)
+            if _is_at(fd, out):
+                break
+        except BaseException:
+            _held.discard(fd)
+            os.close(fd)
+            raise
+        _held.discard(fd)  # OUT was swapped (NOTE [overwrite]) or removed while we waited: hold what is there now
+        os.close(fd)
+    try:
         yield
     finally:
         _held.discard(fd)
         os.close(fd)
+
+
+def _lock(fd: int, out: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("%s is being written by another fastdata preprocess: waiting for it to end", out)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:  # no flock on this file system's folders: run unserialised
+        if exc.errno not in (errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the folder open as ``fd`` is still the one at ``path``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
@@ -138,6 +205,7 @@ def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
     except OSError as exc:
         raise disk_error(exc, partial) from exc
     jr.keep_intact(out, partial)
+    jr.save(partial)  # compact: the intact units only, no torn line
     return jr, partial
 
 
@@ -167,3 +235,134 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dic
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     return None
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an OUT this process cannot write before any work (a tar source is read whole to be listed): a
+    file is made and removed in OUT, or in its nearest existing parent when OUT is still to be made.
+
+    Raises:
+        OutputError: naming OUT and why, and saying what to do.
+    """
+    if out.exists() and not out.is_dir():  # the messages of exclusive(), which makes OUT
+        raise OutputError(f"output {out} exists and is not a folder: choose a new or empty folder")
+    where = Path(out).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise OutputError(f"cannot create output folder {out}: {os.strerror(errno.ENOTDIR)} ({where} is a file)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fastdata-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"cannot write the output folder {out} ({exc.strerror or exc} at {where}): choose a "
+                          "folder you can write to") from exc
+
+
+@dataclass
+class Target:
+    """Where a run writes: ``folder`` is OUT itself, or its staging folder beside it (NOTE [overwrite]);
+    ``done`` is the manifest when the dataset asked for is already complete."""
+
+    folder: Path
+    done: Optional[dict[str, Any]]
+
+
+def staging_dir(out: Path) -> Path:
+    """The folder an overwrite builds in, beside OUT (NOTE [overwrite])."""
+    real = out.resolve()
+    return real.parent / f".{real.name}.fastdata-next"
+
+
+def _trash_dir(out: Path) -> Path:
+    real = out.resolve()
+    return real.parent / f".{real.name}.fastdata-old"
+
+
+@contextlib.contextmanager
+def output(out: Path, fingerprint: str, overwrite: bool) -> Iterator[Target]:
+    """Hold OUT (NOTE [one writer]) and say where to write; a staged dataset whose manifest exists when the
+    block ends without an error replaces OUT (NOTE [overwrite]).
+
+    Args:
+        out: the dataset folder.
+        fingerprint: the run's arguments and source, as the manifest records them.
+        overwrite: replace a dataset made with other arguments.
+
+    Yields:
+        The :class:`Target`: a run with ``done`` set returns it; otherwise it resumes the journal in
+        ``folder`` and writes its manifest there.
+
+    Raises:
+        OutputError: OUT holds something else, or a dataset made otherwise and ``overwrite`` is not set.
+    """
+    with exclusive(out):
+        if (out / MANIFEST_NAME).exists():
+            shutil.rmtree(_trash_dir(out), ignore_errors=True)  # the last overwrite's old dataset (rule 2)
+        staging = staging_dir(out)
+        if not (overwrite and (out / MANIFEST_NAME).exists() and _can_stage(out)):
+            if overwrite and (out / MANIFEST_NAME).exists():
+                log.warning("cannot build beside %s (its parent is not writable, or it is a mount point): deleting "
+                            "the old dataset before the new one exists", out)
+            yield Target(out, prepare_output(out, fingerprint, overwrite))
+            return
+        with exclusive(staging):
+            try:
+                done = prepare_output(staging, fingerprint, overwrite=False)
+            except OutputError:  # work towards another dataset, or an old one left by a kill (rule 2): ours to drop
+                done = prepare_output(staging, fingerprint, overwrite=True)
+            yield Target(staging, done)
+            if (staging / MANIFEST_NAME).exists():
+                _swap(out, staging)
+
+
+def _can_stage(out: Path) -> bool:
+    real = out.resolve()
+    try:
+        return os.stat(real.parent).st_dev == os.stat(real).st_dev and os.access(real.parent, os.W_OK | os.X_OK)
+    except OSError:
+        return False
+
+
+def _swap(out: Path, staging: Path) -> None:
+    """Put the complete dataset in ``staging`` at OUT and delete the old one (NOTE [overwrite] rule 2)."""
+    real, trash = out.resolve(), _trash_dir(out)
+    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        exchanged = _exchange(staging, real)
+        if not exchanged:  # rule 4
+            os.replace(real, trash)
+            try:
+                os.replace(staging, real)
+            except OSError:
+                os.replace(trash, real)  # the old dataset back in place
+                raise
+        fsync_dir(real.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot move the new dataset from {staging} to {out}: {exc.strerror or exc}; the old "
+                          "dataset is still there: rerun the same command to try again") from exc
+    old = staging if exchanged else trash  # the old dataset, now under the staging name or the trash's
+    with contextlib.suppress(OSError):
+        if old == staging:
+            os.replace(staging, trash)  # so that a kill while it is deleted leaves garbage by its name only
+            old = trash
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders atomically (``renameat2(RENAME_EXCHANGE)``); False where that cannot be done here."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))

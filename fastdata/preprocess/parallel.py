@@ -7,9 +7,9 @@ Results come back in task order (so output bytes never depend on the worker coun
 
 Large results can skip the pipe: with ``slot_bytes > 0``, each task gets a slot of memory shared with the
 parent (anonymous ``MAP_SHARED``, inherited by forked workers, so it needs no ``/dev/shm`` space) and
-writes its array there instead of returning it. Pickling 3 MB of pixels, sending it through a pipe and
-unpickling it cost the parent about 0.3 ms per 256 px image, which capped a many-core run at a few
-hundred images per second per parent.
+writes its array there instead of returning it. Pickling a chunk of pixels, sending it through a pipe and
+unpickling it costs the parent time for every image, which capped a many-core run at the rate one parent
+can unpickle.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def default_workers() -> int:
 
 
 def _start_method() -> str:
-    # fork where it exists, as torch's DataLoader does: workers start in ~1 ms instead of ~0.3 s, a user's
+    # fork where it exists, as torch's DataLoader does: workers start at once instead of importing anew, a user's
     # script needs no `if __name__ == "__main__"` guard, and workers inherit the shared slots.
     # Workers run only Pillow/numpy code.
     return "fork" if "fork" in mp.get_all_start_methods() else "spawn"

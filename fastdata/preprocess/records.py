@@ -350,7 +350,7 @@ def parquet(src: Path) -> Source:
 def discover_any(src: Path, coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
     a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
-    ``path,label`` CSV as always."""
+    ``path,label`` CSV as always (WebDataset tars: :func:`fastdata.preprocess.tars.discover_source`)."""
     src = Path(src)
     if coco_json is not None:
         if not src.is_dir():

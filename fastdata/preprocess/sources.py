@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._io import scrub
 from ..errors import SourceError
 
 # torchvision's IMG_EXTENSIONS plus .gif and .jfif; matched case-insensitively.
@@ -23,8 +24,8 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".ppm", ".bmp", 
 class Source:
     """The ordered list of input images. ``paths`` are relative to ``root``; sample order is list order."""
 
-    kind: str  # "folder" or "csv"
-    location: Path  # the folder, or the CSV file
+    kind: str  # "folder" or "csv" (or a kind of records.py or tars.py)
+    location: Path  # the folder, or the CSV file (a str for a URL)
     root: Path  # the folder paths are relative to
     paths: list[str]
     labels: list[int]
@@ -40,18 +41,26 @@ class Source:
         """The same samples in the order ``numpy.random.default_rng(seed).permutation(n)`` (sample ``i`` is
         the source's ``perm[i]``), so that shards hold every class and a small ``shuffle_window`` mixes
         batches as a full shuffle does. Parquet rows are read a row group at a time: refused."""
-        if self.blobs is not None:
+        if self.blobs is not None and not hasattr(self.blobs, "permuted"):
             raise SourceError(f"--shuffle would read {self.location}'s Parquet row groups once per sample: shuffle "
                               "the rows when writing the Parquet files, or keep their order and use a larger "
                               "shuffle_window")
         perm = np.random.default_rng(seed).permutation(len(self.paths)).tolist()
         return replace(self, paths=[self.paths[i] for i in perm], labels=[self.labels[i] for i in perm],
-                       extras={k: [v[i] for i in perm] for k, v in self.extras.items()})
+                       extras={k: [v[i] for i in perm] for k, v in self.extras.items()},
+                       blobs=None if self.blobs is None else self.blobs.permuted(perm))  # tars: read by offset
+
+    @property
+    def where(self) -> str:
+        """The source as the manifest names it: a local path resolved, a URL as given (without secrets)."""
+        if isinstance(self.location, str):
+            return scrub(self.location)
+        return str(self.location.resolve())
 
     def fingerprint(self) -> str:
         """Hash of the file list, labels and classes: a resumed run must see the same source."""
         h = hashlib.sha256()
-        parts = [str(self.location.resolve()), "\0".join(self.classes), "\0".join(self.paths),
+        parts = [self.where, "\0".join(self.classes), "\0".join(self.paths),
                  ",".join(map(str, self.labels))]
         if self.kinds:  # (image, class) sources keep their fingerprint, so their runs resume as before
             parts.append(json.dumps([self.kinds, self.extras, self.has_label], sort_keys=True))

@@ -12,7 +12,7 @@ import gzip
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -25,6 +25,7 @@ from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
 from . import journal
+from . import ray_pool
 from .parallel import default_workers, ordered_map
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,33 @@ class TextInputError(FastdataError):
 
 @dataclass(frozen=True)
 class TextPreprocessConfig:
+    """Everything ``fastdata preprocess text`` takes, as one frozen dataclass validated on construction.
+
+    Args:
+        src: A ``.txt`` / ``.jsonl`` file (optionally gzipped), or a folder of them (searched recursively,
+            hidden paths skipped). A .txt file is one document; a .jsonl line is one.
+        out: The dataset folder to write.
+        tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path (needs ``tokenizers``) or
+            ``"tiktoken:NAME"`` (needs ``tiktoken``).
+        field: The .jsonl key that holds a document's text (default ``"text"``).
+        val_fraction: The share of documents that go to the ``val`` split, in [0, 1) (default 0.001).
+        workers: Tokenising processes (default None: every core this process may use).
+        on_error: ``"skip"`` leaves an unusable document out and counts it in the manifest; ``"fail"`` stops
+            (default ``"skip"``).
+        shard_tokens: Tokens per shard (default ``1 << 26``: 64 Mi tokens, 128 MiB of uint16).
+        seed: The seed of the train/val split, drawn per document position (default 0).
+        overwrite: Replace a dataset in ``out`` made from another source or with other parameters
+            (default False).
+        progress: Show a progress bar (default True).
+        engine: ``"local"`` (default: a process pool here) or ``"ray"`` (Ray tasks on a cluster; the same bytes,
+            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node. The
+            ``bytes`` tokenizer always runs in this process.
+        ray_address: The Ray cluster's ``HOST:PORT`` (default None: the one on this machine, or a new local one).
+
+    Raises:
+        ConfigError: A field is out of range; the message names the field and echoes the value.
+    """
+
     src: Path
     out: Path
     tokenizer: str = "bytes"
@@ -50,6 +78,8 @@ class TextPreprocessConfig:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
+    engine: str = "local"  # or "ray": the same bytes (NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py)
+    ray_address: Optional[str] = None  # HOST:PORT; None: the cluster on this machine, or a new local one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src))
@@ -59,6 +89,7 @@ class TextPreprocessConfig:
         require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens", self.shard_tokens,
                 "a positive integer")
         require(self.workers is None or self.workers >= 1, "workers", self.workers, "a positive integer")
+        require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
 
 
 def text_files(src: Path) -> list[Path]:
@@ -150,7 +181,37 @@ def _tokenize(task: Task) -> tuple[list[int], list[np.ndarray], list[bool]]:
 
 
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
-    """Run (or resume) text preprocessing; returns the manifest."""
+    """Tokenise text documents into uint16/uint32 token shards, split into train and val.
+
+    The data's way::
+
+        .txt / .jsonl documents, in order -> chunks of about 1 MB of text -> worker processes tokenise
+            -> results written in source order, an end-of-document token between documents -> train or val
+            by a hash of each document's position -> each complete unit journaled -> manifest.json last
+
+    The output is byte-identical for any worker count.
+    A killed run resumes from its complete units; a rerun with the same arguments returns at once.
+
+    Args:
+        config: What to read, what to write and how (:class:`TextPreprocessConfig`).
+
+    Returns:
+        The dataset's manifest, as written to ``config.out/manifest.json``.
+
+    Raises:
+        SourceError: The source is missing, holds no text files, or no usable document.
+        FastdataError: A document is unusable and ``on_error="fail"``, or the tokenizer gave an id outside
+            its vocabulary.
+        ConfigError: ``tokenizer`` is not a known spec.
+        MissingDependencyError: The tokenizer needs ``tokenizers`` or ``tiktoken``, not installed.
+        OutputError: The output folder cannot be written, holds something else, or holds a dataset made with
+            other arguments and ``overwrite`` is off (DiskFullError when the disk fills up).
+
+    Examples:
+        >>> manifest = preprocess_text(TextPreprocessConfig(src="raw/owt", out="data/owt", tokenizer="tiktoken:gpt2"))
+        >>> ds = TokenDataset("data/owt", "train", seq_len=1024)
+    """
+    journal.check_writable(config.out)
     tok = load_tokenizer(config.tokenizer)
     files = text_files(config.src)
     root = config.src if config.src.is_dir() else config.src.parent
@@ -159,10 +220,11 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         st = p.stat()
         h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     fingerprint = h.hexdigest()
-    with journal.exclusive(config.out):  # NOTE [one writer] in fastdata/preprocess/journal.py
-        done = journal.prepare_output(config.out, fingerprint, config.overwrite)
-        if done is not None:
-            return done
+    # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
+    with journal.output(config.out, fingerprint, config.overwrite) as target:
+        if target.done is not None:
+            return target.done
+        config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
         total_bytes = _run(config, tok, files, root, jr, partial)
         return _finish(config, tok, files, jr, partial, fingerprint, total_bytes)
@@ -209,13 +271,15 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], root: 
     docs = ((i, *d) for i, d in enumerate(iter_documents(files, root, config.field)) if i >= start)
     writer = ts.TokenUnitWriter(config.out, partial, config.shard_tokens, tok.eos_id, token_dtype(tok.vocab_size),
                                 len(jr.units))
-    bar = progress_bar(total=total_bytes, desc="tokenize", unit="B", unit_scale=True, enabled=config.progress)
     # The bytes tokenizer is one np.frombuffer per document: shipping text to worker processes costs more
-    # than it saves (measured 46 MB/s in-process vs 20 MB/s with 2 workers), so it always runs here.
-    workers = 1 if tok.kind == "bytes" else config.workers or default_workers()
+    # than it saves (benchmarks/RESULTS.md), so it always runs here.
+    ray = config.engine == "ray" and tok.kind != "bytes"
+    pool = ray_pool.RayPool.open(config.ray_address, config.workers) if ray else None
+    workers = pool.workers if pool else 1 if tok.kind == "bytes" else config.workers or default_workers()
+    bar = progress_bar(total=total_bytes, desc="tokenize", unit="B", unit_scale=True, enabled=config.progress)
     try:
-        for indices, encoded, ok in ordered_map(_tokenize, _chunks(docs, config.tokenizer, skipped, config.on_error,
-                                                                   bar), workers):
+        tasks = _chunks(docs, config.tokenizer, skipped, config.on_error, bar)
+        for indices, encoded, ok in (pool.ordered_map if pool else ordered_map)(_tokenize, tasks, workers):
             val = is_val(np.asarray(indices), config.val_fraction, config.seed)
             for idx, ids, v, good in zip(indices, encoded, val, ok):
                 if not good:

@@ -25,7 +25,7 @@ import torch
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.schema import OFFSETS, Field, offsets_file
-from ..storage.shards import OpenedShards, ShardSet, map_npy, open_shards, take_rows, verify_hashes
+from .shards import OpenedShards, ShardSet, map_npy, open_shards, take_rows, verify_hashes
 
 # ``out(key, shape, dtype)`` -> a CPU tensor of exactly that shape to fill (FastLoader's ring slot)
 Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]

@@ -7,23 +7,29 @@ see NOTE [file check] in fastdata/formats/manifest.py) and hands back the same :
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from .._io import new_hash, safe_join
-from ..errors import ConfigError, FormatError
+from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import npy_header
 from ..formats.manifest import damaged_error, file_problem, require_intact
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor, slice]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class OpenedShards:
     """What :func:`open_shards` gives: per-shard memory maps (``mmap``), or one contiguous host array
     (``ram``, ``shm``), or one device tensor (``cuda``)."""
 
-    maps: list[np.ndarray] = field(default_factory=list)
+    maps: Sequence[np.ndarray] = field(default_factory=list)  # a list, or ShardMaps when too many to keep open
     flat: Optional[np.ndarray] = None
     device: Optional[torch.Tensor] = None
 
@@ -65,14 +71,17 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
         raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
     check_sizes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
     shape = (shards.rows, *shards.row_shape)
-    if storage in ("mmap", "shm") and verify:  # the shm copy is also checked while it is made
+    if storage == "mmap" and verify:  # (shm: the copy is hashed while it is made, a found one before use)
         verify_hashes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
     if storage == "mmap":
+        if not room_for_maps(len(shards.files)):
+            return OpenedShards(maps=ShardMaps(shards, bound=_bounded_maps()))
         return OpenedShards(maps=[map_npy(shards.root, rel, (n, *shards.row_shape), shards.dtype)
                                   for rel, n in shards.files])
     if storage == "shm":
         header = npy_header(shape, shards.dtype)
-        path = shm.ensure_copy(shards.root, shards.manifest, shards.bodies(), header, shm_dir, key=shards.key)
+        path = shm.ensure_copy(shards.root, shards.manifest, shards.bodies(), header, shm_dir, key=shards.key,
+                               verify=verify)
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
         if arr.shape != shape or arr.dtype != shards.dtype:
             raise FormatError(f"{path} holds {arr.shape} {arr.dtype}, expected {shape} {shards.dtype}: remove it with "
@@ -85,12 +94,139 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
 
 
 def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Memory-map one ``.npy`` shard, refusing one whose shape or dtype is not the manifest's."""
-    arr = np.load(safe_join(root, rel), mmap_mode="r", allow_pickle=False)
+    """Memory-map one ``.npy`` shard, refusing one whose shape or dtype is not the manifest's (NOTE [open
+    files]: the map holds a descriptor while it lives).
+
+    Raises:
+        FormatError: the file's shape or dtype is not the manifest's. OutputError: no descriptor is left.
+    """
+    if _FDS.live + _FD_HEADROOM >= _FDS.soft:  # cheap test first: most processes never get near the limit
+        room_for_maps(1)
+    try:
+        arr = np.load(safe_join(root, rel), mmap_mode="r", allow_pickle=False)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        soft, hard = _limits()
+        raise OutputError(f"cannot map {root / rel}: this process has {soft} open files, its limit (hard limit "
+                          f"{hard}): raise it (`ulimit -n`) or close other datasets") from exc
     if arr.shape != shape or arr.dtype != dtype:
         raise FormatError(f"{root / rel} holds {arr.shape} {arr.dtype}, the manifest says {shape} {dtype}: "
                           "the dataset is damaged; re-run `fastdata preprocess`")
+    with _FDS.lock:
+        _FDS.live += 1
+    weakref.finalize(arr, _FDS.unmapped)
     return arr
+
+
+# NOTE [open files]: each memory map keeps a descriptor open (CPython's mmap duplicates the file's), so an
+# ImageNet-sized dataset (1,252 shards at the default shard size) passes the common soft limit of 1,024.
+# 1. Before mapping more shards than fit, the soft RLIMIT_NOFILE is raised towards the hard limit, said once
+#    in the log (loader workers, forked or spawned, inherit the raised limit).
+# 2. Where the hard limit is too low, an mmap dataset maps its shards as batches read them and keeps at most
+#    half the descriptors left open (:class:`ShardMaps`, least recently used unmapped first).
+# 3. _FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
+_FD_HEADROOM = 256
+
+
+class _Descriptors:
+    """This process's count of live shard maps and the soft limit last seen."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # (re-entrant: the collector may run a map's finalizer while it is held)
+        self.live = 0
+        self.soft = _limits()[0]
+        self.said = False
+
+    def unmapped(self) -> None:
+        with self.lock:
+            self.live -= 1
+
+
+def _limits() -> tuple[int, int]:
+    try:
+        import resource
+    except ImportError:  # (not a POSIX system: no limit to manage)
+        return 1 << 30, 1 << 30
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = 1 << 30
+    return (top if soft == resource.RLIM_INFINITY else soft), (top if hard == resource.RLIM_INFINITY else hard)
+
+
+def _open_descriptors() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return _FDS.live + 64  # (no /proc: an estimate)
+
+
+_FDS = _Descriptors()
+
+
+def room_for_maps(count: int) -> bool:
+    """Whether ``count`` more shard maps fit under this process's limit on open files, raising its soft
+    limit towards the hard one when they do not (NOTE [open files]); False when even the hard limit is
+    too low."""
+    with _FDS.lock:
+        soft, hard = _limits()
+        need = _open_descriptors() + count + _FD_HEADROOM
+        if need > soft and hard > soft:
+            import resource
+
+            new = min(hard, max(need, 2 * soft))
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            except (ValueError, OSError):  # (above the kernel's nr_open, say): keep the limit there is
+                new = soft
+            if new > soft and not _FDS.said:
+                log.warning("raised this process's limit on open files (RLIMIT_NOFILE) from %d to %d: each "
+                            "memory-mapped shard holds one open file (%d more to map)", soft, new, count)
+                _FDS.said = True
+            soft = new
+        _FDS.soft = soft
+        return need <= soft
+
+
+def _bounded_maps() -> int:
+    """How many shard maps :class:`ShardMaps` keeps open: half the descriptors left, at least 16."""
+    return max(16, (_limits()[0] - _open_descriptors() - _FD_HEADROOM) // 2)
+
+
+class ShardMaps(Sequence[np.ndarray]):
+    """``shards``' memory maps, each made when first read and at most ``bound`` kept open (least recently used
+    let go first; a batch still reading one keeps it alive): an mmap dataset with more shards than the limit
+    on open files allows (NOTE [open files])."""
+
+    def __init__(self, shards: ShardSet, bound: int) -> None:
+        self.shards, self.bound = shards, bound
+        self._open: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        log.warning("%d shards in %s are more than the limit on open files allows: at most %d are kept mapped "
+                    "(raise the hard limit, `ulimit -Hn`, to keep every one)", len(shards.files), shards.root, bound)
+
+    def __len__(self) -> int:
+        return len(self.shards.files)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[s] for s in range(len(self)))
+
+    def __getitem__(self, s: Any) -> Any:
+        if not isinstance(s, (int, np.integer)):
+            raise TypeError(f"ShardMaps takes one shard index, got {s!r}")
+        s = int(s)
+        with self._lock:
+            arr = self._open.get(s)
+            if arr is not None:
+                self._open.move_to_end(s)
+                return arr
+        rel, n = self.shards.files[s]
+        arr = map_npy(self.shards.root, rel, (n, *self.shards.row_shape), self.shards.dtype)
+        with self._lock:
+            arr = self._open.setdefault(s, arr)  # (another thread may have mapped it meanwhile)
+            self._open.move_to_end(s)
+            while len(self._open) > self.bound:
+                self._open.popitem(last=False)
+        return arr
 
 
 def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None) -> None:

@@ -5,6 +5,18 @@ dataset gets a new one. The first process copies under an exclusive ``flock`` (r
 if it dies), checking every byte against the manifest's sha256 as it goes, and renames when complete;
 the others wait on the lock, then map the finished file. Copies outlive the job on purpose (the next
 run starts instantly): ``fastdata shm list`` / ``fastdata shm remove`` manage them.
+
+NOTE [private shm]: a copy is training data other local users must neither plant nor read.
+1. Copies live in a folder only this user can write: the shm folder itself when this user owns it and no one
+   else may write it, else ``fastdata-user-<uid>`` inside it (``/dev/shm`` is world-writable), made 0700 and
+   checked (a real folder, this user's, mode 0700) before every use.
+2. Files are created 0600 with ``O_EXCL | O_NOFOLLOW``: a name planted in advance (a symlink, say) makes the
+   copy fail, it is never followed or written through; temporaries carry the pid and a random part.
+3. A copy found in place is used only if it is a regular file of this user's, of the expected size, whose
+   inode, size and mtime match the stamp its creator wrote beside it; with ``verify`` its bytes are also
+   hashed against the manifest first. Anything else is refused with the command that removes it.
+4. A copier killed mid-copy leaves its temporary; ``fastdata shm list`` shows it as partial (no process holds
+   its lock) and ``fastdata shm remove`` deletes it, as does the next copy of the same data.
 """
 from __future__ import annotations
 
@@ -12,20 +24,62 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from .._io import HASH_NAME, disk_error, fsync_dir, iter_blocks, new_hash, safe_join
-from ..errors import OutputError
+from ..errors import ChecksumError, OutputError
 from ..formats.manifest import damaged_error, file_problem
 
 PREFIX = "fastdata-"
 
 
 def shm_dir(override: Optional[Path | str] = None) -> Path:
+    """The shm folder as configured (``override``, ``$FASTDATA_SHM_DIR`` or ``/dev/shm``); copies live in
+    :func:`private_dir` of it."""
     return Path(override or os.environ.get("FASTDATA_SHM_DIR", "/dev/shm"))
+
+
+def private_dir(override: Optional[Path | str] = None, create: bool = True) -> Path:
+    """The folder this user's copies live in (NOTE [private shm]): the shm folder itself when this user owns it
+    and no one else may write it, else its ``fastdata-user-<uid>`` folder (made 0700 when ``create``), checked.
+
+    Raises:
+        OutputError: the folder cannot be made, or is not this user's private folder (it says what to remove).
+    """
+    base = shm_dir(override)
+    try:
+        st = os.stat(base)
+    except OSError as exc:
+        raise OutputError(f"cannot use shm folder {base}: {exc.strerror}; is it a writable tmpfs?") from exc
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return base
+    d = base / f"{PREFIX}user-{os.getuid()}"
+    if create:
+        try:
+            os.mkdir(d, 0o700)  # (an existing one is checked below)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise OutputError(f"cannot create {d}: {exc.strerror}; is {base} a writable tmpfs?") from exc
+    if create or os.path.lexists(d):
+        _check_private(d)
+    return d
+
+
+def _check_private(d: Path) -> None:
+    st = os.lstat(d)
+    problem = ("is not a folder" if not stat.S_ISDIR(st.st_mode) else
+               f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})" if st.st_uid != os.getuid() else
+               f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700" if st.st_mode & 0o077 else None)
+    if problem is not None:
+        raise OutputError(f"{d} {problem}: it must be this user's private folder for /dev/shm copies, and someone "
+                          f"may have made it to plant data; remove it (`rm -rf {d}`, as its owner or root) or set "
+                          "FASTDATA_SHM_DIR (shm_dir=) to a folder only you can write")
 
 
 def copy_id(manifest: dict[str, Any], key: str = "") -> str:
@@ -37,53 +91,137 @@ def copy_id(manifest: dict[str, Any], key: str = "") -> str:
 
 
 def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, int]], header: bytes,
-                directory: Optional[Path] = None, key: str = "") -> Path:
+                directory: Optional[Path] = None, key: str = "", verify: bool = False) -> Path:
     """Return the path of the node's copy, making it first if no process has yet.
 
     ``payload`` lists ``(manifest file path, bytes to skip at its start)``: the bodies are concatenated
     after ``header`` (an ``.npy`` header for the whole array), so the copy is itself a plain ``.npy``.
+    A copy found in place is checked first (NOTE [private shm]); ``verify`` hashes it against the manifest.
+
+    Raises:
+        OutputError: the shm folder is not private or is too small, or a found copy is not this user's
+            (the message says what to remove). ChecksumError: a found copy's bytes are not the dataset's.
     """
-    d = shm_dir(directory)
+    d = private_dir(directory)
     cid = copy_id(manifest, key)
     target = d / f"{PREFIX}{cid}.npy"
-    if target.exists():
-        return target
+    files = {f["path"]: f for f in manifest["files"]}
+    needed = len(header) + sum(files[p]["bytes"] - skip for p, skip in payload)
+    if os.path.lexists(target):
+        return _found(target, root, files, payload, header, needed, verify)
     lock_path = d / f"{PREFIX}{cid}.lock"
     try:
-        lock = open(lock_path, "a+")
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise OutputError(f"cannot create {lock_path}: {exc.strerror}; is {d} a writable tmpfs?") from exc
-    with lock:
+        raise OutputError(f"cannot create {lock_path}: {exc.strerror}; remove it if it is not a plain file of "
+                          f"yours, and check that {d} is a writable tmpfs") from exc
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait here while the first one copies
-        if target.exists():
-            return target
-        for stale in d.glob(f"{PREFIX}{cid}.npy.tmp-*"):  # left by a process that died mid-copy
-            stale.unlink(missing_ok=True)
-        files = {f["path"]: f for f in manifest["files"]}
-        needed = len(header) + sum(files[p]["bytes"] - skip for p, skip in payload)
+        if os.path.lexists(target):
+            return _found(target, root, files, payload, header, needed, verify)
+        for stale in d.glob(f"{PREFIX}{cid}.*.tmp-*"):  # left by a process that died mid-copy
+            stale.unlink(missing_ok=True)  # (a symlink is removed, never followed)
         free = shutil.disk_usage(d).free
         if needed > free:
             raise OutputError(f"{d} has {free / 2**20:,.0f} MiB free but this dataset needs {needed / 2**20:,.0f} MiB: "
                               f"free space there (`fastdata shm list` / `fastdata shm remove`), enlarge it, or use "
                               f"storage='mmap'")
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        try:
-            _copy(root, files, payload, header, tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         info = {"id": cid, "dataset": str(Path(root).resolve()), "bytes": needed, "created": time.time(),
                 "format": manifest["format"]}
-        (d / f"{PREFIX}{cid}.json").write_text(json.dumps(info))
-        os.replace(tmp, target)
+        _write_info(d, cid, info)  # before the copy: `fastdata shm list` names a partial one's dataset
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            st = _copy(root, files, payload, header, tmp)
+            _write_info(d, cid, {**info, "stamp": _stamp(st)})
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            (d / f"{PREFIX}{cid}.json").unlink(missing_ok=True)
+            raise
         fsync_dir(d)
+    finally:
+        os.close(lock)  # (releases the flock)
     return target
 
 
-def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], header: bytes,
-          tmp: Path) -> None:
+def _stamp(st: os.stat_result) -> dict[str, int]:
+    """What the creator records of its finished copy; a file put in its place later differs."""
+    return {"bytes": st.st_size, "inode": st.st_ino, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_info(d: Path, cid: str, info: dict[str, Any]) -> None:
+    path = d / f"{PREFIX}{cid}.json"
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "wb") as out:  # the close() flush can fail on a full disk too: keep it inside the try
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise disk_error(exc, path) from exc
+
+
+def _found(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]],
+           header: bytes, needed: int, verify: bool) -> Path:
+    """``target`` if it is the copy its creator stamped (and, with ``verify``, its bytes are the dataset's)."""
+    cid = target.stem[len(PREFIX):]
+    st = os.lstat(target)
+    try:
+        stamp = json.loads(target.with_suffix(".json").read_text()).get("stamp")
+    except (OSError, ValueError, AttributeError):
+        stamp = None
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"belongs to uid {st.st_uid}, not to this user" if st.st_uid != os.getuid() else
+               f"may be written by others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022 else
+               f"has {st.st_size} bytes, not {needed}" if st.st_size != needed else
+               "is not the file its creator stamped" if stamp != _stamp(st) else None)
+    advice = f"remove it (`fastdata shm remove {cid} --dir {target.parent}`, or `rm {target}`) and retry"
+    if problem is not None:
+        raise OutputError(f"refusing shm copy {target}: it {problem}; {advice}")
+    if verify:
+        problem = _verify_copy(target, root, files, payload, header)
+        if problem is not None:
+            raise ChecksumError(f"shm copy {target} does not match the dataset ({problem}); {advice}")
+    return target
+
+
+def _verify_copy(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]],
+                 header: bytes) -> Optional[str]:
+    """Hash the copy's part of each source file (that file's own header, read from it, then the copy's
+    bytes) against the manifest; what differs, or None."""
+    with open(target, "rb") as f:
+        if f.read(len(header)) != header:
+            return "its header differs"
+        for rel, skip in payload:
+            with open(safe_join(root, rel), "rb") as src:
+                h = new_hash()
+                h.update(src.read(skip))
+            left = files[rel]["bytes"] - skip
+            while left > 0:
+                block = f.read(min(left, 16 << 20))
+                if not block:
+                    return f"it ends before {rel}'s rows"
+                h.update(block)
+                left -= len(block)
+            if h.hexdigest() != files[rel][HASH_NAME]:
+                return f"{rel}'s rows differ"
+    return None
+
+
+def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], header: bytes,
+          tmp: Path) -> os.stat_result:
+    """Write the copy to ``tmp`` (created here, 0600, never through a planted name), hashing each source file
+    as it is read; returns the finished file's stat."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError as exc:
+        raise OutputError(f"{tmp} appeared before this process created it (planted?): refusing to write through "
+                          f"it; remove it and retry") from exc
+    except OSError as exc:
+        raise disk_error(exc, tmp) from exc
+    try:
+        with os.fdopen(fd, "wb") as out:  # the close() flush can fail on a full disk too: keep it inside the try
             out.write(header)
             for rel, skip in payload:
                 h, pos = new_hash(), 0
@@ -94,33 +232,63 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
                 problem = file_problem(files[rel], pos, h.hexdigest())
                 if problem is not None:
                     raise damaged_error(root / rel, files[rel], problem, pos)
+            out.flush()
+            return os.fstat(out.fileno())
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
 
 
 def list_copies(directory: Optional[Path] = None) -> list[dict[str, Any]]:
-    """Every finished copy in the shm folder, with its dataset, size and age."""
-    d = shm_dir(directory)
+    """Every copy in this user's shm folder, with its dataset, size and age: finished ones, and partial ones
+    (``"partial"`` says ``"copying"`` while a process holds the copy's lock, else ``"left by a killed copy"``)."""
+    d = private_dir(directory, create=False)
+    found: dict[str, list[Path]] = {}
+    for path in sorted(d.glob(f"{PREFIX}*.npy")) + sorted(d.glob(f"{PREFIX}*.npy.tmp-*")):
+        found.setdefault(path.name[len(PREFIX):].split(".", 1)[0], []).append(path)
     out = []
-    for npy in sorted(d.glob(f"{PREFIX}*.npy")):
-        info_path = npy.with_suffix(".json")
+    for cid, paths in found.items():
         try:
-            info = json.loads(info_path.read_text())
+            info = json.loads((d / f"{PREFIX}{cid}.json").read_text())
         except (OSError, ValueError):
-            info = {"id": npy.stem[len(PREFIX):], "dataset": "?", "created": npy.stat().st_mtime}
-        info.update(path=str(npy), bytes=npy.stat().st_size)
+            info = {"id": cid, "dataset": "?"}
+        try:
+            sizes = {p: os.lstat(p) for p in paths}
+        except FileNotFoundError:  # finished (or removed) meanwhile
+            continue
+        info.update(id=cid, path=str(paths[0]), bytes=sizes[paths[0]].st_size)
+        info.setdefault("created", sizes[paths[0]].st_mtime)
+        if paths[0].suffix != ".npy":
+            info["partial"] = "copying" if _locked(d / f"{PREFIX}{cid}.lock") else "left by a killed copy"
         out.append(info)
     return out
 
 
+def _locked(lock_path: Path) -> bool:
+    """Whether a process holds the copy lock ``lock_path`` (a live copier)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def remove_copies(ids: list[str], directory: Optional[Path] = None) -> list[str]:
-    """Delete the named copies (all when ``ids`` is empty); returns the ids removed. Processes that
-    still map a copy keep reading it until they exit (the kernel frees it then)."""
-    d = shm_dir(directory)
+    """Delete the named copies, finished or partial (all when ``ids`` is empty); returns the ids removed.
+    Processes that still map a copy keep reading it until they exit (the kernel frees it then); a copier
+    still running fails with an error naming the file."""
+    d = private_dir(directory, create=False)
     removed = []
     for info in list_copies(d):
         if not ids or info["id"] in ids:
-            for suffix in (".npy", ".json", ".lock"):
-                (d / f"{PREFIX}{info['id']}{suffix}").unlink(missing_ok=True)
-            removed.append(info["id"])
+            cid = info["id"]
+            for path in [*d.glob(f"{PREFIX}{cid}.*.tmp-*"), *(d / f"{PREFIX}{cid}{suffix}" for suffix in
+                                                                (".npy", ".json", ".lock"))]:
+                path.unlink(missing_ok=True)
+            removed.append(cid)
     return removed

@@ -34,7 +34,54 @@ def parse_duration(text: str | float | int | None) -> Optional[float]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything the loop does, validated on construction. Batch size belongs to the loader (per process)."""
+    """Everything the training loop does, as one frozen dataclass validated on construction.
+
+    The batch size belongs to the loader (per process), not here.
+    ``fastdata train`` builds one from its flags, with these defaults.
+
+    Args:
+        epochs: Epochs to train (default None: 1 epoch, or as many as ``max_steps`` needs when it is set).
+        max_steps: Stop after this many optimizer steps (default None: no bound).
+        max_time: Stop after this many seconds; :func:`parse_duration` reads ``"DD:HH:MM:SS"``
+            (default None). Under DDP it is checked at log intervals.
+        lr: The peak learning rate (default 0.1).
+        optimizer: ``"sgd"`` (with momentum, Nesterov when ``momentum`` > 0) or ``"adamw"`` (default ``"sgd"``).
+        momentum: SGD's momentum (default 0.9).
+        weight_decay: Weight decay on weights only, never on norms or biases (default 5e-4).
+        schedule: ``"cosine"`` (after warm-up), ``"onecycle"`` or ``"constant"`` (default ``"cosine"``).
+        warmup_steps: Optimizer steps of linear warm-up (default 0).
+        label_smoothing: The default loss's label smoothing, in [0, 1) (default 0.0).
+        amp: Autocast precision: ``"bf16"``, ``"fp16"`` (with a GradScaler; CUDA only) or ``"none"`` (default).
+        accum: Micro-batches accumulated per optimizer step (default 1).
+        clip: The gradients' largest global norm (default None: no clipping).
+        channels_last: Put a convolutional model and its images in channels_last (default True).
+        compile: Run the model through ``torch.compile`` (default False).
+        sync_bn: Use SyncBatchNorm under DDP (default False; CUDA only).
+        cudnn_benchmark: Let cuDNN pick the fastest kernels for the fixed shapes (default True).
+        checkpoint_dir: The folder of ``checkpoint.pt`` (default None: no checkpoints).
+        checkpoint_every: Also save every this many optimizer steps (default 0: at epoch ends and when stopping).
+        checkpoint_keep: Checkpoint generations kept, >= 1: ``checkpoint.pt``, ``checkpoint.prev.pt``...
+            (default 2; NOTE [checkpoint generations] in fastdata/train/checkpoint.py).
+        resume: Continue from ``checkpoint_dir``'s newest intact checkpoint (default False).
+        val_every: Validate every this many epochs (default 1; 0: never at epoch ends).
+        val_every_steps: Also validate every this many optimizer steps (default 0: never).
+        early_stop_patience: Validations without an improvement of the validation loss before stopping
+            (default 0: off).
+        early_stop_min_delta: The least decrease of the validation loss that counts as an improvement
+            (default 0.0).
+        log_every: Optimizer steps per log record (default 50).
+        log_file: A file that each log record is appended to as one JSON line, by rank 0 (default None).
+        profile_steps: Run ``torch.profiler`` over the first this many steps (default 0: off).
+        device: ``"auto"`` (CUDA when torch sees a GPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default ``"auto"``).
+        seed: The run's seed (default 0); ``fastdata train`` seeds torch and the loaders with it.
+        progress: Show a progress bar and log lines on rank 0 (default True).
+
+    Raises:
+        ConfigError: A field is out of range; the message names the field and echoes the value.
+
+    Examples:
+        >>> cfg = TrainConfig(epochs=16, lr=0.2, amp="bf16", warmup_steps=500, checkpoint_dir="runs/r50")
+    """
 
     epochs: Optional[int] = None  # None: 1 epoch, or as many as max_steps needs when it is set
     max_steps: Optional[int] = None
@@ -55,6 +102,7 @@ class TrainConfig:
     cudnn_benchmark: bool = True
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0  # optimizer steps; 0: at epoch ends and when stopping
+    checkpoint_keep: int = 2  # generations kept: checkpoint.pt, checkpoint.prev.pt (NOTE [checkpoint generations])
     resume: bool = False
     val_every: int = 1  # epochs (0: never at epoch ends)
     val_every_steps: int = 0
@@ -82,6 +130,8 @@ class TrainConfig:
         need(self.clip is None or self.clip > 0, "clip", "positive")
         need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
         need(self.log_every >= 1, "log_every", "a positive integer")
+        need(isinstance(self.checkpoint_keep, int) and self.checkpoint_keep >= 1, "checkpoint_keep",
+             "a positive integer")
         for name in ("warmup_steps", "checkpoint_every", "val_every", "val_every_steps", "early_stop_patience",
                      "profile_steps"):  # (a negative warm-up made the learning rate negative)
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")

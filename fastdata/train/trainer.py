@@ -51,22 +51,51 @@ def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.
 
 
 class Trainer:
-    """``Trainer(model, train_loader, val_loader, config=TrainConfig(...)).fit()``.
+    """Train a model on a loader's batches: AMP, DDP under torchrun, accumulation, checkpoints, early stops.
 
-    Loaders yield ``(inputs, targets)``: on the device already (CUDAPrefetcher) or on the CPU (moved here);
-    one without ``len()`` (an iterable dataset's) needs ``max_steps``. Under torchrun, build the loaders
-    after :func:`init_distributed` so each serves its shard. A dataset with sample fields yields dicts: the
-    model gets ``batch["image"]`` and ``loss_fn(out, batch)`` the whole dict (default: cross-entropy on
-    ``label``, or per pixel on ``mask``; see :func:`default_loss`). With a checkpoint folder, SIGTERM or
-    SIGUSR1 during ``fit`` stops it at a step boundary with a checkpoint (NOTE [stop signals]);
-    ``stop_signal`` then holds the signal's number.
+    The data's way::
+
+        train_loader (CUDAPrefetcher, or CPU batches moved here) -> model under autocast -> loss_fn
+            -> backward (accumulated) -> clip -> optimizer and schedule step -> metrics on the device,
+            synchronised once per log interval with the data stall -> checkpoints, validation, stops
+
+    Loaders yield ``(inputs, targets)``, on the device already (CUDAPrefetcher) or on the CPU (moved here).
+    A loader without ``len()`` (an iterable dataset's) needs ``max_steps``.
+    Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
+    A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
+    the whole dict.
+    With a checkpoint folder, SIGTERM or SIGUSR1 during :meth:`fit` stops it at a step boundary with a
+    checkpoint (NOTE [stop signals]); ``stop_signal`` then holds the signal's number.
+
+    Args:
+        model: The module to train; it is moved to the device (channels_last for a convnet when
+            ``config.channels_last``).
+        train_loader: The training batches, iterated once per epoch.
+        val_loader: The validation batches for :meth:`evaluate` (default None: no validation).
+        config: What the loop does (:class:`TrainConfig`).
+        loss_fn: ``loss_fn(output, targets)`` -> a scalar tensor (default: cross-entropy on the targets; for a
+            dict batch on its ``label``, or per pixel on its ``mask``; see :func:`default_loss`).
+
+    Raises:
+        ConfigError: The checkpoint folder holds another run's checkpoint and ``resume`` is off, the training
+            loader serves no batch, a loader without ``len()`` comes without ``max_steps``, or the device cannot
+            run the config (fp16 or sync_bn on the CPU, bf16 on a GPU without it, CUDA where there is none).
+        OutputError: The checkpoint folder cannot be written.
+        FormatError: ``resume`` met a checkpoint that cannot be read or does not fit the model.
+
+    Examples:
+        >>> train = CUDAPrefetcher(FastLoader(FastDataset("data/train"), 256), "cuda")
+        >>> val = CUDAPrefetcher(FastLoader(FastDataset("data/val"), 256, shuffle=False, pad=False), "cuda")
+        >>> trainer = Trainer(model, train, val, config=TrainConfig(epochs=16, amp="bf16"))
+        >>> history = trainer.fit()  # a list of log records (dicts)
     """
 
     def __init__(self, model: nn.Module, train_loader: Any, val_loader: Any = None, *, config: TrainConfig,
                  loss_fn: Optional[Callable[[torch.Tensor, Any], torch.Tensor]] = None) -> None:
         cfg = self.cfg = config
         existing = self._checkpoint_path()
-        if existing is not None and existing.is_file() and not cfg.resume:  # before any process group is held
+        # (checked before any process group is held; any generation kept counts: NOTE [checkpoint generations])
+        if existing is not None and checkpoint.existing(existing, cfg.checkpoint_keep) and not cfg.resume:
             raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
                               "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
                               "delete it to start afresh)")
@@ -170,6 +199,16 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
+        """Train until the last epoch ends, ``max_steps`` or ``max_time`` is reached, early stopping or a signal.
+
+        Returns:
+            The log records of the run so far (``history``): ``"train"`` records per log interval (loss, accuracy,
+            lr, samples per second, data stall), validation records, and an ``"end"`` record with the reason.
+
+        Raises:
+            ConfigError: The trainer was closed by :func:`shutdown_distributed`.
+            OutputError: A checkpoint or the log file cannot be written (DiskFullError when the disk is full).
+        """
         if self.dist.world_size > 1 and self.ddp is None:  # closed: see close()
             raise ConfigError("this Trainer was closed (shutdown_distributed() closes every Trainer): "
                               "build a new one after init_distributed() to train again")
@@ -296,6 +335,9 @@ class Trainer:
                   "samples_per_s": samples_all / elapsed, "data_stall_pct": stall}
         if count != samples_all:  # several targets per sample (language models): report tokens too
             record["tokens_per_s"] = count / elapsed
+        sources = getattr(getattr(self.train_loader, "dataset", None), "interval_report", None)
+        if sources is not None:  # a Mixture: each source's samples/s and share in this interval (this rank's)
+            record["sources"] = sources(elapsed)
         self._log(record)
         if bar is not None:
             bar.update(self.step - bar.n)
@@ -357,7 +399,7 @@ class Trainer:
             return
         loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
         if self.dist.main:
-            checkpoint.write(path, {
+            checkpoint.write(path, keep=self.cfg.checkpoint_keep, state={
                 "model": self.model.state_dict(), "model_class": type(self.model).__name__,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
@@ -373,10 +415,11 @@ class Trainer:
         if path is None:
             raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
         grouped = self.dist.world_size > 1
-        data = checkpoint.rank0_bytes(path, self.dist.main, self.device) if grouped else None
-        if (grouped and data is None) or (not grouped and not path.is_file()):
+        chosen = checkpoint.newest(path, self.cfg.checkpoint_keep) if self.dist.main else None
+        data = checkpoint.rank0_bytes(chosen, self.dist.main, self.device) if grouped else None
+        if (grouped and data is None) or (not grouped and chosen is None):
             return False
-        state = checkpoint.read(path, self.device, self.model, data)
+        state = checkpoint.read(chosen or path, self.device, self.model, data)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -388,7 +431,7 @@ class Trainer:
         self.best, self.bad_evals = state["best"], state["bad_evals"]
         checkpoint.set_rng_state(state["rng"])
         if self.dist.main and self.cfg.progress:
-            log.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+            log.info("resumed from %s: epoch %d, step %d", chosen, self.epoch, self.step)
         return True
 
     # -- progress bar and profiler --------------------------------------------------------------------

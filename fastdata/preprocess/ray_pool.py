@@ -1,0 +1,202 @@
+"""Ray tasks in place of the local process pool: ``fastdata preprocess ... --ray [ADDRESS]`` (``engine="ray"``).
+
+Ray is optional (``pip install 'fastdata[ray]'``) and imported only here, inside the functions that need it.
+Every node of the cluster needs fastdata installed in the Python that runs its Ray workers.
+
+NOTE [ray byte-identity]: a run on Ray writes the same bytes as the local run, for any number of nodes and
+workers, because Ray only replaces the pool that maps the worker function over the tasks.
+1. The driver plans the tasks exactly as the local run does (the same chunks of the source order, or of the
+   ``--shuffle`` permutation, the same task tuples) and Ray runs the same worker function on them
+   (``images._work``, ``images._work_fields``, ``text._tokenize``): decode, resize, encode, tokenise.
+2. The driver takes the results in task order and feeds them to the same unit writer as the local run. A
+   shard holds ``shard_size`` *decoded* samples, so every bad sample before it shifts its first row: its
+   bytes depend on every task before it, and only the ordered stream knows where it starts. That is why
+   the writer, not a task, cuts the stream into shards.
+3. Tasks write nothing and are pure functions of their task: a task whose worker dies is run again by Ray
+   (``max_retries``) and its one result is taken once, so no file ever has two writers. Results travel
+   through Ray's object store (the pixels of a chunk are read from shared memory on the driver's node).
+4. The journal, the resume and the manifest are the local run's (fastdata/preprocess/journal.py): a killed
+   driver is resumed by rerunning the same command, which submits tasks only after the last journaled unit.
+5. The driver's work per shard is what the local parent does: write and hash its bytes (npy; LMDB parts are
+   JPEG bytes, ~10x fewer) and one journal entry. Results in flight are bounded (two tasks per worker
+   slot); the driver also holds the source's listing and the task plan (benchmarks/bench_cluster.py
+   measures both).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from ..errors import FastdataError, MissingDependencyError, SourceError
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("local", "ray")
+_WINDOW = 2  # tasks in flight per worker slot, as the local pool
+_RETRIES = 3  # runs of a task after its worker died (Ray's own default, made explicit)
+_PROBE_S = 5.0  # ray.init retries an unreachable address for minutes: a plain TCP connect answers first
+_START_HINT = ("start one with `ray start --head` on the head machine (and `ray start --address HEAD:6379` on the "
+               "others), then pass the address it printed as --ray HOST:PORT; --ray alone connects to a cluster "
+               "started on this machine or starts a local one")
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        MissingDependencyError: Ray is not installed; the message names the extra.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise MissingDependencyError("--ray (engine='ray') needs Ray: pip install 'fastdata[ray]'") from exc
+    return ray
+
+
+def _probe(address: str) -> None:
+    """Refuse an address nothing listens on, in seconds (``ray.init`` would retry it for minutes)."""
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise FastdataError(f"--ray {address!r} is not HOST:PORT: {_START_HINT}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_S):
+            pass
+    except OSError as exc:
+        raise FastdataError(f"cannot reach a Ray cluster at {address} ({exc.strerror or exc}): {_START_HINT}") from exc
+
+
+def connect(address: Optional[str]) -> Any:
+    """Connect this process to Ray (once; a process already connected keeps its connection).
+
+    Args:
+        address: ``HOST:PORT`` (or ``ray://HOST:PORT``) of a running cluster; None or ``"auto"``: the cluster
+            started on this machine, or else a new local one (said in one log line).
+
+    Returns:
+        The ``ray`` module, initialised.
+
+    Raises:
+        MissingDependencyError: Ray is not installed.
+        FastdataError: Nothing answers at ``address``; the message says how to start a cluster.
+    """
+    ray = import_ray()
+    given = address not in (None, "", "auto")
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if given and address != current and not address.startswith("ray://"):
+            _probe(address)  # an unreachable address is named as such
+            raise FastdataError(f"this process is already connected to the Ray cluster at {current}, not {address}: "
+                                f"call ray.shutdown() first, or pass --ray {current}")
+        return ray
+    if not given:
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+        except ConnectionError:
+            log.warning("no Ray cluster is running on this machine: starting a local one with every core here (for "
+                        "a cluster: `ray start --head` on its head, then --ray HOST:PORT)")
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        return ray
+    _probe(address)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError) as exc:
+        raise FastdataError(f"cannot connect to the Ray cluster at {address} ({exc}): {_START_HINT}") from exc
+    return ray
+
+
+def _call(fn: Callable[..., Any], task: Any, slotted: bool, needs: Optional[str]) -> Any:
+    """A Ray task: the local pool's worker function on one task (no shared slot: the data is returned)."""
+    if needs is not None and not os.path.exists(needs):  # else every file would be skipped as unreadable
+        raise SourceError(f"{needs} is not visible on the Ray node {socket.gethostname()}: each node reads the "
+                          "source itself, so put SRC where every node mounts it at the same path")
+    return fn(task, None) if slotted else fn(task)
+
+
+class RayPool:
+    """Runs a preprocess's tasks on a Ray cluster, results in task order (NOTE [ray byte-identity]).
+
+    Args:
+        workers: Worker slots: tasks run at once across the cluster (``_WINDOW`` times as many in flight).
+        num_cpus: The CPUs each task asks Ray for.
+        needs: A path every task reads (the source folder): a task on a node that does not see it fails
+            with a :class:`SourceError` instead of skipping every sample as unreadable (default None).
+    """
+
+    def __init__(self, workers: int, num_cpus: float = 1.0, needs: Optional[str] = None) -> None:
+        self.workers, self.num_cpus, self.needs = workers, num_cpus, needs
+
+    @classmethod
+    def open(cls, address: Optional[str], workers_per_node: Optional[int] = None,
+             needs: Optional[Any] = None) -> "RayPool":
+        """Connect (:func:`connect`) and size the pool from the cluster's live nodes.
+
+        Args:
+            address: As :func:`connect`.
+            workers_per_node: Tasks at once on each node (each asks for ``CPUs / workers_per_node`` of the
+                smallest node); None: one task per CPU of the cluster.
+            needs: As the class takes it (a path; None: nothing checked).
+
+        Returns:
+            The pool.
+        """
+        ray = connect(address)
+        cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+        cpus = [c for c in cpus if c > 0]
+        if not cpus:
+            raise FastdataError(f"the Ray cluster at {address or 'auto'} has no node with a CPU: add one "
+                                "(`ray start --address HEAD:6379 --num-cpus N`)")
+        need = None if needs is None else str(needs)
+        if workers_per_node is None:
+            pool = cls(max(1, int(sum(cpus))), 1.0, need)
+        else:  # Ray takes fractions of one CPU, or whole CPUs
+            share = min(cpus) / workers_per_node
+            pool = cls(workers_per_node * len(cpus), float(int(share)) if share >= 1 else share, need)
+        log.info("running on Ray: %d node(s), %g CPUs, %d task(s) at once", len(cpus), sum(cpus), pool.workers)
+        return pool
+
+    def ordered_map(self, fn: Callable[..., Any], tasks: Iterable[Any], workers: Optional[int] = None,
+                    slot_bytes: Optional[int] = None) -> Iterator[Any]:
+        """:func:`fastdata.preprocess.parallel.ordered_map` on Ray: the same calls of ``fn``, the same results
+        in the same order (with ``slot_bytes`` given, ``(result, None)``: a Ray task returns its data).
+
+        Raises:
+            FastdataError: A task's worker died more than ``_RETRIES`` times. An error raised by ``fn`` is
+                raised here as it was raised in the task.
+        """
+        ray = import_ray()
+        remote = ray.remote(_call).options(num_cpus=self.num_cpus, max_retries=_RETRIES, retry_exceptions=False)
+        it = iter(tasks)
+        pending: deque[Any] = deque()
+        slotted = slot_bytes is not None
+        try:
+            for t in itertools.islice(it, _WINDOW * (workers or self.workers)):
+                pending.append(remote.remote(fn, t, slotted, self.needs))
+            while pending:
+                r = _get(ray, pending.popleft())
+                for t in itertools.islice(it, 1):
+                    pending.append(remote.remote(fn, t, slotted, self.needs))
+                yield (r, None) if slotted else r
+        finally:
+            for ref in pending:  # an error, an interrupt or a consumer that stopped: leave no work behind
+                try:
+                    ray.cancel(ref)
+                except Exception:  # already finished, or the cluster is gone: nothing to cancel
+                    pass
+
+
+def _get(ray: Any, ref: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:  # fn raised: the same exception as in the local pool
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            raise cause from None
+        raise FastdataError(f"a preprocessing task failed on Ray: {exc}") from exc
+    except ray.exceptions.RayError as exc:  # a worker or node died once more than Ray retries
+        raise FastdataError(f"a preprocessing task's Ray worker died {_RETRIES + 1} times (killed, or out of "
+                            f"memory?) [{type(exc).__name__}]: rerun the same command to resume") from exc

@@ -1,0 +1,330 @@
+"""WebDataset tar shards as a preprocess source: a folder of ``*.tar`` files, one ``.tar``, or a brace pattern
+(``shards/{00000..00009}.tar``), local or at an fsspec URL (``s3://bucket/laion/{00000..00999}.tar``).
+
+NOTE [tar source]:
+1. Samples are the tar members grouped by key, as img2dataset and WebDataset write them: ``dir/KEY.jpg``
+   with ``dir/KEY.cls``, ``dir/KEY.txt``, ``dir/KEY.json`` (the key is the name up to the first dot of its
+   last part; a sample's members are consecutive). The image is the first ``jpg|jpeg|png|webp|...`` member.
+2. ``cls`` is the ``label`` (an id, or a class name), ``txt`` (or a JSON ``caption``) the ``caption`` text
+   field, JSON keys holding a number or a list of numbers in every sample ``vector`` fields (the JSONL
+   source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored.
+3. The order is the tars' sorted names, then member order. Every tar is read once by the parent, streamed
+   (``tarfile`` mode ``r|``, nothing extracted to disk), for the listing and the small members; workers
+   then read their samples' image bytes by offset, one ranged read per run of consecutive samples.
+4. A tar cut short (mid-member or mid-header) makes the sample it cuts a bad record: skipped and listed in
+   the manifest, or ``--on-error fail``; the samples before it are kept.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import posixpath
+import re
+import tarfile
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+from .._io import scrub
+from ..errors import ImageDecodeError, SourceError
+from ..storage.remote import filesystem, is_url
+from .records import discover_any, from_records
+from .sources import IMAGE_EXTENSIONS, Source
+
+log = logging.getLogger(__name__)
+_IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_GAP = 256 << 10  # samples this close after each other in a tar are read in one request (their .json/.cls between)
+_SPAN = 64 << 20  # but no request longer than this
+Where = Union[tuple[int, int, int], str]  # (tar, offset, size) of a sample's image, or why it is a bad record
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a/{00..02}.tar`` -> ``a/00.tar a/01.tar a/02.tar`` (zero-padded to the first bound's width); ``{x,y}``
+    lists alternatives; several groups expand in turn."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = int(rng.group(1)), int(rng.group(2))
+        if hi < lo:
+            raise SourceError(f"{scrub(pattern)}: the range {{{body}}} runs backwards")
+        items = [str(i).zfill(len(rng.group(1))) for i in range(lo, hi + 1)]
+    else:
+        items = body.split(",")
+    head, tail = pattern[:m.start()], pattern[m.end():]
+    return [x for item in items for x in expand_braces(head + item + tail)]
+
+
+def is_tar_source(src: Union[str, Path]) -> bool:
+    """Whether ``src`` names WebDataset tars: a ``.tar`` (or a brace pattern of them), or a folder (local or
+    a URL) holding ``*.tar`` files."""
+    text = str(src)
+    if text.endswith(".tar"):
+        return True
+    if is_url(text):
+        try:
+            fs, root = filesystem(text)
+            return any(p.endswith(".tar") for p in fs.ls(root, detail=False))
+        except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
+            return True
+    p = Path(text)
+    return p.is_dir() and any(c.suffix == ".tar" and c.is_file() for c in p.iterdir())
+
+
+def tar_files(src: Union[str, Path]) -> list[str]:
+    """The tars behind ``src``, sorted by name: local paths or URLs."""
+    text = str(src)
+    if _BRACE.search(text):
+        names = expand_braces(text)
+        if not is_url(text):
+            missing = [n for n in names if not Path(n).is_file()]
+            if missing:
+                raise SourceError(f"{src}: {len(missing)} of the {len(names)} tars do not exist (first: {missing[0]})")
+    elif is_url(text) and not text.endswith(".tar"):
+        fs, root = filesystem(text)
+        try:
+            names = [fs.unstrip_protocol(p) for p in fs.ls(root, detail=False) if p.endswith(".tar")]
+        except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
+            raise SourceError(f"cannot list {scrub(text)}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+    elif Path(text).is_dir():
+        names = [str(p) for p in Path(text).iterdir() if p.suffix == ".tar" and p.is_file()]
+    else:
+        names = [text]
+    if not names:
+        raise SourceError(f"{scrub(text)} holds no .tar files")
+    return sorted(names)
+
+
+def _open(tar: str) -> Any:
+    """A binary file object on ``tar`` (streamed from the store for a URL)."""
+    if not is_url(tar):
+        return open(tar, "rb")
+    fs, path = filesystem(tar)
+    return fs.open(path, "rb")
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``dir/KEY.seg.png`` -> ``("dir/KEY", "seg.png")``."""
+    folder, base = posixpath.split(name)
+    stem, _, ext = base.partition(".")
+    return posixpath.join(folder, stem), ext.lower()
+
+
+def _members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optional[str]]]:
+    """Yield ``(key, {ext: (offset, size) for images, bytes otherwise}, reason or None)`` per sample of one tar,
+    streamed; a cut-short tar ends with its cut sample and the reason."""
+    key, group = None, {}
+    try:
+        f = _open(tar)
+    except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused read
+        raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+    seen = _Seen(f)
+    try:
+        with f, tarfile.open(fileobj=seen, mode="r|") as t:
+            for m in t:
+                if not m.isfile() or posixpath.basename(m.name).startswith("."):
+                    continue
+                k, ext = _split(m.name)
+                if k != key and key is not None:
+                    yield key, group, None
+                    group = {}
+                key = k
+                data = t.extractfile(m).read()  # the stream must pass over it anyway; images are not kept
+                if len(data) != m.size:
+                    raise tarfile.ReadError("unexpected end of data")
+                group[ext] = (m.offset_data, m.size) if ext in _IMAGE_EXTS else data
+            # tarfile ends quietly at a header cut short or missing: only a zero block is the archive's end
+            if seen.block(t.offset) != bytes(tarfile.BLOCKSIZE):
+                raise tarfile.ReadError("the archive ends without its end-of-archive block")
+    except (tarfile.ReadError, EOFError) as exc:  # the tar's own damage (a read error stops the run instead)
+        if key is None and not group:
+            raise SourceError(f"cannot read {label} as a tar file ({type(exc).__name__}: {scrub(str(exc))}): "
+                              "pass WebDataset .tar shards") from exc
+        yield key, group, f"{label} is cut short in sample {key} ({type(exc).__name__}: {scrub(str(exc))})"
+        return
+    if key is not None:
+        yield key, group, None
+
+
+class _Seen:
+    """A stream reader that remembers how many bytes went by and the last of them: to see how a tar ends."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.n, self.prev, self.last = f, 0, b"", b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        if data:  # the last two pieces read cover the last 512-byte block tarfile asked for
+            self.n += len(data)
+            self.prev, self.last = self.last, data
+        return data
+
+    def block(self, offset: int) -> bytes:
+        """The bytes of the stream's 512-byte block at ``offset`` (fewer where it ended), if still held."""
+        held = self.prev + self.last
+        start = offset - (self.n - len(held))
+        return held[start:start + tarfile.BLOCKSIZE] if start >= 0 else b""
+
+
+def _record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
+    """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata."""
+    image = next((e for e in group if e in _IMAGE_EXTS), None)
+    rec: dict[str, Any] = {}
+    if "json" in group:
+        meta = json.loads(group["json"].decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError(f".json holds {type(meta).__name__}, not an object")
+        for k, v in meta.items():
+            numeric = isinstance(v, (int, float)) and not isinstance(v, bool) or (
+                isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))
+            if k in ("label", "labels", "boxes", "box_labels") or (k == "caption" and isinstance(v, str)) or numeric:
+                rec[k] = v
+    if "cls" in group:
+        text = group["cls"].decode("utf-8").strip()
+        rec["label"] = int(text) if text.isdigit() else text
+    if "txt" in group:
+        rec["caption"] = group["txt"].decode("utf-8")
+    return image, rec
+
+
+def tar_source(src: Union[str, Path]) -> Source:
+    """The samples of WebDataset tars (NOTE [tar source]), ready for ``fastdata preprocess images``."""
+    tars = tar_files(src)
+    paths: list[str] = []
+    where: list[Where] = []
+    good: list[tuple[str, dict[str, Any]]] = []
+    for ti, tar in enumerate(tars):
+        label = scrub(tar) if is_url(tar) else Path(tar).name
+        name = posixpath.basename(tar.rstrip("/"))
+        try:
+            for key, group, reason in _members(tar, label):
+                image, rec = next((e for e in group if e in _IMAGE_EXTS), None), {}
+                if reason is None:
+                    try:
+                        image, rec = _record(group)
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        reason = f"{label}: sample {key} has bad metadata ({type(exc).__name__}: {exc})"
+                if reason is None and image is None:
+                    reason = f"{label}: sample {key} has no image member (members: {sorted(group)})"
+                paths.append(f"{name}/{key}.{image or 'jpg'}")
+                if reason is None:
+                    where.append((ti, *group[image]))
+                    good.append((f"{label}: sample {key}", rec))
+                else:
+                    where.append(reason)
+        except SourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a store refusing the read: one line naming it
+            raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+    if not paths:
+        raise SourceError(f"{scrub(str(src))} holds no samples")
+    good = _common_vectors(good)
+    location: Union[str, Path] = str(src) if is_url(str(src)) else Path(src)
+    root = Path(".") if is_url(str(src)) else Path(tars[0]).parent.resolve()
+    ok = [p for p, w in zip(paths, where) if not isinstance(w, str)]
+    part = from_records(iter(good), location, root, "webdataset", paths=ok)  # type: ignore[arg-type]
+    labels, extras = _with_bad(part, where)
+    return Source("webdataset", location, root, paths, labels, part.classes, part.kinds, extras, part.has_label,
+                  TarBlobs(tars, where))
+
+
+def _common_vectors(rows: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Keep a numeric JSON key only where every sample has a number there (img2dataset leaves some null)."""
+    numeric = lambda v: not isinstance(v, (str, bool)) and v is not None  # noqa: E731
+    fixed = ("label", "labels", "boxes", "box_labels", "caption")
+    keys = {k for _, r in rows for k in r if k not in fixed}
+    keep = {k for k in keys if all(numeric(r.get(k)) for _, r in rows)}
+    if keys - keep:
+        log.info("JSON keys not numeric in every sample, not stored: %s", sorted(keys - keep))
+    return [(w, {k: v for k, v in r.items() if k in fixed or k in keep}) for w, r in rows]
+
+
+def _with_bad(part: Source, where: list[Where]) -> tuple[list[int], dict[str, list[Any]]]:
+    """Labels and extras for every sample: the good ones' values, and blanks where a bad record sits (its
+    worker fails it before reading them)."""
+    labels: list[int] = []
+    extras: dict[str, list[Any]] = {k: [] for k in part.extras}
+    good = iter(range(len(part.paths)))
+    for w in where:
+        if isinstance(w, str):
+            labels.append(0)
+            for k, col in part.extras.items():
+                extras[k].append(_blank(col[0]) if col else None)
+            continue
+        i = next(good)
+        labels.append(part.labels[i])
+        for k, col in part.extras.items():
+            extras[k].append(col[i])
+    return labels, extras
+
+
+def _blank(value: Any) -> Any:
+    if isinstance(value, list):
+        return [0.0] * len(value) if value and isinstance(value[0], float) else []
+    return 0.0 if isinstance(value, float) else ""
+
+
+class TarBlobs:
+    """Reads sample ``i``'s image bytes from its tar by offset (NOTE [tar source] rule 3); a bad record's
+    read raises :class:`ImageDecodeError` with its reason. Picklable: workers reopen the tars."""
+
+    def __init__(self, tars: list[str], where: list[Where]) -> None:
+        self.tars, self.where = tars, where
+        self._buf: Optional[tuple[int, int, bytes]] = None  # (tar, offset, bytes) of the last ranged read
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tars": self.tars, "where": self.where, "_buf": None}
+
+    def chunk(self, a: int, b: int) -> "TarBlobs":
+        """Samples ``a..b`` only: what one worker task needs."""
+        return TarBlobs(self.tars, self.where[a:b])
+
+    def permuted(self, perm: list[int]) -> "TarBlobs":
+        """The same samples in the order ``perm`` (``--shuffle``): sample ``i`` is this one's ``perm[i]``."""
+        return TarBlobs(self.tars, [self.where[i] for i in perm])
+
+    def read(self, i: int) -> bytes:
+        w = self.where[i]
+        if isinstance(w, str):
+            raise ImageDecodeError(w)
+        t, off, size = w
+        buf = self._buf
+        if buf is None or buf[0] != t or off < buf[1] or off + size > buf[1] + len(buf[2]):
+            end = off + size
+            for nxt in itertools.islice(self.where, i + 1, None):
+                if (isinstance(nxt, str) or nxt[0] != t or not 0 <= nxt[1] - end <= _GAP
+                        or nxt[1] + nxt[2] - off > _SPAN):
+                    break
+                end = nxt[1] + nxt[2]
+            buf = self._buf = (t, off, self._read(t, off, end))
+        piece = buf[2][off - buf[1]:off - buf[1] + size]
+        if len(piece) != size:
+            raise ImageDecodeError(f"{self.tars[t]} ends inside this sample's image (it changed since it was listed?)")
+        return piece
+
+    def _read(self, t: int, start: int, end: int) -> bytes:
+        tar = self.tars[t]
+        if is_url(tar):
+            try:
+                fs, path = filesystem(tar)
+                return fs.cat_file(path, start=start, end=end)
+            except Exception as exc:  # noqa: BLE001 - the store's failure, not the sample's: stop, never skip
+                raise SourceError(f"cannot read {scrub(tar)}: {type(exc).__name__}: {scrub(str(exc))}; rerun the "
+                                  "same command to resume") from exc
+        with open(tar, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+
+def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Source:
+    """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a URL, a ``.tar``, a brace
+    pattern, a folder of them), else what :func:`~fastdata.preprocess.records.discover_any` finds."""
+    if coco_json is None and is_tar_source(src):
+        return tar_source(src)
+    if is_url(str(src)):
+        raise SourceError(f"{scrub(str(src))} holds no .tar files: a URL source is WebDataset tars (a .tar, a brace "
+                          "pattern of them, or a folder holding them)")
+    return discover_any(Path(src), coco_json)

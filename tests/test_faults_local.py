@@ -1,0 +1,466 @@
+"""Faults on one machine, against real parts: a lowered limit on open files with 1,300 shards, two datasets on
+one LMDB with one closed mid-epoch, planted files in the shm folder, a shm copier killed mid-copy, checkpoint
+writers racing and a damaged newest checkpoint. Each runs what may crash in a subprocess, so a segfault or a
+hang fails the test instead of the test run."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import disk_of
+import test_remote
+
+pytestmark = pytest.mark.faults
+s3 = test_remote.s3  # the moto server fixture (module-scoped: started once here)
+
+MANY = 1300  # shards of one sample: more than the common soft limit of 1,024 open files
+SIDE = 8
+
+
+def pixels(i: int) -> np.ndarray:
+    """Sample ``i``'s image: its index in the first two channels, a gradient shifted by it in the third."""
+    img = np.empty((SIDE, SIDE, 3), dtype=np.uint8)
+    img[..., 0], img[..., 1] = i & 0xFF, i >> 8
+    img[..., 2] = (np.arange(SIDE * SIDE).reshape(SIDE, SIDE) + i) % 256
+    return img
+
+
+def many_shards(root: Path, n: int = MANY) -> Path:
+    """An npy dataset of ``n`` one-sample shards (label ``i``) in the format's own byte layout and names,
+    written without an fsync per file (2 s, not 20)."""
+    import hashlib
+
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.image_shards import images_name, labels_name
+    from fastdata.formats.manifest import IMAGES_NPY, new_manifest, write_manifest
+
+    def put(name: str, arr: np.ndarray) -> dict:
+        data = npy_bytes(arr)
+        (root / name).write_bytes(data)
+        return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    root.mkdir(parents=True)
+    files, shards = [], []
+    for i in range(n):
+        files += [put(images_name(i), pixels(i)[None]), put(labels_name(i), np.array([i], dtype="<i8"))]
+        shards.append({"images": images_name(i), "labels": labels_name(i), "samples": 1})
+    files.append(put("labels.npy", np.arange(n, dtype="<i8")))
+    write_manifest(root, new_manifest(IMAGES_NPY, num_samples=n, classes=[str(i) for i in range(n)],
+                                      sample_shape=[SIDE, SIDE, 3], dtype="|u1", label_dtype="<i8", layout="NHWC",
+                                      shard_size=1, shards=shards, files=files, all_labels="labels.npy"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> Path:
+    return many_shards(tmp_path_factory.mktemp("many") / "ds")
+
+
+def limited(soft: int, hard: int | None = None):
+    """A ``preexec_fn`` lowering the child's limit on open files (the hard one too when given)."""
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return preexec
+
+
+def run_child(code: str, *args: str, preexec=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                       timeout=timeout, preexec_fn=preexec, cwd=Path(__file__).parent)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"  # (139: a segfault)
+    return r
+
+
+EPOCH = """
+    import sys, numpy as np, torch
+    from torch.utils.data import DataLoader
+    from fastdata.datasets.images import FastDataset
+    from test_faults_local import pixels
+    path, storage, extra, start = sys.argv[1], sys.argv[2], eval(sys.argv[3]), sys.argv[4]
+    ds = FastDataset(path, storage=storage, **extra)
+    for lo in range(0, len(ds), 100):  # this process reads every shard (streamed: fetches and maps each)...
+        x, y = ds.get_batch(list(range(lo, min(lo + 100, len(ds)))))
+        assert all(np.array_equal(img, pixels(i)) for img, i in zip(x.numpy(), y.tolist()))
+    seen = []  # ... and so do 4 loader workers
+    loader = DataLoader(ds, batch_size=37, shuffle=True, num_workers=4, generator=torch.Generator().manual_seed(0),
+                        multiprocessing_context=start)
+    for x, y in loader:
+        for img, i in zip(x.numpy(), y.tolist()):
+            assert np.array_equal(img, pixels(i)), f"sample {i} has the wrong bytes"
+            seen.append(i)
+    assert sorted(seen) == list(range(len(ds))), "not every sample exactly once"
+    print("served", len(seen))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage, hard", [("mmap", None), ("mmap", 1024), ("ram", None), ("shm", None)])
+def test_1300_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(many, tmp_path, storage, hard):
+    """hard=None: the soft limit is raised towards the hard one (and said once); hard=1024: it cannot be, and
+    the shards are mapped as read, a bounded number at once."""
+    extra = {"shm_dir": str(tmp_path)} if storage == "shm" else {}
+    r = run_child(EPOCH, str(many), storage, repr(extra), "fork", preexec=limited(1024, hard))
+    assert f"served {MANY}" in r.stdout
+    if storage == "mmap":
+        said = "raised this process's limit on open files" if hard is None else "at most"
+        assert r.stderr.count(said) == 1, r.stderr  # said once, not per shard or per worker
+
+
+@pytest.mark.slow
+@pytest.mark.remote
+def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path):
+    from fastdata.storage.remote import push
+
+    url = s3("many-shards") + "/ds"
+    push(many, url, workers=8)
+    # spawned workers: s3fs refuses to be used in a forked child ("This class is not fork-safe")
+    r = run_child(EPOCH, url, "mmap", repr({"cache_dir": str(tmp_path / "cache")}), "spawn", preexec=limited(1024))
+    assert f"served {MANY}" in r.stdout and "raised this process's limit on open files" in r.stderr
+
+
+def test_the_soft_limit_is_raised_before_the_maps_need_it(many):
+    """Opening maps every shard at once (a plain list), the soft limit raised first."""
+    r = run_child("""
+        import resource, sys
+        from fastdata.datasets.images import FastDataset
+        before = resource.getrlimit(resource.RLIMIT_NOFILE)
+        ds = FastDataset(sys.argv[1])
+        after = resource.getrlimit(resource.RLIMIT_NOFILE)
+        print(before[0], after[0], type(ds._shards).__name__)
+    """, str(many), preexec=limited(1024))
+    before, after, kind = r.stdout.split()
+    assert int(before) == 1024 and int(after) > MANY and kind == "list"
+
+
+# -- LMDB: shared environments ---------------------------------------------------------------------------
+
+
+def test_closing_one_lmdb_reader_never_frees_a_map_another_is_reading(indexed_datasets):
+    r = run_child("""
+        import sys
+        from pathlib import Path
+        from fastdata.formats.lmdb_store import LmdbReader
+        from fastdata.formats.manifest import load_manifest
+        from fastdata.formats.lmdb_store import open_lmdb
+        root = Path(sys.argv[1])
+        a, b = open_lmdb(root, load_manifest(root)), open_lmdb(root, load_manifest(root))
+        want = a.get_many(range(100))
+        with b.views(range(100)) as blobs:  # views into b's map...
+            a.close()                       # ...while a lets go of the same files
+            for k in range(3):
+                a.get_many([0])             # (a reopens, then lets go again: b still holds)
+                a.close()
+            got = [bytes(v) for v in blobs]
+        assert got == want
+        assert b.get_many(range(100)) == want
+        b.close()
+        del a
+        print("ok")
+    """, str(indexed_datasets["lmdb"]))
+    assert r.stdout.strip() == "ok"
+
+
+TWO_DATASETS = """
+    import sys, threading, numpy as np
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
+    path, extra = sys.argv[1], eval(sys.argv[2])
+    ref = [(x.numpy().copy(), y.numpy().copy()) for x, y in FastLoader(FastDataset(path, **extra), 8, seed=1,
+                                                                       num_threads=2)]
+    train, val = FastDataset(path, **extra), FastDataset(path, **extra)
+    val.get_batch(list(range(len(val))))  # val has read (and holds) every store
+    got = []
+    for k, (x, y) in enumerate(FastLoader(train, 8, seed=1, num_threads=2)):
+        got.append((x.numpy().copy(), y.numpy().copy()))
+        if k == 3:  # mid-epoch: the other dataset on the same files is closed
+            close = getattr(val, "close", None)
+            if close is None:  # (datasets without close(): what it would release)
+                if val._cache is not None:
+                    val._cache.close()
+                val._reader.close()
+            else:
+                close()
+    assert len(got) == len(ref) and all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+                                        for a, b in zip(got, ref))
+    print("ok", len(got))
+"""
+
+
+def test_two_datasets_on_one_lmdb_one_closed_mid_epoch(indexed_datasets):
+    r = run_child(TWO_DATASETS, str(indexed_datasets["lmdb"]), "{}")
+    assert r.stdout.startswith("ok 13")
+
+
+@pytest.mark.remote
+def test_two_streamed_datasets_on_one_lmdb_url_one_closed_mid_epoch(s3, indexed_datasets, tmp_path):
+    from fastdata.storage.remote import push
+
+    url = s3("shared-lmdb") + "/lmdb"
+    push(indexed_datasets["lmdb"], url)
+    r = run_child(TWO_DATASETS, url, repr({"cache_dir": str(tmp_path / "cache")}))
+    assert r.stdout.startswith("ok 13")
+
+
+# -- /dev/shm: private, checked ------------------------------------------------------------------------
+
+
+def shared_folder(tmp_path: Path) -> Path:
+    """A folder like /dev/shm: everyone may write in it (sticky)."""
+    d = tmp_path / "devshm"
+    d.mkdir()
+    d.chmod(0o1777)
+    return d
+
+
+def copy_path(base: Path, dataset: Path) -> Path:
+    from fastdata.formats.manifest import load_manifest
+    from fastdata.storage import shm
+
+    return shm.private_dir(base) / f"{shm.PREFIX}{shm.copy_id(load_manifest(dataset))}.npy"
+
+
+def test_copies_live_in_a_private_folder_as_private_files(indexed_datasets, tmp_path):
+    from fastdata.datasets.images import FastDataset
+
+    base = shared_folder(tmp_path)
+    ds = FastDataset(indexed_datasets["npy"], storage="shm", shm_dir=base)
+    mine = base / f"fastdata-user-{os.getuid()}"
+    assert [p.name for p in base.iterdir()] == [mine.name] and stat.S_IMODE(mine.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in mine.iterdir()} == {0o600}
+    assert Path(ds._flat.filename).parent == mine
+
+
+def test_a_loose_or_foreign_private_folder_is_refused(indexed_datasets, tmp_path):
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import OutputError
+
+    base = shared_folder(tmp_path)
+    mine = base / f"fastdata-user-{os.getuid()}"
+    mine.mkdir(mode=0o777)
+    mine.chmod(0o777)  # made by someone else, to plant copies in
+    with pytest.raises(OutputError, match=rf"has mode 0777, not 0700: .*remove it \(`rm -rf {mine}`"):
+        FastDataset(indexed_datasets["npy"], storage="shm", shm_dir=base)
+    if os.geteuid() == 0:
+        mine.chmod(0o700)
+        os.chown(mine, 12345, 12345)
+        with pytest.raises(OutputError, match=r"belongs to uid 12345, not to this user"):
+            FastDataset(indexed_datasets["npy"], storage="shm", shm_dir=base)
+
+
+def test_a_planted_copy_is_refused_and_a_removed_one_is_made_again(indexed_datasets, tmp_path):
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import ChecksumError, OutputError
+    from fastdata.storage import shm
+
+    src = indexed_datasets["npy"]
+    base = shared_folder(tmp_path)
+    good = FastDataset(src).get_batch(list(range(100)))[0].numpy()
+    target = copy_path(base, src)
+    planted = np.zeros_like(good)
+    planted[0, 0, 0, 0] = 77  # wrong bytes, the right shape and size, at the predictable name
+    np.save(target, planted)
+    assert target.stat().st_size == 128 + good.nbytes
+    with pytest.raises(OutputError, match=r"is not the file its creator stamped; remove it \(`fastdata shm remove"):
+        FastDataset(src, storage="shm", shm_dir=base)
+    info = {"id": target.stem[9:], "dataset": str(src), "stamp": shm._stamp(os.lstat(target))}
+    target.with_suffix(".json").write_text(json.dumps(info))  # a forged stamp: only the bytes tell
+    with pytest.raises(ChecksumError, match=r"does not match the dataset \(images-00000\.npy's rows differ\)"):
+        FastDataset(src, storage="shm", shm_dir=base, verify=True)
+    assert main(["shm", "remove", target.stem[9:], "--dir", str(base)]) == 0
+    ds = FastDataset(src, storage="shm", shm_dir=base, verify=True)
+    assert np.array_equal(ds.get_batch(list(range(100)))[0].numpy(), good)
+    again = FastDataset(src, storage="shm", shm_dir=base, verify=True)  # a found copy, hashed before use
+    assert np.array_equal(again.get_batch(list(range(100)))[0].numpy(), good)
+    if os.geteuid() == 0:
+        del ds, again
+        os.chown(target, 12345, 12345)
+        with pytest.raises(OutputError, match=r"belongs to uid 12345, not to this user"):
+            FastDataset(src, storage="shm", shm_dir=base)
+
+
+def test_planted_symlinks_are_never_followed(indexed_datasets, tmp_path):
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import OutputError
+    from fastdata.storage import shm
+
+    src = indexed_datasets["npy"]
+    base = shared_folder(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    target = copy_path(base, src)
+    lock = target.with_suffix(".lock")
+    lock.symlink_to(victim)
+    with pytest.raises(OutputError, match=rf"cannot create {lock}: .*remove it"):
+        FastDataset(src, storage="shm", shm_dir=base)
+    lock.unlink()
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}-planted")
+    tmp.symlink_to(victim)  # at the temporary name: removed as a leftover, not written through
+    ds = FastDataset(src, storage="shm", shm_dir=base)
+    assert victim.read_bytes() == b"precious" and not os.path.lexists(tmp)
+    assert np.array_equal(ds.get_batch([5])[0].numpy(), FastDataset(src).get_batch([5])[0].numpy())
+    other = target.with_name("fastdata-0123456789abcdef.npy.tmp-1-x")
+    other.symlink_to(victim)  # the very name a copier opens: O_EXCL | O_NOFOLLOW refuses it
+    with pytest.raises(OutputError, match="appeared before this process created it"):
+        shm._copy(src, {}, [], b"header", other)
+    assert victim.read_bytes() == b"precious"
+
+
+SLOW_COPY = """
+    import sys, time
+    import fastdata.storage.shm as shm
+    from fastdata.datasets.images import FastDataset
+    blocks = shm.iter_blocks
+    def stalled(path, start=0):  # the test's hook: the copier stops after its first file, mid-copy
+        yield from blocks(path, start)
+        print("copying", flush=True)
+        time.sleep(600)
+    shm.iter_blocks = stalled
+    FastDataset(sys.argv[1], storage="shm", shm_dir=sys.argv[2])
+"""
+
+
+def test_a_killed_copiers_temporary_is_listed_and_removed(indexed_datasets, tmp_path, capsys):
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+
+    src = indexed_datasets["npy"]
+    base = shared_folder(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLOW_COPY), str(src), str(base)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "copying"
+        capsys.readouterr()
+        assert main(["shm", "list", "--dir", str(base)]) == 0
+        assert "(partial: copying)" in capsys.readouterr().out  # its copier is alive: its lock is held
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    mine = base / f"fastdata-user-{os.getuid()}"
+    assert len(list(mine.glob("*.npy.tmp-*"))) == 1
+    assert main(["shm", "list", "--dir", str(base)]) == 0
+    out = capsys.readouterr().out
+    cid = out.split()[0]
+    assert f"{src}  (partial: left by a killed copy)" in out
+    assert main(["shm", "remove", cid, "--dir", str(base)]) == 0
+    assert list(mine.iterdir()) == []
+    ds = FastDataset(src, storage="shm", shm_dir=base)  # and the next copy is whole
+    assert np.array_equal(ds.get_batch([99])[0].numpy(), FastDataset(src).get_batch([99])[0].numpy())
+
+
+def test_a_killed_copiers_temporary_goes_with_the_next_copy(indexed_datasets, tmp_path):
+    src = indexed_datasets["npy"]
+    base = shared_folder(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SLOW_COPY), str(src), str(base)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "copying"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    from fastdata.datasets.images import FastDataset
+
+    FastDataset(src, storage="shm", shm_dir=base)
+    mine = base / f"fastdata-user-{os.getuid()}"
+    assert not list(mine.glob("*.tmp-*")) and len(list(mine.glob("*.npy"))) == 1
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------
+
+
+WRITER = """
+    import sys, torch
+    from pathlib import Path
+    from fastdata.train import checkpoint
+    folder, who = Path(sys.argv[1]), int(sys.argv[2])
+    for i in range(25):
+        checkpoint.write(folder / "checkpoint.pt", {"who": who, "i": i, "w": torch.full((50_000,), who * 1000.0 + i)})
+"""
+
+
+def _consistent(path: Path) -> bool:
+    state = torch.load(path, weights_only=True)
+    return bool((state["w"] == state["who"] * 1000.0 + state["i"]).all())
+
+
+def test_two_checkpoint_writers_in_one_folder_never_leave_a_corrupt_checkpoint(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(tmp_path), str(who)])
+             for who in (1, 2)]
+    loads = 0
+    while any(p.poll() is None for p in procs):  # read while they write: every name holds a whole file
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            try:
+                assert _consistent(tmp_path / name)
+                loads += 1
+            except FileNotFoundError:
+                pass
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]  # no .tmp left
+    assert _consistent(tmp_path / "checkpoint.pt") and _consistent(tmp_path / "checkpoint.prev.pt")
+
+
+def _trainer(folder: Path, steps: int, resume: bool):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastdata.train.config import TrainConfig
+    from fastdata.train.models import create_model
+    from fastdata.train.trainer import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(48, 3, 16, 16, generator=g), torch.randint(0, 3, (48,), generator=g))
+    return Trainer(create_model("cnn-small", num_classes=3), DataLoader(data, batch_size=8),
+                   config=TrainConfig(device="cpu", max_steps=steps, progress=False, checkpoint_dir=str(folder),
+                                      resume=resume))
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_and_says_so(tmp_path, caplog):
+    _trainer(tmp_path, 2, False).fit()
+    _trainer(tmp_path, 3, True).fit()
+    assert torch.load(tmp_path / "checkpoint.prev.pt", weights_only=True)["step"] == 2
+    newest = tmp_path / "checkpoint.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # the disk lost its tail
+    with caplog.at_level(logging.WARNING, logger="fastdata.train"):
+        t = _trainer(tmp_path, 5, True)
+    assert t.step == 2  # from the previous generation
+    assert any("checkpoint.pt is damaged" in r.getMessage() and "resuming from the previous generation" in
+               r.getMessage() and "checkpoint.prev.pt" in r.getMessage() for r in caplog.records), caplog.text
+    t.fit()
+    assert torch.load(newest, weights_only=True)["step"] == 5
+
+
+def test_the_message_after_a_failed_save_says_what_is_kept(tmp_path):
+    code = """
+        import sys, torch
+        from pathlib import Path
+        from fastdata.errors import FastdataError
+        from fastdata.train import checkpoint
+        path = Path(sys.argv[1]) / "checkpoint.pt"
+        if sys.argv[2] == "small":
+            checkpoint.write(path, {"w": torch.zeros(10)})
+        try:
+            checkpoint.write(path, {"w": torch.zeros(100_000)})
+        except FastdataError as e:
+            print(e)
+    """
+    first = run_child(code, str(tmp_path), "none", preexec=disk_of(50_000)).stdout
+    assert "no space left" in first and "no earlier checkpoint is there to resume from" in first, first
+    assert "intact" not in first and list(tmp_path.iterdir()) == []
+    later = run_child(code, str(tmp_path), "small", preexec=disk_of(50_000)).stdout
+    assert "the previous checkpoint is intact (checkpoint.pt)" in later, later
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["w"].shape == (10,)

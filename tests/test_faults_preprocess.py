@@ -1,0 +1,139 @@
+"""Faults on the preparation side: a killed ``--overwrite`` keeps the old dataset (NOTE [overwrite] in
+fastdata/preprocess/journal.py), with real subprocesses killed by SIGKILL."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import journaled_units, kill_when_journaled
+from fastdata.cli.main import main
+from fastdata.preprocess import journal
+
+pytestmark = pytest.mark.faults
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _commands(kind: str, src: Path) -> tuple[list[str], list[str]]:
+    """(the old dataset's arguments, the new one's) without OUT: ``preprocess KIND SRC`` then OUT then options."""
+    if kind == "text":
+        base = ["preprocess", "text", str(src)]
+        return [*base, "--shard-tokens", "50000", "--quiet"], [*base, "--shard-tokens", "20000", "--quiet"]
+    base = ["preprocess", "images", str(src)]
+    opts = ["--shard-size", "8", "--format", kind, "--workers", "1", "--quiet"]
+    return [*base, "--size", "16", *opts], [*base, "--size", "40", *opts]
+
+
+def _source(kind: str, root: Path) -> Path:
+    if kind == "text":
+        root.mkdir()
+        rng = random.Random(0)
+        for i in range(200):
+            (root / f"{i:03d}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(20_000)))
+        return root
+    from fastdata.cli.synthetic import make_image_folder
+
+    make_image_folder(root, num_classes=2, per_class=60, sizes=((640, 480), (480, 640)))
+    return root
+
+
+def _with_out(args: list[str], out: Path) -> list[str]:
+    return [*args[:3], str(out), *args[3:]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["npy", "lmdb", "text"])
+def test_a_killed_overwrite_leaves_the_old_dataset_and_its_rerun_replaces_it(tmp_path, kind):
+    src = _source(kind, tmp_path / "src")
+    old_args, new_args = _commands(kind, src)
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    assert main(_with_out(old_args, out)) == 0
+    assert main(_with_out(new_args, ref)) == 0
+    before = tree_bytes(out)
+    staging = journal.staging_dir(out)
+
+    kill_when_journaled([sys.executable, "-m", "fastdata", *_with_out(new_args, out), "--overwrite"], staging, 2)
+    assert tree_bytes(out) == before  # not a byte of the old dataset changed
+    assert main(["verify", str(out), "--quiet"]) == 0
+    _load_one(out, kind)
+    units = journaled_units(staging)
+    kept = {f["path"]: (staging / f["path"]).stat().st_ino for u in units for f in u["files"]
+            if (staging / f["path"]).exists()}  # npy shards (LMDB parts and token lengths live in the partial)
+
+    assert main([*_with_out(new_args, out), "--overwrite"]) == 0  # resumes in the staging folder, then swaps
+    assert tree_bytes(out) == tree_bytes(ref)
+    assert all((out / name).stat().st_ino == ino for name, ino in kept.items())  # resumed, and moved, not copied
+    assert kind != "npy" or len(kept) >= 2
+    assert not staging.exists() and not (tmp_path / ".out.fastdata-old").exists()
+    assert main(["verify", str(out), "--quiet"]) == 0
+
+
+def _load_one(out: Path, kind: str) -> None:
+    if kind == "text":
+        from fastdata.datasets.tokens import TokenDataset
+
+        assert len(TokenDataset(out, seq_len=16)) > 0
+    else:
+        from fastdata.datasets.images import FastDataset
+
+        ds = FastDataset(out)
+        x, _ = ds[len(ds) - 1]
+        assert 16 in tuple(x.shape)  # the old dataset's size
+
+
+def test_an_overwrite_keeps_serving_readers_of_the_old_dataset_and_leaves_nothing_beside(photo_folder, tmp_path):
+    import numpy as np
+
+    from fastdata.datasets.images import FastDataset
+
+    out = tmp_path / "out"
+    args = ["preprocess", "images", str(photo_folder), str(out), "--workers", "1", "--quiet"]
+    assert main([*args, "--size", "16"]) == 0
+    old = FastDataset(out, storage="mmap")
+    first = old[0][0].numpy().copy()
+    assert main([*args, "--size", "24", "--overwrite"]) == 0
+    assert np.array_equal(old[0][0].numpy(), first)  # its maps still hold the old files' pages
+    assert tuple(FastDataset(out)[0][0].shape) != tuple(first.shape)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "photos"]  # no staging or old folder left
+
+
+@pytest.mark.slow
+def test_overwrites_started_together_give_one_intact_dataset(photo_folder, tmp_path):
+    """NOTE [one writer]: runs waiting on OUT while an overwrite swaps a new folder in wait on the new one."""
+    import subprocess
+    import threading
+    import time
+
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    args = [str(photo_folder), "--size", "16", "--shard-size", "8", "--workers", "1", "--quiet"]
+    assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
+    assert main(["preprocess", "images", args[0], str(out), "--size", "20", "--quiet"]) == 0
+    with journal.exclusive(out):
+        procs = [subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out),
+                                   *args[1:], "--overwrite"], stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        lines: list[list[str]] = [[] for _ in procs]
+        for proc, mine in zip(procs, lines):
+            threading.Thread(target=lambda p=proc, m=mine: m.extend(p.stderr), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while not all(any("waiting" in ln for ln in mine) for mine in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0], lines
+    assert tree_bytes(out) == tree_bytes(ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "photos", "ref"]
+
+
+def test_without_an_atomic_exchange_the_overwrite_still_replaces_the_dataset(photo_folder, tmp_path, monkeypatch):
+    """NOTE [overwrite] rule 4: a file system without RENAME_EXCHANGE gets two renames; the result is the same."""
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    args = ["preprocess", "images", str(photo_folder), "--workers", "1", "--quiet", "--size"]
+    assert main([*args[:3], str(ref), *args[3:], "24"]) == 0
+    assert main([*args[:3], str(out), *args[3:], "16"]) == 0
+    monkeypatch.setattr(journal, "_exchange", lambda a, b: False)
+    assert main([*args[:3], str(out), *args[3:], "24", "--overwrite"]) == 0
+    assert tree_bytes(out) == tree_bytes(ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "photos", "ref"]

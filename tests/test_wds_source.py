@@ -1,0 +1,198 @@
+"""WebDataset tar shards as a preprocess source (NOTE [tar source] in fastdata/preprocess/tars.py): real tars
+written with tarfile, JPEG/PNG members made with Pillow, through ``fastdata preprocess images``."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import index_colour, sample_ids
+from fastdata.cli.main import main
+from fastdata.datasets.images import FastDataset
+from fastdata.preprocess.tars import expand_braces
+from test_remote import _fresh_fs, s3  # noqa: F401 - the moto server fixture
+
+PER_TAR = 6
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _image(i: int, fmt: str) -> bytes:
+    """A flat picture of sample ``i``'s colour (conftest.index_colour), 40 x 30, as ``fmt`` bytes."""
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), index_colour(i)).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def sample_members(i: int, meta: bool = True) -> list[tuple[str, bytes]]:
+    """Sample ``i`` as img2dataset writes it: the image (JPEG or PNG), its class, caption and JSON."""
+    key = f"{i:09d}"
+    ext, fmt = ("jpg", "JPEG") if i % 2 else ("png", "PNG")
+    out = [(f"{key}.{ext}", _image(i, fmt)), (f"{key}.cls", str(i % 3).encode())]
+    if meta:
+        out += [(f"{key}.txt", f"caption {i}".encode()),
+                (f"{key}.json", json.dumps({"key": key, "url": f"http://x/{i}", "status": "success",
+                                            "score": i / 10, "emb": [i, 2 * i], "error_message": None}).encode())]
+    return out
+
+
+def make_tars(root: Path, count: int = 3, meta: bool = True) -> Path:
+    """``count`` tars of PER_TAR samples, sample ``i`` in tar ``i // PER_TAR``; written last-first, so only
+    sorting puts them in order."""
+    root.mkdir(parents=True)
+    for t in reversed(range(count)):
+        write_tar(root / f"{t:05d}.tar", [m for i in range(t * PER_TAR, (t + 1) * PER_TAR)
+                                          for m in sample_members(i, meta)])
+    return root
+
+
+def preprocess(src, out: Path, *extra: str) -> int:
+    return main(["preprocess", "images", str(src), str(out), "--size", "8", "--shard-size", "4", "--quiet", *extra])
+
+
+def test_expand_braces():
+    assert expand_braces("s3://b/{00008..00011}.tar") == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
+    assert expand_braces("a/{x,y}-{0..1}.tar") == ["a/x-0.tar", "a/x-1.tar", "a/y-0.tar", "a/y-1.tar"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+
+
+def test_a_tar_folder_gives_labels_captions_and_vectors_in_tar_then_member_order(tmp_path):
+    src = make_tars(tmp_path / "src")
+    assert preprocess(src, tmp_path / "w1", "--workers", "1") == 0
+    assert preprocess(src, tmp_path / "w2", "--workers", "2") == 0
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")  # byte-identical for any worker count
+    ds = FastDataset(tmp_path / "w1")
+    n = 3 * PER_TAR
+    b = ds.get_batch(np.arange(n))
+    assert sample_ids(b["image"]).tolist() == list(range(n))  # sorted tars, then member order
+    assert b["label"].tolist() == [i % 3 for i in range(n)]
+    for i in range(n):
+        lo, hi = b["caption_offsets"][i:i + 2].tolist()
+        assert bytes(b["caption"][lo:hi].numpy().astype(np.uint8)).decode() == f"caption {i}"
+    assert np.allclose(b["score"].numpy(), [i / 10 for i in range(n)])
+    assert b["emb"].numpy().tolist() == [[i, 2 * i] for i in range(n)]
+    manifest = json.loads((tmp_path / "w1" / "manifest.json").read_text())
+    assert {f["name"]: f["kind"] for f in manifest["fields"]} == {
+        "image": "image", "label": "label", "caption": "tokens", "score": "vector", "emb": "vector"}  # no url/key
+    assert manifest["source"]["kind"] == "webdataset" and manifest["skipped"] == []
+
+
+def test_a_brace_pattern_and_a_single_tar(tmp_path):
+    src = make_tars(tmp_path / "src")
+    assert preprocess(src / "{00000..00001}.tar", tmp_path / "two") == 0
+    assert sample_ids(FastDataset(tmp_path / "two").get_batch(np.arange(2 * PER_TAR))["image"]).tolist() == list(
+        range(2 * PER_TAR))
+    assert preprocess(src / "00002.tar", tmp_path / "one") == 0
+    assert sample_ids(FastDataset(tmp_path / "one").get_batch(np.arange(PER_TAR))["image"]).tolist() == list(
+        range(2 * PER_TAR, 3 * PER_TAR))
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", str(src / "{00000..00004}.tar"),
+                        str(tmp_path / "missing"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "2 of the 5 tars do not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_image_and_class_tars_make_a_plain_dataset_shuffled_as_asked(tmp_path, fmt):
+    src = make_tars(tmp_path / "src", meta=False)
+    n = 3 * PER_TAR
+    assert preprocess(src, tmp_path / "plain", "--format", fmt, "--quality", "95") == 0
+    assert preprocess(src, tmp_path / "w1", "--format", fmt, "--quality", "95", "--shuffle", "5", "--workers", "1") == 0
+    assert preprocess(src, tmp_path / "w2", "--format", fmt, "--quality", "95", "--shuffle", "5", "--workers", "2") == 0
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")
+    assert "fields" not in json.loads((tmp_path / "plain" / "manifest.json").read_text())  # (image, label): version 1
+    plain, shuffled = FastDataset(tmp_path / "plain"), FastDataset(tmp_path / "w1")
+    perm = np.random.default_rng(5).permutation(n)  # sample i is the source's perm[i] (Source.shuffled)
+    assert plain.targets.tolist() == [i % 3 for i in range(n)]
+    assert shuffled.targets.tolist() == [int(p) % 3 for p in perm]
+    ids = sample_ids(np.stack([shuffled[i][0].numpy() for i in range(n)]))
+    assert ids.tolist() == perm.tolist()
+
+
+def test_max_side_lmdb_from_tars_and_refused_with_fields(tmp_path, capsys):
+    from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.formats.manifest import load_manifest
+
+    plain, captioned = make_tars(tmp_path / "plain", count=1, meta=False), make_tars(tmp_path / "meta", count=1)
+    assert preprocess(plain, tmp_path / "out", "--format", "lmdb", "--resize", "max-side") == 0
+    records = open_lmdb(tmp_path / "out", load_manifest(tmp_path / "out")).get_many(range(PER_TAR))
+    assert {Image.open(io.BytesIO(r)).size for r in records} == {(8, 6)}  # 40 x 30, the longer side at 8
+    assert preprocess(captioned, tmp_path / "refused", "--format", "lmdb", "--resize", "max-side") == 1
+    assert "need the square geometry" in capsys.readouterr().err
+
+
+def _cut_in(tar: Path, member: str, fraction: float) -> None:
+    """Truncate ``tar`` inside ``member``'s data, as a download cut short leaves it."""
+    with tarfile.open(tar) as tf:
+        m = tf.getmember(member)
+    tar.write_bytes(tar.read_bytes()[:m.offset_data + int(m.size * fraction)])
+
+
+def test_a_tar_cut_short_mid_member_is_a_listed_bad_record_or_fails_with_on_error_fail(tmp_path):
+    src = make_tars(tmp_path / "src", count=2)
+    _cut_in(src / "00000.tar", f"{3:09d}.jpg", 0.5)  # sample 3's image is cut; 4 and 5 are gone with it
+    assert preprocess(src, tmp_path / "out", "--workers", "2") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 3 + PER_TAR
+    assert [s["path"] for s in manifest["skipped"]] == [f"00000.tar/{3:09d}.jpg"]
+    assert "cut short" in manifest["skipped"][0]["reason"]
+    ids = sample_ids(FastDataset(tmp_path / "out").get_batch(np.arange(3 + PER_TAR))["image"])
+    assert ids.tolist() == [0, 1, 2, *range(PER_TAR, 2 * PER_TAR)]
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(tmp_path / "fail"),
+                        "--on-error", "fail", "--quiet"], capture_output=True, text=True, timeout=120)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("fastdata: error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "cut short" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_a_tar_cut_short_mid_header_lists_the_sample_it_cuts(tmp_path):
+    src = make_tars(tmp_path / "src", count=1)
+    with tarfile.open(src / "00000.tar") as tf:
+        m = tf.getmember(f"{2:09d}.txt")
+    data = (src / "00000.tar").read_bytes()
+    (src / "00000.tar").write_bytes(data[:m.offset + 200])  # inside sample 2's caption header
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 2 and [s["path"] for s in manifest["skipped"]] == [f"00000.tar/{2:09d}.png"]
+
+
+def test_an_unwritable_output_is_refused_before_the_source_is_read(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", str(tmp_path / "no-such-source"),
+                        "/sys/fastdata-test-out", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "cannot write the output folder /sys/fastdata-test-out" in r.stderr  # not the source's error
+
+
+@pytest.mark.remote
+def test_tars_at_a_url_give_the_local_runs_samples(s3, tmp_path):
+    _fresh_fs()  # no s3fs instance cached by another module's tests, bound to their server's endpoint
+    src = make_tars(tmp_path / "src")
+    url = s3("wds")
+    for p in sorted(src.iterdir()):
+        s3.client.put_object(Bucket="wds", Key=f"laion/{p.name}", Body=p.read_bytes())
+    assert preprocess(src, tmp_path / "local") == 0
+    local = tree_bytes(tmp_path / "local")
+    for i, source in enumerate([f"{url}/laion/{{00000..00002}}.tar", f"{url}/laion/"]):
+        assert preprocess(source, tmp_path / f"remote{i}", "--workers", "2") == 0
+        got = tree_bytes(tmp_path / f"remote{i}")
+        assert {k: v for k, v in got.items() if k != "manifest.json"} == {
+            k: v for k, v in local.items() if k != "manifest.json"}
+        assert json.loads(got["manifest.json"])["source"]["path"] == source
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", "s3://no-such-bucket/x/",
+                        str(tmp_path / "denied"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "s3://no-such-bucket" in r.stderr, r.stderr
+
