@@ -26,6 +26,7 @@ _EXPORTS = {
     "ImageDecodeError": "fastdata.errors",
     "ImagePreprocessConfig": "fastdata.preprocess.images",
     "MissingDependencyError": "fastdata.errors",
+    "Mixture": "fastdata.datasets.mixture",
     "Normalize": "fastdata.imaging.transforms",
     "OutputError": "fastdata.errors",
     "RandomCrop": "fastdata.imaging.transforms",

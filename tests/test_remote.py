@@ -168,7 +168,7 @@ def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_dat
     body = bytearray(s3.client.get_object(Bucket="corrupt", Key=key)["Body"].read())
     body[-1] ^= 0xFF  # same size, one flipped byte
     s3.client.put_object(Bucket="corrupt", Key=key, Body=bytes(body))
-    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", tries=2, backoff=0)
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache")  # the same wrong bytes twice: not retried further
     with pytest.raises(FormatError, match=r"images-00002\.npy.*after 2 tries.*sha256"):
         remote.local()
     assert not (remote.dir / "images-00002.npy").exists() and not list(remote.dir.rglob("*.part-*"))
@@ -224,6 +224,8 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
     assert "15 object(s) uploaded" in capsys.readouterr().out
     assert main(["verify", url, "--quiet"]) == 0
     assert "OK, 15 files intact" in capsys.readouterr().out
+    assert main(["cache", "fetch", url, "--quiet"]) == 0  # (verify reads the store, not into the cache)
+    capsys.readouterr()
     assert main(["inspect", url, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["path"] == url and info["num_samples"] == 100 and info["files"] == 15
@@ -254,7 +256,7 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     small_disk = disk_of(2_000)  # no file may grow past 2 kB
     monkeypatch.setenv("FASTDATA_CACHE", str(cache))
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "fastdata", "verify", url, "--quiet"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "fastdata", "cache", "fetch", url, "--quiet"], capture_output=True,
                        text=True, preexec_fn=small_disk, timeout=300)
     err = r.stderr.strip()
     assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
@@ -265,10 +267,10 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     present = [e for e in remote.manifest["files"] if (remote.dir / e["path"]).exists()]
     assert all(check_file(remote.dir, e) is None for e in present)  # what has a final name is whole
     assert not any(e["bytes"] > 2_000 for e in present) and not list(remote.dir.rglob("*.part-*"))
-    assert main(["verify", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
+    assert main(["cache", "fetch", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
     monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "empty"))  # full before even the manifest fits
     assert len(remote._manifest_bytes) > 2_000
-    r = subprocess.run([sys.executable, "-m", "fastdata", "verify", url, "--quiet"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "fastdata", "cache", "fetch", url, "--quiet"], capture_output=True,
                        text=True, preexec_fn=small_disk, timeout=300)
     assert r.returncode == 1 and "manifest.json" in r.stderr and "cache_limit" in r.stderr, r.stderr
 
@@ -378,7 +380,7 @@ def test_each_file_is_one_ranged_get_and_big_files_come_in_pieces(s3, proxy, ind
     monkeypatch.setattr(remote_mod, "_WHOLE", 1000)
     monkeypatch.setattr(remote_mod, "_BLOCK", 1000)
     proxy.clear()
-    pieces = RemoteDataset(url, cache_dir=tmp_path / "pieces", tries=2, backoff=0)
+    pieces = RemoteDataset(url, cache_dir=tmp_path / "pieces", retry_seconds=1)
     pieces.prepare(frozenset(f["path"] for f in files))
     got = pieces.fetch(big)
     assert got.read_bytes() == (indexed_datasets["npy"] / big["path"]).read_bytes()
@@ -401,6 +403,8 @@ def _size_now(path) -> int:
         return 0
 
 
+@pytest.mark.filterwarnings("ignore:cache_limit=.* holds about:UserWarning")  # the plain shuffle, on purpose
+@pytest.mark.filterwarnings("error")  # (the mark above wins over this one)
 def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
@@ -469,12 +473,12 @@ def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, in
     url = s3("giveup") + "/ds"
     push(indexed_datasets["npy"], url)
     proxy.inject("truncate", r"images-00002", times=1000)
-    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", tries=2, backoff=0)
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", retry_seconds=1)
     remote.prepare(frozenset({"images-00002.npy"}))
     with pytest.raises(FormatError) as err:
         remote.fetch(remote.entry("images-00002.npy"))
     msg = str(err.value)
-    assert "\n" not in msg and "images-00002.npy" in msg and "after 2 tries" in msg and "testing" not in msg
+    assert "\n" not in msg and "images-00002.npy" in msg and " tries over " in msg and "testing" not in msg
     assert not (remote.dir / "images-00002.npy").exists() and not list(remote.dir.rglob("*.part-*"))
     proxy.clear()  # the store recovers: the same dataset object reads on
     ds = FastDataset(url, cache_dir=tmp_path / "cache")

@@ -29,6 +29,7 @@ import torch
 
 from ._threads import limit_intraop_threads
 from ..errors import ConfigError, FastdataError
+from .mixing import MixtureSampler
 from .sampler import DistributedBatchSampler, SamplerBacked
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -71,12 +72,55 @@ def load_config(path: Union[Path, str]) -> dict[str, Any]:
 
 
 class FastLoader(SamplerBacked):
-    """Iterate ``dataset`` (anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype``)
-    in batches, in the order of a :class:`DistributedBatchSampler` (DDP-aware, resumable). ``pad=False``
-    serves every sample exactly once across ranks (for evaluation; ranks may get one batch fewer).
-    ``shuffle_window=K`` shuffles shards, then samples within windows of K shards: a stretch of the epoch
-    reads at most K shards (for data streamed from object storage through a small cache; see
-    NOTE [windowed shuffle] in fastdata/loading/sampler.py)."""
+    """Iterate a dataset in whole batches, gathered by background threads into a ring of reused buffers.
+
+    The data's way::
+
+        DistributedBatchSampler -> sorted batch indices -> num_threads threads: dataset.get_batch(idx, out=slot)
+            -> num_threads + prefetch slots (pinned host buffers) -> the consumer (a training loop,
+            CUDAPrefetcher) -> release: the slot is refilled
+
+    The order is a :class:`DistributedBatchSampler`'s: fixed by ``(seed, epoch)``, split across DDP ranks,
+    resumable mid-epoch with ``state_dict()`` / ``load_state_dict()``.
+    A yielded batch is valid until the next ``next()`` (NOTE [ring]); pass ``copy=True`` to keep batches longer.
+    Batches are ``(x, y)`` tuples, or dicts of fields for a dataset with sample fields.
+    A dataset on the GPU (``storage="cuda"``) is gathered there, with no threads and no host buffers.
+
+    Args:
+        dataset: Anything with ``get_batch(indices, out=)``, ``sample_shape``, ``sample_dtype`` and ``len()``
+            (a FastDataset or TokenDataset).
+        batch_size: Samples per batch.
+        shuffle: Draw a new order every epoch (default True); False serves samples in stored order.
+        seed: The seed of the order (default 0); every rank must pass the same one.
+        drop_last: Cut the epoch to whole batches on every rank (default False: the last batch may be short).
+        num_threads: Threads that gather batches (default: ``min(4, os.cpu_count())``).
+        prefetch: Buffer slots beyond one per thread, filled ahead of the consumer (default 2).
+        pin_memory: Allocate the slots in pinned memory (default: when CUDA is available).
+        copy: Hand out clones instead of the slots themselves, valid forever (default False).
+        pad: Repeat a few samples so every rank serves the same number of batches (default True, as DDP needs).
+            ``pad=False`` serves every sample exactly once across ranks (for evaluation; ranks may get one batch
+            fewer).
+        rank: This process's rank (default: torch.distributed's when initialised, else 0).
+        world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
+        shuffle_window: Shuffle shards, then samples within windows of this many shards (default None: one
+            permutation of all samples).
+            A stretch of the epoch then reads at most that many shards, for data streamed from object storage
+            through a small cache (NOTE [windowed shuffle] in fastdata/loading/sampler.py).
+
+    Raises:
+        ConfigError: ``dataset`` lacks the methods above, an argument has a bad value, or ``shuffle_window`` is
+            given for a dataset that cannot say where its samples are stored.
+        FastdataError: While iterating with :meth:`iter_manual`, every slot is held by the consumer (a batch
+            was never released).
+
+    Examples:
+        >>> ds = FastDataset("data/train", storage="shm")
+        >>> loader = FastLoader(ds, batch_size=256, shuffle=True, seed=0)
+        >>> for epoch in range(10):
+        ...     loader.set_epoch(epoch)
+        ...     for images, labels in loader:  # (256, S, S, 3) uint8, (256,) int64, pinned
+        ...         ...
+    """
 
     def __init__(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  *, num_threads: Optional[int] = None, prefetch: int = 2, pin_memory: Optional[bool] = None,
@@ -97,9 +141,14 @@ class FastLoader(SamplerBacked):
             bounds = dataset.shard_bounds() if hasattr(dataset, "shard_bounds") else None
             if bounds is None and hasattr(dataset, "sample_shards"):
                 shards = dataset.sample_shards()
-        self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
-                                               drop_last=drop_last, pad=pad, rank=rank, world_size=world_size,
-                                               shuffle_window=shuffle_window, shards=shards, shard_bounds=bounds)
+        if getattr(dataset, "is_mixture", False):  # its own order: NOTE [mixture order] in loading/mixing.py
+            self.sampler: Any = MixtureSampler(dataset, batch_size, drop_last=drop_last, pad=pad, rank=rank,
+                                               world_size=world_size, shuffle=shuffle, seed=seed,
+                                               shuffle_window=shuffle_window)
+        else:
+            self.sampler = DistributedBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
+                                                   drop_last=drop_last, pad=pad, rank=rank, world_size=world_size,
+                                                   shuffle_window=shuffle_window, shards=shards, shard_bounds=bounds)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -116,6 +165,7 @@ class FastLoader(SamplerBacked):
 
     @property
     def slots(self) -> int:
+        """The ring's buffer slots: ``num_threads + prefetch`` (NOTE [ring])."""
         return self.num_threads + self.prefetch
 
     # -- iteration ------------------------------------------------------------------------------------
@@ -177,11 +227,11 @@ class FastLoader(SamplerBacked):
         return self._track(self._produce())
 
     def iter_manual(self) -> Iterator[Any]:
-        """Yield ``(x, y, release)`` (``(batch, release)`` for dict batches); the slot behind the batch is
-        refilled only after ``release()`` is called."""
+        """Yield ``(x, y, release)`` (``(batch, release)`` for dict batches; ``(x, y, source, release)`` for a
+        Mixture with ``mix="batch"``); the slot behind the batch is refilled only after ``release()`` is called."""
         if self.dict_batches:
             return self.iter_batches()
-        return ((x, y, release) for (x, y), release in self.iter_batches())
+        return ((*batch, release) for batch, release in self.iter_batches())
 
     def _ensure_ring(self) -> list[Any]:
         if len(self._ring) != self.slots and self.dict_batches:
@@ -194,6 +244,9 @@ class FastLoader(SamplerBacked):
         return self._ring
 
     def _fill(self, slot: int, idx: np.ndarray, position: int) -> Any:
+        if getattr(self.dataset, "is_mixture", False):  # one get_batch per source into the slot's buffers
+            s = self.sampler
+            return self.dataset.get_batch(np.sort(idx), out=self._ring[slot], draw=(s.seed, s.epoch, position, s.rank))
         if self.dict_batches:
             return self.dataset.get_batch(np.sort(idx), out=self._ring[slot])
         x_buf, y_buf = self._ring[slot]

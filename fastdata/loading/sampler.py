@@ -38,10 +38,38 @@ from .order import EpochOrder, group_by_shard
 class DistributedBatchSampler:
     """Batches of sample indices for one rank; usable as a ``DataLoader(batch_sampler=...)``.
 
-    Every rank yields the same number of batches (so DDP never hangs), except with ``pad=False``: then
-    every sample is served exactly once, for evaluation loops that run no collective per batch (such as
-    :meth:`fastdata.train.trainer.Trainer.evaluate`). ``state_dict()`` records how far
-    the epoch got; ``load_state_dict()`` resumes at the next unseen sample (see NOTE [epoch plan]).
+    The order is a permutation fixed by ``(seed, epoch)``, dealt to the ranks (NOTE [epoch plan]).
+    Every rank yields the same number of batches, so DDP never hangs, except with ``pad=False``.
+    With ``pad=False`` every sample is served exactly once, for evaluation loops that run no collective per
+    batch (such as :meth:`fastdata.train.trainer.Trainer.evaluate`).
+    ``state_dict()`` records how far the epoch got; ``load_state_dict()`` resumes at the next unseen sample,
+    even with another world size.
+    The epoch is computed a chunk of batches at a time, never held whole.
+
+    Args:
+        num_samples: The dataset's length, >= 1.
+        batch_size: Samples per batch, >= 1.
+        shuffle: Draw a new order every epoch (default True); False serves samples in stored order.
+        seed: The seed of the order (default 0); every rank must pass the same one.
+        drop_last: Cut the epoch to whole batches on every rank (default False).
+        pad: Repeat at most ``world_size - 1`` samples so every rank serves as many (default True).
+        rank: This process's rank (default: torch.distributed's when initialised, else 0).
+        world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
+        shuffle_window: Shuffle shards, then samples within windows of this many shards (default None);
+            NOTE [windowed shuffle].
+        shards: With ``shuffle_window``: each sample's shard (``num_samples`` entries).
+        shard_bounds: With ``shuffle_window``: each shard's first sample, then ``num_samples`` (shards of
+            consecutive samples; takes precedence over ``shards``).
+        node_size: Ranks per node, for dealing windows to nodes (default: torchrun's ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        ConfigError: An argument is out of range, or ``shuffle_window`` comes without ``shards`` or
+            ``shard_bounds``. ``load_state_dict`` raises it for a state of another dataset or order.
+
+    Examples:
+        >>> sampler = DistributedBatchSampler(len(ds), 256, seed=0)
+        >>> loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=8)
+        >>> sampler.set_epoch(epoch)
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
@@ -210,6 +238,12 @@ class DistributedBatchSampler:
         return min(self.num_samples, self.batch_position(self.served))
 
     def state_dict(self) -> dict[str, Any]:
+        """Where the epoch got to: a JSON-ready dict of the epoch, the global position and the order's settings.
+
+        Returns:
+            ``{"epoch", "position", "seed", "shuffle", "num_samples"}``, and the shuffle window (with the nodes
+            it is dealt to) when there is one.
+        """
         state = {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
                  "num_samples": self.num_samples}
         if self.shuffle_window is not None:  # (absent otherwise: states saved before windows still load)
@@ -220,6 +254,14 @@ class DistributedBatchSampler:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the next sample no rank has served, whatever the world size was (NOTE [epoch plan]).
+
+        Args:
+            state: A :meth:`state_dict` of a sampler over the same dataset and order.
+
+        Raises:
+            ConfigError: The state belongs to another dataset, or to another seed, shuffle or shuffle window.
+        """
         if state.get("num_samples") != self.num_samples:
             raise ConfigError(f"the state is for {state.get('num_samples')} samples but this dataset has "
                               f"{self.num_samples}: it belongs to another dataset")
@@ -269,5 +311,6 @@ class SamplerBacked:
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a :meth:`state_dict`'s position; an iteration under way is closed first."""
         self._close_active()  # an iterator still running would serve the old position
         self.sampler.load_state_dict(state)

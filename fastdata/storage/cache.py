@@ -1,33 +1,52 @@
 """The shards of a remote dataset fetched into the node cache as the loader will need them, within a size bound.
 
-NOTE [shard cache]: a reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`, an
-iterator over the epoch order FastLoader knows in advance, running on into the next epoch). A scheduler
-thread downloads them in order of first need, with at most ``in_flight`` bytes and ``requests`` objects
-under way, so downloads overlap training and the first batch waits only for its own shards; between
-downloads it learns more of the plan, a chunk of batches at a time, as runs of batches per shard (a
-windowed order over 10^9 samples is a few runs per shard, not a read per sample). ``acquire`` (every
-``get_batch``) waits for the shards of one batch, fetching at once any that no prefetch covered, and
-pins them; ``release`` unpins them.
+NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards on a node.
 
-With ``limit`` (bytes of this dataset's files in the cache), room is made by evicting the cached shard
-whose next use is farthest away (never used again first; the next epoch's reads count, so the shards
-it starts with stay): Belady's rule over the known order. A prefetch of shard ``s`` never evicts a shard
-read before ``s`` (do no harm). Within a lookahead of a quarter of the limit (the bytes cached or arriving
-that are read before ``s``) it evicts the shard needed last from now, so the link stays busy; beyond it,
-only what the reader would evict when ``s`` is due, so a small cache never trades downloads for
-lookahead; otherwise it waits. When nothing can go, a batch's own shard is fetched anyway (a warning says
-the limit is too small for the shards in use). Shards in use are never evicted, across processes too: a
-process holds a shared ``flock`` on a shard's pin file while it has the shard mapped, and an eviction
-needs that lock exclusively (the pin is
-not the download lock, so a reader holding pins never waits on a download that waits on it). Every rank
-on a node shares the cache folder and downloads each shard once (the per-file locks of
-:meth:`RemoteDataset.fetch`); the limit is kept up to the bytes other processes have in flight.
+1. A reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`): an iterator over the
+   epoch order FastLoader knows in advance, running on into the next epoch.
+2. A scheduler thread downloads them in order of first need, with at most ``in_flight`` bytes and ``requests``
+   objects under way, so downloads overlap training and the first batch waits only for its own shards.
+3. Between downloads it learns more of the plan, a chunk of batches at a time, as runs of batches per shard (a
+   windowed order over 10^9 samples is a few runs per shard, not a read per sample), while fewer than a
+   horizon of runs (four cache capacities, at most 2^20) lie ahead of the reader; runs it is past are dropped,
+   so the plan's memory does not grow with the epoch (storage/plan.py).
+4. ``acquire`` (every ``get_batch``) pins the shards of one batch, makes room for those neither cached nor
+   arriving and fetches them at once, and waits for those arriving (a prefetch of the same shard is waited
+   for, never fetched twice); ``release`` unpins them.
+5. With ``limit`` (bytes of this dataset's files in the cache), room is made by evicting the cached shard whose
+   next use is farthest away: Belady's rule over the known order.
+6. A shard never used again goes first; the next epoch's reads count, so the shards it starts with stay.
+7. A prefetch of shard ``s`` never evicts a shard read before ``s`` (do no harm).
+8. Within a lookahead of a quarter of the limit (the bytes cached or arriving that are read before ``s``), a
+   prefetch evicts the shard needed last from now, so the link stays busy.
+9. Beyond that lookahead it evicts only what the reader would evict when ``s`` is due, so a small cache never
+   trades downloads for lookahead; otherwise it waits.
+10. A batch never goes past the limit for room that prefetches under way hold: it waits for them to land (each
+    within its retry budget; no prefetch starts meanwhile) and evicts them. Only when the shards pinned by the
+    batches being read fill the limit is a batch's own shard fetched anyway, and a warning says the limit is
+    too small for the shards in use.
+11. Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a shard's pin
+    file while it has the shard mapped, and an eviction needs that lock exclusively.
+12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
+13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
+    :meth:`RemoteDataset.fetch`).
+14. The limit is kept up to the bytes other processes have in flight.
+15. Counted against the limit: shards on disk, arriving (each download owns its shard's room until it ends,
+    whoever waits for it) and pinned. A download ends in one locked step that gives its room back and
+    records whether the file is there (another process may have evicted it).
+16. The scheduler's place in the plan never passes a shard that is arriving, so one that does not land (or
+    goes before it is read) is fetched again ahead of its batch.
+17. An error in the prefetch thread (a download's, or its own) is raised in the consumer at its next batch.
+18. Forked children keep neither pins nor download locks (NOTE [locks across fork] in fastdata/_io.py).
+19. A plain shuffle over more shards than the cache holds reads nearly every shard every few batches: a
+    warning (once) says to use a ``shuffle_window``.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import sys
 import threading
 import time
 import warnings
@@ -38,12 +57,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from ..errors import FastdataError, FormatError
 from . import evict
-from .plan import Plan
-from .remote import RemoteDataset, download_bar
+from .plan import Plan, horizon
+from .remote import RemoteDataset, download_bar, lock_file, scrub
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8
+
+
 class ShardCache:
     """Shards ``names`` of ``remote`` in its cache folder, fetched ahead of a plan and evicted by next use
     (see NOTE [shard cache]); a shard may be several files read together (``("images-0.npy",
@@ -60,6 +82,7 @@ class ShardCache:
         self.names = [g[0] for g in self.groups]
         self.sizes = np.array([sum(int(remote.entry(n)["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
         self.limit, self.in_flight, self.requests = limit, in_flight, max(1, requests)
+        self.horizon = horizon(limit, self.sizes)  # runs a plan learns ahead of the reader
         self._start()
         # a bar (rank 0) over the bytes not cached yet
         self.progress = download_bar(remote, int(self.sizes[~self._have].sum())) if progress else None
@@ -77,14 +100,16 @@ class ShardCache:
             for s in np.flatnonzero(self._have).tolist():
                 self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
                 self._is_open[s] = True
-        self._flying: dict[int, Future] = {}  # prefetches under way (download only)
-        self._loading: dict[int, Future] = {}  # shards being fetched and opened for a batch (one per shard)
-        self._reserved: set[int] = set()  # shards being downloaded by this process, counted against the limit
+        # the one download under way per shard in this process, demand or prefetch: it owns the shard's room
+        # in the limit until it ends (_download), whoever waits for it
+        self._fetching: dict[int, Future] = {}
+        self._waiting = 0  # batches waiting for room: no prefetch starts meanwhile
+        self._failed: Optional[BaseException] = None  # a prefetch's error, raised at the consumer's next batch
         self._plans: list[tuple[object, Plan]] = []
         self._tallies: deque[dict[str, Any]] = deque(maxlen=16)  # the newest plans' tallies (report())
         self._pool = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch")
         self._side = ThreadPoolExecutor(self.requests * 2, thread_name_prefix="fastdata-fetch-side")
-        self._warned = False
+        self._warned = self._warned_order = False
         self._stalled: Optional[int] = None  # plan position at which a prefetch found no room
         self._closed = False
         self._thread: Optional[threading.Thread] = None
@@ -96,19 +121,33 @@ class ShardCache:
     # -- plans ------------------------------------------------------------------------------------------
     def plan(self, reads: Iterable[np.ndarray], now: Optional[int] = None) -> object:
         """Register the coming reads: the shards of each coming batch, in ``acquire`` order (an iterator,
-        learnt as the scheduler goes: it may run on into the next epoch, whose reads start after the
-        first ``now`` batches); a token for :meth:`end_plan`. The newest plan drives prefetching."""
+        learnt as the scheduler goes, up to :attr:`horizon` runs ahead of the reader: it may run on into the
+        next epoch, whose reads start after the first ``now`` batches); a token for :meth:`end_plan`. The
+        newest plan drives prefetching. Warns once when the reads are scattered over more shards than the
+        cache holds (a plain shuffle: use a ``shuffle_window``)."""
         self._check_pid()
-        token, plan = object(), Plan(iter(reads), len(self.names), now)
+        token, plan = object(), Plan(iter(reads), len(self.names), now, self.horizon)
         plan.learn(self._cond)  # the first chunk now: evictions before the scheduler runs must see it
+        self._warn_scattered(plan)
         with self._cond:
             self._plans.append((token, plan))
             self._tallies.append(plan.tally)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._schedule, name="fastdata-prefetch", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return token
+
+    def _warn_scattered(self, plan: Plan) -> None:
+        holds = 0 if self.limit is None else int(self.limit // max(1, int(self.sizes.mean())))
+        if self._warned_order or not plan.scattered(holds):
+            return
+        self._warned_order = True
+        warnings.warn(f"cache_limit={self.limit} bytes holds about {holds} of the {len(self.names)} shards of "
+                      f"{scrub(self.remote.url)}, and the loader's order reads every shard again every few "
+                      "batches (a plain shuffle): most batches will download shards again. Give the loader a "
+                      "shuffle_window (FastLoader(..., shuffle_window=W), `--shuffle-window W`): it reads W "
+                      "shards at a time, each once an epoch", UserWarning, stacklevel=_user_level())
 
     @contextlib.contextmanager
     def reading(self, shards: np.ndarray) -> Iterator[np.ndarray]:
@@ -139,10 +178,18 @@ class ShardCache:
     def acquire(self, shards: np.ndarray) -> np.ndarray:
         """Pin the distinct ``shards`` of one batch, fetching and opening them first where needed; the
         opened shards indexed by shard (an object array: entries of pinned shards stay valid until
-        :meth:`release`). The common case, all open, is a few array operations whatever the shard count."""
+        :meth:`release`). The common case, all open, is a few array operations whatever the shard count.
+
+        Raises:
+            FastdataError: A download of this batch's shards failed, or a prefetch failed since the last
+                batch (its message names the object).
+        """
         self._check_pid()
         shards = np.asarray(shards, dtype=np.int64)
         with self._cond:
+            if self._failed is not None:  # a prefetch's error: this is the consumer's next batch
+                failed, self._failed = self._failed, None
+                raise failed
             self._pins[shards] += 1
             plan, at = self._active(), -1
             if plan is not None:
@@ -152,17 +199,21 @@ class ShardCache:
                     self._cond.notify_all()
         try:
             while True:
-                with self._cond:  # one loader per shard in this process, whichever thread asks
+                with self._cond:
                     missing = shards[~self._is_open[shards]].tolist()
                     if not missing:
                         return self._objs
-                    waits = []
+                    arriving = self._demand(missing, plan, at)
+                for fut in arriving:  # a prefetch of the same shard included: waited for, never fetched twice
+                    failed = fut.exception()
+                    if failed is not None:
+                        with self._cond:
+                            if self._failed is failed:  # (reported here, not again at the next batch)
+                                self._failed = None
+                        raise failed
+                with self._cond:
                     for s in missing:
-                        if s not in self._loading:
-                            self._loading[s] = self._pool.submit(self._load, s, plan, at)
-                        waits.append(self._loading[s])
-                for fut in waits:
-                    fut.result()
+                        self._open(s)
         except BaseException:
             self.release(shards)
             raise
@@ -175,45 +226,58 @@ class ShardCache:
             if self.limit is not None:
                 plan = self._active()
                 for s in shards[self._pins[shards] == 0].tolist():
+                    self._stalled = None  # a prefetch that found no room may find it now
                     if plan is None or plan.next_use(s) - plan.pos > 2 * self.requests:
                         self._close(s)
                 self._cond.notify_all()
 
-    def _load(self, s: int, plan: Optional[Plan], at: int) -> None:
-        try:
-            self._ensure(s, plan, at)
-        finally:
-            with self._cond:
-                self._loading.pop(s, None)
+    def _demand(self, missing: list[int], plan: Optional[Plan], at: int) -> list[Future]:
+        """(Under the lock.) Start downloads of the batch's ``missing`` shards that are neither on disk nor
+        arriving, once room is made for all of them: while prefetches under way hold the room, wait for them
+        to land (each within its retry budget) and evict them, so as not to go past the limit. The downloads
+        this batch waits for."""
+        while True:
+            need = [s for s in missing if s not in self._fetching and not self._present(s)]
+            short = self._make_room(need, True) if need else 0
+            if short <= 0 or not any(self._pins[f] == 0 for f in self._fetching):
+                break
+            self._waiting += 1
+            try:
+                self._cond.wait(1.0)
+            finally:
+                self._waiting -= 1
+        if short > 0 and not self._warned:  # every other shard counted is pinned by batches being read
+            self._warned = True
+            warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
+                          "raise cache_limit to at least a few batches' shards", ResourceWarning,
+                          stacklevel=_user_level())
+        for s in need:
+            self._fetch(s, plan, at, prefetch=False)
+        return [self._fetching[s] for s in missing if s in self._fetching]
 
-    def _ensure(self, s: int, plan: Optional[Plan], at: int) -> None:
-        """Shard ``s`` local, verified and opened in this process (downloaded at most once per node), for
-        batch ``at`` of ``plan``."""
-        path = self.remote.dir / self.names[s]
-        while not self._is_open[s]:
-            if not self._present(s):
-                self._make_room(s, True)
-                try:
-                    self._fetch_group(s, plan, at)
-                    self._have[s] = True  # before its reservation goes: counted against the limit throughout
-                finally:
-                    self._unreserve(s)
-            with self._cond:
-                if self._is_open[s]:
-                    return
-                lock = None
-                if self.limit is not None:  # pin the file against other processes' evictions, then re-check
-                    lock = open(self._pin_path(s), "a+b")
-                    fcntl.flock(lock, fcntl.LOCK_SH)
-                if not self._present(s):  # evicted by another process in between: fetch again
-                    self._have[s] = False
-                    if lock is not None:
-                        lock.close()
-                    continue
-                self._objs[s] = self.opener(s, path)
-                self._is_open[s] = True
+    def _open(self, s: int) -> None:
+        """(Under the lock.) Shard ``s`` opened in this process if it is on disk, its pin taken first (against
+        other processes' evictions); else left closed, to be fetched again."""
+        if self._is_open[s] or s in self._fetching:
+            return
+        lock = None
+        if self.limit is not None:
+            lock = lock_file(self._pin_path(s))
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            if not self._present(s):  # evicted by another process since it arrived
+                self._have[s] = False
                 if lock is not None:
-                    self._locks[s] = lock
+                    lock.close()
+                return
+            self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
+        self._is_open[s] = self._have[s] = True
+        if lock is not None:
+            self._locks[s] = lock
 
     def _close(self, s: int) -> None:
         if self._is_open[s] and self.closer is not None:
@@ -224,6 +288,55 @@ class ShardCache:
         if lock is not None:
             lock.close()
 
+    # -- downloads --------------------------------------------------------------------------------------
+    def _fetch(self, s: int, plan: Optional[Plan], at: int, prefetch: bool) -> None:
+        """(Under the lock, room made.) Start the download of shard ``s``, for batch ``at`` of ``plan``."""
+        self._fetching[s] = self._pool.submit(self._download, s, plan, at, prefetch)
+
+    def _download(self, s: int, plan: Optional[Plan], at: int, prefetch: bool) -> None:
+        """Every file of shard ``s``, then one locked step: the download's room is given back and what is on
+        disk recorded (checked: another process may have evicted it meanwhile); a prefetch's error is kept
+        for the consumer's next batch."""
+        got, failed = False, None
+        try:
+            got = self._fetch_group(s)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this download
+            failed = exc
+        with self._cond:
+            del self._fetching[s]
+            self._have[s] = self._present(s)
+            if got and plan is not None:
+                plan.count(s, at)
+            if failed is not None and prefetch and self._failed is None and not self._closed:
+                self._failed = failed
+            self._cond.notify_all()
+        if failed is not None:
+            raise failed
+
+    def _fetch_group(self, s: int) -> bool:
+        """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it; whether
+        the first was downloaded here (not a wait for another's download)."""
+        first, *rest = self.groups[s]
+        side = [self._side.submit(self._get, n) for n in rest]
+        try:
+            got = self._get(first)
+        finally:
+            errors = [f.exception() for f in side]
+        for failed in errors:
+            if failed is not None:
+                raise failed
+        return got
+
+    def _get(self, name: str) -> bool:
+        try:
+            return self.remote.get(self.remote.entry(name), self.progress)
+        except FastdataError:  # (names the object already)
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. the object deleted from the store after opening
+            raise FormatError(f"cannot fetch {scrub(self.remote.url)}/{name}: {type(exc).__name__}: "
+                              f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
+                              "the store (`fastdata verify URL`)") from exc
+
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:
         """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
@@ -232,71 +345,44 @@ class ShardCache:
     def _present(self, s: int) -> bool:
         return all((self.remote.dir / n).is_file() for n in self.groups[s])
 
-    def _fetch_group(self, s: int, plan: Optional[Plan], at: int) -> None:
-        """Every file of shard ``s``, the companions (labels) fetched beside the first, not after it; a
-        download (not a wait for another's) is counted in ``plan`` for batch ``at``."""
-        first, *rest = self.groups[s]
-        side = [self._side.submit(self.remote.fetch, self.remote.entry(n), self.progress) for n in rest]
-        try:
-            got = self.remote.get(self.remote.entry(first), self.progress)
-        finally:
-            for fut in side:
-                fut.result()
-        if got and plan is not None:
-            with self._cond:
-                plan.count(s, at)
-
-    def _make_room(self, s: int, demand: bool) -> bool:
-        """Evict until shard ``s`` fits under the limit, the shard needed last first (Belady). A prefetch
-        within a lookahead of a quarter of the limit (:func:`evict.near`) evicts only shards needed after ``s``
-        (do no harm); beyond it, only what the reader would evict when ``s`` is due (so it never costs a
-        download that waiting would not). Otherwise it gets False."""
+    def _make_room(self, need: list[int], demand: bool) -> int:
+        """(Under the lock.) Evict until the shards ``need`` fit under the limit, the shard needed last first
+        (Belady); the bytes still short (0: they fit). Counted: shards on disk, arriving (each download's
+        room is its own until it ends) or pinned (a batch's shard not on disk yet). A prefetch (one shard)
+        within a lookahead of a quarter of the limit (:func:`evict.near`) evicts only shards needed after it
+        (do no harm); beyond it, only what the reader would evict when it is due (so it never costs a
+        download that waiting would not); otherwise it stays short."""
         if self.limit is None:
-            return True
-        with self._cond:
-            now = time.monotonic()
-            if now - self._scanned > 1.0:  # other processes fetch and evict too: look at the disk once a second
-                self._have, self._scanned = self.cached(), now  # (a stat per shard: not per decision at 20,000)
-            present = self._have.copy()
-            present[list(self._reserved)] = True  # downloads under way take their room now
-            present[s] = False
-            used = int(self.sizes[present].sum())
-            free = self.limit - used - int(self.sizes[s])
-            if free < 0:
-                plan = self._active()
-                near = not demand and plan is not None and evict.near(plan, s, self.sizes, present, self.limit)
-                if not demand and plan is not None and not near:
-                    busy = self._pins > 0
-                    busy[list(self._reserved)] = True
-                    if not evict.reader_would_evict(plan, s, self.sizes, present, busy, -free):
-                        return False  # the shard the reader would evict when s is due is still in use: wait
-                present[list(self._reserved)] = False
-                candidates = np.flatnonzero(present & (self._pins == 0))
-                if plan is None:
-                    order = np.arange(len(candidates))
-                else:
-                    order, nxt = evict.farthest_first(plan, candidates)
-                    if near and not evict.harmless(plan, s, self.sizes[candidates[order]], nxt[order], -free):
-                        return False  # do no harm: evict only shards needed after s, the farthest first
-                for c in candidates[order].tolist():
-                    if free >= 0:
-                        break
-                    self._close(c)
-                    if self._evict(c):
-                        free += int(self.sizes[c])
-            if free >= 0 or demand:
-                self._reserved.add(s)
-            if free >= 0:
-                return True
-            if demand and not self._warned:
-                self._warned = True
-                warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
-                              "raise cache_limit to at least a few batches' shards", ResourceWarning, stacklevel=2)
-            return demand
-
-    def _unreserve(self, s: int) -> None:
-        with self._cond:
-            self._reserved.discard(s)
+            return 0
+        now = time.monotonic()
+        if now - self._scanned > 1.0:  # other processes fetch and evict too: look at the disk once a second
+            self._have, self._scanned = self.cached(), now  # (a stat per shard: not per decision at 20,000)
+        busy = self._pins > 0
+        busy[list(self._fetching)] = True
+        counted = self._have | busy
+        counted[need] = False
+        short = int(self.sizes[counted].sum()) + int(self.sizes[need].sum()) - self.limit
+        if short <= 0:
+            return 0
+        plan = self._active()
+        near = not demand and plan is not None and evict.near(plan, need[0], self.sizes, counted, self.limit)
+        if not demand and plan is not None and not near:
+            if not evict.reader_would_evict(plan, need[0], self.sizes, counted, busy, short):
+                return short  # the shard the reader would evict when it is due is still in use: wait
+        candidates = np.flatnonzero(counted & ~busy)
+        if plan is None:
+            order = np.arange(len(candidates))
+        else:
+            order, nxt = evict.farthest_first(plan, candidates)
+            if near and not evict.harmless(plan, need[0], self.sizes[candidates[order]], nxt[order], short):
+                return short  # do no harm: evict only shards needed after it, the farthest first
+        for c in candidates[order].tolist():
+            if short <= 0:
+                break
+            self._close(c)
+            if self._evict(c):
+                short -= int(self.sizes[c])
+        return max(0, short)
 
     def _pin_path(self, s: int) -> Path:
         """The file readers hold shared while they use shard ``s`` (not the download lock: a reader never
@@ -304,87 +390,87 @@ class ShardCache:
         return self.remote.dir / ".locks" / (self.names[s].replace("/", "%") + ".pin")
 
     def _evict(self, c: int) -> bool:
-        lock = open(self._pin_path(c), "a+b")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            return False  # another process reads or fetches it
-        try:
+        with lock_file(self._pin_path(c)) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another process reads it
             for name in self.groups[c]:
                 (self.remote.dir / name).unlink(missing_ok=True)
             self._have[c] = False
             return True
-        finally:
-            lock.close()
 
     # -- prefetching ------------------------------------------------------------------------------------
     def _schedule(self) -> None:
+        """The prefetch thread: :meth:`_prefetch_all`; an error that ends it is raised in the consumer at its
+        next batch (never a silent end of prefetching)."""
+        try:
+            self._prefetch_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            exc.add_note(f"(in the prefetch thread of {scrub(self.remote.url)})")
+            with self._cond:
+                self._failed = self._failed or exc
+                self._cond.notify_all()
+
+    def _prefetch_all(self) -> None:
         """Fetch the active plan's shards in order of first need, within the in-flight bounds; room is made
         here, one shard at a time in that order, so prefetches never evict each other out of order. With
-        nothing to fetch now, learn more of the plan (how far ahead eviction can see)."""
+        nothing to fetch now, learn more of the plan (how far ahead eviction can see), up to its horizon."""
         while True:
             learn: Optional[Plan] = None
             with self._cond:
-                s = self._next_candidate()
-                while s is None and not self._closed:
+                found = self._next_candidate()
+                while found is None and not self._closed:
                     plan = self._active()
-                    if plan is not None and not plan.complete:
+                    if plan is not None and plan.wants_more():
                         learn = plan
                         break
                     self._cond.wait(0.5)
-                    s = self._next_candidate()
+                    found = self._next_candidate()
                 if self._closed:
                     return
                 if learn is None:
                     plan = self._active()
-                    assert s is not None and plan is not None  # (a candidate comes from the active plan)
-                    at = int(plan.batch[plan.cursor])  # the batch it is fetched for (its run's first)
-                    if not self._make_room(s, False):  # everything cached is needed before s: wait for the reader
+                    assert found is not None and plan is not None  # (a candidate comes from the active plan)
+                    s, at = found
+                    if self._make_room([s], False) > 0:  # everything cached is needed before s: wait for the reader
                         self._stalled = plan.pos
                         continue
-                    self._flying[s] = self._pool.submit(self._prefetch, s, plan, at)
+                    self._fetch(s, plan, at, prefetch=True)
                     continue
             learn.learn(self._cond)
 
-    def _next_candidate(self) -> Optional[int]:
-        """The next shard of the active plan, in order of need, that is not local yet (``_have`` is this
-        process's view, checked against the disk for the few it does not know: other processes fetch too);
-        the plan's ``cursor`` is left at its run."""
+    def _next_candidate(self) -> Optional[tuple[int, int]]:
+        """The next shard of the active plan, in order of need, that is neither local (``_have`` is this
+        process's view, checked against the disk for the few it does not know: other processes fetch too)
+        nor arriving, and the batch of its run; None while a batch waits for room. The plan's ``cursor``
+        moves past the runs of local shards only, never past one arriving (should its download fail, or the
+        shard go before it is read, the scheduler comes back to it)."""
         plan = self._active()
-        if plan is None or len(self._flying) >= self.requests or self._stalled == plan.pos:
+        if plan is None or self._waiting or len(self._fetching) >= self.requests or self._stalled == plan.pos:
             return None
-        flying_bytes = sum(int(self.sizes[f]) for f in self._flying)
+        fetching_bytes = sum(int(self.sizes[f]) for f in self._fetching)
         plan.cursor = max(plan.cursor, int(np.searchsorted(plan.batch, plan.pos - 1)))  # batches read are past
-        while plan.cursor < len(plan.shard):
-            window = plan.shard[plan.cursor:plan.cursor + 4096]
-            for h in np.flatnonzero(~self._have[window]):
+        i, hold = plan.cursor, None
+        while i < len(plan.shard):
+            window = plan.shard[i:i + 4096]
+            for h in np.flatnonzero(~self._have[window]).tolist():
                 s = int(window[h])
-                if s in self._flying:
+                if s in self._fetching:
+                    hold = i + h if hold is None else hold
                     continue
                 if self._present(s):
                     self._have[s] = True
                     continue
-                plan.cursor += int(h)
-                if self._flying and flying_bytes + self.sizes[s] > self.in_flight:
+                plan.cursor = i + h if hold is None else hold
+                if self._fetching and fetching_bytes + self.sizes[s] > self.in_flight:
                     return None
                 if self.limit is not None and self.sizes[s] > self.limit:
                     return None
-                return s
-            plan.cursor += len(window)
+                return s, int(plan.batch[i + h])
+            i += len(window)
+        plan.cursor = i if hold is None else hold
         return None
-
-    def _prefetch(self, s: int, plan: Plan, at: int) -> None:
-        try:
-            self._fetch_group(s, plan, at)
-            self._have[s] = True
-        except Exception:  # noqa: BLE001 - a failed prefetch is retried by the batch that needs it, which reports
-            pass
-        finally:
-            self._unreserve(s)
-            with self._cond:
-                self._flying.pop(s, None)
-                self._cond.notify_all()
 
     def close(self) -> None:
         """Stop prefetching (downloads under way finish) and close every opened shard."""
@@ -395,3 +481,12 @@ class ShardCache:
                 self._close(s)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._side.shutdown(wait=True, cancel_futures=True)
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first caller outside fastdata."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

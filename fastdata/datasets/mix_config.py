@@ -1,0 +1,132 @@
+"""A Mixture described in words (``fastdata train --mix``): ``name=path:weight`` options or a JSON/TOML file,
+its sources opened as the datasets their manifests say they are.
+
+A file holds ``{"sources": {name: {"path": ..., "weight": ...}}, "mix": "sample", "stop": null,
+"epoch_size": null}`` (JSON), or the same as TOML (``[sources.web]``, ``path = "s3://b/web"``,
+``weight = 0.7``); only ``sources`` is required.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from ..errors import ConfigError
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
+from ..storage.opening import open_path
+from ..storage.remote import is_url
+from ..storage.streamed import streamed_files
+from .mixture import Mixture, cache_shares
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """Sources ``{name: (path or URL, weight)}`` and the Mixture's options."""
+
+    sources: dict[str, tuple[str, float]]
+    mix: str = "sample"
+    stop: Optional[str] = None
+    epoch_size: Optional[int] = None
+    where: str = "--mix"  # what the user wrote it in, for messages
+
+
+def _weight(text: str, where: str) -> float:
+    try:
+        w = float(text)
+    except ValueError:
+        w = math.nan
+    if not math.isfinite(w) or w < 0:
+        raise ConfigError(f"{where}: the weight must be a number >= 0, got {text!r} (name=PATH:WEIGHT)")
+    return w
+
+
+def parse_one(text: str) -> tuple[str, str, float]:
+    """``(name, path, weight)`` from ``name=path:weight`` (``name=`` optional: the folder's name; ``:weight``
+    optional: 1). A URL keeps its ``scheme://``."""
+    name, sep, rest = text.partition("=")
+    if not sep or "/" in name or ":" in name:
+        name, rest = "", text
+    path, weight = rest, 1.0
+    head, colon, tail = rest.rpartition(":")
+    if colon and head and not tail.startswith("//"):
+        path, weight = head, _weight(tail, f"--mix {text}")
+    if not path:
+        raise ConfigError(f"--mix {text}: no dataset path (name=PATH:WEIGHT, e.g. web=s3://bucket/web:0.7)")
+    return name or Path(path.rstrip("/")).name, path, weight
+
+
+def parse_mix(values: Sequence[str]) -> MixSpec:
+    """The ``--mix`` options: each ``name=path:weight``, or one JSON/TOML file (see the module's docstring).
+
+    Raises:
+        ConfigError: a malformed option or file, a name given twice.
+    """
+    if len(values) == 1 and Path(values[0]).suffix in (".json", ".toml") and Path(values[0]).is_file():
+        return _from_file(Path(values[0]))
+    sources: dict[str, tuple[str, float]] = {}
+    for text in values:
+        name, path, weight = parse_one(text)
+        if name in sources:
+            raise ConfigError(f"--mix names source {name!r} twice: give each source its own name (name=PATH:WEIGHT)")
+        sources[name] = (path, weight)
+    if not sources:
+        raise ConfigError("--mix needs at least one source (name=PATH:WEIGHT)")
+    return MixSpec(sources)
+
+
+def _from_file(path: Path) -> MixSpec:
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(path.read_text())
+        else:
+            raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the mixture file {path}: {exc}") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("sources"), dict) or not raw["sources"]:
+        raise ConfigError(f"{path} must hold a 'sources' table: {{name: {{path, weight}}}}")
+    unknown = sorted(set(raw) - {"sources", "mix", "stop", "epoch_size"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: sources, mix, stop, epoch_size)")
+    sources = {}
+    for name, entry in raw["sources"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{path}: source {name!r} needs a 'path' (and a 'weight')")
+        sources[str(name)] = (entry["path"], _weight(str(entry.get("weight", 1.0)), f"{path}: source {name!r}"))
+    return MixSpec(sources, raw.get("mix", "sample"), raw.get("stop"), raw.get("epoch_size"), str(path))
+
+
+def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, seed: int = 0,
+                 shuffle_window: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
+                 cache_limit: Union[int, str, None] = None, device: Any = "cpu") -> Mixture:
+    """Open every source of ``spec`` (image folders as FastDataset, token folders' train split as TokenDataset;
+    URLs through the node cache, ``cache_limit`` split among them by weight) as one :class:`Mixture`.
+
+    Raises:
+        ConfigError: sources of different kinds or classes (the two are named), bad weights or options.
+    """
+    urls = {n: w for n, (p, w) in spec.sources.items() if is_url(p)}
+    shares = cache_shares(cache_limit, urls) if cache_limit is not None and urls and sum(urls.values()) else {}
+    datasets: dict[str, Any] = {}
+    for name, (path, _) in spec.sources.items():
+        remote = {"cache_dir": cache_dir, "cache_limit": shares.get(name)} if is_url(path) else {}
+        opened = open_path(path, (IMAGES_NPY, IMAGES_LMDB, TOKENS), streamed=lambda m: streamed_files(m, storage),
+                           **remote)
+        if opened.manifest["format"] == TOKENS:
+            from .tokens import TokenDataset
+
+            datasets[name] = TokenDataset(opened, "train", seq_len, storage=storage)
+        else:
+            from .images import FastDataset
+
+            datasets[name] = FastDataset(opened, storage=storage, device=device)
+    first = next(iter(datasets))
+    for name, ds in datasets.items():
+        if getattr(ds, "classes", None) != getattr(datasets[first], "classes", None):
+            raise ConfigError(f"sources {first!r} and {name!r} have different classes ({datasets[first].classes[:3]}"
+                              f"... vs {ds.classes[:3]}...): a classifier needs one label space")
+    return Mixture(datasets, {n: w for n, (_, w) in spec.sources.items()}, seed=seed, mix=spec.mix, stop=spec.stop,
+                   epoch_size=spec.epoch_size, shuffle_window=shuffle_window)

@@ -1,0 +1,355 @@
+"""Mixture: several datasets served as one, each by its weight (NOTE [mixture]).
+
+NOTE [mixture]: the rules a :class:`Mixture` served by FastLoader keeps (the order itself lives in
+fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
+
+1. One global stream of positions, the same for every world size; rank ``r`` of ``world`` serves the
+   stream's positions ``r, r + world, ...`` of each step, as for one dataset (NOTE [epoch plan]).
+2. Which source a position takes is a function of ``(seed, epoch, position)`` and the weights: a
+   low-discrepancy schedule (NOTE [mixture schedule]), so every window of 10,000 positions holds each
+   source's share within a few samples, not only on average.
+3. Each source walks its own order (its own ``shuffle``, ``shuffle_window`` and a seed drawn from the
+   mixture's seed and the source's name) with its own cursor ``(epoch, position)``: the ``j``-th draw of a
+   source is sample ``order(j // N)[j % N]``. So every source is served exactly once per source epoch,
+   across all ranks, whatever the weights did meanwhile; a source that runs out starts its next epoch.
+4. A mixture epoch ends after ``epoch_size`` positions (default: the sources' total), or with
+   ``stop="first"`` when the first source finishes the source epoch it was in when the mixture's epoch
+   began, ``stop="all"`` when every source (of positive weight) has. It is served in whole steps of
+   ``world * batch_size`` positions (rounded up; down with ``drop_last``): the extra positions are the
+   stream's next draws, never repeats, and the next epoch starts where this one stopped.
+5. ``mix="batch"``: the schedule deals whole batches instead of samples (a position is one batch of
+   ``batch_size`` consecutive draws of one source); batches say their source (``(x, y, source)``, or a
+   ``"source"`` entry), ``source`` being each row's number in :attr:`Mixture.names`.
+6. The state (loader.state_dict()) holds the position, each source's cursor and the weights; loaded into
+   the same mixture it continues the same stream at any world size. New weights (``set_weights`` after
+   loading, or a Mixture made with other weights) apply from the resumed position on: the cursors carry
+   over, so no source repeats or skips a sample within its epoch.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..formats.schema import OFFSETS
+from ..storage.opening import parse_size
+
+SHIFT = 56  # a served index is (source << SHIFT) | sample: sorted, a batch groups its rows by source
+MASK = (1 << SHIFT) - 1
+MIXES, STOPS = ("sample", "batch"), (None, "first", "all")
+
+Sources = Union[Mapping[str, Any], Sequence[Any]]
+PerSource = Union[Any, Mapping[str, Any]]
+
+
+def _per_source(value: PerSource, names: list[str], arg: str) -> list[Any]:
+    """``value`` for every source: one value, or a mapping by name (unknown names refused)."""
+    if not isinstance(value, Mapping):
+        return [value] * len(names)
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ConfigError(f"{arg} names source {unknown[0]!r}, which is not in the mixture (sources: {names})")
+    return [value.get(n) for n in names]
+
+
+def _signature(ds: Any) -> tuple[Any, ...]:
+    """What two sources of one mixture must agree on: shape, dtype, fields, targets, tokenizer, device."""
+    fields = getattr(ds, "fields", None)
+    tok = getattr(ds, "manifest", {}).get("tokenizer") if hasattr(ds, "manifest") else None
+    return (tuple(ds.sample_shape), ds.sample_dtype,
+            None if fields is None else tuple(fields),
+            type(ds).__name__, None if tok is None else tok.get("definition_sha256"),
+            str(getattr(ds, "device", "cpu")))
+
+
+def _describe(ds: Any) -> str:
+    fields = getattr(ds, "fields", None)
+    names = "" if fields is None else f", fields {[f.name for f in fields]}"
+    return f"{type(ds).__name__} of {tuple(ds.sample_shape)} {ds.sample_dtype} samples{names}"
+
+
+class Mixture:
+    """Several datasets as one, each sampled by its weight, for :class:`~fastdata.FastLoader` (NOTE [mixture]).
+
+    Example::
+
+        web, books = FastDataset("data/web"), FastDataset("data/books")
+        mix = Mixture({"web": web, "books": books}, weights={"web": 0.7, "books": 0.3}, seed=0)
+        loader = FastLoader(mix, batch_size=256)
+
+    Args:
+        sources: ``{name: dataset}``, or a list (named ``"0"``, ``"1"``, ...). Datasets that FastLoader
+            serves (FastDataset, TokenDataset, local or streamed), agreeing on sample shape, dtype and fields.
+        weights: ``{name: weight}`` or a list, non-negative and not all zero (normalised); default equal.
+        seed: fixes the schedule and every source's order.
+        mix: ``"sample"`` (a batch mixes sources) or ``"batch"`` (each batch from one source, which the batch
+            says: ``(x, y, source)`` or a ``"source"`` entry).
+        stop: None (a mixture epoch is ``epoch_size`` positions), ``"first"`` or ``"all"`` (NOTE [mixture] 4).
+        epoch_size: positions a mixture epoch takes with ``stop=None`` (default: the sources' total).
+        shuffle: each source's order shuffled (one value, or ``{name: bool}``).
+        shuffle_window: windows of shards for a source's order (NOTE [windowed shuffle]); one value or by name.
+        allow_new_sources: accept a resumed state without some of these sources (they start at their epoch 0).
+
+    Raises:
+        ConfigError: an empty source, sources that disagree (the two are named), bad weights or options.
+    """
+
+    is_mixture = True  # FastLoader serves it through a MixtureSampler (fastdata/loading/mixing.py)
+
+    def __init__(self, sources: Sources, weights: Union[Mapping[str, float], Sequence[float], None] = None, *,
+                 seed: int = 0, mix: str = "sample", stop: Optional[str] = None, epoch_size: Optional[int] = None,
+                 shuffle: PerSource = True, shuffle_window: PerSource = None,
+                 allow_new_sources: bool = False) -> None:
+        if isinstance(sources, Mapping):
+            self.names, self.sources = [str(n) for n in sources], list(sources.values())
+        else:
+            self.sources = list(sources)
+            self.names = [str(k) for k in range(len(self.sources))]
+        if not self.sources or len(self.sources) >= 1 << (63 - SHIFT):
+            raise ConfigError(f"sources must hold 1 to {(1 << (63 - SHIFT)) - 1} datasets, got {len(self.sources)}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got seed={seed!r}")
+        if mix not in MIXES:
+            raise ConfigError(f"mix must be one of {MIXES}, got mix={mix!r}")
+        if stop not in STOPS:
+            raise ConfigError(f"stop must be one of {STOPS}, got stop={stop!r}")
+        self.seed, self.mix, self.stop, self.allow_new_sources = seed, mix, stop, bool(allow_new_sources)
+        self._check_sources()
+        self.sizes = [len(ds) for ds in self.sources]
+        if epoch_size is not None and (stop is not None or not isinstance(epoch_size, int) or epoch_size < 1):
+            raise ConfigError(f"epoch_size must be a positive integer, and only with stop=None; got "
+                              f"epoch_size={epoch_size!r}, stop={stop!r}")
+        self.epoch_size = epoch_size or sum(self.sizes)
+        self.epoch_size_given = epoch_size  # (a state records this: the default follows the set of sources)
+        self.shuffle = [bool(v) for v in _per_source(shuffle, self.names, "shuffle")]
+        self.shuffle_window = _per_source(shuffle_window, self.names, "shuffle_window")
+        for name, w in zip(self.names, self.shuffle_window):
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ConfigError(f"shuffle_window of source {name!r} must be a positive number of shards, got {w!r}")
+        self._weights = self._check_weights(weights)
+        self._counts = [0] * len(self.sources)  # samples gathered since interval_report()
+        self._count_lock = threading.Lock()
+
+    def _check_sources(self) -> None:
+        if len(set(self.names)) != len(self.names) or any(not n for n in self.names):
+            raise ConfigError(f"source names must be distinct and non-empty, got {self.names}")
+        for name, ds in zip(self.names, self.sources):
+            for attr in ("get_batch", "sample_shape", "sample_dtype", "__len__"):
+                if not hasattr(ds, attr):
+                    raise ConfigError(f"source {name!r} must be a dataset FastLoader serves (FastDataset, "
+                                      f"TokenDataset), got {type(ds).__name__} without {attr!r}")
+            if len(ds) == 0:
+                raise ConfigError(f"source {name!r} is empty ({ds!r}): drop it or give it samples")
+            if getattr(ds, "device", torch.device("cpu")).type != "cpu":
+                raise ConfigError(f"source {name!r} keeps its samples on {ds.device}: a Mixture gathers its "
+                                  "sources on the host; open it with storage='mmap', 'ram' or 'shm'")
+        first = _signature(self.sources[0])
+        for name, ds in zip(self.names[1:], self.sources[1:]):
+            if _signature(ds) != first:
+                raise ConfigError(f"sources {self.names[0]!r} and {name!r} differ: {self.names[0]!r} is a "
+                                  f"{_describe(self.sources[0])}, {name!r} a {_describe(ds)} (or another tokenizer)"
+                                  ": a mixture's sources must give the same kind of sample")
+
+    def _check_weights(self, weights: Union[Mapping[str, float], Sequence[float], None]) -> list[float]:
+        if weights is None:
+            return [1.0 / len(self.names)] * len(self.names)
+        if isinstance(weights, Mapping):
+            unknown = sorted(set(map(str, weights)) - set(self.names))
+            if unknown:
+                raise ConfigError(f"weights name source {unknown[0]!r}, which is not in the mixture "
+                                  f"(sources: {self.names})")
+            missing = [n for n in self.names if n not in weights]
+            if missing:
+                raise ConfigError(f"weights give no weight for source {missing[0]!r}: give every source one (0 "
+                                  "to leave it out)")
+            values = [weights[n] for n in self.names]
+        else:
+            values = list(weights)
+            if len(values) != len(self.names):
+                raise ConfigError(f"weights has {len(values)} values for {len(self.names)} sources {self.names}")
+        for name, w in zip(self.names, values):
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+                raise ConfigError(f"the weight of source {name!r} must be a finite number >= 0, got {w!r}")
+        total = float(sum(values))
+        if total <= 0:
+            raise ConfigError(f"weights must not all be zero, got {dict(zip(self.names, values))}")
+        return [float(w) / total for w in values]
+
+    # -- weights --------------------------------------------------------------------------------------
+    @property
+    def weights(self) -> dict[str, float]:
+        """The weights in effect, normalised to sum to 1."""
+        return dict(zip(self.names, self._weights))
+
+    def set_weights(self, weights: Union[Mapping[str, float], Sequence[float]]) -> None:
+        """New weights from the next iteration of a loader over this mixture (``iter(loader)``, the next
+        epoch) or from the position a ``load_state_dict`` resumes at; each source keeps its cursor, so none
+        repeats or skips a sample (NOTE [mixture] 6). A loop already running keeps the weights it began with.
+
+        Raises:
+            ConfigError: bad weights (the source is named).
+        """
+        self._weights = self._check_weights(weights)
+
+    def source_seed(self, k: int) -> int:
+        """Source ``k``'s order seed, from the mixture's seed and the source's name (not its place)."""
+        digest = hashlib.sha256(f"fastdata.mixture:{self.seed}:{self.names[k]}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 2
+
+    # -- what FastLoader reads ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Positions of a mixture epoch with ``stop=None`` (with a stop, epochs end by the sources)."""
+        return self.epoch_size
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.sources[0].sample_shape)
+
+    @property
+    def sample_dtype(self) -> torch.dtype:
+        return self.sources[0].sample_dtype
+
+    @property
+    def fields(self) -> Any:
+        return getattr(self.sources[0], "fields", None)
+
+    device = torch.device("cpu")
+
+    @property
+    def random_crops(self) -> bool:
+        return any(getattr(ds, "random_crops", False) for ds in self.sources)
+
+    def get_batch(self, indices: Any, out: Any = None, draw: Optional[tuple[int, int, int, int]] = None) -> Any:
+        """Gather served indices (``(source << 56) | sample``, sorted) with one ``get_batch`` per source.
+
+        ``out``: FastLoader's ring slot (``(x, y)`` buffers, or the allocator of a dict slot), or None.
+        Returns ``(x, y)``; ``(x, y, source)`` with ``mix="batch"``; a dict of fields plus ``"source"`` (each
+        row's source number) for sources with fields. ``draw`` seeds decode-time random crops.
+        """
+        codes = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        src, idx = codes >> SHIFT, codes & MASK
+        if len(src) > 1 and np.any(src[1:] < src[:-1]):  # unsorted: gather sorted, give back in this order
+            order = np.argsort(codes, kind="stable")
+            batch = self.get_batch(codes[order], None, draw)
+            return _reorder(batch, np.argsort(order, kind="stable"))
+        if len(src) and (src[0] < 0 or src[-1] >= len(self.sources)):
+            raise IndexError(f"mixture index names source {int(src[-1])}; there are {len(self.sources)}")
+        bounds = np.searchsorted(src, np.arange(len(self.sources) + 1)).tolist()
+        parts = [(k, bounds[k], bounds[k + 1]) for k in range(len(self.sources)) if bounds[k + 1] > bounds[k]]
+        with self._count_lock:
+            for k, a, c in parts:
+                self._counts[k] += c - a
+        if self.fields is not None:
+            return self._dict_batch(parts, idx, out, torch.from_numpy(src), draw)
+        x_buf, y_buf = out if isinstance(out, tuple) else (out, None)
+        b = len(codes)
+        x = torch.empty((b, *self.sample_shape), dtype=self.sample_dtype) if x_buf is None else \
+            x_buf if len(x_buf) == b else x_buf[:b]
+        y = torch.empty(b, dtype=torch.int64) if y_buf is None else y_buf if len(y_buf) == b else y_buf[:b]
+        lo = x.data_ptr()
+        hi = lo + x.numel() * x.element_size()
+        windows = False  # token sources: y is a view of the window buffer
+        for k, a, c in parts:
+            rows = x[a:c]
+            xs, ys = self._source_batch(k, idx[a:c], rows, draw)
+            if xs.data_ptr() != rows.data_ptr():
+                rows.copy_(xs)
+            if lo <= ys.data_ptr() < hi:
+                windows = True
+            else:
+                y[a:c].copy_(ys)
+        x, y = (x[:, :-1], x[:, 1:]) if windows else (x, y)
+        return (x, y, torch.from_numpy(src)) if self.mix == "batch" else (x, y)
+
+    def _source_batch(self, k: int, idx: np.ndarray, out: Any, draw: Optional[tuple[int, int, int, int]]) -> Any:
+        ds = self.sources[k]
+        if draw is not None and getattr(ds, "random_crops", False):  # each source's rows draw their own crops
+            seed, epoch, position, rank = draw
+            return ds.get_batch(idx, out=out, draw=(seed, epoch, position * len(self.sources) + k, rank))
+        return ds.get_batch(idx, out=out)
+
+    def _dict_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, out: Any, source: torch.Tensor,
+                    draw: Optional[tuple[int, int, int, int]]) -> dict[str, torch.Tensor]:
+        """Each source's dict batch, joined key by key into the slot's buffers (variable fields' offsets
+        shifted by the values before them)."""
+        got = [self._source_batch(k, idx[a:c], None, draw) for k, a, c in parts]
+        batch: dict[str, torch.Tensor] = {}
+        for key in got[0]:
+            pieces = [g[key] for g in got]
+            if key.endswith(OFFSETS):
+                shift, joined = 0, []
+                for offsets in pieces:
+                    joined.append(offsets[:-1] + shift)
+                    shift += int(offsets[-1])
+                pieces = joined + [torch.tensor([shift], dtype=pieces[0].dtype)]
+            shape = (sum(len(p) for p in pieces), *pieces[0].shape[1:])
+            dst = out(key, shape, pieces[0].dtype) if callable(out) else torch.empty(shape, dtype=pieces[0].dtype)
+            torch.cat(pieces, out=dst)
+            batch[key] = dst
+        batch["source"] = source
+        return batch
+
+    def interval_report(self, seconds: float) -> dict[str, dict[str, float]]:
+        """Per source, the samples gathered (in this process) since the last call: ``{name: {"samples_per_s",
+        "share"}}``, for a training log's interval of ``seconds``. Counted as batches are gathered, a few ahead
+        of training."""
+        with self._count_lock:
+            counts, self._counts = self._counts, [0] * len(self.sources)
+        total = max(1, sum(counts))
+        return {n: {"samples_per_s": c / max(seconds, 1e-9), "share": c / total} for n, c in zip(self.names, counts)}
+
+    # -- streamed sources -----------------------------------------------------------------------------
+    def plan_reads(self, coming: Any, now: Optional[int] = None) -> Optional[list[tuple[int, object]]]:
+        """Tell each streamed source its coming reads: ``coming.of_source(k)`` gives source ``k``'s indices of
+        every coming batch (empty where it has none), so each cache's plan follows the mixture's order."""
+        tokens = []
+        for k, ds in enumerate(self.sources):
+            plan = getattr(ds, "plan_reads", None)
+            if plan is not None and getattr(ds, "_cache", None) is not None:
+                tokens.append((k, plan(coming.of_source(k), now)))
+        return tokens or None
+
+    def end_reads(self, tokens: Optional[list[tuple[int, object]]]) -> None:
+        for k, token in tokens or []:
+            self.sources[k].end_reads(token)
+
+    def download_report(self) -> dict[str, list[dict[str, Optional[int]]]]:
+        """Each streamed source's downloads per loader pass (``download_report()`` of the source), by name."""
+        return {n: ds.download_report() for n, ds in zip(self.names, self.sources) if hasattr(ds, "download_report")}
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={w:.3g}" for n, w in self.weights.items())
+        return f"Mixture({parts}, mix={self.mix!r}, stop={self.stop!r}, seed={self.seed})"
+
+
+def _reorder(batch: Any, inverse: np.ndarray) -> Any:
+    """A batch's rows put back in the caller's order (fixed-size rows only)."""
+    rows = torch.from_numpy(inverse)
+    if isinstance(batch, dict):
+        if any(k.endswith(OFFSETS) for k in batch):
+            raise ConfigError("a mixture batch with variable-length fields needs sorted indices")
+        return {k: v[rows] for k, v in batch.items()}
+    return tuple(t[rows] for t in batch)
+
+
+
+def cache_shares(total: Union[int, str], weights: Mapping[str, float]) -> dict[str, int]:
+    """One node-cache budget split among streamed sources by weight: each source's ``cache_limit``.
+
+    Example: ``FastDataset(url, cache_limit=cache_shares("200GB", {"web": 0.7, "books": 0.3})["web"])``.
+
+    Raises:
+        ConfigError: a bad size, or weights that are negative, NaN or all zero.
+    """
+    limit = parse_size(total)
+    if limit is None:
+        raise ConfigError("total must be a number of bytes or a size such as '200GB', got total=None")
+    values = list(weights.values())
+    if not values or any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+        raise ConfigError(f"weights must be finite, non-negative and not all zero, got {dict(weights)}")
+    return {n: max(1, int(limit * w / sum(values))) for n, w in weights.items()}

@@ -1,0 +1,437 @@
+"""Faults of the node cache of streamed shards (NOTE [shard cache], NOTE [locks across fork]): a batch and a
+prefetch meeting on the cache's room or on one shard, forked children holding locks, containers sharing a
+cache in separate PID namespaces, a prefetch that fails, and the plan's memory at 10^9 samples. Real parts
+throughout: the moto S3 server on 127.0.0.1 behind the loopback fault proxy, whose answers the tests hold
+back to order the threads, real files and locks, real processes."""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import test_remote
+
+s3 = test_remote.s3  # the moto server on 127.0.0.1 (a fixture of test_remote's, shared here)
+
+pytestmark = [pytest.mark.faults, pytest.mark.remote]
+
+SHARDS = [f"images-{k:05d}.npy" for k in range(6)]  # the indexed dataset's full shards (16 samples, same size)
+
+
+class GatedProxy:
+    """The fault proxy (tests/s3_faults.py) in front of the moto server, holding back the body of every GET
+    whose path contains a held name until the test lets it go: a download stays under way exactly as long
+    as a test needs."""
+
+    def __init__(self, upstream_port: int) -> None:
+        from s3_faults import FaultProxy
+
+        gates = self.gates = {}
+
+        class Gated(FaultProxy):
+            def _send(self, h, data) -> None:
+                for name, gate in list(gates.items()):
+                    if h.command == "GET" and name in h.path:
+                        assert gate.wait(60), f"{name} held for a minute"
+                super()._send(h, data)
+
+        self.proxy = Gated(upstream_port)
+
+    def hold(self, name: str) -> None:
+        self.gates[name] = threading.Event()
+
+    def let_go(self, name: str) -> None:
+        self.gates.pop(name).set()
+
+    def asked(self, name: str) -> int:
+        """GETs of ``name`` answered by the store so far (a held one counts: its body waits at the gate)."""
+        return sum(v for k, v in self.proxy.gets.items() if k.endswith("/" + name))
+
+    def wait_asked(self, name: str, n: int = 1, timeout: float = 30) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.asked(name) < n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+        self.proxy.close()
+
+
+@pytest.fixture
+def gated(s3, monkeypatch):
+    import fsspec
+
+    g = GatedProxy(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", g.proxy.endpoint)
+    fsspec.filesystem("s3").clear_instance_cache()
+    yield g
+    g.close()
+    fsspec.filesystem("s3").clear_instance_cache()
+
+
+def _pushed(s3, indexed_datasets, bucket: str) -> str:
+    from fastdata.storage.remote import push
+
+    url = s3(bucket) + "/ds"
+    push(indexed_datasets["npy"], url)
+    return url
+
+
+def _cache(url, tmp_path, *, limit_shards=None, requests=8):
+    """A ShardCache over the image shards of ``url`` (one file each), mapping them as FastDataset does."""
+    from fastdata.storage.cache import ShardCache
+    from fastdata.storage.remote import RemoteDataset
+
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache")
+    remote.prepare(frozenset(f["path"] for f in remote.manifest["files"]))  # the folder and manifest only
+    size = int(remote.entry(SHARDS[0])["bytes"])
+    limit = None if limit_shards is None else limit_shards * size
+    cache = ShardCache(remote, SHARDS, lambda s, path: np.load(path, mmap_mode="r"), limit=limit,
+                       requests=requests, progress=False)
+    return cache, remote, size
+
+
+def _on_disk(remote) -> list[str]:
+    return sorted(n for n in SHARDS if (remote.dir / n).is_file())
+
+
+def _run(fn, *args):
+    """``fn(*args)`` on a thread of its own; ``(thread, outcome)``: outcome holds its result or its error."""
+    outcome = {}
+
+    def body():
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome["error"] = exc
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, outcome
+
+
+@pytest.mark.filterwarnings("error")  # the "fetching beyond the limit" warning would be a failure
+def test_a_batch_waits_for_prefetches_holding_the_room_instead_of_going_past_the_limit(
+        s3, gated, indexed_datasets, tmp_path):
+    """Issue 42 item 3's race, made to happen every time: the prefetches under way hold the whole room when a
+    batch needs a shard nothing fetched. Before the fix the batch downloaded at once, past the limit (a
+    ResourceWarning nobody saw); now it waits for them to land, evicts the one needed last and stays within
+    the limit. It also meets a prefetch of its own shard: one download, waited for, never a second."""
+    local = indexed_datasets["npy"]
+    url = _pushed(s3, indexed_datasets, "room")
+    cache, remote, size = _cache(url, tmp_path, limit_shards=2, requests=2)
+    gated.hold(SHARDS[0])
+    gated.hold(SHARDS[1])
+    cache.plan(iter([np.array([0]), np.array([1]), np.array([2]), np.array([3])]))
+    assert gated.wait_asked(SHARDS[0]) and gated.wait_asked(SHARDS[1])  # both prefetches under way: no room left
+    t, outcome = _run(cache.acquire, np.array([3]))  # a batch reading shard 3, which no prefetch covers
+    assert not gated.wait_asked(SHARDS[3], timeout=1.0), "the batch downloaded past the limit"
+    gated.let_go(SHARDS[0])  # 0 lands: the batch evicts it (no coming batch reads it) and fetches 3
+    t.join(30)
+    assert not t.is_alive() and "error" not in outcome, outcome
+    assert np.array_equal(outcome["result"][3], np.load(local / SHARDS[3]))
+    gated.let_go(SHARDS[1])
+    deadline = time.monotonic() + 30
+    while SHARDS[1] not in _on_disk(remote) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _on_disk(remote) == [SHARDS[1], SHARDS[3]]
+    cache.release(np.array([3]))
+
+    # the next batch's shard is being prefetched: the batch waits for that download
+    gated.hold(SHARDS[2])
+    cache.release(cache.acquire(np.array([1])) is not None and np.array([1]))  # batch 1: shard 1, cached
+    assert gated.wait_asked(SHARDS[2])
+    t, outcome = _run(cache.acquire, np.array([2]))
+    assert not gated.wait_asked(SHARDS[2], 2, timeout=0.5)
+    gated.let_go(SHARDS[2])
+    t.join(30)
+    assert not t.is_alive() and "error" not in outcome, outcome
+    assert np.array_equal(outcome["result"][2], np.load(local / SHARDS[2]))
+    cache.release(np.array([2]))
+    cache.close()
+    assert gated.asked(SHARDS[2]) == 1 and gated.asked(SHARDS[3]) == 1
+    assert len(_on_disk(remote)) <= 2 and not list(remote.dir.rglob("*.part-*"))
+    assert cache.report()[0]["downloads"] == sum(gated.asked(n) for n in SHARDS)
+
+
+def test_a_failed_prefetch_is_raised_at_the_next_batch_naming_the_shard(s3, gated, indexed_datasets, tmp_path,
+                                                                       monkeypatch):
+    from fastdata.errors import FormatError
+    from fastdata.storage.plan import Plan
+
+    url = _pushed(s3, indexed_datasets, "gone")
+    cache, remote, _ = _cache(url, tmp_path)
+    s3.client.delete_object(Bucket="gone", Key="ds/" + SHARDS[4])  # the object vanishes after the job opened it
+    cache.plan(iter([np.array([0]), np.array([1]), np.array([0]), np.array([4])]))
+    cache.release(cache.acquire(np.array([0])) is not None and np.array([0]))
+    deadline = time.monotonic() + 30
+    while cache._failed is None and time.monotonic() < deadline:  # the prefetch of shard 4 has failed
+        time.sleep(0.01)
+    with pytest.raises(FormatError, match=r"s3://gone/ds/images-00004\.npy") as err:
+        cache.acquire(np.array([1]))  # the consumer's next batch, which does not read shard 4
+    assert "\n" not in str(err.value)
+    cache.release(cache.acquire(np.array([1])) is not None and np.array([1]))  # raised once, then reading goes on
+    with pytest.raises(FormatError, match=r"images-00004\.npy"):
+        cache.acquire(np.array([4]))  # the batch that reads it fails on its own download
+    cache.close()
+
+    # the prefetch thread itself failing (here: the loader's order raising while it is learnt) is no silent end
+    monkeypatch.setattr(Plan, "CHUNK", 1)
+    cache, _, _ = _cache(url, tmp_path / "again")
+
+    def reads():
+        yield np.array([0])
+        raise RuntimeError("the order broke")
+    cache.plan(reads())
+    deadline = time.monotonic() + 30
+    while cache._failed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="the order broke") as err:
+        cache.acquire(np.array([0]))
+    assert any("prefetch thread of s3://gone/ds" in note for note in err.value.__notes__)
+    cache.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_keeps_neither_pins_nor_a_download_in_flight(s3, gated, indexed_datasets,
+                                                                   tmp_path):
+    """A child forked while the parent holds a shard pinned and a download under way (a DataLoader worker
+    started mid-epoch): the child waits for that download like any other process and does not hang; the
+    parent evicts the shard it pinned while the child lives, and finishes its download."""
+    import fcntl
+
+    local = indexed_datasets["npy"]
+    url = _pushed(s3, indexed_datasets, "fork")
+    cache, remote, _ = _cache(url, tmp_path, limit_shards=3)
+    cache.acquire(np.array([0]))  # shard 0 pinned (its pin file locked shared)
+    gated.hold(SHARDS[1])
+    t, outcome = _run(cache.acquire, np.array([1]))
+    assert gated.wait_asked(SHARDS[1])  # its download under way: the download lock held
+    evicted_r, evicted_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it
+        code = 1
+        try:
+            signal.alarm(60)  # a hang ends the child, with a failure
+            os.close(evicted_w)
+            fetched = remote.get(remote.entry(SHARDS[1]))  # waits for the parent's download, then finds it there
+            intact = (remote.dir / SHARDS[1]).read_bytes() == (local / SHARDS[1]).read_bytes()
+            os.read(evicted_r, 1)  # alive until the parent has evicted shard 0
+            code = 0 if (fetched is False and intact) else 2
+        finally:
+            os._exit(code)
+    os.close(evicted_r)
+    try:
+        time.sleep(0.2)  # (the child is at its wait for the download lock)
+        gated.let_go(SHARDS[1])
+        t.join(30)
+        assert not t.is_alive() and "error" not in outcome, outcome
+        assert np.array_equal(outcome["result"][1], np.load(local / SHARDS[1]))
+        cache.release(np.array([0]))
+        with open(cache._pin_path(0), "a+b") as pin:  # the lock an eviction takes, free though the child lives
+            fcntl.flock(pin, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert cache._evict(0) and not (remote.dir / SHARDS[0]).exists()
+        os.write(evicted_w, b"x")
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done[0] == pid, "the forked child hung"
+        pid = None
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        os.close(evicted_w)
+        if pid is not None:  # (hung: it goes)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    cache.release(np.array([1]))
+    cache.close()
+
+
+_FETCH = """
+import sys
+from fastdata.storage.remote import RemoteDataset
+remote = RemoteDataset(sys.argv[1], cache_dir=sys.argv[2])
+remote.prepare(frozenset(f["path"] for f in remote.manifest["files"]))
+if sys.argv[3] != "-":
+    remote.fetch(remote.entry(sys.argv[3]))
+"""
+
+
+def _namespaces() -> bool:
+    """Whether this machine lets a test start processes in PID namespaces of their own (root, or user
+    namespaces allowed)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--", "sh", "-c", "exit 0"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_containers_sharing_a_cache_never_delete_each_others_live_download(s3, gated, indexed_datasets,
+                                                                          tmp_path):
+    """Two processes in separate PID namespaces (containers on one node) share a cache: one is downloading a
+    shard while the other opens the dataset and clears leftovers. The downloader's pid (about 200 in its
+    namespace) names no process in the other's, so judging by pid deleted the live download, and the pid
+    in a killed download's name (1) named the cleaner itself, so that leftover stayed; judged by their
+    locks, the live one stays and completes and the dead one goes. Without PID namespaces here, the collision is
+    made by hand: a live download (its lock held by a real process) whose name carries a dead pid."""
+    local = indexed_datasets["npy"]
+    url = _pushed(s3, indexed_datasets, "containers")
+    cache_dir = tmp_path / "cache"
+    script = tmp_path / "fetch.py"
+    script.write_text(_FETCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    run = [sys.executable, str(script), url, str(cache_dir)]
+    gated.hold(SHARDS[2])
+    if _namespaces():  # the downloader is pid 200 or so of its namespace, where 200 processes ran before it; the
+        # cleaner is pid 1 of another, whose few tasks (it and its threads) have small ids
+        downloader = subprocess.Popen(["unshare", "--pid", "--fork", "--", "sh", "-c", 'for i in $(seq 200); do '
+                                       '/bin/true; done; "$@"; exit $?', "sh", *run, SHARDS[2]], env=env,
+                                      stderr=subprocess.PIPE, text=True)
+        cleaner = ["unshare", "--pid", "--fork", "--", *run, "-"]
+    else:
+        downloader = subprocess.Popen([*run, SHARDS[2]], env=env, stderr=subprocess.PIPE, text=True)
+        cleaner = [*run, "-"]
+    try:
+        from fastdata.storage.remote import RemoteDataset
+
+        folder = RemoteDataset(url, cache_dir=cache_dir).dir
+        assert gated.wait_asked(SHARDS[2], timeout=60)  # its body held back: the download is live
+        parts = list(folder.glob(SHARDS[2] + ".part-*"))
+        assert len(parts) == 1, parts
+        live = parts[0]
+        if not _namespaces():  # the same download as another namespace would name it: a pid dead here
+            dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True)
+            live = parts[0].rename(folder / f"{SHARDS[2]}.part-{int(dead.stdout)}-0bad")
+        done = subprocess.run(cleaner, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert live.exists(), "the other process deleted a live download"
+        live.rename(parts[0])  # (its downloader renames it by its own name)
+    finally:
+        gated.let_go(SHARDS[2])
+    _, err = downloader.communicate(timeout=120)
+    assert downloader.returncode == 0, err[-2000:]
+    assert (folder / SHARDS[2]).read_bytes() == (local / SHARDS[2]).read_bytes()
+    # a killed download's leftover (its lock free) still goes, whatever pid its name carries
+    leftover = folder / f"{SHARDS[3]}.part-1-dead"
+    leftover.write_bytes(b"half a download")
+    done = subprocess.run(cleaner, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not leftover.exists()
+
+
+def test_a_plain_shuffle_over_more_shards_than_the_cache_holds_warns_once(s3, indexed_datasets, tmp_path):
+    import warnings
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
+
+    url = _pushed(s3, indexed_datasets, "plain")
+    group = sum((indexed_datasets["npy"] / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=4 * group)  # 4 of the 7 shards fit
+    with pytest.warns(UserWarning, match=r"cache_limit=\d+ bytes holds about 4 of the 7 shards.*shuffle_window") \
+            as caught:
+        for _ in FastLoader(ds, 4, seed=1, num_threads=1):
+            pass
+    assert [w.filename for w in caught if "shuffle_window" in str(w.message)] == [__file__]  # the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for epoch in range(2):  # once per dataset
+            loader = FastLoader(ds, 4, seed=1, num_threads=1)
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+        for _ in FastLoader(FastDataset(url, cache_dir=tmp_path / "c2", cache_limit=4 * group), 4, seed=1,
+                            shuffle_window=2, num_threads=1):
+            pass  # a windowed shuffle reads a few shards at a time: no warning
+        for _ in FastLoader(FastDataset(url, cache_dir=tmp_path / "c3", cache_limit=7 * group), 4, seed=1,
+                            num_threads=1):
+            pass  # the cache holds every shard: no warning
+
+
+def _plain_shuffle_reads(samples: int, per_shard: int, batch: int, seed: int = 0):
+    """The shards a plain shuffle's batches read: uniformly random samples (what a permutation's batches look
+    like to a cache), made a batch at a time."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, samples, batch):
+        yield rng.integers(0, samples, size=min(batch, samples - start)) // per_shard
+
+
+def _plan_bytes(shards: int, horizon_runs: int, batch: int, learning: bool = False) -> int:
+    """The plan's memory at its largest: its runs (the horizon ahead of the reader, plus the one chunk that
+    may overshoot it, plus the runs the reader is in: at most a batch's) and its per-shard arrays; while a
+    chunk is learnt (``learning``), also what the learn holds beside them (plan.py counts it)."""
+    from fastdata.storage.plan import (LEARN_READ_BYTES, LEARN_RUN_BYTES, LEARN_SHARD_BYTES, RUN_BYTES,
+                                       SHARD_BYTES, Plan)
+
+    runs = horizon_runs + Plan.CHUNK + batch
+    if not learning:
+        return runs * RUN_BYTES + shards * SHARD_BYTES + 8
+    return (runs * (RUN_BYTES + LEARN_RUN_BYTES) + shards * (SHARD_BYTES + LEARN_SHARD_BYTES)
+            + Plan.CHUNK * LEARN_READ_BYTES)
+
+
+def test_the_plan_of_a_plain_shuffle_over_10_9_samples_stays_under_200_mb():
+    """Issue 42 item 10, by arithmetic: 10^9 samples in shards of 1,024 (the default), batches of 256, a
+    plain shuffle, a cache_limit of any size. Unbounded, the plan held a run per read: 2 * 10^9 runs over
+    two epochs, 64 GB. Bounded by its horizon it holds at most HORIZON_RUNS + a chunk + a batch of runs,
+    RUN_BYTES each, and SHARD_BYTES per shard; learning a chunk briefly takes what plan.py counts beside."""
+    from fastdata.storage.plan import HORIZON_RUNS, RUN_BYTES, horizon
+
+    samples, per_shard, batch = 10 ** 9, 1024, 256
+    shards = -(-samples // per_shard)
+    sizes = np.full(shards, per_shard * 224 * 224 * 3, dtype=np.int64)  # 224x224 RGB: 154 MB a shard
+    assert horizon(None, sizes) == horizon(int(sizes.sum()), sizes) == HORIZON_RUNS  # a cache of any size
+    assert horizon(int(sizes[0]) * 1000, sizes) == 4000  # (a 1,000-shard cache: 4 caches ahead)
+    steady, learning = _plan_bytes(shards, HORIZON_RUNS, batch), _plan_bytes(shards, HORIZON_RUNS, batch, True)
+    assert steady < 60e6 and learning < 200e6, (steady, learning)  # (59 MB, and 184 MB while a chunk is learnt)
+    assert 2 * samples * RUN_BYTES > 60e9  # what it was
+
+
+@pytest.mark.slow
+def test_a_plain_shuffle_over_10_8_samples_keeps_the_plan_within_its_horizon():
+    """The plan of two epochs of a plain shuffle over 10^8 samples learnt as the scheduler learns it while a
+    reader moves on: its arrays never exceed the arithmetic's bound at this size, and Python's allocations
+    while learning (tracemalloc: numpy reports its arrays to it) never exceed the bound while learning."""
+    from fastdata.storage.plan import Plan, horizon
+
+    samples, per_shard, batch = 10 ** 8, 1024, 256
+    shards = -(-samples // per_shard)
+    sizes = np.full(shards, 1 << 20, dtype=np.int64)
+    limit = int(sizes[0]) * (shards - 1)  # the largest cache that holds fewer shards than the dataset
+    runs = horizon(limit, sizes)
+    epoch = -(-samples // batch)
+    two_epochs = itertools.chain(*(_plain_shuffle_reads(samples, per_shard, batch, seed) for seed in (0, 1)))
+    plan = Plan(two_epochs, shards, epoch, runs)
+    lock = threading.Lock()
+    bound, learning = _plan_bytes(shards, runs, batch), _plan_bytes(shards, runs, batch, True)
+    largest, learnt = 0, 0
+    tracemalloc.start()
+    try:
+        plan.learn(lock)
+        assert plan.scattered(shards - 1)  # what the cache warns about
+        while not plan.complete or plan.pos < plan.known:
+            while plan.wants_more():
+                plan.learn(lock)
+            largest = max(largest, plan.nbytes)
+            learnt = max(learnt, len(plan.batch))
+            plan.pos = min(plan.known, plan.pos + 997)  # the reader moves on; the scheduler's cursor with it
+            plan.cursor = int(np.searchsorted(plan.batch, plan.pos - 1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.known == 2 * epoch
+    assert largest <= bound and peak <= learning, (largest, bound, peak, learning)
+    assert learnt <= runs + Plan.CHUNK + batch

@@ -1,0 +1,652 @@
+"""Mixture: the schedule's proportions in every window, exactly once per source epoch, resume and reweight at any
+world size (real torchrun on gloo), mix="batch", tokens, streamed sources, bad input; on datasets made by
+`fastdata preprocess`."""
+from __future__ import annotations
+
+import json
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import sample_ids, torchrun
+from test_fields import indexed_fields  # noqa: F401 - 30 samples whose every field encodes the sample
+from test_remote import s3  # noqa: F401 - the loopback S3 fixture
+
+from fastdata.datasets.mixture import MASK, SHIFT, Mixture, cache_shares
+from fastdata.errors import ConfigError
+from fastdata.loading.loader import FastLoader
+from fastdata.loading.mixing import MixtureSampler
+from fastdata.loading.schedule import Q, Schedule, quantise
+
+SIZES = {"a": 100, "b": 37, "c": 60}  # three sources, tagged 0, 1, 2 in their pixels
+WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
+WORKER = Path(__file__).parent / "dist_mixture_worker.py"
+
+
+def tagged_source(root: Path, n: int, tag: int) -> Path:
+    """A CSV list of ``n`` (<= 100) uniform 8x8 PNGs: sample i's colour says i (as conftest.indexed_source) and
+    the source's ``tag`` (blue), label i % 3."""
+    root.mkdir(parents=True)
+    rows = []
+    for i in range(n):
+        Image.new("RGB", (8, 8), (i // 10 * 25, i % 10 * 25, 9 + 40 * tag)).save(root / f"{i:05d}.png")
+        rows.append(f"{i:05d}.png,{i % 3}")
+    (root / "list.csv").write_text("\n".join(rows) + "\n")
+    return root / "list.csv"
+
+
+def tags_ids(x) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's (source tag, sample index), read from its pixels (see tagged_source)."""
+    blue = np.asarray(x)[..., 0, 0, 2].astype(float)
+    return np.rint((blue - 9) / 40).astype(np.int64), sample_ids(x)
+
+
+@pytest.fixture(scope="session")
+def mixed_sets(tmp_path_factory) -> dict[str, Path]:
+    """``{name: npy dataset folder}`` for SIZES, shards of 16 samples."""
+    from fastdata.cli.main import main
+
+    base = tmp_path_factory.mktemp("mixed")
+    out = {}
+    for tag, (name, n) in enumerate(SIZES.items()):
+        csv = tagged_source(base / f"src-{name}", n, tag)
+        out[name] = base / name
+        assert main(["preprocess", "images", str(csv), str(out[name]), "--size", "8", "--format", "npy",
+                     "--shard-size", "16", "--workers", "1", "--quiet"]) == 0
+    return out
+
+
+def open_mixture(sets: dict[str, Path], **kw) -> Mixture:
+    from fastdata.datasets.images import FastDataset
+
+    storage = kw.pop("storage", "mmap")
+    return Mixture({k: FastDataset(v, storage=storage) for k, v in sets.items()}, **{"weights": WEIGHTS, **kw})
+
+
+def stream(mix: Mixture, positions: int, state: dict | None = None, batch: int = 4) -> np.ndarray:
+    """The global stream's first ``positions`` served indices (world-size independent), from ``state`` on."""
+    s = MixtureSampler(mix, batch, rank=0, world_size=1)
+    if state is not None:
+        s.load_state_dict(state)
+    return s.codes(s.seg, s.start + np.arange(positions, dtype=np.int64))
+
+
+def per_source(codes: np.ndarray, k: int) -> np.ndarray:
+    return codes[(codes >> SHIFT) == k] & MASK
+
+
+def assert_epochs_exact(seq: np.ndarray, n: int) -> None:
+    """A source's draws in order: each whole block of ``n`` is a permutation, the last block repeats nothing."""
+    for e in range(0, len(seq), n):
+        block = seq[e:e + n]
+        assert len(set(block.tolist())) == len(block) and block.min() >= 0 and block.max() < n, (e, block)
+
+
+def assert_windows(codes: np.ndarray, weights: list[float], window: int = 10_000, tol: float = 0.005) -> float:
+    """Every window of ``window`` consecutive positions holds each source's weight within ``tol``."""
+    worst = 0.0
+    for k, w in enumerate(weights):
+        c = np.concatenate([[0], np.cumsum((codes >> SHIFT) == k)])
+        share = (c[window:] - c[:-window]) / window
+        worst = max(worst, float(np.abs(share - w).max()))
+    assert worst <= tol, worst
+    return worst
+
+
+# -- the schedule ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weights", [[0.7, 0.2, 0.1], [0.5, 0.5], [3, 1, 0, 7, 2, 5, 0.01], [1.0]])
+def test_schedule_keeps_every_window_within_a_few_samples(weights):
+    q = quantise(weights)
+    assert sum(q) == Q and all((a > 0) == (b > 0) for a, b in zip(q, weights))
+    sched = Schedule(q, (11, 0, 0))
+    n = 300_000
+    src, rank = sched.locate(np.arange(n, dtype=np.int64))
+    for k in range(len(weights)):
+        mine = np.flatnonzero(src == k)
+        assert np.array_equal(rank[mine], np.arange(len(mine)))  # the k-th position of a source is its k-th draw
+        c = np.concatenate([[0], np.cumsum(src == k)])
+        for window in (100, 10_000):  # any window, every start: within 2 * depth samples of the weight
+            got = c[window:] - c[:-window]
+            assert np.abs(got - window * q[k] / Q).max() <= 2 * sched.depth + 1e-9
+        if q[k]:
+            j = len(mine) // 2
+            assert sched.positions_for(k, j) == mine[j - 1] + 1  # where the j-th draw falls
+
+
+def test_schedule_jumps_to_any_position_without_replaying():
+    sched = Schedule(quantise([0.6, 0.3, 0.1]), (0, 3, 0))
+    far = 10**15 + np.arange(50_000, dtype=np.int64)  # far beyond any stream: int64 exact, nothing replayed
+    src, rank = sched.locate(far)
+    for k in range(3):
+        before = sched.count(k, 10**15)
+        mine = np.flatnonzero(src == k)
+        assert np.array_equal(rank[mine], before + np.arange(len(mine)))
+        assert abs(before - 10**15 * sched.weights[k] / Q) <= sched.depth
+    other = Schedule(quantise([0.6, 0.3, 0.1]), (1, 3, 0)).locate(np.arange(1000))[0]
+    assert not np.array_equal(other, sched.locate(np.arange(1000))[0])  # the seed moves the phases
+
+
+# -- one process --------------------------------------------------------------------------------------------
+def test_every_source_is_served_exactly_once_per_source_epoch(mixed_sets):
+    mix = open_mixture(mixed_sets, seed=5, epoch_size=60_000)  # stream only: no sample is read
+    s = MixtureSampler(mix, 8, rank=0, world_size=1)
+    codes = np.concatenate([b for _ in range(3) for b in s])  # three mixture epochs, in position order
+    for k, n in enumerate(SIZES.values()):
+        seq = per_source(codes, k)
+        assert len(seq) > 20 * n
+        assert_epochs_exact(seq, n)
+    assert assert_windows(codes, list(WEIGHTS.values())) < 0.001
+
+
+def test_loader_batches_are_the_stream_and_storage_or_threads_do_not_change_them(mixed_sets):
+    ref = stream(open_mixture(mixed_sets, seed=2), 208)  # epoch of 197 positions, rounded up to batches of 16
+    got = {}
+    for storage, threads in (("mmap", 1), ("ram", 3)):
+        loader = FastLoader(open_mixture(mixed_sets, seed=2, storage=storage), 16, num_threads=threads)
+        got[storage] = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(got["mmap"]) == 13 and all(torch.equal(a, b) for p, q in zip(got["mmap"], got["ram"])
+                                           for a, b in zip(p, q))
+    for t, (x, y) in enumerate(got["mmap"]):
+        want = np.sort(ref[t * 16:(t + 1) * 16])  # a batch's rows are grouped by source, ascending
+        tag, ids = tags_ids(x)
+        assert np.array_equal(tag, want >> SHIFT) and np.array_equal(ids, want & MASK)
+        assert np.array_equal(y.numpy(), ids % 3)
+
+
+def test_resume_continues_the_stream_exactly_across_epochs(mixed_sets):
+    def served(loader, n):
+        out = []
+        for x, _ in loader:
+            out.append(np.stack(tags_ids(x)))
+            if len(out) == n:
+                break
+        return out
+    whole = open_mixture(mixed_sets, seed=4, stop="first")
+    loader = FastLoader(whole, 8, num_threads=2)
+    ref = served(loader, 1000) + served(loader, 1000)  # two epochs, uninterrupted
+    cut = FastLoader(open_mixture(mixed_sets, seed=4, stop="first"), 8, num_threads=2)
+    first = served(cut, 5)
+    state = json.loads(json.dumps(cut.state_dict()))  # what a checkpoint holds
+    assert state["position"] == 40 and state["sources"]["a"]["epoch"] == 0
+    again = FastLoader(open_mixture(mixed_sets, seed=4, stop="first"), 8, num_threads=1)
+    again.load_state_dict(state)
+    rest = served(again, 1000) + served(again, 1000)  # the rest of epoch 0, then epoch 1
+    assert len(first + rest) == len(ref)
+    assert all(np.array_equal(a, b) for a, b in zip(first + rest, ref))
+
+
+def test_an_earlier_position_reported_by_a_prefetcher_resumes_exactly(mixed_sets):
+    # CUDAPrefetcher reports the first batch it fetched but did not hand out, which may lie in the epoch before
+    # the loader's; or, every batch handed out, (that epoch, num_samples): both must resume exactly
+    s = MixtureSampler(open_mixture(mixed_sets, seed=7, stop="all"), 4, rank=0, world_size=2)
+    epoch0 = list(s)
+    state = s.state_dict()  # the loader is in epoch 1 already
+    epoch1 = list(s.batches())
+    for position, want in ((s.batch_position(len(epoch0) - 2), epoch0[-2:] + epoch1), (state["num_samples"], epoch1)):
+        t = MixtureSampler(open_mixture(mixed_sets, seed=7, stop="all"), 4, rank=0, world_size=2)
+        t.load_state_dict({**state, "epoch": 0, "position": position})
+        t.set_epoch(0)  # what the Trainer does at a resume
+        got = list(t.batches())
+        t.end_epoch()
+        got += list(t.batches())
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("how", ["set_weights", "new_mixture"])
+def test_new_weights_at_resume_repeat_and_skip_nothing(mixed_sets, how):
+    old = open_mixture(mixed_sets, seed=9, epoch_size=20_000)
+    s = MixtureSampler(old, 8, rank=0, world_size=1)
+    before = np.concatenate([b for _, b in zip(range(700), s.batches())])
+    s.advance(700)
+    state = json.loads(json.dumps(s.state_dict()))
+    new_w = {"a": 0.1, "b": 0.1, "c": 0.8}
+    if how == "set_weights":
+        mix = open_mixture(mixed_sets, seed=9, epoch_size=20_000)
+        t = MixtureSampler(mix, 8, rank=0, world_size=1)
+        t.load_state_dict(state)
+        mix.set_weights(new_w)
+    else:
+        mix = open_mixture(mixed_sets, seed=9, epoch_size=20_000, weights=new_w)
+        t = MixtureSampler(mix, 8, rank=0, world_size=1)
+        t.load_state_dict(state)
+    after = np.concatenate([b for _ in range(3) for b in t])
+    unchanged = stream(open_mixture(mixed_sets, seed=9, epoch_size=20_000), 400_000)
+    for k, n in enumerate(SIZES.values()):  # each source goes on with its own order: a prefix of the same sequence
+        seq = np.concatenate([per_source(before, k), per_source(after, k)])
+        ref = per_source(unchanged, k)
+        assert len(seq) <= len(ref) and np.array_equal(seq, ref[:len(seq)])
+        assert_epochs_exact(seq, n)
+    assert_windows(after, list(new_w.values()))  # the new proportions from the resumed position on
+    assert t.state_dict()["weights"] == pytest.approx(new_w)
+
+
+def test_set_weights_between_iterations_applies_from_the_next_one(mixed_sets):
+    mix = open_mixture(mixed_sets, seed=9, epoch_size=30_000)
+    s = MixtureSampler(mix, 8, rank=0, world_size=1)
+    running = s.batches()
+    head = [next(running) for _ in range(100)]
+    s.advance(100)
+    mix.set_weights({"a": 0.0, "b": 0.5, "c": 0.5})  # the loop that runs keeps its weights...
+    assert np.array_equal(next(running), stream(open_mixture(mixed_sets, seed=9, epoch_size=30_000), 808)[800:])
+    rest = list(s.batches())  # ...the next one takes the new ones, from where the first one stopped
+    assert not any((b >> SHIFT == 0).any() for b in rest) and len(rest) == 3750 - 100
+    unchanged = stream(open_mixture(mixed_sets, seed=9, epoch_size=30_000), 100_000)
+    for k, n in enumerate(SIZES.values()):
+        seq = per_source(np.concatenate(head + rest), k)
+        assert np.array_equal(seq, per_source(unchanged, k)[:len(seq)])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_trainer_resumes_a_mixture_with_new_weights(mixed_sets, tmp_path, device):
+    # on a GPU, CUDAPrefetcher holds batches fetched ahead: the state it saves names the first one not trained
+    from fastdata.gpu.prefetch import CUDAPrefetcher
+    from fastdata.train.config import TrainConfig
+    from fastdata.train.trainer import Trainer
+
+    def run(weights, steps, resume):
+        loader = CUDAPrefetcher(FastLoader(open_mixture(mixed_sets, seed=3, weights=weights), 8, num_threads=1),
+                                device=device)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 3))  # 8x8 images
+        t = Trainer(model, loader, config=TrainConfig(
+            device=device, max_steps=steps, progress=False, checkpoint_dir=str(tmp_path / "ck"), resume=resume,
+            log_every=10))
+        t.fit()
+        return t, loader.state_dict()
+    _, saved = run(WEIGHTS, 30, False)  # an epoch is 25 batches: the cut is in the second epoch
+    assert saved["epoch"] == 1 and saved["position"] == 40
+    new_w = {"a": 0.2, "b": 0.2, "c": 0.6}
+    t, final = run(new_w, 40, True)
+    assert t.step == 40
+    logged = [r["sources"] for r in t.history if r.get("event") == "train"]  # per log interval, per source
+    assert logged and all(set(r) == set(WEIGHTS) and sum(v["share"] for v in r.values()) == pytest.approx(1)
+                          and all(v["samples_per_s"] >= 0 for v in r.values()) for r in logged)
+    want = MixtureSampler(open_mixture(mixed_sets, seed=3, weights=new_w), 8, rank=0, world_size=1)
+    want.load_state_dict(saved)
+    want.advance(10)
+    assert final["sources"] == want.state_dict()["sources"] and final["weights"] == pytest.approx(new_w)
+
+
+def test_fastdata_train_mix_logs_each_source_and_resumes_with_new_weights(tmp_path):
+    from test_text import make_docs, preprocess, write_jsonl
+
+    from fastdata.cli.main import main
+    from fastdata.datasets.tokens import TokenDataset
+
+    for name, docs in (("web", 300), ("code", 120)):
+        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", make_docs(docs)), tmp_path / name, "--val-fraction", "0")
+    web, code = tmp_path / "web", tmp_path / "code"
+    common = ["train", "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--checkpoint", str(tmp_path / "ck"),
+              "--log-every", "2", "--log-file", str(tmp_path / "log.jsonl"), "--quiet"]
+    assert main([*common, "--mix", f"web={web}:0.75", "--mix", f"code={code}:0.25", "--max-steps", "4"]) == 0
+    assert main([*common, "--mix", f"web={web}:0.25", "--mix", f"code={code}:0.75", "--max-steps", "8",
+                 "--resume"]) == 0
+    logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    shares = [r["sources"] for r in logged if "sources" in r]
+    assert len(shares) == 4 and all(set(r) == {"web", "code"} for r in shares)
+    loader_state = torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=True)["loader"]
+
+    def sampler(weights):
+        return MixtureSampler(Mixture({"web": TokenDataset(web, seq_len=16), "code": TokenDataset(code, seq_len=16)},
+                                      weights), 8, rank=0, world_size=1)
+    first = sampler({"web": 0.75, "code": 0.25})
+    first.advance(4)
+    then = sampler({"web": 0.25, "code": 0.75})
+    then.load_state_dict(first.state_dict())
+    then.advance(4)  # 4 steps under the first weights, 4 under the new ones, every source on its cursor
+    assert loader_state["sources"] == then.state_dict()["sources"]
+    assert loader_state["weights"] == pytest.approx({"web": 0.25, "code": 0.75})
+    assert main(["train", "--mix", f"web={web}:0.5", str(web)]) != 0  # DATA and --mix: one or the other
+
+
+def test_stop_first_and_all_end_the_epoch_with_the_sources(mixed_sets):
+    for stop in ("first", "all"):
+        s = MixtureSampler(open_mixture(mixed_sets, seed=1, stop=stop), 4, rank=0, world_size=1)
+        for epoch in range(3):
+            start = s.seg.cursors.copy()
+            codes = np.concatenate(list(s))
+            done = [np.count_nonzero((codes >> SHIFT) == k) + start[k] >= (start[k] // n + 1) * n
+                    for k, n in enumerate(SIZES.values())]
+            if stop == "first":  # one source ran out (the epoch rounded up to a step of 4): the others had samples left
+                assert sum(done) == 1, (epoch, done)
+            else:
+                assert all(done), (epoch, done)
+
+
+def test_mix_batch_serves_each_batch_from_one_source_and_says_which(mixed_sets):
+    mix = open_mixture(mixed_sets, seed=3, mix="batch", epoch_size=4000)
+    sources = []
+    for x, y, source in FastLoader(mix, 8, num_threads=2):
+        tag, _ = tags_ids(x)
+        assert len(set(tag.tolist())) == 1 and torch.equal(source, torch.from_numpy(tag))
+        sources.append(int(tag[0]))
+    x, y, source, release = next(FastLoader(mix, 8, num_threads=1).iter_manual())  # the same, held until released
+    assert torch.equal(source, torch.full((8,), int(tags_ids(x)[0][0])))
+    release()
+    counts = Counter(sources)
+    assert len(sources) == 500 and all(abs(counts[k] / 500 - w) <= 0.01 for k, w in enumerate(WEIGHTS.values()))
+    s = MixtureSampler(open_mixture(mixed_sets, seed=3, mix="batch", epoch_size=40_000), 8, rank=0, world_size=1)
+    codes = np.concatenate(list(s))
+    for k, n in enumerate(SIZES.values()):
+        assert_epochs_exact(per_source(codes, k), n)
+
+
+@pytest.mark.parametrize("mix", ["sample", "batch"])
+def test_sources_with_fields_give_dict_batches_with_their_source(indexed_fields, mix):
+    from test_fields import check_batch
+
+    from fastdata.datasets.images import FastDataset
+
+    mixture = Mixture({"x": FastDataset(indexed_fields), "y": FastDataset(indexed_fields, storage="ram")},
+                      weights=[0.6, 0.4], seed=1, mix=mix)
+    ref = stream(mixture, 16 if mix == "sample" else 4, batch=4)  # 16 served indices either way
+    batches = list(FastLoader(mixture, 4, num_threads=2, copy=True))
+    assert len(batches) == 15  # 60 positions
+    for t, b in enumerate(batches[:4]):
+        want = np.sort(ref[t * 4:(t + 1) * 4])  # (with mix="batch" a position is a whole batch of 4)
+        assert np.array_equal(check_batch(b), want & MASK)  # every field's rows (and offsets) of the same sample
+        assert torch.equal(b["source"], torch.from_numpy(want >> SHIFT))
+        if mix == "batch":
+            assert len(set(b["source"].tolist())) == 1
+
+
+def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
+    from test_text import make_docs, preprocess, write_jsonl
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.tokens import TokenDataset
+
+    sets = {}
+    for name, docs in (("web", 300), ("code", 120)):
+        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", make_docs(docs)), tmp_path / name, "--val-fraction", "0",
+                   "--shard-tokens", "1000")
+        sets[name] = TokenDataset(tmp_path / name, seq_len=16)
+    from fastdata.datasets.mix_config import open_mixture as open_spec, parse_mix
+
+    mix = open_spec(parse_mix([f"web={tmp_path / 'web'}:0.75", f"code={tmp_path / 'code'}:0.25"]), seq_len=16)
+    assert isinstance(mix.sources[0], TokenDataset) and mix.weights == {"web": 0.75, "code": 0.25}
+    ref = stream(mix, 64)
+    for t, (x, y) in enumerate(FastLoader(mix, 16, num_threads=2)):
+        want = np.sort(ref[t * 16:(t + 1) * 16])
+        assert x.dtype == sets["web"].sample_dtype and torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+        for k, name in enumerate(sets):
+            rows = np.flatnonzero(want >> SHIFT == k)
+            wx, wy = sets[name].get_batch(want[rows] & MASK)
+            assert torch.equal(x[rows], wx) and torch.equal(y[rows], wy)
+        if t == 3:
+            break
+    with pytest.raises(ConfigError, match="'web' and 'pics' differ"):
+        Mixture({"web": sets["web"], "pics": FastDataset(mixed_sets["a"])})
+
+
+def test_mix_options_and_files(tmp_path):
+    from fastdata.datasets.mix_config import parse_mix
+
+    spec = parse_mix(["web=s3://b/web:0.7", "data/books:0.3", "code=/d/code"])
+    assert spec.sources == {"web": ("s3://b/web", 0.7), "books": ("data/books", 0.3), "code": ("/d/code", 1.0)}
+    (tmp_path / "m.toml").write_text('stop = "all"\n[sources.web]\npath = "s3://b/web"\nweight = 0.7\n'
+                                     '[sources.books]\npath = "data/books"\nweight = 0.3\n')
+    (tmp_path / "m.json").write_text(json.dumps({"sources": {"web": {"path": "s3://b/web", "weight": 0.7},
+                                                             "books": {"path": "data/books", "weight": 0.3}},
+                                                 "stop": "all"}))
+    for name in ("m.toml", "m.json"):
+        got = parse_mix([str(tmp_path / name)])
+        assert got.sources == {"web": ("s3://b/web", 0.7), "books": ("data/books", 0.3)} and got.stop == "all"
+    (tmp_path / "bad.json").write_text(json.dumps({"sources": {"web": {"path": "x"}}, "weights": {}}))
+    for values, needle in ((["a=x:1", "a=y:2"], "source 'a' twice"), (["w=p:abc"], "'abc'"), (["w=p:-1"], "'-1'"),
+                           ([str(tmp_path / "bad.json")], "unknown key 'weights'")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_mix(values)
+
+
+class Sized:
+    """A source of ``n`` samples that stores none: for the order alone (the loader never reads it here)."""
+    sample_shape, sample_dtype = (2,), torch.uint8
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get_batch(self, idx, out=None):
+        raise AssertionError("not read here")
+
+
+def served_in_order(samplers: list[MixtureSampler], steps: int | None) -> tuple[np.ndarray, int]:
+    """The served indices of every rank in global position order, for ``steps`` steps (None: the epoch's rest),
+    and the steps taken; checks that every rank serves the same number of batches."""
+    s0 = samplers[0]
+    world, per, start = s0.world_size, s0.per, s0.start
+    got = [list(s.batches())[:steps] for s in samplers]
+    assert len({len(g) for g in got}) == 1
+    n = len(got[0])
+    out = np.full((n * per * world, s0.unit), -1, dtype=np.int64)
+    for r, batches in enumerate(got):
+        for t, b in enumerate(batches):
+            units = b.reshape(-1, s0.unit)
+            out[(t * per + np.arange(len(units))) * world + r] = units
+    for s in samplers:
+        s.advance(n)
+    assert start == s0.start
+    return out[(out >= 0).all(axis=1)].ravel(), n
+
+
+def test_any_weights_worlds_resumes_and_reweights_keep_each_source_in_its_order():
+    from fastdata.loading.order import EpochOrder
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        k = int(rng.integers(2, 5))
+        sizes = rng.integers(5, 60, k).tolist()
+        weights = [float(w) * (rng.random() > 0.2) for w in rng.random(k)]
+        weights[0] += 0.1
+        opts = {"mix": ["sample", "batch"][trial % 2], "stop": [None, "first", "all"][trial % 3],
+                "epoch_size": 150 if trial % 3 == 0 else None, "seed": trial}
+        batch = int(rng.integers(1, 6))
+        mix = Mixture([Sized(n) for n in sizes], weights=weights, **opts)
+        w1, w2 = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        ranks = [MixtureSampler(mix, batch, rank=r, world_size=w1) for r in range(w1)]
+        head, _ = served_in_order(ranks, int(rng.integers(0, 8)))
+        state = json.loads(json.dumps(ranks[0].state_dict()))
+        assert all(s.state_dict() == state for s in ranks)  # the same on every rank
+        if trial % 4 == 1:
+            mix.set_weights([float(w) + 0.05 for w in rng.random(k)])
+        ranks = [MixtureSampler(mix, batch, rank=r, world_size=w2) for r in range(w2)]
+        for s in ranks:
+            s.load_state_dict(state)
+        parts = [head]
+        for _ in range(3):  # the rest of this epoch, then two more
+            part, _ = served_in_order(ranks, None)
+            parts.append(part)
+            for s in ranks:
+                s.end_epoch()
+        codes = np.concatenate(parts)
+        for j, n in enumerate(sizes):  # each source: its own orders, epoch after epoch, nothing left out
+            seq = per_source(codes, j)
+            ref = np.concatenate([EpochOrder(n, mix.source_seed(j), e).at(np.arange(n)) for e in
+                                  range(len(seq) // n + 1)])
+            assert np.array_equal(seq, ref[:len(seq)]), (trial, j)
+
+
+def test_sources_of_two_billion_samples_cost_a_window(mixed_sets):
+    class Big:
+        """A source of 2e9 samples in shards of 65,536 that stores no data (the order needs only its shards)."""
+        sample_shape, sample_dtype = (8, 8, 3), torch.uint8
+
+        def __len__(self):
+            return 2 * 10**9
+
+        def shard_bounds(self):
+            return np.r_[np.arange(0, len(self), 1 << 16, dtype=np.int64), len(self)]
+
+        def get_batch(self, idx, out=None):
+            raise AssertionError("not read here")
+    mix = Mixture({"x": Big(), "y": Big(), "z": Big()}, weights=[0.5, 0.3, 0.2], shuffle_window=4, seed=0)
+    tracemalloc.start()
+    s = MixtureSampler(mix, 256, rank=1, world_size=8)
+    first = next(iter(s.batches()))
+    s.advance(1)
+    state = s.state_dict()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # a window of 4 shards is 2 MB of int64 per source and epoch; the shard deal 0.25 MB: far from 2e9 * 8 bytes
+    assert peak < 64 * 2**20, peak
+    assert len(first) == 256 and (first & MASK).max() < 2 * 10**9 and len(set(first.tolist())) == 256
+    t = MixtureSampler(mix, 256, rank=0, world_size=3)
+    t.load_state_dict(state)
+    assert t.position() == 8 * 256 and t.state_dict()["sources"]["x"]["epoch"] == 0
+
+
+# -- bad input ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weights, needle", [
+    ({"a": -1, "b": 1, "c": 1}, "'a'"), ({"a": float("nan"), "b": 1, "c": 1}, "'a'"),
+    ({"a": 0, "b": 0, "c": 0}, "not all be zero"), ({"a": 1, "b": 1, "c": 1, "web": 1}, "'web'"),
+    ({"a": 1, "b": 1}, "'c'"), ([1, 2], "3 sources")])
+def test_bad_weights_are_refused_by_name(mixed_sets, weights, needle):
+    with pytest.raises(ConfigError, match=needle):
+        open_mixture(mixed_sets, weights=weights)
+    mix = open_mixture(mixed_sets)
+    with pytest.raises(ConfigError, match=needle):
+        mix.set_weights(weights)
+
+
+def test_sources_that_disagree_or_are_empty_are_refused_by_name(mixed_sets, tmp_path):
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+
+    csv = tagged_source(tmp_path / "src", 5, 0)
+    assert main(["preprocess", "images", str(csv), str(tmp_path / "big"), "--size", "10", "--quiet",
+                 "--workers", "1"]) == 0
+    with pytest.raises(ConfigError, match="'a' and 'big' differ"):
+        Mixture({"a": FastDataset(mixed_sets["a"]), "big": FastDataset(tmp_path / "big")})
+
+    class Empty:
+        sample_shape, sample_dtype = (8, 8, 3), torch.uint8
+
+        def __len__(self):
+            return 0
+
+        def get_batch(self, idx, out=None):
+            raise AssertionError
+    with pytest.raises(ConfigError, match="source 'none' is empty"):
+        Mixture({"a": FastDataset(mixed_sets["a"]), "none": Empty()})
+    with pytest.raises(ConfigError, match="seed, shuffle and shuffle_window to Mixture"):
+        FastLoader(open_mixture(mixed_sets), 4, shuffle_window=2)
+
+
+def test_a_state_from_another_mixture_is_refused_by_name(mixed_sets):
+    s = MixtureSampler(open_mixture(mixed_sets, seed=1), 4, rank=0, world_size=1)
+    state = s.state_dict()
+    with pytest.raises(ConfigError, match="seed=1"):
+        MixtureSampler(open_mixture(mixed_sets, seed=2), 4, rank=0, world_size=1).load_state_dict(state)
+    two = {k: mixed_sets[k] for k in ("a", "b")}
+    with pytest.raises(ConfigError, match="source 'c', which this mixture lacks"):
+        MixtureSampler(open_mixture(two, seed=1, weights=None), 4, rank=0, world_size=1).load_state_dict(state)
+    small = MixtureSampler(open_mixture(two, seed=1, weights=None), 4, rank=0, world_size=1)
+    head = np.concatenate([b for _, b in zip(range(3), small.batches())])
+    small.advance(3)
+    grown_state = small.state_dict()
+    with pytest.raises(ConfigError, match="source 'c' is not in the saved state: pass allow_new_sources"):
+        MixtureSampler(open_mixture(mixed_sets, seed=1), 4, rank=0, world_size=1).load_state_dict(grown_state)
+    grown = MixtureSampler(open_mixture(mixed_sets, seed=1, allow_new_sources=True), 4, rank=0, world_size=1)
+    grown.load_state_dict(grown_state)
+    assert grown.state_dict()["sources"]["c"] == {"epoch": 0, "position": 0} and grown.position() == 12
+    rest = np.concatenate(list(grown.batches()))
+    ref = stream(open_mixture(mixed_sets, seed=1), 3000)  # each source's order is its own, whatever the others
+    for k in range(3):  # a and b go on where they were, c starts at its epoch 0: nothing repeated or skipped
+        seq = np.concatenate([per_source(head, k), per_source(rest, k)])
+        assert len(seq) and np.array_equal(seq, per_source(ref, k)[:len(seq)])
+    from fastdata.loading.sampler import DistributedBatchSampler
+
+    with pytest.raises(ConfigError, match="not a Mixture's"):
+        s.load_state_dict(DistributedBatchSampler(10, 2, rank=0, world_size=1).state_dict())
+
+
+# -- streamed sources ------------------------------------------------------------------------------------
+def test_a_streamed_source_from_loopback_s3_gives_the_local_batches(mixed_sets, tmp_path, s3):
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage.remote import push
+
+    url = s3("mixture") + "/b"
+    push(mixed_sets["b"], url)
+    local = open_mixture(mixed_sets, seed=6)
+    share = cache_shares("1MB", WEIGHTS)  # one node budget split by weight: b may keep 300 kB
+    assert share == {"a": 500_000, "b": 300_000, "c": 200_000}
+    remote = Mixture({"a": FastDataset(mixed_sets["a"]),
+                      "b": FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=share["b"]),
+                      "c": FastDataset(mixed_sets["c"])}, weights=WEIGHTS, seed=6)
+    want = [(x.clone(), y.clone()) for x, y in FastLoader(local, 8, num_threads=2)]
+    got = [(x.clone(), y.clone()) for x, y in FastLoader(remote, 8, num_threads=2)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for p, q in zip(got, want) for a, b in zip(p, q))
+    report = remote.download_report()
+    assert report["a"] == report["c"] == []  # local: nothing downloaded
+    assert report["b"][0]["downloads"] == 3 and report["b"][0]["repeats"] == 0  # its 3 shards, once each
+
+
+# -- real torchrun on gloo ----------------------------------------------------------------------------------
+def run_ranks(nproc: int, out: Path, cfg: dict) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cfg.json").write_text(json.dumps(cfg))
+    r = torchrun(nproc, str(WORKER), str(out / "cfg.json"), str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(nproc)]
+
+
+def steps(ranks: list[dict]) -> list[Counter]:
+    """Each step's rows over all ranks, as (tag, id) counts."""
+    assert len({len(r["batches"]) for r in ranks}) == 1  # equal batch counts on every rank
+    return [Counter(tuple(row) for r in ranks for row in r["batches"][t]) for t in range(len(ranks[0]["batches"]))]
+
+
+def rows(codes: np.ndarray) -> Counter:
+    return Counter(zip((codes >> SHIFT).tolist(), (codes & MASK).tolist()))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_ranks_share_the_global_stream_exactly_once(mixed_sets, tmp_path, nproc):
+    cfg = {"sets": {k: str(v) for k, v in mixed_sets.items()}, "weights": WEIGHTS, "seed": 8, "batch": 4,
+           "stop_after": -1, "state": None}
+    got = steps(run_ranks(nproc, tmp_path / "run", cfg))
+    step = 4 * nproc
+    assert len(got) == -(-197 // step)  # the epoch's 197 positions in whole steps
+    ref = stream(open_mixture(mixed_sets, seed=8), len(got) * step)
+    for t, counts in enumerate(got):  # step t of the ranks is the stream's positions [t * step, (t + 1) * step)
+        assert counts == rows(ref[t * step:(t + 1) * step])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_from_two_ranks_on_three_with_new_weights(mixed_sets, tmp_path):
+    cfg = {"sets": {k: str(v) for k, v in mixed_sets.items()}, "weights": WEIGHTS, "seed": 8, "batch": 4,
+           "stop_after": 5, "state": None}
+    first = run_ranks(2, tmp_path / "a", cfg)
+    state = first[0]["state"]
+    assert first[1]["state"] == state and state["position"] == 40
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    new_w = {"a": 0.2, "b": 0.2, "c": 0.6}
+    second = run_ranks(3, tmp_path / "b", {**cfg, "weights": new_w, "stop_after": -1,
+                                           "state": str(tmp_path / "state.json")})
+    before = stream(open_mixture(mixed_sets, seed=8), 40)
+    after = stream(open_mixture(mixed_sets, seed=8, weights=new_w), 12 * len(second[0]["batches"]), state=state)
+    for t, counts in enumerate(steps(first)):
+        assert counts == rows(before[t * 8:(t + 1) * 8])
+    for t, counts in enumerate(steps(second)):  # the stream from the saved position on, under the new weights
+        assert counts == rows(after[t * 12:(t + 1) * 12])
+    mix = open_mixture(mixed_sets, seed=8, weights=new_w)
+    for r in second:  # each rank's batches are those of an uninterrupted 3-rank run from that position
+        s = MixtureSampler(mix, 4, rank=r["rank"], world_size=3)
+        s.load_state_dict(state)
+        want = [np.sort(b) for b in s.batches()]
+        assert [[list(p) for p in zip((w >> SHIFT).tolist(), (w & MASK).tolist())] for w in want] == r["batches"]
+    ref = stream(open_mixture(mixed_sets, seed=8), 10_000)
+    for k, n in enumerate(SIZES.values()):  # no source repeats or skips a sample across the cut
+        seq = np.concatenate([per_source(before, k), per_source(after, k)])
+        assert np.array_equal(seq, per_source(ref, k)[:len(seq)])
