@@ -39,13 +39,13 @@ from typing import Any, Iterator
 import torch
 
 import fastdata
-from fastdata.train.models import create_model
-from fastdata.datasets.images import FastDataset
-from fastdata.loading.loader import FastLoader
-from fastdata.gpu.prefetch import CUDAPrefetcher
-from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.cli.synthetic import make_image_folder
+from fastdata.datasets.images import FastDataset
 from fastdata.distributed import resolve_device
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.loading.loader import FastLoader
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
+from fastdata.train.models import create_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import PillowFolder, rate  # noqa: E402  (shared baseline and timing)
@@ -249,9 +249,9 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     then ResNet-50 (bf16, channels_last, batch ``--train-batch``) fed by each through the Trainer (its own
     ``data_stall_pct``), beside the same model on synthetic data on ``device`` (the ceiling); then GPU memory
     and host RSS over ``--memory-iters`` DALI batches."""
-    from fastdata.dali import DALILoader
-
     from bench_gpu import ceiling as model_ceiling, memory_flat, replicated, train_steady
+
+    from fastdata.dali import DALILoader
 
     torch.backends.cudnn.benchmark = True
     b, size, cores = args.train_batch, args.size, os.cpu_count() or 1

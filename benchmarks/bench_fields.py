@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 from fastdata import FastDataset, FastLoader
-from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.cli.timing import machine, timed_rate
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 
 SIZE, BATCH = 256, 64
 

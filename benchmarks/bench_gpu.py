@@ -32,17 +32,17 @@ from typing import Any, Callable
 
 import torch
 
-from fastdata.datasets.images import FastDataset
-from fastdata.errors import FastdataError
-from fastdata.imaging.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
-from fastdata.loading.loader import FastLoader
-from fastdata.train.models import create_model
-from fastdata.gpu.prefetch import CUDAPrefetcher
-from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.cli.synthetic import make_image_folder
 from fastdata.cli.timing import ModelStep, machine, sync, timed_rate
-from fastdata.train.trainer import Trainer
+from fastdata.datasets.images import FastDataset
+from fastdata.errors import FastdataError
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.imaging.transforms import Compose, Normalize, RandomHorizontalFlip, RandomResizedCrop
+from fastdata.loading.loader import FastLoader
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.train.config import TrainConfig
+from fastdata.train.models import create_model
+from fastdata.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train import PlainFolder  # noqa: E402  (the plain recipe: Pillow, float tensors, normalise)

@@ -53,14 +53,15 @@ import torch
 from PIL import Image
 
 import fastdata
-from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read, turbojpeg as turbo, turbojpeg_loop as turbo_loop
+from fastdata.cli.synthetic import make_image_folder
+from fastdata.cli.timing import timed_rate
 from fastdata.datasets.images import FastDataset
 from fastdata.formats.lmdb_store import open_lmdb
 from fastdata.formats.manifest import load_manifest
+from fastdata.imaging import (decode_batch as jpeg_read, decode_file as decode, turbojpeg as turbo,
+                              turbojpeg_loop as turbo_loop)
 from fastdata.loading.loader import FastLoader
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.cli.synthetic import make_image_folder
-from fastdata.cli.timing import timed_rate
 
 BATCH, SIZE, STORED, QUALITY = 256, 224, 256, 90
 Rate = Callable[[int], float]  # threads -> images/s

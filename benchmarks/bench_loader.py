@@ -28,9 +28,9 @@ from PIL import Image
 
 import fastdata
 from fastdata import FastDataset, FastLoader
+from fastdata.cli.synthetic import make_image_folder
 from fastdata.cli.timing import timed_rate
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.cli.synthetic import make_image_folder
 
 SIZE, BATCH = 224, 256
 

@@ -35,8 +35,8 @@ from fastdata import FastDataset, FastLoader
 from fastdata.cli.synthetic import make_image_folder
 from fastdata.cli.timing import machine, timed_rate
 from fastdata.datasets.mixture import SHIFT, Mixture
-from fastdata.loading.mixing import MixtureSampler
 from fastdata.datasets.tokens import TokenDataset
+from fastdata.loading.mixing import MixtureSampler
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 

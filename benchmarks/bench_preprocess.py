@@ -24,8 +24,8 @@ import numpy as np
 from PIL import Image
 
 import fastdata
-from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.cli.synthetic import make_image_folder
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 
 
 def naive_loop(src: Path, out: Path, size: int) -> int:

@@ -46,8 +46,8 @@ import fastdata
 from fastdata._io import write_bytes_atomic
 from fastdata.datasets.images import FastDataset
 from fastdata.formats.base import npy_bytes
-from fastdata.loading.loader import FastLoader
 from fastdata.formats.manifest import new_manifest, write_manifest
+from fastdata.loading.loader import FastLoader
 from fastdata.storage.remote import push
 
 

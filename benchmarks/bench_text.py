@@ -26,9 +26,9 @@ import torch
 
 import fastdata
 from fastdata.cli.timing import timed_rate
-from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
-from fastdata.formats.tokenizer import load_tokenizer
 from fastdata.datasets.tokens import TokenDataset
+from fastdata.formats.tokenizer import load_tokenizer
+from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 
 
 def corpus(path: Path, mb: int) -> list[str]:

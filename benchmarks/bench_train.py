@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 import fastdata
-from fastdata.train.models import create_model
-from fastdata.train.assemble import ImageRun, build
-from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.cli.synthetic import make_image_folder
 from fastdata.distributed import init_distributed
-from fastdata.train.trainer import Trainer
+from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
+from fastdata.train.assemble import ImageRun, build
 from fastdata.train.config import TrainConfig
+from fastdata.train.models import create_model
+from fastdata.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_loader import PillowFolder  # noqa: E402  (the per-sample baseline every benchmark uses)

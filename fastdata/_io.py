@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,11 +14,79 @@ from typing import Any, Callable, Iterator, Optional
 
 from .errors import DiskFullError, FormatError, OutputError
 
-HASH_NAME = "sha256"  # ~1.8 GB/s here with SHA-NI; blake2b measured at 0.9 GB/s on the same machine
+HASH_NAME = "sha256"  # CPUs with SHA extensions hash it faster than blake2b (benchmarks/RESULTS.md)
 _COPY_BLOCK = 16 << 20
 _HASH_BLOCK = 4 << 20
 _OVERLAP_BYTES = 1 << 20  # writes at least this big are hashed on a helper thread while they are written
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+# NOTE [scrub]: every URL or exception text that reaches a message, a log, a cache's .source.json, `cache list`
+# or `inspect` goes through scrub(), the one place that knows the forms a secret takes in them.
+_SECRET_NAME = (r"(?:[A-Za-z0-9]+[_-])*(?:secret|password|passwd|secret[_-]access[_-]key|session[_-]token|"
+                r"security[_-]token|access[_-]token|refresh[_-]token|sas[_-]token|account[_-]?key|api[_-]?key|"
+                r"private[_-]key|client[_-]secret)|X-Amz-[A-Za-z-]+|Signature|SharedAccessSignature|"
+                r"AWSAccessKeyId|Authorization")
+_SECRETS = (  # (pattern, replacement), applied in order
+    (re.compile(r"\b(Bearer|Basic)\s+[^\s'\",;&]+", re.I), r"\1 ***"),
+    (re.compile(rf"(?<![A-Za-z0-9_-])((?:{_SECRET_NAME})[\"']?\s*[:=]\s*[\"']?)"  # name: value, name='value'
+                r"(?!(?:Bearer|Basic)\s)[^&\s'\";]+", re.I), r"\1***"),
+    (re.compile(r"(?<![A-Za-z0-9_-])((?:key|token|sig|pwd|credentials?)=)[^&\s'\";]+", re.I), r"\1***"),  # query forms
+    (re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s@:'\"]*):[^/\s'\"]+@"), r"\1:***@"),  # user:secret@host
+    (re.compile(r"\b((?:https?|ftp|wss?)://)[^/\s@:'\"]+@"), r"\1***@"),  # a token as the user name
+)
+
+
+def scrub(text: str) -> str:
+    """``text`` without the secrets URLs and exception texts carry, safe for messages and logs: the password
+    of ``user:secret@host`` (and an http user name, often a token), signed-URL and credential query values
+    (``X-Amz-Signature=``, ``sig=``, ``token=``, ``password=``), ``Authorization``/``Bearer`` values, and
+    ``aws_secret_access_key=``/``'secret': ...`` assignments; each value becomes ``***``."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+# NOTE [locks across fork]: an ``flock`` belongs to an open file, which a forked child (a DataLoader worker, a
+# fork-started pool) shares with its parent, so the child would keep every lock the parent held at the fork
+# until it exits: the parent could not evict a shard it no longer reads, and a download copied mid-flight
+# would never let its waiters go. Every forked child points the descriptors in LOCKS_HELD at /dev/null: the
+# locks stay with the process that took them, and the numbers stay valid, so whatever owns one closes it as
+# usual (never another file that took its number).
+LOCKS_HELD: set[int] = set()
+
+
+def _let_go_in_child() -> None:
+    if not LOCKS_HELD:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in list(LOCKS_HELD):
+        try:
+            os.dup2(null, fd, inheritable=False)
+        except OSError:  # closed meanwhile by a thread that did not survive the fork: nothing to let go
+            pass
+    os.close(null)
+    LOCKS_HELD.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
+
+
+class LockFile(io.FileIO):
+    """An open lock file for ``fcntl.flock`` whose lock no forked child keeps (NOTE [locks across fork]).
+
+    Args:
+        fd: A descriptor opened for reading and writing; the object owns it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd, "r+")
+        LOCKS_HELD.add(fd)
+
+    def close(self) -> None:
+        if not self.closed:
+            LOCKS_HELD.discard(self.fileno())
+        super().close()
 
 
 def new_hash() -> "hashlib._Hash":
@@ -27,8 +97,8 @@ def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> s
     """Hex digest of a file; ``on_block(n)`` is called per block read (progress bars).
 
     Two reused 4 MiB buffers: while a helper thread hashes one, the next block is read into the other
-    (both release the GIL), so a file in the page cache hashes at 0.92-0.95x sha256's own speed; a fresh
-    16 MiB ``read()`` per block (new memory to fault in, no overlap) ran at 0.8x (bench_preprocess).
+    (both release the GIL), so a file in the page cache hashes at close to sha256's own speed; a fresh
+    ``read()`` per block (new memory to fault in, no overlap) is slower (bench_preprocess).
     """
     h = new_hash()
     with open(path, "rb", buffering=0) as f:
@@ -77,15 +147,28 @@ def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputE
     return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 
+def open_new(path: Path, mode: int = 0o644) -> Any:
+    """A new file opened for binary writing with exactly ``mode`` (not the umask's), refusing one that exists
+    or a symbolic link at ``path`` (a name another user could have planted)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "wb")
+
+
 class HashingWriter:
     """Writes a file under ``<name>.tmp``, hashing the bytes as they go; ``commit()`` renames it.
 
     Until ``commit()`` nothing carries the final name, so an interrupted run leaves only ``.tmp`` files.
     Large writes are hashed on a helper thread while the write runs (both release the GIL): the
-    preprocessing parent's time per shard is then the longer of the two, not their sum.
+    preprocessing parent's time per shard is then the longer of the two, not their sum. ``mode``: the new
+    file's exact permissions (created exclusively, never through a link); None: the umask's.
     """
 
-    def __init__(self, path: Path, advice: str = RESUME_ADVICE) -> None:
+    def __init__(self, path: Path, advice: str = RESUME_ADVICE, mode: Optional[int] = None) -> None:
         self.path = Path(path)
         self.advice = advice  # what a full disk's error tells the user to do
         self.tmp = self.path.with_name(self.path.name + ".tmp")
@@ -93,7 +176,11 @@ class HashingWriter:
         self.size = 0
         self._hasher: Optional[ThreadPoolExecutor] = None
         try:
-            self._f = open(self.tmp, "wb")
+            if mode is None:
+                self._f = open(self.tmp, "wb")
+            else:  # exactly this mode: a leftover .tmp (a killed writer's) goes first
+                self.tmp.unlink(missing_ok=True)
+                self._f = open_new(self.tmp, mode)
         except OSError as exc:
             raise disk_error(exc, self.tmp, self.advice) from exc
 
@@ -143,8 +230,10 @@ class HashingWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_bytes_atomic(path: Path, data: bytes, advice: str = RESUME_ADVICE) -> dict[str, Any]:
-    w = HashingWriter(path, advice)
+def write_bytes_atomic(path: Path, data: bytes, advice: str = RESUME_ADVICE,
+                       mode: Optional[int] = None) -> dict[str, Any]:
+    """``data`` written to ``path`` by `HashingWriter` (``mode``: the file's exact permissions)."""
+    w = HashingWriter(path, advice, mode)
     w.write(data)
     return w.commit()
 

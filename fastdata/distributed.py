@@ -3,7 +3,7 @@
 ``dist_rank_world`` answers for the samplers and the prefetcher, ``is_main_rank`` for progress bars and
 logs (without importing torch, so preprocessing workers stay light), ``resolve_device`` reads
 ``device="auto"``, and ``init_distributed`` / ``shutdown_distributed`` join and leave the group under
-torchrun. Objects that hold the group (a Trainer's DDP wrapper) register with :func:`hold_group` so that
+torchrun. Objects that hold the group (a Trainer's DDP wrapper) register with `hold_group` so that
 ``shutdown_distributed`` can release them first.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ _HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with close() tha
 
 def hold_group(holder: Any) -> None:
     """Register ``holder`` (anything with ``close()``, e.g. a Trainer wrapping its model in DDP) to be
-    closed by :func:`shutdown_distributed` before the group is freed."""
+    closed by `shutdown_distributed` before the group is freed."""
     _HOLDERS.add(holder)
 
 
@@ -133,7 +133,7 @@ def release_group(holder: Any) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group joined by :func:`init_distributed` once every rank got here, and free it.
+    """Leave the process group joined by `init_distributed` once every rank got here, and free it.
 
     Every registered holder (each live Trainer: its DDP wrapper holds the group) is closed first.
     Call it at the end of a distributed run: a group still alive when the interpreter exits keeps gloo's

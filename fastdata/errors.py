@@ -1,6 +1,6 @@
 """Errors raised by fastdata.
 
-Every error a user can cause is a :class:`FastdataError`; the CLI prints its message on one line
+Every error a user can cause is a `FastdataError`; the CLI prints its message on one line
 and exits non-zero, so messages say what went wrong, where, and what to do about it.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ class OutputError(FastdataError):
 class DiskFullError(OutputError):
     """The disk filled up while writing; nothing that looks finished was left behind.
 
-    A subclass of :class:`OutputError`; a rerun after freeing space resumes.
+    A subclass of `OutputError`; a rerun after freeing space resumes.
     """
 
 

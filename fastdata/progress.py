@@ -1,4 +1,4 @@
-"""Progress bars: tqdm on stderr, off with ``--quiet`` (:func:`set_quiet`, for the bars a command does not
+"""Progress bars: tqdm on stderr, off with ``--quiet`` (`set_quiet`, for the bars a command does not
 draw itself, such as a URL dataset's downloads) and on every rank but 0."""
 from __future__ import annotations
 

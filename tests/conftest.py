@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
+import os
 import struct
 import subprocess
 import zlib
@@ -257,3 +259,62 @@ def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) 
     at = data.find(blob)
     store.write_bytes(data[:at] + bad + data[at + len(blob):])
     return root
+
+
+# -- object storage: a real S3 API (moto) on loopback, and the fault proxy in front of it ----------------------
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback; yields a function making a fresh bucket and returning its URL."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request would bury a failure's message
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._server.server_port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fresh_fs()  # fsspec keeps one client per set of options: not one of another module's server, stopped since
+    client = boto3.client("s3", endpoint_url=endpoint)
+    made = []
+
+    def bucket(name: str) -> str:
+        client.create_bucket(Bucket=name)
+        made.append(name)
+        return f"s3://{name}"
+    bucket.client = client
+    bucket.port = server._server.server_port
+    try:
+        yield bucket
+    finally:
+        server.stop()
+        fresh_fs()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def fresh_fs() -> None:
+    """Forget fsspec's cached s3 clients: it keeps one per set of options, and the endpoint (an environment
+    variable) is not one of them."""
+    import fsspec
+
+    fsspec.filesystem("s3").clear_instance_cache()
+
+
+@pytest.fixture
+def proxy(s3, monkeypatch):
+    """The fault-injecting loopback proxy (tests/s3_faults.py) in front of the moto server, as the endpoint."""
+    from s3_faults import FaultProxy
+
+    p = FaultProxy(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    fresh_fs()
+    yield p
+    p.close()
+    fresh_fs()

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_mixture import tags_ids  # noqa: E402
+
 from fastdata.datasets.images import FastDataset  # noqa: E402
 from fastdata.datasets.mixture import Mixture  # noqa: E402
 from fastdata.loading.loader import FastLoader  # noqa: E402

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from fastdata.datasets.images import FastDataset
-from fastdata.errors import ConfigError
-from fastdata.loading.loader import FastLoader
-from fastdata.gpu.prefetch import CUDAPrefetcher
 from fastdata.distributed import init_distributed, shutdown_distributed
-from fastdata.train.trainer import Trainer
+from fastdata.errors import ConfigError
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.loading.loader import FastLoader
 from fastdata.train.config import TrainConfig
+from fastdata.train.trainer import Trainer
 
 data, out, batch, accum, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 info = init_distributed("cpu")

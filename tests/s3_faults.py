@@ -1,5 +1,6 @@
 """A loopback HTTP proxy in front of the moto S3 server that injects the faults object stores have:
-connection resets mid-body, truncated bodies, flipped bytes, 503 SlowDown, a server gone for a while.
+connection resets mid-body, truncated bodies, flipped bytes, 503 SlowDown, a server gone for a while
+(connections dropped unanswered, or refused: nothing listening).
 It also counts the GETs of each object and the bytes they returned (downloads per node), and can pace
 every body to one shared link rate (a node's network). Tests point AWS_ENDPOINT_URL at it in-process;
 benchmarks run it in a process of its own (:class:`ProxyProcess`, ``python tests/s3_faults.py PORT``) so
@@ -10,10 +11,10 @@ import argparse
 import http.client
 import json
 import re
-import subprocess
-import sys
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -27,8 +28,9 @@ class FaultProxy:
     """``FaultProxy(upstream_port)``; ``inject(kind, pattern, times)`` makes the next ``times`` GETs of keys
     matching ``pattern`` fail as ``kind`` ("reset", "truncate", "corrupt", "503"), or answer the whole object
     whatever byte range was asked ("norange": a server that ignores Range); ``down(seconds)`` drops every
-    connection for a while. ``gets[key]`` counts GETs of each object path that were answered, ``heads[key]``
-    the HEADs."""
+    connection for a while; ``refuse(seconds)`` stops listening for a while (a client's connect is refused,
+    as from a host whose server is gone; open connections are dropped). ``gets[key]`` counts GETs of each
+    object path that were answered, ``heads[key]`` the HEADs."""
 
     def __init__(self, upstream_port: int, rate: float = 0.0) -> None:
         self.upstream_port = upstream_port
@@ -41,6 +43,7 @@ class FaultProxy:
         self.faults: Counter[str] = Counter()
         self.down_until = 0.0
         self.lock = threading.Lock()
+        self._relisten: threading.Timer | None = None
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,11 +57,40 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._handler = Handler
+        self.port = 0
+        self._listen()
+
+    def _listen(self) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)  # (SO_REUSEADDR: same port)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def refuse(self, seconds: float) -> None:
+        """Nothing listens on the port for ``seconds`` (connects fail with ECONNREFUSED at once) and the
+        connections open now are dropped at their next request; then it listens again on the same port."""
+        with self.lock:
+            if self._relisten is not None:
+                raise RuntimeError("already refusing connections")
+            self.down_until = time.monotonic() + seconds
+            self.server.shutdown()
+            self.server.server_close()
+            self._relisten = threading.Timer(seconds, self._listen_again)
+            self._relisten.daemon = True
+            self._relisten.start()
+
+    def _listen_again(self) -> None:
+        with self.lock:
+            if self._relisten is None:  # closed meanwhile
+                return
+            self._relisten = None
+            self._listen()
+
+    @property
+    def refusing(self) -> bool:
+        return self._relisten is not None
 
     @property
     def endpoint(self) -> str:
@@ -175,6 +207,11 @@ class FaultProxy:
         self._send(h, data)
 
     def close(self) -> None:
+        with self.lock:
+            if self._relisten is not None:  # not listening: nothing to shut down
+                self._relisten.cancel()
+                self._relisten = None
+                return
         self.server.shutdown()
         self.server.server_close()
 

@@ -178,8 +178,8 @@ def test_plot_needs_matplotlib_or_draws(indexed_datasets, tmp_path, capsys):
 def test_advice_names_partial_jpeg_decoding_only_for_a_jpeg_store_without_it(indexed_datasets, monkeypatch):
     import torch
 
-    from fastdata.imaging import turbojpeg as turbo
     from fastdata.cli.bench import advice
+    from fastdata.imaging import turbojpeg as turbo
 
     stage = {"images_per_s": 1e9, "gb_per_s": 1.0}
     report = {"stages": {name: stage for name in ("storage read (page cache)", "batch gather", "FastLoader")},

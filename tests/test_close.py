@@ -5,12 +5,12 @@ from __future__ import annotations
 import gc
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fastdata import ConfigError, FastDataset, FastLoader, TokenDataset
-from test_remote import s3  # noqa: F401 - the moto server fixture
 
 pytestmark = pytest.mark.faults
 
@@ -83,3 +83,26 @@ def test_token_dataset_close_and_drop(tmp_path):
         ds.get_batch([0])
     with pytest.raises(ConfigError, match="was closed"):
         ds.get_batch([0])
+
+
+def test_a_state_names_its_dataset_version_and_another_version_is_refused(indexed_datasets, tmp_path):
+    """A resume onto a dataset whose manifest changed (an overwrite, a new push) is refused by name, not
+    served from positions that mean other samples now."""
+    import json
+    import shutil
+
+    from fastdata.formats.manifest import MANIFEST_NAME
+
+    loader = FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=3)
+    it = iter(loader)
+    next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    other = Path(shutil.copytree(indexed_datasets["npy"], tmp_path / "other"))
+    again = FastLoader(FastDataset(other), 16, seed=3)
+    again.load_state_dict(state)  # a copy is the same version
+    manifest = json.loads((other / MANIFEST_NAME).read_text())
+    manifest["params"]["note"] = "made again"
+    (other / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="another version of .*other"):
+        FastLoader(FastDataset(other), 16, seed=3).load_state_dict(state)
+    assert set(state) >= {"dataset_sha256", "epoch", "position"}

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-
 from conftest import INDEXED_N, corrupt_lmdb_copy, sample_ids
+
 from fastdata.datasets.images import FastDataset
 from fastdata.loading.loader import FastLoader
 

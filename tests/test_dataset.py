@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import INDEXED_N, INDEXED_SIZE, corrupt_lmdb_copy, sample_ids
-from fastdata.storage import shm
+
 from fastdata.datasets.images import FastDataset
 from fastdata.errors import ChecksumError, ConfigError, FormatError, ImageDecodeError
+from fastdata.storage import shm
 
 MODES = ["mmap", "ram", "shm", "cuda"]
 
@@ -208,8 +208,8 @@ def test_public_api():
 
 
 def test_a_validation_split_is_disjoint_deterministic_and_leaves_samples_to_train():
-    from fastdata.errors import ConfigError
     from fastdata.datasets.splits import split_indices
+    from fastdata.errors import ConfigError
 
     train, val = split_indices(1000, 0.1, seed=3)
     assert len(val) == 100 and len(train) == 900

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import quadrants, save_with_orientation
 from PIL import Image
 
-from conftest import quadrants, save_with_orientation
 from fastdata.errors import ImageDecodeError
-from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read
+from fastdata.imaging import decode_batch as jpeg_read, decode_file as decode
 
 
 def px(path, size=16, mode="squash"):

@@ -6,7 +6,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import INDEXED_N, torchrun as run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

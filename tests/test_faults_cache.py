@@ -17,7 +17,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
 import test_remote
 
 s3 = test_remote.s3  # the moto server on 127.0.0.1 (a fixture of test_remote's, shared here)
@@ -373,8 +372,7 @@ def _plan_bytes(shards: int, horizon_runs: int, batch: int, learning: bool = Fal
     """The plan's memory at its largest: its runs (the horizon ahead of the reader, plus the one chunk that
     may overshoot it, plus the runs the reader is in: at most a batch's) and its per-shard arrays; while a
     chunk is learnt (``learning``), also what the learn holds beside them (plan.py counts it)."""
-    from fastdata.storage.plan import (LEARN_READ_BYTES, LEARN_RUN_BYTES, LEARN_SHARD_BYTES, RUN_BYTES,
-                                       SHARD_BYTES, Plan)
+    from fastdata.storage.plan import LEARN_READ_BYTES, LEARN_RUN_BYTES, LEARN_SHARD_BYTES, RUN_BYTES, SHARD_BYTES, Plan
 
     runs = horizon_runs + Plan.CHUNK + batch
     if not learning:

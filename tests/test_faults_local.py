@@ -17,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
-from conftest import disk_of
 import test_remote
+import torch
+from conftest import disk_of
 
 pytestmark = pytest.mark.faults
 s3 = test_remote.s3  # the moto server fixture (module-scoped: started once here)

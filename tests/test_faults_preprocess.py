@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import journaled_units, kill_when_journaled
+
 from fastdata.cli.main import main
 from fastdata.preprocess import journal
 

@@ -498,7 +498,7 @@ def test_the_cli_detects_the_source_and_inspect_lists_the_fields(tmp_path, capsy
 
 # -- training on fields -----------------------------------------------------------------------------------
 def test_the_trainer_learns_segmentation_from_a_dict_dataset(scenes_ds):
-    from fastdata import Trainer, TrainConfig
+    from fastdata import TrainConfig, Trainer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.ReLU(), torch.nn.Conv2d(8, 3, 1))
     ds = FastDataset(scenes_ds)
@@ -556,7 +556,9 @@ def test_fastdata_train_uses_the_label_field_and_refuses_a_dataset_without_one(i
 def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_worker_count(tmp_path, fmt):
     import subprocess
     import sys
+
     from conftest import kill_when_journaled
+
     from fastdata.cli.main import main
     records = make_scenes(tmp_path, 60, sizes=((120, 90), (90, 130)), jpeg_big=False)
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

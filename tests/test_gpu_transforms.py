@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fastdata.errors import ConfigError
 from fastdata.imaging.transforms import (CenterCrop, Compose, Normalize, RandomCrop, RandomHorizontalFlip,
-                                     RandomResizedCrop, rrc_boxes)
+                                         RandomResizedCrop, rrc_boxes)
 
 
 def batch(b=6, h=20, w=24, seed=0) -> torch.Tensor:

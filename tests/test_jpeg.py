@@ -146,7 +146,7 @@ def test_dct_scaling_is_used_only_at_half_or_less_and_keeps_the_geometry():
 
     import numpy as np
 
-    from fastdata.imaging import decode_file as decode, decode_batch as jpeg_read
+    from fastdata.imaging import decode_batch as jpeg_read, decode_file as decode
 
     assert jpeg_read.dct_denominator(256, 341, 224) == 1  # 7/8 would fit but is slower than a full decode
     assert jpeg_read.dct_denominator(450, 450, 224) == 2 and jpeg_read.dct_denominator(450, 600, 100) == 4
@@ -218,8 +218,8 @@ def test_gray_and_cmyk_records_decode_to_rgb_with_the_same_geometry():
 
 @pytest.mark.parametrize("damage", ["cut", "zeros"])
 def test_a_damaged_record_is_an_image_decode_error(damage):
-    from fastdata.imaging.decode_batch import decode_jpeg
     from fastdata.errors import ImageDecodeError
+    from fastdata.imaging.decode_batch import decode_jpeg
 
     data = _record()
     bad = data[: len(data) // 3] if damage == "cut" else bytes(32) + data[32:]
@@ -282,10 +282,10 @@ def _served(loader, epochs=1):
 def test_fastloader_random_crops_are_the_drawn_boxes_decoded(photo_lmdb):
     import numpy as np
 
-    from fastdata.imaging.draws import draw_resized_crops
     from fastdata.datasets.images import FastDataset
-    from fastdata.imaging.decode_batch import decode_jpeg, jpeg_size
     from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.imaging.decode_batch import decode_jpeg, jpeg_size
+    from fastdata.imaging.draws import draw_resized_crops
     from fastdata.loading.loader import FastLoader
 
     ds = FastDataset(photo_lmdb, size=48, crop="random")
@@ -393,8 +393,8 @@ def test_a_version_1_lmdb_dataset_one_store_still_loads(indexed_datasets, tmp_pa
 def test_record_views_are_the_records_read_without_a_copy_across_shards(indexed_datasets):
     import json
 
-    from fastdata.imaging.decode_batch import looks_like_jpeg
     from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.imaging.decode_batch import looks_like_jpeg
 
     root = indexed_datasets["lmdb"]
     reader = open_lmdb(root, json.loads((root / "manifest.json").read_text()))

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import INDEXED_N, sample_ids
+
 from fastdata.datasets.images import FastDataset
 from fastdata.errors import ConfigError, FastdataError
 from fastdata.loading.loader import FastLoader

@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import sample_ids, torchrun
+from PIL import Image
 from test_fields import indexed_fields  # noqa: F401 - 30 samples whose every field encodes the sample
-from test_remote import s3  # noqa: F401 - the loopback S3 fixture
 
 from fastdata.datasets.mixture import MASK, SHIFT, Mixture, cache_shares
 from fastdata.errors import ConfigError

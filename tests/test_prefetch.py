@@ -5,12 +5,12 @@ import collections
 
 import pytest
 import torch
-
 from conftest import INDEXED_N, sample_ids
+
 from fastdata.datasets.images import FastDataset
+from fastdata.gpu.prefetch import CUDAPrefetcher, move
 from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loading.loader import FastLoader
-from fastdata.gpu.prefetch import CUDAPrefetcher, move
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

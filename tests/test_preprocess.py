@@ -15,9 +15,9 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
+from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, journaled_units, kill_when_journaled
 from PIL import Image
 
-from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, journaled_units, kill_when_journaled
 from fastdata.cli.main import main
 from fastdata.imaging import decode_file as decode
 from fastdata.preprocess import parallel
@@ -239,8 +239,8 @@ def test_a_killed_run_takes_its_workers_and_its_hold_on_the_output_with_it(tmp_p
 @pytest.mark.parametrize("kind", ["images", "text"])
 def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, kind):
     """Every rank of a torchrun job calling the preprocess: one writes, the others wait and find it done."""
-    from fastdata.preprocess import journal
     from fastdata.cli.synthetic import make_image_folder
+    from fastdata.preprocess import journal
 
     src = tmp_path / "src"
     if kind == "images":
@@ -455,6 +455,7 @@ def test_units_are_flushed_in_the_background_and_come_back_in_order():
 def test_lmdb_max_side_keeps_the_aspect_with_the_longer_side_at_most_s_and_decodes(tmp_path):
     """``--resize max-side``: FFCV's max_resolution. Upright sizes (EXIF turned), never upscaled."""
     from conftest import quadrants, save_with_orientation
+
     from fastdata.datasets.images import FastDataset
     from fastdata.formats.lmdb_store import open_lmdb
     from fastdata.formats.manifest import load_manifest

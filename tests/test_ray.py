@@ -19,9 +19,9 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from conftest import journaled_units, kill_when_journaled
 from PIL import Image
 
-from conftest import journaled_units, kill_when_journaled
 from fastdata.cli.main import main
 from fastdata.formats import image_shards
 from fastdata.preprocess import ray_pool
@@ -104,8 +104,8 @@ def test_records_with_fields_give_the_local_bytes_in_lmdb(cluster, tmp_path):
 
 def test_text_with_a_bpe_tokenizer_gives_the_local_bytes(cluster, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
     from test_text import make_docs, write_jsonl
+    from tokenizers import models, pre_tokenizers, trainers
 
     docs = make_docs(80, seed=2)
     tok = tokenizers.Tokenizer(models.BPE())

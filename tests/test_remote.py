@@ -3,11 +3,10 @@ verified node-local cache."""
 from __future__ import annotations
 
 import json
-import logging
 import os
-import time
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,60 +14,6 @@ import pytest
 from fastdata.errors import ConfigError
 
 pytestmark = pytest.mark.remote
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on loopback; yields a function making a fresh bucket and returning its URL."""
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request would bury a failure's message
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._server.server_port}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    client = boto3.client("s3", endpoint_url=endpoint)
-    made = []
-
-    def bucket(name: str) -> str:
-        client.create_bucket(Bucket=name)
-        made.append(name)
-        return f"s3://{name}"
-    bucket.client = client
-    bucket.port = server._server.server_port
-    try:
-        yield bucket
-    finally:
-        server.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _fresh_fs():
-    import fsspec
-
-    fsspec.filesystem("s3").clear_instance_cache()
-
-
-@pytest.fixture
-def proxy(s3, monkeypatch):
-    """The fault-injecting loopback proxy (tests/s3_faults.py) in front of the moto server, as the endpoint."""
-    from s3_faults import FaultProxy
-
-    p = FaultProxy(s3.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
-    _fresh_fs()
-    yield p
-    p.close()
-    _fresh_fs()
 
 
 def _epoch(loader) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -115,9 +60,9 @@ def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, inde
 def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
     from fastdata.cli.main import main
     from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.tokens import TokenDataset
     from fastdata.loading.loader import FastLoader
     from fastdata.storage.remote import push
-    from fastdata.datasets.tokens import TokenDataset
 
     url = s3("other-formats")
     push(indexed_datasets["lmdb"], url + "/lmdb")
@@ -243,6 +188,7 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
 def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s3, indexed_datasets, tmp_path,
                                                                               monkeypatch):
     from conftest import disk_of
+
     from fastdata.cli.main import main
     from fastdata.storage.remote import RemoteDataset, push
 
@@ -520,8 +466,9 @@ def test_torchrun_ranks_share_one_cache_download_once_and_resume_at_another_worl
     from collections import Counter
 
     from conftest import INDEXED_N
-    from fastdata.storage.remote import push
     from test_distributed import torchrun
+
+    from fastdata.storage.remote import push
 
     url = s3("ddp") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -540,6 +487,9 @@ def test_torchrun_ranks_share_one_cache_download_once_and_resume_at_another_worl
     assert sorted(k.rsplit("/", 1)[1] for k in files) == ["images-%05d.npy" % k for k in range(7)] + ["labels.npy"]
     assert all(proxy.gets[k] == 1 for k in files), proxy.gets  # one download per node (every label at opening)
     assert [p.name for p in (tmp_path / "cache").iterdir()] != []
+    # one dataset version per job: rank 0 reads the manifest and hands its bytes to the others
+    assert sum(n for k, n in proxy.gets.items() if k.endswith("manifest.json")) == 2, proxy.gets
+    assert len({r["state"]["dataset_sha256"] for r in first + second}) == 1
 
 
 def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cache(s3, proxy, indexed_datasets,
@@ -643,11 +593,10 @@ def test_the_eviction_rules_on_a_known_plan():
 def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_cache_and_resumes(
         s3, proxy, tmp_path, capsys):
     import torch
+    from conftest import indexed_source
 
     from fastdata.cli.main import main
     from fastdata.storage.remote import push
-
-    from conftest import indexed_source
 
     data = tmp_path / "ds"  # 16x16 images (cnn-small's least), 7 shards of 16
     assert main(["preprocess", "images", str(indexed_source(tmp_path / "src", size=16)), str(data), "--size", "16",

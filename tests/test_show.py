@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fresh_fs as _fresh_fs
 from PIL import Image
 
 from fastdata.cli import show
 from fastdata.cli.main import main
 from fastdata.datasets.images import FastDataset
-from test_remote import _fresh_fs, s3  # noqa: F401 - the moto server fixture
 
 GREY = (128, 128, 128)
 BOX = (10, 12, 40, 50)  # xyxy pixels of each 64 x 64 image

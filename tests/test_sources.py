@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import AWKWARD_BAD, AWKWARD_GOOD
+
 from fastdata.errors import SourceError
 from fastdata.preprocess.sources import discover
 

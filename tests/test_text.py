@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import kill_when_journaled
+
 from fastdata.cli.main import main
-from fastdata.errors import ConfigError, FormatError
-from fastdata.preprocess.text import is_val
-from fastdata.formats.tokenizer import load_tokenizer
 from fastdata.datasets.tokens import TokenDataset, shard_of, splitmix
+from fastdata.errors import ConfigError, FormatError
+from fastdata.formats.tokenizer import load_tokenizer
+from fastdata.preprocess.text import is_val
 
 WORDS = "the quick brown fox jumps over a lazy dog ünïcödé 数据 loader — token shard window €".split()
 
@@ -171,8 +171,8 @@ def test_stride_and_random_windows(token_folder):
 
 
 def test_fastloader_and_dataloader_serve_token_windows(token_folder):
-    from fastdata.loading.loader import FastLoader
     from fastdata.gpu.prefetch import CUDAPrefetcher
+    from fastdata.loading.loader import FastLoader
 
     ds = TokenDataset(token_folder, seq_len=40)
     seen = []

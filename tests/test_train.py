@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import disk_of, torchrun, torchrun_cmd
+
 from fastdata.cli.main import main
 from fastdata.datasets.images import FastDataset
 from fastdata.errors import ConfigError
-from fastdata.loading.loader import FastLoader
-from fastdata.train.models import create_model
 from fastdata.gpu.prefetch import CUDAPrefetcher
-from fastdata.train.trainer import Trainer
+from fastdata.loading.loader import FastLoader
 from fastdata.train.config import TrainConfig, parse_duration
+from fastdata.train.models import create_model
+from fastdata.train.trainer import Trainer
 
 WORKER = Path(__file__).parent / "dist_train_worker.py"
 

@@ -16,8 +16,8 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from fastdata.imaging import decode_batch as jpeg_read, turbojpeg as turbo, turbojpeg_loop as turbo_loop
 from fastdata.cli.synthetic import synthetic_image
+from fastdata.imaging import decode_batch as jpeg_read, turbojpeg as turbo, turbojpeg_loop as turbo_loop
 
 needs_library = pytest.mark.skipif(turbo.library() is None, reason="libturbojpeg 3 missing: pip install turbojpeg")
 

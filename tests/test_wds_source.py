@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fresh_fs as _fresh_fs, index_colour, sample_ids
 from PIL import Image
 
-from conftest import index_colour, sample_ids
 from fastdata.cli.main import main
 from fastdata.datasets.images import FastDataset
 from fastdata.preprocess.tars import expand_braces
-from test_remote import _fresh_fs, s3  # noqa: F401 - the moto server fixture
 
 PER_TAR = 6
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..imaging import turbojpeg as turbo
 from ..errors import ConfigError, FastdataError, require
+from ..imaging import turbojpeg as turbo
 from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
 
 
@@ -32,13 +32,13 @@ def _check(batch_size: Optional[int], seconds: float) -> None:
 
 def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256, device: str = "auto",
                    seconds: float = 120.0, progress: bool = True) -> dict[str, Any]:
-    """Measure every stage of the native pipeline on ``data``; returns the report (see :func:`render`)."""
+    """Measure every stage of the native pipeline on ``data``; returns the report (see `render`)."""
     from ..datasets.images import FastDataset
+    from ..distributed import resolve_device
+    from ..gpu.prefetch import CUDAPrefetcher
     from ..imaging.transforms import RandomHorizontalFlip
     from ..loading.loader import FastLoader
-    from ..gpu.prefetch import CUDAPrefetcher
     from ..progress import progress_bar
-    from ..distributed import resolve_device
 
     _check(batch_size, seconds)
     dev = resolve_device(device)
@@ -205,7 +205,7 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     loader the bottleneck, and by how much?
 
     The model defaults to ``resnet50`` on a GPU and ``cnn-small`` on the CPU, and its step is split into
-    chunks that fit the device (:func:`fastdata.cli.timing.step_chunk`): a CPU machine gets a verdict in
+    chunks that fit the device (`fastdata.cli.timing.step_chunk`): a CPU machine gets a verdict in
     seconds, not a 19 GB ResNet-50 step. Batches that are not images are timed without a model step,
     and the report says why.
     """

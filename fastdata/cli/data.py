@@ -9,19 +9,25 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def retry_seconds(args: argparse.Namespace) -> dict[str, float]:
+    """``{"retry_seconds": N}`` when ``--retry-seconds`` was given, else nothing (the library's default)."""
+    return {} if getattr(args, "retry_seconds", None) is None else {"retry_seconds": args.retry_seconds}
+
+
+def add_retry_seconds(cmd: argparse.ArgumentParser) -> None:
+    """The ``--retry-seconds`` option of a command that reads or writes URLs."""
+    cmd.add_argument("--retry-seconds", type=float, default=None, metavar="S",
+                     help="URLs: how long the store may fail (refused connections, timeouts, 5xx) before giving up "
+                          "with one line (default 120; retried with backoff and jitter)")
+
+
 def _verify(args: argparse.Namespace) -> int:
     from ..formats.manifest import load_manifest, total_bytes, verify
     from ..progress import progress_bar
-    from ..storage.remote import SOURCE_NAME, RemoteDataset, is_url
+    from ..storage.remote import SOURCE_NAME, is_url
 
-    if is_url(args.path):  # every file is downloaded into the node cache and checked against the manifest
-        remote = RemoteDataset(args.path)
-        bar = progress_bar(total=total_bytes(remote.manifest), desc="download", unit="B", unit_scale=True,
-                           enabled=not args.quiet)
-        try:
-            args.path = remote.local(bar.update)
-        finally:
-            bar.close()
+    if is_url(args.path):
+        return _verify_url(args)
     manifest = load_manifest(args.path)
     cache = (Path(args.path) / SOURCE_NAME).is_file()  # a node cache: streamed files come and go
     absent = [e for e in manifest["files"] if cache and not (Path(args.path) / e["path"]).is_file()]
@@ -38,35 +44,74 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.path}: OK, {len(manifest['files']) - len(absent)} files intact"
           + (f"; {len(absent)} not in this node cache (fetched and checked when read; `fastdata verify URL` "
-             "downloads and checks them all)" if absent else ""))
+             "checks the store's objects)" if absent else ""))
     return 0
+
+
+def _verify_url(args: argparse.Namespace) -> int:
+    """``fastdata verify URL``: the objects in the store, hashed as they stream (the cache is not their
+    source), then this version's node cache folder, if any, reported apart. Exit 0 only if both are intact."""
+    from ..formats.manifest import MANIFEST_NAME, total_bytes, verify
+    from ..progress import progress_bar
+    from ..storage.remote import RemoteDataset, scrub, verify_store
+
+    remote = RemoteDataset(args.path, **retry_seconds(args))
+    url, n = scrub(remote.url), len(remote.manifest["files"])
+    bar = progress_bar(total=total_bytes(remote.manifest), desc="verify store", unit="B", unit_scale=True,
+                       enabled=not args.quiet)
+    try:
+        problems = verify_store(remote, bar.update)
+    finally:
+        bar.close()
+    if problems:
+        print(f"{url}: {len(problems)} problem(s) in the store (push the dataset again):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+    else:
+        print(f"{url}: OK, {n} files intact in the store")
+    if not (remote.dir / MANIFEST_NAME).is_file():
+        print(f"node cache: no copy of this version in {remote.dir.parent}")
+        return 1 if problems else 0
+    damaged = verify(remote.dir, partial=True)
+    cached = sum((remote.dir / e["path"]).is_file() for e in remote.manifest["files"])
+    if damaged:
+        print(f"node cache {remote.dir}: {len(damaged)} problem(s) (remove it: `fastdata cache remove "
+              f"{remote.id}`):", file=sys.stderr)
+        for p in damaged:
+            print(f"  {p}", file=sys.stderr)
+    else:
+        print(f"node cache {remote.dir}: OK, {cached} of {n} files cached and intact")
+    return 1 if problems or damaged else 0
 
 
 def _push(args: argparse.Namespace) -> int:
     from ..formats.manifest import load_manifest, total_bytes
     from ..progress import progress_bar
-    from ..storage.remote import push
+    from ..storage.remote import push, scrub
 
     bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
                        enabled=not args.quiet)
     try:
-        counts = push(args.data, args.url, workers=args.workers, progress=bar.update)
+        counts = push(args.data, args.url, workers=args.workers, progress=bar.update, **retry_seconds(args))
     finally:
         bar.close()
-    print(f"{args.url}: {counts['uploaded']} object(s) uploaded, {counts['skipped']} already there; manifest last")
+    print(f"{scrub(args.url)}: {counts['uploaded']} object(s) uploaded, {counts['skipped']} already there; "
+          "manifest last")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..formats.manifest import describe
-    from ..storage.remote import RemoteDataset, is_url
+    from ..storage.remote import RemoteDataset, is_url, scrub
 
     if is_url(args.path):  # only the manifest is read (into the node cache): nothing else is downloaded
-        remote = RemoteDataset(args.path)
+        remote = RemoteDataset(args.path, **retry_seconds(args))
         info = describe(remote.prepare(frozenset(f["path"] for f in remote.manifest["files"])))
-        info["path"] = args.path
+        info["path"] = scrub(args.path)
     else:
         info = describe(args.path)
+    if isinstance(info.get("source"), dict) and "path" in info["source"]:
+        info["source"]["path"] = scrub(str(info["source"]["path"]))
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0
@@ -102,24 +147,52 @@ def _shm(args: argparse.Namespace) -> int:
     if args.action == "list":
         copies = shm.list_copies(args.dir)
         for c in copies:
-            print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}")
-        print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.shm_dir(args.dir)}", file=sys.stderr)
+            partial = f"  (partial: {c['partial']})" if "partial" in c else ""
+            print(f"{c['id']}  {c['bytes'] / 2**20:>10,.1f} MiB  {c['dataset']}{partial}")
+        print(f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'} in {shm.private_dir(args.dir, create=False)}",
+              file=sys.stderr)
         return 0
-    return _remove(args, "copies", "copy", lambda ids: shm.remove_copies(ids, args.dir), shm.shm_dir(args.dir))
+    return _remove(args, "copies", "copy", lambda ids: shm.remove_copies(ids, args.dir),
+                   shm.private_dir(args.dir, create=False))
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from ..storage.remote import default_cache_dir, list_cached, remove_cached
+    from ..storage.remote import default_cache_dir, list_cached, remove_cached, scrub
 
     where = args.dir or default_cache_dir()
     if args.action == "list":
         found = list_cached(where)
         for c in found:
             print(f"{c['id']}  {c['cached_bytes'] / 2**20:>10,.1f} of {c['bytes'] / 2**20:,.1f} MiB  "
-                  f"{c['cached_files']}/{c['files']} files  {c['url']}")
+                  f"{c['cached_files']}/{c['files']} files  {scrub(c['url'])}")
         print(f"{len(found)} dataset(s) in {where}", file=sys.stderr)
         return 0
+    if args.action == "fetch":
+        return _cache_fetch(args, where)
     return _remove(args, "datasets", "cached dataset", lambda ids: remove_cached(ids, where), where)
+
+
+def _cache_fetch(args: argparse.Namespace, where: Path) -> int:
+    """``fastdata cache fetch URL...``: every file of each dataset into the node cache, verified (a node
+    warmed before a job)."""
+    from ..formats.manifest import total_bytes
+    from ..progress import progress_bar
+    from ..storage.remote import RemoteDataset, is_url, scrub
+
+    if not args.ids or not all(is_url(u) for u in args.ids):
+        print("fastdata: error: name the dataset URLs to fetch (s3://..., gs://...)", file=sys.stderr)
+        return 2
+    for url in args.ids:
+        remote = RemoteDataset(url, cache_dir=where, **retry_seconds(args))
+        missing = [e for e in remote.manifest["files"] if not (remote.dir / e["path"]).is_file()]
+        bar = progress_bar(total=total_bytes({"files": missing}), desc="fetch", unit="B", unit_scale=True,
+                           enabled=not args.quiet)
+        try:
+            remote.local(bar.update)
+        finally:
+            bar.close()
+        print(f"{remote.id}  {len(remote.manifest['files'])} files in {remote.dir}  {scrub(remote.url)}")
+    return 0
 
 
 def _remove(args: argparse.Namespace, things: str, thing: str, remove: Callable[[list[str]], list[str]],
@@ -139,21 +212,27 @@ def _remove(args: argparse.Namespace, things: str, thing: str, remove: Callable[
     return 0
 
 
-def _add_list_remove(sub: Any, name: str, help: str, things: str, every: str, dir_help: str, func: Any) -> None:
-    """A ``list | remove [IDS] [--all] [--dir]`` command (``shm``, ``cache``)."""
+def _add_list_remove(sub: Any, name: str, help: str, things: str, every: str, dir_help: str, func: Any,
+                     fetch: bool = False) -> Any:
+    """A ``list | remove [IDS] [--all] [--dir]`` command (``shm``, ``cache``); with ``fetch``, also
+    ``fetch URLS``."""
     cmd = sub.add_parser(name, help=help)
-    cmd.add_argument("action", choices=("list", "remove"))
-    cmd.add_argument("ids", nargs="*", help=f"remove: ids of the {things} (see `fastdata {name} list`)")
+    cmd.add_argument("action", choices=("list", "fetch", "remove") if fetch else ("list", "remove"))
+    cmd.add_argument("ids", nargs="*", help=f"remove: ids of the {things} (see `fastdata {name} list`)"
+                     + ("; fetch: dataset URLs" if fetch else ""))
     cmd.add_argument("--all", action="store_true", help=f"remove: {every}")
     cmd.add_argument("--dir", type=Path, default=None, help=dir_help)
     cmd.set_defaults(func=func)
+    return cmd
 
 
 def add_data_commands(sub: Any) -> None:
     """Register the commands above on the ``fastdata`` subparsers."""
     ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
-    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: checked via the node cache)")
+    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: the objects in the store are "
+                                  "hashed as they stream; this node's cache of it is checked apart)")
     ver.add_argument("--quiet", action="store_true")
+    add_retry_seconds(ver)
     ver.set_defaults(func=_verify)
 
     pu = sub.add_parser("push", help="upload a finished dataset to object storage (manifest last; reruns resume)")
@@ -161,14 +240,19 @@ def add_data_commands(sub: Any) -> None:
     pu.add_argument("url", help="fsspec URL: s3://bucket/prefix, gs://..., az://..., file://...")
     pu.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
     pu.add_argument("--quiet", action="store_true")
+    add_retry_seconds(pu)
     pu.set_defaults(func=_push)
 
     ins = sub.add_parser("inspect", help="what a dataset folder (or URL) holds")
     ins.add_argument("path", help="dataset folder or URL (only its manifest is downloaded)")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
+    add_retry_seconds(ins)
     ins.set_defaults(func=_inspect)
     _add_list_remove(sub, "shm", "list or remove the per-machine dataset copies in /dev/shm", "copies", "every copy",
                      "shm folder (default $FASTDATA_SHM_DIR or /dev/shm)", _shm)
-    _add_list_remove(sub, "cache", "list or remove the node cache of remote datasets", "datasets",
-                     "every dataset (run it between jobs)",
-                     "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)", _cache)
+    cache = _add_list_remove(sub, "cache", "list, fetch (warm a node before a job) or remove the node cache of "
+                             "remote datasets (private to this user; $FASTDATA_CACHE_MODE=group shares it with "
+                             "the cache folder's group)", "datasets", "every dataset (run it between jobs)",
+                             "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)", _cache, fetch=True)
+    cache.add_argument("--quiet", action="store_true", help="fetch: no progress bar")
+    add_retry_seconds(cache)

@@ -62,10 +62,10 @@ def _train(data: Path, seed: int) -> tuple[float, float]:
     """cnn-small on 80% of the demo set through the whole pipeline; (held-out accuracy, seconds)."""
     import torch
 
-    from ..train.assemble import ImageRun, build
     from ..distributed import init_distributed
-    from ..train.trainer import Trainer
+    from ..train.assemble import ImageRun, build
     from ..train.config import TrainConfig
+    from ..train.trainer import Trainer
 
     device = init_distributed("auto").device  # CUDA when there is one
     torch.manual_seed(seed)

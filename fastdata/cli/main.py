@@ -1,6 +1,6 @@
 """The ``fastdata`` command: argparse subcommands that build the library's config objects.
 
-A :class:`FastdataError` becomes one line on stderr and exit status 1, never a traceback.
+A `FastdataError` becomes one line on stderr and exit status 1, never a traceback.
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from .data import add_data_commands
 from ..errors import ConfigError, FastdataError
+from .data import add_data_commands, add_retry_seconds, retry_seconds
 
 
 def _preprocess_images(args: argparse.Namespace) -> int:
@@ -22,7 +22,7 @@ def _preprocess_images(args: argparse.Namespace) -> int:
         src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
         shard_size=args.shard_size, on_error=args.on_error, quality=args.quality, filter=args.filter,
         overwrite=args.overwrite, progress=not args.quiet, coco=args.coco, mask_dtype=args.mask_dtype,
-        tokenizer=args.tokenizer, shuffle_seed=args.shuffle)
+        tokenizer=args.tokenizer, shuffle_seed=args.shuffle, **_engine(args))
     manifest = preprocess_images(config)
     print(summary(manifest), file=sys.stderr)
     return 0
@@ -34,9 +34,23 @@ def _preprocess_text(args: argparse.Namespace) -> int:
     config = TextPreprocessConfig(src=args.src, out=args.out, tokenizer=args.tokenizer, field=args.field,
                                   val_fraction=args.val_fraction, workers=args.workers, on_error=args.on_error,
                                   shard_tokens=args.shard_tokens, seed=args.seed, overwrite=args.overwrite,
-                                  progress=not args.quiet)
+                                  progress=not args.quiet, **_engine(args))
     print(summary(preprocess_text(config)), file=sys.stderr)
     return 0
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    """``--ray [ADDRESS]`` as the preprocess configs' ``engine`` and ``ray_address``."""
+    if args.ray is None:
+        return {}
+    return {"engine": "ray", "ray_address": None if args.ray == "auto" else args.ray}
+
+
+def _add_ray(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                        help="run the work as Ray tasks on the cluster at ADDRESS (HOST:PORT; alone: the cluster "
+                             "on this machine, or a new local one); the same output bytes (pip install "
+                             "'fastdata[ray]')")
 
 
 def _path_or_url(text: str) -> str | Path:
@@ -49,13 +63,13 @@ def _path_or_url(text: str) -> str | Path:
 def _train(args: argparse.Namespace) -> int:
     import torch
 
+    from ..distributed import init_distributed, shutdown_distributed
     from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
     from ..storage.opening import open_path
     from ..storage.streamed import streamed_files
     from ..train.assemble import ImageRun, build, build_lm
-    from ..distributed import init_distributed, shutdown_distributed
-    from ..train.trainer import Trainer
     from ..train.config import TrainConfig, check_device, parse_duration
+    from ..train.trainer import Trainer
 
     cfg = TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, max_time=parse_duration(args.max_time), lr=args.lr,
@@ -77,19 +91,30 @@ def _train(args: argparse.Namespace) -> int:
     check_device(cfg, info.device)  # before the data is opened
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"
-    cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit}
-    # the dataset's manifest is read once for the whole run, and its kind decides the run
-    opened = open_path(args.data, (IMAGES_NPY, IMAGES_LMDB, TOKENS), **cache,
-                       streamed=lambda m: streamed_files(m, args.storage))
-    if opened.manifest["format"] == TOKENS:
-        model, train, val = build_lm(opened, args.model, args.batch_size, args.seq_len, args.storage,
-                                     args.threads, args.seed, info.device, args.shuffle_window)
+    cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit, **retry_seconds(args)}
+    run = dict(model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
+               val_fraction=args.val_fraction, storage=args.storage, threads=args.threads, augment=args.augment,
+               crop=args.crop, seed=args.seed, backend=args.backend, shuffle_window=args.shuffle_window, **cache)
+    if args.mix:  # several datasets by weight (docs/mixtures.md)
+        from ..datasets.mix_config import parse_mix
+        from ..train.assemble import build_mix
+
+        if args.data is not None:
+            raise ConfigError(f"give DATA or --mix, not both (got {args.data} and --mix {' '.join(args.mix)})")
+        spec = parse_mix(args.mix)
+        pipe = ImageRun(data=next(iter(spec.sources.values()))[0], **run)
+        model, train, val = build_mix(spec, pipe, info.device, args.seq_len, args.model)
+    elif args.data is None:
+        raise ConfigError("give a dataset folder or URL (fastdata train DATA), or --mix NAME=PATH:WEIGHT")
     else:
-        pipe = ImageRun(data=args.data, model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
-                        val_fraction=args.val_fraction, storage=args.storage, threads=args.threads,
-                        augment=args.augment, crop=args.crop, seed=args.seed, backend=args.backend,
-                        shuffle_window=args.shuffle_window, **cache)
-        model, train, val = build(pipe, info.device, opened)
+        # the dataset's manifest is read once for the whole run, and its kind decides the run
+        opened = open_path(args.data, (IMAGES_NPY, IMAGES_LMDB, TOKENS), **cache,
+                           streamed=lambda m: streamed_files(m, args.storage))
+        if opened.manifest["format"] == TOKENS:
+            model, train, val = build_lm(opened, args.model, args.batch_size, args.seq_len, args.storage,
+                                         args.threads, args.seed, info.device, args.shuffle_window)
+        else:
+            model, train, val = build(ImageRun(data=args.data, **run), info.device, opened)
     trainer = Trainer(model, train, val, config=cfg)
     trainer.fit()
     shutdown_distributed()  # not on an error: a barrier there would wait for ranks that are still training
@@ -139,6 +164,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from .show import show
+
+    opts = {"cache_dir": args.cache_dir} if args.cache_dir else {}
+    print(f"{args.data}: {args.n} samples drawn in {show(args.data, args.n, args.out, **opts)}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -159,17 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
     pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
     img = pre_sub.add_parser("images", help="images (and masks, boxes, labels, captions) -> .npy shards or JPEG LMDB")
-    img.add_argument("src", type=_path_or_url, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records (with "
-                     "an 'image' column), a folder with images/ and masks/, .parquet file(s), WebDataset .tar shards (a "
-                     "folder, a .tar, or a brace pattern such as shards/{00000..00009}.tar; a URL too), or (with "
-                     "--coco) the image folder")
+    img.add_argument("src", type=_path_or_url, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records "
+                     "(with an 'image' column), a folder with images/ and masks/, .parquet file(s), WebDataset .tar "
+                     "shards (a folder, a .tar, or a brace pattern such as shards/{00000..00009}.tar; a URL too), or "
+                     "(with --coco) the image folder")
     img.add_argument("out", type=Path, help="output dataset folder")
     img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
     img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop",
                      help="npy: how to reach SxS; lmdb: max-side keeps the aspect with the longer side at most S "
                           "(default: the shorter side at most S)")
     img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
-    img.add_argument("--workers", type=int, default=None, help="decoding processes (default: all cores)")
+    img.add_argument("--workers", type=int, default=None,
+                     help="decoding processes (default: all cores); with --ray, tasks at once per node")
+    _add_ray(img)
     img.add_argument("--shard-size", type=int, default=1024, help="samples per shard (default 1024)")
     img.add_argument("--on-error", choices=ON_ERROR, default="skip", help="unreadable images: skip (default) or fail")
     img.add_argument("--quality", type=int, default=90, help="lmdb: JPEG quality (default 90)")
@@ -193,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
     txt.add_argument("--field", default="text", help="jsonl: the field holding the document")
     txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
-    txt.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    txt.add_argument("--workers", type=int, default=None,
+                     help="tokenizing processes (default: all cores); with --ray, tasks at once per node")
+    _add_ray(txt)
     txt.add_argument("--on-error", choices=("skip", "fail"), default="skip")
     txt.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 64 Mi)")
     txt.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
@@ -205,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     D = TrainConfig  # every training default lives in TrainConfig: one default per option
     tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
-    tr.add_argument("data", type=_path_or_url, help="dataset folder made by `fastdata preprocess`, or its URL "
+    tr.add_argument("data", type=_path_or_url, nargs="?", default=None,
+                    help="dataset folder made by `fastdata preprocess`, or its URL "
                                                     "(s3://..., gs://...: streamed through the node cache)")
     tr.add_argument("--val", type=_path_or_url, default=None, help="validation dataset folder or URL")
+    tr.add_argument("--mix", action="append", default=None, metavar="NAME=PATH:WEIGHT",
+                    help="train on a mixture instead of DATA: repeat for each source (or give one JSON/TOML file); "
+                         "--resume with other weights goes on where every source stopped (docs/mixtures.md)")
     tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
     tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
                                                   "gpt-tiny (default for tokens)")
@@ -230,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shuffle shards, then samples within windows of K shards (data larger than the cache)")
     tr.add_argument("--cache-dir", default=None, help="URL datasets: the node cache (default $FASTDATA_CACHE)")
     tr.add_argument("--cache-limit", default=None, help="URL datasets: bytes the cache may hold, e.g. 200GB")
+    add_retry_seconds(tr)
     tr.add_argument("--augment", choices=("none", "flip", "crop-flip", "rrc-flip"), default="flip")
     tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
     tr.add_argument("--backend", choices=("native", "dali"), default="native",
@@ -269,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", type=Path, default=None, help="stage chart PNG (needs matplotlib)")
     be.add_argument("--quiet", action="store_true")
     be.set_defaults(func=_bench)
+
+    sh = sub.add_parser("show", help="draw a grid of samples (class names, masks, boxes, captions) into a PNG")
+    sh.add_argument("data", type=_path_or_url, help="image dataset folder or URL")
+    sh.add_argument("-n", type=int, default=16, help="how many samples, spread over the dataset (default 16)")
+    sh.add_argument("-o", "--out", type=Path, default=Path("grid.png"), help="PNG to write (default grid.png)")
+    sh.add_argument("--cache-dir", default=None, help="URL datasets: the node cache (default $FASTDATA_CACHE)")
+    sh.set_defaults(func=_show)
 
     demo = sub.add_parser("demo", help="make a small JPEG dataset, preprocess it, load it, train on it, report speed")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")

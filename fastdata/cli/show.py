@@ -1,6 +1,6 @@
 """``fastdata show DATA``: a PNG grid of a dataset's samples, to look at what preprocessing made.
 
-Each cell is one sample's image (scaled up by an integer factor to at least :data:`MIN_CELL` pixels, nearest
+Each cell is one sample's image (scaled up by an integer factor to at least `MIN_CELL` pixels, nearest
 neighbour, so a small dataset's pixels stay visible) over a strip of text: its class name, its multi-labels,
 its captions decoded and its numbers. Masks are overlaid in a colour per id, boxes drawn in a colour per
 box with their class names (NOTE [fields] in fastdata/formats/schema.py). Pillow only.
@@ -47,14 +47,14 @@ def sample_indices(n_samples: int, n: int) -> list[int]:
 
 
 def render(dataset: Any, n: int = 16) -> tuple[Image.Image, list[Cell]]:
-    """Draw ``n`` samples of an image dataset (a :class:`~fastdata.FastDataset`) as one grid.
+    """Draw ``n`` samples of an image dataset (a `FastDataset`) as one grid.
 
     Args:
         dataset: the opened dataset.
         n: how many samples (spread evenly over the dataset).
 
     Returns:
-        The grid image and each sample's :class:`Cell`.
+        The grid image and each sample's `Cell`.
     """
     idx = sample_indices(len(dataset), n)
     batch = dataset.get_batch(np.asarray(idx, np.int64))
@@ -159,7 +159,7 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
         data: the dataset folder or URL.
         n: how many samples (1..1024).
         out: the PNG file to write.
-        **open_kwargs: passed to :class:`~fastdata.FastDataset` (``cache_dir``, ``storage_options``, ...).
+        **open_kwargs: passed to `FastDataset` (``cache_dir``, ``storage_options``, ...).
 
     Returns:
         The PNG's path.

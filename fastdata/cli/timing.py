@@ -58,7 +58,7 @@ class ModelStep:
     """One SGD step of ``name`` on a batch already on the device (autocast bf16 on CUDA).
 
     ``max_chunk`` splits a large batch into chunks whose gradients accumulate: the same work per
-    sample with bounded memory (see :func:`step_chunk`)."""
+    sample with bounded memory (see `step_chunk`)."""
 
     def __init__(self, name: str, num_classes: int, device: torch.device, channels_last: bool = True,
                  max_chunk: Optional[int] = None) -> None:
@@ -85,7 +85,7 @@ class ModelStep:
 
 def step_chunk(model: str, batch: int, height: int, width: int, device: torch.device) -> int:
     """The most samples of ``height`` x ``width`` one chunk of a model step may hold on ``device``: a CPU
-    step keeps at most :data:`CPU_STEP_BUDGET` of activations, a GPU step half the free memory."""
+    step keeps at most `CPU_STEP_BUDGET` of activations, a GPU step half the free memory."""
     per_pixel = ACTIVATION_BYTES_PER_PIXEL.get(model, max(ACTIVATION_BYTES_PER_PIXEL.values()))
     per_sample = max(per_pixel * height * width, 1)
     budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else CPU_STEP_BUDGET

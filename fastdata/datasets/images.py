@@ -22,13 +22,14 @@ import torch
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError
 from ..formats.lmdb_store import LmdbReader
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, manifest_digest
 from ..formats.schema import Field, fields_of
 from ..imaging.decode_batch import BatchDecoder
 from ..imaging.draws import RATIO, SCALE
 from ..storage.fields import Alloc, collate_fields, split_fields
 from ..storage.images import check_other_files, open_images
 from ..storage.opening import OpenedPath, StreamedReads, open_path
+from ..storage.remote import RETRY_SECONDS
 from ..storage.shards import STORAGE, Indices, batch_rows, take_rows
 from ..storage.streamed import Labels, image_streamed, labels_at_open
 
@@ -37,7 +38,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     """A dataset folder made by ``fastdata preprocess images``, as a map-style torch dataset.
 
     ``ds[i]`` is ``(uint8 HWC tensor, int64 label)``.
-    ``ds[list]`` and :meth:`get_batch` gather a whole batch in one read (NOTE [gather]).
+    ``ds[list]`` and `get_batch` gather a whole batch in one read (NOTE [gather]).
     A dataset with sample fields (masks, boxes, captions) gives a dict of fields instead.
     ``path`` may be an fsspec URL (``s3://bucket/prefix``, ...): its files are downloaded once per node into
     ``cache_dir`` and verified there (NOTE [remote cache]).
@@ -55,7 +56,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     The box is decided before decoding (NOTE [jpeg read path]).
 
     Args:
-        path: The dataset folder, or an fsspec URL of one (``s3://``, ``gs://``, ``az://``, ``https://``).
+        path: The dataset folder, an fsspec URL of one (``s3://``, ``gs://``, ``az://``, ``https://``), or an
+            ``OpenedPath`` of either, whose manifest was read once for several readers.
         storage: Where the pixels live while training.
             ``"mmap"`` (default): memory-mapped shards; the page cache is shared by every process.
             ``"ram"``: one contiguous copy in this process.
@@ -81,13 +83,16 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         cache_limit: URLs only: the most bytes of this dataset kept in the cache, as a number or a size
             such as ``"200GB"`` (default None: no bound).
             A dataset that does not stream must fit under it whole.
+        retry_seconds: URLs only: how long the store may fail (refused connections, timeouts, 5xx) before a
+            read gives up with one line naming the object (default 120 s: an outage up to two minutes, at
+            opening or mid-epoch, is ridden out). Retried with exponential backoff and jitter.
 
     Raises:
         ConfigError: An argument has a bad value, or does not apply to this dataset (``size`` or a crop on an
             npy dataset, ``storage`` other than ``"mmap"`` on an LMDB, URL options on a local path, a CUDA
             device where torch sees none).
         FormatError: The folder or URL is not a fastdata image dataset, or a file's size is not the
-            manifest's.
+            manifest's, or the store stayed unreachable for ``retry_seconds``.
         VersionError: The manifest was written by a format version this fastdata cannot read.
         ChecksumError: A file's bytes do not match the manifest (with ``verify``, or as a remote file arrives).
         MissingDependencyError: ``path`` is a URL and fsspec (or its protocol's package) is not installed.
@@ -107,13 +112,14 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                  scale: tuple[float, float] = SCALE, ratio: tuple[float, float] = RATIO,
                  storage_options: Optional[dict[str, Any]] = None,
                  cache_dir: Optional[Union[str, Path]] = None,
-                 cache_limit: Union[int, str, None] = None) -> None:
+                 cache_limit: Union[int, str, None] = None, retry_seconds: float = RETRY_SECONDS) -> None:
         if storage not in STORAGE:
             raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
         self._opened = open_path(path, (IMAGES_NPY, IMAGES_LMDB), storage_options=storage_options,
                                  cache_dir=cache_dir, cache_limit=cache_limit,
-                                 streamed=lambda m: image_streamed(m, storage))
+                                 streamed=lambda m: image_streamed(m, storage), retry_seconds=retry_seconds)
         self.root, self.manifest, self._remote = self._opened.root, self._opened.manifest, self._opened.remote
+        self.manifest_sha256 = manifest_digest(self.manifest)  # the version a loader's state names
         self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
@@ -206,7 +212,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     # -- opening (storage/images.py) -----------------------------------------------------------------
     @property
     def _labels(self) -> np.ndarray:
-        """Every sample's label (filled in as streamed shards arrive: :class:`Labels`)."""
+        """Every sample's label (filled in as streamed shards arrive: `Labels`)."""
         return self._label_store.array
 
     @property
@@ -266,7 +272,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the images; the result is ``out[:B]``.
         ``draw`` = ``(seed, epoch, position, rank)`` seeds the batch's random crops (``crop="random"``).
-        A dataset with sample fields returns a dict instead (see :meth:`_get_fields`).
+        A dataset with sample fields returns a dict instead (see `_get_fields`).
         """
         self._check_open()
         if self.fields is not None:
@@ -331,7 +337,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     def collate(self, samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """``collate_fn`` for ``DataLoader(ds, batch_size=B, collate_fn=ds.collate)`` over a dataset with
-        fields: the batch :meth:`get_batch` gives (fixed fields stacked, variable ones concatenated with
+        fields: the batch `get_batch` gives (fixed fields stacked, variable ones concatenated with
         offsets)."""
         return collate_fields(samples, self.fields or [])
 
@@ -350,7 +356,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; after the first
         ``now`` it may run on into the next epoch), so their shards are fetched ahead of them and evicted by
-        next use (FastLoader calls this); a token for :meth:`end_reads`."""
+        next use (FastLoader calls this); a token for `end_reads`."""
         if self._cache is None:
             return None
         per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
@@ -387,7 +393,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return self.get_batch(index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """torch's batched-fetch hook: a list of samples, built from one :meth:`get_batch`."""
+        """torch's batched-fetch hook: a list of samples, built from one `get_batch`."""
         if self.fields is not None:
             return split_fields(self._get_fields(indices, None), self.fields)
         x, y = self.get_batch(indices)

@@ -103,7 +103,7 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
                  shuffle_window: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
                  cache_limit: Union[int, str, None] = None, device: Any = "cpu") -> Mixture:
     """Open every source of ``spec`` (image folders as FastDataset, token folders' train split as TokenDataset;
-    URLs through the node cache, ``cache_limit`` split among them by weight) as one :class:`Mixture`.
+    URLs through the node cache, ``cache_limit`` split among them by weight) as one `Mixture`.
 
     Raises:
         ConfigError: sources of different kinds or classes (the two are named), bad weights or options.

@@ -1,6 +1,6 @@
 """Mixture: several datasets served as one, each by its weight (NOTE [mixture]).
 
-NOTE [mixture]: the rules a :class:`Mixture` served by FastLoader keeps (the order itself lives in
+NOTE [mixture]: the rules a `Mixture` served by FastLoader keeps (the order itself lives in
 fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
 
 1. One global stream of positions, the same for every world size; rank ``r`` of ``world`` serves the
@@ -19,7 +19,7 @@ fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
    stream's next draws, never repeats, and the next epoch starts where this one stopped.
 5. ``mix="batch"``: the schedule deals whole batches instead of samples (a position is one batch of
    ``batch_size`` consecutive draws of one source); batches say their source (``(x, y, source)``, or a
-   ``"source"`` entry), ``source`` being each row's number in :attr:`Mixture.names`.
+   ``"source"`` entry), ``source`` being each row's number in `Mixture.names`.
 6. The state (loader.state_dict()) holds the position, each source's cursor and the weights; loaded into
    the same mixture it continues the same stream at any world size. New weights (``set_weights`` after
    loading, or a Mixture made with other weights) apply from the resumed position on: the cursors carry
@@ -74,13 +74,12 @@ def _describe(ds: Any) -> str:
 
 
 class Mixture:
-    """Several datasets as one, each sampled by its weight, for :class:`~fastdata.FastLoader` (NOTE [mixture]).
+    """Several datasets as one, each sampled by its weight, for `FastLoader` (NOTE [mixture]).
 
-    Example::
-
-        web, books = FastDataset("data/web"), FastDataset("data/books")
-        mix = Mixture({"web": web, "books": books}, weights={"web": 0.7, "books": 0.3}, seed=0)
-        loader = FastLoader(mix, batch_size=256)
+    Examples:
+        >>> web, books = FastDataset("data/web"), FastDataset("data/books")
+        >>> mix = Mixture({"web": web, "books": books}, weights={"web": 0.7, "books": 0.3}, seed=0)
+        >>> loader = FastLoader(mix, batch_size=256)
 
     Args:
         sources: ``{name: dataset}``, or a list (named ``"0"``, ``"1"``, ...). Datasets that FastLoader

@@ -7,9 +7,9 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
-from .images import FastDataset
 from ..errors import ConfigError
 from ..storage.shards import Indices
+from .images import FastDataset
 
 
 class DatasetView:
@@ -19,6 +19,7 @@ class DatasetView:
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
         self.sample_shape, self.sample_dtype, self.device = base.sample_shape, base.sample_dtype, base.device
+        self.manifest_sha256 = getattr(base, "manifest_sha256", None)
         self.fields = getattr(base, "fields", None)  # dict batches when the base has sample fields
 
     def __len__(self) -> int:
@@ -70,6 +71,6 @@ def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarra
 
 
 def split(ds: FastDataset, val_fraction: float, seed: int = 0) -> tuple[DatasetView, DatasetView]:
-    """``(train, val)`` views of ``ds`` (see :func:`split_indices`)."""
+    """``(train, val)`` views of ``ds`` (see `split_indices`)."""
     train, val = split_indices(len(ds), val_fraction, seed)
     return DatasetView(ds, train), DatasetView(ds, val)

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, FormatError
+from ..formats.manifest import TOKENS, manifest_digest
 from ..formats.token_shards import splitmix
-from ..formats.manifest import TOKENS
+from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
 from ..storage.opening import OpenedPath, StreamedReads, open_path
-from ..storage.streamed import token_streamed
+from ..storage.remote import RETRY_SECONDS
 from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
-from ..formats.tokenizer import Tokenizer, load_tokenizer
+from ..storage.streamed import token_streamed
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 
@@ -42,14 +43,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     """A split of a ``fastdata preprocess text`` folder as fixed-length training windows.
 
     ``ds[i]`` is int64 ``(x, y)``, ``y`` being ``x`` shifted by one token.
-    :meth:`get_batch` (used by FastLoader) keeps the stored uint16/uint32 dtype, and its ``x`` and ``y`` are two
+    `get_batch` (used by FastLoader) keeps the stored uint16/uint32 dtype, and its ``x`` and ``y`` are two
     views of one ``(B, seq_len + 1)`` window buffer, so a batch crosses PCIe once at 2 bytes a token.
     CUDAPrefetcher casts it to int64 on the GPU.
     ``path`` may be an fsspec URL: with ``storage="mmap"`` its token shards stream in as batches need them
     (NOTE [shard cache]).
 
     Args:
-        path: The dataset folder, or an fsspec URL of one.
+        path: The dataset folder, an fsspec URL of one, or an ``OpenedPath`` of either (its manifest read once).
         split: The split to read, one of the manifest's (default ``"train"``).
         seq_len: Tokens of input per window; a window holds ``seq_len + 1`` (default 1024).
         stride: Window ``i`` starts at ``i * stride`` (default None: ``seq_len``, windows side by side).
@@ -67,12 +68,15 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             ``~/.cache/fastdata``).
         cache_limit: URLs only: the most bytes of this dataset kept in the cache, as a number or a size such as
             ``"200GB"`` (default None: no bound).
+        retry_seconds: URLs only: how long the store may fail (refused connections, timeouts, 5xx) before a
+            read gives up with one line naming the object (default 120 s: an outage up to two minutes, at
+            opening or mid-epoch, is ridden out). Retried with exponential backoff and jitter.
 
     Raises:
         ConfigError: ``split``, ``storage``, ``seq_len`` or a URL option is bad, or the split has fewer than
             ``seq_len + 1`` tokens.
-        FormatError: The folder is not a token dataset, a file's size is not the manifest's, or ``tokenizer`` is
-            not the one the dataset was made with.
+        FormatError: The folder is not a token dataset, a file's size is not the manifest's, ``tokenizer`` is
+            not the one the dataset was made with, or the store stayed unreachable for ``retry_seconds``.
         VersionError: The manifest was written by a format version this fastdata cannot read.
         ChecksumError: A shard's bytes do not match the manifest.
         MissingDependencyError: ``path`` is a URL and fsspec is not installed, or ``tokenizer`` needs a package
@@ -89,11 +93,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                  stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
                  tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, storage_options: Optional[dict[str, Any]] = None,
-                 cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None) -> None:
+                 cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None,
+                 retry_seconds: float = RETRY_SECONDS) -> None:
         # A URL: its node-local cache; memory-mapped token shards stream in as batches need them
         opened = open_path(path, (TOKENS,), storage_options=storage_options, cache_dir=cache_dir,
-                           cache_limit=cache_limit, streamed=lambda m: token_streamed(m, storage))
+                           cache_limit=cache_limit, streamed=lambda m: token_streamed(m, storage),
+                           retry_seconds=retry_seconds)
         self.root, self.manifest = opened.root, opened.manifest
+        self.manifest_sha256 = manifest_digest(self.manifest)  # the version a loader's state names
         self._remote, self._limit = opened.remote, opened.limit
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
@@ -244,7 +251,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of window index arrays, in order; the
         next epoch's after the first ``now``), so their shards are fetched ahead of them (FastLoader calls
-        this); a token for :meth:`end_reads`."""
+        this); a token for `end_reads`."""
         if self._cache is None:
             return None
 

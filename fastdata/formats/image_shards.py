@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .._io import HashingWriter, iter_blocks, write_bytes_atomic
-from .schema import Field, offsets_file
 from .base import UnitWriter, npy_bytes, npy_header
+from .schema import Field, offsets_file
 
 IMAGE_DTYPE = np.dtype("|u1")
 ALL_LABELS_NAME = "labels.npy"
@@ -84,7 +84,7 @@ class NpyShardWriter(UnitWriter):
     """Streams rows into ``images-K.npy.tmp`` (hashing as it writes) and renames when the shard is full.
 
     The header is written for a full shard; the one short final shard is rewritten with its true count.
-    With ``fields`` (the extra fields of a version-2 dataset; samples come as :class:`Rows`), each shard
+    With ``fields`` (the extra fields of a version-2 dataset; samples come as `Rows`), each shard
     also gets their files, and ``labels-K.npy`` only when ``labels`` is true.
     """
 

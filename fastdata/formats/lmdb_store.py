@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
-from .schema import Field
 from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows
+from .schema import Field
 
 LMDB_NAME = "images.lmdb"  # version 1: the one store
 LABELS_NAME = "labels.npy"
@@ -56,7 +56,7 @@ def part_names(k: int) -> tuple[str, str, str]:
 
 class JpegPartWriter(UnitWriter):
     """Collects JPEG bytes of one part in memory (~25 KB a sample) and writes its three files atomically.
-    With ``fields`` (samples come as :class:`Rows` of JPEG bytes), each part's other fields are written as
+    With ``fields`` (samples come as `Rows` of JPEG bytes), each part's other fields are written as
     their final npy files in ``fields_dir`` (the dataset folder), beside the part."""
 
     def __init__(self, parts_dir: Path, part_size: int, first_part: int = 0, *,
@@ -171,7 +171,7 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[
 # file in a process shares one, and closing it unmaps pages that any reader's views may still point into (a
 # train and an eval dataset on one LMDB: closing one segfaulted the other).
 # 1. Each environment counts the readers holding it; a reader holds a file from its first read until it
-#    releases it (:meth:`LmdbReader.release`, :meth:`LmdbReader.close`, or its garbage collection).
+#    releases it (`LmdbReader.release`, `LmdbReader.close`, or its garbage collection).
 # 2. The environment is closed when its last holder lets go, never before.
 # 3. An environment never crosses a fork: the child closes what it inherited and counts afresh.
 _ENVS: dict[str, list[Any]] = {}  # resolved path -> [env, readers holding it]
@@ -279,7 +279,7 @@ class LmdbReader:
         self._holds.release(path)
 
     def close(self) -> None:
-        """Let go of every store (as :meth:`release`); views handed out earlier must no longer be used."""
+        """Let go of every store (as `release`); views handed out earlier must no longer be used."""
         self._holds.release()
 
     def path_of(self, i: int) -> Path:

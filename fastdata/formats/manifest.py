@@ -1,16 +1,17 @@
 """``manifest.json``: what a dataset folder holds, how it was made, and the checksum of every file.
 
 The manifest is written last (atomically), so a folder without one is an unfinished run. Readers call
-:func:`load_manifest`, which refuses unknown formats and versions before anything else is read.
+`load_manifest`, which refuses unknown formats and versions before anything else is read.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .._version import __version__
 from .._io import HASH_NAME, hash_file, safe_join, write_json_atomic
+from .._version import __version__
 from ..errors import ChecksumError, FormatError, VersionError
 from .schema import fields_of
 
@@ -33,6 +34,13 @@ def new_manifest(fmt: str, version: Optional[int] = None, **fields: Any) -> dict
     output needs nothing newer, so older readers still read it)."""
     return {"format": fmt, "format_version": version or FORMAT_VERSIONS[fmt], "fastdata_version": fastdata_version(),
             **fields}
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of a manifest's content (its canonical JSON): the dataset version a loader's state names,
+    the same whichever copy (a folder, a URL, a node cache) it was read from."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
@@ -79,7 +87,7 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
 
 def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]] = None, *,
                    where: str) -> dict[str, Any]:
-    """``manifest`` (already parsed, e.g. fetched from object storage) checked as :func:`load_manifest`
+    """``manifest`` (already parsed, e.g. fetched from object storage) checked as `load_manifest`
     checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout.
     ``where`` names it in messages."""
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
@@ -181,7 +189,7 @@ def file_problem(entry: dict[str, Any], size: Optional[int], digest: Optional[st
 
 def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
                progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
-    """:func:`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
+    """`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
     path = safe_join(root, entry["path"])
     size = path.stat().st_size if path.is_file() else None
     digest = hash_file(path, progress) if hashed and size == entry["bytes"] else None
@@ -192,7 +200,7 @@ def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
 
 def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optional[int] = None,
                   advice: str = "re-run `fastdata preprocess`") -> FormatError:
-    """The error a reader raises for a :func:`file_problem` (the message says what to do)."""
+    """The error a reader raises for a `file_problem` (the message says what to do)."""
     if problem == "missing":
         return FormatError(f"{path} is missing: the dataset is incomplete; {advice}")
     if problem == "size":
@@ -203,7 +211,7 @@ def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optiona
 
 
 def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:
-    """Raise :func:`damaged_error` unless ``root / entry["path"]`` matches its entry."""
+    """Raise `damaged_error` unless ``root / entry["path"]`` matches its entry."""
     problem = check_file(root, entry, hashed=hashed)
     if problem is not None:
         path = safe_join(root, entry["path"])

@@ -141,7 +141,7 @@ class TiktokenTokenizer(Tokenizer):
 
 @functools.lru_cache(maxsize=8)
 def cached_tokenizer(spec: str) -> Tokenizer:
-    """:func:`load_tokenizer`, built once per process (worker processes tokenise many chunks)."""
+    """`load_tokenizer`, built once per process (worker processes tokenise many chunks)."""
     return load_tokenizer(spec)
 
 

@@ -10,7 +10,7 @@ NOTE [graphed convert]: the rules of replaying the image conversion from CUDA gr
    conversion up to the float32 normalised image is captured in a CUDA graph.
 4. Each later batch of that shape costs a copy into the graph's input, a fill of its key, the replay, and the
    cast to the output dtype into a new tensor (a copy for float32).
-5. The key is the batch's :class:`Draws` key, read by the captured draw kernels, so each replay draws its own
+5. The key is the batch's `Draws` key, read by the captured draw kernels, so each replay draws its own
    batch's numbers (NOTE [crop draws]).
 6. The consumer gets that new tensor, never the graph's own buffers, so a batch kept past the next one stays
    intact.
@@ -53,7 +53,7 @@ def enabled() -> bool:
 
 def capturable(transforms: Optional[Transform]) -> bool:
     """Whether ``transforms`` use only ops a CUDA graph can hold: fastdata's own crops and flip (exact types:
-    a subclass may sync), alone or in a :class:`Compose`."""
+    a subclass may sync), alone or in a `Compose`."""
     if transforms is None:
         return True
     if type(transforms) is Compose:

@@ -2,19 +2,19 @@
 
 Import it explicitly (``from fastdata.dali import DALILoader``): fastdata never imports DALI by itself.
 The JPEG bytes enter the pipeline through ``fn.external_source`` in the order of fastdata's own
-:class:`~fastdata.loading.sampler.DistributedBatchSampler`, so DALI serves the same batches as FastLoader (same
+`DistributedBatchSampler`, so DALI serves the same batches as FastLoader (same
 ``(seed, epoch)`` order, each batch's samples ascending, exactly once per epoch across ranks, equal batch
 counts, mid-epoch resume); DALI's own reader sharding is not used. Batches come out as CUDAPrefetcher's
 do: ``(B, 3, size, size)`` channels_last, normalised with ``mean``/``std`` in 0-1 units, int64 labels.
 Training: random-resized-crop (area 8-100%, aspect 3/4-4/3) and a random flip; evaluation: shorter side
 to ``size``, centre crop. The crop boxes and flips are drawn on the host from ``(seed, epoch, batch
-position, rank)`` with the same rule as :class:`~fastdata.imaging.transforms.RandomResizedCrop` (each image's
+position, rank)`` with the same rule as `RandomResizedCrop` (each image's
 size read from its JPEG header) and fed to DALI, which decodes only the box (``decoders.image_slice``):
 a resumed run draws exactly the crops of the uninterrupted one, which DALI's own random operators
 (seeded once per pipeline) cannot do.
 
 The pipeline runs with DALI's default (asynchronous, pipelined) executor: DALI pulls each batch's bytes
-and crop boxes from :meth:`DALILoader._next_batch` ``prefetch`` batches ahead of the consumer, so LMDB
+and crop boxes from `DALILoader._next_batch` ``prefetch`` batches ahead of the consumer, so LMDB
 reads, header parsing and decoding overlap the training step. The sampler advances only when a batch is
 handed out, so ``state_dict()`` never counts the batches DALI holds ahead.
 
@@ -22,7 +22,7 @@ NOTE [DALI outputs on the stream]: ``pipe.run()`` without a stream synchronises 
 GPU work (DALI's documented default). With DALI's default executor (``exec_dynamic``) ``run`` takes a
 stream instead, which waits for the batch on the device while the host goes on; older DALIs keep the
 host-synchronous call. The streamed and host-synchronous calls stall alike in measurements so far: over a
-short run, the wait at an iteration's start (a pipeline rebuilt, see :meth:`DALILoader._drain`) dominates,
+short run, the wait at an iteration's start (a pipeline rebuilt, see `DALILoader._drain`) dominates,
 so judge them by bench_dali's steady-state rows (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
@@ -35,13 +35,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..distributed import check_cuda
-from ..errors import ConfigError, ImageDecodeError, MissingDependencyError
 from ..datasets.images import FastDataset
 from ..datasets.splits import DatasetView
+from ..distributed import check_cuda
+from ..errors import ConfigError, ImageDecodeError, MissingDependencyError
+from ..imaging.decode_batch import decode_jpeg, jpeg_size, looks_like_jpeg
 from ..imaging.draws import draw_resized_crops
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
-from ..imaging.decode_batch import decode_jpeg, jpeg_size, looks_like_jpeg
 from ..loading.run_ahead import RunAhead
 from ..loading.sampler import DistributedBatchSampler, SamplerBacked
 from ..storage.opening import OpenedPath
@@ -87,7 +87,7 @@ def _stream_outputs(pipe: Any) -> bool:
 class DALILoader(SamplerBacked):
     """Batches of a JPEG LMDB dataset decoded and augmented by NVIDIA DALI, in fastdata's own order.
 
-    The data's way::
+    The data's way:
 
         DistributedBatchSampler -> sorted batch indices -> JPEG records read from the LMDB (views, no copy)
             -> crop boxes and flips drawn on the host -> fn.external_source -> DALI decodes only the box
@@ -97,7 +97,7 @@ class DALILoader(SamplerBacked):
     ascending, exactly once per epoch across ranks, equal batch counts, mid-epoch resume.
     Batches come out as CUDAPrefetcher's do: normalised images, channels_last, and int64 labels.
     Training draws a random-resized crop (area 8-100%, aspect 3/4-4/3) and a random flip per image from
-    ``(seed, epoch, batch position, rank)``, with the rule of :class:`~fastdata.imaging.transforms.RandomResizedCrop`,
+    ``(seed, epoch, batch position, rank)``, with the rule of `RandomResizedCrop`,
     so a resumed run draws exactly the crops of the uninterrupted one.
     Evaluation resizes the shorter side to ``size`` and crops the centre.
     DALI pulls each batch ``prefetch`` batches ahead of the consumer; the sampler advances only when a batch
@@ -119,7 +119,7 @@ class DALILoader(SamplerBacked):
         dtype: ``torch.float32`` (default), ``torch.float16`` or ``torch.bfloat16``.
         num_threads: DALI's CPU threads (default: ``min(4, torch.get_num_threads())``).
         on_error: ``"fail"`` (default) raises on a record that does not decode; ``"skip"`` leaves it out and
-            lists it in :attr:`skipped`.
+            lists it in `skipped`.
         pad: Repeat a few samples so every rank serves as many batches (default None: ``train``).
         rank: This process's rank (default: torch.distributed's when initialised, else 0).
         world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
@@ -158,6 +158,7 @@ class DALILoader(SamplerBacked):
                  run_ahead: Optional[bool] = None) -> None:
         base, self.indices = _lmdb_samples(path)
         self.root, self.manifest = base.root, base.manifest
+        self.manifest_sha256 = base.manifest_sha256
         if base.fields is not None:
             names = ", ".join(f.name for f in base.fields)
             raise ConfigError(f"{self.root} has sample fields ({names}): DALILoader serves (image, class) LMDBs; "

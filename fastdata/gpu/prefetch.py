@@ -4,10 +4,10 @@ NOTE [prefetch]: the rules of a batch's way to the GPU.
 
 1. Every batch goes through one side stream, created once per prefetcher (a new stream per epoch leaks).
 2. Host tensors are pinned (FastLoader's ring buffers already are; others are pinned first) and copied with
-   ``non_blocking=True``; views of one buffer, such as a token batch's x and y, cross once (:func:`move`).
+   ``non_blocking=True``; views of one buffer, such as a token batch's x and y, cross once (`move`).
 3. An event marks the end of the copies.
 4. uint8 NHWC images become NCHW ``channels_last`` views: the permute of NHWC is channels_last, no copy.
-5. The transforms run, then :class:`Normalize` casts and normalises (a multiply that casts, then an add),
+5. The transforms run, then `Normalize` casts and normalises (a multiply that casts, then an add),
    replayed from a CUDA graph where it can be (NOTE [graphed convert]).
 6. A second event marks the batch ready; the consumer's stream waits on it, with no host sync.
 7. ``record_stream`` tells the caching allocator the outputs are used on the consumer's stream, so it never
@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ..distributed import check_cuda, dist_rank_world
 from ..errors import ConfigError
 from ..imaging.draws import Draws, batch_seed
-from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
-from ..distributed import check_cuda, dist_rank_world
+from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 
 Release = Optional[Callable[[], None]]
 
@@ -110,7 +110,7 @@ def is_image(t: torch.Tensor) -> bool:
 class CUDAPrefetcher:
     """Yield the batches of any loader on ``device``, converted and augmented there, ``depth`` batches ahead.
 
-    The data's way, for each batch (NOTE [prefetch])::
+    The data's way, for each batch (NOTE [prefetch]):
 
         loader batch (pinned host tensors) -> non_blocking copy on a side stream -> uint8 NHWC viewed as
             NCHW channels_last -> transforms -> Normalize (cast, normalise) -> the consumer's stream waits
@@ -135,7 +135,7 @@ class CUDAPrefetcher:
         normalize: Give ``(x / 255 - mean) / std`` (default True); False gives ``x / 255``.
         dtype: The images' floating dtype on the device (default ``torch.float32``; ``torch.bfloat16`` halves
             the bytes).
-        transforms: A transform (or :class:`Compose` of them) run on the uint8 NCHW batch before Normalize
+        transforms: A transform (or `Compose` of them) run on the uint8 NCHW batch before Normalize
             (default None).
         depth: Batches in flight ahead of the one the model computes on, >= 1 (default 1).
         seed: The seed of the transforms' random draws (default 0).
@@ -207,7 +207,7 @@ class CUDAPrefetcher:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the loader at a :meth:`state_dict`'s position."""
+        """Resume the loader at a `state_dict`'s position."""
         self.loader.load_state_dict(state)
 
     # -- per-batch randomness -------------------------------------------------------------------------

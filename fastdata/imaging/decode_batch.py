@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from . import turbojpeg as turbo
-
-from . import turbojpeg_loop as turbo_loop
-from .draws import RATIO, SCALE, check_scale_ratio, draw_resized_crops
-from .decode_file import FULL_SIZE, open_rgb
 from ..errors import ConfigError, ImageDecodeError
+from . import turbojpeg as turbo, turbojpeg_loop as turbo_loop
+from .decode_file import FULL_SIZE, open_rgb
+from .draws import RATIO, SCALE, check_scale_ratio, draw_resized_crops
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +107,7 @@ def jpeg_size(blob: bytes) -> tuple[int, int]:
 
 
 def record_headers(blobs: Sequence[bytes]) -> np.ndarray:
-    """int64 ``(n, 4)``: :func:`jpeg_header` of each record, the iMCU zeroed where :func:`looks_like_jpeg`
+    """int64 ``(n, 4)``: `jpeg_header` of each record, the iMCU zeroed where `looks_like_jpeg`
     fails (a record cut short could still fill a box above the cut, whose rows below are never read: such
     records go the whole-image way, which reports them)."""
     out = np.zeros((len(blobs), 4), dtype=np.int64)
@@ -129,7 +127,7 @@ def center_boxes(heights: np.ndarray, widths: np.ndarray, fraction: float = 1.0)
 
 
 def center_box(height: int, width: int, fraction: float = 1.0) -> Box:
-    """:func:`center_boxes` of one image."""
+    """`center_boxes` of one image."""
     return tuple(center_boxes(np.array([height]), np.array([width]), fraction)[0].tolist())  # type: ignore
 
 
@@ -140,7 +138,7 @@ def dct_denominators(box_h: np.ndarray, box_w: np.ndarray, size: int) -> np.ndar
 
 
 def dct_denominator(box_h: int, box_w: int, size: int) -> int:
-    """:func:`dct_denominators` of one box."""
+    """`dct_denominators` of one box."""
     return int(dct_denominators(box_h, box_w, size))
 
 
@@ -167,7 +165,7 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
                 flip: bool = False, fraction: float = 1.0) -> np.ndarray:
     """LMDB record -> ``(size, size, 3)`` uint8: ``box`` (stored pixels; default the centre square of side
     ``fraction``) cut or resized to ``size``, mirrored when ``flip``, written into ``out`` when given.
-    :func:`decode_batch` of one record; errors as :class:`ImageDecodeError`."""
+    `decode_batch` of one record; errors as `ImageDecodeError`."""
     import torch
 
     if out is None:
@@ -182,8 +180,8 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
                  fraction: float = 1.0) -> None:
     """Decode ``blobs`` (LMDB records, any buffers) into ``x``, ``(n, size, size, 3)`` uint8: each record's
     box (``boxes``, ``(n, 4)`` stored pixels; default the centre square of side ``fraction``) cut or resized
-    to ``size``, mirrored where ``flips``. ``heads``: :func:`record_headers` of ``blobs`` when the caller
-    has them. A record that cannot be decoded raises :class:`ImageDecodeError` with ``position`` set to its
+    to ``size``, mirrored where ``flips``. ``heads``: `record_headers` of ``blobs`` when the caller
+    has them. A record that cannot be decoded raises `ImageDecodeError` with ``position`` set to its
     index in ``blobs``. See NOTE [jpeg read path]."""
     n = len(blobs)
     heads = record_headers(blobs) if heads is None else heads
@@ -236,7 +234,7 @@ class BatchDecoder:
         return self.crop == "random"
 
     def decode(self, blobs: Sequence[bytes], x: "torch.Tensor", draw: Optional[tuple[int, int, int, int]]) -> None:
-        """Decode ``blobs`` into ``x`` (:func:`decode_batch`), random boxes drawn from ``draw``; without one
+        """Decode ``blobs`` into ``x`` (`decode_batch`), random boxes drawn from ``draw``; without one
         (``ds[i]``, a DataLoader), from torch's global generator (seeded per worker by DataLoader)."""
         heads = record_headers(blobs)  # each frame header read once, here (a damaged one fails at decode)
         boxes = flips = None
@@ -249,8 +247,8 @@ class BatchDecoder:
 
 
 def region_plan(heads: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
-    """:func:`turbo.aligned_regions` for each record's box at its libjpeg scale; denominator 0 for the
-    records the partial decoder must not take (no usable frame header, see :func:`record_headers`)."""
+    """`turbo.aligned_regions` for each record's box at its libjpeg scale; denominator 0 for the
+    records the partial decoder must not take (no usable frame header, see `record_headers`)."""
     H, W, mcu_h, mcu_w = heads.T
     d = dct_denominators(boxes[:, 2], boxes[:, 3], size)
     scaled = _scaled_boxes(boxes, heads[:, :2], -(-heads[:, :2] // d[:, None]))  # libjpeg: ceil(side / d)

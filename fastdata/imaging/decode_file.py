@@ -41,12 +41,12 @@ def _scale(w: int, h: int, size: int, mode: str) -> float:
 
 def open_rgb(path: Path | str | BinaryIO, size: int, mode: str) -> Image.Image:
     """Decode ``path`` to an upright RGB image, at the smallest scale still >= what ``mode`` needs
-    (see :func:`open_rgb_sized`)."""
+    (see `open_rgb_sized`)."""
     return open_rgb_sized(path, size, mode)[0]
 
 
 def open_rgb_sized(path: Path | str | BinaryIO, size: int, mode: str) -> tuple[Image.Image, tuple[int, int]]:
-    """:func:`open_rgb`, and the upright image's full ``(width, height)`` (the decoded image may be smaller:
+    """`open_rgb`, and the upright image's full ``(width, height)`` (the decoded image may be smaller:
     masks and boxes, given at full size, are mapped by fractions of it; see preprocess/fields.py).
 
     Plain RGB JPEGs (no EXIF rotation) are decoded by libjpeg-turbo through simplejpeg at the scale Pillow's
@@ -117,7 +117,7 @@ def _upright(img: Image.Image) -> Image.Image:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> 8-bit RGB: alpha composited on :data:`BACKGROUND`, 16-bit scaled (not clipped)."""
+    """Any Pillow mode -> 8-bit RGB: alpha composited on `BACKGROUND`, 16-bit scaled (not clipped)."""
     mode = img.mode
     if mode == "RGB":
         return img
@@ -143,7 +143,7 @@ def _to_uint8(arr: np.ndarray, mode: str) -> np.ndarray:
 
 
 def resize(img: Image.Image, size: int, mode: str, resample: int = RESAMPLE) -> Image.Image:
-    """Resize an RGB image to ``size``x``size`` by ``mode`` (see :data:`RESIZE_MODES`) with ``resample``."""
+    """Resize an RGB image to ``size``x``size`` by ``mode`` (see `RESIZE_MODES`) with ``resample``."""
     w, h = img.size
     if mode == "center-crop":
         m = min(w, h)

@@ -5,14 +5,14 @@ NOTE [crop draws]: the rules every backend's random crops and flips follow.
 1. A batch's draws come from ``batch_seed(seed, epoch, position, rank)``, so a resumed run draws the same crops
    and each rank its own.
 2. For a batch of ``n`` samples (rows in the order served), the draws are ``u = rand(n, 10, 4)`` for the boxes,
-   then ``rand(n) < p`` for the flips, from one :class:`Draws` stream.
+   then ``rand(n) < p`` for the flips, from one `Draws` stream.
 3. That is exactly what ``Compose([RandomResizedCrop, RandomHorizontalFlip])`` draws in CUDAPrefetcher, on any
    device.
 4. ``Draws`` hashes (seed, counter) with integer arithmetic, so the numbers are the same on the CPU and on a GPU
    (torch's CUDA generator is another algorithm than its CPU one: seeded alike, they differ).
 5. Drawing them on a GPU copies nothing from the host.
 6. The LMDB reader's decode-time crops (``FastDataset(crop="random")``) and the DALI backend call
-   :func:`draw_resized_crops` with each image's own size, so they agree with one another.
+   `draw_resized_crops` with each image's own size, so they agree with one another.
 7. They agree with the batched transform up to the image each box is drawn on: the whole stored image, not a
    centre square.
 """
@@ -82,7 +82,7 @@ class Draws:
 
 def uniform(shape: tuple[int, ...], generator: Union[None, torch.Generator, Draws],
             device: Union[str, torch.device, None]) -> torch.Tensor:
-    """``torch.rand(shape)`` from ``generator``: a :class:`Draws` stream, a ``torch.Generator`` or torch's
+    """``torch.rand(shape)`` from ``generator``: a `Draws` stream, a ``torch.Generator`` or torch's
     global generator (None)."""
     if isinstance(generator, Draws):
         return generator.rand(*shape, device=device)
@@ -138,7 +138,7 @@ def rrc_boxes(height: Union[torch.Tensor, int], width: Union[torch.Tensor, int],
 @functools.lru_cache(maxsize=256)  # a run's batches share a few sizes: computed once each
 def _one_size(height: float, width: float, ratio: tuple[float, float]
               ) -> tuple[float, float, float, tuple[float, ...]]:
-    """:func:`rrc_boxes`'s per-image constants for one image size, by the same float32 tensor arithmetic,
+    """`rrc_boxes`'s per-image constants for one image size, by the same float32 tensor arithmetic,
     as Python numbers (float32 values: a tensor op casts them back exactly): height, width, their product,
     the fallback box."""
     H, W = torch.tensor([height], dtype=torch.float32), torch.tensor([width], dtype=torch.float32)

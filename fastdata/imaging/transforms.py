@@ -1,7 +1,7 @@
 """Batched image transforms for any device: one random draw per sample, no Python loop over samples.
 
 Images are NCHW tensors (the channels_last view of a uint8 NHWC batch is fine), in pixel units: uint8,
-or float in 0..255. Geometric transforms come first; :class:`Normalize` ends a pipeline and gives
+or float in 0..255. Geometric transforms come first; `Normalize` ends a pipeline and gives
 ``(x / 255 - mean) / std`` as one multiply (casting uint8) and one add, bit-equal on CPU and GPU. Every
 random transform draws its parameters for the whole batch from the ``generator`` it is called with
 (CUDAPrefetcher seeds one per batch from ``(seed, epoch, position, rank)``, so a resumed run draws the
@@ -24,8 +24,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .draws import TRIES, Draws, check_scale_ratio, rrc_boxes, uniform
 from ..errors import ConfigError
+from .draws import TRIES, Draws, check_scale_ratio, rrc_boxes, uniform
 
 Rng = Union[None, torch.Generator, Draws]  # where draws come from: see draws.uniform
 
@@ -86,7 +86,7 @@ class Transform:
 class Compose(Transform):
     """Apply several transforms in order, all drawing from the same generator.
 
-    On an image tensor, a crop followed by :class:`RandomHorizontalFlip` runs as one step, with the same draws
+    On an image tensor, a crop followed by `RandomHorizontalFlip` runs as one step, with the same draws
     and pixels (NOTE [flip folded into the crop]).
     A dict batch of sample fields goes through each transform in turn.
 
@@ -423,7 +423,7 @@ class Normalize(Transform):
         return self.cast(self.float32(x))
 
     def cast(self, y: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        """:meth:`float32`'s result as ``dtype`` (the layout kept; with ``copy``, always a new tensor)."""
+        """`float32`'s result as ``dtype`` (the layout kept; with ``copy``, always a new tensor)."""
         return y.to(self.dtype, copy=copy)
 
     def float32(self, x: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ def decode_region(data: bytes, denominator: int, box: tuple[int, int, int, int],
     (warnings included) or the box does not fit: the caller then decodes the whole image as before.
     ``scratch``: decode into this thread's reusable buffer (no allocation, and memory the resize then reads
     from cache); the view is valid only until this thread's next ``scratch`` decode. The loader decodes
-    whole batches with :func:`decode_regions` instead, with each frame checked by the caller."""
+    whole batches with `decode_regions` instead, with each frame checked by the caller."""
     lib = library()
     if lib is None:
         return None
@@ -180,7 +180,7 @@ def aligned_regions(boxes: np.ndarray, denominators: np.ndarray, mcu_heights: np
 
 def decode_regions(blobs: Sequence, plan: np.ndarray) -> Iterator[tuple[int, np.ndarray | None]]:
     """Decode a batch's boxes, one record at a time into this thread's scratch buffer: for each row ``j`` of
-    ``plan`` (int, ``(n, 7)``: :func:`aligned_regions`, a denominator of 0 to leave the record out)
+    ``plan`` (int, ``(n, 7)``: `aligned_regions`, a denominator of 0 to leave the record out)
     yield ``j`` and the box's ``(height, width, 3)`` pixels, valid until the next item is asked for, or None
     where TurboJPEG refused the record. The caller has checked each frame (8-bit, grey or 3 components,
     a subsampling TurboJPEG knows) and sized the plan: nothing is asked of the library but the decode,
@@ -211,7 +211,7 @@ _SCALES = {d: _Scale(1, d) for d in (1, 2, 4, 8)}
 
 def _decompress(lib: _Lib, handle: _Handle, data: bytes | int, size: int, plan: Sequence[int],
                 address: int) -> bool:
-    """Decode ``plan``'s region (a row of :func:`aligned_regions`) of one record into ``address``; False
+    """Decode ``plan``'s region (a row of `aligned_regions`) of one record into ``address``; False
     when TurboJPEG refuses it. The scale is set only when it changes (a batch's records mostly share one):
     two calls fewer under the GIL a record."""
     d, x0, y0, width, height = plan[:5]

@@ -1,6 +1,6 @@
 """A batch's JPEG boxes decoded in one call that holds no GIL: the loop over records compiled by numba
 (optional), calling libturbojpeg 3's C entry points (NOTE [nogil loop]). Without numba, or where the
-calling convention is not one this module knows, :func:`fastdata.imaging.decode_batch.decode_batch` keeps
+calling convention is not one this module knows, `fastdata.imaging.decode_batch.decode_batch` keeps
 its Python loop.
 """
 from __future__ import annotations

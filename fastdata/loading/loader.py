@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import numpy as np
 import torch
 
-from ._threads import limit_intraop_threads
 from ..errors import ConfigError, FastdataError
+from ._threads import limit_intraop_threads
 from .mixing import MixtureSampler
 from .sampler import DistributedBatchSampler, SamplerBacked
 
@@ -74,13 +74,13 @@ def load_config(path: Union[Path, str]) -> dict[str, Any]:
 class FastLoader(SamplerBacked):
     """Iterate a dataset in whole batches, gathered by background threads into a ring of reused buffers.
 
-    The data's way::
+    The data's way:
 
         DistributedBatchSampler -> sorted batch indices -> num_threads threads: dataset.get_batch(idx, out=slot)
             -> num_threads + prefetch slots (pinned host buffers) -> the consumer (a training loop,
             CUDAPrefetcher) -> release: the slot is refilled
 
-    The order is a :class:`DistributedBatchSampler`'s: fixed by ``(seed, epoch)``, split across DDP ranks,
+    The order is a `DistributedBatchSampler`'s: fixed by ``(seed, epoch)``, split across DDP ranks,
     resumable mid-epoch with ``state_dict()`` / ``load_state_dict()``.
     A yielded batch is valid until the next ``next()`` (NOTE [ring]); pass ``copy=True`` to keep batches longer.
     Batches are ``(x, y)`` tuples, or dicts of fields for a dataset with sample fields.
@@ -110,7 +110,7 @@ class FastLoader(SamplerBacked):
     Raises:
         ConfigError: ``dataset`` lacks the methods above, an argument has a bad value, or ``shuffle_window`` is
             given for a dataset that cannot say where its samples are stored.
-        FastdataError: While iterating with :meth:`iter_manual`, every slot is held by the consumer (a batch
+        FastdataError: While iterating with `iter_manual`, every slot is held by the consumer (a batch
             was never released).
 
     Examples:

@@ -51,8 +51,8 @@ class Segment:
 
 
 class MixtureSampler:
-    """Batches of a :class:`~fastdata.datasets.mixture.Mixture` for one rank (NOTE [mixture order]); the
-    interface of :class:`~fastdata.loading.sampler.DistributedBatchSampler` (state, resume, set_epoch).
+    """Batches of a `Mixture` for one rank (NOTE [mixture order]); the
+    interface of `DistributedBatchSampler` (state, resume, set_epoch).
 
     Args:
         mixture: the Mixture.
@@ -140,7 +140,7 @@ class MixtureSampler:
 
     def _sync(self) -> None:
         """When the mixture's weights changed: a new segment from the position reached (NOTE [mixture order]
-        3). Run where no iteration is live: at the start of one (:meth:`batches`) and at a resume."""
+        3). Run where no iteration is live: at the start of one (`batches`) and at a resume."""
         if quantise(self.mixture._weights) == self.seg.weights:
             return
         p = self.position()
@@ -204,7 +204,7 @@ class MixtureSampler:
         return self._stream(self.seg, self.start, self.served)
 
     def coming_batches(self) -> "Coming":
-        """:meth:`batches`, then the next epoch's: the reads a streamed source's cache plans for."""
+        """`batches`, then the next epoch's: the reads a streamed source's cache plans for."""
         return Coming(self, self.seg, self.start, self.served)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -334,7 +334,7 @@ class MixtureSampler:
 
 class Coming:
     """The coming batches of a sampler (this epoch's rest, then the next epoch's), computed apart from the
-    sampler's own orders, so a cache's planning thread may run it; :meth:`of_source` gives one source's share."""
+    sampler's own orders, so a cache's planning thread may run it; `of_source` gives one source's share."""
 
     def __init__(self, sampler: MixtureSampler, seg: Segment, start: int, served: int) -> None:
         self.sampler, self.seg, self.start, self.served = sampler, seg, start, served

@@ -47,9 +47,9 @@ def group_by_shard(shards: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]
 
 
 class EpochOrder:
-    """``perm`` of one epoch (NOTE [streamed order]); :meth:`at` gives ``perm[positions]``.
+    """``perm`` of one epoch (NOTE [streamed order]); `at` gives ``perm[positions]``.
 
-    ``bounds`` (and ``members``, see :func:`shard_bounds`) say which samples each shard holds; they are
+    ``bounds`` (and ``members``, see `shard_bounds`) say which samples each shard holds; they are
     needed for a ``window`` (in shards). ``layout=(C, L)``: ``C`` nodes of ``L`` ranks (``(1, 1)``: one
     stream)."""
 

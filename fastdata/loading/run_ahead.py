@@ -30,7 +30,7 @@ Produce = Callable[[Callable[[], None]], Iterator[Item]]  # produce(caught_up)
 
 class RunAhead:
     """Iterate ``produce(caught_up)`` on a thread, ``depth`` items ahead; yields its ``(x, y, tag)`` items
-    on the consumer's thread, usable on its current stream, after ``on_take(tag)``. :meth:`close` stops the
+    on the consumer's thread, usable on its current stream, after ``on_take(tag)``. `close` stops the
     thread (the consumer left the loop, or the producer ended); errors raised by the producer are raised to
     the consumer."""
 

@@ -41,7 +41,7 @@ class DistributedBatchSampler:
     The order is a permutation fixed by ``(seed, epoch)``, dealt to the ranks (NOTE [epoch plan]).
     Every rank yields the same number of batches, so DDP never hangs, except with ``pad=False``.
     With ``pad=False`` every sample is served exactly once, for evaluation loops that run no collective per
-    batch (such as :meth:`fastdata.train.trainer.Trainer.evaluate`).
+    batch (such as `fastdata.train.trainer.Trainer.evaluate`).
     ``state_dict()`` records how far the epoch got; ``load_state_dict()`` resumes at the next unseen sample,
     even with another world size.
     The epoch is computed a chunk of batches at a time, never held whole.
@@ -174,13 +174,13 @@ class DistributedBatchSampler:
                 yield chunk[i:i + b]
 
     def rank_indices(self) -> np.ndarray:
-        """This rank's samples for the rest of the epoch, in order (made whole: prefer :meth:`batches`)."""
+        """This rank's samples for the rest of the epoch, in order (made whole: prefer `batches`)."""
         count = self._rank_count(self.start)
         return self.order().at(self._positions(self.start, 0, count))
 
     def batches(self, mine: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
         """This rank's batches from the current position (int64 arrays; does not advance the state),
-        streamed; ``mine`` is :meth:`rank_indices` when the caller has it already."""
+        streamed; ``mine`` is `rank_indices` when the caller has it already."""
         if mine is None:
             yield from self._stream(self.epoch, self.start, self.served)
             return
@@ -188,7 +188,7 @@ class DistributedBatchSampler:
             yield mine[i:i + self.batch_size]
 
     def coming_batches(self) -> Iterator[np.ndarray]:
-        """:meth:`batches`, then the next epoch's from its start: the reads a cache can plan for (the
+        """`batches`, then the next epoch's from its start: the reads a cache can plan for (the
         next epoch's order is known already). Its orders are its own: another thread may run it."""
         epoch, start, served = self.epoch, self.start, self.served
         yield from self._stream(epoch, start, served, self._new_order(epoch))
@@ -257,7 +257,7 @@ class DistributedBatchSampler:
         """Resume at the next sample no rank has served, whatever the world size was (NOTE [epoch plan]).
 
         Args:
-            state: A :meth:`state_dict` of a sampler over the same dataset and order.
+            state: A `state_dict` of a sampler over the same dataset and order.
 
         Raises:
             ConfigError: The state belongs to another dataset, or to another seed, shuffle or shuffle window.
@@ -307,10 +307,24 @@ class SamplerBacked:
         self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the epoch got to, counting only batches already handed to the consumer."""
-        return self.sampler.state_dict()
+        """Where the epoch got to, counting only batches already handed to the consumer, and the version of
+        the dataset it got there in (``dataset_sha256``: its manifest's digest)."""
+        state = self.sampler.state_dict()
+        version = getattr(self.dataset, "manifest_sha256", None)
+        return state if version is None else {**state, "dataset_sha256": version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a :meth:`state_dict`'s position; an iteration under way is closed first."""
+        """Resume at a `state_dict`'s position; an iteration under way is closed first.
+
+        Raises:
+            ConfigError: The state was saved on another version of the dataset (its manifest changed: a new
+                ``fastdata preprocess --overwrite`` or ``push``), or belongs to another order.
+        """
+        saved, version = state.get("dataset_sha256"), getattr(self.dataset, "manifest_sha256", None)
+        if saved is not None and version is not None and saved != version:
+            where = getattr(getattr(self.dataset, "base", self.dataset), "root", "the dataset")
+            raise ConfigError(f"the state was saved on another version of {where} (manifest sha256 {saved[:12]}..., "
+                              f"this one {version[:12]}...): resume on the version the run started with, or "
+                              "start the run over")
         self._close_active()  # an iterator still running would serve the old position
-        self.sampler.load_state_dict(state)
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "dataset_sha256"})

@@ -1,6 +1,6 @@
 """Which source each position of a mixture takes: a deterministic, low-discrepancy schedule.
 
-NOTE [mixture schedule]: a :class:`Schedule` deals the positions ``n = 0, 1, 2, ...`` of a stretch of a
+NOTE [mixture schedule]: a `Schedule` deals the positions ``n = 0, 1, 2, ...`` of a stretch of a
 mixture's stream (a "segment": one mixture epoch, or its part after the weights changed) to its sources.
 
 1. The weights are quantised to integers summing to ``Q = 2**20`` (largest remainders; a positive weight
@@ -12,8 +12,8 @@ mixture's stream (a "segment": one mixture epoch, or its part after the weights 
    The phase ``r`` in ``[0, q)`` is drawn from ``(seed, epoch, segment start, node)``: a function of the
    seed and the position, never of coin flips made along the way.
 3. So how many of the first ``n`` positions a source takes is a closed form evaluated in O(depth)
-   (:meth:`Schedule.count`), any position's source and its rank among that source's positions too
-   (:meth:`Schedule.locate`, vectorised over a batch): the schedule jumps to any position at no cost and
+   (`Schedule.count`), any position's source and its rank among that source's positions too
+   (`Schedule.locate`, vectorised over a batch): the schedule jumps to any position at no cost and
    holds O(sources) numbers, whatever the stream's length.
 4. Each node's left count is within 1 of ``m * p / q``, so a source's count among the first ``n``
    positions is within ``depth`` of ``n * weight`` and its count in ANY window of positions within
@@ -32,7 +32,7 @@ Q = 1 << 20  # weight resolution: (m % q) * p + r < 2**41, far from int64's limi
 
 
 def quantise(weights: Sequence[float]) -> list[int]:
-    """Integer weights summing to :data:`Q` in the proportions of ``weights`` (non-negative, not all zero)."""
+    """Integer weights summing to `Q` in the proportions of ``weights`` (non-negative, not all zero)."""
     w = np.asarray(weights, dtype=np.float64)
     if len(w) == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ConfigError(f"weights must be finite, non-negative and not all zero, got weights={list(weights)!r}")
@@ -52,7 +52,7 @@ class Schedule:
     """The positions of one segment dealt to ``len(weights)`` sources (NOTE [mixture schedule]).
 
     Args:
-        weights: integer weights from :func:`quantise`.
+        weights: integer weights from `quantise`.
         key: what the phases are drawn from, e.g. ``(seed, epoch, start)`` (non-negative integers).
     """
 

@@ -20,9 +20,9 @@ from typing import Any, Optional
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..imaging import decode_file as decode
 from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
+from ..imaging import decode_file as decode
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -38,7 +38,7 @@ class Geometry:
 
 
 def geometry(w: int, h: int, size: int, mode: str) -> Geometry:
-    """The map :func:`fastdata.imaging.decode_file.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
+    """The map `fastdata.imaging.decode_file.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
     if mode == "center-crop":
         m = min(w, h)
         if m == size:  # resize() cuts without resampling, at integer offsets
@@ -160,7 +160,7 @@ class RecordDecoder:
 
 
 def open_source(root: Path, rel: str, blobs: Any, index: int) -> Any:
-    """What :meth:`RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes (``index``
+    """What `RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes (``index``
     counts in ``blobs``: a task's chunk)."""
     if blobs is None:
         return root / rel

@@ -15,7 +15,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..imaging import decode_file as decode
 from .._io import fsync_dir, write_bytes_atomic
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
@@ -23,12 +22,12 @@ from ..formats.base import LABEL_DTYPE, npy_bytes
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from ..formats.schema import Field
 from ..formats.tokenizer import cached_tokenizer, token_dtype
-from . import journal
-from . import parallel, ray_pool
-from .fields import RecordDecoder, open_source
-from .tars import discover_source
-from .sources import Source
+from ..imaging import decode_file as decode
 from ..storage.remote import is_url
+from . import journal, parallel, ray_pool
+from .fields import RecordDecoder, open_source
+from .sources import Source
+from .tars import discover_source
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class ImagePreprocessConfig:
 def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     """Preprocess an image source into a dataset folder: uint8 .npy shards or a JPEG LMDB.
 
-    The data's way::
+    The data's way:
 
         source (folder, CSV, records, Parquet, COCO, segmentation pair, tars) -> chunks -> worker processes
             decode and resize -> results written in source order into shards (or LMDB parts) -> each complete
@@ -151,7 +150,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     A killed run resumes from its complete shards; a rerun with the same arguments returns at once.
 
     Args:
-        config: What to read, what to write and how (:class:`ImagePreprocessConfig`).
+        config: What to read, what to write and how (`ImagePreprocessConfig`).
 
     Returns:
         The dataset's manifest, as written to ``config.out/manifest.json``.

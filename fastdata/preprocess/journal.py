@@ -210,7 +210,7 @@ def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
 
 
 def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
-    """Make OUT (made and held by :func:`exclusive`) usable; returns the existing manifest when OUT is already
+    """Make OUT (made and held by `exclusive`) usable; returns the existing manifest when OUT is already
     finished with these arguments."""
     names = [p.name for p in out.iterdir()]
     if not names:
@@ -291,7 +291,7 @@ def output(out: Path, fingerprint: str, overwrite: bool) -> Iterator[Target]:
         overwrite: replace a dataset made with other arguments.
 
     Yields:
-        The :class:`Target`: a run with ``done`` set returns it; otherwise it resumes the journal in
+        The `Target`: a run with ``done`` set returns it; otherwise it resumes the journal in
         ``folder`` and writes its manifest there.
 
     Raises:

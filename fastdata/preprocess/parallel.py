@@ -66,7 +66,7 @@ def _die_with(parent: int) -> None:
     """End this worker when the run that started it ends, ``kill -9`` included: left alone, a worker of a
     killed run waits on its task queue forever, holding a copy of the run's memory (Linux; elsewhere a
     worker lives on until its queue breaks). Linux sends the signal when the thread that started the worker
-    ends: the pool lives within one :func:`ordered_map` iteration, driven by one thread."""
+    ends: the pool lives within one `ordered_map` iteration, driven by one thread."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -77,7 +77,7 @@ def _die_with(parent: int) -> None:
 
 
 def slot(k: Optional[int]) -> Optional[memoryview]:
-    """In a task of :func:`ordered_map` with ``slot_bytes``: the writable shared slot ``k`` it was given
+    """In a task of `ordered_map` with ``slot_bytes``: the writable shared slot ``k`` it was given
     (``None`` when the workers cannot share memory with the parent, e.g. under ``spawn``)."""
     return None if k is None or _slots is None else _slots.view(k)
 
@@ -86,7 +86,7 @@ def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int,
                 slot_bytes: Optional[int] = None) -> Iterator[Any]:
     """``map(fn, tasks)`` over ``workers`` processes (in-process when ``workers == 1``), in order.
 
-    With ``slot_bytes`` given, ``fn(task, k)`` is called instead, where :func:`slot` (k) is a shared slot of
+    With ``slot_bytes`` given, ``fn(task, k)`` is called instead, where `slot` (k) is a shared slot of
     that many bytes (``None`` when ``slot_bytes`` is 0 or memory cannot be shared: then ``fn`` returns its
     data), and the map yields ``(result, view)``: ``view`` is what the task wrote, valid until the next
     result is asked for (``None`` without a slot).

@@ -124,7 +124,7 @@ class RayPool:
         workers: Worker slots: tasks run at once across the cluster (``_WINDOW`` times as many in flight).
         num_cpus: The CPUs each task asks Ray for.
         needs: A path every task reads (the source folder): a task on a node that does not see it fails
-            with a :class:`SourceError` instead of skipping every sample as unreadable (default None).
+            with a `SourceError` instead of skipping every sample as unreadable (default None).
     """
 
     def __init__(self, workers: int, num_cpus: float = 1.0, needs: Optional[str] = None) -> None:
@@ -133,10 +133,10 @@ class RayPool:
     @classmethod
     def open(cls, address: Optional[str], workers_per_node: Optional[int] = None,
              needs: Optional[Any] = None) -> "RayPool":
-        """Connect (:func:`connect`) and size the pool from the cluster's live nodes.
+        """Connect (`connect`) and size the pool from the cluster's live nodes.
 
         Args:
-            address: As :func:`connect`.
+            address: As `connect`.
             workers_per_node: Tasks at once on each node (each asks for ``CPUs / workers_per_node`` of the
                 smallest node); None: one task per CPU of the cluster.
             needs: As the class takes it (a path; None: nothing checked).
@@ -161,7 +161,7 @@ class RayPool:
 
     def ordered_map(self, fn: Callable[..., Any], tasks: Iterable[Any], workers: Optional[int] = None,
                     slot_bytes: Optional[int] = None) -> Iterator[Any]:
-        """:func:`fastdata.preprocess.parallel.ordered_map` on Ray: the same calls of ``fn``, the same results
+        """`fastdata.preprocess.parallel.ordered_map` on Ray: the same calls of ``fn``, the same results
         in the same order (with ``slot_bytes`` given, ``(result, None)``: a Ray task returns its data).
 
         Raises:

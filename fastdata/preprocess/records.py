@@ -1,7 +1,7 @@
 """Sources of samples with fields (NOTE [fields] in fastdata/formats/schema.py): JSONL/CSV records, a segmentation pair of
 folders, a COCO detection JSON over an image folder, and Parquet files as Hugging Face ``datasets`` writes.
 
-Each becomes a :class:`~fastdata.preprocess.sources.Source` whose ``extras`` hold one raw value per sample
+Each becomes a `Source` whose ``extras`` hold one raw value per sample
 and field; the values are checked against the image (sizes, boxes, classes) by the decoding workers, so a
 bad record follows ``--on-error`` with its file and record named, like an undecodable image.
 
@@ -350,7 +350,7 @@ def parquet(src: Path) -> Source:
 def discover_any(src: Path, coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
     a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
-    ``path,label`` CSV as always (WebDataset tars: :func:`fastdata.preprocess.tars.discover_source`)."""
+    ``path,label`` CSV as always (WebDataset tars: `fastdata.preprocess.tars.discover_source`)."""
     src = Path(src)
     if coco_json is not None:
         if not src.is_dir():

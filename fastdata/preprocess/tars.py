@@ -269,7 +269,7 @@ def _blank(value: Any) -> Any:
 
 class TarBlobs:
     """Reads sample ``i``'s image bytes from its tar by offset (NOTE [tar source] rule 3); a bad record's
-    read raises :class:`ImageDecodeError` with its reason. Picklable: workers reopen the tars."""
+    read raises `ImageDecodeError` with its reason. Picklable: workers reopen the tars."""
 
     def __init__(self, tars: list[str], where: list[Where]) -> None:
         self.tars, self.where = tars, where
@@ -321,7 +321,7 @@ class TarBlobs:
 
 def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a URL, a ``.tar``, a brace
-    pattern, a folder of them), else what :func:`~fastdata.preprocess.records.discover_any` finds."""
+    pattern, a folder of them), else what `discover_any` finds."""
     if coco_json is None and is_tar_source(src):
         return tar_source(src)
     if is_url(str(src)):

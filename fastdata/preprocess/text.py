@@ -24,8 +24,7 @@ from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
-from . import journal
-from . import ray_pool
+from . import journal, ray_pool
 from .parallel import default_workers, ordered_map
 
 log = logging.getLogger(__name__)
@@ -183,7 +182,7 @@ def _tokenize(task: Task) -> tuple[list[int], list[np.ndarray], list[bool]]:
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
     """Tokenise text documents into uint16/uint32 token shards, split into train and val.
 
-    The data's way::
+    The data's way:
 
         .txt / .jsonl documents, in order -> chunks of about 1 MB of text -> worker processes tokenise
             -> results written in source order, an end-of-document token between documents -> train or val
@@ -193,7 +192,7 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
     A killed run resumes from its complete units; a rerun with the same arguments returns at once.
 
     Args:
-        config: What to read, what to write and how (:class:`TextPreprocessConfig`).
+        config: What to read, what to write and how (`TextPreprocessConfig`).
 
     Returns:
         The dataset's manifest, as written to ``config.out/manifest.json``.

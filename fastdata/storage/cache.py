@@ -2,7 +2,7 @@
 
 NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards on a node.
 
-1. A reader names the shards each of its coming batches reads (:meth:`ShardCache.plan`): an iterator over the
+1. A reader names the shards each of its coming batches reads (`ShardCache.plan`): an iterator over the
    epoch order FastLoader knows in advance, running on into the next epoch.
 2. A scheduler thread downloads them in order of first need, with at most ``in_flight`` bytes and ``requests``
    objects under way, so downloads overlap training and the first batch waits only for its own shards.
@@ -29,7 +29,7 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     file while it has the shard mapped, and an eviction needs that lock exclusively.
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
-    :meth:`RemoteDataset.fetch`).
+    `RemoteDataset.fetch`).
 14. The limit is kept up to the bytes other processes have in flight.
 15. Counted against the limit: shards on disk, arriving (each download owns its shard's room until it ends,
     whoever waits for it) and pinned. A download ends in one locked step that gives its room back and
@@ -121,8 +121,8 @@ class ShardCache:
     # -- plans ------------------------------------------------------------------------------------------
     def plan(self, reads: Iterable[np.ndarray], now: Optional[int] = None) -> object:
         """Register the coming reads: the shards of each coming batch, in ``acquire`` order (an iterator,
-        learnt as the scheduler goes, up to :attr:`horizon` runs ahead of the reader: it may run on into the
-        next epoch, whose reads start after the first ``now`` batches); a token for :meth:`end_plan`. The
+        learnt as the scheduler goes, up to `horizon` runs ahead of the reader: it may run on into the
+        next epoch, whose reads start after the first ``now`` batches); a token for `end_plan`. The
         newest plan drives prefetching. Warns once when the reads are scattered over more shards than the
         cache holds (a plain shuffle: use a ``shuffle_window``)."""
         self._check_pid()
@@ -178,7 +178,7 @@ class ShardCache:
     def acquire(self, shards: np.ndarray) -> np.ndarray:
         """Pin the distinct ``shards`` of one batch, fetching and opening them first where needed; the
         opened shards indexed by shard (an object array: entries of pinned shards stay valid until
-        :meth:`release`). The common case, all open, is a few array operations whatever the shard count.
+        `release`). The common case, all open, is a few array operations whatever the shard count.
 
         Raises:
             FastdataError: A download of this batch's shards failed, or a prefetch failed since the last
@@ -349,7 +349,7 @@ class ShardCache:
         """(Under the lock.) Evict until the shards ``need`` fit under the limit, the shard needed last first
         (Belady); the bytes still short (0: they fit). Counted: shards on disk, arriving (each download's
         room is its own until it ends) or pinned (a batch's shard not on disk yet). A prefetch (one shard)
-        within a lookahead of a quarter of the limit (:func:`evict.near`) evicts only shards needed after it
+        within a lookahead of a quarter of the limit (`evict.near`) evicts only shards needed after it
         (do no harm); beyond it, only what the reader would evict when it is due (so it never costs a
         download that waiting would not); otherwise it stays short."""
         if self.limit is None:
@@ -402,7 +402,7 @@ class ShardCache:
 
     # -- prefetching ------------------------------------------------------------------------------------
     def _schedule(self) -> None:
-        """The prefetch thread: :meth:`_prefetch_all`; an error that ends it is raised in the consumer at its
+        """The prefetch thread: `_prefetch_all`; an error that ends it is raised in the consumer at its
         next batch (never a silent end of prefetching)."""
         try:
             self._prefetch_all()

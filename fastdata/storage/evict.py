@@ -1,4 +1,4 @@
-"""Which cached shards may go to make room, decided from a :class:`Plan` of the coming reads alone (no
+"""Which cached shards may go to make room, decided from a `Plan` of the coming reads alone (no
 files, no locks): the rules of NOTE [shard cache] in fastdata/storage/cache.py, which applies them to the disk."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def farthest_first(plan: Plan, candidates: np.ndarray) -> tuple[np.ndarray, np.n
 
 
 def harmless(plan: Plan, s: int, sizes: np.ndarray, next_uses: np.ndarray, short: int) -> bool:
-    """Whether evicting shards of ``sizes`` and ``next_uses`` (free now, in :func:`farthest_first` order) frees
+    """Whether evicting shards of ``sizes`` and ``next_uses`` (free now, in `farthest_first` order) frees
     ``short`` bytes using only shards needed after ``s``: a prefetch of ``s`` does no harm."""
     room = np.cumsum(sizes)
     k = int(np.searchsorted(room, short)) + 1

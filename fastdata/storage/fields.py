@@ -11,7 +11,7 @@ a batch's values are found with one ``np.repeat`` over the batch's ``(start, len
 with one take, into a buffer of exactly the batch's total length.
 
 Streamed from object storage (``streamed=True``), the offsets are read up front (small) and each shard's
-field files are mapped when the dataset's shard cache brings the shard in (:meth:`FieldStore.open_shard`,
+field files are mapped when the dataset's shard cache brings the shard in (`FieldStore.open_shard`,
 from the cache's opener, so they arrive, are checked and are evicted with the images of that shard).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def empty(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Opened:
-    """One field's rows as :func:`open_shards` gave them, with where each shard's rows start."""
+    """One field's rows as `open_shards` gave them, with where each shard's rows start."""
 
     def __init__(self, opened: OpenedShards, bases: np.ndarray) -> None:
         self.maps, self.flat, self.device, self.bases = opened.maps, opened.flat, opened.device, bases
@@ -163,7 +163,7 @@ def split_fields(batch: dict[str, torch.Tensor], fields: list[Field]) -> list[di
 
 
 def collate_fields(samples: Sequence[dict[str, torch.Tensor]], fields: list[Field]) -> dict[str, torch.Tensor]:
-    """Per-sample dicts -> the batch dict :meth:`FastDataset.get_batch` gives."""
+    """Per-sample dicts -> the batch dict `FastDataset.get_batch` gives."""
     batch = {"image": torch.stack([s["image"] for s in samples])}
     for f in fields:
         if f.kind == "image":

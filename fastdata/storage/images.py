@@ -1,7 +1,7 @@
 """An image dataset's bytes opened for reading, in one storage mode: ``.npy`` shards memory-mapped, one
 contiguous copy in RAM or /dev/shm, one tensor on the GPU, an LMDB reader, or shards streamed from object
 storage through the node cache (NOTE [shard cache] in fastdata/storage/cache.py); the sample fields' files
-with them. :class:`~fastdata.datasets.images.FastDataset` keeps only the batching on top of this."""
+with them. `FastDataset` keeps only the batching on top of this."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,7 +36,7 @@ class OpenedImages:
 
 
 def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool) -> set[str]:
-    """The files opened (and checked) by :func:`open_images`: image shards and the extra fields' files."""
+    """The files opened (and checked) by `open_images`: image shards and the extra fields' files."""
     names = set() if is_lmdb else {s["images"] for s in manifest["shards"]}
     shards = len(manifest["lmdb_shards" if is_lmdb else "shards"]) if fields is not None else 0
     for f in fields or []:
@@ -47,7 +47,7 @@ def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb
 
 def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool,
                       verify: bool) -> None:
-    """Size (and with ``verify`` hash) every present file that :func:`open_images` does not open itself
+    """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
     (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
     opened = image_files(manifest, fields, is_lmdb)
     others = [f["path"] for f in manifest["files"] if f["path"] not in opened and (root / f["path"]).exists()]

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from ..errors import ConfigError
+from ..distributed import broadcast_bytes, group_size, is_main_rank
+from ..errors import ConfigError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, check_manifest, load_manifest
-from .remote import RemoteDataset, is_url, scrub
+from .remote import RETRY_SECONDS, RemoteDataset, is_url, scrub
 
 if TYPE_CHECKING:
     from .cache import ShardCache
@@ -42,7 +43,7 @@ class OpenedPath:
     Attributes:
         root: the local folder (a URL's node-cache folder).
         manifest: the checked manifest.
-        remote: the :class:`RemoteDataset` a URL was opened through; None for a local folder.
+        remote: the `RemoteDataset` a URL was opened through; None for a local folder.
         limit: the cache bound in bytes (``cache_limit``); None for no bound or a local folder.
     """
 
@@ -55,10 +56,12 @@ class OpenedPath:
 def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
               storage_options: Optional[dict[str, Any]] = None, cache_dir: Optional[Union[str, Path]] = None,
               cache_limit: Union[int, str, None] = None,
-              streamed: Callable[[dict[str, Any]], frozenset[str]] = lambda m: frozenset()) -> OpenedPath:
+              streamed: Callable[[dict[str, Any]], frozenset[str]] = lambda m: frozenset(),
+              retry_seconds: float = RETRY_SECONDS) -> OpenedPath:
     """A dataset folder or URL opened: its manifest read and checked once (one of ``formats``), a URL's files
     but ``streamed(manifest)`` downloaded into the node cache (those come with the batches), the cache bound
-    parsed. An :class:`OpenedPath` is checked against ``formats`` and returned as it is.
+    parsed; a URL's reads are retried over ``retry_seconds`` (NOTE [retry budget] in remote.py). An
+    `OpenedPath` is checked against ``formats`` and returned as it is.
 
     Raises:
         ConfigError: URL options given for a local folder or an opened path; a dataset that streams nothing
@@ -77,7 +80,8 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
             raise ConfigError(f"storage_options, cache_dir and cache_limit apply to URLs (s3://..., gs://...); "
                               f"{path} is a local path")
         return OpenedPath(Path(path), load_manifest(path, formats))
-    remote = RemoteDataset(str(path), storage_options=storage_options, cache_dir=cache_dir)
+    remote = _job_remote(str(path), storage_options=storage_options, cache_dir=cache_dir,
+                         retry_seconds=retry_seconds)
     manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}")
     stream = streamed(manifest)
     need = sum(int(f["bytes"]) for f in manifest["files"] if f["path"] not in stream)
@@ -88,6 +92,26 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
     return OpenedPath(remote.prepare(stream), manifest, remote, limit)
 
 
+def _job_remote(url: str, **options: Any) -> RemoteDataset:
+    """The remote dataset at ``url``, one version for the whole job: under a process group rank 0 reads the
+    manifest and every other rank gets its bytes, so a push landing while the ranks open never splits
+    them between two versions (every rank opens the dataset, as every rank builds its loader)."""
+    if group_size() == 1:
+        return RemoteDataset(url, **options)
+    remote, error = None, None
+    if is_main_rank():
+        try:
+            remote = RemoteDataset(url, **options)
+        except FastdataError as exc:  # the others must not wait for bytes that never come
+            error = exc
+    raw = broadcast_bytes(remote._manifest_bytes if remote is not None else None)
+    if error is not None:
+        raise error
+    if raw is None:
+        raise FormatError(f"rank 0 could not open {scrub(url)}: its error says why")
+    return remote if remote is not None else RemoteDataset(url, manifest_bytes=raw, **options)
+
+
 def _release(cache: Optional["ShardCache"], reader: Any) -> None:
     if cache is not None:
         cache.close()
@@ -96,8 +120,8 @@ def _release(cache: Optional["ShardCache"], reader: Any) -> None:
 
 
 class StreamedReads:
-    """What every dataset opened through this layer offers: reads streamed through a :class:`ShardCache`
-    (``_cache``; None when local), and :meth:`close`. ``plan_reads(batches, now)`` stays the dataset's own
+    """What every dataset opened through this layer offers: reads streamed through a `ShardCache`
+    (``_cache``; None when local), and `close`. ``plan_reads(batches, now)`` stays the dataset's own
     (it maps samples to shards)."""
 
     _cache: Optional["ShardCache"]
@@ -142,5 +166,5 @@ class StreamedReads:
             self._cache.end_plan(token)
 
     def download_report(self) -> list[dict[str, Optional[int]]]:
-        """Downloads per loader pass, oldest first (:meth:`ShardCache.report`); empty when not streamed."""
+        """Downloads per loader pass, oldest first (`ShardCache.report`); empty when not streamed."""
         return self._cache.report() if self._cache is not None else []

@@ -22,8 +22,8 @@ LEARN_RUN_BYTES, LEARN_SHARD_BYTES, LEARN_READ_BYTES = 65, 24, 64
 
 def horizon(limit: Optional[int], sizes: np.ndarray) -> int:
     """How many runs a plan learns ahead of the reader for a cache of ``limit`` bytes (None: no limit) over
-    shards of ``sizes`` bytes: :data:`HORIZON_CACHES` times the shards the cache holds (every shard without a
-    limit), at most :data:`HORIZON_RUNS`. Beyond it a shard is "not before the horizon", which eviction
+    shards of ``sizes`` bytes: `HORIZON_CACHES` times the shards the cache holds (every shard without a
+    limit), at most `HORIZON_RUNS`. Beyond it a shard is "not before the horizon", which eviction
     treats as farthest."""
     if limit is None:
         holds = len(sizes)
@@ -173,7 +173,7 @@ class Plan:
         self._got[shard] = True
 
     def next_uses(self, shards: np.ndarray) -> np.ndarray:
-        """:meth:`next_use` of many shards, recomputing only those used (or learnt) since last asked."""
+        """`next_use` of many shards, recomputing only those used (or learnt) since last asked."""
         stale = shards[self._next[shards] < self.pos]
         for s in stale.tolist():
             self._next[s] = self.next_use(s)

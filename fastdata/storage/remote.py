@@ -6,14 +6,32 @@ of its manifest, so a manifest changed under a running job gives another folder 
 the old files. A file is downloaded under ``<name>.part-<pid>-<random>``, hashed while it streams, compared
 with the manifest's size and sha256, then renamed: nothing partial or corrupt ever has a final name. A
 per-file lock (``flock`` under ``.locks/``) makes every rank and worker on a node wait for one download
-instead of starting their own; leftovers of a killed downloader (``.part-*`` of a dead pid) are removed.
+instead of starting their own; leftovers of a killed downloader (``.part-*`` whose file's lock is free) are removed.
 The folder holds the manifest from the start (its id is that manifest's hash) and the files as they
 arrive: FastDataset streams image shards into it as batches need them (storage/cache.py), any other
 reader waits for every file, and then it is an ordinary dataset folder. The next job on the same data
-reuses it; ``fastdata cache list|remove`` manage the folders. A download whose bytes do not match while
+reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download whose bytes do not match while
 the remote manifest changed is refused: a job never mixes two versions of a dataset. A network fault is
-retried; a full cache disk is not (trying again does not free space): the partial file is removed and
-one line says what to do (DiskFullError; a rerun keeps what is cached).
+retried (NOTE [retry budget]); a full cache disk is not (trying again does not free space): the partial file
+is removed and one line says what to do (DiskFullError; a rerun keeps what is cached). The cache is private:
+folders 0700, files 0600, an existing folder of another user refused (its files could be planted);
+``$FASTDATA_CACHE_MODE=group`` shares it with the folders' group instead (02770, 0660).
+
+NOTE [retry budget]: every call to the store (the manifest at opening, each download or prefetch, each
+object ``verify`` hashes, each upload of ``push``) is retried by one `Retry` per dataset over one
+budget, ``retry_seconds`` (default 120):
+1. A failed try waits a random time between 0 and 0.2 s x 2^(tries - 1), at most 10 s (exponential back-off with
+   full jitter: many ranks coming back after an outage do not knock together), then tries again.
+2. The budget runs from the earlier of this call's first try and the dataset's first failure since its
+   last success, so a read that waited for a failed prefetch's download lock gets no budget of its own: an
+   outage is given up on once, ``retry_seconds`` after it began (plus one try), not once per shard.
+3. The last try is made at the deadline: an outage shorter than the budget is survived.
+4. After it, one FormatError names the (scrubbed) URL, the tries and seconds, the last error and what to
+   do. Nothing partial has a final name, so a rerun resumes from the files cached.
+5. The client's own retry loops would multiply the wait (s3fs tries 5 times, botocore 5 times each): an
+   ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
+6. Not retried: an answer that trying again does not change (no such object, access denied, the same
+   wrong bytes twice, a full cache disk).
 
 NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
 (object stores write whole objects: a marker exists only after its object is complete); the manifest goes
@@ -21,21 +39,23 @@ last, so a reader never sees a half-uploaded dataset. A rerun skips objects whos
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
 import posixpath
+import random
 import re
 import secrets
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from .._io import HASH_NAME, disk_error, fsync_dir, new_hash, write_bytes_atomic
-from ..errors import ChecksumError, ConfigError, FormatError, MissingDependencyError, OutputError
+from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, new_hash, open_new, scrub, write_bytes_atomic
+from ..errors import (ChecksumError, ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError,
+                      require)
 from ..formats.manifest import MANIFEST_NAME, file_problem
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
@@ -48,7 +68,9 @@ _WHOLE = 64 << 20
 CACHE_FULL_ADVICE = ("give the dataset a cache_limit below the free space (`--cache-limit`: shards are then "
                      "streamed and evicted), remove other datasets' copies (`fastdata cache remove`), or point "
                      "cache_dir / $FASTDATA_CACHE at a larger disk; a rerun keeps the files already cached")
-_SECRET = re.compile(r"((?:X-Amz-[A-Za-z-]+|Signature|sig|token|AWSAccessKeyId|key|secret)=)[^&\s'\"]+", re.I)
+RETRY_SECONDS = 120.0  # the outage a read rides out by default: throttling, a failover, a DNS blip
+_FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, doubled per try up to this
+CACHE_MODES = {"private": (0o700, 0o600), "group": (0o2770, 0o660)}  # $FASTDATA_CACHE_MODE: folders, files
 
 
 def is_url(path: Union[str, Path]) -> bool:
@@ -56,27 +78,31 @@ def is_url(path: Union[str, Path]) -> bool:
     return isinstance(path, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
 
 
-def scrub(text: str) -> str:
-    """``text`` without signed-URL query values or credentials (safe for errors and logs)."""
-    return _SECRET.sub(r"\1***", text)
-
-
 def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for ``url``; names the extra to install when it is missing.
     Credentials and endpoints come from the usual places (AWS_* variables such as ``AWS_ENDPOINT_URL``,
-    profiles, ...) or ``storage_options``."""
+    profiles, ...) or ``storage_options``. An ``s3://`` client tries each request once (s3fs's and botocore's
+    own retry loops off, unless ``storage_options`` sets them): `Retry` is the one budget
+    (NOTE [retry budget])."""
     protocol = url.split("://", 1)[0].lower()
     try:
         import fsspec
     except ImportError as exc:
         raise MissingDependencyError(f"{scrub(url)} is a URL: reading it needs fsspec ({REMOTE_EXTRA})") from exc
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a"):
+        # botocore's own retry loop off (a dict of our own each time: botocore adds to it)
+        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, **options.get("config_kwargs", {})}
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
         raise MissingDependencyError(f"{scrub(url)}: {protocol}:// needs {package} ({REMOTE_EXTRA})") from exc
     except ValueError as exc:  # an unknown protocol
-        raise ConfigError(f"{scrub(url)}: {exc}") from exc
+        raise ConfigError(f"{scrub(url)}: {scrub(str(exc))}") from exc
+    if protocol in ("s3", "s3a"):  # (an instance of its own: fsspec caches one per set of options, and these
+        fs.retries = 1             # options are ours)
+    return fs, path
 
 
 def object_path(root: str, name: str) -> str:
@@ -88,19 +114,53 @@ def object_path(root: str, name: str) -> str:
     return posixpath.join(root.rstrip("/"), name)
 
 
-def _retry(what: str, fn: Callable[[], Any], tries: int, backoff: float) -> Any:
-    """``fn()`` with up to ``tries`` attempts and exponential back-off; then one line naming ``what``."""
-    for attempt in range(tries):
-        try:
-            return fn()
-        except (FileNotFoundError, ChecksumError, MissingDependencyError, ConfigError, FormatError, OutputError):
-            raise  # (OutputError: this machine's disk, e.g. a full cache, which trying again does not mend)
-        except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
-            if attempt + 1 == tries:
-                raise FormatError(f"cannot read {scrub(what)} after {tries} tries: {type(exc).__name__}: "
-                                  f"{scrub(str(exc))[:300]}") from None
-            time.sleep(backoff * 2 ** attempt)
-    raise AssertionError("unreachable")
+class Retry:
+    """Calls to the store retried over one budget of ``seconds`` (see NOTE [retry budget]); one per dataset
+    (or push), shared by its threads.
+
+    Args:
+        seconds: How long the store may fail before a read gives up: the time since this call's first try,
+            or since the dataset's reads began failing, whichever is earlier. 0 tries once.
+    """
+
+    def __init__(self, seconds: float = RETRY_SECONDS) -> None:
+        require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf"),
+                "retry_seconds", seconds, "a number of seconds >= 0")
+        self.seconds = float(seconds)
+        self.failing_since: Optional[float] = None  # monotonic time of the first failure since the last success
+
+    def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
+        """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``."""
+        start, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                result = fn()
+            except (FileNotFoundError, MissingDependencyError, FastdataError):
+                raise  # (OutputError: this machine's disk, e.g. a full cache, which trying again does not mend)
+            except PermissionError as exc:  # denied is an answer, not an outage
+                raise FormatError(f"cannot {doing} {scrub(what)}: access denied ({_said(exc)}): check the "
+                                  "credentials (AWS_* variables, profile or storage_options)") from None
+            except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
+                now = time.monotonic()
+                self.failing_since = self.failing_since or now
+                deadline = min(start, self.failing_since) + self.seconds
+                if now >= deadline:
+                    raise FormatError(
+                        f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "
+                        f"{now - start:.1f} s (retry_seconds={self.seconds:g}), the last: {_said(exc)}; check that "
+                        "the store is up and reachable, or raise retry_seconds (`--retry-seconds`) to ride out a "
+                        "longer outage; a rerun resumes from what is cached") from None
+                bound = min(_LONGEST_WAIT, _FIRST_WAIT * 2 ** min(tries - 1, 30))
+                time.sleep(min(random.uniform(0, bound), deadline - now))  # full jitter, the last try at the deadline
+                continue
+            self.failing_since = None
+            return result
+
+
+def _said(exc: BaseException) -> str:
+    """``Type: text`` of an exception on one line, at most 300 characters, scrubbed."""
+    return scrub(f"{type(exc).__name__}: {' '.join(str(exc).split())}")[:300]
 
 
 def default_cache_dir() -> Path:
@@ -111,21 +171,31 @@ def default_cache_dir() -> Path:
 
 
 class RemoteDataset:
-    """One remote dataset and its node-local copy (see NOTE [remote cache]); :meth:`local` gives a folder
-    any fastdata reader opens."""
+    """One remote dataset and its node-local copy (see NOTE [remote cache]); `local` gives a folder
+    any fastdata reader opens.
+
+    Args:
+        url: The dataset's fsspec URL.
+        storage_options: Options passed to fsspec (credentials, endpoint).
+        cache_dir: The node cache folder (default `default_cache_dir`).
+        retry_seconds: How long the store may fail (refuse connections, time out, answer 5xx) before a read
+            gives up with one line naming the object (NOTE [retry budget]); default 120.
+        workers: Parallel downloads of `prepare`.
+
+    Raises:
+        FormatError: No manifest at ``url``, a malformed one, or the store unreachable for ``retry_seconds``.
+    """
 
     def __init__(self, url: str, *, storage_options: Optional[dict[str, Any]] = None,
-                 cache_dir: Optional[Union[str, Path]] = None, tries: int = 5, backoff: float = 0.2,
-                 workers: int = 8) -> None:
+                 cache_dir: Optional[Union[str, Path]] = None, retry_seconds: float = RETRY_SECONDS,
+                 workers: int = 8, manifest_bytes: Optional[bytes] = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = filesystem(self.url, storage_options)
-        self.tries, self.backoff, self.workers = tries, backoff, workers
-        try:
-            raw = _retry(f"{self.url}/{MANIFEST_NAME}",
-                         lambda: self.fs.cat_file(object_path(self.root, MANIFEST_NAME)), tries, backoff)
-        except FileNotFoundError:
-            raise FormatError(f"{scrub(self.url)} has no {MANIFEST_NAME}: not a fastdata dataset, or its `fastdata "
-                              "push` has not finished (the manifest is uploaded last)") from None
+        self.retry = Retry(retry_seconds)
+        self._options = storage_options
+        self._fs, self.root = filesystem(self.url, storage_options)
+        self._fs_pid = os.getpid()
+        self.workers = workers
+        raw = manifest_bytes if manifest_bytes is not None else self._fetch_manifest()
         try:
             self.manifest = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -143,26 +213,47 @@ class RemoteDataset:
         self.fetched = {"files": 0, "bytes": 0}  # downloads made by this process (benchmarks, tests)
         self._count = threading.Lock()
 
+    def _fetch_manifest(self) -> bytes:
+        try:
+            return self.retry(f"{self.url}/{MANIFEST_NAME}", lambda: self.fs.cat_file(object_path(self.root,
+                                                                                                   MANIFEST_NAME)))
+        except FileNotFoundError:
+            raise FormatError(f"{scrub(self.url)} has no {MANIFEST_NAME}: not a fastdata dataset, or its `fastdata "
+                              "push` has not finished (the manifest is uploaded last)") from None
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem: a forked child (a DataLoader worker) makes its own, since an
+        async client (s3fs) refuses to run on the event loop of the process that forked it."""
+        if self._fs_pid != os.getpid():
+            self._fs, _ = filesystem(self.url, self._options)
+            self._fs_pid = os.getpid()
+        return self._fs
+
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
-        return {k: v for k, v in self.__dict__.items() if k != "_count"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_count", "_fs", "_fs_pid")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._count = threading.Lock()
+        self._fs, self._fs_pid = None, None  # made on first use in this process
 
     def prepare(self, skip: frozenset[str] = frozenset(),
                 progress: Optional[Callable[[int], None]] = None) -> Path:
         """The cache folder with the manifest and every file but ``skip`` (those are fetched on demand, see
-        :class:`fastdata.storage.cache.ShardCache`), each downloaded once per node and verified."""
-        (self.dir / ".locks").mkdir(parents=True, exist_ok=True)
+        `fastdata.storage.cache.ShardCache`), each downloaded once per node and verified."""
+        cache_folder(self.dir)
+        cache_folder(self.dir / ".locks")
         self._clean_leftovers()
         if not (self.dir / MANIFEST_NAME).is_file():  # the folder's id is this manifest's hash: always the same
-            with open(self.dir / ".locks" / "manifest.lock", "a+b") as lock:
+            with lock_file(self.dir / ".locks" / "manifest.lock") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # every rank may get here: one writes (fixed temporary names)
                 if not (self.dir / MANIFEST_NAME).is_file():
+                    mode = cache_modes()[1]
                     write_bytes_atomic(self.dir / SOURCE_NAME, json.dumps(  # for `fastdata cache list`
-                        {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode(), CACHE_FULL_ADVICE)
-                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes, CACHE_FULL_ADVICE)
+                        {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode(), CACHE_FULL_ADVICE,
+                        mode=mode)
+                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes, CACHE_FULL_ADVICE, mode=mode)
                     fsync_dir(self.dir)
         entries = [e for e in self.manifest["files"] if e["path"] not in skip]
         if entries:
@@ -186,19 +277,34 @@ class RemoteDataset:
         return self.dir / entry["path"]
 
     def get(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> bool:
-        """:meth:`fetch`, saying whether this call downloaded the file (False: it was cached already, or
+        """`fetch`, saying whether this call downloaded the file (False: it was cached already, or
         another thread or process on the node fetched it meanwhile)."""
         name = entry["path"]
         final = self.dir / name
         if final.is_file() and final.stat().st_size == entry.get("bytes"):
             return False  # only verified bytes ever get a final name
-        final.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = self.dir / ".locks" / (name.replace("/", "%") + ".lock")
-        with open(lock_path, "a+b") as lock:
+        for parent in reversed(final.relative_to(self.dir).parents[:-1]):  # a name's folders, inside the cache
+            cache_folder(self.dir / parent)
+        lock_path = self._download_lock(name)
+        bad: list[str] = []  # digests of the whole bodies that differed from the manifest's
+
+        def download() -> None:
+            try:
+                self._download(entry, final, progress)
+            except _WrongBytes as exc:
+                bad.append(exc.digest)
+                if bad.count(exc.digest) > 1:  # the same wrong bytes twice: the stored object, not the network
+                    raise ChecksumError(f"cannot read {scrub(self.url)}/{name} after {len(bad)} tries: the store's "
+                                        f"object has {HASH_NAME} {exc.digest[:12]}... each time, not the manifest's "
+                                        f"{entry[HASH_NAME][:12]}...: it was replaced or damaged after `fastdata "
+                                        "push`; push the dataset again (`fastdata verify URL` lists every such "
+                                        "object)") from None
+                raise
+        with lock_file(lock_path) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
             if final.is_file() and final.stat().st_size == entry.get("bytes"):
                 return False
-            _retry(f"{self.url}/{name}", lambda: self._download(entry, final, progress), self.tries, self.backoff)
+            self.retry(f"{self.url}/{name}", download)
         return True
 
     def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
@@ -211,7 +317,7 @@ class RemoteDataset:
             except OSError as exc:
                 raise disk_error(exc, final, CACHE_FULL_ADVICE) from exc
         try:
-            dst = local(lambda: open(tmp, "wb"))
+            dst = local(lambda: open_new(tmp, cache_modes()[1]))
             try:
                 for block in self._blocks(object_path(self.root, entry["path"]), int(entry["bytes"])):
                     digest.update(block)
@@ -230,9 +336,10 @@ class RemoteDataset:
                 raise FormatError(f"{scrub(self.url)} changed while this job was reading it (its {MANIFEST_NAME} "
                                   "is not the one this job started with): refusing to mix two versions; restart "
                                   "the job to read the new one") from None
-            if problem is not None:  # a truncated or corrupted body: retried by the caller, never renamed
-                what = HASH_NAME if problem == "hash" else problem
-                raise IOError(f"the downloaded bytes' {what} differs from the manifest's (truncated or corrupted)")
+            if problem == "hash":  # a corrupted body: retried by the caller, never renamed
+                raise _WrongBytes(digest.hexdigest())
+            if problem is not None:  # a truncated body
+                raise IOError(f"the downloaded bytes' {problem} differs from the manifest's (truncated or corrupted)")
             local(lambda: os.replace(tmp, final))
             with self._count:
                 self.fetched["files"] += 1
@@ -243,8 +350,8 @@ class RemoteDataset:
     def _blocks(self, path: str, size: int) -> Iterator[bytes]:
         """The object's ``size`` bytes (the manifest's size) in ranged GETs: one for files up to ``_WHOLE``,
         else ``_BLOCK`` pieces. A ranged read is one request on every fsspec backend; a whole-object read or
-        an ``open`` makes s3fs ask for the size first (a HEAD per shard, half the requests and about 40 %
-        of a loopback server's CPU per byte, measured)."""
+        an ``open`` makes s3fs ask for the size first: a HEAD per shard, half the requests, and a large share of
+        the server's CPU per byte (benchmarks/RESULTS.md)."""
         step = size if size <= _WHOLE else _BLOCK
         for start in range(0, size, step):
             end = min(size, start + step)
@@ -259,12 +366,125 @@ class RemoteDataset:
         except Exception:  # noqa: BLE001 - unreachable now: not known to have changed; the caller retries
             return False
 
+    def _download_lock(self, name: str) -> Path:
+        """The lock file held while file ``name`` is downloaded, from before its ``.part-*`` file exists until
+        after that is renamed or removed."""
+        return self.dir / ".locks" / (name.replace("/", "%") + ".lock")
+
     def _clean_leftovers(self) -> None:
-        """Remove ``.part-<pid>-*`` files whose downloader process is gone (killed mid-download)."""
+        """Remove ``.part-*`` files of killed downloads: those whose download lock is free. Judged by the lock,
+        not by the pid in the name, which may be another PID namespace's (containers sharing a node cache)."""
         for part in self.dir.rglob("*.part-*"):
-            pid = part.name.rsplit(".part-", 1)[1].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            name = part.relative_to(self.dir).as_posix().rsplit(".part-", 1)[0]
+            with lock_file(self._download_lock(name)) as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # downloading now, in some process of this node
                 part.unlink(missing_ok=True)
+
+
+def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]] = None) -> list[str]:
+    """Check every object of ``remote`` in the store (not the node cache) against its manifest: its size,
+    then its sha256 over its bytes as they stream (nothing is kept), ``remote.workers`` objects at a time,
+    each retried within the dataset's budget.
+
+    Args:
+        remote: The dataset (its manifest as the store holds it now).
+        progress: Called with the bytes of each block hashed (a progress bar).
+
+    Returns:
+        One line per problem, naming the object's (scrubbed) URL: missing, of the wrong size, or whose
+        checksum differs; empty when every object is intact.
+
+    Raises:
+        FormatError: The store stayed unreachable for the dataset's ``retry_seconds``.
+    """
+    def check(entry: dict[str, Any]) -> Optional[str]:
+        path, size = object_path(remote.root, entry["path"]), int(entry["bytes"])
+
+        def digest() -> Optional[str]:
+            stored = int(remote.fs.info(path).get("size", -1))
+            if stored != size:
+                return f"{stored} bytes in the store, manifest says {size} (truncated or replaced)"
+            h = new_hash()
+            for block in remote._blocks(path, size):
+                h.update(block)
+                if progress is not None:
+                    progress(len(block))
+            return None if h.hexdigest() == entry[HASH_NAME] else f"{HASH_NAME} mismatch (replaced or damaged)"
+        try:
+            problem = remote.retry(f"{remote.url}/{entry['path']}", digest)
+        except FileNotFoundError:
+            problem = "missing"
+        return None if problem is None else f"{scrub(remote.url)}/{entry['path']}: {problem}"
+
+    entries = remote.manifest["files"]
+    with ThreadPoolExecutor(max(1, min(remote.workers, len(entries)))) as pool:
+        return [p for p in pool.map(check, entries) if p is not None]
+
+
+class _WrongBytes(IOError):
+    """A whole body whose sha256 differs from the manifest's (retried: a second time, the object itself)."""
+
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"the downloaded bytes' {HASH_NAME} differs from the manifest's (corrupted)")
+        self.digest = digest
+
+
+def cache_modes() -> tuple[int, int]:
+    """``(folder mode, file mode)`` of the node cache: private to this user (0700, 0600) unless
+    ``$FASTDATA_CACHE_MODE=group``, a cache shared by the members of its folders' group (02770, 0660; the
+    setgid bit gives new files the folder's group). Others never get to plant or read a cached file."""
+    name = os.environ.get("FASTDATA_CACHE_MODE") or "private"
+    if name not in CACHE_MODES:
+        raise ConfigError(f"FASTDATA_CACHE_MODE must be one of {', '.join(CACHE_MODES)}, "
+                          f"got FASTDATA_CACHE_MODE={name!r}")
+    return CACHE_MODES[name]
+
+
+def cache_folder(path: Path) -> Path:
+    """``path`` made (with any missing parent) with the cache's folder mode (`cache_modes`), or an
+    existing one checked: this user's is given that mode; another user's is refused unless the cache is
+    shared with a group this user is in (its files could have been planted there)."""
+    mode, missing, folder = cache_modes()[0], [], path
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise disk_error(exc, folder, CACHE_FULL_ADVICE) from exc
+        os.chmod(folder, mode)  # (mkdir's mode passes through the umask)
+    info = os.lstat(path)
+    mine = info.st_uid == os.geteuid()
+    shared = mode & 0o070 and info.st_gid in {os.getegid(), *os.getgroups()} and not info.st_mode & 0o002
+    if not stat.S_ISDIR(info.st_mode) or not (mine or shared):
+        raise OutputError(f"{path} is in the way of the node cache: it is not a folder of this user"
+                          + (" or of a group it shares" if mode & 0o070 else "") + "; remove it, or set cache_dir "
+                          "/ $FASTDATA_CACHE to a folder of your own (a cache shared on purpose: "
+                          "$FASTDATA_CACHE_MODE=group)")
+    if mine and stat.S_IMODE(info.st_mode) != mode:
+        os.chmod(path, mode)  # (a folder made before modes were set, or under the other mode)
+    return path
+
+
+def lock_file(path: Path) -> Any:
+    """A lock file of the cache opened for ``flock`` (created with the cache's file mode, never through a
+    symbolic link)."""
+    flags, mode = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, cache_modes()[1]
+    try:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+            os.fchmod(fd, mode)  # (the umask took bits from the group's)
+        except FileExistsError:
+            fd = os.open(path, flags)  # (made by another rank, perhaps another member of the group)
+    except OSError as exc:
+        raise disk_error(exc, path, CACHE_FULL_ADVICE) from exc
+    return LockFile(fd)  # (its lock stays with this process: NOTE [locks across fork])
 
 
 def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, Any]]:
@@ -297,22 +517,27 @@ def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) 
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM
-    return True
-
-
 def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options: Optional[dict[str, Any]] = None,
-         tries: int = 5, backoff: float = 0.2, progress: Optional[Callable[[int], None]] = None) -> dict[str, int]:
-    """Upload the finished dataset ``local`` to ``url`` (see NOTE [push]); returns counts of objects
-    ``uploaded`` and ``skipped`` (already there with the same size and checksum)."""
+         retry_seconds: float = RETRY_SECONDS, progress: Optional[Callable[[int], None]] = None) -> dict[str, int]:
+    """Upload the finished dataset ``local`` to ``url`` (see NOTE [push]).
+
+    Args:
+        local: The dataset folder.
+        url: The fsspec URL to upload to.
+        workers: Parallel uploads.
+        storage_options: Options passed to fsspec (credentials, endpoint).
+        retry_seconds: How long the store may fail before the push gives up (NOTE [retry budget]); a rerun
+            skips what is uploaded.
+        progress: Called with the bytes of each object done.
+
+    Returns:
+        Counts of objects ``uploaded`` and ``skipped`` (already there with the same size and checksum).
+    """
     from ..formats.manifest import load_manifest, require_intact
 
     local = Path(local)
     manifest = load_manifest(local)
+    retry = Retry(retry_seconds)
     fs, root = filesystem(url.rstrip("/"), storage_options)
     counts = {"uploaded": 0, "skipped": 0}
     folders = _folders(fs)
@@ -321,14 +546,14 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
         name = entry["path"]
         target, marker = object_path(root, name), object_path(root, f"{PUSH_MARKERS}/{name}.{HASH_NAME}")
         folders(target, marker)
-        if _retry(f"{url}/{name}", lambda: _already_there(fs, target, marker, entry), tries, backoff):
+        if retry(f"{url}/{name}", lambda: _already_there(fs, target, marker, entry)):
             counts["skipped"] += 1
             if progress is not None:
                 progress(int(entry["bytes"]))
             return
         require_intact(local, entry)  # never upload a file that differs from its own manifest
-        _retry(f"{url}/{name}", lambda: fs.put_file(str(local / name), target), tries, backoff)
-        _retry(f"{url}/{name}", lambda: fs.pipe_file(marker, entry[HASH_NAME].encode()), tries, backoff)
+        retry(f"{url}/{name}", lambda: fs.put_file(str(local / name), target), "upload")
+        retry(f"{url}/{name}", lambda: fs.pipe_file(marker, entry[HASH_NAME].encode()), "upload")
         counts["uploaded"] += 1
         if progress is not None:
             progress(int(entry["bytes"]))
@@ -336,7 +561,7 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(one, manifest["files"]))
     data = (local / MANIFEST_NAME).read_bytes()
-    _retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), tries, backoff)
+    retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), "upload")
     return counts
 
 
@@ -372,7 +597,7 @@ def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], N
 
     if left == 0:
         return None
-    bar = progress_bar(total=left, desc=f"download {remote.url.rsplit('/', 1)[-1]}", unit="B", unit_scale=True)
+    bar = progress_bar(total=left, desc=f"download {scrub(remote.url).rsplit('/', 1)[-1]}", unit="B", unit_scale=True)
     lock, done = threading.Lock(), [0]
 
     def update(n: int) -> None:

@@ -3,7 +3,7 @@ shard files into memory maps, one contiguous RAM copy, the node's ``/dev/shm`` c
 
 FastDataset (image shards) and TokenDataset (token streams) both open their data here, so every mode
 checks files the same way (sizes on every open, sha256 when asked or when the bytes are read anyway;
-see NOTE [file check] in fastdata/formats/manifest.py) and hands back the same :class:`OpenedShards`.
+see NOTE [file check] in fastdata/formats/manifest.py) and hands back the same `OpenedShards`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class ShardSet:
 
 @dataclass
 class OpenedShards:
-    """What :func:`open_shards` gives: per-shard memory maps (``mmap``), or one contiguous host array
+    """What `open_shards` gives: per-shard memory maps (``mmap``), or one contiguous host array
     (``ram``, ``shm``), or one device tensor (``cuda``)."""
 
     maps: Sequence[np.ndarray] = field(default_factory=list)  # a list, or ShardMaps when too many to keep open
@@ -65,7 +65,7 @@ class OpenedShards:
 
 def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[str, torch.device] = "cpu",
                 shm_dir: Optional[Union[str, Path]] = None) -> OpenedShards:
-    """Open ``shards`` as ``storage`` (see :data:`STORAGE`); ``verify`` hashes every shard against the manifest
+    """Open ``shards`` as ``storage`` (see `STORAGE`); ``verify`` hashes every shard against the manifest
     (while reading it for ``ram``/``cuda``: one pass). Sizes are always checked first."""
     if storage not in STORAGE:
         raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
@@ -124,7 +124,7 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
 # 1. Before mapping more shards than fit, the soft RLIMIT_NOFILE is raised towards the hard limit, said once
 #    in the log (loader workers, forked or spawned, inherit the raised limit).
 # 2. Where the hard limit is too low, an mmap dataset maps its shards as batches read them and keeps at most
-#    half the descriptors left open (:class:`ShardMaps`, least recently used unmapped first).
+#    half the descriptors left open (`ShardMaps`, least recently used unmapped first).
 # 3. _FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
 _FD_HEADROOM = 256
 
@@ -188,7 +188,7 @@ def room_for_maps(count: int) -> bool:
 
 
 def _bounded_maps() -> int:
-    """How many shard maps :class:`ShardMaps` keeps open: half the descriptors left, at least 16."""
+    """How many shard maps `ShardMaps` keeps open: half the descriptors left, at least 16."""
     return max(16, (_limits()[0] - _open_descriptors() - _FD_HEADROOM) // 2)
 
 

@@ -40,7 +40,7 @@ PREFIX = "fastdata-"
 
 def shm_dir(override: Optional[Path | str] = None) -> Path:
     """The shm folder as configured (``override``, ``$FASTDATA_SHM_DIR`` or ``/dev/shm``); copies live in
-    :func:`private_dir` of it."""
+    `private_dir` of it."""
     return Path(override or os.environ.get("FASTDATA_SHM_DIR", "/dev/shm"))
 
 

@@ -29,7 +29,7 @@ def labels_at_open(manifest: dict[str, Any]) -> bool:
 
 def shard_groups(manifest: dict[str, Any], at_open: bool) -> list[tuple[str, ...]]:
     """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy, unless
-    they are all read at opening: ``at_open``, from :func:`labels_at_open`), each other field's rows."""
+    they are all read at opening: ``at_open``, from `labels_at_open`), each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
     if "lmdb_shards" in manifest:
         return [(s["path"], *(f.files(k)[0] for f in fields)) for k, s in enumerate(manifest["lmdb_shards"])]
@@ -70,8 +70,8 @@ def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
 class Labels:
     """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
     when the dataset opens (its labels files, or a streamed dataset's ``all_labels`` when small enough:
-    :func:`labels_at_open`), or else filled in shard by shard as a streamed dataset's shards arrive
-    (:meth:`fill`), ``filled`` saying which are in."""
+    `labels_at_open`), or else filled in shard by shard as a streamed dataset's shards arrive
+    (`fill`), ``filled`` saying which are in."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
                  at_open: bool) -> None:

@@ -14,14 +14,14 @@ import torch
 from ..datasets.images import FastDataset
 from ..datasets.splits import split
 from ..errors import ConfigError
+from ..formats.manifest import TOKENS
+from ..gpu.prefetch import CUDAPrefetcher
 from ..imaging.transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from ..loading.loader import FastLoader
-from ..formats.manifest import TOKENS
-from .models import create_model
-from ..gpu.prefetch import CUDAPrefetcher
 from ..storage.opening import OpenedPath, open_path
-from ..storage.remote import is_url
+from ..storage.remote import RETRY_SECONDS, is_url, scrub
 from ..storage.streamed import streamed_files
+from .models import create_model
 
 AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 
@@ -44,6 +44,7 @@ class ImageRun:
     shuffle_window: Optional[int] = None  # shuffle within windows of this many shards (FastLoader)
     cache_dir: Optional[str] = None  # URL datasets: the node cache folder...
     cache_limit: Union[int, str, None] = None  # ...and the bytes it may hold
+    retry_seconds: float = RETRY_SECONDS  # URL datasets: how long the store may fail before a read gives up
 
     def __post_init__(self) -> None:
         if self.augment not in AUGMENT:
@@ -54,7 +55,8 @@ class ImageRun:
             raise ConfigError(f"backend must be 'native' or 'dali', got backend={self.backend!r}")
         if self.backend == "dali" and (is_url(self.data) or is_url(self.val or "")):
             raise ConfigError("--backend dali reads a local LMDB folder: use the native backend for a URL (it "
-                              "streams the LMDB through the node cache), or download it first (`fastdata verify URL`)")
+                              "streams the LMDB through the node cache), or download it first (`fastdata cache "
+                              "fetch URL`)")
         if self.backend == "dali" and self.shuffle_window is not None:
             raise ConfigError("--shuffle-window applies to the native backend (DALI shuffles in its own reader)")
 
@@ -81,20 +83,21 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``.
     ``opened``: ``p.data`` already opened (its manifest read once per run). The samples are decided once,
     as datasets or views of one; only the loader differs by backend."""
-    cache = {"cache_dir": p.cache_dir, "cache_limit": p.cache_limit}
+    cache = {"cache_dir": p.cache_dir, "cache_limit": p.cache_limit, "retry_seconds": p.retry_seconds}
     ds = FastDataset(opened, storage=p.storage, device=device) if opened is not None else FastDataset(
         p.data, storage=p.storage, device=device, **cache)
     if not ds.has_labels:
         fields = ", ".join(f.name for f in ds.fields or [])
-        raise ConfigError(f"{p.data} has no 'label' field ({fields}): `fastdata train` trains classifiers; train a "
-                          "model of your own with Trainer(model, loader, config=..., loss_fn=lambda out, batch: ...) "
-                          "in Python (README: Samples with fields)")
+        raise ConfigError(f"{scrub(str(p.data))} has no 'label' field ({fields}): `fastdata train` trains "
+                          "classifiers; train a model of your own with Trainer(model, loader, config=..., "
+                          "loss_fn=lambda out, batch: ...) in Python (README: Samples with fields)")
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
         val_ds = FastDataset(p.val, storage=p.storage, device=device, **cache)
         if val_ds.classes != ds.classes:
-            raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of {p.data}")
+            raise ConfigError(f"--val {scrub(str(p.val))} has classes {val_ds.classes[:5]}..., not those of "
+                              f"{scrub(str(p.data))}")
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
     side = ds.sample_shape[0]
@@ -143,19 +146,47 @@ def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Opt
 
 def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_size: int, seq_len: int, storage: str,
              threads: Optional[int], seed: int, device: torch.device, shuffle_window: Optional[int] = None,
-             cache_dir: Optional[str] = None, cache_limit: Union[int, str, None] = None
-             ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+             cache_dir: Optional[str] = None, cache_limit: Union[int, str, None] = None,
+             retry_seconds: float = RETRY_SECONDS) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """A language-model run on a token folder or URL: gpt-tiny over train windows, validated on the val split."""
     from ..datasets.tokens import TokenDataset
 
     if (model or "gpt-tiny") != "gpt-tiny":
-        raise ConfigError(f"{data} holds tokens: train --model gpt-tiny, not {model!r}")
+        raise ConfigError(f"{scrub(str(data))} holds tokens: train --model gpt-tiny, not {model!r}")
     if not isinstance(data, OpenedPath):  # the manifest read once, for both splits
         data = open_path(data, (TOKENS,), cache_dir=cache_dir, cache_limit=cache_limit,
-                         streamed=lambda m: streamed_files(m, storage))
+                         streamed=lambda m: streamed_files(m, storage), retry_seconds=retry_seconds)
     train_ds = TokenDataset(data, "train", seq_len, storage=storage)
     val_ds = None
     if train_ds.manifest["splits"]["val"]["tokens"] >= seq_len + 1:
         val_ds = TokenDataset(data, "val", seq_len, storage=storage)
     train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device, shuffle_window=shuffle_window)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
+
+
+def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model: Optional[str] = None
+              ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """Model and loaders of a run on a Mixture (``fastdata train --mix``; docs/mixtures.md): image sources train
+    ``p.model``, validated on ``p.val`` when given; token sources gpt-tiny, without validation. The Mixture
+    takes ``p.seed``, ``p.shuffle_window`` and ``p.cache_limit`` (split among URL sources by weight)."""
+    from ..datasets.mix_config import open_mixture
+
+    if p.backend != "native" or p.val_fraction:
+        raise ConfigError("--mix trains on the native backend and validates on --val DATA: drop --backend dali and "
+                          "--val-fraction")
+    mix = open_mixture(spec, storage=p.storage, seq_len=seq_len, seed=p.seed, shuffle_window=p.shuffle_window,
+                       cache_dir=p.cache_dir, cache_limit=p.cache_limit, device=device)
+    first = mix.sources[0]
+    if hasattr(first, "vocab_size"):  # token sources
+        if (model or "gpt-tiny") != "gpt-tiny":
+            raise ConfigError(f"--mix {mix.names[0]} holds tokens: train --model gpt-tiny, not {model!r}")
+        train, _ = loaders(mix, None, p.batch_size, p.seed, p.threads, device)
+        return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, None
+    val_ds = None if p.val is None else FastDataset(p.val, storage=p.storage, device=device)
+    if val_ds is not None and val_ds.classes != first.classes:
+        raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of --mix {mix.names[0]}")
+    side = first.sample_shape[0]
+    train_tf, eval_tf = transforms(p, side)
+    net = image_model(p.model, len(first.classes), crop_side(p, side) if p.augment == "rrc-flip" else side)
+    train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
+    return net, train, val

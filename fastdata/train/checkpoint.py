@@ -147,7 +147,7 @@ def _os_error(exc: BaseException) -> "OSError | None":
 def newest(path: Path, keep: int = KEEP) -> Optional[Path]:
     """The newest generation of ``path`` that is intact (its zip records pass their CRC check), saying so when
     that is not the newest one; None when there is none. When every generation is damaged, the newest (for
-    :func:`read` to refuse by name)."""
+    `read` to refuse by name)."""
     found = existing(path, keep)
     for k, p in enumerate(found):
         problem = _damage(p)

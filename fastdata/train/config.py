@@ -42,7 +42,7 @@ class TrainConfig:
     Args:
         epochs: Epochs to train (default None: 1 epoch, or as many as ``max_steps`` needs when it is set).
         max_steps: Stop after this many optimizer steps (default None: no bound).
-        max_time: Stop after this many seconds; :func:`parse_duration` reads ``"DD:HH:MM:SS"``
+        max_time: Stop after this many seconds; `parse_duration` reads ``"DD:HH:MM:SS"``
             (default None). Under DDP it is checked at log intervals.
         lr: The peak learning rate (default 0.1).
         optimizer: ``"sgd"`` (with momentum, Nesterov when ``momentum`` > 0) or ``"adamw"`` (default ``"sgd"``).

@@ -166,7 +166,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build a model by name (see :data:`MODELS`)."""
+    """Build a model by name (see `MODELS`)."""
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     return MODELS[name](**kwargs)

@@ -1,7 +1,7 @@
 """When a training run stops early, decided the same on every rank: on a signal (preemption by SLURM,
 Kubernetes or a spot VM), or when ``max_time`` is reached.
 
-NOTE [stop signals]: while :meth:`Trainer.fit` runs with a checkpoint folder, SIGTERM (what Kubernetes,
+NOTE [stop signals]: while `Trainer.fit` runs with a checkpoint folder, SIGTERM (what Kubernetes,
 systemd, ``kill`` and torchrun's agent send) and SIGUSR1 (what SLURM's ``--signal`` sends) no longer end
 the process at once: the handler only records the signal, and the loop stops at an optimizer-step boundary,
 where weights, optimizer, scheduler and loader position agree, saves a checkpoint there and returns. A

@@ -7,8 +7,8 @@ measured with CUDA events on a GPU) is reported with them.
 from __future__ import annotations
 
 import contextlib
-import logging
 import json
+import logging
 import math
 import time
 from dataclasses import asdict
@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import checkpoint
 from .._io import disk_error
 from ..distributed import hold_group, init_distributed, release_group
 from ..errors import ConfigError
-from .models import is_convnet
-from .meter import Meter, StepProfiler
+from . import checkpoint
 from .config import TrainConfig, check_device, lr_lambda, param_groups
+from .meter import Meter, StepProfiler
+from .models import is_convnet
 from .stop import EarlyStops, signal_name
 
 log = logging.getLogger("fastdata.train")  # the name users configure, kept by the move to train/trainer.py
@@ -53,7 +53,7 @@ def default_loss(label_smoothing: float) -> Callable[[torch.Tensor, Any], torch.
 class Trainer:
     """Train a model on a loader's batches: AMP, DDP under torchrun, accumulation, checkpoints, early stops.
 
-    The data's way::
+    The data's way:
 
         train_loader (CUDAPrefetcher, or CPU batches moved here) -> model under autocast -> loss_fn
             -> backward (accumulated) -> clip -> optimizer and schedule step -> metrics on the device,
@@ -61,20 +61,20 @@ class Trainer:
 
     Loaders yield ``(inputs, targets)``, on the device already (CUDAPrefetcher) or on the CPU (moved here).
     A loader without ``len()`` (an iterable dataset's) needs ``max_steps``.
-    Under torchrun, build the loaders after :func:`init_distributed` so each serves its shard.
+    Under torchrun, build the loaders after `init_distributed` so each serves its shard.
     A dataset with sample fields yields dicts: the model gets ``batch["image"]`` and ``loss_fn(out, batch)``
     the whole dict.
-    With a checkpoint folder, SIGTERM or SIGUSR1 during :meth:`fit` stops it at a step boundary with a
+    With a checkpoint folder, SIGTERM or SIGUSR1 during `fit` stops it at a step boundary with a
     checkpoint (NOTE [stop signals]); ``stop_signal`` then holds the signal's number.
 
     Args:
         model: The module to train; it is moved to the device (channels_last for a convnet when
             ``config.channels_last``).
         train_loader: The training batches, iterated once per epoch.
-        val_loader: The validation batches for :meth:`evaluate` (default None: no validation).
-        config: What the loop does (:class:`TrainConfig`).
+        val_loader: The validation batches for `evaluate` (default None: no validation).
+        config: What the loop does (`TrainConfig`).
         loss_fn: ``loss_fn(output, targets)`` -> a scalar tensor (default: cross-entropy on the targets; for a
-            dict batch on its ``label``, or per pixel on its ``mask``; see :func:`default_loss`).
+            dict batch on its ``label``, or per pixel on its ``mask``; see `default_loss`).
 
     Raises:
         ConfigError: The checkpoint folder holds another run's checkpoint and ``resume`` is off, the training
@@ -189,7 +189,7 @@ class Trainer:
         return stacked.tolist()
 
     def close(self) -> None:
-        """Drop the DDP wrapper, which holds the process group (:func:`shutdown_distributed` closes every
+        """Drop the DDP wrapper, which holds the process group (`shutdown_distributed` closes every
         live Trainer before it frees the group). The trainer then refuses to train; ``evaluate`` and
         ``save_checkpoint`` still work for as long as the group exists."""
         if self.ddp is not None:
@@ -206,7 +206,7 @@ class Trainer:
             lr, samples per second, data stall), validation records, and an ``"end"`` record with the reason.
 
         Raises:
-            ConfigError: The trainer was closed by :func:`shutdown_distributed`.
+            ConfigError: The trainer was closed by `shutdown_distributed`.
             OutputError: A checkpoint or the log file cannot be written (DiskFullError when the disk is full).
         """
         if self.dist.world_size > 1 and self.ddp is None:  # closed: see close()

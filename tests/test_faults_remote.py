@@ -1,0 +1,372 @@
+"""Faults of object storage, survived or reported: outages (refused connections) at opening, mid-epoch and
+during a push within one retry budget, an outage longer than it, a replaced object found by `fastdata verify`
+with a warm cache, private cache folders and files, and secrets scrubbed from every message. Real parts only:
+moto's S3 server on 127.0.0.1 behind the loopback fault proxy (tests/s3_faults.py)."""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import sample_ids
+from test_remote import _downloads, _epoch, _same
+
+pytestmark = [pytest.mark.faults, pytest.mark.remote]
+
+SHARD_BYTES = 3200  # one image shard of the indexed dataset (16 samples of 8x8x3 and the npy header)
+
+
+def _pushed(s3, indexed_datasets, bucket: str) -> str:
+    from fastdata.storage.remote import push
+
+    url = s3(bucket) + "/ds"
+    push(indexed_datasets["npy"], url)
+    return url
+
+
+def _image_gets(proxy) -> dict[str, int]:
+    return {k.rsplit("/", 1)[1]: v for k, v in proxy.gets.items() if "images-" in k}
+
+
+def _finals_are_whole(folder: Path, manifest: dict) -> list[str]:
+    """The names in a cache folder that are not verified files of ``manifest`` (partial files, bad bytes)."""
+    from fastdata.formats.manifest import check_file
+
+    entries = {e["path"]: e for e in manifest["files"]}
+    bad = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_dir() or rel.startswith(".locks/") or rel in ("manifest.json", ".source.json"):
+            continue
+        if rel not in entries or check_file(folder, entries[rel]) is not None:
+            bad.append(rel)
+    return bad
+
+
+def _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage: float, budget: float) -> None:
+    """The store refuses connections for ``outage`` seconds as the dataset opens and again mid-epoch; the
+    epoch completes with the local dataset's batches, every sample once, each shard downloaded once."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
+
+    url = _pushed(s3, indexed_datasets, "outage")
+    proxy.clear()
+    proxy.refuse(outage)
+    t0 = time.monotonic()
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES, retry_seconds=budget)
+    assert time.monotonic() - t0 >= outage - 1  # it opened once the store came back
+    want = _epoch(FastLoader(FastDataset(indexed_datasets["npy"]), 16, shuffle=False))
+    got = []
+    for k, (x, y) in enumerate(FastLoader(ds, 16, shuffle=False, num_threads=2)):
+        got.append((x.numpy().copy(), y.numpy().copy()))
+        if k == 1:  # at most shards 0-4 came (the cache holds 3, shards 0-1 are done): the rest come after
+            proxy.refuse(outage)  # a second outage
+            before = len(_image_gets(proxy))
+    assert _same(got, want)
+    assert sorted(np.concatenate([sample_ids(x) for x, _ in got]).tolist()) == list(range(100))
+    assert [(r["downloads"], r["repeats"]) for r in _downloads(ds, proxy)] == [(7, 0)]  # no download twice
+    assert before < 7  # (so some came after the second outage began; a GET more: the next epoch's first shard)
+    assert not list(ds.root.rglob("*.part-*")) and _finals_are_whole(ds.root, ds.manifest) == []
+
+
+def test_outages_at_opening_and_mid_epoch_within_the_budget_are_ridden_out(s3, proxy, indexed_datasets, tmp_path):
+    _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage=6, budget=20)
+
+
+@pytest.mark.slow
+def test_a_minute_of_outage_at_opening_and_mid_epoch_is_ridden_out_by_default(s3, proxy, indexed_datasets,
+                                                                             tmp_path):
+    import inspect
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.tokens import TokenDataset
+
+    for cls in (FastDataset, TokenDataset):  # the default budget rides out two minutes
+        assert inspect.signature(cls).parameters["retry_seconds"].default >= 120
+    _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage=60, budget=120)
+
+
+def test_an_outage_longer_than_the_budget_is_one_line_and_a_rerun_resumes(s3, proxy, indexed_datasets, tmp_path):
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+
+    url = _pushed(s3, indexed_datasets, "longer")
+    proxy.clear()
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=2)
+    first = ds.get_batch(range(16))  # shard 0 comes while the store is up
+    proxy.refuse(6)
+    t0 = time.monotonic()
+    with pytest.raises(FormatError) as err:
+        ds.get_batch(range(16, 32))
+    waited = time.monotonic() - t0
+    msg = str(err.value)
+    assert "\n" not in msg and f"{url}/images-00001.npy" in msg and "retry_seconds=2" in msg, msg
+    assert " tries over " in msg and "raise retry_seconds" in msg and "testing" not in msg, msg
+    assert 1.5 <= waited < 2 + 3, waited  # the budget, plus the last try (a refusal answers at once)
+    assert not list(ds.root.rglob("*.part-*")) and _finals_are_whole(ds.root, ds.manifest) == []
+    assert not (ds.root / "images-00001.npy").exists()
+    while proxy.refusing:
+        time.sleep(0.1)
+    again = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=2)  # the rerun
+    assert again.root == ds.root
+    local = FastDataset(indexed_datasets["npy"])
+    for a, b in zip(again.get_batch(range(100)), local.get_batch(range(100))):
+        assert np.array_equal(a.numpy(), b.numpy())
+    assert np.array_equal(first[0].numpy(), local.get_batch(range(16))[0].numpy())
+    assert _image_gets(proxy) == {f"images-{s:05d}.npy": 1 for s in range(7)}  # shard 0 came from the cache
+
+
+def test_the_cli_gives_up_on_a_refusing_store_in_one_line(s3, proxy, indexed_datasets, tmp_path, capsys,
+                                                          monkeypatch):
+    from fastdata.cli.main import main
+
+    url = _pushed(s3, indexed_datasets, "cli-outage")
+    monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))
+    proxy.refuse(8)
+    assert main(["verify", url, "--quiet", "--retry-seconds", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("fastdata: error: cannot read "), err
+    assert f"{url}/manifest.json" in err and "retry_seconds=1" in err and "Traceback" not in err, err
+
+
+def test_one_outage_is_given_up_on_once_not_once_per_read():
+    from fastdata.errors import ConfigError, FormatError
+    from fastdata.storage.remote import Retry
+
+    calls: list[float] = []
+
+    def refused() -> None:
+        calls.append(time.monotonic())
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    retry = Retry(1.0)
+    with pytest.raises(FormatError, match=r"cannot read s3://b/a after \d+ tries over \d+\.\d s \(retry_seconds=1\)"):
+        retry("s3://b/a", refused)
+    first = len(calls)
+    assert first >= 3 and calls[-1] - calls[0] >= 1.0  # backed off, and tried again at the deadline
+    with pytest.raises(FormatError, match="after 1 try"):  # the same outage (a read that waited for the first):
+        retry("s3://b/b", refused)                        # no budget of its own
+    assert retry("s3://b/c", lambda: "up") == "up"  # a success ends the outage: the next one has a budget
+    with pytest.raises(FormatError, match="tries over"):
+        retry("s3://b/d", refused)
+    with pytest.raises(FormatError, match="after 1 try over 0.0 s"):
+        Retry(0)("s3://b/e", refused)
+    for bad in (-1, float("nan"), "60", True):
+        with pytest.raises(ConfigError, match="retry_seconds must be a number of seconds >= 0"):
+            Retry(bad)
+
+
+def test_the_s3_clients_own_retry_loops_are_off_unless_asked_for(s3):
+    from fastdata.storage.remote import filesystem
+
+    fs, _ = filesystem("s3://bucket/ds")
+    assert fs.retries == 1 and fs.config_kwargs["retries"]["total_max_attempts"] == 1
+    mine, _ = filesystem("s3://bucket/ds", {"config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 60}})
+    assert mine.config_kwargs == {"retries": {"max_attempts": 3}, "read_timeout": 60}
+
+
+def test_a_push_rides_out_an_outage_and_the_manifest_lands_last(s3, proxy, indexed_datasets):
+    from fastdata.storage.remote import push
+
+    url = s3("push-outage") + "/ds"
+    proxy.refuse(4)
+    assert push(indexed_datasets["npy"], url, retry_seconds=20) == {"uploaded": 15, "skipped": 0}
+    keys = {o["Key"] for o in s3.client.list_objects_v2(Bucket="push-outage")["Contents"]}
+    assert "ds/manifest.json" in keys and len([k for k in keys if not k.startswith("ds/.fastdata-push/")]) == 16
+    assert push(indexed_datasets["npy"], url, retry_seconds=20)["skipped"] == 15
+
+
+def test_verify_checks_the_store_and_finds_a_replaced_object_with_a_warm_cache(s3, proxy, indexed_datasets,
+                                                                               tmp_path, capsys, monkeypatch):
+    from fastdata.cli.main import main
+
+    url = _pushed(s3, indexed_datasets, "replaced")
+    monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))
+    assert main(["cache", "fetch", url, "--quiet"]) == 0  # the warm cache
+    assert main(["verify", url, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"{url}: OK, 15 files intact in the store" in out and "OK, 15 of 15 files cached and intact" in out, out
+
+    proxy.clear()
+    key = "ds/images-00003.npy"
+    body = bytearray(s3.client.get_object(Bucket="replaced", Key=key)["Body"].read())
+    body[-1] ^= 0xFF  # same size, one byte: only a hash of the store's bytes sees it
+    s3.client.put_object(Bucket="replaced", Key=key, Body=bytes(body))
+    s3.client.put_object(Bucket="replaced", Key="ds/images-00005.npy", Body=b"short")
+    assert main(["verify", url, "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert f"{url}/images-00003.npy: sha256 mismatch" in captured.err, captured.err
+    assert f"{url}/images-00005.npy: 5 bytes in the store" in captured.err, captured.err
+    assert "2 problem(s) in the store" in captured.err and "OK, 15 of 15 files cached and intact" in captured.out
+    assert _image_gets(proxy)["images-00003.npy"] == 1  # read from the store, not the warm cache
+
+    cache_dir = next((tmp_path / "cache").iterdir())  # the node cache is reported apart: damage it too
+    (cache_dir / "labels-00001.npy").write_bytes(b"x" * (cache_dir / "labels-00001.npy").stat().st_size)
+    assert main(["verify", url, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "node cache" in err and "labels-00001.npy: sha256 mismatch" in err and "cache remove" in err, err
+
+
+def _modes(folder: Path) -> tuple[set[int], set[int]]:
+    """The permission bits of the folders and of the files under ``folder`` (itself included)."""
+    dirs, files = {stat.S_IMODE(folder.stat().st_mode)}, set()
+    for p in folder.rglob("*"):
+        (dirs if p.is_dir() else files).add(stat.S_IMODE(p.stat().st_mode))
+    return dirs, files
+
+
+@pytest.fixture
+def open_umask():
+    old = os.umask(0o022)  # the common default: without explicit modes, files would be world-readable
+    yield
+    os.umask(old)
+
+
+def test_the_node_cache_is_private_by_default_and_shared_with_a_group_on_request(s3, indexed_datasets, tmp_path,
+                                                                               monkeypatch, open_umask):
+    from fastdata.errors import ConfigError, OutputError
+    from fastdata.storage.remote import RemoteDataset
+
+    url = _pushed(s3, indexed_datasets, "modes")
+    monkeypatch.delenv("FASTDATA_CACHE_MODE", raising=False)
+    root = tmp_path / "new" / "cache"  # made by fastdata, parents included
+    remote = RemoteDataset(url, cache_dir=root)
+    remote.local()
+    dirs, files = _modes(remote.dir)
+    assert dirs == {0o700} and files == {0o600}, (dirs, files)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700 and stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+
+    os.chmod(remote.dir, 0o755)  # a folder made before modes were set is made private on first use
+    RemoteDataset(url, cache_dir=root).prepare()
+    assert stat.S_IMODE(remote.dir.stat().st_mode) == 0o700
+
+    monkeypatch.setenv("FASTDATA_CACHE_MODE", "group")
+    shared = RemoteDataset(url, cache_dir=tmp_path / "shared")
+    shared.local()
+    dirs, files = _modes(shared.dir)
+    assert dirs == {0o2770} and files == {0o660}, (dirs, files)
+
+    monkeypatch.setenv("FASTDATA_CACHE_MODE", "world")
+    with pytest.raises(ConfigError, match="FASTDATA_CACHE_MODE must be one of private, group"):
+        RemoteDataset(url, cache_dir=tmp_path / "c3").prepare()
+    monkeypatch.delenv("FASTDATA_CACHE_MODE")
+
+    if os.geteuid() == 0:  # another user's folder at this dataset's name (its files could be planted): refused
+        planted = RemoteDataset(url, cache_dir=tmp_path / "planted")
+        planted.dir.mkdir(parents=True)
+        (planted.dir / "images-00000.npy").write_bytes(b"\0" * SHARD_BYTES)
+        os.chown(planted.dir, 12345, 12345)
+        with pytest.raises(OutputError, match="not a folder of this user.*remove it"):
+            planted.local()
+
+
+def test_a_symlink_planted_at_a_lock_or_temporary_name_is_not_followed(s3, indexed_datasets, tmp_path):
+    from fastdata._io import open_new
+    from fastdata.errors import OutputError
+    from fastdata.storage.remote import RemoteDataset
+
+    url = _pushed(s3, indexed_datasets, "links")
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache")
+    remote.prepare(frozenset(e["path"] for e in remote.manifest["files"]))
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    (remote.dir / ".locks" / "images-00000.npy.lock").symlink_to(target)
+    with pytest.raises(OutputError, match="images-00000.npy.lock"):
+        remote.fetch(remote.entry("images-00000.npy"))
+    (tmp_path / "tmp-link").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        open_new(tmp_path / "tmp-link", 0o600)
+    assert target.read_bytes() == b"keep" and not (remote.dir / "images-00000.npy").exists()
+
+
+SECRETS = [  # (text, the secret in it)
+    ("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ds", "wJalrXUtnFEMI"),
+    ("https://alice:p@ss:w0rd@host/ds", "w0rd"),
+    ("https://ghp_tok3n@github.com/x/y", "ghp_tok3n"),
+    ("https://h/ds?X-Amz-Algorithm=A&X-Amz-Signature=5ig&X-Amz-Credential=AKIA%2F1", "5ig"),
+    ("https://acct.blob.core.windows.net/c/ds?sv=2022&sig=S1G%3D", "S1G"),
+    ("https://h/ds?user=bob&password=hunter2", "hunter2"),
+    ("https://h/ds?token=t0k&x=1", "t0k"),
+    ("https://h/ds?Authorization=AWS4-xyz", "AWS4-xyz"),
+    ("headers {'Authorization': 'Bearer eyJhbGc.payload'}", "eyJhbGc"),
+    ("Authorization: Basic dXNlcjpwYXNz", "dXNlcjpwYXNz"),
+    ("Unable to locate credentials: aws_secret_access_key='wJalr/K7MDENG'", "wJalr"),
+    ("AWS_SECRET_ACCESS_KEY=s3cr3t AWS_SESSION_TOKEN=FQoG", "s3cr3t"),
+    ("AWS_SESSION_TOKEN=FQoGZXIvYXdz", "FQoGZXIvYXdz"),
+    ('{"secret": "s3cr3t", "region": "us-east-1"}', "s3cr3t"),
+    ("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=abc123==;EndpointSuffix=x", "abc123"),
+    ("gs://b/ds?key=AIzaKEY", "AIzaKEY"),
+]
+
+
+@pytest.mark.parametrize("text, secret", SECRETS)
+def test_the_scrubber_removes_every_form_of_secret(text, secret):
+    from fastdata._io import scrub
+    from fastdata.storage.remote import scrub as remote_scrub
+
+    assert remote_scrub is scrub  # one scrubber
+    out = scrub(text)
+    assert secret not in out and "***" in out, out
+    assert scrub(out) == out
+
+
+def test_the_scrubber_keeps_what_is_not_secret():
+    from fastdata._io import scrub
+
+    for text in ("cannot read s3://bucket/ds/images-00002.npy after 3 tries over 2.0 s",
+                 "abfs://container@account.dfs.core.windows.net/ds", "eos_token=50256 tokenizer: gpt2",
+                 "KeyError: 'files'", "https://h/ds?sv=2022&se=2024-01-01", "s3://b/year=2024/part"):
+        assert scrub(text) == text
+
+
+def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed_datasets, tmp_path, capsys,
+                                                                          monkeypatch):
+    pytest.importorskip("fsspec")
+    from fastdata.cli.main import main
+    from fastdata.storage.remote import Retry
+
+    url = "memory://user:hunter2@store/ds?token=t0k3n&X-Amz-Signature=s1gn"  # fsspec's in-process store
+    monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))
+    assert main(["push", str(indexed_datasets["npy"]), url, "--quiet"]) == 0
+    assert main(["verify", url, "--quiet"]) == 0
+    assert main(["cache", "fetch", url, "--quiet"]) == 0
+    assert main(["inspect", url, "--json"]) == 0
+    assert main(["cache", "list"]) == 0
+    assert main(["verify", url + "-gone", "--quiet", "--retry-seconds", "0"]) == 1
+    said = capsys.readouterr()
+    source = next((tmp_path / "cache").glob("*/.source.json")).read_text()
+    assert "memory://user:***@store/ds?token=***&X-Amz-Signature=***" in said.out and "user:***@store" in source
+    for text in (said.out, said.err, source):
+        assert "hunter2" not in text and "t0k3n" not in text and "s1gn" not in text, text
+
+    def fails() -> None:
+        raise OSError("403 for https://bob:pw9@h/k?X-Amz-Signature=abc: Authorization: Bearer xyz "
+                      "aws_secret_access_key=SECRET\nsecond line")
+    with pytest.raises(Exception) as err:
+        Retry(0)("https://bob:pw9@h/k?token=abc", fails)
+    msg = str(err.value)
+    assert "\n" not in msg and all(s not in msg for s in ("pw9", "abc", "xyz", "SECRET")), msg
+
+
+def test_forked_dataloader_workers_stream_after_the_parent_used_the_store(s3, indexed_datasets, tmp_path):
+    """A streamed dataset the parent has read from, handed to forked DataLoader workers: each child makes its
+    own client (an s3fs client refuses to run on the event loop of the process that forked it) and the
+    epoch is every sample once, with the local bytes."""
+    import torch
+
+    from fastdata import FastDataset
+
+    url = _pushed(s3, indexed_datasets, "forked-workers")
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=5)
+    ds.get_batch([0])  # the parent's client runs first
+    local = FastDataset(indexed_datasets["npy"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=2, multiprocessing_context="fork")
+    seen = []
+    for x, y in loader:
+        ids = sample_ids(x)
+        assert np.array_equal(x.numpy(), local.get_batch(ids.tolist())[0].numpy())
+        seen += ids.tolist()
+    assert sorted(seen) == list(range(len(local)))
