@@ -47,6 +47,7 @@ def test_close_releases_and_refuses_later_reads_but_earlier_batches_stay(indexed
     ds.close()  # a second close does nothing
 
 
+@pytest.mark.filterwarnings("ignore:cache_limit=.*a plain shuffle")  # a small cache on purpose
 def test_a_dropped_streamed_dataset_stops_its_cache_threads(s3, indexed_datasets, tmp_path):  # noqa: F811
     from fastdata.storage.remote import push
 

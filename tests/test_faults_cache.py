@@ -17,9 +17,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-import test_remote
 
-s3 = test_remote.s3  # the moto server on 127.0.0.1 (a fixture of test_remote's, shared here)
 
 pytestmark = [pytest.mark.faults, pytest.mark.remote]
 

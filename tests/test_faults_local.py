@@ -17,12 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_remote
 import torch
 from conftest import disk_of
 
 pytestmark = pytest.mark.faults
-s3 = test_remote.s3  # the moto server fixture (module-scoped: started once here)
 
 MANY = 1300  # shards of one sample: more than the common soft limit of 1,024 open files
 SIDE = 8
