@@ -9,7 +9,7 @@ import fastdata
 
 ROOT = Path(fastdata.__file__).parent
 # One row per package, lowest first: a module may import its own row or any row below it. storage sits
-# below preprocess because preparing a dataset at a URL writes through the storage layer's remote files.
+# below preprocess because a source at a URL (tars in a bucket) is read through storage.remote.
 LAYERS = [
     ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed", "fastdata.progress"],
     ["fastdata.formats"],
