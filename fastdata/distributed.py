@@ -37,11 +37,18 @@ def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None
     return rank, world_size
 
 
+def _joined() -> Any:
+    """``torch.distributed`` when this process has joined a group, else None; never imports torch:
+    ``fastdata preprocess`` and its workers run without it."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def is_main_rank() -> bool:
     """Rank 0 of the process group when one is joined, else of torchrun's ``RANK`` (0 when unset).
-    Never imports torch: ``fastdata preprocess`` and its workers run without it."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    Never imports torch."""
+    dist = _joined()
+    if dist is not None:
         return dist.get_rank() == 0
     return os.environ.get("RANK", "0") == "0"
 
@@ -153,8 +160,8 @@ def shutdown_distributed() -> None:
 
 def group_size() -> int:
     """The size of the joined process group (1 without one). Never imports torch."""
-    dist = sys.modules.get("torch.distributed")
-    return dist.get_world_size() if dist is not None and dist.is_available() and dist.is_initialized() else 1
+    dist = _joined()
+    return dist.get_world_size() if dist is not None else 1
 
 
 def broadcast_bytes(data: Optional[bytes]) -> Optional[bytes]:

@@ -221,6 +221,26 @@ def journaled_units(out: Path) -> list[dict]:
     return jr.units if jr is not None else []
 
 
+def started_while_held(out: Path, commands: list[list[str]]) -> tuple[list[subprocess.Popen], list[list[str]]]:
+    """Each command started while this process holds OUT, returned once every one has said it is waiting (the
+    caller releases OUT): their stderr lines, read on, so runs racing for OUT never depend on start-up times."""
+    import sys
+    import threading
+    import time
+
+    procs = [subprocess.Popen([sys.executable, "-m", "fastdata", *cmd], stderr=subprocess.PIPE, text=True)
+             for cmd in commands]
+    lines: list[list[str]] = [[] for _ in procs]
+    for proc, mine in zip(procs, lines):
+        threading.Thread(target=lambda p=proc, m=mine: m.extend(p.stderr), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not all(any("waiting" in ln for ln in mine) for mine in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for mine in lines:
+        assert any(f"{out} is being written by another fastdata preprocess" in ln for ln in mine), lines
+    return procs, lines
+
+
 def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
     """Run ``cmd`` (a preprocess) and SIGKILL it once its journal lists ``min_units`` finished units."""
     import os

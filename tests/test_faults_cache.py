@@ -18,7 +18,6 @@ import tracemalloc
 import numpy as np
 import pytest
 
-
 pytestmark = [pytest.mark.faults, pytest.mark.remote]
 
 SHARDS = [f"images-{k:05d}.npy" for k in range(6)]  # the indexed dataset's full shards (16 samples, same size)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import journaled_units, kill_when_journaled
+from conftest import journaled_units, kill_when_journaled, started_while_held
 
 from fastdata.cli.main import main
 from fastdata.preprocess import journal
@@ -105,23 +105,13 @@ def test_an_overwrite_keeps_serving_readers_of_the_old_dataset_and_leaves_nothin
 @pytest.mark.slow
 def test_overwrites_started_together_give_one_intact_dataset(photo_folder, tmp_path):
     """NOTE [one writer]: runs waiting on OUT while an overwrite swaps a new folder in wait on the new one."""
-    import subprocess
-    import threading
-    import time
-
     out, ref = tmp_path / "out", tmp_path / "ref"
     args = [str(photo_folder), "--size", "16", "--shard-size", "8", "--workers", "1", "--quiet"]
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
     assert main(["preprocess", "images", args[0], str(out), "--size", "20", "--quiet"]) == 0
     with journal.exclusive(out):
-        procs = [subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out),
-                                   *args[1:], "--overwrite"], stderr=subprocess.PIPE, text=True) for _ in range(3)]
-        lines: list[list[str]] = [[] for _ in procs]
-        for proc, mine in zip(procs, lines):
-            threading.Thread(target=lambda p=proc, m=mine: m.extend(p.stderr), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while not all(any("waiting" in ln for ln in mine) for mine in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        procs, lines = started_while_held(out, [["preprocess", "images", args[0], str(out), *args[1:],
+                                                 "--overwrite"]] * 3)
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0], lines
     assert tree_bytes(out) == tree_bytes(ref)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "photos", "ref"]

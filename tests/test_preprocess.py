@@ -15,7 +15,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, journaled_units, kill_when_journaled
+from conftest import AWKWARD_BAD, AWKWARD_GOOD, disk_of, journaled_units, kill_when_journaled, started_while_held
 from PIL import Image
 
 from fastdata.cli.main import main
@@ -148,24 +148,6 @@ def test_rerun_same_args_is_noop_other_args_refused_unless_overwrite(photo_folde
     assert np.load(out / "images-00000.npy", mmap_mode="r").shape[1:] == (20, 20, 3)
 
 
-def _started_while_held(out: Path, commands: list[list[str]]) -> tuple[list[subprocess.Popen], list[list[str]]]:
-    """Each command started while this process holds OUT, returned once every one has said it is waiting (the
-    caller releases OUT): their stderr lines, read on, so runs racing for OUT never depend on start-up times."""
-    import threading
-
-    procs = [subprocess.Popen([sys.executable, "-m", "fastdata", *cmd], stderr=subprocess.PIPE, text=True)
-             for cmd in commands]
-    lines: list[list[str]] = [[] for _ in procs]
-    for proc, mine in zip(procs, lines):
-        threading.Thread(target=lambda p=proc, m=mine: m.extend(p.stderr), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while not all(any("waiting" in ln for ln in mine) for mine in lines) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for mine in lines:
-        assert any(f"{out} is being written by another fastdata preprocess" in ln for ln in mine), lines
-    return procs, lines
-
-
 def test_a_second_run_on_the_same_output_waits_for_the_first(photo_folder, tmp_path):
     """NOTE [one writer]: while OUT is held, another preprocess into it says so and waits, writing nothing."""
     from fastdata.preprocess import journal
@@ -174,7 +156,7 @@ def test_a_second_run_on_the_same_output_waits_for_the_first(photo_folder, tmp_p
     args = [str(photo_folder), "--size", "16", "--quiet"]
     assert main(["preprocess", "images", args[0], str(ref), *args[1:]]) == 0
     with journal.exclusive(out):
-        (proc,), _ = _started_while_held(out, [["preprocess", "images", args[0], str(out), *args[1:]]])
+        (proc,), _ = started_while_held(out, [["preprocess", "images", args[0], str(out), *args[1:]]])
         time.sleep(0.5)
         assert proc.poll() is None and list(out.iterdir()) == []  # waiting, nothing written
     assert proc.wait(timeout=120) == 0
@@ -256,7 +238,7 @@ def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, k
     assert main([*args[:3], str(ref), *args[3:]]) == 0
     # started while the test holds OUT, so all three are waiting when it is released and race for it
     with journal.exclusive(out):
-        procs, lines = _started_while_held(out, [[*args[:3], str(out), *args[3:]]] * 3)
+        procs, lines = started_while_held(out, [[*args[:3], str(out), *args[3:]]] * 3)
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0], lines
     assert tree_bytes(out) == tree_bytes(ref)
     assert main(["verify", str(out), "--quiet"]) == 0

@@ -79,7 +79,7 @@ def open_images(opened: OpenedPath, fields: Optional[list[Field]], storage: str,
     out.maps, out.flat, out.device = shards.maps, shards.flat, shards.device
     if fields is not None:
         out.fields = FieldStore(root, manifest, fields, storage, verify=verify, device=device, shm_dir=shm_dir)
-    if out.device is not None and (fields is None or any(f.kind == "label" for f in fields)):
+    if out.device is not None and labels.has_labels:
         out.device_labels = torch.from_numpy(labels.array.copy()).to(device)
     return out
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .._io import HASH_NAME, disk_error, fsync_dir, iter_blocks, new_hash, safe_join
+from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, iter_blocks, new_hash, open_new, safe_join
 from ..errors import ChecksumError, OutputError
 from ..formats.manifest import damaged_error, file_problem
 
@@ -111,7 +111,8 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
         return _found(target, root, files, payload, header, needed, verify)
     lock_path = d / f"{PREFIX}{cid}.lock"
     try:
-        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # a LockFile: a child forked mid-copy (a DataLoader worker) never keeps the lock (NOTE [locks across fork])
+        lock = LockFile(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     except OSError as exc:
         raise OutputError(f"cannot create {lock_path}: {exc.strerror}; remove it if it is not a plain file of "
                           f"yours, and check that {d} is a writable tmpfs") from exc
@@ -140,7 +141,7 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
             raise
         fsync_dir(d)
     finally:
-        os.close(lock)  # (releases the flock)
+        lock.close()  # (releases the flock)
     return target
 
 
@@ -153,9 +154,8 @@ def _write_info(d: Path, cid: str, info: dict[str, Any]) -> None:
     path = d / f"{PREFIX}{cid}.json"
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(info))
+        with open_new(tmp, 0o600) as f:
+            f.write(json.dumps(info).encode())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -214,14 +214,14 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
     """Write the copy to ``tmp`` (created here, 0600, never through a planted name), hashing each source file
     as it is read; returns the finished file's stat."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        out = open_new(tmp, 0o600)
     except FileExistsError as exc:
         raise OutputError(f"{tmp} appeared before this process created it (planted?): refusing to write through "
                           f"it; remove it and retry") from exc
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
     try:
-        with os.fdopen(fd, "wb") as out:  # the close() flush can fail on a full disk too: keep it inside the try
+        with out:  # the close() flush can fail on a full disk too: keep it inside the try
             out.write(header)
             for rel, skip in payload:
                 h, pos = new_hash(), 0

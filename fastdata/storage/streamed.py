@@ -75,7 +75,7 @@ class Labels:
 
     def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
                  at_open: bool) -> None:
-        self.root, self.manifest = root, manifest
+        self.root, self.manifest, self.has_labels = root, manifest, has_labels
         n = int(manifest["num_samples"])
         self.filled: Optional[np.ndarray] = None  # per shard, while labels arrive with streamed shards
         if not has_labels:

@@ -94,10 +94,7 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
-        val_ds = FastDataset(p.val, storage=p.storage, device=device, **cache)
-        if val_ds.classes != ds.classes:
-            raise ConfigError(f"--val {scrub(str(p.val))} has classes {val_ds.classes[:5]}..., not those of "
-                              f"{scrub(str(p.data))}")
+        val_ds = _val_dataset(p, device, ds.classes, scrub(str(p.data)), **cache)
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
     side = ds.sample_shape[0]
@@ -108,12 +105,31 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
         train = DALILoader(train_ds, p.batch_size, size=size, train=True, seed=p.seed, device=device)
         val = None if val_ds is None else DALILoader(val_ds, p.batch_size, size=size, train=False, device=device)
         return image_model(p.model, len(ds.classes), size), train, val
+    return _image_run(p, device, train_ds, val_ds, side, len(ds.classes), p.shuffle_window)
+
+
+def _val_dataset(p: ImageRun, device: torch.device, classes: list[str], of: str, **cache: Any) -> FastDataset:
+    """``--val`` opened, refused unless it has the classes of the training data (``of`` names it)."""
+    val = FastDataset(p.val, storage=p.storage, device=device, **cache)
+    if val.classes != classes:
+        raise ConfigError(f"--val {scrub(str(p.val))} has classes {val.classes[:5]}..., not those of {of}")
+    return val
+
+
+def _image_run(p: ImageRun, device: torch.device, train_ds: Any, val_ds: Any, side: int, num_classes: int,
+               shuffle_window: Optional[int]) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """The model and prefetched loaders of an image run on ``side`` px samples, with ``p.augment``'s transforms."""
     train_tf, eval_tf = transforms(p, side)
-    seen = crop_side(p, side) if p.augment == "rrc-flip" else side
-    model = image_model(p.model, len(ds.classes), seen)
+    model = image_model(p.model, num_classes, crop_side(p, side) if p.augment == "rrc-flip" else side)
     train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf,
-                         p.shuffle_window)
+                         shuffle_window)
     return model, train, val
+
+
+def _check_lm_model(what: str, model: Optional[str]) -> None:
+    """Token runs train gpt-tiny: another ``--model`` is refused before any data is read."""
+    if (model or "gpt-tiny") != "gpt-tiny":
+        raise ConfigError(f"{what} holds tokens: train --model gpt-tiny, not {model!r}")
 
 
 def image_model(name: str, num_classes: int, side: int) -> torch.nn.Module:
@@ -151,8 +167,7 @@ def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_siz
     """A language-model run on a token folder or URL: gpt-tiny over train windows, validated on the val split."""
     from ..datasets.tokens import TokenDataset
 
-    if (model or "gpt-tiny") != "gpt-tiny":
-        raise ConfigError(f"{scrub(str(data))} holds tokens: train --model gpt-tiny, not {model!r}")
+    _check_lm_model(scrub(str(data)), model)
     if not isinstance(data, OpenedPath):  # the manifest read once, for both splits
         data = open_path(data, (TOKENS,), cache_dir=cache_dir, cache_limit=cache_limit,
                          streamed=lambda m: streamed_files(m, storage), retry_seconds=retry_seconds)
@@ -178,15 +193,8 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
                        cache_dir=p.cache_dir, cache_limit=p.cache_limit, device=device)
     first = mix.sources[0]
     if hasattr(first, "vocab_size"):  # token sources
-        if (model or "gpt-tiny") != "gpt-tiny":
-            raise ConfigError(f"--mix {mix.names[0]} holds tokens: train --model gpt-tiny, not {model!r}")
+        _check_lm_model(f"--mix {mix.names[0]}", model)
         train, _ = loaders(mix, None, p.batch_size, p.seed, p.threads, device)
         return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, None
-    val_ds = None if p.val is None else FastDataset(p.val, storage=p.storage, device=device)
-    if val_ds is not None and val_ds.classes != first.classes:
-        raise ConfigError(f"--val {p.val} has classes {val_ds.classes[:5]}..., not those of --mix {mix.names[0]}")
-    side = first.sample_shape[0]
-    train_tf, eval_tf = transforms(p, side)
-    net = image_model(p.model, len(first.classes), crop_side(p, side) if p.augment == "rrc-flip" else side)
-    train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf)
-    return net, train, val
+    val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}")
+    return _image_run(p, device, mix, val_ds, first.sample_shape[0], len(first.classes), None)

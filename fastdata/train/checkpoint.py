@@ -29,10 +29,10 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .._io import disk_error, fsync_dir, make_folder
+from ..distributed import broadcast_bytes
 from ..errors import FormatError, OutputError
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -170,19 +170,12 @@ def _damage(path: Path) -> Optional[str]:
     return None if bad is None else f"record {bad} fails its CRC check"
 
 
-def rank0_bytes(path: Optional[Path], main: bool, device: torch.device) -> Optional[bytes]:
+def rank0_bytes(path: Optional[Path], main: bool) -> Optional[bytes]:
     """Rank 0's checkpoint file ``path`` (None if it has none), on every rank of the process group: rank 0
     alone writes checkpoints, so on node-local disks the other nodes' folders are empty, and ranks that each
     read their own folder resumed from different steps (or not at all) and hung."""
-    data = path.read_bytes() if main and path is not None and path.is_file() else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if int(size) == 0:
-        return None
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if main else
-           torch.empty(int(size), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, 0)
-    return data if main else buf.cpu().numpy().tobytes()
+    data = path.read_bytes() if main and path is not None and path.is_file() else None
+    return broadcast_bytes(data) or None  # (an empty file is no checkpoint either)
 
 
 def read(path: Path, device: torch.device, model: nn.Module, data: Optional[bytes] = None) -> dict[str, Any]:

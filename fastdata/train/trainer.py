@@ -416,7 +416,7 @@ class Trainer:
             raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
         grouped = self.dist.world_size > 1
         chosen = checkpoint.newest(path, self.cfg.checkpoint_keep) if self.dist.main else None
-        data = checkpoint.rank0_bytes(chosen, self.dist.main, self.device) if grouped else None
+        data = checkpoint.rank0_bytes(chosen, self.dist.main) if grouped else None
         if (grouped and data is None) or (not grouped and chosen is None):
             return False
         state = checkpoint.read(chosen or path, self.device, self.model, data)
