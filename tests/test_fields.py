@@ -287,7 +287,7 @@ def test_an_lmdb_with_fields_stores_jpeg_images_beside_the_same_fields(tmp_path)
         return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
     assert tree(tmp_path / "lm") == tree(tmp_path / "lm1")  # byte-identical for any worker count
     npy_m = load_manifest(tmp_path / "npy")
-    assert m["format"] == "fastdata.images.lmdb" and m["format_version"] == 3 and m["fields"] == npy_m["fields"]
+    assert m["format"] == "fastdata.images.lmdb" and m["format_version"] == 4 and m["fields"] == npy_m["fields"]
     assert m["params"]["resize"] == "center-crop" and len(m["lmdb_shards"]) == 3
     npy, lm = FastDataset(tmp_path / "npy"), FastDataset(tmp_path / "lm")
     a, b = npy.get_batch(np.arange(10)), lm.get_batch(np.arange(10))

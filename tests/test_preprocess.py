@@ -39,12 +39,15 @@ def test_npy_output_values_labels_and_manifest(awkward_folder, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "skipped 3" in err and "truncated.jpg" in err and "Traceback" not in err
     m = json.loads((out / "manifest.json").read_text())
-    assert m["format"] == "fastdata.images.npy" and m["format_version"] == 1
+    # shard k holds what decoded of source positions [4k, 4k + 4): the 3 bad files of ñandú (positions
+    # 10, 11, 12 in sorted order) shorten shards 2 and 3, which makes the layout format version 3
+    assert m["format"] == "fastdata.images.npy" and m["format_version"] == 3
     assert m["num_samples"] == len(AWKWARD_GOOD) and m["sample_shape"] == [24, 24, 3] and m["dtype"] == "|u1"
     assert m["classes"] == ["a_modes", "b_exif", "ñandú"] and m["class_counts"] == [7, 3, 1]
     assert sorted(s["path"] for s in m["skipped"]) == AWKWARD_BAD
+    assert [s["samples"] for s in m["shards"]] == [4, 4, 2, 1]
     shards = sorted(out.glob("images-*.npy"))
-    assert [p.name for p in shards] == ["images-00000.npy", "images-00001.npy", "images-00002.npy"]
+    assert [p.name for p in shards] == [f"images-0000{k}.npy" for k in range(4)]
     images = np.concatenate([np.load(p, mmap_mode="r") for p in shards])  # plain numpy, no fastdata
     labels = np.concatenate([np.load(p) for p in sorted(out.glob("labels-*.npy"))])
     assert images.shape == (11, 24, 24, 3) and images.dtype == np.uint8 and labels.dtype == np.dtype("<i8")
@@ -62,7 +65,7 @@ def test_lmdb_output_records_and_labels(awkward_folder, tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["format"] == "fastdata.images.lmdb" and m["num_samples"] == len(AWKWARD_GOOD)
     assert np.load(out / "labels.npy").tolist() == [0] * 7 + [1] * 3 + [2]
-    assert m["format_version"] == 2 and m["lmdb_shards"] == [{"path": "images-00000.lmdb", "samples": 11}]
+    assert m["format_version"] == 4 and m["lmdb_shards"] == [{"path": "images-00000.lmdb", "samples": 11}]
     env = lmdb.open(str(out / "images-00000.lmdb"), subdir=False, readonly=True, lock=False)
     with env.begin() as txn:
         keys = [k for k, _ in txn.cursor()]
@@ -122,13 +125,13 @@ def test_killed_run_resumes_to_identical_output(tmp_path, fmt):
     command = [sys.executable, "-m", "fastdata", "preprocess", "images", args[0], str(out), *args[1:]]
     kill_when_journaled(command, out, 3)
     journaled = journaled_units(out)
-    base = out if fmt == "npy" else out / ".fastdata-partial"
-    kept = {f["path"]: (base / f["path"]).stat().st_ino for u in journaled for f in u["files"]}
+    kept = {f["path"]: (out / f["path"]).stat().st_ino for u in journaled for f in u["files"]
+            if not (fmt == "lmdb" and f["path"].startswith("labels-"))}  # (gone once labels.npy is written)
     assert len(journaled) >= 3
     assert main(["preprocess", "images", args[0], str(out), *args[1:]]) == 0
     assert tree_bytes(out) == tree_bytes(ref)
-    if fmt == "npy":  # the units the journal recorded were kept, not rewritten
-        assert all((out / name).stat().st_ino == ino for name, ino in kept.items())
+    # the units the journal recorded were kept, not rewritten (LMDB shards too, since they are final files)
+    assert all((out / name).stat().st_ino == ino for name, ino in kept.items())
 
 
 def test_rerun_same_args_is_noop_other_args_refused_unless_overwrite(photo_folder, tmp_path):

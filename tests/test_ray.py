@@ -32,8 +32,9 @@ LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # every node and driver o
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """A head and one more node, one CPU each; this process connected as a driver. Yields the address."""
+def cluster(s3) -> Iterator[str]:
+    """A head and one more node, one CPU each; this process connected as a driver. Yields the address.
+    Started after the loopback S3 server, so that every Ray worker has its endpoint in its environment."""
     with pytest.MonkeyPatch.context() as mp:  # the setting is this module's only
         for key, value in LOOPBACK.items():
             mp.setenv(key, value)  # before Ray is imported: it reads the setting once, at import
@@ -226,10 +227,9 @@ def test_a_killed_driver_is_resumed_without_redoing_finished_shards(cluster, tmp
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     killer = threading.Thread(target=kill_when_journaled, args=(cmd, out, 2))
     killer.start()
-    # The driver waits for sample 13 with shards 0-2 (samples 0-11) handed to its commit thread, which
-    # finishes them in order. Once shard 2's last file exists, shards 0 and 1 are committed, and the result
-    # after sample 13 journals them (unless the journal already lists two, and the driver is killed); sample
-    # 22 then never arrives while this driver lives.
+    # Each task writes its own shard: shards 0-2 (samples 0-11) are published by their tasks while the one of
+    # shard 3 waits for sample 13. Once shard 2's labels exist, the driver has journaled shards 0 and 1 or
+    # is about to (it is killed once it has); sample 22 then never arrives while this driver lives.
     deadline = time.monotonic() + 60
     while killer.is_alive() and not (out / image_shards.labels_name(2)).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -255,15 +255,15 @@ def test_a_killed_driver_is_resumed_without_redoing_finished_shards(cluster, tmp
 
 def test_workers_is_per_node_and_a_source_a_node_cannot_see_is_named(cluster, tmp_path):
     from fastdata.errors import SourceError
-    from fastdata.preprocess.images import _work
+    from fastdata.preprocess.image_tasks import work
 
     assert (ray_pool.RayPool.open(cluster).workers, ray_pool.RayPool.open(cluster).num_cpus) == (2, 1.0)
     per_node = ray_pool.RayPool.open(cluster, 2)
     assert (per_node.workers, per_node.num_cpus) == (4, 0.5)  # two tasks at once on each 1-CPU node
-    pool = ray_pool.RayPool.open(cluster, None, tmp_path / "gone")
+    pool = ray_pool.RayPool.open(cluster, None, [str(tmp_path / "gone")])
     task = (str(tmp_path / "gone"), ["a/0.jpg"], 0, "npy", 16, "center-crop", 90, "lanczos", None)
     with pytest.raises(SourceError, match=r"gone is not visible on the Ray node"):
-        list(pool.ordered_map(_work, [task], 1, 0))
+        list(pool.ordered_map(work, [task], 1, 0))
 
 
 def test_an_unreachable_address_is_one_line_naming_it(tmp_path, capsys):
@@ -284,3 +284,27 @@ def test_without_ray_the_flag_names_the_extra(tmp_path, capsys, monkeypatch):
     assert main(["preprocess", "images", str(src), str(tmp_path / "out"), "--quiet", "--ray"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'fastdata[ray]'" in err
+
+
+@pytest.mark.remote
+def test_tars_from_a_url_to_a_url_give_the_local_bytes_with_a_truncated_tar_listed(cluster, s3, tmp_path):
+    from conftest import fresh_fs
+    from test_store_out import store_bytes
+    from test_wds_source import PER_TAR, _cut_in, make_tars
+
+    fresh_fs()
+    src = make_tars(tmp_path / "tars", count=3)
+    _cut_in(src / "00001.tar", f"{PER_TAR + 2:09d}.png", 0.5)  # a download cut short: samples 8-11 gone
+    url = s3("ray-wds")
+    for p in sorted(src.iterdir()):
+        s3.client.put_object(Bucket="ray-wds", Key=f"laion/{p.name}", Body=p.read_bytes())
+    args = ["--size", "16", "--shard-size", "4", "--workers", "1", "--quiet", "--format", "lmdb"]
+    assert main(["preprocess", "images", str(src), str(tmp_path / "local"), *args]) == 0
+    assert main(["preprocess", "images", f"{url}/laion/{{00000..00002}}.tar", f"{url}/out", *args,
+                 "--ray", cluster]) == 0
+    got, local = store_bytes(s3, "ray-wds", "out"), tree_bytes(tmp_path / "local")
+    m = json.loads(got.pop("manifest.json"))
+    assert got == {k: v for k, v in local.items() if k != "manifest.json"}
+    assert m["num_samples"] == 3 * PER_TAR - 4 and [s["path"] for s in m["skipped"]] == [
+        f"00001.tar/{PER_TAR + 2:09d}.png"]
+    assert m["files"] == json.loads(local["manifest.json"])["files"]

@@ -685,3 +685,17 @@ def test_max_steps_without_epochs_trains_past_the_first_epoch(small_images):
     bounded = Trainer(create_model("cnn-small", num_classes=3), loader,
                       config=TrainConfig(epochs=1, max_steps=2 * len(loader) + 1, progress=False, device="cpu"))
     assert bounded.fit()[-1]["reason"] == "epochs" and bounded.step == len(loader)
+
+
+def test_ctrl_c_says_resume_only_when_a_checkpoint_exists(tmp_path):
+    import argparse
+
+    from fastdata.cli.main import _after_interrupt
+    from fastdata.train import checkpoint
+
+    args = argparse.Namespace(command="train", checkpoint=tmp_path / "ck")
+    assert "no checkpoint was saved" in _after_interrupt(args)  # interrupted before the first save
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / checkpoint.CHECKPOINT_NAME).write_bytes(b"x")
+    assert "rerun with --resume" in _after_interrupt(args)
+    assert "nothing to resume" in _after_interrupt(argparse.Namespace(command="train", checkpoint=None))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fastdata.cli.main import main
@@ -103,6 +104,12 @@ def test_a_manifest_whose_numbers_cannot_describe_its_files_is_refused(dataset, 
     m = json.loads((dataset / "manifest.json").read_text())
     edit(m)
     (dataset / "manifest.json").write_text(json.dumps(m))
+    if m["format"].endswith("lmdb") and edit is _uneven:  # version 4: shards may be short; their stores say
+        from fastdata.datasets.images import FastDataset  # how many records they hold
+
+        with pytest.raises(FormatError, match=r"images-00000\.lmdb holds 16 records, the manifest says 15"):
+            FastDataset(dataset).get_batch(np.arange(4))
+        return
     with pytest.raises(FormatError, match="the manifest is damaged") as err:
         load_manifest(dataset)
     assert needle in str(err.value)

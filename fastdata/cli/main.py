@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(with an 'image' column), a folder with images/ and masks/, .parquet file(s), WebDataset .tar "
                      "shards (a folder, a .tar, or a brace pattern such as shards/{00000..00009}.tar; a URL too), or "
                      "(with --coco) the image folder")
-    img.add_argument("out", type=Path, help="output dataset folder")
+    img.add_argument("out", help="output dataset folder, or a URL (s3://bucket/prefix)")
     img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
     img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop",
                      help="npy: how to reach SxS; lmdb: max-side keeps the aspect with the longer side at most S "
@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     img.set_defaults(func=_preprocess_images)
 
     txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) -> uint16/uint32 token shards")
-    txt.add_argument("src", type=Path, help="a .txt/.jsonl file (optionally .gz) or a folder of them")
-    txt.add_argument("out", type=Path, help="output dataset folder")
+    txt.add_argument("src", help="a .txt/.jsonl file (optionally .gz) or a folder of them, local or at a URL")
+    txt.add_argument("out", help="output dataset folder, or a URL (s3://bucket/prefix)")
     txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
     txt.add_argument("--field", default="text", help="jsonl: the field holding the document")
     txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
@@ -377,7 +377,11 @@ def _after_interrupt(args: argparse.Namespace) -> Optional[str]:
         return "rerun the same command to resume"
     if args.command == "train":
         if getattr(args, "checkpoint", None):
-            return f"rerun with --resume to continue from the last checkpoint in {args.checkpoint}"
+            from ..train import checkpoint
+
+            if checkpoint.existing(Path(args.checkpoint) / checkpoint.CHECKPOINT_NAME):
+                return f"rerun with --resume to continue from the last checkpoint in {args.checkpoint}"
+            return f"no checkpoint was saved in {args.checkpoint} yet: a rerun starts from the beginning"
         return "without --checkpoint there is nothing to resume from"
     return None
 

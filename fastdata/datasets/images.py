@@ -13,6 +13,7 @@ Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -22,7 +23,7 @@ import torch
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError
 from ..formats.lmdb_store import LmdbReader
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, manifest_digest
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex, manifest_digest, shard_starts
 from ..formats.schema import Field, fields_of
 from ..imaging.decode_batch import BatchDecoder
 from ..imaging.draws import RATIO, SCALE
@@ -196,7 +197,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         ``shuffle_window`` without a number per sample); None for a one-store LMDB (version 1)."""
         if self.is_lmdb and "lmdb_shards" not in self.manifest:
             return None
-        return np.r_[np.arange(0, len(self), int(self.manifest["shard_size"]), dtype=np.int64), len(self)]
+        return self._where.starts.copy()
+
+    @functools.cached_property
+    def _where(self) -> ShardIndex:
+        """Which shard, and which row of it, holds each sample."""
+        return ShardIndex(shard_starts(self.manifest))
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -318,7 +324,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         batch: dict[str, torch.Tensor] = {}
         idx_t = None
         pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
-            np.unique(idx // int(self.manifest["shard_size"])))
+            np.unique(self._where.shard_of(idx)))
         with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
             if self._dev is not None:  # storage="cuda": gathered on the device
                 idx_t = torch.from_numpy(idx).to(self.device)
@@ -342,11 +348,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return collate_fields(samples, self.fields or [])
 
     def _gather_shards(self, idx: np.ndarray, dst: np.ndarray, maps: Optional[Any] = None) -> None:
-        ss = int(self.manifest["shard_size"])
-        shard = idx // ss
-        rows = idx - shard * ss
         if len(idx) == 0:
             return
+        shard, rows = self._where.locate(idx)
         if self._cache is None or maps is not None:
             take_rows(self._shards if maps is None else maps, shard, rows, dst)
         else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
@@ -359,8 +363,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         next use (FastLoader calls this); a token for `end_reads`."""
         if self._cache is None:
             return None
-        per_shard = self._reader.shard_size if self._reader is not None else int(self.manifest["shard_size"])
-        return self._cache.plan((np.asarray(b, dtype=np.int64) // per_shard for b in batches), now)
+        where = self._where
+        return self._cache.plan((where.shard_of(np.asarray(b, dtype=np.int64)) for b in batches), now)
 
     def _decode_into(self, idx: np.ndarray, x: torch.Tensor, draw: Optional[tuple[int, int, int, int]],
                      pinned: bool = False) -> None:
@@ -370,7 +374,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         assert self._reader is not None
         # streamed: the batch's stores fetched (or waited for) and pinned while read
         stores = (contextlib.nullcontext() if self._cache is None or pinned else
-                  self._cache.reading(np.unique(idx // self._reader.shard_size)))
+                  self._cache.reading(np.unique(self._where.shard_of(idx))))
         with stores, self._reader.views(idx) as blobs:  # decoded from the page cache, no copy
             self._decode_views(idx, blobs, x, draw)
 

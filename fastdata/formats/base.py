@@ -1,8 +1,11 @@
-"""The unit writer shared by every format: an ordered stream of samples cut into fixed-size units.
+"""The unit writer shared by every image format: an ordered stream of samples cut into units by source position.
 
-A unit (an npy shard, an LMDB part) is the grain of resumption: it is written under temporary names and
-renamed when complete, and the preprocess journal records it, so a killed run redoes at most two units
-(the one being written and the one being flushed).
+A unit (an npy shard, an LMDB shard) is the grain of resumption and of parallel work: unit ``k`` holds the
+samples of source positions ``[k * unit_size, (k + 1) * unit_size)`` that decoded, so its bytes depend on
+its own samples only (a bad sample makes its unit one shorter, never shifts the next one). That is what
+lets a Ray task write a whole shard by itself (NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py).
+A unit is written under temporary names and renamed when complete, and the preprocess journal records it,
+so a killed run redoes at most the units under way.
 """
 from __future__ import annotations
 
@@ -30,54 +33,70 @@ def npy_bytes(arr: np.ndarray) -> bytes:
 
 
 class UnitWriter:
-    """Cuts appended samples into units of ``unit_size``; subclasses write the units' files.
+    """Cuts appended samples into units by source position; subclasses write the units' files.
 
     ``append`` returns a record per unit whose files are complete: ``{"index", "samples", "source_end",
-    "files"}``, where ``source_end`` is one past the source index of the unit's last sample (where a resume
-    restarts). A full unit is made durable (fsync, rename) on one helper thread while the next one is
-    written, so the caller never waits on the disk's flush; records come back in unit order, from a
-    later ``append`` or from ``finish``, which waits for them all.
+    "files"}``, where ``source_end`` is one past the unit's last source position (where a resume restarts).
+    A unit closes once the caller has reached its end in the source (``end``), even if its last samples
+    failed to decode; a unit whose samples all failed is written empty. A full unit is made durable
+    (fsync, rename) on one helper thread while the next one is written, so the caller never waits on the
+    disk's flush; records come back in unit order, from a later ``append`` or from ``finish``, which waits
+    for them all.
     """
 
     def __init__(self, unit_size: int, first_unit: int = 0) -> None:
         self.unit_size = unit_size
         self.index = first_unit
         self.rows = 0
+        self._open = False
+        self._end = first_unit * unit_size  # how far into the source the caller has reached
         self._labels: list[np.ndarray] = []
-        self._last_src = -1
         self._committer: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[dict[str, Any], Future]] = deque()
 
-    def append(self, samples: Sequence[Any], labels: np.ndarray, src: np.ndarray) -> list[dict[str, Any]]:
-        pos, n = 0, len(labels)
+    def append(self, samples: Sequence[Any], labels: np.ndarray, src: np.ndarray,
+               end: Optional[int] = None) -> list[dict[str, Any]]:
+        """Write ``samples`` (decoded from source positions ``src``, ascending); ``end``: the source position
+        the caller has reached (default: one past ``src``'s last), which closes every unit that ends there."""
+        src = np.asarray(src, dtype=np.int64)
+        pos, n, size = 0, len(labels), self.unit_size
         while pos < n:
-            if self.rows == 0:
+            unit = int(src[pos]) // size
+            while self.index < unit:  # the units before it are done (empty when all their samples failed)
+                self._close((self.index + 1) * size)
+            take = int(np.searchsorted(src[pos:], (unit + 1) * size))
+            if not self._open:
                 self._open_unit()
-            take = min(self.unit_size - self.rows, n - pos)
+                self._open = True
             self._write(samples[pos:pos + take])
             self._labels.append(np.asarray(labels[pos:pos + take], dtype=LABEL_DTYPE))
-            self._last_src = int(src[pos + take - 1])
             self.rows += take
             pos += take
-            if self.rows == self.unit_size:
-                self._close()
+        self._end = max(self._end, int(src[-1]) + 1 if n else self._end, end if end is not None else 0)
+        while self._end >= (self.index + 1) * size:
+            self._close((self.index + 1) * size)
         return self._completed(wait=False)
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Close the last, partly filled unit (if any) and wait until every unit's files are complete."""
-        if self.rows:
-            self._close()
+    def finish(self, end: Optional[int] = None) -> list[dict[str, Any]]:
+        """Close the last, shorter unit (if the source reached into it: ``end``, default as far as appended)
+        and wait until every unit's files are complete."""
+        self._end = max(self._end, end or 0)
+        if self._end > self.index * self.unit_size:
+            self._close(self._end)
         return self._completed(wait=True)
 
-    def _close(self) -> None:
-        labels = np.concatenate(self._labels)
-        record = {"index": self.index, "samples": self.rows, "source_end": self._last_src + 1}
+    def _close(self, source_end: int) -> None:
+        if not self._open:
+            self._open_unit()
+        labels = np.concatenate(self._labels) if self._labels else np.zeros(0, LABEL_DTYPE)
+        record = {"index": self.index, "samples": self.rows, "source_end": source_end}
         commit = self._seal(labels)
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="fastdata-commit")
         self._pending.append((record, self._committer.submit(commit)))
         self.index += 1
         self.rows = 0
+        self._open = False
         self._labels = []
 
     def _completed(self, wait: bool) -> list[dict[str, Any]]:

@@ -9,9 +9,14 @@ Format version 3 adds sample fields (NOTE [fields] in fastdata/formats/schema.py
 dataset's size like npy images so that masks and boxes share their geometry, are the LMDB's JPEG
 records; every other field is the npy datasets' files (``mask-00000.npy``, ...), one per LMDB shard.
 
-Writing goes through resumable parts (``part-K.npy`` blobs with offsets) in the run's partial folder;
-the LMDB is then built in one append-only pass with a fixed commit pattern. LMDB page contents depend on
-the write history, so this is what makes the output byte-identical for any worker count and after resume.
+Format version 4 (what `fastdata preprocess` writes now) keys each shard's records by their row in that
+shard (``b"%012d" % row``), so a shard is a function of its own samples and a Ray task can write it alone;
+its shards may hold fewer than ``shard_size`` samples (shard ``k`` holds what decoded of source positions
+``[k * shard_size, (k + 1) * shard_size)``, fastdata/formats/base.py), and each has a ``labels-K.npy``
+beside the one ``labels.npy``. Readers find a sample's shard from the shards' counts (`manifest.shard_starts`).
+
+Each shard is built in one append-only pass with a fixed commit pattern: LMDB page contents depend on the
+write history, so this is what makes the output byte-identical for any worker count and after resume.
 """
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
+from ..errors import FormatError
 from .base import UnitWriter, npy_bytes
-from .image_shards import FieldParts, Rows
+from .image_shards import FieldParts, Rows, labels_name
+from .manifest import ShardIndex, shard_starts
 from .schema import Field
 
 LMDB_NAME = "images.lmdb"  # version 1: the one store
@@ -43,28 +50,28 @@ def shard_name(k: int) -> str:
     return f"images-{k:05d}.lmdb"
 
 
-def lmdb_shards(manifest: dict[str, Any]) -> tuple[list[str], int]:
-    """``(store files in sample order, samples per store)`` of an LMDB dataset, version 1 or 2."""
+LOCAL_KEYS_VERSION = 4  # from this format version on, keys are rows within their shard
+
+
+def lmdb_shards(manifest: dict[str, Any]) -> list[str]:
+    """The store files of an LMDB dataset, in sample order (version 1: its one store)."""
     if "lmdb_shards" in manifest:
-        return [s["path"] for s in manifest["lmdb_shards"]], int(manifest["shard_size"])
-    return [manifest["lmdb"]], max(1, int(manifest["num_samples"]))
+        return [s["path"] for s in manifest["lmdb_shards"]]
+    return [manifest["lmdb"]]
 
 
-def part_names(k: int) -> tuple[str, str, str]:
-    return f"part-{k:05d}.npy", f"part-{k:05d}-offsets.npy", f"part-{k:05d}-labels.npy"
+class LmdbShardWriter(UnitWriter):
+    """Collects one shard's JPEG bytes in memory (~25 KB a sample) and builds ``images-K.lmdb`` (keys: rows
+    in the shard, format version 4) and ``labels-K.npy`` when it is sealed. With ``fields`` (samples come as
+    `Rows` of JPEG bytes) the shard's other fields get their npy files beside it."""
 
-
-class JpegPartWriter(UnitWriter):
-    """Collects JPEG bytes of one part in memory (~25 KB a sample) and writes its three files atomically.
-    With ``fields`` (samples come as `Rows` of JPEG bytes), each part's other fields are written as
-    their final npy files in ``fields_dir`` (the dataset folder), beside the part."""
-
-    def __init__(self, parts_dir: Path, part_size: int, first_part: int = 0, *,
-                 fields: Sequence[Field] = (), fields_dir: Optional[Path] = None) -> None:
-        super().__init__(part_size, first_part)
-        self.parts_dir = Path(parts_dir)
+    def __init__(self, out: Path, shard_size: int, first_shard: int = 0, *,
+                 fields: Sequence[Field] = (), labels: bool = True) -> None:
+        super().__init__(shard_size, first_shard)
+        self.out = Path(out)
         self._blobs: list[bytes] = []
-        self.fields = FieldParts(Path(fields_dir or parts_dir), fields)
+        self.fields = FieldParts(self.out, fields)
+        self._with_labels = labels
 
     def _open_unit(self) -> None:
         self._blobs = []
@@ -76,17 +83,14 @@ class JpegPartWriter(UnitWriter):
         self._blobs.extend(samples)
 
     def _seal(self, labels: np.ndarray) -> Callable[[], list[dict[str, Any]]]:
-        blobs, paths = self._blobs, [self.parts_dir / n for n in part_names(self.index)]
+        blobs, k = self._blobs, self.index
         self._blobs = []
-        extra = self.fields.arrays(self.index, len(blobs))
+        extra = [(self.out / labels_name(k), labels)] if self._with_labels else []
+        extra += self.fields.arrays(k, len(blobs))
 
         def commit() -> list[dict[str, Any]]:
-            offsets = np.zeros(len(blobs) + 1, dtype="<i8")
-            np.cumsum([len(b) for b in blobs], out=offsets[1:])
-            blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-            return [write_bytes_atomic(paths[0], npy_bytes(blob)), write_bytes_atomic(paths[1], npy_bytes(offsets)),
-                    write_bytes_atomic(paths[2], npy_bytes(labels))] + [
-                    {**write_bytes_atomic(path, npy_bytes(arr)), "partial": False} for path, arr in extra]
+            return [build_shard(self.out / shard_name(k), blobs)] + [
+                write_bytes_atomic(path, npy_bytes(arr)) for path, arr in extra]
         return commit
 
     def _abort_unit(self) -> None:
@@ -94,40 +98,17 @@ class JpegPartWriter(UnitWriter):
         self.fields.clear()
 
 
-def iter_parts(parts_dir: Path, count: int) -> Iterator[tuple[list[memoryview], np.ndarray]]:
-    """Each part's samples as views of its one blob (LMDB copies them in ``put``: no copy of our own)."""
-    for k in range(count):
-        data, offs, labels = (np.load(parts_dir / n, allow_pickle=False) for n in part_names(k))
-        blob, ends = memoryview(data), offs.tolist()
-        yield [blob[a:b] for a, b in zip(ends[:-1], ends[1:])], labels
-
-
-def build(out: Path, parts_dir: Path, count: int, labels: bool = True) -> list[dict[str, Any]]:
-    """Write one LMDB shard per part (``images-K.lmdb``) and ``labels.npy`` (unless the samples have no
-    class label) from ``count`` parts; returns their manifest entries, shards first."""
-    entries, all_labels, first = [], [], 0
-    for k, part in enumerate(iter_parts(parts_dir, count)):
-        entry, part_labels = _build_one(out / shard_name(k), parts_dir / part_names(k)[0], part, first)
-        entries.append(entry)
-        all_labels.append(part_labels)
-        first += len(part_labels)
-    if not labels:
-        return entries
-    joined = np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
-    return entries + [write_bytes_atomic(out / LABELS_NAME, npy_bytes(joined))]
-
-
-def _build_one(path: Path, blob_file: Path, part: tuple[list[memoryview], np.ndarray], first: int
-               ) -> tuple[dict[str, Any], np.ndarray]:
+def build_shard(path: Path, blobs: Sequence[Any]) -> dict[str, Any]:
+    """Write ``blobs`` as one LMDB store at ``path`` (keys ``0..n-1``, via ``path.tmp``); its manifest entry."""
     import lmdb
 
     # Values over a page go to overflow pages (up to 4 KiB waste each); 1.5x + 1 MiB has room for that.
-    map_size = int(blob_file.stat().st_size * 1.5) + (1 << 20)
+    map_size = int(sum(len(b) for b in blobs) * 1.5) + (1 << 20)
     tmp = path.with_name(path.name + ".tmp")
     while True:
         tmp.unlink(missing_ok=True)
         try:
-            labels = _write_lmdb(lmdb, tmp, map_size, iter([part]), first)
+            _write_lmdb(lmdb, tmp, map_size, blobs)
             break
         except lmdb.MapFullError:
             map_size *= 2  # deterministic: the same data always takes the same retries
@@ -140,31 +121,25 @@ def _build_one(path: Path, blob_file: Path, part: tuple[list[memoryview], np.nda
             raise disk_error(exc, tmp) from exc
     entry = {"path": path.name, "bytes": tmp.stat().st_size, HASH_NAME: hash_file(tmp)}
     os.replace(tmp, path)
-    return entry, labels
+    return entry
 
 
-def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, parts: Iterator[tuple[list[memoryview], np.ndarray]],
-                first: int = 0) -> np.ndarray:
+def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, blobs: Sequence[Any]) -> None:
     env = lmdb.open(str(tmp), subdir=False, map_size=map_size, lock=False, meminit=True, sync=True,
                     metasync=True, max_dbs=0)
-    all_labels, i = [], first
     try:
         txn = env.begin(write=True)
-        for blobs, labels in parts:
-            all_labels.append(labels)
-            for blob in blobs:
-                txn.put(key(i), blob, append=True)
-                i += 1
-                if (i - first) % _COMMIT_EVERY == 0:
-                    txn.commit()
-                    txn = env.begin(write=True)
+        for i, blob in enumerate(blobs):
+            txn.put(key(i), blob, append=True)
+            if (i + 1) % _COMMIT_EVERY == 0:
+                txn.commit()
+                txn = env.begin(write=True)
         txn.commit()
         env.sync(True)
     except BaseException:
         env.close()
         raise
     env.close()
-    return np.concatenate(all_labels) if all_labels else np.zeros(0, dtype="<i8")
 
 
 # NOTE [shared environments]: py-lmdb allows one open environment per file and process, so every reader of a
@@ -253,12 +228,22 @@ class _Holds:
 
 
 class LmdbReader:
-    """Read-only access to LMDB stores (one, or shards of ``shard_size`` samples in order), each opened lazily
-    in each process (safe in DataLoader workers)."""
+    """Read-only access to LMDB stores (one, or shards in sample order), each opened lazily in each process
+    (safe in DataLoader workers).
 
-    def __init__(self, paths: Union[Path, Sequence[Path]], shard_size: Optional[int] = None) -> None:
+    Args:
+        paths: The store, or the shards in order.
+        starts: Each shard's first sample, then the number of samples (`manifest.shard_starts`); needed
+            with more than one store.
+        local_keys: Keys are rows within their shard (format version 4), not global sample indices.
+    """
+
+    def __init__(self, paths: Union[Path, Sequence[Path]], starts: Optional[np.ndarray] = None,
+                 local_keys: bool = False) -> None:
         self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-        self.shard_size = shard_size or 0
+        self.index = ShardIndex(np.asarray([0, 1 << 62] if starts is None else starts, dtype=np.int64))
+        self.local_keys = local_keys
+        self._counted: set[int] = set()  # shards whose record count matched the manifest
         self.path = self.paths[0] if len(self.paths) == 1 else self.paths[0].parent
         self._hold()
 
@@ -273,6 +258,15 @@ class LmdbReader:
         self.__dict__.update(state)
         self._hold()
 
+    def _count(self, s: int, env: Any) -> None:
+        """Refuse a shard whose records are not as many as the manifest says (its keys are rows: a wrong
+        count would serve another shard's row numbers)."""
+        want, have = int(self.index.starts[s + 1] - self.index.starts[s]), int(env.stat()["entries"])
+        if want != have:
+            raise FormatError(f"{self.paths[s]} holds {have} records, the manifest says {want}: the manifest is "
+                              "damaged; re-run `fastdata preprocess` (or restore the dataset's own manifest.json)")
+        self._counted.add(s)
+
     def release(self, path: Path) -> None:
         """Stop holding the store ``path`` (its file may then be deleted): its environment is closed unless
         another reader in this process still holds it (NOTE [shared environments]). A later read reopens it."""
@@ -284,7 +278,7 @@ class LmdbReader:
 
     def path_of(self, i: int) -> Path:
         """The store holding sample ``i``."""
-        return self.paths[i // self.shard_size] if len(self.paths) > 1 else self.paths[0]
+        return self.paths[int(self.index.locate(np.asarray([i]))[0][0])]
 
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
         """The records of ``indices``, copied out as ``bytes`` (valid for ever)."""
@@ -303,19 +297,23 @@ class LmdbReader:
         idx = np.asarray(indices, dtype=np.int64)
         out: list[Any] = [b""] * len(idx)
         with contextlib.ExitStack() as txns:
+            shard, row = self.index.locate(idx)
+            keys = (row if self.local_keys else idx).tolist()
             if len(self.paths) == 1:
                 groups = [(0, range(len(idx)))]
             else:
-                shard = idx // self.shard_size
                 groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
             for s, rows in groups:  # one read transaction per store touched
-                txn = txns.enter_context(self._holds.env(self.paths[s]).begin(buffers=not copy))
+                env = self._holds.env(self.paths[s])
+                if self.local_keys and s not in self._counted:
+                    self._count(s, env)
+                txn = txns.enter_context(env.begin(buffers=not copy))
                 for r in rows:
-                    out[r] = txn.get(key(int(idx[r])))
+                    out[r] = txn.get(key(keys[r]))
             yield out
 
 
 def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:
-    """The reader of an LMDB dataset folder, version 1 or 2."""
-    names, shard_size = lmdb_shards(manifest)
-    return LmdbReader([safe_join(root, n) for n in names], shard_size)
+    """The reader of an LMDB dataset folder, any version."""
+    return LmdbReader([safe_join(root, n) for n in lmdb_shards(manifest)], shard_starts(manifest),
+                      local_keys=manifest["format_version"] >= LOCAL_KEYS_VERSION)

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from .._io import HASH_NAME, hash_file, safe_join, write_json_atomic
 from .._version import __version__
 from ..errors import ChecksumError, FormatError, VersionError
@@ -21,8 +23,10 @@ IMAGES_NPY = "fastdata.images.npy"
 IMAGES_LMDB = "fastdata.images.lmdb"
 TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never rename it
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
-# LMDB 2: shards, LMDB 3: sample fields (lmdb_store.py); npy 2: sample fields beyond (image, label) (formats/schema.py)
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 2, IMAGES_LMDB: 3, TOKENS: 1}
+# LMDB 2: shards, LMDB 3: sample fields (lmdb_store.py), LMDB 4: keys per shard and shards of uneven sizes;
+# npy 2: sample fields beyond (image, label) (formats/schema.py), npy 3: shards of uneven sizes (formats/base.py)
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 3, IMAGES_LMDB: 4, TOKENS: 1}
+UNEVEN_SHARDS = {IMAGES_NPY: 3, IMAGES_LMDB: 4}  # the version from which shards may hold fewer than shard_size
 
 
 def fastdata_version() -> str:
@@ -118,7 +122,7 @@ def _count(value: Any) -> bool:
 
 def check_layout(manifest: dict[str, Any], where: str) -> None:
     """Refuse a manifest whose numbers cannot describe its files (an edited or damaged one). Readers map
-    sample ``i`` to row ``i % shard_size`` of shard ``i // shard_size`` and a token window to its shard by
+    sample ``i`` to its shard by the shards' sample counts (`ShardIndex`) and a token window to its shard by
     the shards' token counts: a wrong count, shape or dtype would serve wrong rows, or fail deep inside a
     batch, instead of here with one line."""
     def refuse(what: str) -> None:
@@ -167,9 +171,45 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("samples")) for s in shards):
         refuse(f"'{key}' is not a list of shards with sample counts")
     counts = [s["samples"] for s in shards]
-    if sum(counts) != n or any(c != size for c in counts[:-1]) or (counts and not 0 < counts[-1] <= size):
+    if manifest["format_version"] >= UNEVEN_SHARDS[fmt]:  # shards shortened by bad samples: at most size each
+        wrong = sum(counts) != n or any(c > size for c in counts)
+    else:
+        wrong = sum(counts) != n or any(c != size for c in counts[:-1]) or (counts and not 0 < counts[-1] <= size)
+    if wrong:
         refuse(f"its {len(counts)} shards hold {counts[:3]}{'...' if len(counts) > 3 else ''} samples, not "
                f"{n} samples in shards of {size}")
+
+
+def shard_starts(manifest: dict[str, Any]) -> np.ndarray:
+    """Each image shard's first sample, then the number of samples (int64; a one-store LMDB: ``[0, n]``)."""
+    shards = manifest.get("shards", manifest.get("lmdb_shards"))
+    if shards is None:
+        return np.array([0, int(manifest["num_samples"])], dtype=np.int64)
+    starts = np.zeros(len(shards) + 1, dtype=np.int64)
+    np.cumsum([int(s["samples"]) for s in shards], out=starts[1:])
+    return starts
+
+
+class ShardIndex:
+    """Sample ``i``'s shard and row from the shards' first samples (`shard_starts`): ``i // shard_size`` when
+    every shard but the last is full (every dataset written before format versions npy 3 / LMDB 4, and
+    most after), else a binary search (shards shortened by samples that did not decode)."""
+
+    def __init__(self, starts: np.ndarray) -> None:
+        self.starts = np.asarray(starts, dtype=np.int64)
+        counts = np.diff(self.starts)
+        self.size = int(counts[0]) if len(counts) else 1
+        self.uniform = self.size > 0 and bool((counts[:-1] == self.size).all()) and bool((counts <= self.size).all())
+
+    def shard_of(self, idx: np.ndarray) -> np.ndarray:
+        if self.uniform:
+            return idx // self.size
+        return np.searchsorted(self.starts, idx, side="right") - 1
+
+    def locate(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(shard, row)`` of each sample index in ``idx`` (int64 arrays)."""
+        shard = self.shard_of(idx)
+        return shard, idx - self.starts[shard]
 
 
 # NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file

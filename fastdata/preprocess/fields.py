@@ -20,9 +20,12 @@ from typing import Any, Optional
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .._io import scrub
 from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
+from ..storage.remote import is_url
+from .sources import read_object
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -119,7 +122,11 @@ class RecordDecoder:
     def _mask(self, rel: Optional[str], w: int, h: int, g: Geometry) -> np.ndarray:
         if rel is None:
             raise ImageDecodeError("no mask for this image (masks/ has no file of the same stem)")
-        path = self.root / rel
+        if is_url(rel):  # a URL source's masks are full URLs (NOTE [url source] in fastdata/preprocess/sources.py)
+            path: Any = io.BytesIO(read_object(rel))
+            rel = scrub(rel)
+        else:
+            path = self.root / rel
         try:
             with Image.open(path) as m:
                 m.load()
@@ -160,8 +167,19 @@ class RecordDecoder:
 
 
 def open_source(root: Path, rel: str, blobs: Any, index: int) -> Any:
-    """What `RecordDecoder.decode` reads: a file path, or a Parquet row's encoded bytes (``index``
-    counts in ``blobs``: a task's chunk)."""
+    """What `RecordDecoder.decode` reads: a file path, or the sample's bytes from ``blobs`` (a Parquet row,
+    a tar member, an object at a URL; ``index`` counts in ``blobs``: a task's chunk), named ``rel``."""
     if blobs is None:
         return root / rel
-    return io.BytesIO(blobs.read(index))
+    return Blob(blobs.read(index), rel)
+
+
+class Blob(io.BytesIO):
+    """A sample's bytes that print as its source path: messages name the sample, not a buffer's address."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        super().__init__(data)
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name

@@ -7,15 +7,17 @@ killed run resumes; the manifest is written last.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
-from .._io import fsync_dir, write_bytes_atomic
+from .._io import fsync_dir, scrub, write_bytes_atomic
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE, npy_bytes
@@ -24,15 +26,14 @@ from ..formats.schema import Field
 from ..formats.tokenizer import cached_tokenizer, token_dtype
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
-from . import journal, parallel, ray_pool
-from .fields import RecordDecoder, open_source
+from . import journal, parallel, ray_pool, store_out
+from .image_tasks import MAX_SIDE, Plan, unit_task, work, work_fields
 from .sources import Source
 from .tars import discover_source
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("npy", "lmdb")
-MAX_SIDE = "max-side"  # lmdb: the longer side at most S, aspect kept, never upscaled (FFCV's max_resolution)
 RESIZE_MODES = (*decode.RESIZE_MODES, MAX_SIDE)
 ON_ERROR = ("skip", "fail")
 _MAX_CHUNK = 16  # files per worker task: ~3 MB of 256px pixels; small chunks keep the tail short
@@ -79,7 +80,7 @@ class ImagePreprocessConfig:
     """
 
     src: Union[Path, str]  # a path, or a URL of WebDataset tars
-    out: Path
+    out: Union[Path, str]  # a folder, or a URL (NOTE [output at a URL] in fastdata/preprocess/store_out.py)
     size: int = 256
     resize: str = "center-crop"  # lmdb: max-side keeps the aspect (longer side <= size); else shorter side <= size
     format: str = "npy"
@@ -99,7 +100,7 @@ class ImagePreprocessConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # tars at a URL
-        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))  # a URL: NOTE [output at a URL]
         require(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
         require(self.resize in RESIZE_MODES, "resize", self.resize, f"one of {RESIZE_MODES}")
         require(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
@@ -169,13 +170,18 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         >>> manifest["num_samples"]
         1281167
     """
-    journal.check_writable(config.out)  # before the source is listed (tars are read whole for that)
+    store = store_out.StoreOut(config.out) if isinstance(config.out, str) else None  # NOTE [output at a URL]
+    if store is not None:
+        store.check_writable()
+    else:
+        journal.check_writable(config.out)  # before the source is listed (tars are read whole for that)
     source = discover_source(config.src, config.coco)
-    src, out = Path(source.location).resolve(), config.out.resolve()
-    if source.kind == "folder" and (out == src or src in out.parents):  # its folder would become a class
-        raise ConfigError(f"the output folder {config.out} is inside the source folder {config.src}: the next "
-                          "run would read it as a class of its own (and renumber the others); choose an output "
-                          "folder outside it")
+    if store is None and source.kind == "folder":
+        src, out = Path(source.location).resolve(), config.out.resolve()
+        if out == src or src in out.parents:  # its folder would become a class
+            raise ConfigError(f"the output folder {config.out} is inside the source folder {config.src}: the next "
+                              "run would read it as a class of its own (and renumber the others); choose an "
+                              "output folder outside it")
     if config.resize == MAX_SIDE and source.kinds:
         raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
                           f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
@@ -186,6 +192,15 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     if source.kinds and config.format == "lmdb":  # images stored square, so the other fields share their geometry
         params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
+    if store is not None:
+        done = store.prepare(fingerprint, config.overwrite)
+        if done is not None:
+            log.info("%s is already complete with these arguments", scrub(config.out))
+            return done
+        jr = _aligned(store.resume(fingerprint), config.shard_size, len(source.paths))
+        with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
+            _run(config, source, jr, Path(staging), store)
+            return _finish(config, source, jr, Path(staging), params, fingerprint, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
     with journal.output(config.out, fingerprint, config.overwrite) as target:
         if target.done is not None:
@@ -193,81 +208,126 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
+        kept = len(jr.units)
+        if len(_aligned(jr, config.shard_size, len(source.paths)).units) < kept:
+            jr.save(partial)
         if jr.units:
             log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
-        _run(config, source, jr, partial)
-        return _finish(config, source, jr, partial, params, fingerprint)
+        _run(config, source, jr, partial, config.out)
+        return _finish(config, source, jr, config.out, params, fingerprint, None)
 
 
-def _chunks(start: int, stop: int, workers: int, max_files: int) -> list[tuple[int, int]]:
+def _aligned(jr: journal.Journal, size: int, total: int) -> journal.Journal:
+    """``jr`` without its units from the first that does not cover source positions ``[k * size, (k + 1) *
+    size)`` (a journal of a fastdata that cut units by count: its units are redone)."""
+    for n, unit in enumerate(jr.units):
+        if unit["index"] != n or unit["source_end"] != min((n + 1) * size, total):
+            del jr.units[n:]
+            jr.skipped = [s for s in jr.skipped if s["index"] < jr.source_end]
+            break
+    return jr
+
+
+def _chunks(start: int, stop: int, workers: int, max_files: int, unit: int) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of at most ``max_files`` source positions covering ``[start, stop)``, none crossing a
+    multiple of ``unit`` (a chunk feeds one unit: formats/base.py)."""
     size = max(1, min(max_files, -(-(stop - start) // (workers * 8))))
-    return [(a, min(a + size, stop)) for a in range(start, stop, size)]
+    return [(a, min(a + size, stop, (a // unit + 1) * unit)) for u in range(start, stop, unit)
+            for a in range(u, min(u + unit, stop), size)]
 
 
-def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path) -> None:
+def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path, out: Any) -> None:
+    """Decode the source after the journaled units and write the rest: chunks through the local pool into
+    one writer here, or one Ray task per unit that writes and publishes its shard itself (NOTE [ray
+    byte-identity]). ``out``: a local folder, or a `StoreOut` (files staged here, then put)."""
     from ..progress import progress_bar
 
-    needs = None if is_url(source.location) else source.root  # every Ray node must see a local source
-    pool = ray_pool.RayPool.open(config.ray_address, config.workers, needs) if config.engine == "ray" else None
+    ray = config.engine == "ray"
+    needs = [] if is_url(source.location) else [str(source.root)]
+    needs += [] if isinstance(out, store_out.StoreOut) else [str(out)]
+    pool = ray_pool.RayPool.open(config.ray_address, config.workers, needs) if ray else None
     workers = pool.workers if pool else config.workers or parallel.default_workers()
-    row_bytes = config.size * config.size * 3
-    max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // row_bytes)) if config.format == "npy" else _MAX_CHUNK
     fields = sample_fields(config, source)
-    if fields:
-        extra = [f for f in fields if f.kind not in ("image", "label")]
-        if config.format == "npy":
-            writer: Any = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units),
-                                                      fields=extra, labels=source.has_label)
-        else:  # JPEG records in LMDB parts, the other fields as npy files in OUT beside them
-            writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units), fields=extra,
-                                               fields_dir=config.out)
-    elif config.format == "npy":
-        writer = image_shards.NpyShardWriter(config.out, config.size, config.shard_size, len(jr.units))
-    else:
-        writer = lmdb_store.JpegPartWriter(partial, config.shard_size, len(jr.units))
-    start, total = jr.source_end, len(source.paths)
+    plan = Plan(config.format, config.size, config.shard_size, tuple(fields), source.has_label)
+    max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // plan.row_bytes)) if config.format == "npy" else _MAX_CHUNK
+    start, total, size = jr.source_end, len(source.paths), config.shard_size
     skipped = list(jr.skipped)
-    chunks = _chunks(start, total, workers, max_files)
-    if fields:
-        spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.has_label)
-        tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.filter,
-                  {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec,
-                  source.blobs.chunk(a, b) if source.blobs is not None else None,  # a task pickles its rows only
-                  config.quality) for a, b in chunks]
-    else:
-        tasks = [(str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
-                  config.filter, source.blobs.chunk(a, b) if source.blobs is not None else None) for a, b in chunks]
-    # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
-    slot_bytes = max_files * row_bytes if config.format == "npy" else 0
+    labels = np.asarray(source.labels, dtype=LABEL_DTYPE)
+    units_left = -(-(total - start) // size)
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
+    bar.set_postfix_str(f"shards {len(jr.units)}/{len(jr.units) + units_left}", refresh=False)
+
+    def failed(failures: list[tuple[int, str]]) -> None:
+        for idx, reason in failures:
+            if config.on_error == "fail":
+                raise ImageDecodeError(f"cannot decode {_named(source, idx)}: {reason} "
+                                       "(use --on-error skip to leave such files out)")
+            skipped.append({"index": idx, "path": source.paths[idx], "reason": reason})
+
+    def record(unit: dict[str, Any]) -> None:
+        jr.add(unit, skipped, partial)
+        bar.set_postfix_str(f"shards {len(jr.units)}/{len(jr.units) + -(-(total - jr.source_end) // size)}")
+
+    if pool is not None:
+        tasks = ((plan, k, a, min(a + size, total), list(_tasks(config, source, plan, _chunks(
+            a, min(a + size, total), 1, max_files, size))), labels[a:a + size], out)
+            for k, a in zip(itertools.count(len(jr.units)), range(start, total, size)))
+        try:
+            for unit, failures in pool.ordered_map(unit_task, tasks):
+                failed(failures)
+                record(unit)
+                bar.update(unit["source_end"] - bar.n)
+            jr.skipped = skipped
+        finally:
+            bar.close()
+        return
+    chunks = _chunks(start, total, workers, max_files, size)
+    staged = isinstance(out, store_out.StoreOut)  # files written here, then put (NOTE [output at a URL])
+    stage = store_out.task_stage(out) if staged else Path(out)
+    writer = plan.writer(stage, len(jr.units))
+    # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
+    slot_bytes = max_files * plan.row_bytes if config.format == "npy" else 0
+    fn = work_fields if fields else work
     try:
-        work = _work_fields if fields else _work
-        for (ok_src, payload, failures), view in (pool or parallel).ordered_map(work, tasks, workers, slot_bytes):
-            values = None
-            if fields:
-                payload, values = payload
-            if payload is None:  # the npy pixels are in the shared slot (JPEG bytes come as a list)
-                payload = np.frombuffer(view, np.uint8, len(ok_src) * row_bytes).reshape(
-                    len(ok_src), config.size, config.size, 3)
-            if values is not None:
-                payload = image_shards.Rows(payload, _stack(values, fields))
-            for idx, reason in failures:
-                if config.on_error == "fail":
-                    raise ImageDecodeError(f"cannot decode {source.root / source.paths[idx]}: {reason} "
-                                           "(use --on-error skip to leave such files out)")
-                skipped.append({"index": idx, "path": source.paths[idx], "reason": reason})
-            labels = np.asarray([source.labels[i] for i in ok_src], dtype=LABEL_DTYPE)
-            for unit in writer.append(payload, labels, np.asarray(ok_src)):
-                jr.add(_tag(unit, config.format), skipped, partial)
-            bar.update(len(ok_src) + len(failures))
-        for unit in writer.finish():
-            jr.add(_tag(unit, config.format), skipped, partial)
+        results = parallel.ordered_map(fn, _tasks(config, source, plan, chunks), workers, slot_bytes)
+        for (result, view), (a, b) in zip(results, chunks):
+            units, failures = plan.feed(writer, result, view, labels, 0, b)
+            failed(failures)
+            for unit in units:
+                if staged:
+                    store_out.publish(stage, unit["files"], out)
+                record(unit)
+            bar.update(b - a)
+        for unit in writer.finish(total):
+            if staged:
+                store_out.publish(stage, unit["files"], out)
+            record(unit)
         jr.skipped = skipped
     except BaseException:
         writer.abort()
         raise
     finally:
         bar.close()
+        if staged:
+            store_out.drop_stage(stage)
+
+
+def _named(source: Source, i: int) -> str:
+    """Sample ``i``'s file as a message names it (a URL source's without secrets)."""
+    return f"{source.where}/{source.paths[i]}" if is_url(str(source.location)) else str(source.root / source.paths[i])
+
+
+def _tasks(config: ImagePreprocessConfig, source: Source, plan: Plan, chunks: list[tuple[int, int]]) -> Iterator[tuple]:
+    """The worker tasks of ``chunks`` (a task pickles its own rows only)."""
+    for a, b in chunks:
+        blobs = source.blobs.chunk(a, b) if source.blobs is not None else None
+        if plan.fields:
+            spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.has_label)
+            yield (str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.filter,
+                   {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec, blobs, config.quality)
+        else:
+            yield (str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
+                   config.filter, blobs)
 
 
 def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
@@ -293,159 +353,70 @@ def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
     return fields
 
 
-def _stack(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:
-    """A chunk's field values as the writer takes them: fixed-size fields stacked, variable ones as lists."""
-    out: dict[str, Any] = {}
-    for f in fields:
-        if f.name in values:
-            v = values[f.name]
-            out[f.name] = v if f.variable else (np.stack(v) if v else np.zeros((0, *f.shape), f.np_dtype))
-    return out
-
-
-def _work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
-    """Worker: decode one chunk of records with fields (NOTE [record geometry] in fastdata/preprocess/fields.py). Returns
-    (source indices decoded, (pixels, None when in the shared slot, or an LMDB's JPEG bytes; {field:
-    per-sample values}), failures)."""
-    root, paths, first, fmt, size, resize, filter_name, values, labels, spec, blobs, quality = task
-    kinds, num_classes, mask_dtype, tokenizer, has_label = spec
-    dec = RecordDecoder(root, size, resize, decode.FILTERS[filter_name], kinds, num_classes, mask_dtype, tokenizer)
-    shared = parallel.slot(slot)
-    pixels = _pixel_rows(shared, len(paths), size)
-    ok: list[int] = []
-    failures: list[tuple[int, str]] = []
-    out: dict[str, list[Any]] = {}
-    for j, rel in enumerate(paths):
-        try:
-            got = dec.decode(open_source(Path(root), rel, blobs, j), {k: v[j] for k, v in values.items()},
-                             labels[j] if has_label else None, pixels[len(ok)])
-        except (ImageDecodeError, OSError) as exc:
-            failures.append((first + j, _reason(exc)))
-            continue
-        for k, v in got.items():
-            out.setdefault(k, []).append(v)
-        ok.append(first + j)
-    if fmt == "lmdb":  # the record is the decoded square image, encoded once (the same bytes for any chunking)
-        return ok, ([decode.encode_jpeg(p, quality) for p in pixels[:len(ok)]], out), failures
-    return ok, (pixels[:len(ok)] if shared is None else None, out), failures
-
-
-def _pixel_rows(shared: Optional[memoryview], n: int, size: int) -> np.ndarray:
-    """``(n, size, size, 3)`` uint8 rows for a task's pixels: in its shared slot when it has one."""
-    shape = (n, size, size, 3)
-    return np.empty(shape, np.uint8) if shared is None else np.frombuffer(
-        shared, np.uint8, int(np.prod(shape))).reshape(shape)
-
-
-def max_side_jpeg(src: Any, size: int, quality: int, resample: int) -> bytes:
-    """``src`` -> the LMDB record of ``--resize max-side``: JPEG bytes with the longer side at most ``size``,
-    aspect kept, never upscaled (FFCV's ``max_resolution``). The output size comes from the upright image's
-    full size, so a JPEG decoded at a reduced DCT scale gets the same geometry."""
-    img, (w, h) = decode.open_rgb_sized(src, size, "pad")  # pad's scale is size / longer side: the same draft
-    if max(w, h) > size:
-        s = size / max(w, h)
-        img = img.resize((max(1, round(w * s)), max(1, round(h * s))), resample, reducing_gap=decode.REDUCING_GAP)
-    return decode.encode_jpeg(img, quality)
-
-
-def _reason(exc: Exception) -> str:
-    """Why a file was skipped: a decode error as it says, a file that vanished or cannot be read (the same
-    policy as a bad image) by its OS error."""
-    if isinstance(exc, OSError):
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    return str(exc)
-
-
-def _tag(unit: dict[str, Any], fmt: str) -> dict[str, Any]:
-    unit["in_partial"] = fmt == "lmdb"  # LMDB parts live in the partial folder, npy shards in OUT itself
-    return unit
-
-
-def _work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[tuple[int, str]]]:
-    """Worker: decode one chunk. Returns (source indices decoded, their samples, [(index, reason)] failed).
-
-    npy pixels go into the shared slot when there is one (the samples returned are then ``None``).
-    """
-    root, paths, first, fmt, size, resize, quality, filter_name, blobs = task
-    resample = decode.FILTERS[filter_name]
-    ok: list[int] = []
-    failures: list[tuple[int, str]] = []
-    shared = parallel.slot(slot)
-    samples: Any = []
-    if fmt == "npy":
-        samples = _pixel_rows(shared, len(paths), size)
-    for j, rel in enumerate(paths):
-        try:
-            path = open_source(Path(root), rel, blobs, j)
-            if fmt == "npy":
-                samples[len(ok)] = decode.load_array(path, size, resize, resample)
-            elif resize == MAX_SIDE:
-                samples.append(max_side_jpeg(path, size, quality, resample))
-            else:
-                samples.append(decode.load_jpeg(path, size, quality, resample))
-        except (ImageDecodeError, OSError) as exc:
-            failures.append((first + j, _reason(exc)))
-            continue
-        ok.append(first + j)
-    if fmt == "npy":
-        samples = samples[:len(ok)] if shared is None else None
-    return ok, samples, failures
-
-
-def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path,
-            params: dict[str, Any], fingerprint: str) -> dict[str, Any]:
-    out = config.out
+def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, folder: Path,
+            params: dict[str, Any], fingerprint: str, store: Optional[store_out.StoreOut]) -> dict[str, Any]:
+    """Write ``labels.npy`` and the manifest last: in OUT, or (``store``) staged in ``folder`` and put."""
     n = jr.num_samples
     if n == 0:
         first = jr.skipped[0] if jr.skipped else {"path": "?", "reason": "?"}
-        raise ImageDecodeError(f"none of the {len(source.paths)} images in {source.location} could be decoded "
+        raise ImageDecodeError(f"none of the {len(source.paths)} images in {source.where} could be decoded "
                                f"(first: {first['path']}: {first['reason']})")
     fields = sample_fields(config, source)
-    version = None
+    # an LMDB shard's labels-K.npy only carries its labels to labels.npy: dropped once the manifest exists,
+    # so that opening a streamed LMDB dataset fetches one labels file, not one per shard
+    transient = {image_shards.labels_name(u["index"]) for u in jr.units} if config.format == "lmdb" else set()
+    files = [f for u in jr.units for f in u["files"] if f["path"] not in transient]
+    counts = [u["samples"] for u in jr.units]
+    uneven = any(c != config.shard_size for c in counts[:-1]) or counts[-1] == 0
     if config.format == "npy":
-        files = [f for u in jr.units for f in u["files"]]
-        labels = [np.load(out / image_shards.labels_name(u["index"]), allow_pickle=False) for u in jr.units
-                  if source.has_label]
         fmt, extra = IMAGES_NPY, {
             "sample_shape": [config.size, config.size, 3], "dtype": image_shards.IMAGE_DTYPE.str, "layout": "NHWC",
             "shard_size": config.shard_size,
             "shards": [{"images": image_shards.images_name(u["index"]),
                         **({"labels": image_shards.labels_name(u["index"])} if source.has_label else {}),
                         "samples": u["samples"]} for u in jr.units]}  # other fields' files: Field.files
-        version = 1  # (image, class) datasets stay version 1, which every fastdata reads
-        if fields:  # format version 2 (NOTE [fields] in fastdata/formats/schema.py)
-            version = 2
+        # (image, class) datasets of even shards stay version 1, which every fastdata reads; 2: fields;
+        # 3: shards shortened by samples that did not decode (formats/base.py)
+        version = 3 if uneven else 2 if fields else 1
     else:
-        files = lmdb_store.build(out, partial, len(jr.units), labels=source.has_label)
-        files += [f for u in jr.units for f in u["files"] if f.get("partial") is False]  # the other fields' files
-        files = [{k: v for k, v in f.items() if k != "partial"} for f in files]
-        labels = [np.load(out / lmdb_store.LABELS_NAME, allow_pickle=False)] if source.has_label else []
         fmt, extra = IMAGES_LMDB, {"lmdb_shards": [{"path": lmdb_store.shard_name(u["index"]), "samples": u["samples"]}
                                                    for u in jr.units], "shard_size": config.shard_size,
                                    "key_format": "%012d", "encoding": "jpeg", "max_short_side": config.size}
         if config.resize == MAX_SIDE:  # the short side is at most S too, so max_short_side stays true
             extra["max_side"] = config.size
-        if source.has_label:
-            extra["labels"] = lmdb_store.LABELS_NAME
-        version = 3 if fields else 2  # version 3: square records with fields (lmdb_store's docstring)
+        version = lmdb_store.LOCAL_KEYS_VERSION  # keys per shard (lmdb_store's docstring)
     if fields:
         extra["fields"] = [f.to_json() for f in fields]
         if "tokens" in source.kinds.values():
             extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
-    all_labels = np.concatenate(labels) if labels else np.zeros(0, LABEL_DTYPE)
-    if config.format == "npy" and source.has_label:  # every label in one file too (image_shards' docstring)
-        files.append(write_bytes_atomic(out / image_shards.ALL_LABELS_NAME, npy_bytes(all_labels)))
-        extra["all_labels"] = image_shards.ALL_LABELS_NAME
-    counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
+    all_labels = np.zeros(0, LABEL_DTYPE)
+    if source.has_label:  # every label in one file too (image_shards' docstring)
+        all_labels = np.concatenate([_unit_labels(folder, u["index"], store) for u in jr.units])
+        files.append(write_bytes_atomic(folder / image_shards.ALL_LABELS_NAME, npy_bytes(all_labels)))
+        extra["all_labels" if config.format == "npy" else "labels"] = image_shards.ALL_LABELS_NAME
+    class_counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
     manifest = new_manifest(
-        fmt, version=version, num_samples=n, classes=source.classes, class_counts=counts, label_dtype=LABEL_DTYPE.str,
-        files=files, params=params, fingerprint=fingerprint,
+        fmt, version=version, num_samples=n, classes=source.classes, class_counts=class_counts,
+        label_dtype=LABEL_DTYPE.str, files=files, params=params, fingerprint=fingerprint,
         source={"kind": source.kind, "path": source.where, "num_files": len(source.paths)},
         skipped=[{"path": s["path"], "reason": s["reason"]} for s in jr.skipped], **extra)
-    write_manifest(out, manifest)
-    journal.remove_partial(out)
-    fsync_dir(out)
+    write_manifest(folder, manifest)
+    if store is not None:
+        store.finish(folder, [image_shards.ALL_LABELS_NAME] if source.has_label else [], sorted(transient))
+        return manifest
+    for name in transient:
+        (folder / name).unlink(missing_ok=True)
+    journal.remove_partial(folder)
+    fsync_dir(folder)
     return manifest
+
+
+def _unit_labels(folder: Path, k: int, store: Optional[store_out.StoreOut]) -> np.ndarray:
+    """Unit ``k``'s labels file: in ``folder``, or fetched from the store (a unit of an earlier run)."""
+    name = image_shards.labels_name(k)
+    if store is not None and not (folder / name).exists():
+        store.get(name, folder / name)
+    return np.load(folder / name, allow_pickle=False)
 
 
 def summary(manifest: dict[str, Any], limit: int = 10) -> str:

@@ -53,9 +53,9 @@ _held = LOCKS_HELD  # folder descriptors locked by this process, let go in forke
 
 JOURNAL_NAME = "journal.jsonl"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
-_OWNED = re.compile(r"^(manifest\.json|images-\d{5}\.npy|labels-\d{5}\.npy|images(-\d{5})?\.lmdb|labels\.npy|"
-                    r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5}\.npy|"
-                    r"(train|val)-\d{5}\.npy|(train|val)-docs\.npy|"
+OWNED = re.compile(r"^(manifest\.json|images-\d{5,}\.npy|labels-\d{5,}\.npy|images(-\d{5,})?\.lmdb|labels\.npy|"
+                    r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5,}\.npy|"
+                    r"(train|val)-\d{5,}\.npy|(train|val)-docs\.npy|"
                     + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
 
 
@@ -215,7 +215,7 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dic
     names = [p.name for p in out.iterdir()]
     if not names:
         return None
-    foreign = [n for n in names if not _OWNED.match(n)]
+    foreign = [n for n in names if not OWNED.match(n)]
     ours = MANIFEST_NAME in names or PARTIAL_DIR in names
     if foreign and not ours:
         raise OutputError(f"output {out} is not empty and is not a fastdata dataset (it holds {foreign[:3]}): "
@@ -231,7 +231,7 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dic
                           "command to finish it, or pass --overwrite to start this one")
     if overwrite:
         for name in names:
-            if _OWNED.match(name):
+            if OWNED.match(name):
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
     return None

@@ -4,23 +4,25 @@ Ray is optional (``pip install 'fastdata[ray]'``) and imported only here, inside
 Every node of the cluster needs fastdata installed in the Python that runs its Ray workers.
 
 NOTE [ray byte-identity]: a run on Ray writes the same bytes as the local run, for any number of nodes and
-workers, because Ray only replaces the pool that maps the worker function over the tasks.
-1. The driver plans the tasks exactly as the local run does (the same chunks of the source order, or of the
-   ``--shuffle`` permutation, the same task tuples) and Ray runs the same worker function on them
-   (``images._work``, ``images._work_fields``, ``text._tokenize``): decode, resize, encode, tokenise.
-2. The driver takes the results in task order and feeds them to the same unit writer as the local run. A
-   shard holds ``shard_size`` *decoded* samples, so every bad sample before it shifts its first row: its
-   bytes depend on every task before it, and only the ordered stream knows where it starts. That is why
-   the writer, not a task, cuts the stream into shards.
-3. Tasks write nothing and are pure functions of their task: a task whose worker dies is run again by Ray
-   (``max_retries``) and its one result is taken once, so no file ever has two writers. Results travel
-   through Ray's object store (the pixels of a chunk are read from shared memory on the driver's node).
-4. The journal, the resume and the manifest are the local run's (fastdata/preprocess/journal.py): a killed
-   driver is resumed by rerunning the same command, which submits tasks only after the last journaled unit.
-5. The driver's work per shard is what the local parent does: write and hash its bytes (npy; LMDB parts are
-   JPEG bytes, ~10x fewer) and one journal entry. Results in flight are bounded (two tasks per worker
-   slot); the driver also holds the source's listing and the task plan (benchmarks/bench_cluster.py
-   measures both).
+workers, and its tasks write the shards themselves: the driver plans, journals and writes the manifest.
+1. Unit ``k`` (an npy or LMDB shard) holds what decodes of source positions ``[k * S, (k + 1) * S)`` (of the
+   source order, or of the ``--shuffle`` permutation): its bytes are a function of its own samples
+   (fastdata/formats/base.py), so one task can make it alone, exactly as the local run's writer does.
+2. The driver plans one task per unit after the last journaled one. A task decodes its samples with the
+   local pool's worker functions (``image_tasks.work``, ``image_tasks.work_fields``) and the same writer, in a
+   staging folder of its own (in OUT's partial folder, or on its node for an OUT at a URL), then publishes
+   the finished files under their final names (a rename, or one put each: NOTE [output at a URL] in
+   store_out.py) and returns their sizes and sha256 and its skipped samples.
+3. A task whose worker dies is run again by Ray (``max_retries``): every attempt stages its own files and a
+   publish replaces a final name with the same complete bytes, so no final name ever has two writers
+   under way, nor a partial file. Only results taken in order are journaled.
+4. The journal, the resume and the manifest are the local run's (journal.py): a killed driver is resumed
+   by rerunning the same command, which submits tasks only after the last journaled unit; a task's result
+   travels as a few hundred bytes, not its pixels.
+5. ``preprocess text --ray`` runs the tokeniser (``text._tokenize``) as tasks and writes the token shards on
+   the driver: a document stream is packed into shards whose bounds depend on every document before them,
+   and token bytes are ~100x fewer than pixels. Results in flight are bounded (two tasks per worker slot);
+   the driver also holds the source's listing (benchmarks/bench_cluster.py measures it).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import logging
 import os
 import socket
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..errors import FastdataError, MissingDependencyError, SourceError
 
@@ -109,11 +111,13 @@ def connect(address: Optional[str]) -> Any:
     return ray
 
 
-def _call(fn: Callable[..., Any], task: Any, slotted: bool, needs: Optional[str]) -> Any:
+def _call(fn: Callable[..., Any], task: Any, slotted: bool, needs: Sequence[str]) -> Any:
     """A Ray task: the local pool's worker function on one task (no shared slot: the data is returned)."""
-    if needs is not None and not os.path.exists(needs):  # else every file would be skipped as unreadable
-        raise SourceError(f"{needs} is not visible on the Ray node {socket.gethostname()}: each node reads the "
-                          "source itself, so put SRC where every node mounts it at the same path")
+    for path in needs:  # else every file would be skipped as unreadable, or written where no one looks
+        if not os.path.exists(path):
+            raise SourceError(f"{path} is not visible on the Ray node {socket.gethostname()}: each node reads the "
+                              "source and writes its shards itself, so put SRC and OUT where every node mounts "
+                              "them at the same path, or use URLs (s3://...)")
     return fn(task, None) if slotted else fn(task)
 
 
@@ -123,23 +127,23 @@ class RayPool:
     Args:
         workers: Worker slots: tasks run at once across the cluster (``_WINDOW`` times as many in flight).
         num_cpus: The CPUs each task asks Ray for.
-        needs: A path every task reads (the source folder): a task on a node that does not see it fails
-            with a `SourceError` instead of skipping every sample as unreadable (default None).
+        needs: Paths every task uses (the source folder, a local OUT): a task on a node that does not see
+            one fails with a `SourceError` instead of skipping every sample as unreadable (default none).
     """
 
-    def __init__(self, workers: int, num_cpus: float = 1.0, needs: Optional[str] = None) -> None:
-        self.workers, self.num_cpus, self.needs = workers, num_cpus, needs
+    def __init__(self, workers: int, num_cpus: float = 1.0, needs: Sequence[str] = ()) -> None:
+        self.workers, self.num_cpus, self.needs = workers, num_cpus, tuple(needs)
 
     @classmethod
     def open(cls, address: Optional[str], workers_per_node: Optional[int] = None,
-             needs: Optional[Any] = None) -> "RayPool":
+             needs: Sequence[str] = ()) -> "RayPool":
         """Connect (`connect`) and size the pool from the cluster's live nodes.
 
         Args:
             address: As `connect`.
             workers_per_node: Tasks at once on each node (each asks for ``CPUs / workers_per_node`` of the
                 smallest node); None: one task per CPU of the cluster.
-            needs: As the class takes it (a path; None: nothing checked).
+            needs: As the class takes it.
 
         Returns:
             The pool.
@@ -150,7 +154,7 @@ class RayPool:
         if not cpus:
             raise FastdataError(f"the Ray cluster at {address or 'auto'} has no node with a CPU: add one "
                                 "(`ray start --address HEAD:6379 --num-cpus N`)")
-        need = None if needs is None else str(needs)
+        need = [str(p) for p in needs]
         if workers_per_node is None:
             pool = cls(max(1, int(sum(cpus))), 1.0, need)
         else:  # Ray takes fractions of one CPU, or whole CPUs

@@ -17,19 +17,24 @@ import csv
 import json
 import math
 import os
+import posixpath
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from ..errors import ImageDecodeError, MissingDependencyError, SourceError
 from ..formats.schema import valid_name
-from .sources import Source, class_ids, discover, inside, is_image_name
+from ..storage.remote import is_url
+from .sources import (Source, UrlBlobs, UrlReader, class_ids, discover, inside, is_image_name, open_text, parent,
+                      url_listing)
+
+Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/sources.py)
 
 CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class ids or names, one class list
 _SPLIT = re.compile(r"[;\s]+")
 
 
-def _rel(root: Path, rel: Any, where: str) -> str:
+def _rel(root: Where, rel: Any, where: str) -> str:
     """A record's path, relative to ``root`` and never outside it."""
     if not isinstance(rel, str) or not rel.strip():
         raise SourceError(f"{where}: expected a relative file path, got {rel!r}")
@@ -49,10 +54,11 @@ def _kind_of(key: str, value: Any) -> Optional[str]:
     return None
 
 
-def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Path, root: Path, kind: str,
+def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, root: Where, kind: str,
                  paths: Optional[list[str]] = None) -> Source:
     """A Source from ``(where, record)`` pairs (``where`` names the file and line for messages); ``paths``
-    given (Parquet: the images are in the rows) replace the records' ``image`` paths."""
+    given (Parquet: the images are in the rows) replace the records' ``image`` paths. A URL ``root`` gives
+    a Source that reads its images (and masks) there."""
     given = paths is not None
     paths = list(paths) if given else []
     raw: dict[str, list[Any]] = {}
@@ -86,13 +92,18 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Path, roo
     has_label = "label" in extras
     labels = extras.pop("label") if has_label else [0] * n
     kinds.pop("label", None)
+    if isinstance(root, str):  # the images are objects under the records' folder URL
+        return Source(kind, location, Path("."), paths, labels, classes, kinds, extras, has_label,
+                      None if given else UrlBlobs(root, paths))
     return Source(kind, location, root, paths, labels, classes, kinds, extras, has_label)
 
 
-def _column(key: str, kind: str, col: list[Any], location: Path, root: Path) -> list[Any]:
-    """One field's values, checked for what the source alone can tell; None stays where a record lacks it."""
+def _column(key: str, kind: str, col: list[Any], location: Where, root: Where) -> list[Any]:
+    """One field's values, checked for what the source alone can tell; None stays where a record lacks it.
+    Masks at a URL become full URLs (the worker reads them: fastdata/preprocess/fields.py)."""
     if kind == "mask":
-        return [None if v is None else _rel(root, v, f"{location}: {key}") for v in col]
+        full = (lambda rel: posixpath.join(root, rel)) if isinstance(root, str) else (lambda rel: rel)
+        return [None if v is None else full(_rel(root, v, f"{location}: {key}")) for v in col]
     if kind == "vector":
         shapes = {(len(v) if isinstance(v, list) else -1) for v in col if v is not None}
         if len(shapes) > 1:
@@ -111,7 +122,7 @@ def _column(key: str, kind: str, col: list[Any], location: Path, root: Path) -> 
     return col
 
 
-def _classes(extras: dict[str, list[Any]], location: Path) -> tuple[list[str], dict[str, list[Any]]]:
+def _classes(extras: dict[str, list[Any]], location: Where) -> tuple[list[str], dict[str, list[Any]]]:
     """One class list for label/labels/box_labels: integer ids keep their ids, names are sorted."""
     names = [v for key in CLASS_KEYS if key in extras for rec in extras[key]
              for v in (rec if isinstance(rec, list) else [rec])]
@@ -133,7 +144,7 @@ def _classes(extras: dict[str, list[Any]], location: Path) -> tuple[list[str], d
 
 
 # -- the source kinds ---------------------------------------------------------------------------------------
-def jsonl_records(path: Path) -> Source:
+def jsonl_records(path: Where) -> Source:
     def rows() -> Iterator[tuple[str, dict[str, Any]]]:
         for lineno, line in enumerate(_lines(path), start=1):
             if not line.strip():
@@ -145,23 +156,23 @@ def jsonl_records(path: Path) -> Source:
             if not isinstance(rec, dict):
                 raise SourceError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
             yield f"{path}:{lineno}", rec
-    return from_records(rows(), path, path.parent.resolve(), "jsonl")
+    return from_records(rows(), path, parent(path), "jsonl")
 
 
-def is_record_csv(path: Path) -> bool:
+def is_record_csv(path: Where) -> bool:
     """A CSV whose header names an ``image`` column (a ``path,label`` list has no such header)."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with open_text(path) as f:
             header = next(csv.reader(f), [])
     except (OSError, UnicodeDecodeError, csv.Error):
         return False
     return "image" in [c.strip().lower() for c in header]
 
 
-def csv_records(path: Path) -> Source:
+def csv_records(path: Where) -> Source:
     def rows() -> Iterator[tuple[str, dict[str, Any]]]:
         try:
-            with open(path, newline="", encoding="utf-8-sig") as f:
+            with open_text(path) as f:
                 reader = csv.DictReader(f)
                 for lineno, row in enumerate(reader, start=2):
                     if None in row:
@@ -172,7 +183,7 @@ def csv_records(path: Path) -> Source:
             raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save it as UTF-8 CSV") from exc
         except csv.Error as exc:
             raise SourceError(f"{path}: malformed CSV ({exc})") from exc
-    return from_records(rows(), path, path.parent.resolve(), "csv-records")
+    return from_records(rows(), path, parent(path), "csv-records")
 
 
 def _cell(key: str, text: str) -> Any:
@@ -191,23 +202,34 @@ def _cell(key: str, text: str) -> Any:
         return text
 
 
-def segmentation_pair(root: Path) -> Source:
-    """``root/images/*`` with ``root/masks/*`` of the same stems (any image extension each)."""
-    images, masks = root / "images", root / "masks"
+def segmentation_pair(root: Where, listing: Optional[dict[str, dict[str, Any]]] = None) -> Source:
+    """``root/images/*`` with ``root/masks/*`` of the same stems (any image extension each); at a URL,
+    ``listing`` is `url_listing` of ``root``."""
+    def names(sub: str) -> list[str]:
+        if listing is None:
+            return sorted(os.listdir(Path(root) / sub))
+        return sorted(n[len(sub) + 1:] for n, info in listing.items()
+                      if n.startswith(sub + "/") and n.count("/") == 1 and info.get("type") != "directory")
     stems: dict[str, str] = {}
-    for name in sorted(os.listdir(masks)):
+    for name in names("masks"):
         if is_image_name(name):
             stems.setdefault(os.path.splitext(name)[0], f"masks/{name}")
-    paths = [f"images/{n}" for n in sorted(os.listdir(images)) if is_image_name(n)]
+    paths = [f"images/{n}" for n in names("images") if is_image_name(n)]
     mask_of = [stems.get(os.path.splitext(p[len("images/"):])[0]) for p in paths]
+    if isinstance(root, str):  # masks as full URLs, read by the worker (fastdata/preprocess/fields.py)
+        base = root.rstrip("/")
+        mask_of = [None if m is None else f"{base}/{m}" for m in mask_of]
+        return Source("segmentation", root, Path("."), paths, [0] * len(paths), [], {"mask": "mask"},
+                      {"mask": mask_of}, has_label=False, blobs=UrlBlobs(base, paths))
     return Source("segmentation", root, root.resolve(), paths, [0] * len(paths), [], {"mask": "mask"},
                   {"mask": mask_of}, has_label=False)
 
 
-def coco(root: Path, annotations: Path) -> Source:
-    """COCO ``instances.json`` over the image folder ``root``: each image's non-crowd boxes (``bbox`` as
-    x, y, w, h -> xyxy) with class ids numbered in the order of the category ids; images without boxes are
-    kept (no boxes). A box of an unknown category fails its record at decode time (``--on-error``)."""
+def coco(root: Where, annotations: Path) -> Source:
+    """COCO ``instances.json`` over the image folder ``root`` (local or a URL): each image's non-crowd boxes
+    (``bbox`` as x, y, w, h -> xyxy) with class ids numbered in the order of the category ids; images
+    without boxes are kept (no boxes). A box of an unknown category fails its record at decode time
+    (``--on-error``)."""
     try:
         data = json.loads(Path(annotations).read_text(encoding="utf-8"))
         images, anns, cats = data["images"], data.get("annotations", []), data["categories"]
@@ -232,15 +254,18 @@ def coco(root: Path, annotations: Path) -> Source:
         boxes[image_id].append([x, y, x + w, y + h])
         labels[image_id].append(index.get(int(a["category_id"]), -1))  # -1: unknown, refused by the worker
     ids = [i for i in files]  # the file's order
-    paths = [_rel(root.resolve(), files[i], f"{annotations}: image {i}") for i in ids]
-    return Source("coco", Path(annotations), root.resolve(), paths, [0] * len(ids), [names[c] for c in order],
-                  {"boxes": "boxes", "box_labels": "box_labels"},
-                  {"boxes": [boxes[i] for i in ids], "box_labels": [labels[i] for i in ids]}, has_label=False)
+    base = root.rstrip("/") if isinstance(root, str) else root.resolve()
+    paths = [_rel(base, files[i], f"{annotations}: image {i}") for i in ids]
+    url = isinstance(base, str)  # then the location names the images' URL (the annotations are a local file)
+    return Source("coco", root if url else Path(annotations), Path(".") if url else base, paths, [0] * len(ids),
+                  [names[c] for c in order], {"boxes": "boxes", "box_labels": "box_labels"},
+                  {"boxes": [boxes[i] for i in ids], "box_labels": [labels[i] for i in ids]}, has_label=False,
+                  blobs=UrlBlobs(base, paths) if url else None)  # type: ignore[arg-type]
 
 
-def _lines(path: Path) -> Iterator[str]:
+def _lines(path: Where) -> Iterator[str]:
     try:
-        with open(path, encoding="utf-8-sig") as f:
+        with open_text(path) as f:
             yield from f
     except UnicodeDecodeError as exc:
         raise SourceError(f"{path} is not UTF-8 text ({exc.reason})") from exc
@@ -274,8 +299,7 @@ class ParquetBlobs:
     def read(self, i: int) -> bytes:
         f, g, row = self.where[i]
         if self._group is None or self._group[:2] != (f, g):
-            pq = require_pyarrow()
-            table = pq.ParquetFile(self.files[f]).read_row_group(g, columns=[self.column])
+            table = _parquet_file(self.files[f]).read_row_group(g, columns=[self.column])
             self._group = (f, g, table.column(0).to_pylist())
         value = self._group[2][row]
         data = value.get("bytes") if isinstance(value, dict) else value
@@ -307,11 +331,27 @@ def _hf_class_names(schema: Any, column: str) -> Optional[list[str]]:
         return None
 
 
-def parquet(src: Path) -> Source:
-    """A ``.parquet`` file or a folder of them: one sample per row, the image column's encoded bytes as the
-    image, every other column a field (read whole: they are small; the images are read by row group)."""
+def _parquet_file(path: Where) -> Any:
+    """``pyarrow.parquet.ParquetFile`` on a local file, or on a URL through ranged reads (its footer, then
+    the column chunks each read asks for: never the whole file)."""
     pq = require_pyarrow()
-    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix == ".parquet")
+    return pq.ParquetFile(UrlReader(path) if isinstance(path, str) and is_url(path) else path)
+
+
+def _parquet_files(src: Where) -> list[Where]:
+    if isinstance(src, str):  # a URL: one .parquet, or the .parquet files at the top of a folder
+        if src.lower().endswith(".parquet"):
+            return [src]
+        base = src.rstrip("/")
+        return [f"{base}/{n}" for n in sorted(url_listing(src)) if "/" not in n and n.endswith(".parquet")]
+    return [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix == ".parquet")
+
+
+def parquet(src: Where) -> Source:
+    """A ``.parquet`` file or a folder of them (local or at a URL): one sample per row, the image column's
+    encoded bytes as the image, every other column a field (read whole: they are small; the images are
+    read by row group)."""
+    files = _parquet_files(src)
     if not files:
         raise SourceError(f"{src} holds no .parquet files")
     where: list[tuple[int, int, int]] = []
@@ -319,7 +359,9 @@ def parquet(src: Path) -> Source:
     column, names = None, None
     for fi, path in enumerate(files):
         try:
-            pf = pq.ParquetFile(path)
+            pf = _parquet_file(path)
+        except SourceError:
+            raise
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise SourceError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
         schema = pf.schema_arrow
@@ -335,11 +377,12 @@ def parquet(src: Path) -> Source:
             records = table.to_pylist()
             for r, rec in enumerate(records):
                 where.append((fi, g, r))
-                rows.append((f"{path.name}#{len(where) - 1}", {k: v for k, v in rec.items() if v is not None}))
+                rows.append((f"{posixpath.basename(str(path))}#{len(where) - 1}",
+                             {k: v for k, v in rec.items() if v is not None}))
     assert column is not None
     paths = [w for w, _ in rows]
-    source = from_records(iter(rows), src, src.resolve() if src.is_dir() else src.parent.resolve(), "parquet",
-                          paths=paths)
+    root = Path(".") if isinstance(src, str) else src.resolve() if src.is_dir() else src.parent.resolve()
+    source = from_records(iter(rows), src, root, "parquet", paths=paths)
     classes = source.classes
     if names is not None and source.has_label and len(names) >= len(classes):
         classes = names  # Hugging Face ClassLabel: ids keep their names
@@ -347,10 +390,11 @@ def parquet(src: Path) -> Source:
                   source.has_label, ParquetBlobs([str(f) for f in files], column, where))
 
 
-def discover_any(src: Path, coco_json: Optional[Path] = None) -> Source:
+def discover_any(src: Where, coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
     a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
-    ``path,label`` CSV as always (WebDataset tars: `fastdata.preprocess.tars.discover_source`)."""
+    ``path,label`` CSV as always (WebDataset tars, and every kind at a URL:
+    `fastdata.preprocess.tars.discover_source`)."""
     src = Path(src)
     if coco_json is not None:
         if not src.is_dir():
@@ -369,3 +413,4 @@ def discover_any(src: Path, coco_json: Optional[Path] = None) -> Source:
     if not source.paths:
         raise SourceError(f"source {src} holds no samples")
     return source
+

@@ -28,8 +28,9 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.remote import filesystem, is_url
-from .records import discover_any, from_records
-from .sources import IMAGE_EXTENSIONS, Source
+from .records import (coco, csv_records, discover_any, from_records, is_record_csv, jsonl_records, parquet,
+                      segmentation_pair)
+from .sources import IMAGE_EXTENSIONS, Source, discover, store_call, url_folder, url_listing
 
 log = logging.getLogger(__name__)
 _IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
@@ -65,6 +66,8 @@ def is_tar_source(src: Union[str, Path]) -> bool:
     if text.endswith(".tar"):
         return True
     if is_url(text):
+        if text.lower().endswith((".jsonl", ".csv", ".parquet")):
+            return False  # a records file: no listing needed to tell
         try:
             fs, root = filesystem(text)
             return any(p.endswith(".tar") for p in fs.ls(root, detail=False))
@@ -132,6 +135,7 @@ def _members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Option
                     yield key, group, None
                     group = {}
                 key = k
+                group[ext] = None  # named even if its data is cut short: the listing names the cut member
                 data = t.extractfile(m).read()  # the stream must pass over it anyway; images are not kept
                 if len(data) != m.size:
                     raise tarfile.ReadError("unexpected end of data")
@@ -308,23 +312,54 @@ class TarBlobs:
     def _read(self, t: int, start: int, end: int) -> bytes:
         tar = self.tars[t]
         if is_url(tar):
-            try:
-                fs, path = filesystem(tar)
-                return fs.cat_file(path, start=start, end=end)
-            except Exception as exc:  # noqa: BLE001 - the store's failure, not the sample's: stop, never skip
-                raise SourceError(f"cannot read {scrub(tar)}: {type(exc).__name__}: {scrub(str(exc))}; rerun the "
-                                  "same command to resume") from exc
+            fs, path = filesystem(tar)
+            try:  # under the retry budget; the store's failure, not the sample's: stop, never skip
+                return store_call(tar, lambda: fs.cat_file(path, start=start, end=end))
+            except FileNotFoundError as exc:
+                raise SourceError(f"cannot read {scrub(tar)}: it is gone since it was listed; rerun the same "
+                                  "command to resume") from exc
         with open(tar, "rb") as f:
             f.seek(start)
             return f.read(end - start)
 
 
 def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Source:
-    """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a URL, a ``.tar``, a brace
-    pattern, a folder of them), else what `discover_any` finds."""
+    """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a ``.tar``, a brace pattern, a
+    folder of them), else what `discover_any` finds; local or at a URL (NOTE [url source] in
+    fastdata/preprocess/sources.py).
+
+    Raises:
+        SourceError: The source is missing, unreadable (at a URL: one line, scrubbed), empty or malformed.
+    """
     if coco_json is None and is_tar_source(src):
         return tar_source(src)
     if is_url(str(src)):
-        raise SourceError(f"{scrub(str(src))} holds no .tar files: a URL source is WebDataset tars (a .tar, a brace "
-                          "pattern of them, or a folder holding them)")
+        try:
+            return _discover_url(str(src), coco_json)
+        except SourceError as exc:  # records' messages name their file and line: its URL, scrubbed
+            raise SourceError(scrub(str(exc))) from None
     return discover_any(Path(src), coco_json)
+
+
+def _discover_url(url: str, coco_json: Optional[Path]) -> Source:
+    """`discover_any` at a URL: a records file by its suffix, else a folder, listed once."""
+    suffix = posixpath.splitext(url.rstrip("/"))[1].lower()
+    if coco_json is not None:
+        source = coco(url, coco_json)
+    elif suffix == ".jsonl":
+        source = jsonl_records(url)
+    elif suffix == ".csv":
+        return csv_records(url) if is_record_csv(url) else discover(url)
+    elif suffix == ".parquet":
+        source = parquet(url)
+    else:
+        listing = url_listing(url)
+        if {"images", "masks"} <= {n.split("/", 1)[0] for n in listing if "/" in n}:
+            source = segmentation_pair(url, listing)
+        elif any("/" not in n and n.endswith(".parquet") for n in listing):
+            source = parquet(url)
+        else:
+            source = url_folder(url, listing)
+    if not source.paths:
+        raise SourceError(f"source {url} holds no samples (image extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return source

@@ -1,6 +1,7 @@
 """``fastdata preprocess text``: .txt / .jsonl (optionally gzipped) -> uint16/uint32 token shards.
 
-The parent reads documents in order (one per .txt file, one per .jsonl line), applies the bad-input
+The parent reads documents in order (one per .txt file, one per .jsonl line), from local files or
+streamed from a URL (NOTE [url source] in fastdata/preprocess/sources.py), applies the bad-input
 policy, and sends chunks of about 1 MB of text to worker processes that tokenise them (batch-encoding);
 results are written in source order, so the output is byte-identical for any worker count. Documents
 go to train or val by a hash of their position (deterministic, independent of workers). Completed
@@ -8,24 +9,29 @@ units are journaled, so a killed run resumes; the manifest is written last.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
 import logging
+import posixpath
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
-from .._io import fsync_dir, write_bytes_atomic
+from .._io import fsync_dir, scrub, write_bytes_atomic
 from ..errors import FastdataError, SourceError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
-from . import journal, ray_pool
+from ..storage.remote import filesystem, is_url
+from . import journal, ray_pool, store_out
 from .parallel import default_workers, ordered_map
+from .sources import open_binary, store_call, url_listing
 
 log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
@@ -43,7 +49,8 @@ class TextPreprocessConfig:
 
     Args:
         src: A ``.txt`` / ``.jsonl`` file (optionally gzipped), or a folder of them (searched recursively,
-            hidden paths skipped). A .txt file is one document; a .jsonl line is one.
+            hidden paths skipped), local or an fsspec URL (``s3://bucket/owt/``: read where it lives). A .txt
+            file is one document; a .jsonl line is one.
         out: The dataset folder to write.
         tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path (needs ``tokenizers``) or
             ``"tiktoken:NAME"`` (needs ``tiktoken``).
@@ -66,8 +73,8 @@ class TextPreprocessConfig:
         ConfigError: A field is out of range; the message names the field and echoes the value.
     """
 
-    src: Path
-    out: Path
+    src: Union[Path, str]  # a str only for a URL
+    out: Union[Path, str]  # a str only for a URL (NOTE [output at a URL] in fastdata/preprocess/store_out.py)
     tokenizer: str = "bytes"
     field: str = "text"
     val_fraction: float = 0.001
@@ -81,8 +88,8 @@ class TextPreprocessConfig:
     ray_address: Optional[str] = None  # HOST:PORT; None: the cluster on this machine, or a new local one
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "src", Path(self.src))
-        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # Path folds s3:// to s3:/
+        object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))
         require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction, "in [0, 1)")
         require(self.on_error in ("skip", "fail"), "on_error", self.on_error, "'skip' or 'fail'")
         require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens", self.shard_tokens,
@@ -91,35 +98,79 @@ class TextPreprocessConfig:
         require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
 
 
-def text_files(src: Path) -> list[Path]:
+@dataclass(frozen=True)
+class TextFile:
+    """One input file: where it is (a path or a URL), its name relative to the source, its size, and a stamp
+    that changes with its contents (the mtime in ns; at a URL the store's ETag or mtime)."""
+
+    where: Union[Path, str]
+    rel: str
+    size: int
+    stamp: str
+
+
+def text_files(src: Union[Path, str]) -> list[TextFile]:
+    """The source's text files in order: ``src`` itself, or the folder's files sorted by path (hidden ones
+    skipped), local or at a URL (listed once)."""
+    if is_url(src):
+        return _url_text_files(str(src))
+    src = Path(src)
     if not src.exists():
         raise SourceError(f"source {src} does not exist: pass a .txt/.jsonl file (optionally .gz) or a folder of them")
     if src.is_file():
         if not src.name.endswith(TEXT_SUFFIXES):
             raise SourceError(f"source {src} is not one of {TEXT_SUFFIXES}")
-        return [src]
-    files = sorted(p for p in src.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES)
-                   and not any(part.startswith(".") for part in p.relative_to(src).parts))
-    if not files:
+        paths, root = [src], src.parent
+    else:
+        paths, root = sorted(p for p in src.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES)
+                             and not any(part.startswith(".") for part in p.relative_to(src).parts)), src
+    if not paths:
         raise SourceError(f"source folder {src} holds no {', '.join(TEXT_SUFFIXES)} files")
-    return files
+    return [TextFile(p, p.relative_to(root).as_posix(), st.st_size, str(st.st_mtime_ns))
+            for p, st in ((p, p.stat()) for p in paths)]
 
 
-def _open(path: Path) -> Any:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+def _url_text_files(url: str) -> list[TextFile]:
+    if url.endswith(TEXT_SUFFIXES):  # one file: its size and stamp from one metadata request
+        fs, path = filesystem(url)
+        try:
+            info = store_call(url, lambda: fs.info(path))
+        except FileNotFoundError:
+            raise SourceError(f"source {scrub(url)} does not exist (no such object, or no such bucket): check the "
+                              "URL") from None
+        return [TextFile(url, url.rsplit("/", 1)[-1], int(info["size"]), _stamp(info))]
+    base = url.rstrip("/")
+    found = sorted((rel.split("/"), info) for rel, info in url_listing(url).items()  # local order: by path parts
+                   if info.get("type") != "directory" and rel.endswith(TEXT_SUFFIXES)
+                   and not any(part.startswith(".") for part in rel.split("/")))
+    if not found:
+        raise SourceError(f"source folder {scrub(url)} holds no {', '.join(TEXT_SUFFIXES)} files")
+    return [TextFile(f"{base}/{'/'.join(parts)}", "/".join(parts), int(info["size"]), _stamp(info))
+            for parts, info in found]
+
+
+def _stamp(info: dict[str, Any]) -> str:
+    """What changes when an object does: its ETag (S3, GCS, Azure), else its modification time."""
+    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+
+
+@contextlib.contextmanager
+def _open(f: TextFile) -> Iterator[Any]:
+    with open_binary(f.where, f.size) as raw:  # a URL streams through ranged reads
+        yield gzip.GzipFile(fileobj=raw, mode="rb") if f.rel.endswith(".gz") else raw
 
 
 Doc = tuple[str, int, Optional[str], str, int]  # file, line, text (None if unusable), reason, raw bytes
 
 
-def iter_documents(files: list[Path], root: Path, field: str) -> Iterator[Doc]:
+def iter_documents(files: list[TextFile], field: str) -> Iterator[Doc]:
     """Yield ``(file, line, text, reason, nbytes)`` for every candidate document in order: ``text`` is None
     and ``reason`` says why when it is unusable. Line is 0 for whole-file (.txt) documents."""
-    for path in files:
-        rel = path.relative_to(root).as_posix() if path != root else path.name
+    for tf in files:
+        rel = tf.rel
         try:
-            with _open(path) as f:
-                if ".jsonl" in path.name:
+            with _open(tf) as f:
+                if ".jsonl" in posixpath.basename(rel):
                     yield from _jsonl(f, rel, field)
                 else:
                     data = f.read()
@@ -210,23 +261,41 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         >>> manifest = preprocess_text(TextPreprocessConfig(src="raw/owt", out="data/owt", tokenizer="tiktoken:gpt2"))
         >>> ds = TokenDataset("data/owt", "train", seq_len=1024)
     """
-    journal.check_writable(config.out)
+    store = store_out.StoreOut(config.out) if isinstance(config.out, str) else None
+    if store is not None:
+        store.check_writable()
+    else:
+        journal.check_writable(config.out)
     tok = load_tokenizer(config.tokenizer)
     files = text_files(config.src)
-    root = config.src if config.src.is_dir() else config.src.parent
-    h = hashlib.sha256(json.dumps([_params(config, tok), str(config.src.resolve())], sort_keys=True).encode())
-    for p in files:
-        st = p.stat()
-        h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    h = hashlib.sha256(json.dumps([_params(config, tok), _where(config.src)], sort_keys=True).encode())
+    for f in files:
+        h.update(f"{f.rel}:{f.size}:{f.stamp}\n".encode())
     fingerprint = h.hexdigest()
+    if store is not None:  # staged here, each unit put when complete (NOTE [output at a URL])
+        done = store.prepare(fingerprint, config.overwrite)
+        if done is not None:
+            return done
+        jr = store.resume(fingerprint)
+        with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
+            partial = journal.partial_dir(Path(staging))
+            partial.mkdir()
+            config = replace(config, out=Path(staging))
+            total_bytes = _run(config, tok, files, jr, partial, store)
+            return _finish(config, tok, files, jr, partial, fingerprint, total_bytes, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
     with journal.output(config.out, fingerprint, config.overwrite) as target:
         if target.done is not None:
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
-        total_bytes = _run(config, tok, files, root, jr, partial)
-        return _finish(config, tok, files, jr, partial, fingerprint, total_bytes)
+        total_bytes = _run(config, tok, files, jr, partial, None)
+        return _finish(config, tok, files, jr, partial, fingerprint, total_bytes, None)
+
+
+def _where(src: Union[Path, str]) -> str:
+    """The source as the manifest names it: a local path resolved, a URL as given (without secrets)."""
+    return scrub(src) if isinstance(src, str) else str(src.resolve())
 
 
 def _params(config: TextPreprocessConfig, tok: Tokenizer) -> dict[str, Any]:
@@ -260,14 +329,14 @@ def _chunks(docs: Iterator[tuple[int, str, int, Optional[str], str, int]], spec:
         yield spec, indices, texts, ok
 
 
-def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], root: Path, jr: journal.Journal,
-         partial: Path) -> int:
+def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal,
+         partial: Path, store: Optional[store_out.StoreOut]) -> int:
     from ..progress import progress_bar
 
-    total_bytes = sum(p.stat().st_size for p in files)
+    total_bytes = sum(f.size for f in files)
     start = jr.source_end
     skipped = list(jr.skipped)
-    docs = ((i, *d) for i, d in enumerate(iter_documents(files, root, config.field)) if i >= start)
+    docs = ((i, *d) for i, d in enumerate(iter_documents(files, config.field)) if i >= start)
     writer = ts.TokenUnitWriter(config.out, partial, config.shard_tokens, tok.eos_id, token_dtype(tok.vocab_size),
                                 len(jr.units))
     # The bytes tokenizer is one np.frombuffer per document: shipping text to worker processes costs more
@@ -288,8 +357,10 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], root: 
                     raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size "
                                         f"{tok.vocab_size}")
                 for unit in writer.add("val" if v else "train", ids, idx):
+                    _put(unit, config.out, partial, store)
                     jr.add(unit, skipped, partial)
         for unit in writer.finish():
+            _put(unit, config.out, partial, store)
             jr.add(unit, skipped, partial)
         jr.skipped = skipped
     finally:
@@ -297,13 +368,25 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], root: 
     return total_bytes
 
 
-def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], jr: journal.Journal, partial: Path,
-            fingerprint: str, total_bytes: int) -> dict[str, Any]:
+def _put(unit: dict[str, Any], out: Path, partial: Path, store: Optional[store_out.StoreOut]) -> None:
+    """A complete unit's files into the store (its document lengths under the journal's prefix, for
+    `_finish`), the local copies removed; nothing without a store."""
+    if store is None:
+        return
+    for f in unit["files"]:
+        local = (partial if f.get("partial") else out) / f["path"]
+        store.put(local, store_out.journal_key(f))
+        local.unlink()
+
+
+def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal, partial: Path,
+            fingerprint: str, total_bytes: int, store: Optional[store_out.StoreOut]) -> dict[str, Any]:
     out = config.out
     files_out = [f for u in jr.units for f in u["files"] if not f.get("partial")]
     splits = {}
     for split in ts.SPLITS:
-        lengths = [np.load(partial / ts.lengths_name(split, u["index"]), allow_pickle=False) for u in jr.units]
+        lengths = [np.load(_local(partial, ts.lengths_name(split, u["index"]), store), allow_pickle=False)
+                   for u in jr.units]
         lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, "<i8")
         offsets = np.zeros(len(lengths_all) + 1, dtype="<i8")
         np.cumsum(lengths_all, out=offsets[1:])
@@ -313,18 +396,30 @@ def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[Path], jr:
                          "shards": [{"path": ts.shard_name(split, u["index"]), **u["counts"][split]} for u in jr.units]}
     if splits["train"]["tokens"] == 0:
         first = jr.skipped[0] if jr.skipped else {"file": "?", "reason": "no text"}
-        raise SourceError(f"no usable documents in {config.src} (first problem: {first['file']}: {first['reason']})")
+        raise SourceError(f"no usable documents in {_where(config.src)} (first problem: {first['file']}: "
+                          f"{first['reason']})")
     tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     manifest = new_manifest(
         TOKENS, tokenizer=tok.describe(), dtype=token_dtype(tok.vocab_size).str, splits=splits, files=files_out,
         params=_params(config, tok), fingerprint=fingerprint,
-        source={"path": str(config.src.resolve()), "files": len(files), "bytes": total_bytes},
+        source={"path": _where(config.src), "files": len(files), "bytes": total_bytes},
         bytes_per_token=total_bytes / max(1, tokens), skipped_count=len(jr.skipped),
         skipped=[{k: s[k] for k in ("file", "line", "reason")} for s in jr.skipped[:_MAX_EXAMPLES]])
     write_manifest(out, manifest)
+    if store is not None:
+        store.finish(out, [ts.offsets_name(split) for split in ts.SPLITS], [])
+        return manifest
     journal.remove_partial(out)
     fsync_dir(out)
     return manifest
+
+
+def _local(partial: Path, name: str, store: Optional[store_out.StoreOut]) -> Path:
+    """A journal file (a unit's document lengths) here, fetched from the store when an earlier run made it."""
+    path = partial / name
+    if store is not None and not path.exists():
+        store.get(f"{journal.PARTIAL_DIR}/{name}", path)
+    return path
 
 
 def summary(manifest: dict[str, Any], limit: int = 5) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._io import safe_join
 from ..errors import FormatError
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, shard_starts
 from ..formats.schema import fields_of
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
@@ -83,6 +83,7 @@ class Labels:
             return
         if streams and not at_open:
             self.filled = np.zeros(len(manifest["shards"]), dtype=bool)
+            self.starts = shard_starts(manifest)
             self.array = np.zeros(n, dtype=np.int64)
             return
         if manifest["format"] == IMAGES_LMDB:
@@ -105,8 +106,8 @@ class Labels:
         """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array`` (only while
         labels arrive with streamed shards: ``filled`` is set)."""
         assert self.filled is not None
-        n, ss = int(self.manifest["shards"][s]["samples"]), int(self.manifest["shard_size"])
-        self.array[s * ss:s * ss + n] = _checked(np.load(path, allow_pickle=False), n, path)
+        n, first = int(self.manifest["shards"][s]["samples"]), int(self.starts[s])
+        self.array[first:first + n] = _checked(np.load(path, allow_pickle=False), n, path)
         self.filled[s] = True
 
     def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:

@@ -1,0 +1,250 @@
+"""Where a preprocess run puts its finished files: OUT itself, or an object store when OUT is a URL.
+
+NOTE [output at a URL]: ``fastdata preprocess ... SRC s3://bucket/prefix`` writes the dataset straight to
+the store, with the guarantees of a local run (NOTE [one writer], NOTE [overwrite] in journal.py) where a
+store allows them.
+1. Every file is written complete and hashed in a local staging folder (a Ray task's own), then put under
+   its final key in one request: a store's put is atomic, so no reader ever sees part of a shard under its
+   final name, and a task run twice puts the same bytes twice.
+2. Each finished unit is then recorded by one small journal object, ``OUT/.fastdata-partial/unit-K.json``
+   (its files' sizes and sha256, the samples skipped in it); ``run.json`` beside them holds the run's
+   fingerprint. Objects are never appended to, so recording the millionth unit costs what the first did.
+3. A rerun with the same arguments lists OUT once and keeps the units, from the first on, whose files are
+   there with their recorded sizes; it redoes only the rest (a shard's bytes are checked against their
+   sha256 by every reader and by ``fastdata verify``).
+4. The manifest is put last, then the journal objects are deleted: a dataset with a manifest is complete.
+5. A store has no lock: one run at a time per OUT URL (a second run would redo work, never mix two
+   datasets: every unit is a function of the arguments and the source). ``--overwrite`` deletes the old
+   dataset's objects first, as a warning says: a store has no folder to build beside OUT and swap in.
+6. Every message passes the URL through ``scrub``: secrets never appear.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from .._io import fsync_dir, scrub
+from ..errors import FormatError, OutputError
+from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR
+from ..storage.remote import RETRY_SECONDS, Retry, filesystem, is_url, object_path
+from .journal import OWNED, Journal
+
+log = logging.getLogger(__name__)
+
+RUN_NAME = "run.json"
+_UNIT = re.compile(r"^unit-(\d{8})\.json$")
+
+
+def unit_name(k: int) -> str:
+    return f"unit-{k:08d}.json"
+
+
+def journal_key(entry: dict[str, Any]) -> str:
+    """Where a unit's file lives in the store: under its name, or (a file only the journal needs, such as a
+    text unit's document lengths) under the journal's prefix."""
+    return f"{PARTIAL_DIR}/{entry['path']}" if entry.get("partial") else entry["path"]
+
+
+class StoreOut:
+    """OUT as an fsspec URL: puts files, journal objects and the manifest (NOTE [output at a URL]).
+    Picklable (a Ray task publishes its own shard): the client is made anew in each process.
+
+    Args:
+        url: OUT.
+        retry_seconds: How long the store may fail before a call gives up (NOTE [retry budget]).
+    """
+
+    def __init__(self, url: str, retry_seconds: float = RETRY_SECONDS) -> None:
+        self.url = url.rstrip("/")
+        self.retry_seconds = retry_seconds
+        self._fs: Optional[tuple[int, Any, str, Retry]] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "retry_seconds": self.retry_seconds, "_fs": None}
+
+    def _client(self) -> tuple[Any, str, Retry]:
+        if self._fs is None or self._fs[0] != os.getpid():  # a fork or another process: a client of its own
+            fs, root = filesystem(self.url)
+            self._fs = (os.getpid(), fs, root, Retry(self.retry_seconds))
+        return self._fs[1], self._fs[2], self._fs[3]
+
+    def _key(self, name: str) -> str:
+        return object_path(self._client()[1], name)
+
+    def _call(self, name: str, fn: Any, doing: str) -> Any:
+        try:
+            return self._client()[2](f"{self.url}/{name}", fn, doing)
+        except FormatError as exc:  # the budget is spent, or access was denied: the output's problem
+            raise OutputError(str(exc)) from None
+        except FileNotFoundError as exc:  # s3fs: no such bucket
+            raise OutputError(f"cannot {doing} {scrub(self.url)}/{name}: {scrub(str(exc)) or 'not found'}; check "
+                              "that the bucket exists and the URL is right") from None
+
+    def check_writable(self) -> None:
+        """Put and delete a probe object, so a store that refuses writes is named before any work."""
+        fs, _, _ = self._client()
+        name = f"{PARTIAL_DIR}/probe-{uuid.uuid4().hex}"
+        self._call(name, lambda: fs.pipe_file(self._key(name), b""), "write")
+        self._call(name, lambda: fs.rm_file(self._key(name)), "write")
+
+    def read_json(self, name: str) -> Optional[dict[str, Any]]:
+        fs, _, _ = self._client()
+
+        def get() -> Optional[bytes]:
+            try:
+                return fs.cat_file(self._key(name))
+            except FileNotFoundError:
+                return None
+        data = self._call(name, get, "read")
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
+
+    def listing(self) -> dict[str, int]:
+        """Every object under OUT (``name -> size``), in one listing."""
+        fs, root, _ = self._client()
+
+        def find() -> dict[str, Any]:
+            try:
+                return fs.find(root, detail=True)
+            except FileNotFoundError:
+                return {}
+        found = self._call("", find, "list")
+        prefix = root.rstrip("/") + "/"
+        return {k[len(prefix):]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(prefix)}
+
+    def put(self, local: Path, name: str) -> None:
+        fs, _, _ = self._client()
+        self._call(name, lambda: fs.put_file(str(local), self._key(name)), "upload")
+
+    def get(self, name: str, local: Path) -> None:
+        fs, _, _ = self._client()
+        self._call(name, lambda: fs.get_file(self._key(name), str(local)), "download")
+
+    def put_json(self, name: str, obj: dict[str, Any]) -> None:
+        fs, _, _ = self._client()
+        data = json.dumps(obj, sort_keys=True, indent=None, separators=(",", ":")).encode()
+        self._call(name, lambda: fs.pipe_file(self._key(name), data), "upload")
+
+    def delete(self, names: list[str]) -> None:
+        fs, _, _ = self._client()
+        for name in names:
+            self._call(name, lambda name=name: fs.rm_file(self._key(name)), "delete")
+
+    def prepare(self, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+        """The store's side of `journal.prepare_output`: the manifest when OUT is complete with these
+        arguments, else None once OUT may be written (an old dataset deleted with ``overwrite``)."""
+        names = self.listing()
+        if not names:
+            return None
+        ours = [n for n in names if OWNED.match(n.split("/", 1)[0])]
+        foreign = [n for n in names if n not in ours]
+        if foreign and MANIFEST_NAME not in names and not any(n.startswith(PARTIAL_DIR + "/") for n in names):
+            raise OutputError(f"output {scrub(self.url)} is not empty and is not a fastdata dataset (it holds "
+                              f"{foreign[:3]}): choose a new or empty prefix")
+        manifest = self.read_json(MANIFEST_NAME) if MANIFEST_NAME in names else None
+        if manifest is not None and not overwrite:
+            if manifest.get("fingerprint") == fingerprint:
+                return manifest
+            raise OutputError(f"{scrub(self.url)} already holds a dataset made from another source or with other "
+                              "parameters: pass --overwrite to replace it, or choose another output URL")
+        run = self.read_json(f"{PARTIAL_DIR}/{RUN_NAME}")
+        if run is not None and run.get("fingerprint") != fingerprint and not overwrite:
+            raise OutputError(f"{scrub(self.url)} holds an unfinished run with another source or other parameters: "
+                              "rerun that command to finish it, or pass --overwrite to start this one")
+        if overwrite and ours:
+            if manifest is not None:
+                log.warning("deleting the dataset at %s before the new one exists (a store cannot swap one in)",
+                            scrub(self.url))
+            self.delete(ours)
+        return None
+
+    def resume(self, fingerprint: str) -> "StoreJournal":
+        """The journal of OUT's unfinished run with this fingerprint, its units checked against one listing
+        (NOTE [output at a URL] rule 3); a fresh one otherwise."""
+        jr = StoreJournal(fingerprint, store=self)
+        run = self.read_json(f"{PARTIAL_DIR}/{RUN_NAME}")
+        names = self.listing()
+        if run is None or run.get("fingerprint") != fingerprint:
+            self.delete([n for n in names if n.startswith(PARTIAL_DIR + "/")])
+            self.put_json(f"{PARTIAL_DIR}/{RUN_NAME}", {"fingerprint": fingerprint})
+            return jr
+        recorded = sorted(int(m.group(1)) for n in names
+                          if (m := _UNIT.match(n[len(PARTIAL_DIR) + 1:])) and n.startswith(PARTIAL_DIR + "/"))
+        for k in recorded:
+            if k != len(jr.units):
+                break
+            entry = self.read_json(f"{PARTIAL_DIR}/{unit_name(k)}")
+            unit = entry.get("unit") if entry else None
+            if not unit or any(names.get(journal_key(f)) != int(f["bytes"]) for f in unit["files"]):
+                break
+            jr.units.append(unit)
+            jr.skipped.extend(entry.get("skipped", []))
+        stale = [f"{PARTIAL_DIR}/{unit_name(k)}" for k in recorded if k >= len(jr.units)]
+        self.delete(stale)  # a later unit must not be taken on the next resume once its predecessor is redone
+        return jr
+
+    def finish(self, staging: Path, last_files: list[str], transient: list[str]) -> None:
+        """Put the last files (``last_files``, from ``staging``) and the manifest after them, then delete the
+        journal objects and the ``transient`` files, which only the journal needed (rule 4)."""
+        for name in last_files:
+            self.put(staging / name, name)
+        self.put(staging / MANIFEST_NAME, MANIFEST_NAME)
+        self.delete([n for n in self.listing() if n.startswith(PARTIAL_DIR + "/") or n in set(transient)])
+
+
+class StoreJournal(Journal):
+    """A `Journal` kept as one object per unit in the store (NOTE [output at a URL] rule 2)."""
+
+    def __init__(self, fingerprint: str, *, store: StoreOut) -> None:
+        super().__init__(fingerprint)
+        self.store = store
+
+    def add(self, unit: dict[str, Any], skipped: list[dict[str, Any]], partial: Path) -> None:
+        start = self.source_end
+        self.units.append(unit)
+        new = [s for s in skipped if start <= s["index"] < unit["source_end"]]
+        self.skipped = [s for s in skipped if s["index"] < unit["source_end"]]
+        self.store.put_json(f"{PARTIAL_DIR}/{unit_name(unit['index'])}", {"unit": unit, "skipped": new})
+
+
+def publish(stage: Path, files: list[dict[str, Any]], out: Any) -> None:
+    """Move a finished unit's files from ``stage`` to OUT: renamed into a local OUT (same file system), or
+    put into the store (a `StoreOut`) and the local copies removed."""
+    if isinstance(out, StoreOut):
+        for f in files:
+            out.put(stage / f["path"], f["path"])
+            (stage / f["path"]).unlink()
+        return
+    for f in files:
+        os.replace(stage / f["path"], Path(out) / f["path"])
+    fsync_dir(Path(out))
+
+
+def task_stage(out: Any) -> Path:
+    """A staging folder of a task's own: in OUT's partial folder for a local OUT (the same file system, so
+    `publish` renames), in this machine's temporary folder for a store."""
+    if isinstance(out, StoreOut):
+        return Path(tempfile.mkdtemp(prefix="fastdata-stage-"))
+    stage = Path(out) / PARTIAL_DIR / f"task-{uuid.uuid4().hex}"
+    stage.mkdir(parents=True)
+    return stage
+
+
+def drop_stage(stage: Path) -> None:
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def output_of(out: Any, retry_seconds: float = RETRY_SECONDS) -> Any:
+    """A `StoreOut` for a URL, else the local folder as a Path."""
+    return StoreOut(out, retry_seconds) if is_url(out) else Path(out)

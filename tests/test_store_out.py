@@ -1,0 +1,156 @@
+"""``fastdata preprocess ... SRC s3://bucket/prefix``: a dataset written straight to a store (NOTE [output at a
+URL] in fastdata/preprocess/store_out.py), against a real S3 API (moto) on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import fresh_fs
+
+from fastdata.cli.main import main
+from fastdata.datasets.images import FastDataset
+from fastdata.preprocess import store_out
+
+pytestmark = pytest.mark.remote
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def store_bytes(s3, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix`` in ``bucket``, by its name below the prefix."""
+    out = {}
+    for page in s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for obj in page.get("Contents", []):
+            body = s3.client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            out[obj["Key"][len(prefix) + 1:]] = body
+    return out
+
+
+def preprocess(src, out, *extra: str) -> int:
+    return main(["preprocess", "images", str(src), str(out), "--size", "16", "--shard-size", "4", "--quiet", *extra])
+
+
+@pytest.fixture
+def puts(monkeypatch) -> list[str]:
+    """The names this process puts into a store."""
+    names: list[str] = []
+    real = store_out.StoreOut.put
+
+    def counted(self, local, name):
+        names.append(name)
+        return real(self, local, name)
+    monkeypatch.setattr(store_out.StoreOut, "put", counted)
+    return names
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_a_dataset_written_to_a_url_is_the_local_runs_bytes_and_loads(s3, awkward_folder, tmp_path, fmt, puts):
+    fresh_fs()
+    url = s3(f"out-{fmt}")
+    assert preprocess(awkward_folder, tmp_path / "local", "--format", fmt) == 0
+    assert preprocess(awkward_folder, f"{url}/ds", "--format", fmt, "--workers", "2") == 0
+    got = store_bytes(s3, f"out-{fmt}", "ds")
+    assert got == tree_bytes(tmp_path / "local")  # the manifest last, no journal objects left
+    assert puts[-1] == "manifest.json" and len(puts) == len(set(puts)) and set(got) <= set(puts)  # once each
+    transient = {f"labels-0000{k}.npy" for k in range(4)} if fmt == "lmdb" else set()  # (lmdb: labels.npy's parts)
+    assert set(puts) - set(got) == transient
+    local, remote = FastDataset(tmp_path / "local"), FastDataset(f"{url}/ds", cache_dir=tmp_path / "cache")
+    idx = np.arange(len(local))
+    a, b = local.get_batch(idx), remote.get_batch(idx)
+    assert len(local) == 11 and all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a, b))  # (images, labels)
+    puts.clear()
+    assert preprocess(awkward_folder, f"{url}/ds", "--format", fmt) == 0 and puts == []  # complete: nothing to do
+
+
+def _unit_objects(s3, bucket: str, prefix: str) -> list[str]:
+    listing = s3.client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/.fastdata-partial/unit-")
+    return [o["Key"] for o in listing.get("Contents", [])]
+
+
+def test_a_killed_run_to_a_url_resumes_without_putting_finished_shards_again(s3, tmp_path, puts):
+    from fastdata.cli.synthetic import make_image_folder
+
+    fresh_fs()
+    src = tmp_path / "src"
+    make_image_folder(src, num_classes=2, per_class=40, sizes=((640, 480), (480, 640)))
+    url = s3("killed")
+    args = ["--size", "32", "--shard-size", "8", "--workers", "1", "--quiet"]
+    assert main(["preprocess", "images", str(src), str(tmp_path / "local"), *args]) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "fastdata", "preprocess", "images", str(src), f"{url}/ds", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and len(_unit_objects(s3, "killed", "ds")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(_unit_objects(s3, "killed", "ds"))
+    assert 3 <= done < 10 and "ds/manifest.json" not in store_bytes(s3, "killed", "ds")
+    assert main(["preprocess", "images", str(src), f"{url}/ds", *args]) == 0
+    shards = sorted(n for n in puts if n.startswith("images-"))
+    assert shards[0] == f"images-{done:05d}.npy" and len(shards) == 10 - done  # finished shards not put again
+    assert store_bytes(s3, "killed", "ds") == tree_bytes(tmp_path / "local")
+
+
+def test_other_arguments_are_refused_unless_overwrite_and_an_unwritable_url_before_any_work(s3, awkward_folder,
+                                                                                           tmp_path, capsys):
+    fresh_fs()
+    url = s3("args")
+    assert preprocess(awkward_folder, f"{url}/ds") == 0
+    capsys.readouterr()
+    assert preprocess(awkward_folder, f"{url}/ds", "--size", "24") == 1
+    assert "already holds a dataset made from another source" in capsys.readouterr().err
+    assert preprocess(awkward_folder, f"{url}/ds", "--size", "24", "--overwrite") == 0
+    assert json.loads(store_bytes(s3, "args", "ds")["manifest.json"])["sample_shape"] == [24, 24, 3]
+    s3.client.put_object(Bucket="args", Key="other/notes.txt", Body=b"mine")
+    assert preprocess(awkward_folder, f"{url}/other") == 1
+    assert "is not empty and is not a fastdata dataset" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", str(tmp_path / "no-such-source"),
+                        "s3://no-such-bucket/ds", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "s3://no-such-bucket" in r.stderr, r.stderr
+    assert "no-such-source" not in r.stderr  # refused before the source is read
+
+
+def test_token_shards_written_to_a_url_are_the_local_runs_bytes_and_resume_from_the_store(s3, tmp_path, puts):
+    from test_text import make_docs, write_jsonl
+
+    from fastdata.datasets.tokens import TokenDataset
+    from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+    fresh_fs()
+    url = s3("text-out")
+    src = write_jsonl(tmp_path / "d.jsonl", make_docs(300, seed=4))
+
+    def run(out, **kw) -> dict:
+        return preprocess_text(TextPreprocessConfig(src=src, out=out, shard_tokens=4000, val_fraction=0.1,
+                                                    progress=False, **kw))
+    run(tmp_path / "local")
+    real, calls = store_out.StoreJournal.add, []
+
+    def dies_after_three(self, unit, skipped, partial):  # the run killed once three units are journaled
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(unit["index"])
+        return real(self, unit, skipped, partial)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store_out.StoreJournal, "add", dies_after_three)
+        with pytest.raises(KeyboardInterrupt):
+            run(f"{url}/ds")
+    assert "manifest.json" not in store_bytes(s3, "text-out", "ds")
+    before = len(puts)
+    m = run(f"{url}/ds")
+    shards = [n for n in puts[before:] if n.startswith(("train-0", "val-0"))]
+    assert len(m["splits"]["train"]["shards"]) > 4 and not any(f"-0000{k}.npy" in n for n in shards for k in range(3))
+    assert store_bytes(s3, "text-out", "ds") == tree_bytes(tmp_path / "local")
+    local = TokenDataset(tmp_path / "local", "train", seq_len=64)
+    remote = TokenDataset(f"{url}/ds", "train", seq_len=64, cache_dir=tmp_path / "cache")
+    idx = np.arange(len(local))
+    assert len(local) == len(remote) and np.array_equal(local.get_batch(idx)[0].numpy(), remote.get_batch(idx)[0].numpy())

@@ -1,0 +1,182 @@
+"""Preprocess sources at a URL (NOTE [url source] in fastdata/preprocess/sources.py): an image folder, records
+with masks, a segmentation pair, Parquet and text, on the loopback moto S3 server (and ``file://``), each
+byte-identical to the run over the same files on local disk."""
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import fresh_fs
+from PIL import Image
+from test_fields import coco_json, make_scenes
+
+from fastdata.cli.main import main
+from fastdata.errors import SourceError
+from fastdata.preprocess import sources
+from fastdata.preprocess.sources import discover
+from fastdata.preprocess.tars import discover_source
+from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+from fastdata.storage.remote import Retry
+
+pytestmark = pytest.mark.remote
+
+
+def upload(s3, bucket: str, root: Path, prefix: str) -> str:
+    """Every file under ``root`` to ``s3://bucket/prefix/...``; returns that folder's URL."""
+    url = s3(bucket)
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            s3.client.put_object(Bucket=bucket, Key=f"{prefix}/{p.relative_to(root).as_posix()}", Body=p.read_bytes())
+    return f"{url}/{prefix}"
+
+
+def preprocess(src, out: Path, *extra: str) -> dict:
+    assert main(["preprocess", "images", str(src), str(out), "--size", "16", "--shard-size", "4", "--quiet",
+                 *extra]) == 0
+    return json.loads((out / "manifest.json").read_text())
+
+
+def assert_same_output(local: dict, remote: dict, url: str) -> None:
+    """The same files with the same sha256s, the same samples and skipped records; the URL as the source."""
+    digests = lambda m: {f["path"]: (f["bytes"], f["sha256"]) for f in m["files"]}  # noqa: E731
+    assert digests(remote) == digests(local) and len(local["files"]) > 1
+    assert remote["num_samples"] == local["num_samples"]
+    assert [s["path"] for s in remote.get("skipped", [])] == [s["path"] for s in local.get("skipped", [])]
+    assert remote["source"]["path"] == url and remote["source"]["kind"] == local["source"]["kind"]
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_client():
+    fresh_fs()  # no s3fs instance cached by another module's tests, bound to their server's endpoint
+
+
+def test_a_folder_at_a_url_lists_the_classes_paths_and_order_of_the_local_folder(awkward_folder, s3, tmp_path):
+    (awkward_folder / "a_modes" / "deeper" / "z").mkdir(parents=True)  # os.walk: a folder's files first
+    Image.new("RGB", (8, 8)).save(awkward_folder / "a_modes" / "deeper" / "z" / "0.png")
+    Image.new("RGB", (8, 8)).save(awkward_folder / "a_modes" / "deeper" / "b.png")
+    Image.new("RGB", (8, 8)).save(awkward_folder / "a_modes" / "zz.png")
+    (awkward_folder / "top.png").write_bytes(b"")  # not in a class folder: not a sample
+    local = discover(awkward_folder)
+    for url in (upload(s3, "folder", awkward_folder, "train"), awkward_folder.as_uri()):
+        got = discover(url)
+        assert (got.classes, got.paths, got.labels) == (local.classes, local.paths, local.labels)
+        assert got.where == url and got.blobs.read(0) == (awkward_folder / local.paths[0]).read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_an_image_folder_at_a_url_gives_the_local_runs_bytes_and_bad_records(awkward_folder, s3, tmp_path, fmt):
+    url = upload(s3, f"photos-{fmt}", awkward_folder, "raw/train")
+    extra = ("--format", fmt, "--workers", "2", "--shuffle", "5")
+    local = preprocess(awkward_folder, tmp_path / "local", *extra)
+    assert len(local["skipped"]) == 3  # empty, garbage, truncated: listed the same from the store
+    assert_same_output(local, preprocess(url, tmp_path / "remote", *extra), url)
+
+
+def test_records_masks_and_boxes_at_a_url_give_the_local_runs_bytes(s3, tmp_path):
+    root = tmp_path / "src"
+    records = make_scenes(root, 7)
+    records[2]["mask"] = "masks/none.png"  # missing, here and in the store: the same bad record
+    with open(root / "recs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(root / "recs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "mask", "label", "weight"])
+        w.writerows([r["image"], r["mask"], r["label"], 0.5 * i] for i, r in enumerate(records))
+    url = upload(s3, "records", root, "seg")
+    for name in ("recs.jsonl", "recs.csv"):
+        local = preprocess(root / name, tmp_path / f"local-{name}", "--workers", "2")
+        assert [s["path"] for s in local["skipped"]] == [records[2]["image"]]
+        assert_same_output(local, preprocess(f"{url}/{name}", tmp_path / f"remote-{name}", "--workers", "2"),
+                           f"{url}/{name}")
+    coco_json(records, tmp_path / "instances.json")  # boxes over the image folder at the URL
+    local = preprocess(root, tmp_path / "local-coco", "--coco", str(tmp_path / "instances.json"))
+    assert local["source"]["kind"] == "coco" and local["num_samples"] == 7
+    assert_same_output(local, preprocess(url, tmp_path / "remote-coco", "--coco", str(tmp_path / "instances.json")),
+                       url)
+    (root / "recs.jsonl").unlink()
+    (root / "recs.csv").unlink()
+    local = preprocess(root, tmp_path / "local-pair", "--workers", "2")  # images/ + masks/: a segmentation pair
+    remote = preprocess(url, tmp_path / "remote-pair", "--workers", "2")
+    assert local["source"]["kind"] == "segmentation" and local["num_samples"] == 7
+    assert_same_output(local, remote, url)
+
+
+def test_a_record_leaving_its_folder_at_a_url_is_refused_with_the_line(s3, tmp_path):
+    url = s3("escape")
+    s3.client.put_object(Bucket="escape", Key="a/recs.jsonl", Body=b'{"image": "x.png"}\n{"image": "../b/y.png"}\n')
+    with pytest.raises(SourceError, match=r"recs.jsonl:2: '../b/y.png' is outside the folder"):
+        discover_source(f"{url}/a/recs.jsonl")
+
+
+def test_parquet_at_a_url_is_read_by_row_group_and_gives_the_local_bytes(s3, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    root = tmp_path / "src"
+    records = make_scenes(root / "img", 10, sizes=((40, 30), (30, 40)))
+    for part, rows in enumerate((records[:6], records[6:])):
+        table = pa.table({"image": [{"bytes": (root / "img" / r["image"]).read_bytes()} for r in rows],
+                          "label": [i % 3 for i in range(len(rows))], "caption": [f"c{i}" for i in range(len(rows))]})
+        pq.write_table(table, root / f"part-{part}.parquet", row_group_size=4)
+    url = upload(s3, "parquet", root, "hf")
+    local = preprocess(root, tmp_path / "local", "--workers", "2")
+    assert local["source"]["kind"] == "parquet" and local["num_samples"] == 10
+    assert_same_output(local, preprocess(url, tmp_path / "remote", "--workers", "2"), url)
+    one = preprocess(root / "part-1.parquet", tmp_path / "local1")
+    assert_same_output(one, preprocess(f"{url}/part-1.parquet", tmp_path / "remote1"), f"{url}/part-1.parquet")
+
+
+def test_store_faults_mid_read_are_retried_and_change_no_byte(photo_folder, s3, proxy, tmp_path):
+    url = upload(s3, "flaky", photo_folder, "p")
+    local = preprocess(photo_folder, tmp_path / "local", "--workers", "2")
+    for kind in ("503", "reset", "truncate"):
+        proxy.inject(kind, r"class_1/img_000[0-4]", times=2)
+    assert_same_output(local, preprocess(url, tmp_path / "remote", "--workers", "2"), url)
+    assert sum(proxy.faults.values()) == 6
+
+
+def write_text_tree(root: Path) -> None:
+    for d in ("a", "b/c", ".hidden"):
+        (root / d).mkdir(parents=True)
+    rows = lambda k: "".join(json.dumps({"text": f"doc {k} {i} ünï"}) + "\n" for i in range(40))  # noqa: E731
+    (root / "a" / "x.jsonl").write_text(rows(0) + "not json\n" + rows(1))
+    (root / "a-b.txt").write_text("one document " * 50)  # after a/x.jsonl by path parts, before it as a string
+    (root / "b" / "c" / "d.jsonl.gz").write_bytes(gzip.compress(rows(2).encode(), mtime=0))
+    (root / "b" / "e.txt").write_text("")  # empty: skipped, listed
+    (root / ".hidden" / "x.txt").write_text("never read")
+    (root / "b" / "notes.md").write_text("not a text source")
+
+
+def test_text_at_a_url_gives_the_local_runs_bytes(s3, tmp_path):
+    root = tmp_path / "corpus"
+    write_text_tree(root)
+    url = upload(s3, "text", root, "owt")
+
+    def run(src, out: str) -> dict:
+        return preprocess_text(TextPreprocessConfig(src=src, out=tmp_path / out, shard_tokens=2000, val_fraction=0.2,
+                                                    progress=False, workers=2))
+    local, remote = run(root, "local"), run(url, "remote")
+    assert {f["path"]: f["sha256"] for f in remote["files"]} == {f["path"]: f["sha256"] for f in local["files"]}
+    assert remote["skipped"] == local["skipped"] and len(local["skipped"]) == 2
+    assert remote["source"] == {**local["source"], "path": url} and local["source"]["files"] == 4
+    one = run(root / "b" / "c" / "d.jsonl.gz", "local1")
+    got = run(f"{url}/b/c/d.jsonl.gz", "remote1")
+    assert {f["sha256"] for f in got["files"]} == {f["sha256"] for f in one["files"]}
+
+
+def test_an_unreadable_url_is_one_line_without_secrets(s3, tmp_path, monkeypatch):
+    for src in ("s3://no-such-bucket/recs.jsonl", "s3://no-such-bucket/train/"):
+        r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", src, str(tmp_path / "o"),
+                            "--quiet"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "s3://no-such-bucket" in r.stderr, r.stderr
+    monkeypatch.setattr(sources, "_RETRY", Retry(0))  # nothing listens on port 9: refused at once
+    for src in ("https://user:hunter2@127.0.0.1:9/recs.jsonl?sig=hunter3", "https://user:hunter2@127.0.0.1:9/x/"):
+        with pytest.raises(SourceError) as err:
+            discover_source(src)
+        assert "hunter" not in str(err.value) and "127.0.0.1:9" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(SourceError, match="s3://empty/nothing/"):  # an empty prefix: nothing to read
+        discover_source(f"{s3('empty')}/nothing/")
