@@ -17,10 +17,10 @@ from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
-from .._io import fsync_dir, scrub, write_bytes_atomic
+from .._io import HashingWriter, fsync_dir, scrub
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats import image_shards, lmdb_store
-from ..formats.base import LABEL_DTYPE, npy_bytes
+from ..formats.base import LABEL_DTYPE, npy_header
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
 from ..formats.schema import Field
 from ..formats.tokenizer import cached_tokenizer, token_dtype
@@ -389,12 +389,17 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
         extra["fields"] = [f.to_json() for f in fields]
         if "tokens" in source.kinds.values():
             extra["tokenizer"] = cached_tokenizer(config.tokenizer).describe()
-    all_labels = np.zeros(0, LABEL_DTYPE)
-    if source.has_label:  # every label in one file too (image_shards' docstring)
-        all_labels = np.concatenate([_unit_labels(folder, u["index"], store) for u in jr.units])
-        files.append(write_bytes_atomic(folder / image_shards.ALL_LABELS_NAME, npy_bytes(all_labels)))
+    class_counts = np.zeros(len(source.classes), np.int64)
+    if source.has_label:  # every label in one file too (image_shards' docstring), a unit's at a time
+        out = HashingWriter(folder / image_shards.ALL_LABELS_NAME)
+        out.write(npy_header((n,), LABEL_DTYPE))
+        for u in jr.units:
+            labels = _unit_labels(folder, u["index"], store)
+            class_counts += np.bincount(labels, minlength=len(class_counts))[:len(class_counts)]
+            out.write(labels)
+        files.append(out.commit())
         extra["all_labels" if config.format == "npy" else "labels"] = image_shards.ALL_LABELS_NAME
-    class_counts = np.bincount(all_labels, minlength=len(source.classes)).tolist()
+    class_counts = class_counts.tolist()
     manifest = new_manifest(
         fmt, version=version, num_samples=n, classes=source.classes, class_counts=class_counts,
         label_dtype=LABEL_DTYPE.str, files=files, params=params, fingerprint=fingerprint,
