@@ -48,7 +48,7 @@ from fastdata.datasets.images import FastDataset
 from fastdata.formats.base import npy_bytes
 from fastdata.formats.manifest import new_manifest, write_manifest
 from fastdata.loading.loader import FastLoader
-from fastdata.storage.remote import push
+from fastdata.storage.push import push
 
 
 def make_dataset(out: Path, images: int, size: int, shard: int, classes: int = 10) -> Path:

@@ -31,7 +31,7 @@ import fastdata
 from fastdata.datasets.images import FastDataset
 from fastdata.loading.loader import FastLoader
 from fastdata.loading.sampler import DistributedBatchSampler
-from fastdata.storage.remote import push
+from fastdata.storage.push import push
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_remote import (_mosaic_import, dataset_arguments, make_dataset, moto_server, prepare_litdata,  # noqa: E402

@@ -49,7 +49,7 @@ def test_close_releases_and_refuses_later_reads_but_earlier_batches_stay(indexed
 
 @pytest.mark.filterwarnings("ignore:cache_limit=.*a plain shuffle")  # a small cache on purpose
 def test_a_dropped_streamed_dataset_stops_its_cache_threads(s3, indexed_datasets, tmp_path):  # noqa: F811
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("close-streamed") + "/npy"
     push(indexed_datasets["npy"], url)

@@ -79,7 +79,7 @@ def gated(s3, monkeypatch):
 
 
 def _pushed(s3, indexed_datasets, bucket: str) -> str:
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3(bucket) + "/ds"
     push(indexed_datasets["npy"], url)

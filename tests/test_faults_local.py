@@ -117,7 +117,7 @@ def test_1300_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(many, tmp_p
 @pytest.mark.slow
 @pytest.mark.remote
 def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path):
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("many-shards") + "/ds"
     push(many, url, workers=8)
@@ -201,7 +201,7 @@ def test_two_datasets_on_one_lmdb_one_closed_mid_epoch(indexed_datasets):
 
 @pytest.mark.remote
 def test_two_streamed_datasets_on_one_lmdb_url_one_closed_mid_epoch(s3, indexed_datasets, tmp_path):
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("shared-lmdb") + "/lmdb"
     push(indexed_datasets["lmdb"], url)

@@ -20,7 +20,7 @@ SHARD_BYTES = 3200  # one image shard of the indexed dataset (16 samples of 8x8x
 
 
 def _pushed(s3, indexed_datasets, bucket: str) -> str:
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3(bucket) + "/ds"
     push(indexed_datasets["npy"], url)
@@ -169,7 +169,7 @@ def test_the_s3_clients_own_retry_loops_are_off_unless_asked_for(s3):
 
 
 def test_a_push_rides_out_an_outage_and_the_manifest_lands_last(s3, proxy, indexed_datasets):
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("push-outage") + "/ds"
     proxy.refuse(4)

@@ -39,7 +39,7 @@ def _downloads(ds, proxy) -> list[dict]:
 
 def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("push-read") + "/sets/npy"
     counts = push(indexed_datasets["npy"], url, workers=3)
@@ -62,7 +62,7 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.datasets.tokens import TokenDataset
     from fastdata.loading.loader import FastLoader
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("other-formats")
     push(indexed_datasets["lmdb"], url + "/lmdb")
@@ -105,7 +105,8 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
 def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
-    from fastdata.storage.remote import RemoteDataset, push
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
 
     url = s3("corrupt") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -140,7 +141,8 @@ def test_a_half_pushed_or_hostile_dataset_is_refused(s3, indexed_datasets, tmp_p
 
 
 def test_ranks_on_a_node_share_one_cache_and_a_dead_downloaders_leftovers_go(s3, indexed_datasets, tmp_path):
-    from fastdata.storage.remote import RemoteDataset, push
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
 
     url = s3("shared") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -190,7 +192,8 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     from conftest import disk_of
 
     from fastdata.cli.main import main
-    from fastdata.storage.remote import RemoteDataset, push
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
 
     url, cache = s3("fullcache") + "/ds", tmp_path / "cache"
     push(indexed_datasets["npy"], url)
@@ -275,7 +278,7 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
                                                                           layout):
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     data = indexed_datasets["npy"] if layout == "all_labels" else _without_all_labels(indexed_datasets["npy"],
                                                                                       tmp_path / "old")
@@ -308,7 +311,8 @@ def test_a_streamed_dataset_fetches_each_shard_as_the_batches_need_it_once(s3, p
 def test_each_file_is_one_ranged_get_and_big_files_come_in_pieces(s3, proxy, indexed_datasets, tmp_path,
                                                                  monkeypatch):
     from fastdata.storage import remote as remote_mod
-    from fastdata.storage.remote import RemoteDataset, push
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
 
     url = s3("ranged") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -354,7 +358,7 @@ def _size_now(path) -> int:
 def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("limit") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -390,7 +394,7 @@ def test_cache_limit_bounds_the_cache_and_evicts_the_shard_needed_last(s3, proxy
 def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("faults") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -414,7 +418,8 @@ def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_d
 def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
-    from fastdata.storage.remote import RemoteDataset, push
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
 
     url = s3("giveup") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -434,7 +439,7 @@ def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, in
 def test_a_dataset_changed_under_a_running_job_is_refused_not_mixed(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("changed") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -468,7 +473,7 @@ def test_torchrun_ranks_share_one_cache_download_once_and_resume_at_another_worl
     from conftest import INDEXED_N
     from test_distributed import torchrun
 
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("ddp") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -498,7 +503,7 @@ def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cac
 
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("window") + "/ds"
     push(indexed_datasets["npy"], url)
@@ -596,7 +601,7 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
     from conftest import indexed_source
 
     from fastdata.cli.main import main
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     data = tmp_path / "ds"  # 16x16 images (cnn-small's least), 7 shards of 16
     assert main(["preprocess", "images", str(indexed_source(tmp_path / "src", size=16)), str(data), "--size", "16",
@@ -638,7 +643,7 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
     from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     records = make_scenes(tmp_path / "src", 18, sizes=((64, 48), (40, 64)), jpeg_big=False)
     with open(tmp_path / "src" / "recs.jsonl", "w") as f:

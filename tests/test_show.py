@@ -86,7 +86,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.remote
 def test_a_dataset_at_a_url_draws_the_same_grid(s3, tmp_path):
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
     _fresh_fs()  # no s3fs instance cached by another module's tests, bound to their server's endpoint
 
     data = _detection(tmp_path)

@@ -87,7 +87,8 @@ def _verify_url(args: argparse.Namespace) -> int:
 def _push(args: argparse.Namespace) -> int:
     from ..formats.manifest import load_manifest, total_bytes
     from ..progress import progress_bar
-    from ..storage.remote import push, scrub
+    from ..storage.push import push
+    from ..storage.remote import scrub
 
     bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
                        enabled=not args.quiet)

@@ -32,10 +32,6 @@ budget, ``retry_seconds`` (default 120):
    ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
 6. Not retried: an answer that trying again does not change (no such object, access denied, the same
    wrong bytes twice, a full cache disk).
-
-NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
-(object stores write whole objects: a marker exists only after its object is complete); the manifest goes
-last, so a reader never sees a half-uploaded dataset. A rerun skips objects whose size and marker match.
 """
 from __future__ import annotations
 
@@ -61,7 +57,6 @@ from ..formats.manifest import MANIFEST_NAME, file_problem
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
 _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                       "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
-PUSH_MARKERS = ".fastdata-push"
 SOURCE_NAME = ".source.json"
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
@@ -515,79 +510,6 @@ def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) 
             shutil.rmtree(info["path"], ignore_errors=True)
             removed.append(info["id"])
     return removed
-
-
-def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options: Optional[dict[str, Any]] = None,
-         retry_seconds: float = RETRY_SECONDS, progress: Optional[Callable[[int], None]] = None) -> dict[str, int]:
-    """Upload the finished dataset ``local`` to ``url`` (see NOTE [push]).
-
-    Args:
-        local: The dataset folder.
-        url: The fsspec URL to upload to.
-        workers: Parallel uploads.
-        storage_options: Options passed to fsspec (credentials, endpoint).
-        retry_seconds: How long the store may fail before the push gives up (NOTE [retry budget]); a rerun
-            skips what is uploaded.
-        progress: Called with the bytes of each object done.
-
-    Returns:
-        Counts of objects ``uploaded`` and ``skipped`` (already there with the same size and checksum).
-    """
-    from ..formats.manifest import load_manifest, require_intact
-
-    local = Path(local)
-    manifest = load_manifest(local)
-    retry = Retry(retry_seconds)
-    fs, root = filesystem(url.rstrip("/"), storage_options)
-    counts = {"uploaded": 0, "skipped": 0}
-    folders = _folders(fs)
-
-    def one(entry: dict[str, Any]) -> None:
-        name = entry["path"]
-        target, marker = object_path(root, name), object_path(root, f"{PUSH_MARKERS}/{name}.{HASH_NAME}")
-        folders(target, marker)
-        if retry(f"{url}/{name}", lambda: _already_there(fs, target, marker, entry)):
-            counts["skipped"] += 1
-            if progress is not None:
-                progress(int(entry["bytes"]))
-            return
-        require_intact(local, entry)  # never upload a file that differs from its own manifest
-        retry(f"{url}/{name}", lambda: fs.put_file(str(local / name), target), "upload")
-        retry(f"{url}/{name}", lambda: fs.pipe_file(marker, entry[HASH_NAME].encode()), "upload")
-        counts["uploaded"] += 1
-        if progress is not None:
-            progress(int(entry["bytes"]))
-
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        list(pool.map(one, manifest["files"]))
-    data = (local / MANIFEST_NAME).read_bytes()
-    retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), "upload")
-    return counts
-
-
-def _folders(fs: Any) -> Callable[..., None]:
-    """``make(*paths)``: each path's parent folder made, where the target is a file system with folders
-    (``file://`` or a plain path, e.g. a shared mount); object stores have none to make."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if not {"file", "local"} & set(protocols):
-        return lambda *paths: None
-
-    def make(*paths: str) -> None:
-        for path in paths:
-            try:
-                fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            except OSError as exc:
-                raise disk_error(exc, Path(path)) from exc
-    return make
-
-
-def _already_there(fs: Any, target: str, marker: str, entry: dict[str, Any]) -> bool:
-    try:
-        if int(fs.info(target).get("size", -1)) != int(entry["bytes"]):
-            return False
-        return fs.cat_file(marker).decode(errors="replace") == entry[HASH_NAME]
-    except FileNotFoundError:
-        return False
 
 
 def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], None]]:
