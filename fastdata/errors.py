@@ -24,6 +24,10 @@ class SourceError(FastdataError):
     """The preprocessing source (image folder, CSV list, records, text files) is missing, empty or malformed."""
 
 
+class TextInputError(SourceError):
+    """A text document is unreadable (bad UTF-8, a JSON line without the field) and ``on_error="fail"``."""
+
+
 class ImageDecodeError(FastdataError):
     """One input image could not be decoded (truncated, empty, not an image...).
 

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Union
 import numpy as np
 
 from .._io import fsync_dir, scrub, write_bytes_atomic
-from ..errors import FastdataError, SourceError, require
+from ..errors import FastdataError, SourceError, TextInputError, require
 from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
 _CHUNK_BYTES = 1 << 20  # text per worker task
 _MAX_EXAMPLES = 100  # skipped documents listed by name in the manifest (all are counted)
-
-
-class TextInputError(FastdataError):
-    """A document is unreadable and --on-error is fail."""
 
 
 @dataclass(frozen=True)
