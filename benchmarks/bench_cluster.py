@@ -6,29 +6,43 @@ Cases (issue 43 item 5; every Ray node is started here on 127.0.0.1 with ``ray.c
      and a check that both outputs are byte-identical.
   2. Ray on 1 node of 1 CPU vs 2 nodes of 1 CPU each: the speed-up (target >= 1.8x; on a machine with fewer
      free cores than nodes the nodes share them, so read this row only where each node has its own core).
-  3. ``--plan-samples S``: the driver's work without any decoding: the source listing, the task plan, one
+  3. The same photos as WebDataset tars (``KEY.jpg`` + ``KEY.cls``) read from a loopback S3 server (moto on
+     127.0.0.1, its own process on the same cores) against the same tars on local disk: images/s and their
+     ratio, N workers, and a check that both outputs are byte-identical.
+  4. LitData ``optimize()`` on the same photo folder, the same N CPUs and the same output (JPEG quality 90, the
+     shorter side 256 by Pillow's kernel of fastdata's default filter) against fastdata's LMDB writer: fastdata's
+     images/s as a ratio of LitData's (target >= 1.2x); skipped with a message when litdata is missing.
+  5. ``--plan-samples S``: the driver's work without any decoding: the source listing, the task plan, one
      journal entry per shard and the manifest, with its CPU time and peak memory; the journal is measured
-     at two sizes because it is rewritten whole after every shard (its cost grows with the square of the
-     shards), then everything is projected to 10^9 samples in 10^6 shards.
+     at two sizes to check that an entry costs the same at any size (entries are appended), then
+     everything is projected to 10^9 samples in 10^6 shards.
 
     python benchmarks/bench_cluster.py [--images 400] [--cpus 2] [--plan-samples 1000000] [--skip-ray]
+                                       [--skip-sources] [--rounds 3]
 
 Results and their conditions go to benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import platform
 import resource
 import shutil
+import statistics
+import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional, Union
+
+from PIL import Image
 
 from fastdata.cli.synthetic import make_image_folder
 from fastdata.formats import image_shards
@@ -45,7 +59,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def timed_run(src: Path, out: Path, **kw: Any) -> float:
+def timed_run(src: Union[Path, str], out: Path, **kw: Any) -> float:
     """Images per second of one preprocess (the output folder made afresh)."""
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
@@ -82,6 +96,177 @@ def ray_cases(scratch: Path, n_images: int, cpus: int) -> dict[str, float]:
             ray.shutdown()
             cluster.shutdown()
     return res
+
+
+def photo_tars(src: Path, dest: Path, per_tar: int = 100) -> None:
+    """The photos of the folder ``src`` as WebDataset tars in ``dest``, in sample order: ``KEY.jpg`` and
+    ``KEY.cls`` (the class index), as img2dataset writes them."""
+    files = sorted(src.rglob("*.jpg"))
+    classes = sorted({f.parent.name for f in files})
+    dest.mkdir()
+    for t in range(0, len(files), per_tar):
+        with tarfile.open(dest / f"{t // per_tar:05d}.tar", "w") as tf:
+            for i, f in enumerate(files[t:t + per_tar], start=t):
+                tf.add(f, arcname=f"{i:09d}.jpg")
+                cls = str(classes.index(f.parent.name)).encode()
+                info = tarfile.TarInfo(f"{i:09d}.cls")
+                info.size = len(cls)
+                tf.addfile(info, io.BytesIO(cls))
+
+
+_MOTO = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+server.start()
+print("port", server._server.server_port, flush=True)
+sys.stdin.read()  # until the benchmark closes the pipe
+"""
+
+
+@contextlib.contextmanager
+def loopback_s3() -> Iterator[Any]:
+    """A moto S3 server on 127.0.0.1, in a process of its own (as a store is: not sharing this process's
+    GIL), as the endpoint of s3fs and boto3; yields a boto3 client."""
+    import subprocess
+    import sys
+
+    import boto3
+    import fsspec
+
+    server = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    old: dict[str, Optional[str]] = {}
+    try:
+        line = ""
+        while not line.startswith("port "):  # moto prints a line of its own first
+            line = server.stdout.readline()
+            if not line:
+                raise RuntimeError("the moto server did not start: pip install 'moto[server]'")
+        endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        fsspec.filesystem("s3").clear_instance_cache()  # an s3fs client is cached per options, not per endpoint
+        yield boto3.client("s3", endpoint_url=endpoint)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def medians(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """The median of what each contender returns over ``rounds`` rounds, each round running them in turn (a
+    shared machine drifts between runs; alternating spreads the drift over all of them)."""
+    runs: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            runs[name].append(fn())
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def shard_bytes(folder: Path) -> dict[str, bytes]:
+    return {k: v for k, v in tree_bytes(folder).items() if k != "manifest.json"}  # it names the source
+
+
+def source_cases(scratch: Path, n_images: int, cpus: int, rounds: int,
+                 flt: Optional[str] = None) -> dict[str, Optional[float]]:
+    """Cases 3 and 4 on one synthetic ImageNet-like folder (500x375 photos, S=256)."""
+    src, tars = scratch / "photos", scratch / "tars"
+    make_image_folder(src, num_classes=4, per_class=max(1, n_images // 4), sizes=((500, 375), (375, 500)))
+    photo_tars(src, tars)
+    warm = scratch / "warm"
+    make_image_folder(warm, num_classes=2, per_class=4 * cpus, sizes=((64, 48),))
+    timed_run(warm, scratch / "warm-out", workers=cpus)  # imports and the page cache, outside the timing
+    res: dict[str, Optional[float]] = {}
+    with loopback_s3() as client:
+        client.create_bucket(Bucket="bench")
+        for t in sorted(tars.iterdir()):
+            client.upload_file(str(t), "bench", f"wds/{t.name}")
+        r = medians({"tars_local": lambda: timed_run(tars, scratch / "tars-local", workers=cpus),
+                          "tars_s3": lambda: timed_run("s3://bench/wds", scratch / "tars-s3", workers=cpus)}, rounds)
+        res.update(r)
+        res["tars_identical"] = float(shard_bytes(scratch / "tars-local") == shard_bytes(scratch / "tars-s3"))
+    res.update(litdata_case(scratch, src, cpus, rounds, flt))
+    return res
+
+
+LITDATA_SIZE, LITDATA_QUALITY = 256, 90
+
+
+def litdata_sample(path: str, resample: int) -> dict[str, Any]:
+    """What a LitData user writes for ``optimize()``: the photo read by Pillow, its shorter side resized to 256
+    (never up), re-encoded as JPEG quality 90, with its class index (folders are ``class_K``)."""
+    img = Image.open(path).convert("RGB")
+    w, h = img.size
+    s = LITDATA_SIZE / min(w, h)
+    if s < 1:
+        img = img.resize((max(LITDATA_SIZE, round(w * s)), max(LITDATA_SIZE, round(h * s))), resample)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=LITDATA_QUALITY)
+    return {"image": buf.getvalue(), "label": int(Path(path).parent.name.rsplit("_", 1)[1])}
+
+
+def litdata_case(scratch: Path, src: Path, cpus: int, rounds: int,
+                 flt: Optional[str] = None) -> dict[str, Optional[float]]:
+    """Case 4: LitData's ``optimize()`` against fastdata's LMDB writer with filter ``flt`` (None: the default;
+    LitData resizes with Pillow's kernel of that name, Pillow's bicubic for ``fast-bicubic``), both writing
+    JPEG quality 90.
+    Each runs on all the photos and on ``4 * cpus`` of them: images/s end to end, and the marginal rate (the
+    photos beyond the small run over the seconds beyond it): LitData spawns workers that import anew, a
+    fixed cost a large conversion spreads thin."""
+    try:
+        import litdata
+    except ImportError as exc:
+        print(f"LitData row skipped: litdata is not importable ({exc}); pip install litdata (../shared/PEERS.md)")
+        return {}
+    from fastdata.imaging.decode_file import FILTERS
+
+    default = ImagePreprocessConfig(src=src, out=scratch / "unused").filter
+    flt = flt or default
+    resample = int(FILTERS[flt]) if flt != "fast-bicubic" else int(Image.Resampling.BICUBIC)
+    files = sorted(src.rglob("*.jpg"))
+    small = scratch / "photos-small"
+    for f in files[:4 * cpus]:
+        (small / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, small / f.parent.name / f.name)
+
+    def lit(folder: Path) -> float:
+        out = scratch / "litdata"
+        shutil.rmtree(out, ignore_errors=True)
+        inputs = [str(f) for f in sorted(folder.rglob("*.jpg"))]
+        t = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            litdata.optimize(fn=functools.partial(litdata_sample, resample=resample), inputs=inputs,
+                             output_dir=str(out), chunk_bytes="64MB", num_workers=cpus, verbose=False)
+        return time.perf_counter() - t
+
+    def fd(folder: Path) -> float:
+        out = scratch / "fd-lmdb"
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        preprocess_images(ImagePreprocessConfig(src=folder, out=out, size=LITDATA_SIZE, format="lmdb", filter=flt,
+                                                quality=LITDATA_QUALITY, workers=cpus, progress=False))
+        return time.perf_counter() - t
+
+    r = medians({"litdata": lambda: lit(src), "litdata_small": lambda: lit(small),
+                 "fastdata_lmdb": lambda: fd(src), "fastdata_small": lambda: fd(small)}, rounds)
+    n, n_small = len(files), 4 * cpus
+    out = {k: n / r[k] for k in ("litdata", "fastdata_lmdb")}
+    for k in ("litdata", "fastdata_lmdb"):
+        out[f"{k}_marginal"] = (n - n_small) / max(1e-9, r[k] - r[f"{k.split('_')[0]}_small"])
+    lit(src), fd(src)  # the outputs, whole, for their sizes
+    out["litdata_bytes"] = float(sum(f.stat().st_size for f in (scratch / "litdata").rglob("*") if f.is_file()))
+    out["fastdata_bytes"] = float(sum(f.stat().st_size for f in (scratch / "fd-lmdb").rglob("*") if f.is_file()))
+    print(f"litdata {importlib.metadata.version('litdata')} optimize(): resize with Pillow's kernel of fastdata's "
+          f"--filter {flt} (its default: {default})")
+    return out
 
 
 def cpu_now() -> float:
@@ -126,7 +311,7 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024) -> dict[str, 
     source, listing_cpu = measured(lambda: synthetic_source(samples))
 
     def plan() -> int:
-        chunks = images._chunks(0, samples, 64, images._MAX_CHUNK)  # 64 workers: the chunking of a cluster
+        chunks = images._chunks(0, samples, 64, images._MAX_CHUNK, shard_size)  # 64 workers: a cluster's chunking
         return len([(str(source.root), source.paths[a:b], a, "npy", 256, "center-crop", 90, "lanczos", None)
                     for a, b in chunks])
 
@@ -145,7 +330,7 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024) -> dict[str, 
     manifest_bytes, manifest_cpu = measured(manifest)
     small, large = max(2, min(shards, 1000) // 2), max(4, min(shards, 1000))
     j_small, j_large = journal_cpu(scratch, small, shard_size), journal_cpu(scratch, large, shard_size)
-    # the journal's cost a + b * k per entry k (the whole file rewritten): fitted on two sizes
+    # the journal's cost a + b * k per entry k, fitted on two sizes (b is ~0: entries are appended)
     b = max(0.0, (j_large / large - j_small / small) / ((large - small) / 2))
     a = max(0.0, j_small / small - b * small / 2)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb  # the driver's growth
@@ -164,7 +349,10 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=400)
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--plan-samples", type=int, default=1_000_000)
-    ap.add_argument("--skip-ray", action="store_true", help="only the planning dry run")
+    ap.add_argument("--skip-ray", action="store_true", help="no Ray rows")
+    ap.add_argument("--skip-sources", action="store_true", help="no S3-vs-local-disk and LitData rows")
+    ap.add_argument("--rounds", type=int, default=3, help="S3 and LitData rows: median of N rounds")
+    ap.add_argument("--filter", help="LitData rows: fastdata's --filter (default: its default)")
     args = ap.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
@@ -181,6 +369,20 @@ def main() -> None:
                       f"{bool(r['identical'])}")
                 print(f"Ray 1 node x 1 CPU {r['ray_1x1']:.0f} img/s -> 2 nodes x 1 CPU {r['ray_2x1']:.0f} img/s = "
                       f"{r['ray_2x1'] / r['ray_1x1']:.2f}x (target >= 1.8x)")
+        if not args.skip_sources:
+            r = source_cases(scratch / "sources", args.images, args.cpus, args.rounds, args.filter)
+            print(f"WebDataset tars, {args.cpus} workers, median of {args.rounds} rounds: local disk "
+                  f"{r['tars_local']:.0f} img/s | loopback S3 (moto, 127.0.0.1) {r['tars_s3']:.0f} img/s = "
+                  f"{r['tars_s3'] / r['tars_local']:.2f}x local; the same shards: {bool(r['tars_identical'])}")
+            if "litdata" in r:
+                ratio, marginal = (r["fastdata_lmdb"] / r["litdata"],
+                                   r["fastdata_lmdb_marginal"] / r["litdata_marginal"])
+                print(f"same folder, {args.cpus} CPUs, JPEG q90 shorter side 256, median of {args.rounds} rounds: "
+                      f"LitData optimize() {r['litdata']:.0f} img/s end to end, {r['litdata_marginal']:.0f} "
+                      f"marginal ({r['litdata_bytes'] / 1e6:.1f} MB) | fastdata LMDB {r['fastdata_lmdb']:.0f} img/s, "
+                      f"{r['fastdata_lmdb_marginal']:.0f} marginal ({r['fastdata_bytes'] / 1e6:.1f} MB) = "
+                      f"{ratio:.2f}x end to end, {marginal:.2f}x marginal (target >= 1.2x: "
+                      f"{'met' if min(ratio, marginal) >= 1.2 else 'NOT met'})")
         p = plan_case(scratch, args.plan_samples)
         print(json.dumps(p, indent=1))
 

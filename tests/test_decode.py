@@ -164,3 +164,133 @@ def test_preprocess_filter_option_changes_only_the_resampling(photo_folder, tmp_
     assert "filter" not in load_manifest(tmp_path / "lanczos")["params"]  # the default keeps old fingerprints
     with pytest.raises(SystemExit):
         main(["preprocess", "images", str(photo_folder), str(tmp_path / "x"), "--filter", "nearest"])
+
+
+def _photo(path, w, h, seed=2):
+    from fastdata.cli.synthetic import synthetic_image
+
+    Image.fromarray(synthetic_image(np.random.default_rng(seed), 1, 4, w, h)).save(path, quality=90)
+    return path
+
+
+def _psnr(a, b):
+    mse = ((np.asarray(a, float) - np.asarray(b, float)) ** 2).mean()
+    return 10 * np.log10(255 ** 2 / mse) if mse else 99.0
+
+
+@pytest.mark.parametrize("fit, size, want", [("shorter-side", 100, (133, 100)), ("max-side", 128, (128, 96))])
+def test_fast_bicubic_record_geometry_and_quality_against_lanczos(tmp_path, fit, size, want):
+    import io
+
+    path = _photo(tmp_path / "p.jpg", 400, 300)
+    full = decode.open_rgb(path, decode.FULL_SIZE, "shorter-side")
+    lanczos = full.resize(want, Image.Resampling.LANCZOS)
+    records = {name: Image.open(io.BytesIO(decode.load_jpeg(path, size, 95, decode.FILTERS[name], fit=fit)))
+               for name in ("lanczos", "fast-bicubic")}
+    assert {r.size for r in records.values()} == {want}
+    assert 38 < _psnr(records["fast-bicubic"], records["lanczos"]) < 99  # both resampled the same draft decode
+    pixels = decode.resample_image(full, want, decode.FAST_BICUBIC)
+    assert pixels.size == want and _psnr(pixels, lanczos) > 45  # the filter alone (FFCV's INTER_AREA: ~44 dB)
+    pillow = np.asarray(full.resize(want, Image.Resampling.BICUBIC), int)
+    assert np.abs(np.asarray(pixels, int) - pillow).max() <= 2  # Pillow's bicubic kernel, to the rounding
+
+
+def test_max_side_record_is_never_upscaled_and_turns_upright(tmp_path):
+    import io
+
+    _halves(60, 40).save(tmp_path / "small.png")
+    for name in decode.FILTERS:
+        blob = decode.load_jpeg(tmp_path / "small.png", 100, 90, decode.FILTERS[name], fit="max-side")
+        assert Image.open(io.BytesIO(blob)).size == (60, 40), name
+    save_with_orientation(tmp_path / "r.jpg", quadrants(120, 80), 6)  # stored 80x120, shown 120x80
+    blob = decode.load_jpeg(tmp_path / "r.jpg", 60, 90, decode.FAST_BICUBIC, fit="max-side")
+    assert Image.open(io.BytesIO(blob)).size == (60, 40)
+    with pytest.raises(ValueError, match="fit"):
+        decode.load_jpeg(tmp_path / "r.jpg", 60, 90, fit="longer")
+
+
+def test_fast_bicubic_falls_back_to_pillows_bicubic_for_a_crop_box_and_large_reductions(tmp_path):
+    path = _photo(tmp_path / "p.png", 200, 150)
+    for mode in ("center-crop", "squash"):  # center-crop resamples a fractional box: Pillow's bicubic, same kernel
+        same = np.array_equal(decode.load_array(path, 64, mode, decode.FAST_BICUBIC),
+                              decode.load_array(path, 64, mode, Image.Resampling.BICUBIC))
+        assert same == (mode == "center-crop"), mode  # squash goes through torch: within rounding, not equal
+    small = decode.resample_image(Image.open(path).convert("RGB"), (20, 15), decode.FAST_BICUBIC)  # 10x: reduce first
+    ref = Image.open(path).convert("RGB").resize((20, 15), Image.Resampling.BICUBIC, reducing_gap=decode.REDUCING_GAP)
+    assert np.array_equal(np.asarray(small), np.asarray(ref))
+
+
+_FAST_BYTES = """
+import hashlib, sys, torch
+from fastdata.imaging import decode_file as decode
+torch.set_num_threads(int(sys.argv[2]))
+h = hashlib.sha256()
+for size, fit in ((100, "max-side"), (100, "shorter-side"), (37, "max-side")):
+    h.update(decode.load_jpeg(sys.argv[1], size, 90, decode.FAST_BICUBIC, fit=fit))
+print(h.hexdigest(), torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def test_fast_bicubic_bytes_are_the_same_for_every_cpu_kernel_and_thread_count(tmp_path):
+    """NOTE [fast bicubic], rule 2: torch's SIMD kernels and its plain C one write the same bytes."""
+    import os
+    import subprocess
+    import sys
+
+    path = _photo(tmp_path / "p.jpg", 500, 375)
+    runs = {}
+    for capability, threads in (("default", 1), ("avx2", 2), ("", 1)):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run([sys.executable, "-c", _FAST_BYTES, str(path), str(threads)], env=env, check=True,
+                             capture_output=True, text=True).stdout.split()
+        runs[(capability, threads)] = out
+    assert runs[("default", 1)][1] == "DEFAULT"  # the plain C kernel really ran
+    assert len({digest for digest, _ in runs.values()}) == 1, runs
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_fast_bicubic_uses_one_torch_thread_in_a_worker_process(tmp_path, method):
+    import multiprocessing as mp
+
+    import torch
+
+    path = _photo(tmp_path / "p.jpg", 200, 150)
+    threads = torch.get_num_threads()
+    decode.load_jpeg(path, 64, 90, decode.FAST_BICUBIC)  # before the fork: the worker must check again
+    assert torch.get_num_threads() == threads  # the main process keeps its setting
+    with mp.get_context(method).Pool(1) as pool:
+        assert pool.apply(_threads_after_fast_bicubic, (str(path),)) == 1
+
+
+def _threads_after_fast_bicubic(path):
+    import torch
+
+    torch.set_num_threads(2)
+    decode.load_jpeg(path, 64, 90, decode.FAST_BICUBIC)
+    return torch.get_num_threads()
+
+
+def test_preprocess_fast_bicubic_lmdb_is_identical_for_1_and_2_workers(photo_folder, tmp_path):
+    import io
+
+    import lmdb
+    import torch
+
+    from fastdata.cli.main import main
+    from fastdata.formats.manifest import load_manifest
+
+    stores = []
+    for w in (1, 2):  # 2: forked workers, each resizing with torch on one thread
+        out = tmp_path / f"w{w}"
+        assert main(["preprocess", "images", str(photo_folder), str(out), "--format", "lmdb", "--size", "64",
+                     "--workers", str(w), "--quiet", "--filter", "fast-bicubic"]) == 0
+        params = load_manifest(out)["params"]  # the kernel is torch's: its version is in the fingerprint
+        assert params["filter"] == "fast-bicubic" and params["torch"] == torch.__version__
+        env = lmdb.open(str(out / "images-00000.lmdb"), subdir=False, readonly=True, lock=False)
+        with env.begin() as txn:
+            stores.append([v for _, v in txn.cursor()])
+        env.close()
+    assert stores[0] == stores[1] and len(stores[0]) == 42
+    assert {Image.open(io.BytesIO(v)).size for v in stores[0]} == {(85, 64), (64, 85), (64, 64)}

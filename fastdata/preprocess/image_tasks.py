@@ -132,18 +132,6 @@ def pixel_rows(shared: Optional[memoryview], n: int, size: int) -> np.ndarray:
         shared, np.uint8, int(np.prod(shape))).reshape(shape)
 
 
-def max_side_jpeg(src: Any, size: int, quality: int, resample: int) -> bytes:
-    """``src`` -> the LMDB record of ``--resize max-side``: JPEG bytes with the longer side at most ``size``,
-    aspect kept, never upscaled (FFCV's ``max_resolution``). The output size comes from the upright image's
-    full size, so a JPEG decoded at a reduced DCT scale gets the same geometry."""
-    img, (w, h) = decode.open_rgb_sized(src, size, "pad")  # pad's scale is size / longer side: the same draft
-    if max(w, h) > size:
-        s = size / max(w, h)
-        img = img.resize((max(1, round(w * s)), max(1, round(h * s))), resample, reducing_gap=decode.REDUCING_GAP)
-    return decode.encode_jpeg(img, quality)
-
-
-
 def reason_of(exc: Exception) -> str:
     """Why a file was skipped: a decode error as it says, a file that vanished or cannot be read (the same
     policy as a bad image) by its OS error."""
@@ -172,7 +160,7 @@ def work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[
             if fmt == "npy":
                 samples[len(ok)] = decode.load_array(path, size, resize, resample)
             elif resize == MAX_SIDE:
-                samples.append(max_side_jpeg(path, size, quality, resample))
+                samples.append(decode.load_jpeg(path, size, quality, resample, fit=MAX_SIDE))
             else:
                 samples.append(decode.load_jpeg(path, size, quality, resample))
         except (ImageDecodeError, OSError) as exc:

@@ -60,7 +60,9 @@ class ImagePreprocessConfig:
         on_error: ``"skip"`` leaves an undecodable file out and names it in the manifest; ``"fail"`` stops
             (default ``"skip"``).
         quality: LMDB only: the JPEG quality of the stored records, 1..100 (default 90).
-        filter: The resize filter: ``"lanczos"`` (default), or the cheaper ``"bicubic"`` or ``"bilinear"``
+        filter: The resize filter: ``"lanczos"`` (default), or the cheaper ``"bicubic"``, ``"bilinear"`` or
+            ``"fast-bicubic"`` (Pillow's bicubic kernel run by torch, 2-3x cheaper than Lanczos; its bytes may
+            change with the torch version: NOTE [fast bicubic] in fastdata/imaging/decode_file.py)
             (benchmarks/RESULTS.md).
         overwrite: Replace a dataset in ``out`` made from another source or with other parameters
             (default False).
@@ -88,7 +90,7 @@ class ImagePreprocessConfig:
     shard_size: int = 1024
     on_error: str = "skip"
     quality: int = 90
-    filter: str = "lanczos"  # resize filter: Lanczos (default), or bicubic/bilinear, cheaper (RESULTS.md)
+    filter: str = "lanczos"  # resize filter: Lanczos (default), or bicubic/bilinear/fast-bicubic, cheaper (RESULTS.md)
     overwrite: bool = False
     progress: bool = True
     coco: Optional[Path] = None  # COCO instances.json over the image folder SRC (detection)
@@ -132,6 +134,10 @@ class ImagePreprocessConfig:
                 params["resize"] = MAX_SIDE
         if self.filter != "lanczos":  # named only when not the default: older runs keep their fingerprint
             params["filter"] = self.filter
+        if self.filter == "fast-bicubic":  # torch's kernel: another torch may give other bytes, so a run is
+            import torch  # never resumed across an upgrade (NOTE [fast bicubic])
+
+            params["torch"] = torch.__version__
         for key, default in (("mask_dtype", "uint8"), ("tokenizer", "bytes"), ("shuffle_seed", None)):
             if getattr(self, key) != default:
                 params[key] = getattr(self, key)
@@ -247,6 +253,8 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     needs += [] if isinstance(out, store_out.StoreOut) else [str(out)]
     pool = ray_pool.RayPool.open(config.ray_address, config.workers, needs) if ray else None
     workers = pool.workers if pool else config.workers or parallel.default_workers()
+    if config.filter == "fast-bicubic":  # torch resizes (NOTE [fast bicubic]): imported once, forked workers share it
+        import torch  # noqa: F401
     fields = sample_fields(config, source)
     plan = Plan(config.format, config.size, config.shard_size, tuple(fields), source.has_label)
     max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // plan.row_bytes)) if config.format == "npy" else _MAX_CHUNK
