@@ -1,7 +1,8 @@
 """fastdata: preprocess once into compact uint8 shards, serve whole batches, normalise on the GPU.
 
 The public API is listed in ``__all__``. Names are imported on first use (PEP 562), so that the
-``fastdata preprocess`` command and its worker processes never import torch; optional backends
+``fastdata preprocess`` command and its worker processes never import torch (unless ``--filter fast-bicubic``
+asks for its resize kernel); optional backends
 (``fastdata.dali``) are never imported from here.
 """
 from __future__ import annotations
