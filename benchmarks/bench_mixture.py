@@ -4,13 +4,16 @@ first batch of a mixture of three 2·10^9-sample sources (time and memory).
 Rows (storage mmap on a warm page cache, the same threads): FastLoader over one dataset holding all the
 images (uint8, batch 256) vs over a Mixture of three datasets holding the same images (weights 0.5/0.3/0.2);
 the same for token windows (seq_len 1024, three token datasets vs one of all their text). Target (issue 44):
-the mixture >= 0.95x the single loader's images/s or tokens/s. A mixture makes one get_batch call per source
-in a batch: batches of a few tens of kB are bound by that per-call cost, not by bytes (compare
---token-batch 32 and 512). Then each source's realised share over the worst window of 10,000 positions
-(target: within 0.5 %), and the first batch of a mixture of three sources of 2·10^9 samples each (shard
-windows; target: < 1 s, < 250 MB RSS). Mosaic `Stream` proportions and LitData `CombinedStreamingDataset`
-rows are printed as skipped when their packages are not installed (this script does not install them, nor
-compare against them yet).
+the mixture >= 0.95x the single loader's images/s or tokens/s, the median of the rounds' ratios (printed
+with their range: the machine is shared). A mixture makes one gather per source in a batch: batches of a
+few tens of kB are bound by that per-call cost, not by bytes (compare --token-batch 32 and 512). Then each
+source's realised share over the worst window of 10,000 positions (target: within 0.5 %), and the first
+batch of a mixture of three sources of 2·10^9 samples each (shard windows; target: < 1 s, < 250 MB RSS).
+
+Beside them, Mosaic streaming's `Stream(proportion=...)` and LitData's `CombinedStreamingDataset(weights=...)`
+over the same three image sources, converted here to MDS shards and LitData chunks (the size of ours), read
+from local folders by `num_workers=threads` DataLoader workers (after a warm-up pass, like ours); a row
+says "skipped" when its package is not installed (install them in a separate venv: ../shared/PEERS.md).
 
     python benchmarks/bench_mixture.py [--images 1024] [--size 64] [--tokens-mib 8] [--token-batch 32]
         [--seconds 2] [--rounds 5] [--json out.json]
@@ -18,6 +21,8 @@ compare against them yet).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -25,7 +30,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -99,8 +106,9 @@ def make_token_sets(scratch: Path, mib: int) -> tuple[dict[str, Path], Path]:
     return sets, scratch / "tok-whole"
 
 
-def token_rows(scratch: Path, mib: int, batch: int, seconds: float, rounds: int, threads: int) -> dict[str, float]:
-    """Tokens/s of one TokenDataset vs a Mixture of three over the same text (seq_len 1024)."""
+def token_rows(scratch: Path, mib: int, batch: int, seconds: float, rounds: int, threads: int
+               ) -> dict[str, list[float]]:
+    """Tokens/s of one TokenDataset vs a Mixture of three over the same text (seq_len 1024), each round."""
     sets, whole = make_token_sets(scratch, mib)
     one = FastLoader(TokenDataset(whole, seq_len=1024), batch, num_threads=threads)
     mix = Mixture({n: TokenDataset(p, seq_len=1024) for n, p in sets.items()}, weights=WEIGHTS)
@@ -109,7 +117,7 @@ def token_rows(scratch: Path, mib: int, batch: int, seconds: float, rounds: int,
     for _ in range(rounds):
         for label, loader in (("tokens: one TokenDataset", one), ("tokens: Mixture of 3", mixed)):
             rows.setdefault(label, []).append(1024 * rate(loader, seconds))
-    return {k: max(v) for k, v in rows.items()}
+    return rows
 
 
 def rate(loader: FastLoader, seconds: float) -> float:
@@ -136,14 +144,106 @@ def scale_run() -> dict[str, float]:
             "batch": int(n)}
 
 
-def peers() -> dict[str, str]:
-    rows = {}
-    for label, module, extra in (("Mosaic streaming Stream(proportion)", "streaming", "mosaicml-streaming"),
-                                 ("LitData CombinedStreamingDataset", "litdata", "litdata")):
+def print_ratio(label: str, mine: list[float], base: list[float]) -> float:
+    """The median of the per-round ratios ``mine / base``, printed with their range."""
+    ratios = [m / o for m, o in zip(mine, base)]
+    ratio = float(np.median(ratios))
+    print(f"{label:40s} {ratio:12.3f}x   (median of {len(ratios)} rounds, each {min(ratios):.2f}..{max(ratios):.2f}; "
+          "target >= 0.95)")
+    return ratio
+
+
+_OPEN: dict[str, FastDataset] = {}
+
+
+def _lit_sample(path: str, i: int) -> dict[str, Any]:
+    """One sample as LitData's optimize() wants it (module level: its workers are spawned)."""
+    if path not in _OPEN:
+        _OPEN[path] = FastDataset(path)
+    x, y = _OPEN[path][i]
+    return {"image": x.numpy(), "label": int(y)}
+
+
+def _mosaic_import() -> Any:
+    """``streaming``, with the torchvision it imports at import time stubbed when torchvision is unusable
+    (CPU torch here; its MDS reader and writer never use it, see ../shared/PEERS.md)."""
+    try:
+        importlib.import_module("torchvision")  # a working one is used as is
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build against CPU torch
+        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
+                     "torchvision.transforms.functional"):  # the names streaming/vision imports, as empty packages
+            stub = types.ModuleType(name)
+            stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            stub.__path__ = []  # type: ignore[attr-defined]
+            stub.VisionDataset = stub.CIFAR10 = object  # type: ignore[attr-defined]
+            stub.to_tensor = None  # type: ignore[attr-defined]
+            sys.modules[name] = stub
+            if "." in name:
+                parent, _, leaf = name.rpartition(".")
+                setattr(sys.modules[parent], leaf, stub)
+    import streaming
+
+    return streaming
+
+
+def mosaic_loader(scratch: Path, sets: dict[str, Path], threads: int) -> Iterable[Any]:
+    """Mosaic's StreamingDataset over the three sources written as MDS shards (the size of ours), one local
+    `Stream` each with its weight as ``proportion``."""
+    streaming = _mosaic_import()
+    streams, total = [], 0
+    for name, path in sets.items():
+        ds, out = FastDataset(path), scratch / "mds" / name
+        size = ds.sample_shape[0]
+        with streaming.MDSWriter(out=str(out), columns={"image": f"ndarray:uint8:{size},{size},3", "label": "int"},
+                                 size_limit=(path / "images-00000.npy").stat().st_size) as writer:
+            for i in range(0, len(ds), BATCH):
+                x, y = ds.get_batch(np.arange(i, min(len(ds), i + BATCH)))
+                for image, label in zip(x.numpy(), y.tolist()):
+                    writer.write({"image": image, "label": label})
+        streams.append(streaming.Stream(local=str(out), proportion=WEIGHTS[name]))
+        total += len(ds)
+    dataset = streaming.StreamingDataset(streams=streams, shuffle=True, batch_size=BATCH, epoch_size=total)
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=threads, persistent_workers=True,
+                                       multiprocessing_context="fork")  # workers keep the stub
+
+
+def litdata_loader(scratch: Path, sets: dict[str, Path], threads: int) -> Iterable[Any]:
+    """LitData's CombinedStreamingDataset over the three sources optimized into its chunks (the size of our
+    shards), weighted as the mixture."""
+    import litdata
+
+    parts = []
+    for name, path in sets.items():
+        out = scratch / "litdata" / name
+        litdata.optimize(fn=functools.partial(_lit_sample, str(path)), inputs=list(range(len(FastDataset(path)))),
+                         output_dir=str(out), chunk_bytes=(path / "images-00000.npy").stat().st_size, num_workers=2,
+                         mode="overwrite")
+        parts.append(litdata.StreamingDataset(str(out), shuffle=True))
+    combined = litdata.CombinedStreamingDataset(parts, weights=[WEIGHTS[n] for n in sets], iterate_over_all=False,
+                                                seed=0)
+    return litdata.StreamingDataLoader(combined, batch_size=BATCH, num_workers=threads, persistent_workers=True,
+                                       multiprocessing_context="fork")
+
+
+def peer_rate(loader: Iterable[Any], seconds: float) -> float:
+    """Images per second of a peer's loader (persistent workers) over passes for ``seconds``, after one warm-up
+    pass (its workers started, its files in the page cache), as `rate` times FastLoader."""
+    return timed_rate(lambda: sum(len(b["label"]) for b in loader), seconds)
+
+
+def peer_rows(scratch: Path, sets: dict[str, Path], seconds: float, threads: int) -> dict[str, Any]:
+    """Mosaic ``Stream(proportion)`` and LitData ``CombinedStreamingDataset`` over the same three sources (each
+    converted to its format here): images/s, or why the row is skipped."""
+    rows: dict[str, Any] = {}
+    for label, module, make in (("Mosaic streaming Stream(proportion)", "streaming", mosaic_loader),
+                                ("LitData CombinedStreamingDataset", "litdata", litdata_loader)):
         if importlib.util.find_spec(module) is None:
-            rows[label] = f"skipped: not installed (pip install {extra})"
-        else:
-            rows[label] = "skipped: installed, but this script does not convert the sources to its format yet"
+            rows[label] = f"skipped: {module} is not installed (see ../shared/PEERS.md)"
+            continue
+        try:
+            rows[label] = peer_rate(make(scratch, sets, threads), seconds)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is a row, not the end of the run
+            rows[label] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return rows
 
 
@@ -166,6 +266,7 @@ def main() -> None:
         one = FastLoader(FastDataset(whole), BATCH, num_threads=args.threads)
         mix = Mixture({n: FastDataset(p) for n, p in sets.items()}, weights=WEIGHTS, seed=0)
         mixed = FastLoader(mix, BATCH, num_threads=args.threads)
+        others = peer_rows(scratch, sets, args.seconds, args.threads)  # first: then the page cache holds ours
         rows: dict[str, list[float]] = {}
         for _ in range(args.rounds):  # interleaved: both see the same page cache and machine load
             rows.setdefault("FastLoader, one dataset", []).append(rate(one, args.seconds))
@@ -173,17 +274,17 @@ def main() -> None:
         best = {k: max(v) for k, v in rows.items()}
         for k, v in best.items():
             print(f"{k:40s} {v:12,.0f} images/s (best of {args.rounds})")
-        ratios = [m / o for m, o in zip(rows["FastLoader, Mixture of 3"], rows["FastLoader, one dataset"])]
-        ratio = float(np.median(ratios))
-        print(f"{'mixture / one dataset':40s} {ratio:12.3f}x   (median of {args.rounds} rounds, each "
-              f"{min(ratios):.2f}..{max(ratios):.2f}; target >= 0.95)")
+        ratios = {"images": print_ratio("mixture / one dataset", rows["FastLoader, Mixture of 3"],
+                                        rows["FastLoader, one dataset"])}
+        for k, v in others.items():
+            print(f"{k:40s} {v:12,.0f} images/s (one run)" if isinstance(v, float) else f"{k:40s} {v}")
         if args.tokens_mib:
             tokens = token_rows(scratch, args.tokens_mib, args.token_batch, args.seconds, args.rounds, args.threads)
             for k, v in tokens.items():
-                print(f"{k:40s} {v:12,.0f} tokens/s (best of {args.rounds})")
-            best.update(tokens)
-            print(f"{'tokens: mixture / one dataset':40s} "
-                  f"{tokens['tokens: Mixture of 3'] / tokens['tokens: one TokenDataset']:12.3f}x (best of each)")
+                print(f"{k:40s} {max(v):12,.0f} tokens/s (best of {args.rounds}, batch {args.token_batch})")
+                best[k], rows[k] = max(v), v
+            ratios["tokens"] = print_ratio("tokens: mixture / one dataset", tokens["tokens: Mixture of 3"],
+                                           tokens["tokens: one TokenDataset"])
         errors = {}
         for weights in (WEIGHTS, {"web": 0.61, "books": 0.27, "code": 0.12}):
             errors[str(weights)] = window_error(Mixture(mix.sources, weights=list(weights.values()), seed=0))
@@ -193,11 +294,8 @@ def main() -> None:
         print(f"3 sources x 2e9 samples: first batch {scale['first_batch_s'] * 1e3:.0f} ms "
               f"({scale['with_imports_s']:.2f} s with fastdata's imports), "
               f"peak RSS {scale['peak_rss_bytes'] / 2**20:.0f} MB   (target < 1 s, < 250 MB)")
-        others = peers()
-        for k, v in others.items():
-            print(f"{k:40s} {v}")
         if args.json:
-            args.json.write_text(json.dumps({"machine": machine(), "per_s": best, "image_ratio": ratio,
+            args.json.write_text(json.dumps({"machine": machine(), "per_s": best, "ratios": ratios, "rounds": rows,
                                              "window_error": errors, "scale": scale, "peers": others}, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

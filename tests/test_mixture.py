@@ -382,6 +382,43 @@ def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
         Mixture({"web": sets["web"], "pics": FastDataset(mixed_sets["a"])})
 
 
+def test_token_shard_bounds_give_the_windowed_order_exactly_once_without_a_number_per_window(tmp_path):
+    from test_text import make_docs, preprocess, write_jsonl
+
+    from fastdata.datasets.tokens import TokenDataset
+    from fastdata.loading.order import group_by_shard
+    from fastdata.loading.sampler import DistributedBatchSampler
+
+    preprocess(write_jsonl(tmp_path / "t.jsonl", make_docs(300)), tmp_path / "t", "--val-fraction", "0",
+               "--shard-tokens", "1000")
+    for seq_len, stride in ((16, None), (16, 7), (8, 3), (40, 1500)):  # (1500: shards no window starts in)
+        ds = TokenDataset(tmp_path / "t", seq_len=seq_len, stride=stride)
+        bounds = ds.shard_bounds()
+        assert np.array_equal(bounds, group_by_shard(ds.sample_shards())[0]), (seq_len, stride)
+        assert bounds[0] == 0 and bounds[-1] == len(ds)
+    assert TokenDataset(tmp_path / "t", seq_len=16, random_windows=True).shard_bounds() is None
+
+    ds = TokenDataset(tmp_path / "t", seq_len=16)
+    bounds, shards = ds.shard_bounds(), ds.sample_shards()
+    assert len(bounds) > 8  # several shards
+    loader = FastLoader(ds, 8, shuffle_window=2, num_threads=2)
+    assert np.array_equal(loader.sampler._bounds, bounds)  # the loader's order takes them
+    by_number = DistributedBatchSampler(len(ds), 8, shuffle_window=2, shards=shards, rank=0, world_size=1)
+    for epoch in range(2):  # the order a number per window gave, exactly once per epoch, two shards at a time
+        loader.sampler.set_epoch(epoch)
+        by_number.set_epoch(epoch)
+        seq = np.concatenate(list(loader.sampler.batches()))
+        assert np.array_equal(seq, np.concatenate(list(by_number.batches())))
+        assert np.array_equal(np.sort(seq[:len(ds)]), np.arange(len(ds)))
+        where = np.argsort(seq[:len(ds)], kind="stable")  # each window's position in the epoch
+        spans = [np.ptp(where[a:c]) + 1 for a, c in zip(bounds[:-1], bounds[1:])]
+        assert max(spans) <= 2 * max(np.diff(bounds)) < len(ds) // 3  # a shard is read within its window
+    mix = Mixture({"x": ds, "y": TokenDataset(tmp_path / "t", seq_len=16, stride=5)}, shuffle_window=2, seed=3)
+    codes = stream(mix, 3 * len(ds))
+    for k, src in enumerate(mix.sources):
+        assert_epochs_exact(per_source(codes, k), len(src))
+
+
 def test_mix_options_and_files(tmp_path):
     from fastdata.datasets.mix_config import parse_mix
 
@@ -536,6 +573,11 @@ def test_sources_that_disagree_or_are_empty_are_refused_by_name(mixed_sets, tmp_
         Mixture({"a": FastDataset(mixed_sets["a"]), "none": Empty()})
     with pytest.raises(ConfigError, match="seed, shuffle and shuffle_window to Mixture"):
         FastLoader(open_mixture(mixed_sets), 4, shuffle_window=2)
+    mix = open_mixture(mixed_sets)
+    with pytest.raises(IndexError, match="sample 37 of source 'b', which has 37"):  # b holds 0..36
+        mix.get_batch(np.array([3, (1 << SHIFT) | 36, (1 << SHIFT) | 37]))
+    with pytest.raises(IndexError, match="names source 3"):
+        mix.get_batch(np.array([3, 3 << SHIFT]))
 
 
 def test_a_state_from_another_mixture_is_refused_by_name(mixed_sets):
@@ -569,7 +611,7 @@ def test_a_state_from_another_mixture_is_refused_by_name(mixed_sets):
 # -- streamed sources ------------------------------------------------------------------------------------
 def test_a_streamed_source_from_loopback_s3_gives_the_local_batches(mixed_sets, tmp_path, s3):
     from fastdata.datasets.images import FastDataset
-    from fastdata.storage.remote import push
+    from fastdata.storage.push import push
 
     url = s3("mixture") + "/b"
     push(mixed_sets["b"], url)
@@ -585,6 +627,62 @@ def test_a_streamed_source_from_loopback_s3_gives_the_local_batches(mixed_sets, 
     report = remote.download_report()
     assert report["a"] == report["c"] == []  # local: nothing downloaded
     assert report["b"][0]["downloads"] == 3 and report["b"][0]["repeats"] == 0  # its 3 shards, once each
+
+
+@pytest.mark.filterwarnings("ignore:cache_limit=.* holds about")  # a at 10 kB under a plain shuffle: expected
+def test_streamed_sources_share_one_cache_budget_split_again_by_new_weights(mixed_sets, tmp_path, s3):
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage.push import push
+
+    base = s3("mixture-budget")
+    for name in ("a", "b"):
+        push(mixed_sets[name], f"{base}/{name}")
+
+    def sources() -> dict:
+        return {"a": FastDataset(f"{base}/a", cache_dir=tmp_path / "cache"),
+                "b": FastDataset(f"{base}/b", cache_dir=tmp_path / "cache"), "c": FastDataset(mixed_sets["c"])}
+
+    budget = 40_000  # shards of about 3.4 kB: a holds its 7 at 25 kB, b its 3 at 15 kB
+    remote = Mixture(sources(), weights=WEIGHTS, seed=6, cache_limit=budget)
+    assert remote.cache_limits() == cache_shares(budget, {"a": 0.5, "b": 0.3}) == {"a": 25_000, "b": 15_000}
+    loader = FastLoader(remote, 8, num_threads=2)
+    want = [(x.clone(), y.clone()) for x, y in FastLoader(open_mixture(mixed_sets, seed=6), 8, num_threads=2)]
+    got = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(got) == len(want) and all(torch.equal(a, b) for p, q in zip(got, want) for a, b in zip(p, q))
+    b_cache = remote.sources[1]._cache
+    assert b_cache.cached().all()  # b's 3 shards fit its 15 kB
+
+    remote.set_weights({"a": 0.45, "b": 0.05, "c": 0.5})  # b's share falls to 4 kB: one shard; at once
+    assert remote.cache_limits() == {"a": 36_000, "b": 4_000}
+    assert int(b_cache.sizes[b_cache.cached()].sum()) <= 4_000 < int(b_cache.sizes.sum())
+    state = loader.state_dict()
+
+    again = Mixture(sources(), weights={"a": 0.2, "b": 0.6, "c": 0.2}, seed=6, cache_limit=budget)  # a resume
+    assert again.cache_limits() == {"a": 10_000, "b": 30_000}
+    resumed = FastLoader(again, 8, num_threads=2)
+    resumed.load_state_dict(state)
+    local = FastLoader(open_mixture(mixed_sets, seed=6), 8, num_threads=2)
+    list(local)
+    local.dataset.set_weights({"a": 0.2, "b": 0.6, "c": 0.2})
+    for (x, y), (wx, wy) in zip(resumed, local):  # the new budget serves the same batches as local sources
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    with pytest.raises(ConfigError, match="positive number of bytes"):
+        b_cache.set_limit(0)
+
+
+def test_open_mixture_passes_retry_seconds_to_url_sources(mixed_sets, tmp_path, s3, proxy):
+    from fastdata.datasets.mix_config import open_mixture as open_spec, parse_mix
+    from fastdata.errors import FormatError
+    from fastdata.storage.push import push
+
+    url = s3("mixture-retry") + "/b"
+    push(mixed_sets["b"], url)
+    spec = parse_mix([f"a={mixed_sets['a']}:0.5", f"b={url}:0.5"])
+    mix = open_spec(spec, cache_dir=tmp_path / "cache", retry_seconds=7)
+    assert mix.sources[1]._remote.retry.seconds == 7
+    proxy.refuse(30)
+    with pytest.raises(FormatError, match=r"retry_seconds=1\)"):  # given up on after 1 s, not the default 120
+        open_spec(spec, cache_dir=tmp_path / "cache2", retry_seconds=1)
 
 
 # -- real torchrun on gloo ----------------------------------------------------------------------------------

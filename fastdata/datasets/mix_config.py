@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 from ..errors import ConfigError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
 from ..storage.opening import open_path
-from ..storage.remote import is_url
+from ..storage.remote import RETRY_SECONDS, is_url
 from ..storage.streamed import streamed_files
 from .mixture import Mixture, cache_shares
 
@@ -101,18 +101,23 @@ def _from_file(path: Path) -> MixSpec:
 
 def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, seed: int = 0,
                  shuffle_window: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
-                 cache_limit: Union[int, str, None] = None, device: Any = "cpu") -> Mixture:
+                 cache_limit: Union[int, str, None] = None, device: Any = "cpu",
+                 retry_seconds: float = RETRY_SECONDS) -> Mixture:
     """Open every source of ``spec`` (image folders as FastDataset, token folders' train split as TokenDataset;
-    URLs through the node cache, ``cache_limit`` split among them by weight) as one `Mixture`.
+    URLs through the node cache, ``cache_limit`` split among them by weight, again whenever the weights change:
+    `Mixture`'s ``cache_limit``) as one `Mixture`. A URL's reads are retried over ``retry_seconds``, as for
+    one dataset (NOTE [retry budget] in fastdata/storage/remote.py).
 
     Raises:
         ConfigError: sources of different kinds or classes (the two are named), bad weights or options.
+        FormatError: a source is not a dataset, or its store stayed unreachable for ``retry_seconds``.
     """
     urls = {n: w for n, (p, w) in spec.sources.items() if is_url(p)}
     shares = cache_shares(cache_limit, urls) if cache_limit is not None and urls and sum(urls.values()) else {}
     datasets: dict[str, Any] = {}
     for name, (path, _) in spec.sources.items():
-        remote = {"cache_dir": cache_dir, "cache_limit": shares.get(name)} if is_url(path) else {}
+        remote = {"cache_dir": cache_dir, "cache_limit": shares.get(name), "retry_seconds": retry_seconds} \
+            if is_url(path) else {}
         opened = open_path(path, (IMAGES_NPY, IMAGES_LMDB, TOKENS), streamed=lambda m: streamed_files(m, storage),
                            **remote)
         if opened.manifest["format"] == TOKENS:
@@ -129,4 +134,5 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
             raise ConfigError(f"sources {first!r} and {name!r} have different classes ({datasets[first].classes[:3]}"
                               f"... vs {ds.classes[:3]}...): a classifier needs one label space")
     return Mixture(datasets, {n: w for n, (_, w) in spec.sources.items()}, seed=seed, mix=spec.mix, stop=spec.stop,
-                   epoch_size=spec.epoch_size, shuffle_window=shuffle_window)
+                   epoch_size=spec.epoch_size, shuffle_window=shuffle_window,
+                   cache_limit=cache_limit if shares else None)

@@ -93,6 +93,9 @@ class Mixture:
         shuffle: each source's order shuffled (one value, or ``{name: bool}``).
         shuffle_window: windows of shards for a source's order (NOTE [windowed shuffle]); one value or by name.
         allow_new_sources: accept a resumed state without some of these sources (they start at their epoch 0).
+        cache_limit: one node cache budget (bytes, or a size such as ``"200GB"``) for the streamed sources,
+            split among them by weight (`cache_shares`) and split again when the weights change; it replaces
+            their own ``cache_limit``. Default None: each keeps the limit it was opened with.
 
     Raises:
         ConfigError: an empty source, sources that disagree (the two are named), bad weights or options.
@@ -103,7 +106,7 @@ class Mixture:
     def __init__(self, sources: Sources, weights: Union[Mapping[str, float], Sequence[float], None] = None, *,
                  seed: int = 0, mix: str = "sample", stop: Optional[str] = None, epoch_size: Optional[int] = None,
                  shuffle: PerSource = True, shuffle_window: PerSource = None,
-                 allow_new_sources: bool = False) -> None:
+                 allow_new_sources: bool = False, cache_limit: Union[int, str, None] = None) -> None:
         if isinstance(sources, Mapping):
             self.names, self.sources = [str(n) for n in sources], list(sources.values())
         else:
@@ -131,8 +134,15 @@ class Mixture:
             if w is not None and (not isinstance(w, int) or w < 1):
                 raise ConfigError(f"shuffle_window of source {name!r} must be a positive number of shards, got {w!r}")
         self._weights = self._check_weights(weights)
+        self.cache_limit = parse_size(cache_limit)
+        self._split_cache()
         self._counts = [0] * len(self.sources)  # samples gathered since interval_report()
         self._count_lock = threading.Lock()
+        self._edges = np.arange(len(self.sources) + 1)  # get_batch's: where each source's rows begin
+        # token sources (all of one class, _check_sources saw to it) gather into the batch (NOTE [mixture gather])
+        self._windows = all(hasattr(ds, "gather_into") for ds in self.sources)
+        self._np_dtype = torch.empty(0, dtype=self.sample_dtype).numpy().dtype if self._windows else None
+        self._shape = tuple(self.sample_shape)
 
     def _check_sources(self) -> None:
         if len(set(self.names)) != len(self.names) or any(not n for n in self.names):
@@ -190,10 +200,29 @@ class Mixture:
         epoch) or from the position a ``load_state_dict`` resumes at; each source keeps its cursor, so none
         repeats or skips a sample (NOTE [mixture] 6). A loop already running keeps the weights it began with.
 
+        With ``cache_limit``, the streamed sources' caches are split again by the new weights at once.
+
         Raises:
             ConfigError: bad weights (the source is named).
         """
         self._weights = self._check_weights(weights)
+        self._split_cache()
+
+    def _split_cache(self) -> None:
+        """``cache_limit`` split among the streamed sources by the weights (equally when theirs are all 0)."""
+        streamed = {n: w for n, ds, w in zip(self.names, self.sources, self._weights)
+                    if getattr(ds, "_cache", None) is not None}
+        if self.cache_limit is None or not streamed:
+            return
+        if not sum(streamed.values()):
+            streamed = dict.fromkeys(streamed, 1.0)
+        for name, share in cache_shares(self.cache_limit, streamed).items():
+            self.sources[self.names.index(name)]._cache.set_limit(share)
+
+    def cache_limits(self) -> dict[str, Optional[int]]:
+        """Each streamed source's cache limit in bytes now (None: unbounded), by name."""
+        return {n: ds._cache.limit for n, ds in zip(self.names, self.sources)
+                if getattr(ds, "_cache", None) is not None}
 
     def source_seed(self, k: int) -> int:
         """Source ``k``'s order seed, from the mixture's seed and the source's name (not its place)."""
@@ -224,22 +253,36 @@ class Mixture:
         return any(getattr(ds, "random_crops", False) for ds in self.sources)
 
     def get_batch(self, indices: Any, out: Any = None, draw: Optional[tuple[int, int, int, int]] = None) -> Any:
-        """Gather served indices (``(source << 56) | sample``, sorted) with one ``get_batch`` per source.
+        """Gather served indices (``(source << 56) | sample``, sorted) with one gather per source in the batch,
+        each straight into its rows of one output batch (NOTE [mixture gather]).
 
         ``out``: FastLoader's ring slot (``(x, y)`` buffers, or the allocator of a dict slot), or None.
         Returns ``(x, y)``; ``(x, y, source)`` with ``mix="batch"``; a dict of fields plus ``"source"`` (each
         row's source number) for sources with fields. ``draw`` seeds decode-time random crops.
+
+        Raises:
+            IndexError: an index names a source or sample the mixture does not have.
         """
-        codes = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-        src, idx = codes >> SHIFT, codes & MASK
-        if len(src) > 1 and np.any(src[1:] < src[:-1]):  # unsorted: gather sorted, give back in this order
+        # NOTE [mixture gather]: a batch of a few tens of kB (32 token windows) costs about what its fixed
+        # per-call work costs, so this runs a handful of numpy calls per batch and per source: sorted codes
+        # make each source's rows one run (its bounds by one searchsorted) with its samples in order (range
+        # checked by its last), and token sources write into the batch's buffer by `gather_into`.
+        codes = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(
+            indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        src = codes >> SHIFT
+        if len(src) > 1 and (src[1:] < src[:-1]).any():  # unsorted: gather sorted, give back in this order
             order = np.argsort(codes, kind="stable")
             batch = self.get_batch(codes[order], None, draw)
             return _reorder(batch, np.argsort(order, kind="stable"))
         if len(src) and (src[0] < 0 or src[-1] >= len(self.sources)):
             raise IndexError(f"mixture index names source {int(src[-1])}; there are {len(self.sources)}")
-        bounds = np.searchsorted(src, np.arange(len(self.sources) + 1)).tolist()
-        parts = [(k, bounds[k], bounds[k + 1]) for k in range(len(self.sources)) if bounds[k + 1] > bounds[k]]
+        idx = codes & MASK
+        bounds = np.searchsorted(src, self._edges).tolist()
+        parts = [(k, a, c) for k, (a, c) in enumerate(zip(bounds, bounds[1:])) if c > a]
+        for k, a, c in parts:
+            if idx[c - 1] >= self.sizes[k]:
+                raise IndexError(f"mixture index names sample {int(idx[c - 1])} of source {self.names[k]!r}, "
+                                 f"which has {self.sizes[k]}")
         with self._count_lock:
             for k, a, c in parts:
                 self._counts[k] += c - a
@@ -249,10 +292,31 @@ class Mixture:
         b = len(codes)
         x = torch.empty((b, *self.sample_shape), dtype=self.sample_dtype) if x_buf is None else \
             x_buf if len(x_buf) == b else x_buf[:b]
-        y = torch.empty(b, dtype=torch.int64) if y_buf is None else y_buf if len(y_buf) == b else y_buf[:b]
+        if self._windows:
+            x, y = self._window_batch(parts, idx, x)
+        else:
+            y = torch.empty(b, dtype=torch.int64) if y_buf is None else y_buf if len(y_buf) == b else y_buf[:b]
+            x, y = self._sample_batch(parts, idx, x, y, draw)
+        return (x, y, torch.from_numpy(src)) if self.mix == "batch" else (x, y)
+
+    def _window_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, x: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token sources: each source's windows into its rows of ``x``; the targets are ``x`` shifted by one."""
+        dst = x.numpy()
+        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous:
+            raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape (>={len(idx)}, "
+                              f"{self._shape[0]}), got {tuple(x.shape)} {x.dtype}")
+        for k, a, c in parts:
+            self.sources[k].gather_into(idx[a:c], dst[a:c])
+        return x[:, :-1], x[:, 1:]
+
+    def _sample_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, x: torch.Tensor, y: torch.Tensor,
+                      draw: Optional[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each source's ``get_batch`` into its rows of ``x`` (and its targets into ``y``)."""
         lo = x.data_ptr()
         hi = lo + x.numel() * x.element_size()
-        windows = False  # token sources: y is a view of the window buffer
+        windows = False  # sources whose targets are views of their samples (token windows)
+        ys_np = y.numpy()
         for k, a, c in parts:
             rows = x[a:c]
             xs, ys = self._source_batch(k, idx[a:c], rows, draw)
@@ -261,9 +325,8 @@ class Mixture:
             if lo <= ys.data_ptr() < hi:
                 windows = True
             else:
-                y[a:c].copy_(ys)
-        x, y = (x[:, :-1], x[:, 1:]) if windows else (x, y)
-        return (x, y, torch.from_numpy(src)) if self.mix == "batch" else (x, y)
+                ys_np[a:c] = ys.numpy()
+        return (x[:, :-1], x[:, 1:]) if windows else (x, y)
 
     def _source_batch(self, k: int, idx: np.ndarray, out: Any, draw: Optional[tuple[int, int, int, int]]) -> Any:
         ds = self.sources[k]

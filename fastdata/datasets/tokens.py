@@ -132,6 +132,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         if self.num_tokens < seq_len + 1:
             raise ConfigError(f"the {split} split of {self.root} has {self.num_tokens} tokens, fewer than "
                               f"seq_len + 1 = {seq_len + 1}: use a shorter seq_len or more text")
+        self._count = (self.num_tokens - 1 - seq_len) // self.stride + 1  # windows (kept: get_batch checks it)
         self._verify = verify if verify is not None else storage == "ram"
         self._open()
 
@@ -174,14 +175,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
 
     # -- windows --------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return (self.num_tokens - 1 - self.seq_len) // self.stride + 1
+        return self._count
 
     def starts(self, indices: np.ndarray) -> np.ndarray:
         """Global start position of each window (int64)."""
         if self.random_windows:
             span = np.uint64(self.num_tokens - self.seq_len)
             return (splitmix(self.seed, indices) % span).astype(np.int64)
-        return indices.astype(np.int64) * self.stride
+        return indices.astype(np.int64, copy=False) * self.stride
 
     def get_batch(self, indices: Indices, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` as two views of one ``(B, seq_len + 1)`` window buffer, in the stored dtype.
@@ -189,20 +190,28 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         ``out`` (e.g. a pinned buffer of at least ``B`` rows) receives the windows; the result views ``out[:B]``.
         """
         self._check_open()
-        idx = np.asarray(indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-        n, b, length = len(self), len(idx), self.seq_len + 1
-        if b and idx.astype(np.uint64).max() >= n:  # negative indices wrap to huge: one reduction for both ends
-            raise IndexError(f"window index out of range for {n} windows (got {idx.min()}..{idx.max()})")
-        starts = self.starts(idx)
+        idx = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(
+            indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        b = len(idx)
+        # negative indices wrap to huge as uint64: one reduction for both ends, no copy
+        if b and idx.view(np.uint64).max() >= self._count:
+            raise IndexError(f"window index out of range for {self._count} windows (got {idx.min()}..{idx.max()})")
         if out is not None:
             w = batch_rows(out, b, self.sample_dtype, self.sample_shape)
-            self._gather(starts, w.numpy())
+            self._gather(self.starts(idx), w.numpy())
         elif self._flat_windows is not None:  # the gather's own result is the batch: no second copy
-            w = torch.from_numpy(self._flat_windows[starts].view(self.np_dtype).reshape(b, length))
+            w = torch.from_numpy(self._flat_windows[self.starts(idx)].view(self.np_dtype).reshape(b, self.seq_len + 1))
         else:
-            w = torch.empty((b, length), dtype=self.sample_dtype)
-            self._gather(starts, w.numpy())
+            w = torch.empty((b, self.seq_len + 1), dtype=self.sample_dtype)
+            self._gather(self.starts(idx), w.numpy())
         return w[:, :-1], w[:, 1:]
+
+    def gather_into(self, indices: np.ndarray, dst: np.ndarray) -> None:
+        """Windows ``indices`` (int64, in range: not checked) written into ``dst``, a C-contiguous
+        ``(len(indices), seq_len + 1)`` array of the stored dtype: `get_batch` without its checks and tensors,
+        for a caller that made them once for several datasets (a Mixture's batch)."""
+        self._check_open()
+        self._gather(self.starts(indices), dst)
 
     def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
         """Every window of ``arr`` as one item of a 1-D array (a void item of ``seq_len + 1`` tokens, one token
@@ -247,6 +256,17 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def sample_shards(self) -> np.ndarray:
         """The shard holding each window's first token (for ``shuffle_window``)."""
         return shard_of(self.starts(np.arange(len(self), dtype=np.int64)), self._shard_offsets)
+
+    def shard_bounds(self) -> Optional[np.ndarray]:
+        """Each token shard's first window, then ``len(self)`` (for ``shuffle_window``): windows ``stride``
+        apart lie in the shard of their first token in order, so a windowed shuffle needs no number per window
+        (`sample_shards` holds 8 bytes a window: 16 GB for 2·10^9). Shards after the last window's first token
+        are left out, as `sample_shards` leaves them. None with ``random_windows`` (windows in no order)."""
+        if self.random_windows:
+            return None
+        last = int(shard_of(np.array([(self._count - 1) * self.stride], dtype=np.int64), self._shard_offsets)[0])
+        firsts = -(-self._shard_offsets[:last + 1] // self.stride)  # the first window starting at or after each
+        return np.append(firsts, self._count).astype(np.int64)
 
     def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of window index arrays, in order; the

@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from ..errors import FastdataError, FormatError
+from ..errors import ConfigError, FastdataError, FormatError
 from . import evict
 from .plan import Plan, horizon
 from .remote import RemoteDataset, download_bar, lock_file, scrub
@@ -336,6 +336,32 @@ class ShardCache:
             raise FormatError(f"cannot fetch {scrub(self.remote.url)}/{name}: {type(exc).__name__}: "
                               f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
                               "the store (`fastdata verify URL`)") from exc
+
+    def set_limit(self, limit: int) -> None:
+        """A new bound, in bytes, from now on (a Mixture re-splitting one node budget when its weights change):
+        a lower one evicts shards not in use, the farthest next use first, down to it at once; a higher one is
+        room for the prefetches. A cache opened without a limit takes the shard pins a limit needs (NOTE
+        [shard cache] 11): its open shards not in use are closed (reopened, pinned, when read).
+
+        Raises:
+            ConfigError: ``limit`` is not a positive number of bytes.
+        """
+        if not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 1:
+            raise ConfigError(f"a cache limit must be a positive number of bytes, got limit={limit!r}")
+        self._check_pid()
+        with self._cond:
+            if self.limit is None:  # shards opened without pins: pin the ones in use, close the others
+                for s in np.flatnonzero(self._is_open).tolist():
+                    if self._pins[s] > 0:
+                        self._locks[s] = lock_file(self._pin_path(s))
+                        fcntl.flock(self._locks[s], fcntl.LOCK_SH)
+                    else:
+                        self._close(s)
+            self.limit = int(limit)
+            self.horizon = horizon(self.limit, self.sizes)
+            self._stalled = None  # a prefetch that found no room may find it now
+            self._make_room([], True)
+            self._cond.notify_all()
 
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:

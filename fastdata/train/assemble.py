@@ -190,7 +190,7 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
         raise ConfigError("--mix trains on the native backend and validates on --val DATA: drop --backend dali and "
                           "--val-fraction")
     mix = open_mixture(spec, storage=p.storage, seq_len=seq_len, seed=p.seed, shuffle_window=p.shuffle_window,
-                       cache_dir=p.cache_dir, cache_limit=p.cache_limit, device=device)
+                       cache_dir=p.cache_dir, cache_limit=p.cache_limit, retry_seconds=p.retry_seconds, device=device)
     first = mix.sources[0]
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
