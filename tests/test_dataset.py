@@ -71,6 +71,9 @@ def test_bad_indices_and_arguments(indexed_datasets):
         FastDataset(indexed_datasets["lmdb"], storage="ram")
     with pytest.raises(FormatError, match="not a fastdata dataset"):
         FastDataset(indexed_datasets["npy"].parent / "src")
+    assert not ds.streamed and ds.cache_limit is None
+    with pytest.raises(ConfigError, match="reads local files: it has no cache to limit"):
+        ds.set_cache_limit(1 << 20)
 
 
 def test_lmdb_decodes_on_the_cpu(indexed_datasets):

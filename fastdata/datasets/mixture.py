@@ -211,18 +211,17 @@ class Mixture:
     def _split_cache(self) -> None:
         """``cache_limit`` split among the streamed sources by the weights (equally when theirs are all 0)."""
         streamed = {n: w for n, ds, w in zip(self.names, self.sources, self._weights)
-                    if getattr(ds, "_cache", None) is not None}
+                    if getattr(ds, "streamed", False)}
         if self.cache_limit is None or not streamed:
             return
         if not sum(streamed.values()):
             streamed = dict.fromkeys(streamed, 1.0)
         for name, share in cache_shares(self.cache_limit, streamed).items():
-            self.sources[self.names.index(name)]._cache.set_limit(share)
+            self.sources[self.names.index(name)].set_cache_limit(share)
 
     def cache_limits(self) -> dict[str, Optional[int]]:
         """Each streamed source's cache limit in bytes now (None: unbounded), by name."""
-        return {n: ds._cache.limit for n, ds in zip(self.names, self.sources)
-                if getattr(ds, "_cache", None) is not None}
+        return {n: ds.cache_limit for n, ds in zip(self.names, self.sources) if getattr(ds, "streamed", False)}
 
     def source_seed(self, k: int) -> int:
         """Source ``k``'s order seed, from the mixture's seed and the source's name (not its place)."""
@@ -372,7 +371,7 @@ class Mixture:
         tokens = []
         for k, ds in enumerate(self.sources):
             plan = getattr(ds, "plan_reads", None)
-            if plan is not None and getattr(ds, "_cache", None) is not None:
+            if plan is not None and getattr(ds, "streamed", False):
                 tokens.append((k, plan(coming.of_source(k), now)))
         return tokens or None
 

@@ -165,6 +165,27 @@ class StreamedReads:
         if self._cache is not None and token is not None:
             self._cache.end_plan(token)
 
+    @property
+    def streamed(self) -> bool:
+        """Whether reads go through a node cache (a dataset at a URL)."""
+        return self._cache is not None
+
+    @property
+    def cache_limit(self) -> Optional[int]:
+        """The node cache's limit in bytes (None: unbounded, or not streamed)."""
+        return self._cache.limit if self._cache is not None else None
+
+    def set_cache_limit(self, limit: Optional[int]) -> None:
+        """Give the node cache a new limit in bytes (None: unbounded); a lower one evicts at once the shards
+        not in use, farthest next use first (`ShardCache.set_limit`).
+
+        Raises:
+            ConfigError: The dataset is not streamed (it has no cache).
+        """
+        if self._cache is None:
+            raise ConfigError(f"{self!r} reads local files: it has no cache to limit")
+        self._cache.set_limit(limit)
+
     def download_report(self) -> list[dict[str, Optional[int]]]:
         """Downloads per loader pass, oldest first (`ShardCache.report`); empty when not streamed."""
         return self._cache.report() if self._cache is not None else []
