@@ -22,7 +22,7 @@ mixture's stream (a "segment": one mixture epoch, or its part after the weights 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -108,6 +108,32 @@ class Schedule:
             m[inner] = np.where(go_left, f0, mk - f0)
             node[inner] = np.where(go_left, self.left[k], self.right[k])
         return ~node, m
+
+    def deal(self, n: np.ndarray) -> list[tuple[int, Optional[np.ndarray], np.ndarray]]:
+        """`locate` grouped by source: ``(source, where, rank)`` for each source given some of the
+        positions ``n``, ``where`` their places in ``n`` (ascending; None: all of them) and ``rank`` what
+        `locate` gives them. The same integer arithmetic, walked node by node so that each node divides by
+        one number and no position is looked up twice: several times faster per position than `locate`
+        (the sampler deals 2**16 positions at a time)."""
+        found: list[tuple[int, Optional[np.ndarray], np.ndarray]] = []
+        todo: list[tuple[int, Optional[np.ndarray], np.ndarray]] = [(self.root, None, np.asarray(n, dtype=np.int64))]
+        while todo:
+            node, where, m = todo.pop()
+            if node < 0:
+                if len(m):
+                    found.append((~node, where, m))
+                continue
+            p, q, r = int(self.p[node]), int(self.q[node]), int(self.r[node])
+            whole = m // q
+            t = (m - whole * q) * p + r  # < 2**41: (m % q) * p + r, as locate computes it
+            carry = t // q
+            f0 = whole * p + carry  # positions before this one that went left
+            go_left = t - carry * q >= q - p
+            left, right = np.flatnonzero(go_left), np.flatnonzero(~go_left)
+            todo.append((int(self.right[node]), right if where is None else where[right], (m - f0)[right]))
+            todo.append((int(self.left[node]), left if where is None else where[left], f0[left]))
+        found.sort(key=lambda g: g[0])
+        return found
 
     def count(self, source: int, n: int) -> int:
         """How many of the first ``n`` positions go to ``source``."""
