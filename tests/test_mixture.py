@@ -378,6 +378,11 @@ def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
             assert torch.equal(x[rows], wx) and torch.equal(y[rows], wy)
         if t == 3:
             break
+    shuffled = ref[:16][np.random.default_rng(0).permutation(16)]  # get_batch in the caller's order too
+    x, y = mix.get_batch(shuffled)
+    for i, code in enumerate(shuffled.tolist()):
+        wx, wy = list(sets.values())[code >> SHIFT].get_batch([code & MASK])
+        assert torch.equal(x[i], wx[0]) and torch.equal(y[i], wy[0])
     with pytest.raises(ConfigError, match="'web' and 'pics' differ"):
         Mixture({"web": sets["web"], "pics": FastDataset(mixed_sets["a"])})
 

@@ -390,13 +390,14 @@ class Mixture:
 
 def _reorder(batch: Any, inverse: np.ndarray) -> Any:
     """A batch's rows put back in the caller's order (fixed-size rows only)."""
-    rows = torch.from_numpy(inverse)
+    def take(t: torch.Tensor) -> torch.Tensor:  # numpy's take: torch's indexing of uint16 rows is ~100x slower
+        return torch.from_numpy(t.numpy().take(inverse, axis=0)) if t.device.type == "cpu" else t[
+            torch.from_numpy(inverse).to(t.device)]
     if isinstance(batch, dict):
         if any(k.endswith(OFFSETS) for k in batch):
             raise ConfigError("a mixture batch with variable-length fields needs sorted indices")
-        return {k: v[rows] for k, v in batch.items()}
-    return tuple(t[rows] for t in batch)
-
+        return {k: take(v) for k, v in batch.items()}
+    return tuple(take(t) for t in batch)
 
 
 def cache_shares(total: Union[int, str], weights: Mapping[str, float]) -> dict[str, int]:
