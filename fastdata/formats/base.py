@@ -53,6 +53,9 @@ class UnitWriter:
         self._labels: list[np.ndarray] = []
         self._committer: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[dict[str, Any], Future]] = deque()
+        # called on the commit thread with a unit's files once they are durable (a store's put: it overlaps
+        # the next unit's decoding instead of holding up the caller)
+        self.on_commit: Optional[Callable[[list[dict[str, Any]]], None]] = None
 
     def append(self, samples: Sequence[Any], labels: np.ndarray, src: np.ndarray,
                end: Optional[int] = None) -> list[dict[str, Any]]:
@@ -90,10 +93,10 @@ class UnitWriter:
             self._open_unit()
         labels = np.concatenate(self._labels) if self._labels else np.zeros(0, LABEL_DTYPE)
         record = {"index": self.index, "samples": self.rows, "source_end": source_end}
-        commit = self._seal(labels)
+        commit, then = self._seal(labels), self.on_commit
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="fastdata-commit")
-        self._pending.append((record, self._committer.submit(commit)))
+        self._pending.append((record, self._committer.submit(_committed, commit, then)))
         self.index += 1
         self.rows = 0
         self._open = False
@@ -137,3 +140,11 @@ class UnitWriter:
 
     def _abort_unit(self) -> None:
         """Remove the temporary files of the unit in progress."""
+
+
+def _committed(commit: Callable[[], list[dict[str, Any]]],
+               then: Optional[Callable[[list[dict[str, Any]]], None]]) -> list[dict[str, Any]]:
+    files = commit()
+    if then is not None:
+        then(files)
+    return files

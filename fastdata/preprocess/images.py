@@ -293,6 +293,8 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     staged = isinstance(out, store_out.StoreOut)  # files written here, then put (NOTE [output at a URL])
     stage = store_out.task_stage(out) if staged else Path(out)
     writer = plan.writer(stage, len(jr.units))
+    if staged:  # each unit put on the commit thread, overlapping the next unit's decoding
+        writer.on_commit = lambda files: store_out.publish(stage, files, out)
     # npy pixels come back through shared memory (one slot per task in flight), JPEG bytes through the pipe
     slot_bytes = max_files * plan.row_bytes if config.format == "npy" else 0
     fn = work_fields if fields else work
@@ -302,13 +304,9 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
             units, failures = plan.feed(writer, result, view, labels, 0, b)
             failed(failures)
             for unit in units:
-                if staged:
-                    store_out.publish(stage, unit["files"], out)
                 record(unit)
             bar.update(b - a)
         for unit in writer.finish(total):
-            if staged:
-                store_out.publish(stage, unit["files"], out)
             record(unit)
         jr.skipped = skipped
     except BaseException:
