@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.machinery
 import importlib.util
 import json
 import os
@@ -30,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -46,6 +44,9 @@ from fastdata.datasets.tokens import TokenDataset
 from fastdata.loading.mixing import MixtureSampler
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_remote import _lit_sample, _mosaic_import  # noqa: E402  (the peers' loaders, as bench_remote uses them)
 
 BATCH = 256
 WEIGHTS = {"web": 0.5, "books": 0.3, "code": 0.2}
@@ -151,39 +152,6 @@ def print_ratio(label: str, mine: list[float], base: list[float]) -> float:
     print(f"{label:40s} {ratio:12.3f}x   (median of {len(ratios)} rounds, each {min(ratios):.2f}..{max(ratios):.2f}; "
           "target >= 0.95)")
     return ratio
-
-
-_OPEN: dict[str, FastDataset] = {}
-
-
-def _lit_sample(path: str, i: int) -> dict[str, Any]:
-    """One sample as LitData's optimize() wants it (module level: its workers are spawned)."""
-    if path not in _OPEN:
-        _OPEN[path] = FastDataset(path)
-    x, y = _OPEN[path][i]
-    return {"image": x.numpy(), "label": int(y)}
-
-
-def _mosaic_import() -> Any:
-    """``streaming``, with the torchvision it imports at import time stubbed when torchvision is unusable
-    (CPU torch here; its MDS reader and writer never use it, see ../shared/PEERS.md)."""
-    try:
-        importlib.import_module("torchvision")  # a working one is used as is
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build against CPU torch
-        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
-                     "torchvision.transforms.functional"):  # the names streaming/vision imports, as empty packages
-            stub = types.ModuleType(name)
-            stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-            stub.__path__ = []  # type: ignore[attr-defined]
-            stub.VisionDataset = stub.CIFAR10 = object  # type: ignore[attr-defined]
-            stub.to_tensor = None  # type: ignore[attr-defined]
-            sys.modules[name] = stub
-            if "." in name:
-                parent, _, leaf = name.rpartition(".")
-                setattr(sys.modules[parent], leaf, stub)
-    import streaming
-
-    return streaming
 
 
 def mosaic_loader(scratch: Path, sets: dict[str, Path], threads: int) -> Iterable[Any]:
