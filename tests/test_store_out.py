@@ -76,6 +76,7 @@ def _unit_objects(s3, bucket: str, prefix: str) -> list[str]:
     return [o["Key"] for o in listing.get("Contents", [])]
 
 
+@pytest.mark.faults
 def test_a_killed_run_to_a_url_resumes_without_putting_finished_shards_again(s3, tmp_path, puts):
     from fastdata.cli.synthetic import make_image_folder
 
