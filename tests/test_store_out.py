@@ -155,3 +155,24 @@ def test_token_shards_written_to_a_url_are_the_local_runs_bytes_and_resume_from_
     remote = TokenDataset(f"{url}/ds", "train", seq_len=64, cache_dir=tmp_path / "cache")
     idx = np.arange(len(local))
     assert len(local) == len(remote) and np.array_equal(local.get_batch(idx)[0].numpy(), remote.get_batch(idx)[0].numpy())
+
+
+def test_staging_folders_of_processes_gone_are_removed_by_the_next_task(tmp_path, monkeypatch):
+    """A Ray worker killed mid-task leaves its staging folder in its node's temporary folder: the next task
+    there removes it, and never a live process's."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"fastdata-stage-{gone.pid}-abc"
+    live = tmp_path / f"fastdata-stage-{os.getpid()}-def"
+    other = tmp_path / "fastdata-stage-notes"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "images-00000.npy").write_bytes(b"x")
+    stage = store_out.task_stage(store_out.StoreOut("s3://bucket/ds"))
+    assert stage.parent == tmp_path and stage.name.startswith(f"fastdata-stage-{os.getpid()}-")
+    assert not dead.exists() and live.exists() and other.exists()
+    store_out.drop_stage(stage)
+    assert not stage.exists()

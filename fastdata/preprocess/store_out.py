@@ -231,11 +231,16 @@ def publish(stage: Path, files: list[dict[str, Any]], out: Any) -> None:
     fsync_dir(Path(out))
 
 
+_STAGE = re.compile(r"^fastdata-stage-(\d+)-")
+
+
 def task_stage(out: Any) -> Path:
     """A staging folder of a task's own: in OUT's partial folder for a local OUT (the same file system, so
-    `publish` renames), in this machine's temporary folder for a store."""
+    `publish` renames), in this machine's temporary folder for a store, named by the process (the folders
+    of processes gone, a Ray worker killed mid-task, are removed first)."""
     if isinstance(out, StoreOut):
-        return Path(tempfile.mkdtemp(prefix="fastdata-stage-"))
+        _drop_orphans(Path(tempfile.gettempdir()))
+        return Path(tempfile.mkdtemp(prefix=f"fastdata-stage-{os.getpid()}-"))
     stage = Path(out) / PARTIAL_DIR / f"task-{uuid.uuid4().hex}"
     stage.mkdir(parents=True)
     return stage
@@ -243,6 +248,29 @@ def task_stage(out: Any) -> Path:
 
 def drop_stage(stage: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
+
+
+def _drop_orphans(folder: Path) -> None:
+    """Remove the staging folders in ``folder`` whose process no longer runs."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = _STAGE.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        drop_stage(folder / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 def output_of(out: Any, retry_seconds: float = RETRY_SECONDS) -> Any:
