@@ -26,6 +26,7 @@ from ..datasets.mixture import SHIFT
 from ..distributed import dist_rank_world
 from ..errors import ConfigError
 from .order import EpochOrder, group_by_shard
+from .sampler import DistributedBatchSampler
 from .schedule import Schedule, quantise
 
 END = 1 << 62  # "num_samples" of a mixture state: past the end of any epoch (see state_dict)
@@ -210,11 +211,7 @@ class MixtureSampler:
         """`batches`, then the next epoch's: the reads a streamed source's cache plans for."""
         return Coming(self, self.seg, self.start, self.served)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.batches():
-            self.advance()
-            yield batch.tolist()
-        self.end_epoch()
+    __iter__ = DistributedBatchSampler.__iter__  # batches(), each advancing the state, then end_epoch()
 
     def epoch_batches(self) -> int:
         """Batches this rank serves in the current epoch from its start."""

@@ -228,8 +228,7 @@ def _aligned(jr: journal.Journal, size: int, total: int) -> journal.Journal:
     size)`` (a journal of a fastdata that cut units by count: its units are redone)."""
     for n, unit in enumerate(jr.units):
         if unit["index"] != n or unit["source_end"] != min((n + 1) * size, total):
-            del jr.units[n:]
-            jr.skipped = [s for s in jr.skipped if s["index"] < jr.source_end]
+            jr.truncate(n)
             break
     return jr
 
@@ -261,9 +260,11 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     start, total, size = jr.source_end, len(source.paths), config.shard_size
     skipped = list(jr.skipped)
     labels = np.asarray(source.labels, dtype=LABEL_DTYPE)
-    units_left = -(-(total - start) // size)
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
-    bar.set_postfix_str(f"shards {len(jr.units)}/{len(jr.units) + units_left}", refresh=False)
+
+    def shards_done() -> str:
+        return f"shards {len(jr.units)}/{len(jr.units) + -(-(total - jr.source_end) // size)}"
+    bar.set_postfix_str(shards_done(), refresh=False)
 
     def failed(failures: list[tuple[int, str]]) -> None:
         for idx, reason in failures:
@@ -274,7 +275,7 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
 
     def record(unit: dict[str, Any]) -> None:
         jr.add(unit, skipped, partial)
-        bar.set_postfix_str(f"shards {len(jr.units)}/{len(jr.units) + -(-(total - jr.source_end) // size)}")
+        bar.set_postfix_str(shards_done())
 
     if pool is not None:
         tasks = ((plan, k, a, min(a + size, total), list(_tasks(config, source, plan, _chunks(

@@ -79,14 +79,23 @@ class Journal:
         self.units.append(unit)
         new = [s for s in skipped if start <= s["index"] < unit["source_end"]]
         self.skipped = [s for s in skipped if s["index"] < unit["source_end"]]
+        self._write({"unit": unit, "skipped": new}, partial)
+
+    def _write(self, entry: dict[str, Any], partial: Path) -> None:
+        """Make one unit's entry durable: a line appended to ``partial/journal.jsonl`` and fsynced."""
         path = partial / JOURNAL_NAME
         try:
             with open(path, "ab") as f:
-                f.write(_line({"unit": unit, "skipped": new}))
+                f.write(_line(entry))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
             raise disk_error(exc, path) from exc
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` units only, and the skipped files before their end."""
+        del self.units[n:]
+        self.skipped = [s for s in self.skipped if s["index"] < self.source_end]
 
     def save(self, partial: Path) -> None:
         """Write the whole journal afresh (atomically): a new run, or one resumed with fewer units."""
@@ -104,8 +113,7 @@ class Journal:
             for f in unit["files"]:
                 base = partial if f.get("partial", unit.get("in_partial")) else out
                 if check_file(base, f) is not None:
-                    del self.units[n:]
-                    self.skipped = [s for s in self.skipped if s["index"] < self.source_end]
+                    self.truncate(n)
                     return
 
 

@@ -210,12 +210,8 @@ class StoreJournal(Journal):
         super().__init__(fingerprint)
         self.store = store
 
-    def add(self, unit: dict[str, Any], skipped: list[dict[str, Any]], partial: Path) -> None:
-        start = self.source_end
-        self.units.append(unit)
-        new = [s for s in skipped if start <= s["index"] < unit["source_end"]]
-        self.skipped = [s for s in skipped if s["index"] < unit["source_end"]]
-        self.store.put_json(f"{PARTIAL_DIR}/{unit_name(unit['index'])}", {"unit": unit, "skipped": new})
+    def _write(self, entry: dict[str, Any], partial: Path) -> None:
+        self.store.put_json(f"{PARTIAL_DIR}/{unit_name(entry['unit']['index'])}", entry)
 
 
 def publish(stage: Path, files: list[dict[str, Any]], out: Any) -> None:
