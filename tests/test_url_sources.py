@@ -19,7 +19,7 @@ from fastdata.cli.main import main
 from fastdata.errors import SourceError
 from fastdata.preprocess import sources
 from fastdata.preprocess.sources import discover
-from fastdata.preprocess.tars import discover_source
+from fastdata.preprocess.discover import discover_source
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 from fastdata.storage.remote import Retry
 

@@ -195,3 +195,67 @@ def test_tars_at_a_url_give_the_local_runs_samples(s3, tmp_path):
                         str(tmp_path / "denied"), "--quiet"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "s3://no-such-bucket" in r.stderr, r.stderr
 
+
+
+def _named_tars(root: Path, classes: list[list[object]], extra: list[dict]) -> Path:
+    """One tar per entry of ``classes`` (sample i's class), each sample's JSON holding ``extra[t]``."""
+    root.mkdir(parents=True)
+    i = 0
+    for t, names in enumerate(classes):
+        members = []
+        for name in names:
+            key = f"{i:09d}"
+            members += [(f"{key}.jpg", _image(i, "JPEG")),
+                        (f"{key}.json", json.dumps({"label": name, **extra[t]}).encode())]
+            i += 1
+        write_tar(root / f"{t:05d}.tar", members)
+    return root
+
+
+def test_tars_indexed_apart_share_one_class_list_and_the_keys_every_sample_has(tmp_path, capsys):
+    # each tar is listed by its own task: classes, kinds and kept keys are merged across tars (NOTE [tar index])
+    src = _named_tars(tmp_path / "src", [["dog", "dog", "emu"], ["cat", "emu"], ["ant"]],
+                      [{"w": 1.0, "only0": 2.0}, {"w": 2.0}, {"w": 3.0}])
+    assert preprocess(src, tmp_path / "w1", "--shard-size", "2", "--workers", "1") == 0
+    assert preprocess(src, tmp_path / "w2", "--shard-size", "2", "--workers", "2") == 0
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")
+    manifest = json.loads((tmp_path / "w1" / "manifest.json").read_text())
+    assert manifest["classes"] == ["ant", "cat", "dog", "emu"]
+    assert {f["name"] for f in manifest["fields"]} == {"image", "label", "w"}  # "only0": not in every sample
+    b = FastDataset(tmp_path / "w1").get_batch(np.arange(6))
+    assert b["label"].tolist() == [2, 2, 3, 1, 3, 0]
+    assert b["w"].tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0]
+    assert sample_ids(b["image"]).tolist() == list(range(6))
+    mixed = _named_tars(tmp_path / "mixed", [[1, 2], ["cat"]], [{}, {}])
+    assert preprocess(mixed, tmp_path / "refused") == 1
+    assert "mix ids and names" in capsys.readouterr().err
+
+
+def test_a_rerun_reads_the_tar_indexes_and_a_piece_carries_only_its_tars(tmp_path):
+    import pickle
+
+    from fastdata.preprocess.tar_index import Area, TarSource
+    from fastdata.preprocess.tars import tar_files
+
+    src = make_tars(tmp_path / "src", count=3)
+    source = TarSource.of(src, tar_files(src))
+    area = Area(tmp_path)
+    ran: list[int] = []
+
+    def run(fn, tasks):
+        for task in tasks:
+            ran.append(task[0])
+            yield fn(task)
+    first = source.index(area, run)
+    assert ran == [0, 1, 2] and first.starts.tolist() == [0, PER_TAR, 2 * PER_TAR, 3 * PER_TAR]
+    again = source.index(area, run)  # a resumed run: every summary is there, no tar is streamed again
+    assert ran == [0, 1, 2] and again.starts.tolist() == first.starts.tolist() and again.schema == first.schema
+    piece = again.piece(PER_TAR - 1, PER_TAR + 2)  # crosses from tar 0 into tar 1
+    assert piece.tars == [str(src / "00000.tar"), str(src / "00001.tar")]
+    loaded = pickle.loads(pickle.dumps(piece)).load()
+    assert loaded.paths == [f"0000{t}.tar/{i:09d}.{'jpg' if i % 2 else 'png'}" for t, i in
+                            [(0, PER_TAR - 1), (1, PER_TAR), (1, PER_TAR + 1)]]
+    assert loaded.labels == [(PER_TAR - 1) % 3, PER_TAR % 3, (PER_TAR + 1) % 3]
+    assert loaded.extras["caption"] == [f"caption {i}" for i in range(PER_TAR - 1, PER_TAR + 2)]
+    # the piece's size depends on its own tars, not on the source's
+    assert len(pickle.dumps(again.piece(0, 2))) == len(pickle.dumps(again.piece(PER_TAR, PER_TAR + 2)))

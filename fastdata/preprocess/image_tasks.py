@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -29,6 +29,11 @@ class Plan:
     shard_size: int
     fields: tuple[Field, ...]  # every field of the samples; empty for (image, class) sources
     has_label: bool
+    resize: str
+    filter: str
+    quality: int
+    mask_dtype: str
+    tokenizer: str
 
     @property
     def row_bytes(self) -> int:
@@ -40,6 +45,20 @@ class Plan:
             return image_shards.NpyShardWriter(folder, self.size, self.shard_size, first, fields=extra,
                                                labels=self.has_label)
         return lmdb_store.LmdbShardWriter(folder, self.shard_size, first, fields=extra, labels=self.has_label)
+
+    def tasks(self, piece: Any, first: int, chunks: list[tuple[int, int]]) -> Iterator[tuple]:
+        """The worker tasks of ``chunks`` (source positions) of ``piece`` (a `Source` of the positions from
+        ``first`` on); a task pickles its own rows only."""
+        for a, b in chunks:
+            i, j = a - first, b - first
+            blobs = piece.blobs.chunk(i, j) if piece.blobs is not None else None
+            if self.fields:
+                spec = (piece.kinds, len(piece.classes), self.mask_dtype, self.tokenizer, piece.has_label)
+                yield (str(piece.root), piece.paths[i:j], a, self.format, self.size, self.resize, self.filter,
+                       {k: v[i:j] for k, v in piece.extras.items()}, piece.labels[i:j], spec, blobs, self.quality)
+            else:
+                yield (str(piece.root), piece.paths[i:j], a, self.format, self.size, self.resize, self.quality,
+                       self.filter, blobs)
 
     def feed(self, writer: Any, result: tuple, view: Optional[memoryview], labels: np.ndarray, first: int,
              end: int) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
@@ -60,21 +79,39 @@ class Plan:
 
 
 
-def unit_task(task: tuple, slot: Optional[int] = None) -> tuple[dict[str, Any], list[tuple[int, str]]]:
-    """A Ray task: decode one unit's source positions ``[a, b)``, write its shard in a staging folder of
-    its own and publish it to OUT (NOTE [ray byte-identity] rule 3). Returns its journal record and
-    failures."""
-    plan, k, a, b, chunk_tasks, labels, out = task
+def chunk_size(n: int, workers: int, max_files: int) -> int:
+    """Files per task for ``n`` files: about 8 tasks per worker, at most ``max_files``."""
+    return max(1, min(max_files, -(-n // (workers * 8))))
+
+
+def chunks(a: int, b: int, per: int) -> list[tuple[int, int]]:
+    """``[a, b)`` (one unit's positions) in tasks of ``per`` files: a chunk feeds one unit (formats/base.py)."""
+    return [(x, min(x + per, b)) for x in range(a, b, per)]
+
+
+def named(failures: list[tuple[int, str]], piece: Any, first: int) -> list[tuple[int, str, str]]:
+    """Failures with their samples' paths, which the driver of a large source does not hold."""
+    return [(i, reason, piece.paths[i - first]) for i, reason in failures]
+
+
+def unit_task(task: tuple, slot: Optional[int] = None) -> tuple[dict[str, Any], list[tuple[int, str, str]]]:
+    """A Ray task: load one unit's samples (source positions ``[a, b)``), decode them, write its shard in a
+    staging folder of its own and publish it to OUT (NOTE [ray byte-identity] rule 3). Returns its journal
+    record and failures."""
+    plan, k, a, b, piece, max_files, out = task
+    piece = piece.load()  # a tar source's: its tars' indexes read here (NOTE [tar index] rule 3)
+    labels = np.asarray(piece.labels, LABEL_DTYPE)
     stage = store_out.task_stage(out)
     writer = plan.writer(stage, k)
     fn = work_fields if plan.fields else work
     units: list[dict[str, Any]] = []
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, str, str]] = []
     try:
-        for t in chunk_tasks:
-            done, bad = plan.feed(writer, fn(t), None, labels, a, min(t[2] + len(t[1]), b))
+        parts = chunks(a, b, chunk_size(b - a, 1, max_files))
+        for t, (_, end) in zip(plan.tasks(piece, a, parts), parts):
+            done, bad = plan.feed(writer, fn(t), None, labels, a, end)
             units += done
-            failures += bad
+            failures += named(bad, piece, a)
         units += writer.finish(b)
         assert len(units) == 1 and units[0]["index"] == k, units
         store_out.publish(stage, units[0]["files"], out)
@@ -84,7 +121,6 @@ def unit_task(task: tuple, slot: Optional[int] = None) -> tuple[dict[str, Any], 
     finally:
         store_out.drop_stage(stage)
     return units[0], failures
-
 
 
 def stack_fields(values: dict[str, list[Any]], fields: list[Field]) -> dict[str, Any]:

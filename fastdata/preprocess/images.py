@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import tempfile
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -27,9 +28,11 @@ from ..formats.tokenizer import cached_tokenizer, token_dtype
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
 from . import journal, parallel, ray_pool, store_out
-from .image_tasks import MAX_SIDE, Plan, unit_task, work, work_fields
+from . import tar_index
+from .discover import discover_source
+from .image_tasks import MAX_SIDE, Plan, chunk_size, chunks, named, unit_task, work, work_fields
 from .sources import Source
-from .tars import discover_source
+from .tar_index import TarSource
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     if store is not None:
         store.check_writable()
     else:
-        journal.check_writable(config.out)  # before the source is listed (tars are read whole for that)
+        journal.check_writable(config.out)  # before the source is listed
     source = discover_source(config.src, config.coco)
     if store is None and source.kind == "folder":
         src, out = Path(source.location).resolve(), config.out.resolve()
@@ -188,24 +191,26 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
             raise ConfigError(f"the output folder {config.out} is inside the source folder {config.src}: the next "
                               "run would read it as a class of its own (and renumber the others); choose an "
                               "output folder outside it")
-    if config.resize == MAX_SIDE and source.kinds:
-        raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
-                          f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
-                          "squash or pad")
-    if config.shuffle_seed is not None:
-        source = source.shuffled(config.shuffle_seed)
     params = config.output_params()
-    if source.kinds and config.format == "lmdb":  # images stored square, so the other fields share their geometry
+    if isinstance(source, TarSource):  # fields are known once the tars are indexed: the geometry counts now
         params["resize"] = config.resize
+    else:
+        source = _ready(config, source)
+        if source.kinds and config.format == "lmdb":  # images stored square, so the fields share their geometry
+            params["resize"] = config.resize
     fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
     if store is not None:
         done = store.prepare(fingerprint, config.overwrite)
         if done is not None:
             log.info("%s is already complete with these arguments", scrub(config.out))
             return done
-        jr = _aligned(store.resume(fingerprint), config.shard_size, len(source.paths))
+        jr = store.resume(fingerprint)
+        pool = _pool(config, source, store)
+        if isinstance(source, TarSource):
+            source = _ready(config, source, tar_index.Area(store), pool)
+        jr = _aligned(jr, config.shard_size, source.num_samples)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
-            _run(config, source, jr, Path(staging), store)
+            _run(config, source, jr, Path(staging), store, pool)
             return _finish(config, source, jr, Path(staging), params, fingerprint, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
     with journal.output(config.out, fingerprint, config.overwrite) as target:
@@ -214,13 +219,44 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
+        pool = _pool(config, source, config.out)
+        if isinstance(source, TarSource):
+            source = _ready(config, source, tar_index.Area(partial), pool)
         kept = len(jr.units)
-        if len(_aligned(jr, config.shard_size, len(source.paths)).units) < kept:
+        if len(_aligned(jr, config.shard_size, source.num_samples).units) < kept:
             jr.save(partial)
         if jr.units:
             log.info("resuming after %d complete units (%d samples)", len(jr.units), jr.num_samples)
-        _run(config, source, jr, partial, config.out)
+        _run(config, source, jr, partial, config.out, pool)
         return _finish(config, source, jr, config.out, params, fingerprint, None)
+
+
+Listed = Union[Source, tar_index.IndexedTars]
+
+
+def _ready(config: ImagePreprocessConfig, source: Union[Source, TarSource], area: Optional[tar_index.Area] = None,
+           pool: Optional[ray_pool.RayPool] = None) -> Listed:
+    """The source as the run reads it: tars indexed (NOTE [tar index]), checked against the arguments,
+    shuffled as asked."""
+    if isinstance(source, TarSource):
+        assert area is not None
+        workers = pool.workers if pool else config.workers or parallel.default_workers()
+        run = pool.ordered_map if pool else parallel.ordered_map
+        source = source.index(area, lambda fn, tasks: (r for r, _ in run(fn, tasks, workers, 0)))
+    if config.resize == MAX_SIDE and source.kinds:
+        raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
+                          f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
+                          "squash or pad")
+    return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
+
+
+def _pool(config: ImagePreprocessConfig, source: Union[Source, TarSource], out: Any) -> Optional[ray_pool.RayPool]:
+    """The Ray pool of a ``--ray`` run (None: the local pool), told the local folders its tasks need."""
+    if config.engine != "ray":
+        return None
+    needs = [] if is_url(str(source.location)) else [str(source.root)]
+    needs += [] if isinstance(out, store_out.StoreOut) else [str(out)]
+    return ray_pool.RayPool.open(config.ray_address, config.workers, needs)
 
 
 def _aligned(jr: journal.Journal, size: int, total: int) -> journal.Journal:
@@ -233,54 +269,43 @@ def _aligned(jr: journal.Journal, size: int, total: int) -> journal.Journal:
     return jr
 
 
-def _chunks(start: int, stop: int, workers: int, max_files: int, unit: int) -> list[tuple[int, int]]:
-    """``[a, b)`` ranges of at most ``max_files`` source positions covering ``[start, stop)``, none crossing a
-    multiple of ``unit`` (a chunk feeds one unit: formats/base.py)."""
-    size = max(1, min(max_files, -(-(stop - start) // (workers * 8))))
-    return [(a, min(a + size, stop, (a // unit + 1) * unit)) for u in range(start, stop, unit)
-            for a in range(u, min(u + unit, stop), size)]
-
-
-def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, partial: Path, out: Any) -> None:
+def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, partial: Path, out: Any,
+         pool: Optional[ray_pool.RayPool]) -> None:
     """Decode the source after the journaled units and write the rest: chunks through the local pool into
     one writer here, or one Ray task per unit that writes and publishes its shard itself (NOTE [ray
-    byte-identity]). ``out``: a local folder, or a `StoreOut` (files staged here, then put)."""
+    byte-identity]). ``out``: a local folder, or a `StoreOut` (files staged here, then put). Each unit's
+    samples are loaded where they are decoded (`Source.piece`; NOTE [tar index] rule 3)."""
     from ..progress import progress_bar
 
-    ray = config.engine == "ray"
-    needs = [] if is_url(source.location) else [str(source.root)]
-    needs += [] if isinstance(out, store_out.StoreOut) else [str(out)]
-    pool = ray_pool.RayPool.open(config.ray_address, config.workers, needs) if ray else None
     workers = pool.workers if pool else config.workers or parallel.default_workers()
     if config.filter == "fast-bicubic":  # torch resizes (NOTE [fast bicubic]): imported once, forked workers share it
         import torch  # noqa: F401
     fields = sample_fields(config, source)
-    plan = Plan(config.format, config.size, config.shard_size, tuple(fields), source.has_label)
+    plan = Plan(config.format, config.size, config.shard_size, tuple(fields), source.has_label, config.resize,
+                config.filter, config.quality, config.mask_dtype, config.tokenizer)
     max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // plan.row_bytes)) if config.format == "npy" else _MAX_CHUNK
-    start, total, size = jr.source_end, len(source.paths), config.shard_size
+    start, total, size = jr.source_end, source.num_samples, config.shard_size
     skipped = list(jr.skipped)
-    labels = np.asarray(source.labels, dtype=LABEL_DTYPE)
     bar = progress_bar(total=total, initial=start, desc="preprocess", unit="img", enabled=config.progress)
 
     def shards_done() -> str:
         return f"shards {len(jr.units)}/{len(jr.units) + -(-(total - jr.source_end) // size)}"
     bar.set_postfix_str(shards_done(), refresh=False)
 
-    def failed(failures: list[tuple[int, str]]) -> None:
-        for idx, reason in failures:
+    def failed(failures: list[tuple[int, str, str]]) -> None:
+        for idx, reason, path in failures:
             if config.on_error == "fail":
-                raise ImageDecodeError(f"cannot decode {_named(source, idx)}: {reason} "
+                raise ImageDecodeError(f"cannot decode {_named(source, path)}: {reason} "
                                        "(use --on-error skip to leave such files out)")
-            skipped.append({"index": idx, "path": source.paths[idx], "reason": reason})
+            skipped.append({"index": idx, "path": path, "reason": reason})
 
     def record(unit: dict[str, Any]) -> None:
         jr.add(unit, skipped, partial)
         bar.set_postfix_str(shards_done())
 
+    units = [(k, a, min(a + size, total)) for k, a in zip(itertools.count(len(jr.units)), range(start, total, size))]
     if pool is not None:
-        tasks = ((plan, k, a, min(a + size, total), list(_tasks(config, source, plan, _chunks(
-            a, min(a + size, total), 1, max_files, size))), labels[a:a + size], out)
-            for k, a in zip(itertools.count(len(jr.units)), range(start, total, size)))
+        tasks = ((plan, k, a, b, source.piece(a, b), max_files, out) for k, a, b in units)
         try:
             for unit, failures in pool.ordered_map(unit_task, tasks):
                 failed(failures)
@@ -290,7 +315,16 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
         finally:
             bar.close()
         return
-    chunks = _chunks(start, total, workers, max_files, size)
+    per = chunk_size(total - start, workers, max_files)
+    held: deque[tuple[int, int, Source]] = deque()  # each task's chunk and its unit's samples, in task order
+
+    def tasks() -> Iterator[tuple]:
+        for _, u, e in units:
+            piece = source.piece(u, e).load()
+            for a, b in chunks(u, e, per):
+                held.append((u, b, piece))
+                yield from plan.tasks(piece, u, [(a, b)])
+
     staged = isinstance(out, store_out.StoreOut)  # files written here, then put (NOTE [output at a URL])
     stage = store_out.task_stage(out) if staged else Path(out)
     writer = plan.writer(stage, len(jr.units))
@@ -300,13 +334,13 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
     slot_bytes = max_files * plan.row_bytes if config.format == "npy" else 0
     fn = work_fields if fields else work
     try:
-        results = parallel.ordered_map(fn, _tasks(config, source, plan, chunks), workers, slot_bytes)
-        for (result, view), (a, b) in zip(results, chunks):
-            units, failures = plan.feed(writer, result, view, labels, 0, b)
-            failed(failures)
-            for unit in units:
+        for result, view in parallel.ordered_map(fn, tasks(), workers, slot_bytes):
+            u, b, piece = held.popleft()
+            done, failures = plan.feed(writer, result, view, np.asarray(piece.labels, LABEL_DTYPE), u, b)
+            failed(named(failures, piece, u))
+            for unit in done:
                 record(unit)
-            bar.update(b - a)
+            bar.update(b - bar.n)
         for unit in writer.finish(total):
             record(unit)
         jr.skipped = skipped
@@ -319,25 +353,12 @@ def _run(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, par
             store_out.drop_stage(stage)
 
 
-def _named(source: Source, i: int) -> str:
-    """Sample ``i``'s file as a message names it (a URL source's without secrets)."""
-    return f"{source.where}/{source.paths[i]}" if is_url(str(source.location)) else str(source.root / source.paths[i])
+def _named(source: Listed, path: str) -> str:
+    """A sample's file as a message names it (a URL source's without secrets)."""
+    return f"{source.where}/{path}" if is_url(str(source.location)) else str(source.root / path)
 
 
-def _tasks(config: ImagePreprocessConfig, source: Source, plan: Plan, chunks: list[tuple[int, int]]) -> Iterator[tuple]:
-    """The worker tasks of ``chunks`` (a task pickles its own rows only)."""
-    for a, b in chunks:
-        blobs = source.blobs.chunk(a, b) if source.blobs is not None else None
-        if plan.fields:
-            spec = (source.kinds, len(source.classes), config.mask_dtype, config.tokenizer, source.has_label)
-            yield (str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.filter,
-                   {k: v[a:b] for k, v in source.extras.items()}, source.labels[a:b], spec, blobs, config.quality)
-        else:
-            yield (str(source.root), source.paths[a:b], a, config.format, config.size, config.resize, config.quality,
-                   config.filter, blobs)
-
-
-def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
+def sample_fields(config: ImagePreprocessConfig, source: Listed) -> list[Field]:
     """The fields a source's samples get (NOTE [fields] in fastdata/formats/schema.py); empty for (image, class) sources."""
     if not source.kinds:
         return []
@@ -349,8 +370,7 @@ def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
         if kind == "mask":
             fields.append(Field(name, kind, np.dtype(config.mask_dtype).newbyteorder("<").str, (s, s)))
         elif kind == "vector":
-            first = source.extras[name][0]
-            fields.append(Field(name, kind, "<f4", (len(first),) if isinstance(first, list) else ()))
+            fields.append(Field(name, kind, "<f4", source.vector_shape(name)))
         elif kind == "tokens":
             fields.append(Field(name, kind, token_dtype(cached_tokenizer(config.tokenizer).vocab_size).str))
         elif kind == "boxes":
@@ -360,13 +380,13 @@ def sample_fields(config: ImagePreprocessConfig, source: Source) -> list[Field]:
     return fields
 
 
-def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, folder: Path,
+def _finish(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, folder: Path,
             params: dict[str, Any], fingerprint: str, store: Optional[store_out.StoreOut]) -> dict[str, Any]:
     """Write ``labels.npy`` and the manifest last: in OUT, or (``store``) staged in ``folder`` and put."""
     n = jr.num_samples
     if n == 0:
         first = jr.skipped[0] if jr.skipped else {"path": "?", "reason": "?"}
-        raise ImageDecodeError(f"none of the {len(source.paths)} images in {source.where} could be decoded "
+        raise ImageDecodeError(f"none of the {source.num_samples} images in {source.where} could be decoded "
                                f"(first: {first['path']}: {first['reason']})")
     fields = sample_fields(config, source)
     # an LMDB shard's labels-K.npy only carries its labels to labels.npy: dropped once the manifest exists,
@@ -410,7 +430,7 @@ def _finish(config: ImagePreprocessConfig, source: Source, jr: journal.Journal, 
     manifest = new_manifest(
         fmt, version=version, num_samples=n, classes=source.classes, class_counts=class_counts,
         label_dtype=LABEL_DTYPE.str, files=files, params=params, fingerprint=fingerprint,
-        source={"kind": source.kind, "path": source.where, "num_files": len(source.paths)},
+        source={"kind": source.kind, "path": source.where, "num_files": source.num_samples},
         skipped=[{"path": s["path"], "reason": s["reason"]} for s in jr.skipped], **extra)
     write_manifest(folder, manifest)
     if store is not None:

@@ -8,11 +8,12 @@ workers, and its tasks write the shards themselves: the driver plans, journals a
 1. Unit ``k`` (an npy or LMDB shard) holds what decodes of source positions ``[k * S, (k + 1) * S)`` (of the
    source order, or of the ``--shuffle`` permutation): its bytes are a function of its own samples
    (fastdata/formats/base.py), so one task can make it alone, exactly as the local run's writer does.
-2. The driver plans one task per unit after the last journaled one. A task decodes its samples with the
-   local pool's worker functions (``image_tasks.work``, ``image_tasks.work_fields``) and the same writer, in a
-   staging folder of its own (in OUT's partial folder, or on its node for an OUT at a URL), then publishes
-   the finished files under their final names (a rename, or one put each: NOTE [output at a URL] in
-   store_out.py) and returns their sizes and sha256 and its skipped samples.
+2. The driver plans one task per unit after the last journaled one. A task loads its samples (a slice of
+   the listing; of tars, the indexes of its own tars only: NOTE [tar index] in tar_index.py), decodes them
+   with the local pool's worker functions (``image_tasks.work``, ``image_tasks.work_fields``) and the same
+   writer, in a staging folder of its own (in OUT's partial folder, or on its node for an OUT at a URL),
+   then publishes the finished files under their final names (a rename, or one put each: NOTE [output at
+   a URL] in store_out.py) and returns their sizes and sha256 and its skipped samples (named by path).
 3. A task whose worker dies is run again by Ray (``max_retries``): every attempt stages its own files and a
    publish replaces a final name with the same complete bytes, so no final name ever has two writers
    under way, nor a partial file. Only results taken in order are journaled.
@@ -21,8 +22,7 @@ workers, and its tasks write the shards themselves: the driver plans, journals a
    travels as a few hundred bytes, not its pixels.
 5. ``preprocess text --ray`` runs the tokeniser (``text._tokenize``) as tasks and writes the token shards on
    the driver: a document stream is packed into shards whose bounds depend on every document before them,
-   and token bytes are ~100x fewer than pixels. Results in flight are bounded (two tasks per worker slot);
-   the driver also holds the source's listing (benchmarks/bench_cluster.py measures it).
+   and token bytes are ~100x fewer than pixels. Results in flight are bounded (two tasks per worker slot).
 """
 from __future__ import annotations
 

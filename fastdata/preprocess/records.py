@@ -394,7 +394,7 @@ def discover_any(src: Where, coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
     a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
     ``path,label`` CSV as always (WebDataset tars, and every kind at a URL:
-    `fastdata.preprocess.tars.discover_source`)."""
+    `fastdata.preprocess.discover.discover_source`)."""
     src = Path(src)
     if coco_json is not None:
         if not src.is_dir():

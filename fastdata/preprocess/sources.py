@@ -70,6 +70,24 @@ class Source:
                        blobs=None if self.blobs is None else self.blobs.permuted(perm))  # tars: read by offset
 
     @property
+    def num_samples(self) -> int:
+        return len(self.paths)
+
+    def piece(self, a: int, b: int) -> "Source":
+        """Samples ``[a, b)`` only: what the workers decoding them need (`load` gives it back)."""
+        return replace(self, paths=self.paths[a:b], labels=self.labels[a:b],
+                       extras={k: v[a:b] for k, v in self.extras.items()},
+                       blobs=None if self.blobs is None else self.blobs.chunk(a, b))
+
+    def load(self) -> "Source":
+        return self
+
+    def vector_shape(self, name: str) -> tuple[int, ...]:
+        """A ``vector`` field's shape: ``(n,)`` for lists of n numbers, ``()`` for one number."""
+        first = self.extras[name][0]
+        return (len(first),) if isinstance(first, list) else ()
+
+    @property
     def where(self) -> str:
         """The source as the manifest names it: a local path resolved, a URL as given (without secrets)."""
         if isinstance(self.location, str):

@@ -8,9 +8,10 @@ NOTE [tar source]:
 2. ``cls`` is the ``label`` (an id, or a class name), ``txt`` (or a JSON ``caption``) the ``caption`` text
    field, JSON keys holding a number or a list of numbers in every sample ``vector`` fields (the JSONL
    source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored.
-3. The order is the tars' sorted names, then member order. Every tar is read once by the parent, streamed
-   (``tarfile`` mode ``r|``, nothing extracted to disk), for the listing and the small members; workers
-   then read their samples' image bytes by offset, one ranged read per run of consecutive samples.
+3. The order is the tars' sorted names, then member order. Every tar is read once, streamed (``tarfile``
+   mode ``r|``, nothing extracted to disk), by a task of its own that writes its index (NOTE [tar index] in
+   fastdata/preprocess/tar_index.py); workers then read their samples' image bytes by offset, one ranged
+   read per run of consecutive samples.
 4. A tar cut short (mid-member or mid-header) makes the sample it cuts a bad record: skipped and listed in
    the manifest, or ``--on-error fail``; the samples before it are kept.
 """
@@ -28,12 +29,10 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.remote import filesystem, is_url
-from .records import (coco, csv_records, discover_any, from_records, is_record_csv, jsonl_records, parquet,
-                      segmentation_pair)
-from .sources import IMAGE_EXTENSIONS, Source, discover, store_call, url_folder, url_listing
+from .sources import IMAGE_EXTENSIONS, store_call
 
 log = logging.getLogger(__name__)
-_IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
+IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _GAP = 256 << 10  # samples this close after each other in a tar are read in one request (their .json/.cls between)
 _SPAN = 64 << 20  # but no request longer than this
@@ -116,7 +115,7 @@ def _split(name: str) -> tuple[str, str]:
     return posixpath.join(folder, stem), ext.lower()
 
 
-def _members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optional[str]]]:
+def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optional[str]]]:
     """Yield ``(key, {ext: (offset, size) for images, bytes otherwise}, reason or None)`` per sample of one tar,
     streamed; a cut-short tar ends with its cut sample and the reason."""
     key, group = None, {}
@@ -139,7 +138,7 @@ def _members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Option
                 data = t.extractfile(m).read()  # the stream must pass over it anyway; images are not kept
                 if len(data) != m.size:
                     raise tarfile.ReadError("unexpected end of data")
-                group[ext] = (m.offset_data, m.size) if ext in _IMAGE_EXTS else data
+                group[ext] = (m.offset_data, m.size) if ext in IMAGE_EXTS else data
             # tarfile ends quietly at a header cut short or missing: only a zero block is the archive's end
             if seen.block(t.offset) != bytes(tarfile.BLOCKSIZE):
                 raise tarfile.ReadError("the archive ends without its end-of-archive block")
@@ -173,9 +172,9 @@ class _Seen:
         return held[start:start + tarfile.BLOCKSIZE] if start >= 0 else b""
 
 
-def _record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
+def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata."""
-    image = next((e for e in group if e in _IMAGE_EXTS), None)
+    image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
         meta = json.loads(group["json"].decode("utf-8"))
@@ -192,83 +191,6 @@ def _record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     if "txt" in group:
         rec["caption"] = group["txt"].decode("utf-8")
     return image, rec
-
-
-def tar_source(src: Union[str, Path]) -> Source:
-    """The samples of WebDataset tars (NOTE [tar source]), ready for ``fastdata preprocess images``."""
-    tars = tar_files(src)
-    paths: list[str] = []
-    where: list[Where] = []
-    good: list[tuple[str, dict[str, Any]]] = []
-    for ti, tar in enumerate(tars):
-        label = scrub(tar) if is_url(tar) else Path(tar).name
-        name = posixpath.basename(tar.rstrip("/"))
-        try:
-            for key, group, reason in _members(tar, label):
-                image, rec = next((e for e in group if e in _IMAGE_EXTS), None), {}
-                if reason is None:
-                    try:
-                        image, rec = _record(group)
-                    except (ValueError, UnicodeDecodeError) as exc:
-                        reason = f"{label}: sample {key} has bad metadata ({type(exc).__name__}: {exc})"
-                if reason is None and image is None:
-                    reason = f"{label}: sample {key} has no image member (members: {sorted(group)})"
-                paths.append(f"{name}/{key}.{image or 'jpg'}")
-                if reason is None:
-                    where.append((ti, *group[image]))
-                    good.append((f"{label}: sample {key}", rec))
-                else:
-                    where.append(reason)
-        except SourceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a store refusing the read: one line naming it
-            raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
-    if not paths:
-        raise SourceError(f"{scrub(str(src))} holds no samples")
-    good = _common_vectors(good)
-    location: Union[str, Path] = str(src) if is_url(str(src)) else Path(src)
-    root = Path(".") if is_url(str(src)) else Path(tars[0]).parent.resolve()
-    ok = [p for p, w in zip(paths, where) if not isinstance(w, str)]
-    part = from_records(iter(good), location, root, "webdataset", paths=ok)  # type: ignore[arg-type]
-    labels, extras = _with_bad(part, where)
-    return Source("webdataset", location, root, paths, labels, part.classes, part.kinds, extras, part.has_label,
-                  TarBlobs(tars, where))
-
-
-def _common_vectors(rows: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """Keep a numeric JSON key only where every sample has a number there (img2dataset leaves some null)."""
-    numeric = lambda v: not isinstance(v, (str, bool)) and v is not None  # noqa: E731
-    fixed = ("label", "labels", "boxes", "box_labels", "caption")
-    keys = {k for _, r in rows for k in r if k not in fixed}
-    keep = {k for k in keys if all(numeric(r.get(k)) for _, r in rows)}
-    if keys - keep:
-        log.info("JSON keys not numeric in every sample, not stored: %s", sorted(keys - keep))
-    return [(w, {k: v for k, v in r.items() if k in fixed or k in keep}) for w, r in rows]
-
-
-def _with_bad(part: Source, where: list[Where]) -> tuple[list[int], dict[str, list[Any]]]:
-    """Labels and extras for every sample: the good ones' values, and blanks where a bad record sits (its
-    worker fails it before reading them)."""
-    labels: list[int] = []
-    extras: dict[str, list[Any]] = {k: [] for k in part.extras}
-    good = iter(range(len(part.paths)))
-    for w in where:
-        if isinstance(w, str):
-            labels.append(0)
-            for k, col in part.extras.items():
-                extras[k].append(_blank(col[0]) if col else None)
-            continue
-        i = next(good)
-        labels.append(part.labels[i])
-        for k, col in part.extras.items():
-            extras[k].append(col[i])
-    return labels, extras
-
-
-def _blank(value: Any) -> Any:
-    if isinstance(value, list):
-        return [0.0] * len(value) if value and isinstance(value[0], float) else []
-    return 0.0 if isinstance(value, float) else ""
 
 
 class TarBlobs:
@@ -321,45 +243,3 @@ class TarBlobs:
         with open(tar, "rb") as f:
             f.seek(start)
             return f.read(end - start)
-
-
-def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Source:
-    """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a ``.tar``, a brace pattern, a
-    folder of them), else what `discover_any` finds; local or at a URL (NOTE [url source] in
-    fastdata/preprocess/sources.py).
-
-    Raises:
-        SourceError: The source is missing, unreadable (at a URL: one line, scrubbed), empty or malformed.
-    """
-    if coco_json is None and is_tar_source(src):
-        return tar_source(src)
-    if is_url(str(src)):
-        try:
-            return _discover_url(str(src), coco_json)
-        except SourceError as exc:  # records' messages name their file and line: its URL, scrubbed
-            raise SourceError(scrub(str(exc))) from None
-    return discover_any(Path(src), coco_json)
-
-
-def _discover_url(url: str, coco_json: Optional[Path]) -> Source:
-    """`discover_any` at a URL: a records file by its suffix, else a folder, listed once."""
-    suffix = posixpath.splitext(url.rstrip("/"))[1].lower()
-    if coco_json is not None:
-        source = coco(url, coco_json)
-    elif suffix == ".jsonl":
-        source = jsonl_records(url)
-    elif suffix == ".csv":
-        return csv_records(url) if is_record_csv(url) else discover(url)
-    elif suffix == ".parquet":
-        source = parquet(url)
-    else:
-        listing = url_listing(url)
-        if {"images", "masks"} <= {n.split("/", 1)[0] for n in listing if "/" in n}:
-            source = segmentation_pair(url, listing)
-        elif any("/" not in n and n.endswith(".parquet") for n in listing):
-            source = parquet(url)
-        else:
-            source = url_folder(url, listing)
-    if not source.paths:
-        raise SourceError(f"source {url} holds no samples (image extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
-    return source

@@ -1,0 +1,57 @@
+"""Which source ``fastdata preprocess images SRC`` names: WebDataset tars, a records file, Parquet, COCO, a
+segmentation pair or an image folder, on this machine's disk or at a URL."""
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+from typing import Optional, Union
+
+from .._io import scrub
+from ..errors import SourceError
+from ..storage.remote import is_url
+from .records import (coco, csv_records, discover_any, is_record_csv, jsonl_records, parquet, segmentation_pair)
+from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder, url_listing
+from .tar_index import TarSource
+from .tars import is_tar_source, tar_files
+
+
+def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Union[Source, TarSource]:
+    """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a ``.tar``, a brace pattern, a
+    folder of them), else what `discover_any` finds; local or at a URL (NOTE [url source] in
+    fastdata/preprocess/sources.py).
+
+    Raises:
+        SourceError: The source is missing, unreadable (at a URL: one line, scrubbed), empty or malformed.
+    """
+    if coco_json is None and is_tar_source(src):
+        return TarSource.of(src, tar_files(src))
+    if is_url(str(src)):
+        try:
+            return _discover_url(str(src), coco_json)
+        except SourceError as exc:  # records' messages name their file and line: its URL, scrubbed
+            raise SourceError(scrub(str(exc))) from None
+    return discover_any(Path(src), coco_json)
+
+
+def _discover_url(url: str, coco_json: Optional[Path]) -> Source:
+    """`discover_any` at a URL: a records file by its suffix, else a folder, listed once."""
+    suffix = posixpath.splitext(url.rstrip("/"))[1].lower()
+    if coco_json is not None:
+        source = coco(url, coco_json)
+    elif suffix == ".jsonl":
+        source = jsonl_records(url)
+    elif suffix == ".csv":
+        return csv_records(url) if is_record_csv(url) else discover(url)
+    elif suffix == ".parquet":
+        source = parquet(url)
+    else:
+        listing = url_listing(url)
+        if {"images", "masks"} <= {n.split("/", 1)[0] for n in listing if "/" in n}:
+            source = segmentation_pair(url, listing)
+        elif any("/" not in n and n.endswith(".parquet") for n in listing):
+            source = parquet(url)
+        else:
+            source = url_folder(url, listing)
+    if not source.paths:
+        raise SourceError(f"source {url} holds no samples (image extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    return source

@@ -1,0 +1,391 @@
+"""WebDataset tars listed by tasks, so that the driver of a run holds a count per tar, not a row per sample.
+
+NOTE [tar index]:
+1. Listing a tar means streaming it whole, so at 10^9 samples the listing is work for the cluster, not for
+   the driver. One task per tar (a worker of the local pool, or a Ray task) streams it (NOTE [tar source]
+   in fastdata/preprocess/tars.py) and writes its index into OUT's partial area: each sample's name, its
+   image's offset and size or why it is a bad record, and its metadata record. The tar's summary (counts,
+   JSON keys, field kinds and lengths, class values) is written after it: a summary means a whole index.
+2. The driver keeps the tars' sample counts and merges the summaries into the source's schema: the numeric
+   JSON keys that every sample has, one kind and length per field, one class list. Its memory grows with
+   the tars and the classes, never with the samples.
+3. Shard k still holds source positions ``[k * S, (k + 1) * S)``. The tars covering them are found from
+   the counts, and whoever decodes the shard (the parent of the local pool, or the Ray task itself) loads
+   only their indexes. The output is byte-identical to listing every tar up front.
+4. The run's fingerprint is the tars' names, sizes and versions (etag or mtime) from one listing, so a
+   rerun resumes without streaming a finished tar again. A tar rewritten with the same size and version
+   is not noticed.
+5. ``--shuffle`` needs every sample's place, so the driver then loads every index (memory per sample, as a
+   folder source's listing): at 10^9 samples shuffle at load time (``shuffle_window``) instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import numpy as np
+
+from .._io import scrub, write_bytes_atomic
+from ..errors import SourceError
+from ..formats.manifest import PARTIAL_DIR
+from ..storage.remote import filesystem, is_url
+from .records import _SPLIT, CLASS_KEYS, from_records
+from .sources import Source, class_ids
+from .store_out import StoreOut
+from .tars import IMAGE_EXTS, TarBlobs, Where, members, record
+
+log = logging.getLogger(__name__)
+
+INDEX_DIR = "tar-index"
+_FIXED = ("label", "labels", "boxes", "box_labels", "caption")  # record keys kept whatever their values
+
+
+def _numeric(v: Any) -> bool:
+    return not isinstance(v, (str, bool)) and v is not None
+
+
+def index_name(t: int, what: str) -> str:
+    return f"{INDEX_DIR}/{t:08d}.{what}.json"
+
+
+class Area:
+    """Where the indexes live: OUT's local partial folder, or the partial prefix of a `StoreOut`. Picklable."""
+
+    def __init__(self, at: Union[Path, StoreOut]) -> None:
+        self.at = at
+
+    def write(self, name: str, obj: Any) -> None:
+        if isinstance(self.at, StoreOut):
+            self.at.put_json(f"{PARTIAL_DIR}/{name}", obj)
+            return
+        (self.at / INDEX_DIR).mkdir(exist_ok=True)
+        write_bytes_atomic(self.at / name, json.dumps(obj, separators=(",", ":")).encode())
+
+    def read(self, name: str) -> Any:
+        if isinstance(self.at, StoreOut):
+            obj = self.at.read_json(f"{PARTIAL_DIR}/{name}")
+        else:
+            try:
+                obj = json.loads((self.at / name).read_bytes())
+            except (OSError, ValueError):
+                obj = None
+        if obj is None:
+            raise SourceError(f"the tar index {name} of this run is missing or damaged: rerun the same command "
+                              "(the tars it needs are listed again)")
+        return obj
+
+    def summaries(self) -> set[str]:
+        """The names of the summaries written so far (one listing)."""
+        if isinstance(self.at, StoreOut):
+            prefix = f"{PARTIAL_DIR}/"
+            return {n[len(prefix):] for n in self.at.listing() if n.startswith(prefix + INDEX_DIR + "/")
+                    and n.endswith(".summary.json")}
+        folder = self.at / INDEX_DIR
+        return {f"{INDEX_DIR}/{p.name}" for p in folder.glob("*.summary.json")} if folder.is_dir() else set()
+
+
+def _stats(tars: list[str]) -> list[tuple[int, str]]:
+    """Each tar's size and version (an object's etag, a file's mtime), from one listing per folder."""
+    if not tars or not is_url(tars[0]):
+        return [(s.st_size, str(s.st_mtime_ns)) for s in map(os.stat, tars)]
+    fs, _ = filesystem(tars[0])
+    found: dict[str, dict[str, Any]] = {}
+    for folder in sorted({posixpath.dirname(filesystem(t)[1]) for t in tars}):
+        found.update({fs.unstrip_protocol(k): v for k, v in
+                      ((e["name"], e) for e in fs.ls(folder, detail=True))})
+    out = []
+    for t in tars:
+        e = found.get(t) or fs.info(filesystem(t)[1])
+        version = e.get("ETag") or e.get("etag") or e.get("LastModified") or e.get("mtime") or ""
+        out.append((int(e.get("size") or 0), str(version)))
+    return out
+
+
+@dataclass(frozen=True)
+class TarSource:
+    """WebDataset tars before their indexes exist: the tars and their listing (NOTE [tar index])."""
+
+    location: Union[Path, str]
+    root: Path
+    tars: list[str]
+    stats: list[tuple[int, str]]
+    kind: str = "webdataset"
+
+    @classmethod
+    def of(cls, src: Union[str, Path], tars: list[str]) -> "TarSource":
+        try:
+            stats = _stats(tars)
+        except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
+            raise SourceError(f"cannot list {scrub(str(src))}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+        location: Union[str, Path] = str(src) if is_url(str(src)) else Path(src)
+        root = Path(".") if is_url(str(src)) else Path(tars[0]).parent.resolve()
+        return cls(location, root, tars, stats)
+
+    @property
+    def where(self) -> str:
+        return scrub(self.location) if isinstance(self.location, str) else str(Path(self.location).resolve())
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([self.where, [_label(t) for t in self.tars], self.stats]).encode()
+                              ).hexdigest()
+
+    def index(self, area: Area, run: Callable[[Callable[..., Any], Iterable[Any]], Iterable[Any]]) -> "IndexedTars":
+        """Index the tars not indexed yet (``run(fn, tasks)``: the run's ordered map) and merge every summary.
+
+        Raises:
+            SourceError: A tar cannot be read, holds no samples, or its records disagree with another's.
+        """
+        have = area.summaries()
+        todo = [(t, tar, area) for t, tar in enumerate(self.tars) if index_name(t, "summary") not in have]
+        fresh = dict(zip((t for t, _, _ in todo), run(index_task, todo)))
+        with ThreadPoolExecutor(16) as ex:  # a store answers each small read in a round trip
+            kept = dict(zip((t for t in range(len(self.tars)) if t not in fresh),
+                            ex.map(area.read, [index_name(t, "summary") for t in range(len(self.tars))
+                                               if t not in fresh])))
+        return IndexedTars.merge(self, [fresh.get(t) or kept[t] for t in range(len(self.tars))], area)
+
+
+def _label(tar: str) -> str:
+    return scrub(tar) if is_url(tar) else Path(tar).name
+
+
+def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
+    """A worker: stream one tar, write its index and then its summary (NOTE [tar index] rule 1); returns the
+    summary."""
+    t, tar, area = task
+    label, name = _label(tar), posixpath.basename(tar.rstrip("/"))
+    keys: list[str] = []
+    where: list[Any] = []
+    recs: list[Optional[dict[str, Any]]] = []
+    try:
+        for key, group, reason in members(tar, label):
+            image, rec = next((e for e in group if e in IMAGE_EXTS), None), {}
+            if reason is None:
+                try:
+                    image, rec = record(group)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    reason = f"{label}: sample {key} has bad metadata ({type(exc).__name__}: {exc})"
+            if reason is None and image is None:
+                reason = f"{label}: sample {key} has no image member (members: {sorted(group)})"
+            keys.append(f"{name}/{key}.{image or 'jpg'}")
+            where.append(list(group[image]) if reason is None else reason)
+            recs.append(rec if reason is None else None)
+    except SourceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a store refusing the read: one line naming it
+        raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+    area.write(index_name(t, "index"), {"paths": keys, "where": where, "records": recs})
+    summary = _summary(label, keys, where, recs)
+    area.write(index_name(t, "summary"), summary)
+    return summary
+
+
+def _summary(label: str, keys: list[str], where: list[Any], recs: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
+    """What the driver needs of one tar's samples: counts, keys, kinds in first-seen order, vector lengths,
+    class values."""
+    rows = [(f"{label}: sample {k}", r) for k, r in zip(keys, recs) if r is not None]
+    seen = sorted({k for _, r in rows for k in r if k not in _FIXED})
+    numeric = [k for k in seen if all(_numeric(r.get(k)) for _, r in rows)]
+    local = _kept(rows, set(numeric))
+    part = from_records(iter(local), label, Path("."), "webdataset",
+                        paths=[k for k, r in zip(keys, recs) if r is not None])
+    values = [v for _, r in local for v in _class_values(r)]
+    ids = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    return {"samples": len(keys), "good": len(rows), "seen": seen, "numeric": numeric,
+            "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
+            "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
+                        if part.kinds.get(k) == "vector" and c},
+            "classes": {"ids": max(values, default=-1)} if ids else {"names": sorted({str(v) for v in values})}}
+
+
+def _kept(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    return [(w, {k: v for k, v in r.items() if k in _FIXED or k in keep}) for w, r in rows]
+
+
+def _class_values(rec: dict[str, Any]) -> list[Any]:
+    """A record's class ids or names, as records.py reads them (a ``labels`` string is split)."""
+    out: list[Any] = []
+    for key in CLASS_KEYS:
+        v = rec.get(key)
+        if isinstance(v, str) and key == "labels":
+            v = [t for t in _SPLIT.split(v) if t]
+        if v is not None:
+            out += v if isinstance(v, list) else [v]
+    return out
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The merged summaries: what every piece of the source shares (NOTE [tar index] rule 2)."""
+
+    keep: frozenset[str]
+    kinds: dict[str, str]
+    vectors: dict[str, int]
+    has_label: bool
+    classes: list[str]
+    ids: Optional[dict[str, int]]  # class name -> id; None: the records give ids
+
+    def class_id(self, v: Any) -> Any:
+        if isinstance(v, list):
+            return [self.class_id(x) for x in v]
+        return v if self.ids is None else self.ids[str(v)]
+
+
+def _merge(tars: list[str], summaries: list[dict[str, Any]]) -> Schema:
+    good = [(t, s) for t, s in zip(tars, summaries) if s["good"]]
+    keep = frozenset.intersection(*(frozenset(s["numeric"]) for _, s in good)) if good else frozenset()
+    dropped = sorted({k for _, s in good for k in s["seen"]} - keep)
+    if dropped:
+        log.info("JSON keys not numeric in every sample, not stored: %s", dropped)
+    kinds: dict[str, str] = {}
+    vectors: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for t, s in good:
+        for key, kind in s["kinds"]:
+            if key in keep or key in _FIXED:
+                if kinds.setdefault(key, kind) != kind:
+                    raise SourceError(f"{_label(t)}: {key!r} holds {kind} there and {kinds[key]} in "
+                                      f"{first[key]}")
+                first.setdefault(key, _label(t))
+        for key, n in s["vectors"].items():
+            if key in keep and vectors.setdefault(key, n) != n:
+                raise SourceError(f"{_label(t)}: {key!r} has lists of length {n} there and {vectors[key]} in "
+                                  f"{first[key]}: a float field has one length for every record")
+    labelled = {s["has_label"] for _, s in good}
+    if len(labelled) > 1:
+        t = next(t for t, s in good if not s["has_label"])
+        raise SourceError(f"{_label(t)}: its samples have no 'label' while other tars' have: give every sample one")
+    if ("boxes" in kinds) != ("box_labels" in kinds):
+        raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
+    modes = {next(iter(s["classes"])) for _, s in good if s["classes"] != {"names": []}}
+    if len(modes) > 1:
+        raise SourceError("class labels mix ids and names across the tars: use one or the other")
+    classes: list[str] = []
+    ids: Optional[dict[str, int]] = None
+    if modes == {"ids"}:
+        classes = [str(i) for i in range(max(s["classes"]["ids"] for _, s in good) + 1)]
+    elif modes == {"names"}:
+        names = sorted({n for _, s in good for n in s["classes"].get("names", [])})
+        classes, numbers = class_ids(names)
+        ids = dict(zip(names, numbers))
+    return Schema(keep, kinds, vectors, labelled == {True}, classes, ids)
+
+
+@dataclass(frozen=True)
+class IndexedTars:
+    """WebDataset tars with their indexes in OUT's partial area: counts and a schema, no sample held."""
+
+    source: TarSource
+    starts: np.ndarray  # tar t holds source positions [starts[t], starts[t + 1])
+    schema: Schema
+    area: Area
+
+    @classmethod
+    def merge(cls, source: TarSource, summaries: list[dict[str, Any]], area: Area) -> "IndexedTars":
+        starts = np.zeros(len(summaries) + 1, np.int64)
+        np.cumsum([s["samples"] for s in summaries], out=starts[1:])
+        if starts[-1] == 0:
+            raise SourceError(f"{scrub(str(source.location))} holds no samples")
+        return cls(source, starts, _merge(source.tars, summaries), area)
+
+    kind = "webdataset"
+    location = property(lambda self: self.source.location)
+    root = property(lambda self: self.source.root)
+    where = property(lambda self: self.source.where)
+    kinds = property(lambda self: self.schema.kinds)
+    classes = property(lambda self: self.schema.classes)
+    has_label = property(lambda self: self.schema.has_label)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.starts[-1])
+
+    def vector_shape(self, name: str) -> tuple[int, ...]:
+        n = self.schema.vectors[name]
+        return (n,) if n >= 0 else ()
+
+    def piece(self, a: int, b: int) -> "TarPiece":
+        """Source positions ``[a, b)``, to be loaded where they are decoded: only their tars travel."""
+        lo = int(np.searchsorted(self.starts, a, side="right")) - 1
+        hi = max(lo + 1, int(np.searchsorted(self.starts, b, side="left")))
+        return TarPiece(self.source.location, self.source.root, self.schema, self.area, a, b,
+                        list(range(lo, hi)), self.source.tars[lo:hi], self.starts[lo:hi + 1].tolist())
+
+    def shuffled(self, seed: int) -> Source:
+        """Every sample loaded, in the order of `Source.shuffled` (NOTE [tar index] rule 5)."""
+        return self.piece(0, self.num_samples).load().shuffled(seed)
+
+
+@dataclass(frozen=True)
+class TarPiece:
+    """Source positions ``[a, b)`` of `IndexedTars`: the tars holding them (their numbers in the run, names
+    and first positions), read by `load` where the piece is decoded. Picklable and small."""
+
+    location: Union[Path, str]
+    root: Path
+    schema: Schema
+    area: Area
+    a: int
+    b: int
+    ordinals: list[int]
+    tars: list[str]
+    starts: list[int]  # tar j of the piece holds positions [starts[j], starts[j + 1])
+
+    def load(self) -> Source:
+        """The piece as a `Source` of its samples only, as listing every tar would give them."""
+        s = self.schema
+        paths: list[str] = []
+        where: list[Where] = []
+        rows: list[tuple[str, dict[str, Any]]] = []
+        for j, (t, tar) in enumerate(zip(self.ordinals, self.tars)):
+            lo, hi = max(self.a, self.starts[j]) - self.starts[j], min(self.b, self.starts[j + 1]) - self.starts[j]
+            index = self.area.read(index_name(t, "index"))
+            label = _label(tar)
+            for name, at, rec in zip(index["paths"][lo:hi], index["where"][lo:hi], index["records"][lo:hi]):
+                paths.append(name)
+                where.append(at if isinstance(at, str) else (j, at[0], at[1]))
+                if rec is not None:
+                    rows.append((f"{label}: sample {name}", _as_schema(rec, s)))
+        ok = [p for p, at in zip(paths, where) if not isinstance(at, str)]
+        part = from_records(iter(rows), self.location, self.root, "webdataset", paths=ok)
+        kinds = {k: v for k, v in s.kinds.items() if k != "label"}
+        extras = {k: part.extras.get(k, [[] if kind in ("labels", "boxes", "box_labels") else None] * len(ok))
+                  for k, kind in kinds.items()}
+        labels, extras = _with_bad(part.labels if s.has_label else [0] * len(ok), extras, where)
+        return Source("webdataset", self.location, self.root, paths, labels, s.classes, kinds, extras, s.has_label,
+                      TarBlobs(self.tars, where))
+
+
+def _as_schema(rec: dict[str, Any], s: Schema) -> dict[str, Any]:
+    """A record with the source's keys only and its classes as the source's ids."""
+    rec = {k: v for k, v in rec.items() if k in _FIXED or k in s.keep}
+    for key in CLASS_KEYS:
+        v = rec.get(key)
+        if v is not None:
+            rec[key] = s.class_id([x for x in _SPLIT.split(v) if x] if key == "labels" and isinstance(v, str) else v)
+    return rec
+
+
+def _with_bad(labels: list[int], extras: dict[str, list[Any]], where: list[Where]
+              ) -> tuple[list[int], dict[str, list[Any]]]:
+    """Labels and extras for every sample: the good ones' values, blanks where a bad record sits (its worker
+    fails it before reading them)."""
+    good = np.cumsum([not isinstance(w, str) for w in where]) - 1  # sample i is good sample good[i]
+    bad = [isinstance(w, str) for w in where]
+    out_labels = [0 if b else labels[g] for b, g in zip(bad, good)]
+    out = {k: [(_blank(col[0]) if col else None) if b else col[g] for b, g in zip(bad, good)]
+           for k, col in extras.items()}
+    return out_labels, out
+
+
+def _blank(value: Any) -> Any:
+    if isinstance(value, list):
+        return [0.0] * len(value) if value and isinstance(value[0], float) else []
+    return 0.0 if isinstance(value, float) else ""
