@@ -12,10 +12,11 @@ Cases (issue 43 item 5; every Ray node is started here on 127.0.0.1 with ``ray.c
   4. LitData ``optimize()`` on the same photo folder, the same N CPUs and the same output (JPEG quality 90, the
      shorter side 256 by Pillow's kernel of fastdata's default filter) against fastdata's LMDB writer: fastdata's
      images/s as a ratio of LitData's (target >= 1.2x); skipped with a message when litdata is missing.
-  5. ``--plan-samples S``: the driver's work without any decoding: the source listing, the task plan, one
-     journal entry per shard and the manifest, with its CPU time and peak memory; the journal is measured
-     at two sizes to check that an entry costs the same at any size (entries are appended), then
-     everything is projected to 10^9 samples in 10^6 shards.
+  5. ``--plan-samples S``: the driver's work for WebDataset tars without any decoding: the tars' listing, the
+     merge of their summaries, the tasks as Ray receives them, one journal entry per shard and the manifest,
+     with its CPU time and peak memory; the journal is measured at two sizes to check that an entry costs
+     the same at any size (entries are appended), then everything is projected to 10^9 samples in 10^6
+     shards.
 
     python benchmarks/bench_cluster.py [--images 400] [--cpus 2] [--plan-samples 1000000] [--skip-ray]
                                        [--skip-sources] [--rounds 3]
@@ -32,6 +33,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import platform
 import resource
 import shutil
@@ -47,9 +49,9 @@ from PIL import Image
 from fastdata.cli.synthetic import make_image_folder
 from fastdata.formats import image_shards
 from fastdata.formats.manifest import IMAGES_NPY, new_manifest, write_manifest
-from fastdata.preprocess import images, journal
+from fastdata.preprocess import journal, tar_index
+from fastdata.preprocess.image_tasks import Plan
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
-from fastdata.preprocess.sources import Source
 
 TARGET_SAMPLES, TARGET_SHARDS = 10 ** 9, 10 ** 6
 REPEATS = 2  # best of: the machine may be shared
@@ -280,11 +282,19 @@ def measured(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, cpu_now() - t
 
 
-def synthetic_source(n: int) -> Source:
-    """A listing of ``n`` samples as a folder source holds it (1,000 classes; no file exists)."""
-    paths = [f"c{i % 1000:03d}/{i:010d}.jpg" for i in range(n)]
-    return Source("folder", Path("/synthetic"), Path("/synthetic"), paths, [i % 1000 for i in range(n)],
-                  [f"c{k:03d}" for k in range(1000)])
+def synthetic_tars(samples: int, per_tar: int) -> tar_index.TarSource:
+    """A listing of WebDataset tars of ``per_tar`` samples (names and stats as one store listing gives them;
+    no tar exists): LAION's layout, img2dataset's default of 10,000 samples a tar."""
+    n = -(-samples // per_tar)
+    return tar_index.TarSource("s3://bucket/laion", Path("."), [f"s3://bucket/laion/{t:06d}.tar" for t in range(n)],
+                               [(per_tar * 45_000, f'"{t:032x}"') for t in range(n)])
+
+
+def tar_summary(samples: int) -> dict[str, Any]:
+    """A tar's summary as `tar_index.index_task` returns it: captions, two numeric keys, no classes."""
+    return {"samples": samples, "good": samples, "seen": ["height", "width"], "numeric": ["height", "width"],
+            "kinds": [["caption", "tokens"], ["width", "vector"], ["height", "vector"]], "has_label": False,
+            "vectors": {"width": -1, "height": -1}, "classes": {"names": []}}
 
 
 def unit_record(k: int, shard_size: int) -> dict[str, Any]:
@@ -304,22 +314,27 @@ def journal_cpu(scratch: Path, shards: int, shard_size: int) -> float:
     return cpu
 
 
-def plan_case(scratch: Path, samples: int, shard_size: int = 1024) -> dict[str, float]:
-    """Case 3: the driver's own work for ``samples`` samples, no decoding."""
+def plan_case(scratch: Path, samples: int, shard_size: int = 1024, per_tar: int = 10_000) -> dict[str, float]:
+    """Case 5: the driver's own work for ``samples`` samples in WebDataset tars, no decoding (NOTE [tar index]
+    in fastdata/preprocess/tar_index.py): the tars' listing, the merge of their summaries, one task per unit
+    as Ray receives it (pickled), one journal entry per unit, and the manifest."""
     shards = -(-samples // shard_size)
     base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    source, listing_cpu = measured(lambda: synthetic_source(samples))
+    source, listing_cpu = measured(lambda: synthetic_tars(samples, per_tar))
+    summaries = [tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars))]
+    indexed, merge_cpu = measured(lambda: tar_index.IndexedTars.merge(source, summaries, tar_index.Area(scratch)))
+    plan = Plan("npy", 256, shard_size, (), False, "center-crop", "lanczos", 90, "uint8", "bytes")
 
-    def plan() -> int:
-        chunks = images._chunks(0, samples, 64, images._MAX_CHUNK, shard_size)  # 64 workers: a cluster's chunking
-        return len([(str(source.root), source.paths[a:b], a, "npy", 256, "center-crop", 90, "lanczos", None)
-                    for a, b in chunks])
+    def tasks() -> int:  # what `images._run` submits, serialised as Ray does (its pickler is cloudpickle's)
+        return sum(len(pickle.dumps((plan, k, a, min(a + shard_size, samples),
+                                     indexed.piece(a, min(a + shard_size, samples)), 16, scratch)))
+                   for k, a in enumerate(range(0, samples, shard_size)))
 
-    tasks, plan_cpu = measured(plan)
-    units = [unit_record(k, shard_size) for k in range(shards)]
+    task_bytes, plan_cpu = measured(tasks)
+    units = [unit_record(k, shard_size) for k in range(shards)]  # the journal's units, held by the driver
 
     def manifest() -> int:
-        m = new_manifest(IMAGES_NPY, version=1, num_samples=samples, classes=source.classes,
+        m = new_manifest(IMAGES_NPY, version=1, num_samples=samples, classes=[],
                          files=[f for u in units for f in u["files"]],
                          shards=[{"images": image_shards.images_name(u["index"]),
                                   "labels": image_shards.labels_name(u["index"]), "samples": u["samples"]}
@@ -330,18 +345,16 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024) -> dict[str, 
     manifest_bytes, manifest_cpu = measured(manifest)
     small, large = max(2, min(shards, 1000) // 2), max(4, min(shards, 1000))
     j_small, j_large = journal_cpu(scratch, small, shard_size), journal_cpu(scratch, large, shard_size)
-    # the journal's cost a + b * k per entry k, fitted on two sizes (b is ~0: entries are appended)
-    b = max(0.0, (j_large / large - j_small / small) / ((large - small) / 2))
-    a = max(0.0, j_small / small - b * small / 2)
+    per_entry = j_large / large  # the same at both sizes when an entry is appended in O(1) (printed: compare)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_mb  # the driver's growth
-    per_sample = (listing_cpu + plan_cpu) / samples
-    per_shard = manifest_cpu / shards
-    return {"samples": samples, "shards": shards, "tasks": tasks, "listing_cpu_s": listing_cpu,
-            "plan_cpu_s": plan_cpu, "manifest_cpu_s": manifest_cpu, "manifest_mb": manifest_bytes / 1e6,
-            "driver_growth_mb": peak_mb, "journal_cpu_s_at": {small: j_small, large: j_large},
-            "projected_plan_and_manifest_cpu_min": (per_sample * TARGET_SAMPLES + per_shard * TARGET_SHARDS) / 60,
-            "projected_journal_cpu_h": (a * TARGET_SHARDS + b * TARGET_SHARDS ** 2 / 2) / 3600,
-            "projected_listing_gb": peak_mb / 1e3 * TARGET_SAMPLES / samples}
+    scale = TARGET_SAMPLES / samples  # tars and units both grow with the samples (fixed sizes of each)
+    cpu = listing_cpu + merge_cpu + plan_cpu + manifest_cpu + per_entry * shards
+    return {"samples": samples, "tars": len(source.tars), "shards": shards, "listing_cpu_s": listing_cpu,
+            "merge_cpu_s": merge_cpu, "plan_cpu_s": plan_cpu, "task_bytes_mean": task_bytes / shards,
+            "manifest_cpu_s": manifest_cpu, "manifest_mb": manifest_bytes / 1e6, "driver_growth_mb": peak_mb,
+            "journal_ms_per_entry_at": {small: 1e3 * j_small / small, large: 1e3 * j_large / large},
+            "projected_driver_cpu_min": cpu * scale / 60,
+            "projected_driver_gb": peak_mb / 1e3 * scale}
 
 
 def main() -> None:

@@ -239,8 +239,25 @@ def write_bytes_atomic(path: Path, data: bytes, advice: str = RESUME_ADVICE,
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """JSON with sorted keys and a trailing newline, so equal objects give equal bytes."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    """JSON with sorted keys and a trailing newline, so equal objects give equal bytes. Written as it is
+    encoded: ``json.dumps`` with an indent joins one small string per token, about 7x the text's size (2.5
+    GB for the manifest of a million shards)."""
+    w = HashingWriter(path)
+    try:
+        buf: list[str] = []
+        held = 0
+        for piece in json.JSONEncoder(indent=1, sort_keys=True).iterencode(obj):
+            buf.append(piece)
+            held += len(piece)
+            if held >= 1 << 20:
+                w.write("".join(buf).encode())
+                buf, held = [], 0
+        buf.append("\n")
+        w.write("".join(buf).encode())
+    except BaseException:
+        w.abort()
+        raise
+    w.commit()
 
 
 def fsync_dir(path: Path) -> None:

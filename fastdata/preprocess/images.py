@@ -303,7 +303,7 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
         jr.add(unit, skipped, partial)
         bar.set_postfix_str(shards_done())
 
-    units = [(k, a, min(a + size, total)) for k, a in zip(itertools.count(len(jr.units)), range(start, total, size))]
+    units = ((k, a, min(a + size, total)) for k, a in zip(itertools.count(len(jr.units)), range(start, total, size)))
     if pool is not None:
         tasks = ((plan, k, a, b, source.piece(a, b), max_files, out) for k, a, b in units)
         try:

@@ -74,11 +74,15 @@ class Journal:
         return sum(u["samples"] for u in self.units)
 
     def add(self, unit: dict[str, Any], skipped: list[dict[str, Any]], partial: Path) -> None:
-        """Record a completed unit and the skipped files before its end: one line appended and made durable."""
-        start = self.source_end
+        """Record a completed unit and the skipped files before its end: one line appended and made durable.
+        ``skipped``: the run's, in source order, beginning with this journal's (its cost is the new ones')."""
+        assert skipped is not self.skipped, "pass the run's own list, which begins with a copy of the journal's"
         self.units.append(unit)
-        new = [s for s in skipped if start <= s["index"] < unit["source_end"]]
-        self.skipped = [s for s in skipped if s["index"] < unit["source_end"]]
+        end = len(self.skipped)
+        while end < len(skipped) and skipped[end]["index"] < unit["source_end"]:
+            end += 1
+        new = skipped[len(self.skipped):end]
+        self.skipped.extend(new)
         self._write({"unit": unit, "skipped": new}, partial)
 
     def _write(self, entry: dict[str, Any], partial: Path) -> None:
