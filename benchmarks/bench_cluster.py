@@ -294,7 +294,7 @@ def tar_summary(samples: int) -> dict[str, Any]:
     """A tar's summary as `tar_index.index_task` returns it: captions, two numeric keys, no classes."""
     return {"samples": samples, "good": samples, "seen": ["height", "width"], "numeric": ["height", "width"],
             "kinds": [["caption", "tokens"], ["width", "vector"], ["height", "vector"]], "has_label": False,
-            "vectors": {"width": -1, "height": -1}, "classes": {"names": []}}
+            "vectors": {"width": -1, "height": -1}, "classes": {}}
 
 
 def unit_record(k: int, shard_size: int) -> dict[str, Any]:
@@ -321,7 +321,7 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024, per_tar: int 
     shards = -(-samples // shard_size)
     base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     source, listing_cpu = measured(lambda: synthetic_tars(samples, per_tar))
-    summaries = [tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars))]
+    summaries = (tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars)))  # as tasks return them
     indexed, merge_cpu = measured(lambda: tar_index.IndexedTars.merge(source, summaries, tar_index.Area(scratch)))
     plan = Plan("npy", 256, shard_size, (), False, "center-crop", "lanczos", 90, "uint8", "bytes")
 

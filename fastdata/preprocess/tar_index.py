@@ -144,12 +144,12 @@ class TarSource:
         """
         have = area.summaries()
         todo = [(t, tar, area) for t, tar in enumerate(self.tars) if index_name(t, "summary") not in have]
-        fresh = dict(zip((t for t, _, _ in todo), run(index_task, todo)))
+        fresh = iter(run(index_task, todo))
+        listed = {t for t, _, _ in todo}
         with ThreadPoolExecutor(16) as ex:  # a store answers each small read in a round trip
-            kept = dict(zip((t for t in range(len(self.tars)) if t not in fresh),
-                            ex.map(area.read, [index_name(t, "summary") for t in range(len(self.tars))
-                                               if t not in fresh])))
-        return IndexedTars.merge(self, [fresh.get(t) or kept[t] for t in range(len(self.tars))], area)
+            kept = ex.map(area.read, [index_name(t, "summary") for t in range(len(self.tars)) if t not in listed])
+            return IndexedTars.merge(self, (next(fresh) if t in listed else next(kept)
+                                            for t in range(len(self.tars))), area)
 
 
 def _label(tar: str) -> str:
@@ -202,7 +202,7 @@ def _summary(label: str, keys: list[str], where: list[Any], recs: list[Optional[
             "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
             "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
                         if part.kinds.get(k) == "vector" and c},
-            "classes": {"ids": max(values, default=-1)} if ids else {"names": sorted({str(v) for v in values})}}
+            "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted({str(v) for v in values})}}
 
 
 def _kept(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -238,44 +238,70 @@ class Schema:
         return v if self.ids is None else self.ids[str(v)]
 
 
-def _merge(tars: list[str], summaries: list[dict[str, Any]]) -> Schema:
-    good = [(t, s) for t, s in zip(tars, summaries) if s["good"]]
-    keep = frozenset.intersection(*(frozenset(s["numeric"]) for _, s in good)) if good else frozenset()
-    dropped = sorted({k for _, s in good for k in s["seen"]} - keep)
-    if dropped:
-        log.info("JSON keys not numeric in every sample, not stored: %s", dropped)
-    kinds: dict[str, str] = {}
-    vectors: dict[str, int] = {}
-    first: dict[str, str] = {}
-    for t, s in good:
+class _Merge:
+    """The tars' summaries merged in tar order, one at a time: memory for keys and classes, not tars."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.keep: Optional[set[str]] = None  # the keys numeric in every sample so far
+        self.seen: set[str] = set()
+        self.kinds: dict[str, str] = {}  # first-seen order, as one listing of every record gives it
+        self.vectors: dict[str, int] = {}
+        self.clash: dict[str, str] = {}  # a key's first disagreement: an error only if the key is kept
+        self.first: dict[str, str] = {}
+        self.labelled: dict[bool, str] = {}  # has 'label' -> a tar that says so
+        self.ids = -1
+        self.names: set[str] = set()
+        self.modes: set[str] = set()
+
+    def add(self, tar: str, s: dict[str, Any]) -> None:
+        self.counts.append(s["samples"])
+        if not s["good"]:
+            return
+        label = _label(tar)
+        self.keep = set(s["numeric"]) if self.keep is None else self.keep & set(s["numeric"])
+        self.seen.update(s["seen"])
         for key, kind in s["kinds"]:
-            if key in keep or key in _FIXED:
-                if kinds.setdefault(key, kind) != kind:
-                    raise SourceError(f"{_label(t)}: {key!r} holds {kind} there and {kinds[key]} in "
-                                      f"{first[key]}")
-                first.setdefault(key, _label(t))
+            self.first.setdefault(key, label)
+            if self.kinds.setdefault(key, kind) != kind:
+                self.clash.setdefault(key, f"{label}: {key!r} holds {kind} there and {self.kinds[key]} in "
+                                           f"{self.first[key]}")
         for key, n in s["vectors"].items():
-            if key in keep and vectors.setdefault(key, n) != n:
-                raise SourceError(f"{_label(t)}: {key!r} has lists of length {n} there and {vectors[key]} in "
-                                  f"{first[key]}: a float field has one length for every record")
-    labelled = {s["has_label"] for _, s in good}
-    if len(labelled) > 1:
-        t = next(t for t, s in good if not s["has_label"])
-        raise SourceError(f"{_label(t)}: its samples have no 'label' while other tars' have: give every sample one")
-    if ("boxes" in kinds) != ("box_labels" in kinds):
-        raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
-    modes = {next(iter(s["classes"])) for _, s in good if s["classes"] != {"names": []}}
-    if len(modes) > 1:
-        raise SourceError("class labels mix ids and names across the tars: use one or the other")
-    classes: list[str] = []
-    ids: Optional[dict[str, int]] = None
-    if modes == {"ids"}:
-        classes = [str(i) for i in range(max(s["classes"]["ids"] for _, s in good) + 1)]
-    elif modes == {"names"}:
-        names = sorted({n for _, s in good for n in s["classes"].get("names", [])})
-        classes, numbers = class_ids(names)
-        ids = dict(zip(names, numbers))
-    return Schema(keep, kinds, vectors, labelled == {True}, classes, ids)
+            if self.vectors.setdefault(key, n) != n:
+                self.clash.setdefault(key, f"{label}: {key!r} has lists of length {n} there and "
+                                           f"{self.vectors[key]} in {self.first[key]}: a float field has one "
+                                           "length for every record")
+        self.labelled.setdefault(s["has_label"], label)
+        for mode, value in s["classes"].items():
+            self.modes.add(mode)
+            if mode == "ids":
+                self.ids = max(self.ids, value)
+            else:
+                self.names.update(value)
+
+    def schema(self) -> Schema:
+        keep = frozenset(self.keep or ())
+        if self.seen - keep:
+            log.info("JSON keys not numeric in every sample, not stored: %s", sorted(self.seen - keep))
+        kinds = {k: v for k, v in self.kinds.items() if k in keep or k in _FIXED}
+        clash = next((self.clash[k] for k in kinds if k in self.clash), None)
+        if clash:
+            raise SourceError(clash)
+        if len(self.labelled) > 1:
+            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other tars' have "
+                              f"({self.labelled[True]}): give every sample one")
+        if ("boxes" in kinds) != ("box_labels" in kinds):
+            raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
+        if len(self.modes) > 1:
+            raise SourceError("class labels mix ids and names across the tars: use one or the other")
+        classes: list[str] = [str(i) for i in range(self.ids + 1)]
+        ids: Optional[dict[str, int]] = None
+        if self.modes == {"names"}:
+            names = sorted(self.names)
+            classes, numbers = class_ids(names)
+            ids = dict(zip(names, numbers))
+        return Schema(keep, kinds, {k: v for k, v in self.vectors.items() if k in keep},
+                      True in self.labelled, classes, ids)
 
 
 @dataclass(frozen=True)
@@ -288,12 +314,16 @@ class IndexedTars:
     area: Area
 
     @classmethod
-    def merge(cls, source: TarSource, summaries: list[dict[str, Any]], area: Area) -> "IndexedTars":
-        starts = np.zeros(len(summaries) + 1, np.int64)
-        np.cumsum([s["samples"] for s in summaries], out=starts[1:])
+    def merge(cls, source: TarSource, summaries: Iterable[dict[str, Any]], area: Area) -> "IndexedTars":
+        """The source from its tars' summaries, in tar order (consumed one at a time)."""
+        merged = _Merge()
+        for tar, summary in zip(source.tars, summaries):
+            merged.add(tar, summary)
+        starts = np.zeros(len(merged.counts) + 1, np.int64)
+        np.cumsum(merged.counts, out=starts[1:])
         if starts[-1] == 0:
             raise SourceError(f"{scrub(str(source.location))} holds no samples")
-        return cls(source, starts, _merge(source.tars, summaries), area)
+        return cls(source, starts, merged.schema(), area)
 
     kind = "webdataset"
     location = property(lambda self: self.source.location)
