@@ -321,7 +321,8 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024, per_tar: int 
     shards = -(-samples // shard_size)
     base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     source, listing_cpu = measured(lambda: synthetic_tars(samples, per_tar))
-    summaries = (tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars)))  # as tasks return them
+    # one at a time, as the tasks return them
+    summaries = (tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars)))
     indexed, merge_cpu = measured(lambda: tar_index.IndexedTars.merge(source, summaries, tar_index.Area(scratch)))
     plan = Plan("npy", 256, shard_size, (), False, "center-crop", "lanczos", 90, "uint8", "bytes")
 

@@ -9,7 +9,7 @@ from typing import Optional, Union
 from .._io import scrub
 from ..errors import SourceError
 from ..storage.remote import is_url
-from .records import (coco, csv_records, discover_any, is_record_csv, jsonl_records, parquet, segmentation_pair)
+from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, parquet, segmentation_pair
 from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder, url_listing
 from .tar_index import TarSource
 from .tars import is_tar_source, tar_files

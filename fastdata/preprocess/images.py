@@ -6,6 +6,7 @@ killed run resumes; the manifest is written last.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -27,8 +28,7 @@ from ..formats.schema import Field
 from ..formats.tokenizer import cached_tokenizer, token_dtype
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
-from . import journal, parallel, ray_pool, store_out
-from . import tar_index
+from . import journal, parallel, ray_pool, store_out, tar_index
 from .discover import discover_source
 from .image_tasks import MAX_SIDE, Plan, chunk_size, chunks, named, unit_task, work, work_fields
 from .sources import Source
@@ -240,14 +240,25 @@ def _ready(config: ImagePreprocessConfig, source: Union[Source, TarSource], area
     shuffled as asked."""
     if isinstance(source, TarSource):
         assert area is not None
-        workers = pool.workers if pool else config.workers or parallel.default_workers()
-        run = pool.ordered_map if pool else parallel.ordered_map
-        source = source.index(area, lambda fn, tasks: (r for r, _ in run(fn, tasks, workers, 0)))
+        source = source.index(area, functools.partial(_index_run, config, pool))
     if config.resize == MAX_SIDE and source.kinds:
         raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
                           f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
                           "squash or pad")
     return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
+
+
+def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], fn: Any, tasks: list[tuple]
+               ) -> Iterator[Any]:
+    """The tars' index tasks on the run's pool, in order, with a progress bar of tars listed."""
+    from ..progress import progress_bar
+
+    workers = pool.workers if pool else config.workers or parallel.default_workers()
+    run = pool.ordered_map if pool else parallel.ordered_map
+    with progress_bar(total=len(tasks), desc="index tars", unit="tar", enabled=config.progress and bool(tasks)) as bar:
+        for result, _ in run(fn, tasks, workers, 0):
+            bar.update(1)
+            yield result
 
 
 def _pool(config: ImagePreprocessConfig, source: Union[Source, TarSource], out: Any) -> Optional[ray_pool.RayPool]:

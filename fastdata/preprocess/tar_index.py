@@ -202,7 +202,7 @@ def _summary(label: str, keys: list[str], where: list[Any], recs: list[Optional[
             "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
             "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
                         if part.kinds.get(k) == "vector" and c},
-            "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted({str(v) for v in values})}}
+            "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted(set(map(str, values)))}}
 
 
 def _kept(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tuple[str, dict[str, Any]]]:
