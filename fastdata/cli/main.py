@@ -16,7 +16,8 @@ from .data import add_data_commands, add_retry_seconds, retry_seconds
 
 
 def _preprocess_images(args: argparse.Namespace) -> int:
-    from ..preprocess.images import ImagePreprocessConfig, preprocess_images, summary
+    from ..preprocess.image_manifest import summary
+    from ..preprocess.images import ImagePreprocessConfig, preprocess_images
 
     config = ImagePreprocessConfig(
         src=args.src, out=args.out, size=args.size, resize=args.resize, format=args.format, workers=args.workers,
