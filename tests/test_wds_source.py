@@ -16,6 +16,7 @@ from PIL import Image
 
 from fastdata.cli.main import main
 from fastdata.datasets.images import FastDataset
+from fastdata.errors import SourceError
 from fastdata.preprocess.tars import expand_braces
 
 PER_TAR = 6
@@ -259,3 +260,26 @@ def test_a_rerun_reads_the_tar_indexes_and_a_piece_carries_only_its_tars(tmp_pat
     assert loaded.extras["caption"] == [f"caption {i}" for i in range(PER_TAR - 1, PER_TAR + 2)]
     # the piece's size depends on its own tars, not on the source's
     assert len(pickle.dumps(again.piece(0, 2))) == len(pickle.dumps(again.piece(PER_TAR, PER_TAR + 2)))
+
+
+def test_a_damaged_or_missing_tar_index_is_listed_again_from_its_tar(tmp_path, caplog):
+    from fastdata.preprocess.tar_index import Area, TarSource, index_name
+    from fastdata.preprocess.tars import tar_files
+
+    src = make_tars(tmp_path / "src", count=2)
+    source = TarSource.of(src, tar_files(src))
+    area = Area(tmp_path)
+    indexed = source.index(area, lambda fn, tasks: map(fn, tasks))
+    want = indexed.piece(0, 2 * PER_TAR).load()
+    index0, summary1 = tmp_path / index_name(0, "index"), tmp_path / index_name(1, "summary")
+    index0.write_bytes(index0.read_bytes().replace(b"caption 1", b"caption 9"))  # tampered: valid JSON
+    summary1.write_bytes(b"{")  # a summary cut short
+    again = source.index(area, lambda fn, tasks: map(fn, tasks))  # tar 1 listed again for its summary
+    got = again.piece(0, 2 * PER_TAR).load()  # tar 0's index fails its sha256: listed again
+    assert (got.paths, got.labels, got.extras) == (want.paths, want.labels, want.extras)
+    assert b"caption 1" in index0.read_bytes() and "listing the tar again" in caplog.text
+    tar0 = src / "00000.tar"
+    tar0.write_bytes(tar0.read_bytes().replace(b"caption 2", b"caption 8"))  # the tar changed under the run
+    index0.unlink()
+    with pytest.raises(SourceError, match="changed since this run listed it"):
+        again.piece(0, 2).load()

@@ -95,14 +95,7 @@ class StoreOut:
         self._call(name, lambda: fs.rm_file(self._key(name)), "write")
 
     def read_json(self, name: str) -> Optional[dict[str, Any]]:
-        fs, _, _ = self._client()
-
-        def get() -> Optional[bytes]:
-            try:
-                return fs.cat_file(self._key(name))
-            except FileNotFoundError:
-                return None
-        data = self._call(name, get, "read")
+        data = self.read_bytes(name)
         if data is None:
             return None
         try:
@@ -132,9 +125,22 @@ class StoreOut:
         self._call(name, lambda: fs.get_file(self._key(name), str(local)), "download")
 
     def put_json(self, name: str, obj: dict[str, Any]) -> None:
+        self.put_bytes(name, json.dumps(obj, sort_keys=True, indent=None, separators=(",", ":")).encode())
+
+    def put_bytes(self, name: str, data: bytes) -> None:
         fs, _, _ = self._client()
-        data = json.dumps(obj, sort_keys=True, indent=None, separators=(",", ":")).encode()
         self._call(name, lambda: fs.pipe_file(self._key(name), data), "upload")
+
+    def read_bytes(self, name: str) -> Optional[bytes]:
+        """An object's bytes; None when it does not exist."""
+        fs, _, _ = self._client()
+
+        def get() -> Optional[bytes]:
+            try:
+                return fs.cat_file(self._key(name))
+            except FileNotFoundError:
+                return None
+        return self._call(name, get, "read")
 
     def delete(self, names: list[str]) -> None:
         fs, _, _ = self._client()

@@ -17,6 +17,9 @@ NOTE [tar index]:
    is not noticed.
 5. ``--shuffle`` needs every sample's place, so the driver then loads every index (memory per sample, as a
    folder source's listing): at 10^9 samples shuffle at load time (``shuffle_window``) instead.
+6. A summary records its index's sha256, checked on every load. An index missing, damaged or tampered with
+   is listed again from its tar by whoever needs it (an index is a function of its tar alone); a tar whose
+   new listing differs has changed under the run: refused, with ``--overwrite`` to start again.
 """
 from __future__ import annotations
 
@@ -61,25 +64,31 @@ class Area:
     def __init__(self, at: Union[Path, StoreOut]) -> None:
         self.at = at
 
-    def write(self, name: str, obj: Any) -> None:
+    def write(self, name: str, obj: Any) -> str:
+        """Write ``obj`` as compact JSON under ``name``; returns the bytes' sha256."""
+        data = json.dumps(obj, separators=(",", ":")).encode()
         if isinstance(self.at, StoreOut):
-            self.at.put_json(f"{PARTIAL_DIR}/{name}", obj)
-            return
-        (self.at / INDEX_DIR).mkdir(exist_ok=True)
-        write_bytes_atomic(self.at / name, json.dumps(obj, separators=(",", ":")).encode())
+            self.at.put_bytes(f"{PARTIAL_DIR}/{name}", data)
+        else:
+            (self.at / INDEX_DIR).mkdir(exist_ok=True)
+            write_bytes_atomic(self.at / name, data)
+        return hashlib.sha256(data).hexdigest()
 
-    def read(self, name: str) -> Any:
+    def read(self, name: str, sha256: Optional[str] = None) -> Any:
+        """The object under ``name``; None when it is missing, damaged or (``sha256`` given) not those bytes."""
         if isinstance(self.at, StoreOut):
-            obj = self.at.read_json(f"{PARTIAL_DIR}/{name}")
+            data = self.at.read_bytes(f"{PARTIAL_DIR}/{name}")
         else:
             try:
-                obj = json.loads((self.at / name).read_bytes())
-            except (OSError, ValueError):
-                obj = None
-        if obj is None:
-            raise SourceError(f"the tar index {name} of this run is missing or damaged: rerun the same command "
-                              "(the tars it needs are listed again)")
-        return obj
+                data = (self.at / name).read_bytes()
+            except FileNotFoundError:
+                data = None
+        if data is None or (sha256 is not None and hashlib.sha256(data).hexdigest() != sha256):
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
 
     def summaries(self) -> set[str]:
         """The names of the summaries written so far (one listing)."""
@@ -148,8 +157,13 @@ class TarSource:
         listed = {t for t, _, _ in todo}
         with ThreadPoolExecutor(16) as ex:  # a store answers each small read in a round trip
             kept = ex.map(area.read, [index_name(t, "summary") for t in range(len(self.tars)) if t not in listed])
-            return IndexedTars.merge(self, (next(fresh) if t in listed else next(kept)
-                                            for t in range(len(self.tars))), area)
+
+            def summary(t: int) -> dict[str, Any]:
+                if t in listed:
+                    return next(fresh)
+                s = next(kept)  # a damaged summary: that tar is listed again, here
+                return s if s is not None and "index_sha256" in s else index_task((t, self.tars[t], area))
+            return IndexedTars.merge(self, map(summary, range(len(self.tars))), area)
 
 
 def _label(tar: str) -> str:
@@ -158,8 +172,18 @@ def _label(tar: str) -> str:
 
 def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     """A worker: stream one tar, write its index and then its summary (NOTE [tar index] rule 1); returns the
-    summary."""
+    summary, which names the index's sha256."""
     t, tar, area = task
+    index = _listing(tar)
+    digest = area.write(index_name(t, "index"), index)
+    summary = {**_summary(_label(tar), index), "index_sha256": digest}
+    area.write(index_name(t, "summary"), summary)
+    return summary
+
+
+def _listing(tar: str) -> dict[str, list[Any]]:
+    """One tar's index: each sample's name, its image's ``[offset, size]`` or why it is a bad record, and its
+    metadata record (None for a bad one)."""
     label, name = _label(tar), posixpath.basename(tar.rstrip("/"))
     keys: list[str] = []
     where: list[Any] = []
@@ -181,15 +205,27 @@ def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - a store refusing the read: one line naming it
         raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
-    area.write(index_name(t, "index"), {"paths": keys, "where": where, "records": recs})
-    summary = _summary(label, keys, where, recs)
-    area.write(index_name(t, "summary"), summary)
-    return summary
+    return {"paths": keys, "where": where, "records": recs}
 
 
-def _summary(label: str, keys: list[str], where: list[Any], recs: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
+def _index(area: Area, t: int, tar: str, digest: str) -> dict[str, list[Any]]:
+    """Tar ``t``'s index as its summary recorded it; listed again (and rewritten) when it is missing or
+    damaged, since an index is a function of its tar alone."""
+    index = area.read(index_name(t, "index"), digest)
+    if index is not None:
+        return index
+    log.warning("the index of %s is missing or damaged: listing the tar again", _label(tar))
+    index = _listing(tar)
+    if area.write(index_name(t, "index"), index) != digest:
+        raise SourceError(f"{_label(tar)} changed since this run listed it: rerun with --overwrite to start "
+                          "again from the tars as they are now")
+    return index
+
+
+def _summary(label: str, index: dict[str, list[Any]]) -> dict[str, Any]:
     """What the driver needs of one tar's samples: counts, keys, kinds in first-seen order, vector lengths,
     class values."""
+    keys, recs = index["paths"], index["records"]
     rows = [(f"{label}: sample {k}", r) for k, r in zip(keys, recs) if r is not None]
     seen = sorted({k for _, r in rows for k in r if k not in _FIXED})
     numeric = [k for k in seen if all(_numeric(r.get(k)) for _, r in rows)]
@@ -243,6 +279,7 @@ class _Merge:
 
     def __init__(self) -> None:
         self.counts: list[int] = []
+        self.digests: list[str] = []  # each index's sha256
         self.keep: Optional[set[str]] = None  # the keys numeric in every sample so far
         self.seen: set[str] = set()
         self.kinds: dict[str, str] = {}  # first-seen order, as one listing of every record gives it
@@ -256,6 +293,7 @@ class _Merge:
 
     def add(self, tar: str, s: dict[str, Any]) -> None:
         self.counts.append(s["samples"])
+        self.digests.append(s["index_sha256"])
         if not s["good"]:
             return
         label = _label(tar)
@@ -312,6 +350,7 @@ class IndexedTars:
     starts: np.ndarray  # tar t holds source positions [starts[t], starts[t + 1])
     schema: Schema
     area: Area
+    digests: list[str]  # each tar's index's sha256, as its summary recorded it
 
     @classmethod
     def merge(cls, source: TarSource, summaries: Iterable[dict[str, Any]], area: Area) -> "IndexedTars":
@@ -323,7 +362,7 @@ class IndexedTars:
         np.cumsum(merged.counts, out=starts[1:])
         if starts[-1] == 0:
             raise SourceError(f"{scrub(str(source.location))} holds no samples")
-        return cls(source, starts, merged.schema(), area)
+        return cls(source, starts, merged.schema(), area, merged.digests)
 
     kind = "webdataset"
     location = property(lambda self: self.source.location)
@@ -345,8 +384,8 @@ class IndexedTars:
         """Source positions ``[a, b)``, to be loaded where they are decoded: only their tars travel."""
         lo = int(np.searchsorted(self.starts, a, side="right")) - 1
         hi = max(lo + 1, int(np.searchsorted(self.starts, b, side="left")))
-        return TarPiece(self.source.location, self.source.root, self.schema, self.area, a, b,
-                        list(range(lo, hi)), self.source.tars[lo:hi], self.starts[lo:hi + 1].tolist())
+        return TarPiece(self.source.location, self.source.root, self.schema, self.area, a, b, list(range(lo, hi)),
+                        self.source.tars[lo:hi], self.starts[lo:hi + 1].tolist(), self.digests[lo:hi])
 
     def shuffled(self, seed: int) -> Source:
         """Every sample loaded, in the order of `Source.shuffled` (NOTE [tar index] rule 5)."""
@@ -367,6 +406,7 @@ class TarPiece:
     ordinals: list[int]
     tars: list[str]
     starts: list[int]  # tar j of the piece holds positions [starts[j], starts[j + 1])
+    digests: list[str]
 
     def load(self) -> Source:
         """The piece as a `Source` of its samples only, as listing every tar would give them."""
@@ -376,7 +416,7 @@ class TarPiece:
         rows: list[tuple[str, dict[str, Any]]] = []
         for j, (t, tar) in enumerate(zip(self.ordinals, self.tars)):
             lo, hi = max(self.a, self.starts[j]) - self.starts[j], min(self.b, self.starts[j + 1]) - self.starts[j]
-            index = self.area.read(index_name(t, "index"))
+            index = _index(self.area, t, tar, self.digests[j])
             label = _label(tar)
             for name, at, rec in zip(index["paths"][lo:hi], index["where"][lo:hi], index["records"][lo:hi]):
                 paths.append(name)
