@@ -38,14 +38,19 @@ def _verify(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if problems:
-        print(f"{args.path}: {len(problems)} problem(s):", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+        _problems(f"{args.path}: {len(problems)} problem(s):", problems)
         return 1
     print(f"{args.path}: OK, {len(manifest['files']) - len(absent)} files intact"
           + (f"; {len(absent)} not in this node cache (fetched and checked when read; `fastdata verify URL` "
              "checks the store's objects)" if absent else ""))
     return 0
+
+
+def _problems(head: str, problems: list[str]) -> None:
+    """What ``fastdata verify`` found, on stderr: a line saying where, then one line per problem."""
+    print(head, file=sys.stderr)
+    for p in problems:
+        print(f"  {p}", file=sys.stderr)
 
 
 def _verify_url(args: argparse.Namespace) -> int:
@@ -64,9 +69,7 @@ def _verify_url(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if problems:
-        print(f"{url}: {len(problems)} problem(s) in the store (push the dataset again):", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+        _problems(f"{url}: {len(problems)} problem(s) in the store (push the dataset again):", problems)
     else:
         print(f"{url}: OK, {n} files intact in the store")
     if not (remote.dir / MANIFEST_NAME).is_file():
@@ -75,10 +78,8 @@ def _verify_url(args: argparse.Namespace) -> int:
     damaged = verify(remote.dir, partial=True)
     cached = sum((remote.dir / e["path"]).is_file() for e in remote.manifest["files"])
     if damaged:
-        print(f"node cache {remote.dir}: {len(damaged)} problem(s) (remove it: `fastdata cache remove "
-              f"{remote.id}`):", file=sys.stderr)
-        for p in damaged:
-            print(f"  {p}", file=sys.stderr)
+        _problems(f"node cache {remote.dir}: {len(damaged)} problem(s) (remove it: `fastdata cache remove "
+                  f"{remote.id}`):", damaged)
     else:
         print(f"node cache {remote.dir}: OK, {cached} of {n} files cached and intact")
     return 1 if problems or damaged else 0
