@@ -294,7 +294,7 @@ def tar_summary(samples: int) -> dict[str, Any]:
     """A tar's summary as `tar_index.index_task` returns it: captions, two numeric keys, no classes."""
     return {"samples": samples, "good": samples, "seen": ["height", "width"], "numeric": ["height", "width"],
             "kinds": [["caption", "tokens"], ["width", "vector"], ["height", "vector"]], "has_label": False,
-            "vectors": {"width": -1, "height": -1}, "classes": {}, "index_sha256": "0" * 64}
+            "vectors": {"width": -1, "height": -1}, "classes": {}, "problems": {}, "index_sha256": "0" * 64}
 
 
 def unit_record(k: int, shard_size: int) -> dict[str, Any]:

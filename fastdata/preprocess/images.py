@@ -190,12 +190,13 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
                               "output folder outside it")
     params = config.output_params()
     if isinstance(source, TarSource):  # fields are known once the tars are indexed: the geometry counts now
-        params["resize"] = config.resize
+        if config.resize == MAX_SIDE and source.first_has_fields():  # refused before hours of indexing
+            raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields="the tars' JSON or captions"))
+        fingerprint = _fingerprint({**params, "resize": config.resize}, source)
     else:
         source = _ready(config, source)
-        if source.kinds and config.format == "lmdb":  # images stored square, so the fields share their geometry
-            params["resize"] = config.resize
-    fingerprint = hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
+        params = _params(config, source)
+        fingerprint = _fingerprint(params, source)
     if store is not None:
         done = store.prepare(fingerprint, config.overwrite)
         if done is not None:
@@ -205,6 +206,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         pool = _pool(config, source, store)
         if isinstance(source, TarSource):
             source = _ready(config, source, tar_index.Area(store), pool)
+            params = _params(config, source)
         jr = _aligned(jr, config.shard_size, source.num_samples)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
             _run(config, source, jr, Path(staging), store, pool)
@@ -219,6 +221,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         pool = _pool(config, source, config.out)
         if isinstance(source, TarSource):
             source = _ready(config, source, tar_index.Area(partial), pool)
+            params = _params(config, source)
         kept = len(jr.units)
         if len(_aligned(jr, config.shard_size, source.num_samples).units) < kept:
             jr.save(partial)
@@ -236,9 +239,7 @@ def _ready(config: ImagePreprocessConfig, source: Union[Source, TarSource], area
         assert area is not None
         source = source.index(area, functools.partial(_index_run, config, pool))
     if config.resize == MAX_SIDE and source.kinds:
-        raise ConfigError(f"--resize {MAX_SIDE} stores each image at its own aspect, but {config.src} has fields "
-                          f"({', '.join(source.kinds)}) that need the square geometry: use --resize center-crop, "
-                          "squash or pad")
+        raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=", ".join(source.kinds)))
     return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
 
 
@@ -253,6 +254,22 @@ def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], 
         for result, _ in run(fn, tasks, workers, 0):
             bar.update(1)
             yield result
+
+
+_MAX_SIDE_FIELDS = (f"--resize {MAX_SIDE} stores each image at its own aspect, but {{src}} has fields ({{fields}}) "
+                    "that need the square geometry: use --resize center-crop, squash or pad")
+
+
+def _params(config: ImagePreprocessConfig, source: Listed) -> dict[str, Any]:
+    """The parameters the manifest records (and the fingerprint hashes, but for tars: see the caller)."""
+    params = config.output_params()
+    if source.kinds and config.format == "lmdb":  # images stored square, so the fields share their geometry
+        params["resize"] = config.resize
+    return params
+
+
+def _fingerprint(params: dict[str, Any], source: Union[Source, TarSource]) -> str:
+    return hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
 
 
 def _pool(config: ImagePreprocessConfig, source: Union[Source, TarSource], out: Any) -> Optional[ray_pool.RayPool]:
@@ -321,13 +338,14 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
             bar.close()
         return
     per = chunk_size(total - start, workers, max_files)
-    held: deque[tuple[int, int, Source]] = deque()  # each task's chunk and its unit's samples, in task order
+    held: deque[tuple[int, int, Source, np.ndarray]] = deque()  # each task's chunk and its unit, in task order
 
     def tasks() -> Iterator[tuple]:
         for _, u, e in units:
             piece = source.piece(u, e).load()
+            labels = np.asarray(piece.labels, LABEL_DTYPE)
             for a, b in chunks(u, e, per):
-                held.append((u, b, piece))
+                held.append((u, b, piece, labels))
                 yield from plan.tasks(piece, u, [(a, b)])
 
     staged = isinstance(out, store_out.StoreOut)  # files written here, then put (NOTE [output at a URL])
@@ -340,8 +358,8 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
     fn = work_fields if fields else work
     try:
         for result, view in parallel.ordered_map(fn, tasks(), workers, slot_bytes):
-            u, b, piece = held.popleft()
-            done, failures = plan.feed(writer, result, view, np.asarray(piece.labels, LABEL_DTYPE), u, b)
+            u, b, piece, labels = held.popleft()
+            done, failures = plan.feed(writer, result, view, labels, u, b)
             failed(named(failures, piece, u))
             for unit in done:
                 record(unit)

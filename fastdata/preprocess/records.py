@@ -34,6 +34,11 @@ CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class id
 _SPLIT = re.compile(r"[;\s]+")
 
 
+def split_labels(text: str) -> list[str]:
+    """A ``labels`` value given as text (CSV: ``"cat dog"`` or ``"cat;dog"``) as its class names."""
+    return [t for t in _SPLIT.split(text) if t]
+
+
 def _rel(root: Where, rel: Any, where: str) -> str:
     """A record's path, relative to ``root`` and never outside it."""
     if not isinstance(rel, str) or not rel.strip():
@@ -41,7 +46,8 @@ def _rel(root: Where, rel: Any, where: str) -> str:
     return inside(root, rel.strip(), where, "the folder")
 
 
-def _kind_of(key: str, value: Any) -> Optional[str]:
+def kind_of(key: str, value: Any) -> Optional[str]:
+    """The field kind a record's ``key`` holding ``value`` makes; None if it cannot be stored."""
     if key in ("label", "labels", "mask", "boxes", "box_labels"):
         return key
     if isinstance(value, str):
@@ -72,7 +78,7 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
         for key, value in rec.items():
             if key == "image" or value is None:
                 continue
-            k = _kind_of(key, value)
+            k = kind_of(key, value)
             if k is None or not valid_name(key):
                 raise SourceError(f"{where}: cannot store {key!r} = {value!r}: use a lower-case name and a number, "
                                   "a list of numbers, a class id/name, a path ('mask') or text")
@@ -114,7 +120,7 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where) -
                               "a float field needs a value in every record")
         return [[float(x) for x in v] if isinstance(v, list) else float(v) for v in col]
     if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
-        col = [None if v is None else [t for t in _SPLIT.split(v) if t] for v in col]  # CSV: "cat dog"
+        col = [None if v is None else split_labels(v) for v in col]  # CSV: "cat dog"
     if kind in ("labels", "boxes", "box_labels"):
         return [[] if v is None else v for v in col]
     if kind == "label" and any(v is None for v in col):

@@ -71,6 +71,7 @@ class Source:
 
     @property
     def num_samples(self) -> int:
+        """Samples in the source, bad ones included."""
         return len(self.paths)
 
     def piece(self, a: int, b: int) -> "Source":
@@ -80,6 +81,7 @@ class Source:
                        blobs=None if self.blobs is None else self.blobs.chunk(a, b))
 
     def load(self) -> "Source":
+        """The piece's samples: a listed source's piece holds them already (a tar source's reads them)."""
         return self
 
     def vector_shape(self, name: str) -> tuple[int, ...]:

@@ -11,7 +11,9 @@ NOTE [tar index]:
    the tars and the classes, never with the samples.
 3. Shard k still holds source positions ``[k * S, (k + 1) * S)``. The tars covering them are found from
    the counts, and whoever decodes the shard (the parent of the local pool, or the Ray task itself) loads
-   only their indexes. The output is byte-identical to listing every tar up front.
+   only their indexes (a process keeps the last few it parsed: a tar spans several shards). The schema is
+   written to the area once and a task names it by its sha256, so no task carries the class list. The
+   output is byte-identical to listing every tar up front.
 4. The run's fingerprint is the tars' names, sizes and versions (etag or mtime) from one listing, so a
    rerun resumes without streaming a finished tar again. A tar rewritten with the same size and version
    is not noticed.
@@ -28,6 +30,8 @@ import json
 import logging
 import os
 import posixpath
+import uuid
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,22 +43,23 @@ from .._io import scrub, write_bytes_atomic
 from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
 from ..storage.remote import filesystem, is_url
-from .records import _SPLIT, CLASS_KEYS, from_records
-from .sources import Source, class_ids
+from .records import from_records
+from .sources import Source
 from .store_out import StoreOut
+from .tar_schema import Merge, Schema, summarize
 from .tars import IMAGE_EXTS, TarBlobs, Where, members, record
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "tar-index"
-_FIXED = ("label", "labels", "boxes", "box_labels", "caption")  # record keys kept whatever their values
-
-
-def _numeric(v: Any) -> bool:
-    return not isinstance(v, (str, bool)) and v is not None
+SCHEMA_NAME = f"{INDEX_DIR}/schema.json"
+_CACHED = 4  # parsed indexes a process keeps: a tar spans about ten units of the default size
+_indexes: "OrderedDict[str, dict[str, list[Any]]]" = OrderedDict()  # by sha256
+_schemas: dict[str, Schema] = {}  # by sha256
 
 
 def index_name(t: int, what: str) -> str:
+    """Where tar ``t``'s ``"index"`` or ``"summary"`` lives in the area."""
     return f"{INDEX_DIR}/{t:08d}.{what}.json"
 
 
@@ -69,9 +74,11 @@ class Area:
         data = json.dumps(obj, separators=(",", ":")).encode()
         if isinstance(self.at, StoreOut):
             self.at.put_bytes(f"{PARTIAL_DIR}/{name}", data)
-        else:
+        else:  # a temporary of this writer's own: tasks listing one damaged tar again may race to its name
             (self.at / INDEX_DIR).mkdir(exist_ok=True)
-            write_bytes_atomic(self.at / name, data)
+            mine = self.at / f"{name}.{uuid.uuid4().hex}"
+            write_bytes_atomic(mine, data)
+            os.replace(mine, self.at / name)
         return hashlib.sha256(data).hexdigest()
 
     def read(self, name: str, sha256: Optional[str] = None) -> Any:
@@ -101,17 +108,22 @@ class Area:
 
 
 def _stats(tars: list[str]) -> list[tuple[int, str]]:
-    """Each tar's size and version (an object's etag, a file's mtime), from one listing per folder."""
+    """Each tar's size and version (an object's etag, a file's mtime): from one listing per folder, or one
+    request per tar where a folder cannot be listed (an HTTP server)."""
     if not tars or not is_url(tars[0]):
         return [(s.st_size, str(s.st_mtime_ns)) for s in map(os.stat, tars)]
     fs, _ = filesystem(tars[0])
+    paths = [filesystem(t)[1] for t in tars]
     found: dict[str, dict[str, Any]] = {}
-    for folder in sorted({posixpath.dirname(filesystem(t)[1]) for t in tars}):
-        found.update({fs.unstrip_protocol(k): v for k, v in
-                      ((e["name"], e) for e in fs.ls(folder, detail=True))})
+    for folder in sorted({posixpath.dirname(p) for p in paths}):
+        try:
+            found.update({e["name"]: e for e in fs.ls(folder, detail=True)})
+        except Exception:  # noqa: BLE001 - no listing here: asked one tar at a time below
+            pass
+    with ThreadPoolExecutor(16) as ex:
+        infos = list(ex.map(lambda p: found.get(p) or fs.info(p), paths))
     out = []
-    for t in tars:
-        e = found.get(t) or fs.info(filesystem(t)[1])
+    for e in infos:
         version = e.get("ETag") or e.get("etag") or e.get("LastModified") or e.get("mtime") or ""
         out.append((int(e.get("size") or 0), str(version)))
     return out
@@ -129,6 +141,11 @@ class TarSource:
 
     @classmethod
     def of(cls, src: Union[str, Path], tars: list[str]) -> "TarSource":
+        """The tars behind ``src`` (`tars.tar_files`) with their sizes and versions.
+
+        Raises:
+            SourceError: The tars cannot be listed (one line, secrets scrubbed).
+        """
         try:
             stats = _stats(tars)
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
@@ -139,11 +156,23 @@ class TarSource:
 
     @property
     def where(self) -> str:
+        """The source as the manifest names it."""
         return scrub(self.location) if isinstance(self.location, str) else str(Path(self.location).resolve())
 
     def fingerprint(self) -> str:
+        """What a resumed run must see again: the tars' names, sizes and versions (rule 4)."""
         return hashlib.sha256(json.dumps([self.where, [_label(t) for t in self.tars], self.stats]).encode()
                               ).hexdigest()
+
+    def first_has_fields(self) -> bool:
+        """Whether the first sample of the first tar has a record field besides its label (a caption, a
+        number): read from the tar's head only, to refuse arguments that need none before listing every tar."""
+        for _, group, reason in members(self.tars[0], _label(self.tars[0])):
+            try:
+                return reason is None and bool(set(record(group)[1]) - {"label"})
+            except (ValueError, UnicodeDecodeError):
+                return False
+        return False
 
     def index(self, area: Area, run: Callable[[Callable[..., Any], Iterable[Any]], Iterable[Any]]) -> "IndexedTars":
         """Index the tars not indexed yet (``run(fn, tasks)``: the run's ordered map) and merge every summary.
@@ -155,13 +184,18 @@ class TarSource:
         todo = [(t, tar, area) for t, tar in enumerate(self.tars) if index_name(t, "summary") not in have]
         fresh = iter(run(index_task, todo))
         listed = {t for t, _, _ in todo}
-        with ThreadPoolExecutor(16) as ex:  # a store answers each small read in a round trip
-            kept = ex.map(area.read, [index_name(t, "summary") for t in range(len(self.tars)) if t not in listed])
+        with ThreadPoolExecutor(16) as ex:  # a store answers each small read in a round trip: 64 at a time
+            ahead: deque[tuple[int, Any]] = deque()
+            later = (t for t in range(len(self.tars)) if t not in listed)
 
             def summary(t: int) -> dict[str, Any]:
                 if t in listed:
                     return next(fresh)
-                s = next(kept)  # a damaged summary: that tar is listed again, here
+                while len(ahead) < 64 and (u := next(later, None)) is not None:
+                    ahead.append((u, ex.submit(area.read, index_name(u, "summary"))))
+                u, got = ahead.popleft()
+                assert u == t
+                s = got.result()  # a damaged summary: that tar is listed again, here
                 return s if s is not None and "index_sha256" in s else index_task((t, self.tars[t], area))
             return IndexedTars.merge(self, map(summary, range(len(self.tars))), area)
 
@@ -176,7 +210,7 @@ def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     t, tar, area = task
     index = _listing(tar)
     digest = area.write(index_name(t, "index"), index)
-    summary = {**_summary(_label(tar), index), "index_sha256": digest}
+    summary = {**summarize(_label(tar), index), "index_sha256": digest}
     area.write(index_name(t, "summary"), summary)
     return summary
 
@@ -208,138 +242,37 @@ def _listing(tar: str) -> dict[str, list[Any]]:
     return {"paths": keys, "where": where, "records": recs}
 
 
-def _index(area: Area, t: int, tar: str, digest: str) -> dict[str, list[Any]]:
-    """Tar ``t``'s index as its summary recorded it; listed again (and rewritten) when it is missing or
-    damaged, since an index is a function of its tar alone."""
-    index = area.read(index_name(t, "index"), digest)
-    if index is not None:
-        return index
-    log.warning("the index of %s is missing or damaged: listing the tar again", _label(tar))
-    index = _listing(tar)
-    if area.write(index_name(t, "index"), index) != digest:
-        raise SourceError(f"{_label(tar)} changed since this run listed it: rerun with --overwrite to start "
-                          "again from the tars as they are now")
+def _index(area: Area, t: int, tar: str, digest: str, samples: int) -> dict[str, list[Any]]:
+    """Tar ``t``'s index as its summary recorded it (the last few kept parsed: a tar spans several units);
+    listed again (and rewritten) when it is missing or damaged, since an index is a function of its tar
+    alone (NOTE [tar index] rule 6)."""
+    index = _indexes.get(digest)
+    if index is None:
+        index = area.read(index_name(t, "index"), digest)
+    if index is None:
+        log.warning("the index of %s is missing or damaged: listing the tar again", _label(tar))
+        index = _listing(tar)
+        if area.write(index_name(t, "index"), index) != digest:
+            raise SourceError(f"{_label(tar)} changed since this run listed it: rerun with --overwrite to start "
+                              "again from the tars as they are now")
+    if len(index["paths"]) != samples:
+        raise SourceError(f"the summary of {_label(tar)} says {samples} samples, its index {len(index['paths'])}: "
+                          "this unfinished run was damaged; rerun with --overwrite")
+    _indexes[digest] = index
+    _indexes.move_to_end(digest)
+    while len(_indexes) > _CACHED:
+        _indexes.popitem(last=False)
     return index
 
 
-def _summary(label: str, index: dict[str, list[Any]]) -> dict[str, Any]:
-    """What the driver needs of one tar's samples: counts, keys, kinds in first-seen order, vector lengths,
-    class values."""
-    keys, recs = index["paths"], index["records"]
-    rows = [(f"{label}: sample {k}", r) for k, r in zip(keys, recs) if r is not None]
-    seen = sorted({k for _, r in rows for k in r if k not in _FIXED})
-    numeric = [k for k in seen if all(_numeric(r.get(k)) for _, r in rows)]
-    local = _kept(rows, set(numeric))
-    part = from_records(iter(local), label, Path("."), "webdataset",
-                        paths=[k for k, r in zip(keys, recs) if r is not None])
-    values = [v for _, r in local for v in _class_values(r)]
-    ids = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-    return {"samples": len(keys), "good": len(rows), "seen": seen, "numeric": numeric,
-            "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
-            "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
-                        if part.kinds.get(k) == "vector" and c},
-            "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted(set(map(str, values)))}}
-
-
-def _kept(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tuple[str, dict[str, Any]]]:
-    return [(w, {k: v for k, v in r.items() if k in _FIXED or k in keep}) for w, r in rows]
-
-
-def _class_values(rec: dict[str, Any]) -> list[Any]:
-    """A record's class ids or names, as records.py reads them (a ``labels`` string is split)."""
-    out: list[Any] = []
-    for key in CLASS_KEYS:
-        v = rec.get(key)
-        if isinstance(v, str) and key == "labels":
-            v = [t for t in _SPLIT.split(v) if t]
-        if v is not None:
-            out += v if isinstance(v, list) else [v]
-    return out
-
-
-@dataclass(frozen=True)
-class Schema:
-    """The merged summaries: what every piece of the source shares (NOTE [tar index] rule 2)."""
-
-    keep: frozenset[str]
-    kinds: dict[str, str]
-    vectors: dict[str, int]
-    has_label: bool
-    classes: list[str]
-    ids: Optional[dict[str, int]]  # class name -> id; None: the records give ids
-
-    def class_id(self, v: Any) -> Any:
-        if isinstance(v, list):
-            return [self.class_id(x) for x in v]
-        return v if self.ids is None else self.ids[str(v)]
-
-
-class _Merge:
-    """The tars' summaries merged in tar order, one at a time: memory for keys and classes, not tars."""
-
-    def __init__(self) -> None:
-        self.counts: list[int] = []
-        self.digests: list[str] = []  # each index's sha256
-        self.keep: Optional[set[str]] = None  # the keys numeric in every sample so far
-        self.seen: set[str] = set()
-        self.kinds: dict[str, str] = {}  # first-seen order, as one listing of every record gives it
-        self.vectors: dict[str, int] = {}
-        self.clash: dict[str, str] = {}  # a key's first disagreement: an error only if the key is kept
-        self.first: dict[str, str] = {}
-        self.labelled: dict[bool, str] = {}  # has 'label' -> a tar that says so
-        self.ids = -1
-        self.names: set[str] = set()
-        self.modes: set[str] = set()
-
-    def add(self, tar: str, s: dict[str, Any]) -> None:
-        self.counts.append(s["samples"])
-        self.digests.append(s["index_sha256"])
-        if not s["good"]:
-            return
-        label = _label(tar)
-        self.keep = set(s["numeric"]) if self.keep is None else self.keep & set(s["numeric"])
-        self.seen.update(s["seen"])
-        for key, kind in s["kinds"]:
-            self.first.setdefault(key, label)
-            if self.kinds.setdefault(key, kind) != kind:
-                self.clash.setdefault(key, f"{label}: {key!r} holds {kind} there and {self.kinds[key]} in "
-                                           f"{self.first[key]}")
-        for key, n in s["vectors"].items():
-            if self.vectors.setdefault(key, n) != n:
-                self.clash.setdefault(key, f"{label}: {key!r} has lists of length {n} there and "
-                                           f"{self.vectors[key]} in {self.first[key]}: a float field has one "
-                                           "length for every record")
-        self.labelled.setdefault(s["has_label"], label)
-        for mode, value in s["classes"].items():
-            self.modes.add(mode)
-            if mode == "ids":
-                self.ids = max(self.ids, value)
-            else:
-                self.names.update(value)
-
-    def schema(self) -> Schema:
-        keep = frozenset(self.keep or ())
-        if self.seen - keep:
-            log.info("JSON keys not numeric in every sample, not stored: %s", sorted(self.seen - keep))
-        kinds = {k: v for k, v in self.kinds.items() if k in keep or k in _FIXED}
-        clash = next((self.clash[k] for k in kinds if k in self.clash), None)
-        if clash:
-            raise SourceError(clash)
-        if len(self.labelled) > 1:
-            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other tars' have "
-                              f"({self.labelled[True]}): give every sample one")
-        if ("boxes" in kinds) != ("box_labels" in kinds):
-            raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
-        if len(self.modes) > 1:
-            raise SourceError("class labels mix ids and names across the tars: use one or the other")
-        classes: list[str] = [str(i) for i in range(self.ids + 1)]
-        ids: Optional[dict[str, int]] = None
-        if self.modes == {"names"}:
-            names = sorted(self.names)
-            classes, numbers = class_ids(names)
-            ids = dict(zip(names, numbers))
-        return Schema(keep, kinds, {k: v for k, v in self.vectors.items() if k in keep},
-                      True in self.labelled, classes, ids)
+def _schema(area: Area, digest: str) -> Schema:
+    """The run's schema, written by the driver once (a task carries its sha256, not its class list)."""
+    if digest not in _schemas:
+        obj = area.read(SCHEMA_NAME, digest)
+        if obj is None:
+            raise SourceError("this run's tar schema is missing or damaged: rerun the same command")
+        _schemas[digest] = Schema.from_json(obj)
+    return _schemas[digest]
 
 
 @dataclass(frozen=True)
@@ -351,18 +284,22 @@ class IndexedTars:
     schema: Schema
     area: Area
     digests: list[str]  # each tar's index's sha256, as its summary recorded it
+    schema_sha256: str
 
     @classmethod
     def merge(cls, source: TarSource, summaries: Iterable[dict[str, Any]], area: Area) -> "IndexedTars":
         """The source from its tars' summaries, in tar order (consumed one at a time)."""
-        merged = _Merge()
+        merged = Merge()
         for tar, summary in zip(source.tars, summaries):
-            merged.add(tar, summary)
+            merged.add(_label(tar), summary)
         starts = np.zeros(len(merged.counts) + 1, np.int64)
         np.cumsum(merged.counts, out=starts[1:])
         if starts[-1] == 0:
             raise SourceError(f"{scrub(str(source.location))} holds no samples")
-        return cls(source, starts, merged.schema(), area, merged.digests)
+        schema = merged.schema()
+        digest = area.write(SCHEMA_NAME, schema.to_json())
+        _schemas[digest] = schema
+        return cls(source, starts, schema, area, merged.digests, digest)
 
     kind = "webdataset"
     location = property(lambda self: self.source.location)
@@ -374,9 +311,11 @@ class IndexedTars:
 
     @property
     def num_samples(self) -> int:
+        """Samples in every tar, bad records included (they keep their positions)."""
         return int(self.starts[-1])
 
     def vector_shape(self, name: str) -> tuple[int, ...]:
+        """A ``vector`` field's shape, as `Source.vector_shape`."""
         n = self.schema.vectors[name]
         return (n,) if n >= 0 else ()
 
@@ -384,8 +323,9 @@ class IndexedTars:
         """Source positions ``[a, b)``, to be loaded where they are decoded: only their tars travel."""
         lo = int(np.searchsorted(self.starts, a, side="right")) - 1
         hi = max(lo + 1, int(np.searchsorted(self.starts, b, side="left")))
-        return TarPiece(self.source.location, self.source.root, self.schema, self.area, a, b, list(range(lo, hi)),
-                        self.source.tars[lo:hi], self.starts[lo:hi + 1].tolist(), self.digests[lo:hi])
+        return TarPiece(self.source.location, self.source.root, self.schema_sha256, self.area, a, b,
+                        list(range(lo, hi)), self.source.tars[lo:hi], self.starts[lo:hi + 1].tolist(),
+                        self.digests[lo:hi])
 
     def shuffled(self, seed: int) -> Source:
         """Every sample loaded, in the order of `Source.shuffled` (NOTE [tar index] rule 5)."""
@@ -399,7 +339,7 @@ class TarPiece:
 
     location: Union[Path, str]
     root: Path
-    schema: Schema
+    schema_sha256: str  # the schema is read from the area: a task does not carry the class list
     area: Area
     a: int
     b: int
@@ -410,19 +350,19 @@ class TarPiece:
 
     def load(self) -> Source:
         """The piece as a `Source` of its samples only, as listing every tar would give them."""
-        s = self.schema
+        s = _schema(self.area, self.schema_sha256)
         paths: list[str] = []
         where: list[Where] = []
         rows: list[tuple[str, dict[str, Any]]] = []
         for j, (t, tar) in enumerate(zip(self.ordinals, self.tars)):
             lo, hi = max(self.a, self.starts[j]) - self.starts[j], min(self.b, self.starts[j + 1]) - self.starts[j]
-            index = _index(self.area, t, tar, self.digests[j])
+            index = _index(self.area, t, tar, self.digests[j], self.starts[j + 1] - self.starts[j])
             label = _label(tar)
             for name, at, rec in zip(index["paths"][lo:hi], index["where"][lo:hi], index["records"][lo:hi]):
                 paths.append(name)
                 where.append(at if isinstance(at, str) else (j, at[0], at[1]))
                 if rec is not None:
-                    rows.append((f"{label}: sample {name}", _as_schema(rec, s)))
+                    rows.append((f"{label}: sample {name.split('/', 1)[-1]}", s.record(rec)))
         ok = [p for p, at in zip(paths, where) if not isinstance(at, str)]
         part = from_records(iter(rows), self.location, self.root, "webdataset", paths=ok)
         kinds = {k: v for k, v in s.kinds.items() if k != "label"}
@@ -431,16 +371,6 @@ class TarPiece:
         labels, extras = _with_bad(part.labels if s.has_label else [0] * len(ok), extras, where)
         return Source("webdataset", self.location, self.root, paths, labels, s.classes, kinds, extras, s.has_label,
                       TarBlobs(self.tars, where))
-
-
-def _as_schema(rec: dict[str, Any], s: Schema) -> dict[str, Any]:
-    """A record with the source's keys only and its classes as the source's ids."""
-    rec = {k: v for k, v in rec.items() if k in _FIXED or k in s.keep}
-    for key in CLASS_KEYS:
-        v = rec.get(key)
-        if v is not None:
-            rec[key] = s.class_id([x for x in _SPLIT.split(v) if x] if key == "labels" and isinstance(v, str) else v)
-    return rec
 
 
 def _with_bad(labels: list[int], extras: dict[str, list[Any]], where: list[Where]

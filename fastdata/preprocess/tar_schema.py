@@ -1,0 +1,187 @@
+"""What the samples of indexed WebDataset tars share (NOTE [tar index] rule 2 in tar_index.py): each tar's
+summary, their merge into one `Schema`, and a record read through it.
+
+One listing of every record decides, as records.py does for a JSONL file: a JSON key is stored where it holds a
+number (or a list of numbers) in every sample; each field has one kind and one length; the class values of
+every sample make one class list. A tar's summary therefore reports its keys' problems rather than raising
+them: a key another tar makes non-numeric is dropped, and its problem never matters.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import SourceError
+from ..formats.schema import valid_name
+from .records import CLASS_KEYS, from_records, kind_of, split_labels
+from .sources import class_ids
+
+log = logging.getLogger(__name__)
+
+FIXED = ("label", "labels", "boxes", "box_labels", "caption")  # record keys kept whatever their values
+
+
+def _numeric(v: Any) -> bool:
+    return not isinstance(v, (str, bool)) and v is not None
+
+
+def summarize(label: str, index: dict[str, list[Any]]) -> dict[str, Any]:
+    """What the driver needs of one tar's samples (``index``: tar_index's listing): counts, the keys numeric
+    in every sample and the problems of those it could not store, kinds in first-seen order, vector lengths,
+    class values."""
+    keys, recs = index["paths"], index["records"]
+    rows = [(f"{label}: sample {k.split('/', 1)[-1]}", r) for k, r in zip(keys, recs) if r is not None]
+    seen = sorted({k for _, r in rows for k in r if k not in FIXED})
+    numeric = [k for k in seen if all(_numeric(r.get(k)) for _, r in rows)]
+    problems = {k: p for k in numeric if (p := _problem(label, k, [r[k] for _, r in rows]))}
+    local = keep_keys(rows, set(numeric) - set(problems))
+    part = from_records(iter(local), label, Path("."), "webdataset",
+                        paths=[k for k, r in zip(keys, recs) if r is not None])
+    values = [v for _, r in local for v in class_values(r)]
+    ids = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    return {"samples": len(keys), "good": len(rows), "seen": seen, "numeric": numeric, "problems": problems,
+            "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
+            "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
+                        if part.kinds.get(k) == "vector" and c},
+            "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted(set(map(str, values)))}}
+
+
+def _problem(label: str, key: str, values: list[Any]) -> Optional[str]:
+    """Why ``key`` (numeric in every sample of a tar) cannot be stored, as records.py would say; None if it can."""
+    if not valid_name(key) or any(kind_of(key, v) is None for v in values):
+        return (f"{label}: cannot store {key!r}: use a lower-case name and a number or a list of numbers in "
+                "every sample")
+    shapes = {len(v) if isinstance(v, list) else -1 for v in values}
+    if len(shapes) > 1:
+        return f"{label}: {key!r} has lists of different lengths {sorted(shapes)}: a float field has one length"
+    return None
+
+
+def keep_keys(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    return [(w, {k: v for k, v in r.items() if k in FIXED or k in keep}) for w, r in rows]
+
+
+def class_values(rec: dict[str, Any]) -> list[Any]:
+    """A record's class ids or names, as records.py reads them (a ``labels`` string is split)."""
+    out: list[Any] = []
+    for key in CLASS_KEYS:
+        v = rec.get(key)
+        if isinstance(v, str) and key == "labels":
+            v = split_labels(v)
+        if v is not None:
+            out += v if isinstance(v, list) else [v]
+    return out
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The merged summaries: what every piece of the source shares."""
+
+    keep: frozenset[str]
+    kinds: dict[str, str]
+    vectors: dict[str, int]
+    has_label: bool
+    classes: list[str]
+    ids: Optional[dict[str, int]]  # class name -> id; None: the records give ids
+
+    def class_id(self, v: Any) -> Any:
+        """A class value (or a list of them) as the source's id."""
+        if isinstance(v, list):
+            return [self.class_id(x) for x in v]
+        return v if self.ids is None else self.ids[str(v)]
+
+    def record(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """A record with the source's keys only and its classes as the source's ids."""
+        rec = {k: v for k, v in rec.items() if k in FIXED or k in self.keep}
+        for key in CLASS_KEYS:
+            v = rec.get(key)
+            if v is not None:
+                rec[key] = self.class_id(split_labels(v) if key == "labels" and isinstance(v, str) else v)
+        return rec
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keep": sorted(self.keep), "kinds": [[k, v] for k, v in self.kinds.items()], "vectors": self.vectors,
+                "has_label": self.has_label, "classes": self.classes, "ids": self.ids}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Schema":
+        return cls(frozenset(obj["keep"]), {k: v for k, v in obj["kinds"]}, obj["vectors"], obj["has_label"],
+                   obj["classes"], obj["ids"])
+
+
+class Merge:
+    """The tars' summaries merged in tar order, one at a time: memory for keys and classes, not tars."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self.digests: list[str] = []  # each index's sha256
+        self.keep: Optional[set[str]] = None  # the keys numeric in every sample so far
+        self.seen: set[str] = set()
+        self.kinds: dict[str, str] = {}  # first-seen order, as one listing of every record gives it
+        self.vectors: dict[str, int] = {}
+        self.clash: dict[str, str] = {}  # a key's first problem: an error only if the key is kept
+        self.first: dict[str, str] = {}
+        self.labelled: dict[bool, str] = {}  # has 'label' -> a tar that says so
+        self.ids = -1
+        self.names: set[str] = set()
+        self.modes: set[str] = set()
+
+    def add(self, label: str, s: dict[str, Any]) -> None:
+        """Tar ``label``'s summary, after every tar before it."""
+        self.counts.append(s["samples"])
+        self.digests.append(s["index_sha256"])
+        if not s["good"]:
+            return
+        self.keep = set(s["numeric"]) if self.keep is None else self.keep & set(s["numeric"])
+        self.seen.update(s["seen"])
+        for key, problem in s["problems"].items():
+            self.clash.setdefault(key, problem)
+        for key, kind in s["kinds"]:
+            self.first.setdefault(key, label)
+            if self.kinds.setdefault(key, kind) != kind:
+                self.clash.setdefault(key, f"{label}: {key!r} holds {kind} there and {self.kinds[key]} in "
+                                           f"{self.first[key]}")
+        for key, n in s["vectors"].items():
+            if self.vectors.setdefault(key, n) != n:
+                self.clash.setdefault(key, f"{label}: {key!r} has lists of length {n} there and "
+                                           f"{self.vectors[key]} in {self.first[key]}: a float field has one "
+                                           "length for every record")
+        self.labelled.setdefault(s["has_label"], label)
+        for mode, value in s["classes"].items():
+            self.modes.add(mode)
+            if mode == "ids":
+                self.ids = max(self.ids, value)
+            else:
+                self.names.update(value)
+
+    def schema(self) -> Schema:
+        """The merged schema.
+
+        Raises:
+            SourceError: A stored key's values disagree between tars (or cannot be stored), some tars' samples
+                have labels and others' not, or class labels mix ids and names.
+        """
+        keep = frozenset(self.keep or ())
+        if self.seen - keep:
+            log.info("JSON keys not numeric in every sample, not stored: %s", sorted(self.seen - keep))
+        kinds = {k: v for k, v in self.kinds.items() if k in keep or k in FIXED}
+        clash = next((self.clash[k] for k in [*kinds, *sorted(keep)] if k in self.clash), None)
+        if clash:
+            raise SourceError(clash)
+        if len(self.labelled) > 1:
+            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other tars' have "
+                              f"({self.labelled[True]}): give every sample one")
+        if ("boxes" in kinds) != ("box_labels" in kinds):
+            raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
+        if len(self.modes) > 1:
+            raise SourceError("class labels mix ids and names across the tars: use one or the other")
+        classes: list[str] = [str(i) for i in range(self.ids + 1)]
+        ids: Optional[dict[str, int]] = None
+        if self.modes == {"names"}:
+            names = sorted(self.names)
+            classes, numbers = class_ids(names)
+            ids = dict(zip(names, numbers))
+        return Schema(keep, kinds, {k: v for k, v in self.vectors.items() if k in keep},
+                      True in self.labelled, classes, ids)
