@@ -176,3 +176,21 @@ def test_staging_folders_of_processes_gone_are_removed_by_the_next_task(tmp_path
     assert not dead.exists() and live.exists() and other.exists()
     store_out.drop_stage(stage)
     assert not stage.exists()
+
+
+def test_overwrite_keeps_the_old_dataset_until_the_new_arguments_hold_for_every_tar(s3, awkward_folder, tmp_path,
+                                                                                    capsys):
+    from test_wds_source import _named_tars
+
+    fresh_fs()
+    url = f"{s3('keep-old')}/ds"
+    assert preprocess(awkward_folder, url, "--format", "lmdb") == 0
+    old = store_bytes(s3, "keep-old", "ds")
+    # the first tar's samples have no field, the second's a caption: --resize max-side is refused only once
+    # every tar is indexed, and the dataset --overwrite would replace must still be whole then
+    src = _named_tars(tmp_path / "tars", [[1, 2], [3, 4]], [{}, {"caption": "a dog"}])
+    assert preprocess(src, url, "--format", "lmdb", "--resize", "max-side", "--overwrite") == 1
+    assert "need the square geometry" in capsys.readouterr().err
+    assert {k: v for k, v in store_bytes(s3, "keep-old", "ds").items() if not k.startswith(".fastdata")} == old
+    assert preprocess(src, url, "--format", "lmdb", "--overwrite") == 0  # and a right one replaces it
+    assert len(FastDataset(url, cache_dir=tmp_path / "cache")) == 4

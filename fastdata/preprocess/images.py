@@ -207,6 +207,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         if isinstance(source, TarSource):
             source = _ready(config, source, tar_index.Area(store), pool)
             params = _params(config, source)
+        store.drop_old()  # the arguments hold for this source: --overwrite's old dataset goes now
         jr = _aligned(jr, config.shard_size, source.num_samples)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
             _run(config, source, jr, Path(staging), store, pool)

@@ -65,9 +65,10 @@ class StoreOut:
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
         self._fs: Optional[tuple[int, Any, str, Retry]] = None
+        self._old: list[str] = []  # the dataset --overwrite replaces (`drop_old`)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "retry_seconds": self.retry_seconds, "_fs": None}
+        return {"url": self.url, "retry_seconds": self.retry_seconds, "_fs": None, "_old": []}
 
     def _client(self) -> tuple[Any, str, Retry]:
         if self._fs is None or self._fs[0] != os.getpid():  # a fork or another process: a client of its own
@@ -152,7 +153,8 @@ class StoreOut:
 
     def prepare(self, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
         """The store's side of `journal.prepare_output`: the manifest when OUT is complete with these
-        arguments, else None once OUT may be written (an old dataset deleted with ``overwrite``)."""
+        arguments, else None once OUT may be written (with ``overwrite``, another run's objects deleted, and
+        an old dataset named for `drop_old`)."""
         names = self.listing()
         if not names:
             return None
@@ -172,11 +174,22 @@ class StoreOut:
             raise OutputError(f"{scrub(self.url)} holds an unfinished run with another source or other parameters: "
                               "rerun that command to finish it, or pass --overwrite to start this one")
         if overwrite and ours:
-            if manifest is not None:
-                log.warning("deleting the dataset at %s before the new one exists (a store cannot swap one in)",
-                            scrub(self.url))
-            self.delete(ours)
+            this_run = run is not None and run.get("fingerprint") == fingerprint  # killed before its first shard
+            if manifest is not None:  # a whole dataset stays until the new run may begin (`drop_old`)
+                self._old = [n for n in ours if not n.startswith(PARTIAL_DIR + "/")]
+                self.delete([] if this_run else [n for n in ours if n.startswith(PARTIAL_DIR + "/")])
+            elif not this_run:
+                self.delete(ours)
         return None
+
+    def drop_old(self) -> None:
+        """Delete the dataset ``--overwrite`` replaces (`prepare` named it): called once the new run's
+        arguments are checked against its source, just before its first shard."""
+        old, self._old = self._old, []
+        if old:
+            log.warning("deleting the dataset at %s before the new one exists (a store cannot swap one in)",
+                        scrub(self.url))
+            self.delete(old)
 
     def resume(self, fingerprint: str) -> "StoreJournal":
         """The journal of OUT's unfinished run with this fingerprint, its units checked against one listing

@@ -272,6 +272,7 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         done = store.prepare(fingerprint, config.overwrite)
         if done is not None:
             return done
+        store.drop_old()
         jr = store.resume(fingerprint)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
             partial = journal.partial_dir(Path(staging))
