@@ -191,6 +191,6 @@ def test_overwrite_keeps_the_old_dataset_until_the_new_arguments_hold_for_every_
     src = _named_tars(tmp_path / "tars", [[1, 2], [3, 4]], [{}, {"caption": "a dog"}])
     assert preprocess(src, url, "--format", "lmdb", "--resize", "max-side", "--overwrite") == 1
     assert "need the square geometry" in capsys.readouterr().err
-    assert {k: v for k, v in store_bytes(s3, "keep-old", "ds").items() if not k.startswith(".fastdata")} == old
+    assert store_bytes(s3, "keep-old", "ds") == old  # the refused run's journal (its tar indexes) is gone too
     assert preprocess(src, url, "--format", "lmdb", "--overwrite") == 0  # and a right one replaces it
     assert len(FastDataset(url, cache_dir=tmp_path / "cache")) == 4

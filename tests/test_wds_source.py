@@ -135,6 +135,12 @@ def test_max_side_lmdb_from_tars_and_refused_with_fields(tmp_path, capsys):
     assert {Image.open(io.BytesIO(r)).size for r in records} == {(8, 6)}  # 40 x 30, the longer side at 8
     assert preprocess(captioned, tmp_path / "refused", "--format", "lmdb", "--resize", "max-side") == 1
     assert "need the square geometry" in capsys.readouterr().err
+    # refused after indexing (the first sample has no field, a later one a caption): no journal is left
+    # behind, so the same OUT takes the right arguments at once
+    late = _named_tars(tmp_path / "late", [[1, 2], [3, 4]], [{}, {"caption": "a dog"}])
+    assert preprocess(late, tmp_path / "late-out", "--format", "lmdb", "--resize", "max-side") == 1
+    assert "need the square geometry" in capsys.readouterr().err
+    assert preprocess(late, tmp_path / "late-out", "--format", "lmdb") == 0
 
 
 def _cut_in(tar: Path, member: str, fraction: float) -> None:

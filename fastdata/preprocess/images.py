@@ -205,7 +205,11 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         jr = store.resume(fingerprint)
         pool = _pool(config, source, store)
         if isinstance(source, TarSource):
-            source = _ready(config, source, tar_index.Area(store), pool)
+            try:
+                source = _ready(config, source, tar_index.Area(store), pool)
+            except ConfigError:  # arguments this source refuses: no rerun of them could finish this journal
+                store.abandon()
+                raise
             params = _params(config, source)
         store.drop_old()  # the arguments hold for this source: --overwrite's old dataset goes now
         jr = _aligned(jr, config.shard_size, source.num_samples)
@@ -221,7 +225,11 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         jr, partial = journal.resume(config.out, fingerprint)
         pool = _pool(config, source, config.out)
         if isinstance(source, TarSource):
-            source = _ready(config, source, tar_index.Area(partial), pool)
+            try:
+                source = _ready(config, source, tar_index.Area(partial), pool)
+            except ConfigError:  # arguments this source refuses: no rerun of them could finish this journal
+                journal.remove_partial(config.out)
+                raise
             params = _params(config, source)
         kept = len(jr.units)
         if len(_aligned(jr, config.shard_size, source.num_samples).units) < kept:

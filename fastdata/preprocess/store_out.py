@@ -182,6 +182,10 @@ class StoreOut:
                 self.delete(ours)
         return None
 
+    def abandon(self) -> None:
+        """Delete this run's journal objects: a run whose arguments the source refuses never resumes."""
+        self.delete([n for n in self.listing() if n.startswith(PARTIAL_DIR + "/")])
+
     def drop_old(self) -> None:
         """Delete the dataset ``--overwrite`` replaces (`prepare` named it): called once the new run's
         arguments are checked against its source, just before its first shard."""
