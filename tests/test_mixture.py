@@ -387,6 +387,83 @@ def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
         Mixture({"web": sets["web"], "pics": FastDataset(mixed_sets["a"])})
 
 
+@pytest.mark.parametrize("storage", ["mmap", "ram"])
+def test_token_windows_gathered_by_torch_or_numpy_are_the_streams(tmp_path, monkeypatch, storage):
+    """One-shard token sources: many windows a source (torch's index_select, on a thread of one intra-op
+    thread) and a few (numpy), alone and in a mixture's batch, are the token stream's windows."""
+    from test_text import make_docs, preprocess, stream as token_stream, write_jsonl
+
+    import fastdata.datasets.tokens as tokens
+
+    sets, streams = {}, {}
+    for name, docs, kw in (("web", 900, {}), ("code", 500, {}), ("math", 500, {"stride": 5})):
+        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", make_docs(docs, seed=len(sets))), tmp_path / name,
+                   "--val-fraction", "0")
+        sets[name] = tokens.TokenDataset(tmp_path / name, seq_len=16, storage=storage, **kw)
+        streams[name] = token_stream(tmp_path / name, "train")
+        assert sets[name]._flat_rows is not None and len(sets[name]) > 3 * tokens.TORCH_GATHER_ROWS
+    selects = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: selects.append(1) or real(*a, **k))
+
+    def want(name: str, idx: np.ndarray) -> np.ndarray:
+        ds = sets[name]
+        return streams[name][ds.starts(idx)[:, None] + np.arange(17)]
+
+    rng = np.random.default_rng(0)
+    threads = torch.get_num_threads()
+    try:
+        for intra in (1, 2):
+            torch.set_num_threads(intra)
+            for n in (5, tokens.TORCH_GATHER_ROWS, 3 * tokens.TORCH_GATHER_ROWS):
+                before = len(selects)
+                idx = np.sort(rng.choice(len(sets["web"]), n, replace=False))
+                x, y = sets["web"].get_batch(idx, out=torch.zeros((n + 3, 17), dtype=torch.uint16))
+                assert np.array_equal(x.numpy(), want("web", idx)[:, :-1]) and torch.equal(x[:, 1:], y[:, :-1])
+                assert (len(selects) > before) == (intra == 1 and n >= tokens.TORCH_GATHER_ROWS)
+            for names in (("web", "code"), ("web", "code", "math")):  # one stride (starts once); strides differ
+                mix = Mixture({k: sets[k] for k in names})
+                parts = [np.sort(rng.choice(len(sets[k]), m, replace=False))
+                         for k, m in zip(names, (3 * tokens.TORCH_GATHER_ROWS, 7, 2 * tokens.TORCH_GATHER_ROWS))]
+                codes = np.concatenate([p | (k << SHIFT) for k, p in enumerate(parts)])
+                buf = torch.zeros((len(codes), 17), dtype=torch.uint16)
+                x, y = mix.get_batch(codes, out=(buf, torch.zeros(len(codes), dtype=torch.int64)))
+                assert np.array_equal(buf.numpy(), np.concatenate([want(k, p) for k, p in zip(names, parts)]))
+                assert x.data_ptr() == buf.data_ptr() and torch.equal(x[:, 1:], y[:, :-1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_ascending_draws_give_the_codes_of_any_order():
+    """The sampler's path for ascending positions (each source epoch one run of draws) gives what the general
+    path gives, with sources far smaller than a chunk (many source epochs a call), both mixes, 1 and 3 ranks."""
+
+    class Empty:
+        sample_shape, sample_dtype = (3,), torch.uint8
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def get_batch(self, idx, out=None):
+            raise AssertionError("the stream reads no sample")
+
+    rng = np.random.default_rng(1)
+    for trial in range(24):
+        sizes = rng.integers(1, 300, int(rng.integers(1, 5))).tolist()
+        mix = Mixture([Empty(n) for n in sizes], weights=rng.random(len(sizes)).tolist(), seed=trial,
+                      mix=("sample", "batch")[trial % 2])
+        for world in (1, 3):
+            s = MixtureSampler(mix, int(rng.integers(1, 40)), rank=world - 1, world_size=world)
+            for _ in range(3):
+                positions = np.arange(int(rng.integers(1, 2000)), dtype=np.int64) * world + world - 1
+                fast = s.codes(s.seg, positions, [{} for _ in sizes], ascending=True)
+                assert np.array_equal(fast, s.codes(s.seg, positions, [{} for _ in sizes]))
+                s.end_epoch()
+
+
 def test_token_shard_bounds_give_the_windowed_order_exactly_once_without_a_number_per_window(tmp_path):
     from test_text import make_docs, preprocess, write_jsonl
 

@@ -38,6 +38,7 @@ import torch
 from ..errors import ConfigError
 from ..formats.schema import OFFSETS
 from ..storage.opening import parse_size
+from .tokens import TokenDataset, WindowGather
 
 SHIFT = 56  # a served index is (source << SHIFT) | sample: sorted, a batch groups its rows by source
 MASK = (1 << SHIFT) - 1
@@ -140,8 +141,10 @@ class Mixture:
         self._count_lock = threading.Lock()
         self._edges = np.arange(len(self.sources) + 1)  # get_batch's: where each source's rows begin
         # token sources (all of one class, _check_sources saw to it) gather into the batch (NOTE [mixture gather])
-        self._windows = all(hasattr(ds, "gather_into") for ds in self.sources)
+        self._windows = all(isinstance(ds, TokenDataset) for ds in self.sources)
         self._np_dtype = torch.empty(0, dtype=self.sample_dtype).numpy().dtype if self._windows else None
+        self._gather_windows = WindowGather(self.sources) if self._windows else None
+        self._has_fields = self.fields is not None
         self._shape = tuple(self.sample_shape)
 
     def _check_sources(self) -> None:
@@ -265,30 +268,30 @@ class Mixture:
         # NOTE [mixture gather]: a batch of a few tens of kB (32 token windows) costs about what its fixed
         # per-call work costs, so this runs a handful of numpy calls per batch and per source: sorted codes
         # make each source's rows one run (its bounds by one searchsorted) with its samples in order (range
-        # checked by its last), and token sources write into the batch's buffer by `gather_into`.
+        # checked by its last), and token sources write into the batch's buffer by `WindowGather`.
         codes = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(
             indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
         src = codes >> SHIFT
-        if len(src) > 1 and (src[1:] < src[:-1]).any():  # unsorted: gather sorted, give back in this order
+        b = len(codes)
+        if b > 1 and (src[1:] < src[:-1]).any():  # unsorted: gather sorted, give back in this order
             order = np.argsort(codes, kind="stable")
             batch = self.get_batch(codes[order], None, draw)
             return _reorder(batch, np.argsort(order, kind="stable"))
-        if len(src) and (src[0] < 0 or src[-1] >= len(self.sources)):
-            raise IndexError(f"mixture index names source {int(src[-1])}; there are {len(self.sources)}")
+        bounds = src.searchsorted(self._edges).tolist()  # (the method: a third of np.searchsorted's cost)
+        if bounds[0] or bounds[-1] != b:  # sorted: a source below 0 or past the last leaves rows outside
+            raise IndexError(f"mixture index names source {int(src[0] if bounds[0] else src[-1])}; there are "
+                             f"{len(self.sources)}")
         idx = codes & MASK
-        bounds = np.searchsorted(src, self._edges).tolist()
         parts = [(k, a, c) for k, (a, c) in enumerate(zip(bounds, bounds[1:])) if c > a]
         for k, a, c in parts:
             if idx[c - 1] >= self.sizes[k]:
                 raise IndexError(f"mixture index names sample {int(idx[c - 1])} of source {self.names[k]!r}, "
                                  f"which has {self.sizes[k]}")
         with self._count_lock:
-            for k, a, c in parts:
-                self._counts[k] += c - a
-        if self.fields is not None:
+            self._counts = [n + c - a for n, a, c in zip(self._counts, bounds, bounds[1:])]
+        if self._has_fields:
             return self._dict_batch(parts, idx, out, torch.from_numpy(src), draw)
         x_buf, y_buf = out if isinstance(out, tuple) else (out, None)
-        b = len(codes)
         x = torch.empty((b, *self.sample_shape), dtype=self.sample_dtype) if x_buf is None else \
             x_buf if len(x_buf) == b else x_buf[:b]
         if self._windows:
@@ -305,8 +308,7 @@ class Mixture:
         if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous:
             raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape (>={len(idx)}, "
                               f"{self._shape[0]}), got {tuple(x.shape)} {x.dtype}")
-        for k, a, c in parts:
-            self.sources[k].gather_into(idx[a:c], dst[a:c])
+        self._gather_windows(parts, idx, dst)
         return x[:, :-1], x[:, 1:]
 
     def _sample_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, x: torch.Tensor, y: torch.Tensor,

@@ -8,8 +8,9 @@ starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
+TORCH_GATHER_ROWS = 64  # from this many windows a gather runs in torch (NOTE [window gather])
 
 
 def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
@@ -37,6 +39,25 @@ def windows(arr: np.ndarray, length: int, void: np.dtype) -> Optional[np.ndarray
     if len(arr) < length:
         return None
     return np.lib.stride_tricks.sliding_window_view(arr, length).view(void)[:, 0]
+
+
+_SIGNED = {np.dtype("<u2"): np.dtype("<i2"), np.dtype("<u4"): np.dtype("<i4")}
+
+
+def signed(arr: np.ndarray) -> np.ndarray:
+    """``arr``'s bits as signed integers of its size: torch's index_select has no uint16/uint32 kernel."""
+    return arr.view(_SIGNED[arr.dtype])
+
+
+def window_rows(arr: np.ndarray, length: int) -> Optional[torch.Tensor]:
+    """Every ``length``-token window of ``arr`` as one row of a strided torch view (`signed` bits, no copy);
+    None when ``arr`` is shorter."""
+    if len(arr) < length:
+        return None
+    with warnings.catch_warnings():  # a read-only map: torch warns, and the view is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(signed(arr))
+    return flat.as_strided((len(arr) - length + 1, length), (1, 1))
 
 
 class TokenDataset(StreamedReads, torch.utils.data.Dataset):
@@ -151,6 +172,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             names = [rel for rel, _ in tokens.files]
             self._cache = ShardCache(self._remote, names, opener, limit=self._limit)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
+            self._flat_rows = None
             self._hold()
             return
         opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
@@ -159,14 +181,16 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             self._flat, self._shards = self._shards[0], []
         # Window views are made once here: making one costs more than gathering a small batch.
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
+        self._flat_rows = window_rows(self._flat, self.seq_len + 1) if self._flat is not None else None
         self._shard_windows = [self._windows(a) for a in self._shards]
         self._hold()
 
     def _drop_storage(self) -> None:
         self._flat, self._shards, self._flat_windows, self._shard_windows, self._cache = None, [], None, [], None
+        self._flat_rows = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows",
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows", "_flat_rows",
                                                                      "_shard_windows", "_cache", "_released")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,24 +230,30 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             self._gather(self.starts(idx), w.numpy())
         return w[:, :-1], w[:, 1:]
 
-    def gather_into(self, indices: np.ndarray, dst: np.ndarray) -> None:
-        """Windows ``indices`` (int64, in range: not checked) written into ``dst``, a C-contiguous
-        ``(len(indices), seq_len + 1)`` array of the stored dtype: `get_batch` without its checks and tensors,
-        for a caller that made them once for several datasets (a Mixture's batch)."""
-        self._check_open()
-        self._gather(self.starts(indices), dst)
-
     def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
         """Every window of ``arr`` as one item of a 1-D array (a void item of ``seq_len + 1`` tokens, one token
         apart): no data is copied, and a gather copies each window with one memcpy (see NOTE [window gather])."""
         return windows(arr, self.seq_len + 1, self._void)
 
     def _gather(self, starts: np.ndarray, dst: np.ndarray) -> None:
-        # NOTE [window gather]: indexing the 1-D view of void windows copies each window with one memcpy and
-        # runs at the speed of np.take over contiguous rows at the same random offsets, the memory system's
-        # limit for 2 KB reads (bench_text measures both). A 2-D fancy index of the sliding-window view and an
-        # element-wise take of start + arange(L) are slower, and np.take on a strided view tries to materialise
-        # every window. The copy into ``dst`` adds a second pass (benchmarks/RESULTS.md).
+        # NOTE [window gather]:
+        # 1. numpy: indexing the 1-D view of void windows copies each window with one memcpy, at the speed of
+        #    np.take over contiguous rows at the same random offsets, the memory system's limit for 2 KB reads
+        #    (bench_text measures both), into a new array then copied into ``dst``: a second pass
+        #    (benchmarks/RESULTS.md). A 2-D fancy index of the sliding-window view and an element-wise take of
+        #    start + arange(L) are slower; np.take on a strided view materialises every window. numpy keeps the
+        #    GIL for fewer than ~500 rows.
+        # 2. torch: index_select over the strided view of the same windows (`window_rows`) writes ``dst`` in one
+        #    pass without the GIL, so loader threads overlap; from TORCH_GATHER_ROWS (64) windows. Below, its
+        #    fixed cost (~2 us a call more) outweighs that: at batch 32, FastLoader served ~12 % fewer windows/s
+        #    with the threshold at 16 than at 64 (2-core VM).
+        # 3. torch only on a thread of one intra-op thread (FastLoader's threads on a machine they fill):
+        #    index_select splits every batch among the intra-op threads, and on a busy 2-core VM that took
+        #    0.2-3.4 ms a 512-window batch instead of 0.14 ms.
+        # 4. A Mixture's token sources: `WindowGather`, these rules for each source's run of rows.
+        if self._flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
+            torch.index_select(self._flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
+            return
         rows = dst.view(self._void).reshape(-1)
         if self._flat_windows is not None:
             rows[...] = self._flat_windows[starts]
@@ -292,3 +322,35 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.root)!r}, split={self.split!r}, seq_len={self.seq_len}, windows={len(self)}, "
                 f"tokens={self.num_tokens}, vocab={self.vocab_size})")
+
+
+class WindowGather:
+    """The windows of several token datasets (a Mixture's sources) gathered into one batch, each source's into
+    its run of rows (NOTE [window gather]), with little work a source: when the sources share a stride one
+    multiplication gives every window's start, and a source's few rows take one numpy index.
+
+    Args:
+        sources: Token datasets of one window length and dtype.
+    """
+
+    def __init__(self, sources: Sequence[TokenDataset]) -> None:
+        self.sources = list(sources)
+        strides = {ds.stride for ds in self.sources}
+        plain = not any(ds.random_windows for ds in self.sources)
+        self.stride = strides.pop() if plain and len(strides) == 1 else None  # None: each source's starts
+        self.void = self.sources[0]._void
+
+    def __call__(self, parts: Iterable[tuple[int, int, int]], indices: np.ndarray, dst: np.ndarray) -> None:
+        """Rows ``a:c`` of ``dst`` get windows ``indices[a:c]`` of source ``k``, for each ``(k, a, c)`` of
+        ``parts``. ``indices`` are int64 and in range (not checked); ``dst`` is C-contiguous, of the sources'
+        dtype and window length."""
+        starts = None if self.stride is None else indices * self.stride
+        rows = dst.view(self.void).reshape(-1)
+        for k, a, c in parts:
+            ds = self.sources[k]
+            ds._check_open()
+            at = ds.starts(indices[a:c]) if starts is None else starts[a:c]
+            if ds._flat_windows is not None and c - a < TORCH_GATHER_ROWS:
+                rows[a:c] = ds._flat_windows[at]
+            else:
+                ds._gather(at, dst[a:c])

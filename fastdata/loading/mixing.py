@@ -83,6 +83,7 @@ class MixtureSampler:
         self._orders: list[dict[int, EpochOrder]] = [{} for _ in mixture.sources]
         self._seeds = [mixture.source_seed(k) for k in range(len(mixture.sources))]
         self._previous: Optional[Segment] = None  # the last epoch's last segment, and where it stopped
+        self._quantised: Optional[tuple[tuple[float, ...], list[int]]] = None
         self._previous_end = 0
         self.seg = self._first_segment(0, np.zeros(len(self.sizes), dtype=np.int64))
         self.start, self.served = 0, 0
@@ -103,9 +104,17 @@ class MixtureSampler:
         return self.seg.epoch
 
     # -- segments -------------------------------------------------------------------------------------
+    def _quantise(self, shares: list[float]) -> list[int]:
+        """`quantise`, remembered for the last weights: a loader pass asks twice (~0.2 ms each)."""
+        key = tuple(shares)
+        last = self._quantised  # (one attribute: a cache's planning thread may ask too)
+        if last is None or last[0] != key:
+            last = self._quantised = (key, quantise(shares))
+        return list(last[1])
+
     def _segment(self, epoch: int, start: int, cursors: np.ndarray, targets: np.ndarray,
                  shares: list[float]) -> Segment:
-        weights = quantise(shares)
+        weights = self._quantise(shares)
         seg = Segment(epoch, start, cursors, targets, weights, Schedule(weights, (self.seed, epoch, start)),
                       list(shares))
         seg.length = self._length(seg)
@@ -142,7 +151,7 @@ class MixtureSampler:
     def _sync(self) -> None:
         """When the mixture's weights changed: a new segment from the position reached (NOTE [mixture order]
         3). Run where no iteration is live: at the start of one (`batches`) and at a resume."""
-        if quantise(self.mixture._weights) == self.seg.weights:
+        if self._quantise(self.mixture._weights) == self.seg.weights:
             return
         p = self.position()
         self.seg = self._segment(self.epoch, p, self.seg.cursors_at(p, self.unit), self.seg.targets,
@@ -161,10 +170,10 @@ class MixtureSampler:
                                             bounds=bounds, members=members)
         return got
 
-    def codes(self, seg: Segment, positions: np.ndarray, orders: Optional[list[dict[int, EpochOrder]]] = None
-              ) -> np.ndarray:
+    def codes(self, seg: Segment, positions: np.ndarray, orders: Optional[list[dict[int, EpochOrder]]] = None,
+              *, ascending: bool = False) -> np.ndarray:
         """The served indices (``(source << 56) | sample``) of ``positions`` of segment ``seg``, in order (a
-        position gives ``unit`` of them)."""
+        position gives ``unit`` of them). ``ascending``: the positions are, so each source's draws are too."""
         orders = self._orders if orders is None else orders
         unit = self.unit
         out = np.empty(len(positions) * unit, dtype=np.int64)
@@ -176,6 +185,9 @@ class MixtureSampler:
                 sel = ((np.arange(len(m), dtype=np.int64) if sel is None else sel)[:, None] * unit + steps).ravel()
             elif sel is None:
                 sel = slice(None)
+            if ascending:
+                self._ascending_codes(k, draws, sel, out, orders[k])
+                continue
             epochs, places = np.divmod(draws, int(self.sizes[k]))
             first, last = int(epochs.min()), int(epochs.max())  # one or two, unless the source is small
             if first == last:
@@ -187,6 +199,22 @@ class MixtureSampler:
                 out[rows[here]] = self._order(k, e, orders[k]).at(places[here]) | (k << SHIFT)
         return out
 
+    def _ascending_codes(self, k: int, draws: np.ndarray, sel: Any, out: np.ndarray, cache: dict[int, EpochOrder]
+                         ) -> None:
+        """`codes` for source ``k``'s ascending ``draws`` into ``out[sel]``: each source epoch's draws are one
+        run, found by its bounds (a loader pass of 2**16 positions: no divmod, mask or row list per draw)."""
+        size = int(self.sizes[k])
+        first, last = int(draws[0]) // size, int(draws[-1]) // size
+        if first == last:
+            out[sel] = self._order(k, first, cache).at(draws - first * size) | (k << SHIFT)
+            return
+        cuts = [0, *draws.searchsorted(np.arange(first + 1, last + 1, dtype=np.int64) * size).tolist(), len(draws)]
+        rows = None if isinstance(sel, slice) else sel  # (a slice is every row: run a:c is rows a:c)
+        for e, a, c in zip(range(first, last + 1), cuts, cuts[1:]):
+            if c > a:
+                out[slice(a, c) if rows is None else rows[a:c]] = \
+                    self._order(k, e, cache).at(draws[a:c] - e * size) | (k << SHIFT)
+
     def _rank_count(self, seg: Segment, start: int) -> int:
         return len(range(self.rank, self._end(seg, start) - start, self.world_size))
 
@@ -197,7 +225,7 @@ class MixtureSampler:
         step = per * max(1, (1 << 16) // self.batch_size)
         for c0 in range(served * per, count, step):
             positions = start + np.arange(c0, min(count, c0 + step), dtype=np.int64) * self.world_size + self.rank
-            chunk = self.codes(seg, positions, orders)
+            chunk = self.codes(seg, positions, orders, ascending=True)
             for i in range(0, len(chunk), self.batch_size):
                 yield chunk[i:i + self.batch_size]
 
@@ -293,7 +321,7 @@ class MixtureSampler:
         if saved_names == self.mixture.names:  # the saved segment itself: the same stream on
             seg = self._segment(epoch, int(rec["start"]), self._by_name(rec["cursors"], self.sizes * 0), targets,
                                 weights)
-            if quantise(self.mixture._weights) == seg.weights:
+            if self._quantise(self.mixture._weights) == seg.weights:
                 seg.shares = list(self.mixture._weights)
             self.seg, self.start, self.served, self._previous = seg, position, 0, None
             self._sync()  # the mixture's own weights, when they are not the saved ones
