@@ -6,9 +6,9 @@ NOTE [tar index]:
    in fastdata/preprocess/tars.py) and writes its index into OUT's partial area: each sample's name, its
    image's offset and size or why it is a bad record, and its metadata record. The tar's summary (counts,
    JSON keys, field kinds and lengths, class values) is written after it: a summary means a whole index.
-2. The driver keeps the tars' sample counts and merges the summaries into the source's schema: the numeric
-   JSON keys that every sample has, one kind and length per field, one class list. Its memory grows with
-   the tars and the classes, never with the samples.
+2. The driver keeps the tars' sample counts and merges the summaries into the source's schema
+   (tar_schema.py): the numeric JSON keys that every sample has, one kind and length per field, one class
+   list. Its memory grows with the tars and the classes, never with the samples.
 3. Shard k still holds source positions ``[k * S, (k + 1) * S)``. The tars covering them are found from
    the counts, and whoever decodes the shard (the parent of the local pool, or the Ray task itself) loads
    only their indexes (a process keeps the last few it parsed: a tar spans several shards). The schema is
