@@ -16,6 +16,7 @@ NOTE [fast bicubic]: the ``"fast-bicubic"`` filter resizes whole RGB images with
      reductions (Pillow reduces by an integer factor first), go through Pillow's bicubic, the same kernel.
   4. One intra-op thread in worker processes: a second thread costs more than it gains at these sizes, and
      the workers already fill the cores (as torch's DataLoader workers do).
+
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..errors import ImageDecodeError
+from . import lanczos
 
 RESIZE_MODES = ("center-crop", "squash", "pad")
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white, as a viewer shows them
@@ -211,7 +213,25 @@ def resample_image(img: Union[Image.Image, np.ndarray], wh: tuple[int, int], res
         if box is None and rgb and max(w / wh[0], h / wh[1]) < 2 * REDUCING_GAP:
             return Image.fromarray(_torch_bicubic(img if isinstance(img, np.ndarray) else np.array(img), wh), "RGB")
         resample = Image.Resampling.BICUBIC  # the same kernel (NOTE [fast bicubic], rule 3)
+    if resample == RESAMPLE and box is None and lanczos.ready() and isinstance(img, np.ndarray):
+        h, w = img.shape[:2]
+        if wh[0] <= w and wh[1] <= h and wh != (w, h) and max(w / wh[0], h / wh[1]) < 2 * REDUCING_GAP:
+            return Image.fromarray(lanczos.resize(img, wh), "RGB")  # NOTE [exact lanczos] in lanczos.py
     return _image(img).resize(wh, resample, box=box, reducing_gap=REDUCING_GAP)
+
+
+def prepare(filter_name: str) -> bool:
+    """Compile the exact Lanczos kernel for ``filter_name`` in this process, so that workers forked afterwards
+    resize with it (NOTE [exact lanczos] in fastdata/imaging/lanczos.py); a no-op for other filters, without
+    numba, or where the kernel does not give this Pillow's bytes.
+
+    Args:
+        filter_name: A key of `FILTERS`.
+
+    Returns:
+        Whether Lanczos resizes of whole RGB arrays now run the compiled kernel.
+    """
+    return FILTERS.get(filter_name) == RESAMPLE and lanczos.prepare(REDUCING_GAP)
 
 
 _threads_checked_in = 0  # the pid that did: a forked worker inherits the flag, not the check
