@@ -34,6 +34,7 @@ class Plan:
     quality: int
     mask_dtype: str
     tokenizer: str
+    compiled: bool = False  # resize with the compiled Lanczos where it checks out (NOTE [exact lanczos])
 
     @property
     def row_bytes(self) -> int:
@@ -99,7 +100,7 @@ def unit_task(task: tuple, slot: Optional[int] = None) -> tuple[dict[str, Any], 
     staging folder of its own and publish it to OUT (NOTE [ray byte-identity] rule 3). Returns its journal
     record and failures."""
     plan, k, a, b, piece, max_files, out = task
-    if b - a >= 512:  # a Ray worker process compiles (or loads) the exact Lanczos once: NOTE [exact lanczos]
+    if plan.compiled:  # a Ray worker process compiles (or loads) the exact Lanczos once: NOTE [exact lanczos]
         decode.prepare(plan.filter)
     piece = piece.load()  # a tar source's: its tars' indexes read here (NOTE [tar index] rule 3)
     labels = np.asarray(piece.labels, LABEL_DTYPE)

@@ -316,7 +316,8 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
         import torch  # noqa: F401
     fields = sample_fields(config, source)
     plan = Plan(config.format, config.size, config.shard_size, tuple(fields), source.has_label, config.resize,
-                config.filter, config.quality, config.mask_dtype, config.tokenizer)
+                config.filter, config.quality, config.mask_dtype, config.tokenizer,
+                compiled=source.num_samples - jr.source_end >= _PREPARE_FROM)
     max_files = max(1, min(_MAX_CHUNK, _CHUNK_BYTES // plan.row_bytes)) if config.format == "npy" else _MAX_CHUNK
     start, total, size = jr.source_end, source.num_samples, config.shard_size
     skipped = list(jr.skipped)
@@ -350,7 +351,7 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
             bar.close()
         return
     per = chunk_size(total - start, workers, max_files)
-    if total - start >= _PREPARE_FROM:  # forked workers inherit the compiled kernel (NOTE [exact lanczos])
+    if plan.compiled:  # forked workers inherit the compiled kernel (NOTE [exact lanczos])
         decode.prepare(config.filter)
     held: deque[tuple[int, int, Source, np.ndarray]] = deque()  # each task's chunk and its unit, in task order
 
