@@ -437,23 +437,10 @@ def test_token_windows_gathered_by_torch_or_numpy_are_the_streams(tmp_path, monk
 def test_ascending_draws_give_the_codes_of_any_order():
     """The sampler's path for ascending positions (each source epoch one run of draws) gives what the general
     path gives, with sources far smaller than a chunk (many source epochs a call), both mixes, 1 and 3 ranks."""
-
-    class Empty:
-        sample_shape, sample_dtype = (3,), torch.uint8
-
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-        def get_batch(self, idx, out=None):
-            raise AssertionError("the stream reads no sample")
-
     rng = np.random.default_rng(1)
     for trial in range(24):
         sizes = rng.integers(1, 300, int(rng.integers(1, 5))).tolist()
-        mix = Mixture([Empty(n) for n in sizes], weights=rng.random(len(sizes)).tolist(), seed=trial,
+        mix = Mixture([Sized(n) for n in sizes], weights=rng.random(len(sizes)).tolist(), seed=trial,
                       mix=("sample", "batch")[trial % 2])
         for world in (1, 3):
             s = MixtureSampler(mix, int(rng.integers(1, 40)), rank=world - 1, world_size=world)
