@@ -15,7 +15,7 @@ import tempfile
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -208,12 +208,7 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         jr = store.resume(fingerprint)
         pool = _pool(config, source, store)
         if isinstance(source, TarSource):
-            try:
-                source = _ready(config, source, tar_index.Area(store), pool)
-            except ConfigError:  # arguments this source refuses: no rerun of them could finish this journal
-                store.abandon()
-                raise
-            params = _params(config, source)
+            source, params = _indexed(config, source, tar_index.Area(store), pool, store.abandon)
         store.drop_old()  # the arguments hold for this source: --overwrite's old dataset goes now
         jr = _aligned(jr, config.shard_size, source.num_samples)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
@@ -228,12 +223,8 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         jr, partial = journal.resume(config.out, fingerprint)
         pool = _pool(config, source, config.out)
         if isinstance(source, TarSource):
-            try:
-                source = _ready(config, source, tar_index.Area(partial), pool)
-            except ConfigError:  # arguments this source refuses: no rerun of them could finish this journal
-                journal.remove_partial(config.out)
-                raise
-            params = _params(config, source)
+            source, params = _indexed(config, source, tar_index.Area(partial), pool,
+                                      functools.partial(journal.remove_partial, config.out))
         kept = len(jr.units)
         if len(_aligned(jr, config.shard_size, source.num_samples).units) < kept:
             jr.save(partial)
@@ -255,15 +246,30 @@ def _ready(config: ImagePreprocessConfig, source: Union[Source, TarSource], area
     return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
 
 
+def _indexed(config: ImagePreprocessConfig, source: TarSource, area: tar_index.Area,
+             pool: Optional[ray_pool.RayPool], abandon: Callable[[], None]) -> tuple[Listed, dict[str, Any]]:
+    """`_ready` for tars, once the run's journal exists, and the manifest's params; ``abandon`` drops that
+    journal when the arguments are refused (no rerun of them could finish it)."""
+    try:
+        ready = _ready(config, source, area, pool)
+    except ConfigError:
+        abandon()
+        raise
+    return ready, _params(config, ready)
+
+
+def _workers(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool]) -> int:
+    return pool.workers if pool else config.workers or parallel.default_workers()
+
+
 def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], fn: Any, tasks: list[tuple]
                ) -> Iterator[Any]:
     """The tars' index tasks on the run's pool, in order, with a progress bar of tars listed."""
     from ..progress import progress_bar
 
-    workers = pool.workers if pool else config.workers or parallel.default_workers()
     run = pool.ordered_map if pool else parallel.ordered_map
     with progress_bar(total=len(tasks), desc="index tars", unit="tar", enabled=config.progress and bool(tasks)) as bar:
-        for result, _ in run(fn, tasks, workers, 0):
+        for result, _ in run(fn, tasks, _workers(config, pool), 0):
             bar.update(1)
             yield result
 
@@ -311,7 +317,7 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
     samples are loaded where they are decoded (`Source.piece`; NOTE [tar index] rule 3)."""
     from ..progress import progress_bar
 
-    workers = pool.workers if pool else config.workers or parallel.default_workers()
+    workers = _workers(config, pool)
     if config.filter == "fast-bicubic":  # torch resizes (NOTE [fast bicubic]): imported once, forked workers share it
         import torch  # noqa: F401
     fields = sample_fields(config, source)

@@ -91,10 +91,8 @@ class Source:
 
     @property
     def where(self) -> str:
-        """The source as the manifest names it: a local path resolved, a URL as given (without secrets)."""
-        if isinstance(self.location, str):
-            return scrub(self.location)
-        return str(self.location.resolve())
+        """The source as the manifest names it (`where_of`)."""
+        return where_of(self.location)
 
     def fingerprint(self) -> str:
         """Hash of the file list, labels and classes: a resumed run must see the same source."""
@@ -106,6 +104,11 @@ class Source:
         for part in parts:
             h.update(part.encode("utf-8", "surrogateescape") + b"\1")
         return h.hexdigest()
+
+
+def where_of(location: Union[Path, str]) -> str:
+    """A source's location as the manifest names it: a local path resolved, a URL as given (without secrets)."""
+    return scrub(location) if isinstance(location, str) else str(Path(location).resolve())
 
 
 def is_image_name(name: str) -> bool:

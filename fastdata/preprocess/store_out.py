@@ -177,9 +177,9 @@ class StoreOut:
             this_run = run is not None and run.get("fingerprint") == fingerprint  # killed before its first shard
             if manifest is not None:  # a whole dataset stays until the new run may begin (`drop_old`)
                 self._old = [n for n in ours if not n.startswith(PARTIAL_DIR + "/")]
-                self.delete([] if this_run else [n for n in ours if n.startswith(PARTIAL_DIR + "/")])
-            elif not this_run:
-                self.delete(ours)
+            if not this_run:
+                old = set(self._old)
+                self.delete([n for n in ours if n not in old])
         return None
 
     def abandon(self) -> None:

@@ -39,12 +39,12 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
-from .._io import scrub, write_bytes_atomic
+from .._io import HASH_NAME, new_hash, scrub, write_bytes_atomic
 from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
 from ..storage.remote import filesystem, is_url
 from .records import from_records
-from .sources import Source
+from .sources import Source, where_of
 from .store_out import StoreOut
 from .tar_schema import Merge, Schema, summarize
 from .tars import IMAGE_EXTS, TarBlobs, Where, members, record
@@ -63,6 +63,13 @@ def index_name(t: int, what: str) -> str:
     return f"{INDEX_DIR}/{t:08d}.{what}.json"
 
 
+def _digest(data: bytes) -> str:
+    """The checksum every written file gets (`fastdata._io.HashingWriter`'s)."""
+    h = new_hash()
+    h.update(data)
+    return h.hexdigest()
+
+
 class Area:
     """Where the indexes live: OUT's local partial folder, or the partial prefix of a `StoreOut`. Picklable."""
 
@@ -74,12 +81,13 @@ class Area:
         data = json.dumps(obj, separators=(",", ":")).encode()
         if isinstance(self.at, StoreOut):
             self.at.put_bytes(f"{PARTIAL_DIR}/{name}", data)
-        else:  # a temporary of this writer's own: tasks listing one damaged tar again may race to its name
-            (self.at / INDEX_DIR).mkdir(exist_ok=True)
-            mine = self.at / f"{name}.{uuid.uuid4().hex}"
-            write_bytes_atomic(mine, data)
-            os.replace(mine, self.at / name)
-        return hashlib.sha256(data).hexdigest()
+            return _digest(data)
+        # a temporary of this writer's own: tasks listing one damaged tar again may race to its name
+        (self.at / INDEX_DIR).mkdir(exist_ok=True)
+        mine = self.at / f"{name}.{uuid.uuid4().hex}"
+        written = write_bytes_atomic(mine, data)  # hashed as it is written
+        os.replace(mine, self.at / name)
+        return written[HASH_NAME]
 
     def read(self, name: str, sha256: Optional[str] = None) -> Any:
         """The object under ``name``; None when it is missing, damaged or (``sha256`` given) not those bytes."""
@@ -90,7 +98,7 @@ class Area:
                 data = (self.at / name).read_bytes()
             except FileNotFoundError:
                 data = None
-        if data is None or (sha256 is not None and hashlib.sha256(data).hexdigest() != sha256):
+        if data is None or (sha256 is not None and _digest(data) != sha256):
             return None
         try:
             return json.loads(data)
@@ -157,7 +165,7 @@ class TarSource:
     @property
     def where(self) -> str:
         """The source as the manifest names it."""
-        return scrub(self.location) if isinstance(self.location, str) else str(Path(self.location).resolve())
+        return where_of(self.location)
 
     def fingerprint(self) -> str:
         """What a resumed run must see again: the tars' names, sizes and versions (rule 4)."""
