@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from ..formats.schema import OFFSETS
 from ..storage.opening import parse_size
 from .tokens import TokenDataset, WindowGather
+from .window_copy import WindowCopy
 
 SHIFT = 56  # a served index is (source << SHIFT) | sample: sorted, a batch groups its rows by source
 MASK = (1 << SHIFT) - 1
@@ -144,6 +145,7 @@ class Mixture:
         self._windows = all(isinstance(ds, TokenDataset) for ds in self.sources)
         self._np_dtype = torch.empty(0, dtype=self.sample_dtype).numpy().dtype if self._windows else None
         self._gather_windows = WindowGather(self.sources) if self._windows else None
+        self._copy = WindowCopy(self.sources) if self._windows else None
         self._has_fields = self.fields is not None
         self._shape = tuple(self.sample_shape)
 
@@ -271,6 +273,10 @@ class Mixture:
         # checked by its last), and token sources write into the batch's buffer by `WindowGather`.
         codes = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(
             indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        if self._copy is not None and self._copy.ready():  # token sources: the batch in one compiled call
+            batch = self._copied(codes, out)
+            if batch is not None:
+                return batch
         src = codes >> SHIFT
         b = len(codes)
         if b > 1 and (src[1:] < src[:-1]).any():  # unsorted: gather sorted, give back in this order
@@ -300,6 +306,25 @@ class Mixture:
             y = torch.empty(b, dtype=torch.int64) if y_buf is None else y_buf if len(y_buf) == b else y_buf[:b]
             x, y = self._sample_batch(parts, idx, x, y, draw)
         return (x, y, torch.from_numpy(src)) if self.mix == "batch" else (x, y)
+
+    def _copied(self, codes: np.ndarray, out: Any) -> Optional[tuple[torch.Tensor, ...]]:
+        """Token sources: every window of the batch, in the order given, by one compiled call (NOTE [compiled
+        window copy]); None where it cannot serve (the gather below then serves, or raises)."""
+        x_buf = out[0] if isinstance(out, tuple) else out
+        b = len(codes)
+        x = torch.empty((b, *self._shape), dtype=self.sample_dtype) if x_buf is None else \
+            x_buf if len(x_buf) == b else x_buf[:b]
+        dst = x.numpy()
+        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous:
+            return None
+        counts = self._copy(codes, dst)
+        if counts is None:
+            return None
+        with self._count_lock:
+            self._counts = [n + c for n, c in zip(self._counts, counts.tolist())]
+        if self.mix == "batch":
+            return x[:, :-1], x[:, 1:], torch.from_numpy(codes >> SHIFT)
+        return x[:, :-1], x[:, 1:]
 
     def _window_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, x: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.remote import RETRY_SECONDS
 from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
+from .window_copy import Segments
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 TORCH_GATHER_ROWS = 64  # from this many windows a gather runs in torch (NOTE [window gather])
@@ -172,7 +173,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             names = [rel for rel, _ in tokens.files]
             self._cache = ShardCache(self._remote, names, opener, limit=self._limit)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
-            self._flat_rows = None
+            self._flat_rows = self._copy_table = None
             self._hold()
             return
         opened = open_shards(tokens, self.storage, verify=self._verify, shm_dir=self._shm_dir)
@@ -183,15 +184,19 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
         self._flat_rows = window_rows(self._flat, self.seq_len + 1) if self._flat is not None else None
         self._shard_windows = [self._windows(a) for a in self._shards]
+        # the segments a compiled copy reads (NOTE [compiled window copy] 3), in one attribute: read at once
+        self._copy_table = Segments([self._flat], [0, self.num_tokens]) if self._flat is not None else \
+            Segments(self._shards, self._shard_offsets)
         self._hold()
 
     def _drop_storage(self) -> None:
         self._flat, self._shards, self._flat_windows, self._shard_windows, self._cache = None, [], None, [], None
-        self._flat_rows = None
+        self._flat_rows = self._copy_table = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows", "_flat_rows",
-                                                                     "_shard_windows", "_cache", "_released")}
+                                                                     "_shard_windows", "_cache", "_released",
+                                                                     "_copy_table")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -250,7 +255,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # 3. torch only on a thread of one intra-op thread (FastLoader's threads on a machine they fill):
         #    index_select splits every batch among the intra-op threads, and on a busy 2-core VM that took
         #    0.2-3.4 ms a 512-window batch instead of 0.14 ms.
-        # 4. A Mixture's token sources: `WindowGather`, these rules for each source's run of rows.
+        # 4. A Mixture's token sources: one compiled copy for the whole batch where numba is installed (NOTE
+        #    [compiled window copy] in window_copy.py), else `WindowGather`, these rules for each source's rows.
         if self._flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
             torch.index_select(self._flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
             return
