@@ -423,6 +423,7 @@ def test_token_windows_gathered_by_torch_or_numpy_are_the_streams(tmp_path, monk
                 assert (len(selects) > before) == (intra == 1 and n >= tokens.TORCH_GATHER_ROWS)
             for names in (("web", "code"), ("web", "code", "math")):  # one stride (starts once); strides differ
                 mix = Mixture({k: sets[k] for k in names})
+                mix._copy.usable = False  # WindowGather's rules (the compiled copy: tests/test_window_copy.py)
                 parts = [np.sort(rng.choice(len(sets[k]), m, replace=False))
                          for k, m in zip(names, (3 * tokens.TORCH_GATHER_ROWS, 7, 2 * tokens.TORCH_GATHER_ROWS))]
                 codes = np.concatenate([p | (k << SHIFT) for k, p in enumerate(parts)])
@@ -815,3 +816,122 @@ def test_resume_from_two_ranks_on_three_with_new_weights(mixed_sets, tmp_path):
     for k, n in enumerate(SIZES.values()):  # no source repeats or skips a sample across the cut
         seq = np.concatenate([per_source(before, k), per_source(after, k)])
         assert np.array_equal(seq, per_source(ref, k)[:len(seq)])
+
+
+# -- dealing without a division per position (NOTE [mixture schedule] 5) ----------------------------------------
+# (a separate block: Schedule.deal of ranges, the sampler's runs of draws, EpochOrder.span)
+def assert_deals_as_locate(sched: Schedule, n: range | np.ndarray, runs: bool = False) -> None:
+    """`deal` gives every position exactly once, grouped by source, with the source and rank `locate` gives."""
+    positions = np.arange(n.start, n.stop, n.step, dtype=np.int64) if isinstance(n, range) else n
+    src, rank = sched.locate(positions)
+    seen = np.zeros(len(positions), dtype=np.int64)
+    got = sched.deal(n, runs=runs)
+    assert [k for k, _, _ in got] == sorted({k for k, _, _ in got})
+    for k, where, m in got:
+        places = np.arange(len(positions)) if where is None else where
+        assert np.all(np.diff(places) > 0)
+        if isinstance(m, range):
+            assert runs and isinstance(n, range) and n.step == 1
+            m = np.arange(m.start, m.stop, dtype=np.int64)
+        assert m.dtype == np.int64 and np.array_equal(src[places], np.full(len(places), k))
+        assert np.array_equal(m, rank[places])
+        seen[places] += 1
+    assert np.all(seen == 1)
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1.0], [0, 1.0, 0], [0.7, 0, 0.3, 0], [1e-6, 1, 1e-6],
+                                     [1, 1e-6], [3, 1e-6, 2, 1e-6, 1e-6], list(range(1, 17)),
+                                     [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+def test_deal_of_ranges_and_arrays_is_locate(weights):
+    rng = np.random.default_rng(len(weights))
+    q = quantise(weights)
+    for key in [(0, 0, 0), (7, 3, 123_456)]:
+        sched = Schedule(q, key)
+        for start in (0, 1, 99_991, (1 << 40) - 5_000, (1 << 40) + 3, 10**15):
+            for step in (1, 2, 3, 8, 64, 1000):
+                n = range(start, start + 20_000 * step, step)
+                for runs in (False, True):
+                    assert_deals_as_locate(sched, n, runs)
+                assert_deals_as_locate(sched, np.arange(n.start, n.stop, n.step, dtype=np.int64))
+            assert_deals_as_locate(sched, range(start, start + 1))
+            assert_deals_as_locate(sched, range(start, start), runs=True)
+            assert_deals_as_locate(sched, range(start + 50, start, -7))
+        scattered = rng.integers(0, 1 << 45, 5_000)
+        assert_deals_as_locate(sched, scattered)  # any order, repeats allowed
+        assert_deals_as_locate(sched, np.sort(scattered))
+
+
+def test_deal_of_a_range_of_step_one_gives_runs_that_tile_each_sources_ranks():
+    sched = Schedule(quantise([0.45, 0.35, 0.2]), (2, 0, 0))
+    runs = [sched.deal(range(a, b), runs=True) for a, b in [(0, 1000), (1000, 1001), (1001, 70_000)]]
+    for k in range(3):  # consecutive runs of positions: each source's ranks continue where they stopped
+        ranks = [m for got in runs for j, _, m in got if j == k]
+        assert all(isinstance(m, range) for m in ranks)
+        assert [r.start for r in ranks[1:]] == [r.stop for r in ranks[:-1]] and ranks[0].start == 0
+        assert ranks[-1].stop == sched.count(k, 70_000)
+
+
+class WindowedSized(Sized):
+    """`Sized` with shards of ``shard`` samples (for shuffle_window)."""
+
+    def __init__(self, n: int, shard: int) -> None:
+        super().__init__(n)
+        self.shard = shard
+
+    def shard_bounds(self) -> np.ndarray:
+        return np.r_[np.arange(0, self.n, self.shard, dtype=np.int64), self.n]
+
+
+def test_the_samplers_runs_give_the_codes_of_the_general_path():
+    """`_stream`'s positions are a range: the per-run path (no division per position, slices of each source
+    epoch's order) gives what the general path gives for the same positions as an array, in any layout."""
+    rng = np.random.default_rng(4)
+    for trial in range(30):
+        sizes = rng.integers(1, 3000, int(rng.integers(1, 6))).tolist()
+        weights = (rng.random(len(sizes)) * (rng.random(len(sizes)) > 0.25)).tolist()
+        weights[0] += 0.01
+        window = (None, 2)[trial % 3 == 0]
+        sources = [WindowedSized(n, 100) for n in sizes] if window else [Sized(n) for n in sizes]
+        mix = Mixture(sources, weights=weights, seed=trial, mix=("sample", "batch")[trial % 2],
+                      shuffle=[bool(b) for b in rng.random(len(sizes)) > 0.2], shuffle_window=window)
+        for world in (1, 2, 5):
+            rank = int(rng.integers(world))
+            s = MixtureSampler(mix, int(rng.integers(1, 50)), rank=rank, world_size=world)
+            for _ in range(2):
+                first = int(rng.integers(0, 5000)) * world + rank
+                positions = range(first, first + int(rng.integers(1, 9000)) * world, world)
+                want = s.codes(s.seg, np.arange(positions.start, positions.stop, world), [{} for _ in sizes])
+                assert np.array_equal(s.codes(s.seg, positions, [{} for _ in sizes]), want)
+                assert np.array_equal(s.codes(s.seg, positions), want)  # (the sampler's own orders)
+                s.end_epoch()
+
+
+def test_span_is_at_of_a_run():
+    from fastdata.loading.order import EpochOrder
+
+    for kw in ({}, {"shuffle": False}, {"window": 3, "bounds": np.arange(0, 1001, 50)}):
+        order = EpochOrder(1000, 5, 2, **kw)
+        whole = order.at(np.arange(1000, dtype=np.int64))
+        for lo, hi in [(0, 1000), (0, 0), (17, 18), (333, 999), (950, 1000)]:
+            assert np.array_equal(order.span(lo, hi), whole[lo:hi])
+        assert np.array_equal(np.sort(whole), np.arange(1000))
+
+
+def test_the_served_stream_is_the_one_of_before_the_runs():
+    """A digest of the batches three epochs of a fixed mixture give on 1 and 3 ranks, both mixes, a weight-0
+    source, small sources (many source epochs a chunk), as the sampler served them before it dealt runs: the
+    order a saved state resumes is the same across versions."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for mix_kind in ("sample", "batch"):
+        mix = Mixture([Sized(n) for n in (3000, 1700, 900, 50)], weights=[0.4, 0.3, 0.0, 0.3], seed=3, mix=mix_kind)
+        for world in (1, 3):
+            for rank in range(world):
+                s = MixtureSampler(mix, 24, rank=rank, world_size=world)
+                for _ in range(3):
+                    for b in s.batches():
+                        h.update(b.tobytes())
+                        s.advance()
+                    s.end_epoch()
+    assert h.hexdigest() == "a2e6eeb718fd35009b80826e2412a254226a97833c14571cb05f726da6dfc711"

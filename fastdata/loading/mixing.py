@@ -18,7 +18,7 @@ NOTE [mixture order]: the rules are NOTE [mixture] in fastdata/datasets/mixture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
@@ -170,43 +170,60 @@ class MixtureSampler:
                                             bounds=bounds, members=members)
         return got
 
-    def codes(self, seg: Segment, positions: np.ndarray, orders: Optional[list[dict[int, EpochOrder]]] = None,
-              *, ascending: bool = False) -> np.ndarray:
+    def codes(self, seg: Segment, positions: Union[np.ndarray, range],
+              orders: Optional[list[dict[int, EpochOrder]]] = None, *, ascending: bool = False) -> np.ndarray:
         """The served indices (``(source << 56) | sample``) of ``positions`` of segment ``seg``, in order (a
-        position gives ``unit`` of them). ``ascending``: the positions are, so each source's draws are too."""
+        position gives ``unit`` of them). ``ascending``: the positions are, so each source's draws are too (a
+        range of them, the sampler's, always is: it is dealt faster still, NOTE [mixture schedule] 5)."""
         orders = self._orders if orders is None else orders
         unit = self.unit
         out = np.empty(len(positions) * unit, dtype=np.int64)
-        for k, sel, m in seg.schedule.deal(positions - seg.start):
-            draws = int(seg.cursors[k]) + m * unit
-            if unit > 1:  # mix="batch": a position is `unit` consecutive draws, in `unit` consecutive rows
-                steps = np.arange(unit, dtype=np.int64)
-                draws = (draws[:, None] + steps).ravel()
-                sel = ((np.arange(len(m), dtype=np.int64) if sel is None else sel)[:, None] * unit + steps).ravel()
-            elif sel is None:
-                sel = slice(None)
+        if isinstance(positions, range):
+            n: Union[np.ndarray, range] = range(positions.start - seg.start, positions.stop - seg.start,
+                                                positions.step)
+            ascending = ascending or positions.step > 0
+        else:
+            n = positions - seg.start
+        for k, sel, m in seg.schedule.deal(n, runs=ascending):
+            if unit > 1 and sel is not None:  # mix="batch": a position is `unit` consecutive draws, in as many rows
+                sel = (sel[:, None] * unit + np.arange(unit, dtype=np.int64)).ravel()
+            rows = slice(None) if sel is None else sel
+            if isinstance(m, range):  # consecutive ranks: consecutive draws
+                self._run_codes(k, int(seg.cursors[k]) + m.start * unit, len(m) * unit, rows, out, orders[k])
+                continue
+            if unit == 1:
+                draws = m
+                draws += int(seg.cursors[k])  # (in place: deal's ranks are new arrays, n too)
+            else:
+                draws = int(seg.cursors[k]) + m * unit
+                draws = (draws[:, None] + np.arange(unit, dtype=np.int64)).ravel()
             if ascending:
-                self._ascending_codes(k, draws, sel, out, orders[k])
+                self._ascending_codes(k, draws, rows, out, orders[k])
                 continue
             epochs, places = np.divmod(draws, int(self.sizes[k]))
             first, last = int(epochs.min()), int(epochs.max())  # one or two, unless the source is small
             if first == last:
-                out[sel] = self._order(k, first, orders[k]).at(places) | (k << SHIFT)
+                out[rows] = self._order(k, first, orders[k]).at(places) | (k << SHIFT)
                 continue
-            rows = np.arange(len(out))[sel]
+            row = np.arange(len(out))[rows]
             for e in range(first, last + 1):
                 here = epochs == e
-                out[rows[here]] = self._order(k, e, orders[k]).at(places[here]) | (k << SHIFT)
+                out[row[here]] = self._order(k, e, orders[k]).at(places[here]) | (k << SHIFT)
         return out
 
     def _ascending_codes(self, k: int, draws: np.ndarray, sel: Any, out: np.ndarray, cache: dict[int, EpochOrder]
                          ) -> None:
         """`codes` for source ``k``'s ascending ``draws`` into ``out[sel]``: each source epoch's draws are one
-        run, found by its bounds (a loader pass of 2**16 positions: no divmod, mask or row list per draw)."""
+        run, found by its bounds (a loader pass of 2**16 positions: no divmod, mask or row list per draw).
+        ``draws`` is spent."""
         size = int(self.sizes[k])
         first, last = int(draws[0]) // size, int(draws[-1]) // size
         if first == last:
-            out[sel] = self._order(k, first, cache).at(draws - first * size) | (k << SHIFT)
+            draws -= first * size  # (the caller's to spend)
+            got = self._order(k, first, cache).at(draws)
+            if k:
+                got |= k << SHIFT  # (at gives a new array)
+            out[sel] = got
             return
         cuts = [0, *draws.searchsorted(np.arange(first + 1, last + 1, dtype=np.int64) * size).tolist(), len(draws)]
         rows = None if isinstance(sel, slice) else sel  # (a slice is every row: run a:c is rows a:c)
@@ -214,6 +231,19 @@ class MixtureSampler:
             if c > a:
                 out[slice(a, c) if rows is None else rows[a:c]] = \
                     self._order(k, e, cache).at(draws[a:c] - e * size) | (k << SHIFT)
+
+    def _run_codes(self, k: int, draw: int, count: int, sel: Any, out: np.ndarray, cache: dict[int, EpochOrder]
+                   ) -> None:
+        """`codes` for source ``k``'s draws ``draw .. draw + count - 1`` into ``out[sel]`` (``sel`` a slice:
+        every row): a slice of each source epoch's order they reach, nothing per draw but the source's bits."""
+        size, code = int(self.sizes[k]), k << SHIFT
+        for e in range(draw // size, (draw + count - 1) // size + 1):
+            lo, hi = max(draw, e * size), min(draw + count, (e + 1) * size)  # the draws in source epoch e
+            samples = self._order(k, e, cache).span(lo - e * size, hi - e * size)  # (perhaps a view: read only)
+            if isinstance(sel, slice):
+                np.bitwise_or(samples, code, out=out[lo - draw:hi - draw])
+            else:
+                out[sel[lo - draw:hi - draw]] = samples | code if k else samples
 
     def _rank_count(self, seg: Segment, start: int) -> int:
         return len(range(self.rank, self._end(seg, start) - start, self.world_size))
@@ -224,8 +254,9 @@ class MixtureSampler:
         count, per = self._rank_count(seg, start), self.per
         step = per * max(1, (1 << 16) // self.batch_size)
         for c0 in range(served * per, count, step):
-            positions = start + np.arange(c0, min(count, c0 + step), dtype=np.int64) * self.world_size + self.rank
-            chunk = self.codes(seg, positions, orders, ascending=True)
+            positions = range(start + c0 * self.world_size + self.rank,
+                              start + min(count, c0 + step) * self.world_size + self.rank, self.world_size)
+            chunk = self.codes(seg, positions, orders)
             for i in range(0, len(chunk), self.batch_size):
                 yield chunk[i:i + self.batch_size]
 

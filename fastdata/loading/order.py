@@ -137,14 +137,12 @@ class EpochOrder:
 
     # -- the permutation ------------------------------------------------------------------------------
     def at(self, positions: np.ndarray) -> np.ndarray:
-        """``perm[positions]`` (int64), making only the windows those positions fall in."""
+        """``perm[positions]`` (a new int64 array), making only the windows those positions fall in."""
         positions = np.asarray(positions, dtype=np.int64)
         if not self.shuffle:
             return positions.copy()
         if not self.windowed:
-            if self._full is None:
-                self._full = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_samples)
-            return self._full[positions].astype(np.int64, copy=False)
+            return self._whole()[positions]
         stream, local = self.locate(positions)
         if self.streams == 1:
             return self._stream_at(0, local)
@@ -153,6 +151,20 @@ class EpochOrder:
             sel = stream == c
             out[sel] = self._stream_at(c, local[sel])
         return out
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """``perm[lo:hi]`` (int64): `at` of a run of positions, a view where the permutation is made whole
+        (read it, never write to it)."""
+        if self.shuffle and not self.windowed:
+            return self._whole()[lo:hi]
+        return self.at(np.arange(lo, hi, dtype=np.int64))
+
+    def _whole(self) -> np.ndarray:
+        """The permutation made whole (no window), int64."""
+        if self._full is None:
+            self._full = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_samples).astype(
+                np.int64, copy=False)
+        return self._full
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(stream, place in that stream)`` of each position (windowed orders)."""

@@ -19,10 +19,16 @@ mixture's stream (a "segment": one mixture epoch, or its part after the weights 
    positions is within ``depth`` of ``n * weight`` and its count in ANY window of positions within
    ``2 * depth``: 3 sources (depth 2) stay within 4 samples of their weight in every window of 10,000,
    0.04 %; 16 sources within 8.
+5. Dealing a rank's positions ``a + i * s`` (`Schedule.deal` of a range) divides less: at the root,
+   ``f(a + i * s) = W + (P + i * s * p) // q`` with ``a * p + r = W * q + P`` worked out once, and its
+   ``q = Q`` makes that a shift. With ``s = 1`` (one rank) no position is divided at all: the positions that
+   go left have consecutive ranks there, and so do those that go right, so each node deals a run again,
+   its count from its parent's in O(1), a source's ranks are one run (read as one slice of each source
+   epoch's order), and only a source's places among the positions are made, one closed form per node.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -109,29 +115,116 @@ class Schedule:
             node[inner] = np.where(go_left, self.left[k], self.right[k])
         return ~node, m
 
-    def deal(self, n: np.ndarray) -> list[tuple[int, Optional[np.ndarray], np.ndarray]]:
+    def deal(self, n: Union[np.ndarray, range], *, runs: bool = False
+             ) -> list[tuple[int, Optional[np.ndarray], Union[np.ndarray, range]]]:
         """`locate` grouped by source: ``(source, where, rank)`` for each source given some of the
         positions ``n``, ``where`` their places in ``n`` (ascending; None: all of them) and ``rank`` what
         `locate` gives them. The same integer arithmetic, walked node by node so that each node divides by
         one number and no position is looked up twice: several times faster per position than `locate`
-        (the sampler deals 2**16 positions at a time)."""
-        found: list[tuple[int, Optional[np.ndarray], np.ndarray]] = []
-        todo: list[tuple[int, Optional[np.ndarray], np.ndarray]] = [(self.root, None, np.asarray(n, dtype=np.int64))]
+        (the sampler deals 2**16 positions at a time). ``n`` may be a `range` (the sampler's: a rank's
+        positions, ``step`` the world size), which is faster still (NOTE [mixture schedule] 5).
+
+        Args:
+            n: positions (int64), or a range of them.
+            runs: give a source's ranks as a `range` where ``n`` is a range of step 1 (they are consecutive
+                then), else always as an int64 array.
+        """
+        found: list[tuple[int, Optional[np.ndarray], Union[np.ndarray, range]]] = []
+        if isinstance(n, range) and n.step == 1:
+            return self._deal_run(n, runs)
+        if isinstance(n, range) and (n.step < 1 or (len(n) + 1) * n.step >= 1 << 41):  # (_split's bound)
+            n = np.arange(n.start, n.stop, n.step, dtype=np.int64)
+        if isinstance(n, range):
+            big = len(n) > 0 and n[-1] >= 1 << 41
+        else:
+            n = np.asarray(n, dtype=np.int64)
+            big = len(n) > 0 and int(n.max()) >= 1 << 41  # ranks are no larger than positions
+        todo: list[tuple[int, Optional[np.ndarray], Union[np.ndarray, range]]] = [(self.root, None, n)]
         while todo:
             node, where, m = todo.pop()
+            if not len(m):
+                continue
             if node < 0:
-                if len(m):
-                    found.append((~node, where, m))
+                if isinstance(m, range):  # (a source of all the weight: the root is its leaf)
+                    m = np.arange(m.start, m.stop, m.step, dtype=np.int64)
+                found.append((~node, where, m))
+                continue
+            left, right, m_left, m_right = self._split(node, m, big)
+            todo.append((int(self.right[node]), right if where is None else where[right], m_right))
+            todo.append((int(self.left[node]), left if where is None else where[left], m_left))
+        found.sort(key=lambda g: g[0])
+        return found
+
+    def _split(self, node: int, m: Union[np.ndarray, range], big: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Node ``node``'s positions ``m`` (an array, or a range of any step): the places in ``m`` of those
+        that go left and of those that go right, and their ranks there: ``f(m)`` and ``m - f(m)``. ``big``:
+        some ``m`` may reach 2**41, so ``m * p`` is split at ``q``. (Few temporaries, written in place: the
+        sampler's are 2**16 long, and fresh pages cost more than the arithmetic.)"""
+        p, q, r = int(self.p[node]), int(self.q[node]), int(self.r[node])
+        shift = q.bit_length() - 1 if q & (q - 1) == 0 else -1  # q a power of two (the root's Q): shifts, masks
+        if isinstance(m, range):  # m = a + i * s: f(m) = whole + (part + i * s * p) // q (NOTE 5 above)
+            whole, part = divmod(m.start * p + r, q)
+            t = np.arange(len(m), dtype=np.int64)
+            t *= m.step * p
+            t += part  # < (len(m) + 1) * s * q < 2**61 (deal's bound)
+        elif big:  # f(m) = (m // q) * p + ((m % q) * p + r) // q, as locate computes it
+            whole = m >> shift if shift >= 0 else m // q
+            t = m & (q - 1) if shift >= 0 else m - whole * q
+            t *= p
+            t += r  # < 2**41
+            whole *= p
+        else:
+            t = m * p
+            t += r  # < 2**61
+        f0 = t >> shift if shift >= 0 else t // q
+        if shift >= 0:
+            t &= q - 1
+        else:
+            t -= f0 * q
+        go_left = t >= q - p  # f(m + 1) > f(m)
+        del t
+        left, right = np.flatnonzero(go_left), np.flatnonzero(~go_left)
+        if big and not isinstance(m, range):
+            f0 += whole
+        m_left = f0[left]
+        if isinstance(m, range):
+            m_left += whole
+            m_right = right * m.step
+            m_right += m.start - whole
+        else:
+            m_right = m[right]
+        m_right -= f0[right]
+        return left, right, m_left, m_right
+
+    def _deal_run(self, n: range, runs: bool) -> list[tuple[int, Optional[np.ndarray], Union[np.ndarray, range]]]:
+        """`deal` of consecutive positions (NOTE [mixture schedule] 5): a node's run of ``count`` positions from
+        ``m`` sends ``f(m + count) - f(m)`` left, so each node gets a run and its count from its parent in
+        O(1); only a source's places in ``n`` are made per position, from its own ordinals ``j`` back up its
+        path: the ``j``-th of a node's positions to go left is its ``((j + 1) * q - P - 1) // p``-th, the
+        ``j``-th to go right its ``(j * q + P) // (q - p)``-th (``P = (m * p + r) % q``)."""
+        found: list[tuple[int, Optional[np.ndarray], Union[np.ndarray, range]]] = []
+        todo: list[tuple[int, int, int, tuple[tuple[int, int, int], ...]]] = [(self.root, n.start, len(n), ())]
+        while todo:
+            node, m, count, up = todo.pop()  # up: per node above, (q, add, divisor): j -> (j * q + add) // divisor
+            if not count:
+                continue
+            if node < 0:
+                where = None
+                if up:
+                    where = np.arange(count, dtype=np.int64)
+                    for q, add, divisor in reversed(up):
+                        where *= q
+                        where += add
+                        where //= divisor
+                found.append((~node, where, range(m, m + count) if runs else
+                              np.arange(m, m + count, dtype=np.int64)))
                 continue
             p, q, r = int(self.p[node]), int(self.q[node]), int(self.r[node])
-            whole = m // q
-            t = (m - whole * q) * p + r  # < 2**41: (m % q) * p + r, as locate computes it
-            carry = t // q
-            f0 = whole * p + carry  # positions before this one that went left
-            go_left = t - carry * q >= q - p
-            left, right = np.flatnonzero(go_left), np.flatnonzero(~go_left)
-            todo.append((int(self.right[node]), right if where is None else where[right], (m - f0)[right]))
-            todo.append((int(self.left[node]), left if where is None else where[left], f0[left]))
+            whole, part = divmod(m * p + r, q)
+            lefts = (count * p + part) // q
+            todo.append((int(self.right[node]), m - whole, count - lefts, up + ((q, part, q - p),)))
+            todo.append((int(self.left[node]), whole, lefts, up + ((q, q - part - 1, p),)))
         found.sort(key=lambda g: g[0])
         return found
 
