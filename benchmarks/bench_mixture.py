@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import os
@@ -235,6 +236,9 @@ def main() -> None:
         mix = Mixture({n: FastDataset(p) for n, p in sets.items()}, weights=WEIGHTS, seed=0)
         mixed = FastLoader(mix, BATCH, num_threads=args.threads)
         others = peer_rows(scratch, sets, args.seconds, args.threads)  # first: then the page cache holds ours
+        # the peers' DataLoader iterators, collected now: collected later, each joins its worker processes
+        # (5 s a worker) inside a timed round (the first mixture round once ran at 304 images/s that way)
+        gc.collect()
         rows: dict[str, list[float]] = {}
         for _ in range(args.rounds):  # interleaved: both see the same page cache and machine load
             rows.setdefault("FastLoader, one dataset", []).append(rate(one, args.seconds))
