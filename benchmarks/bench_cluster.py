@@ -5,7 +5,8 @@ Cases (issue 43 item 5; every Ray node is started here on 127.0.0.1 with ``ray.c
   1. Ray with N CPUs (one node) vs the local pool with N workers: images/s and their ratio (target >= 0.9x),
      and a check that both outputs are byte-identical.
   2. Ray on 1 node of 1 CPU vs 2 nodes of 1 CPU each: the speed-up (target >= 1.8x; on a machine with fewer
-     free cores than nodes the nodes share them, so read this row only where each node has its own core).
+     free cores than nodes the nodes share them, so read this row only where each node has its own core),
+     beside the local pool's own 1 -> 2 workers on the same photos: what the cores give without Ray.
   3. The same photos as WebDataset tars (``KEY.jpg`` + ``KEY.cls``) read from a loopback S3 server (moto on
      127.0.0.1, its own process on the same cores) against the same tars on local disk: images/s and their
      ratio, N workers, and a check that both outputs are byte-identical.
@@ -82,6 +83,9 @@ def ray_cases(scratch: Path, n_images: int, cpus: int) -> dict[str, float]:
     res: dict[str, float] = {}
     timed_run(warm, scratch / "warm-out", workers=cpus)  # imports and the page cache, outside the timing
     res["local"] = max(timed_run(src, scratch / "local", workers=cpus) for _ in range(REPEATS))
+    # the machine's own 1 -> 2 scaling, with no Ray: the ceiling of the 1 -> 2 node row on the same cores
+    res["local_1"] = max(timed_run(src, scratch / "local-1", workers=1) for _ in range(REPEATS))
+    res["local_2"] = max(timed_run(src, scratch / "local-2", workers=2) for _ in range(REPEATS))
     for label, node_cpus in ((f"ray_{cpus}cpu", [cpus]), ("ray_1x1", [1]), ("ray_2x1", [1, 1])):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": node_cpus[0], "include_dashboard": False})
         try:
@@ -382,7 +386,9 @@ def main() -> None:
                       f"{r[f'ray_{args.cpus}cpu'] / r['local']:.2f}x (target >= 0.9x), byte-identical: "
                       f"{bool(r['identical'])}")
                 print(f"Ray 1 node x 1 CPU {r['ray_1x1']:.0f} img/s -> 2 nodes x 1 CPU {r['ray_2x1']:.0f} img/s = "
-                      f"{r['ray_2x1'] / r['ray_1x1']:.2f}x (target >= 1.8x)")
+                      f"{r['ray_2x1'] / r['ray_1x1']:.2f}x (target >= 1.8x); the local pool 1 -> 2 workers on "
+                      f"the same cores {r['local_2'] / r['local_1']:.2f}x (this machine's ceiling for the row), "
+                      f"Ray's share of it {r['ray_2x1'] / r['ray_1x1'] / (r['local_2'] / r['local_1']):.2f}")
         if not args.skip_sources:
             r = source_cases(scratch / "sources", args.images, args.cpus, args.rounds, args.filter)
             print(f"WebDataset tars, {args.cpus} workers, median of {args.rounds} rounds: local disk "

@@ -173,7 +173,12 @@ class RayPool:
                 raised here as it was raised in the task.
         """
         ray = import_ray()
-        remote = ray.remote(_call).options(num_cpus=self.num_cpus, max_retries=_RETRIES, retry_exceptions=False)
+        # SPREAD: the tasks in flight are queued at the nodes, not all at the driver's, so a node that finishes
+        # a task starts its next at once. With Ray's default a queued task reaches another node only when the
+        # driver's node learns it is free, and the other nodes idle between tasks (bench_cluster.py's 1 -> 2
+        # node row, benchmarks/RESULTS.md).
+        remote = ray.remote(_call).options(num_cpus=self.num_cpus, max_retries=_RETRIES, retry_exceptions=False,
+                                           scheduling_strategy="SPREAD")
         it = iter(tasks)
         pending: deque[Any] = deque()
         slotted = slot_bytes is not None
