@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -45,12 +47,35 @@ def windows_of(folder, ds: TokenDataset, idx: np.ndarray) -> np.ndarray:
     return stream(folder, "train")[ds.starts(idx)[:, None] + np.arange(ds.seq_len + 1)]
 
 
+class Spy:
+    """A mixture's WindowCopy, counting the batches it served."""
+
+    def __init__(self, copy: window_copy.WindowCopy) -> None:
+        self.copy, self.served = copy, 0
+
+    def ready(self) -> bool:
+        return self.copy.ready()
+
+    def __call__(self, codes: np.ndarray, dst: np.ndarray):
+        got = self.copy(codes, dst)
+        self.served += got is not None
+        return got
+
+
+def spied(mix: Mixture) -> Mixture:
+    mix._copy = Spy(mix._copy)
+    return mix
+
+
 def gathered(mix: Mixture, codes: np.ndarray, compiled: bool, **kw) -> tuple[torch.Tensor, ...]:
-    mix._copy.usable = compiled
+    """``mix.get_batch`` by the compiled copy (checked to have served) or by the per-source gather."""
+    mix._copy.copy.usable, before = compiled, mix._copy.served
     try:
-        return tuple(t.clone() for t in mix.get_batch(codes, **kw))
+        batch = tuple(t.clone() for t in mix.get_batch(codes, **kw))
     finally:
-        mix._copy.usable = True
+        mix._copy.copy.usable = True
+    assert mix._copy.served == before + compiled
+    return batch
 
 
 @pytest.mark.parametrize("storage", ["mmap", "ram"])
@@ -58,7 +83,7 @@ def test_the_copy_gives_the_gathers_bytes_in_any_order(token_sets, kernel, stora
     sources = {n: TokenDataset(p, seq_len=24, storage=storage, stride=17 if n == "math" else None)
                for n, p in token_sets.items()}
     assert len(sources["web"]._shards) > 3 or storage == "ram"  # several shards: windows cross boundaries
-    mix = Mixture(sources, weights=[0.5, 0.3, 0.2])
+    mix = spied(Mixture(sources, weights=[0.5, 0.3, 0.2]))
     rng = np.random.default_rng(0)
     parts = [rng.choice(len(ds), 150, replace=True) for ds in sources.values()]  # repeats too
     codes = np.concatenate([p | (k << SHIFT) for k, p in enumerate(parts)])
@@ -75,14 +100,21 @@ def test_the_copy_gives_the_gathers_bytes_in_any_order(token_sets, kernel, stora
     buf = torch.zeros((len(codes) + 5, 25), dtype=torch.uint16)  # a loader's ring slot: written in place
     x, _ = mix.get_batch(codes, out=(buf, torch.zeros(len(codes) + 5, dtype=torch.int64)))
     assert x.data_ptr() == buf.data_ptr() and torch.equal(x, gathered(mix, codes, False)[0])
-    batch_mix = Mixture(sources, mix="batch")
+    for compiled in (True, False):  # a slot of too few rows is refused, never written past
+        buf.zero_()
+        with pytest.raises(ConfigError, match="out must be"):
+            mix._copy.copy.usable = compiled
+            mix.get_batch(codes[:8], out=(buf[:2], torch.zeros(2, dtype=torch.int64)))
+        mix._copy.copy.usable = True
+        assert not buf.any()
+    batch_mix = spied(Mixture(sources, mix="batch"))
     x, y, src = gathered(batch_mix, codes[:7], True)
     assert torch.equal(src, torch.from_numpy(codes[:7] >> SHIFT)) and torch.equal(x, gathered(mix, codes[:7], False)[0])
 
 
 def test_bad_indices_raise_what_the_gather_raises_and_a_reopened_source_is_read_anew(token_sets, kernel):
     sources = [TokenDataset(p, seq_len=24) for p in token_sets.values()]
-    mix = Mixture(sources)
+    mix = spied(Mixture(sources))
     good = np.array([3, (1 << SHIFT) | 5], dtype=np.int64)
     for bad, needle in ((len(sources[1]), "sample"), (-1, "source -1"), (3 << SHIFT, "names source 3")):
         codes = np.append(good, bad if bad != len(sources[1]) else (1 << SHIFT) | bad)
@@ -92,7 +124,12 @@ def test_bad_indices_raise_what_the_gather_raises_and_a_reopened_source_is_read_
         mix.get_batch(good, out=torch.zeros((2, 25), dtype=torch.int32))
     again = Mixture(pickle.loads(pickle.dumps(sources)))  # sources opened anew: new maps, new tables
     assert again._copy.ready() and again.sources[0]._copy_table.addresses[0] != mix.sources[0]._copy_table.addresses[0]
-    assert torch.equal(again.get_batch(good)[0], mix.get_batch(good)[0])
+    assert torch.equal(again.get_batch(good)[0], gathered(mix, good, True)[0])
+    old = sources[0]._copy_table
+    sources[0].__setstate__(sources[0].__getstate__())  # opened again in place: this mixture's layout follows
+    assert sources[0]._copy_table is not old
+    del old
+    assert torch.equal(gathered(mix, good, True)[0], gathered(mix, good, False)[0])
     sources[0].close()
     with pytest.raises(ConfigError, match="was closed"):
         mix.get_batch(good)
@@ -101,7 +138,7 @@ def test_bad_indices_raise_what_the_gather_raises_and_a_reopened_source_is_read_
 def test_segments_empty_or_shorter_than_a_window_are_crossed_in_pieces(kernel):
     """The kernel on a hand-made table: a window may span three segments, one of them empty."""
     class Source:
-        random_windows, stride = False, 3
+        random_windows, stride, seq_len = False, 3, 7
 
         def __init__(self, segments: list[np.ndarray]) -> None:
             self.segments = segments
@@ -124,3 +161,25 @@ def test_segments_empty_or_shorter_than_a_window_are_crossed_in_pieces(kernel):
         assert np.array_equal(dst, want)
         for bad in (np.array([len(a)], dtype=np.int64), np.array([2 << SHIFT], dtype=np.int64)):
             assert copy(bad, dst) is None  # refused: the caller's path raises
+        for short in (np.zeros((len(codes), 9), dtype=dtype), dst[:3]):  # wider than a window, too few rows
+            assert copy(codes, short) is None
+
+
+def test_a_fork_waits_for_a_compile_under_way(tmp_path):
+    """A child forked while the copy compiles would inherit numba's import locks held by a thread it lacks;
+    the fork waits for the compile instead, and the child imports numba at once."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from fastdata.datasets import window_copy\n"
+        "window_copy.kernel()\n"  # the compile starts on its thread
+        "time.sleep(0.02)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(20)\n"
+        "    import numba\n"
+        "    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # a cold compile: the window is widest
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=120)
+    assert done.returncode == 0

@@ -315,8 +315,8 @@ class Mixture:
         x = torch.empty((b, *self._shape), dtype=self.sample_dtype) if x_buf is None else \
             x_buf if len(x_buf) == b else x_buf[:b]
         dst = x.numpy()
-        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous:
-            return None
+        if dst.dtype != self._np_dtype or dst.shape != (b, *self._shape) or not dst.flags.c_contiguous:
+            return None  # (a buffer of too few rows among them: refused below, by name)
         counts = self._copy(codes, dst)
         if counts is None:
             return None
@@ -330,7 +330,8 @@ class Mixture:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token sources: each source's windows into its rows of ``x``; the targets are ``x`` shifted by one."""
         dst = x.numpy()
-        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous:
+        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous or \
+                len(dst) < len(idx):
             raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape (>={len(idx)}, "
                               f"{self._shape[0]}), got {tuple(x.shape)} {x.dtype}")
         self._gather_windows(parts, idx, dst)

@@ -73,7 +73,7 @@ def kernel(wait: bool = False) -> Optional[Callable[..., int]]:
     """The compiled copy, or None while it compiles (started here on a thread, once a process) or where
     numba is missing (NOTE [compiled window copy] 2). ``wait`` blocks until the compile is over (tests)."""
     got = _state["kernel"]
-    if got is not None or os.environ.get(ENV) == "0":
+    if got is not None or _done.is_set() or os.environ.get(ENV) == "0":  # (compiled, failed, or off)
         return got
     with _lock:
         if not _state["started"]:
@@ -82,6 +82,16 @@ def kernel(wait: bool = False) -> Optional[Callable[..., int]]:
     if wait:
         _done.wait()
     return _state["kernel"]
+
+
+def _before_fork() -> None:
+    """A fork waits out a compile under way: a child forked meanwhile would inherit numba's import locks held
+    by a thread it does not have, and hang at its first import of numba (the Lanczos kernel's too)."""
+    if _state["started"]:
+        _done.wait(timeout=120)
+
+
+os.register_at_fork(before=_before_fork)
 
 
 class Segments:
@@ -105,15 +115,17 @@ class WindowCopy:
     """The compiled copy for one set of token sources (a Mixture's), once each has its `Segments`.
 
     Args:
-        sources: Token datasets of one window length and dtype, each with ``_copy_table`` (a `Segments`, or
-            None), ``stride`` and ``random_windows``.
+        sources: Token datasets of one window length and dtype, each with ``seq_len``, ``_copy_table`` (a
+            `Segments`, or None), ``stride`` and ``random_windows``.
     """
 
     def __init__(self, sources: Sequence[Any]) -> None:
         self.sources = list(sources)
         self.sizes = np.array([len(ds) for ds in self.sources], dtype=np.int64)
         self.strides = np.array([ds.stride for ds in self.sources], dtype=np.int64)
-        self.usable = not any(ds.random_windows for ds in self.sources)
+        self.length = int(self.sources[0].seq_len) + 1  # a window's tokens: what `sizes` bounds
+        # streamed sources (no table) and random windows keep WindowGather
+        self.usable = not any(ds.random_windows or ds._copy_table is None for ds in self.sources)
         self._layout: Optional[tuple[list[Any], np.ndarray, np.ndarray, np.ndarray]] = None
 
     def ready(self) -> bool:
@@ -133,8 +145,8 @@ class WindowCopy:
         where the copy cannot serve (not compiled yet, a source without a table, a bad index: the caller's
         own path serves, or raises)."""
         run = _state["kernel"] if self.usable else None
-        if run is None:
-            return None
+        if run is None or dst.ndim != 2 or dst.shape[1] != self.length or len(dst) < len(codes):
+            return None  # (a wider or shorter dst would be written, or read, past its end)
         tables = [ds._copy_table for ds in self.sources]  # held for the call: their arrays stay mapped
         layout = self._layout
         if layout is None or any(t is None or ref() is not t for ref, t in zip(layout[0], tables)):

@@ -38,6 +38,8 @@ def _copy_windows(codes: Any, sizes: Any, strides: Any, first: Any, addresses: A
     item = dst.itemsize
     length = dst.shape[1]
     base = dst.ctypes.data
+    if dst.shape[0] < len(codes):  # (the caller checks; a row past the end would be written to)
+        return 0
     for r in range(len(codes)):
         c = codes[r]
         if c < 0:

@@ -141,11 +141,11 @@ class StreamedReads:
             >>> with FastDataset("data/train") as ds:
             ...     x, y = ds.get_batch([0, 1])
         """
+        self._closed = True  # first: a read racing the close is told "closed", not a missing shard
         released = getattr(self, "_released", None)
         if released is not None:
             released()
         self._drop_storage()
-        self._closed = True
 
     def _drop_storage(self) -> None:
         """Forget the maps and arrays the dataset reads (each dataset knows its own)."""
