@@ -85,7 +85,8 @@ def ray_cases(scratch: Path, n_images: int, cpus: int) -> dict[str, float]:
     res["local"] = max(timed_run(src, scratch / "local", workers=cpus) for _ in range(REPEATS))
     # the machine's own 1 -> 2 scaling, with no Ray: the ceiling of the 1 -> 2 node row on the same cores
     res["local_1"] = max(timed_run(src, scratch / "local-1", workers=1) for _ in range(REPEATS))
-    res["local_2"] = max(timed_run(src, scratch / "local-2", workers=2) for _ in range(REPEATS))
+    res["local_2"] = res["local"] if cpus == 2 else max(timed_run(src, scratch / "local-2", workers=2)
+                                                         for _ in range(REPEATS))
     for label, node_cpus in ((f"ray_{cpus}cpu", [cpus]), ("ray_1x1", [1]), ("ray_2x1", [1, 1])):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": node_cpus[0], "include_dashboard": False})
         try:

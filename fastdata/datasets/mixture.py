@@ -298,8 +298,7 @@ class Mixture:
         if self._has_fields:
             return self._dict_batch(parts, idx, out, torch.from_numpy(src), draw)
         x_buf, y_buf = out if isinstance(out, tuple) else (out, None)
-        x = torch.empty((b, *self.sample_shape), dtype=self.sample_dtype) if x_buf is None else \
-            x_buf if len(x_buf) == b else x_buf[:b]
+        x = self._rows(x_buf, b)
         if self._windows:
             x, y = self._window_batch(parts, idx, x)
         else:
@@ -310,13 +309,10 @@ class Mixture:
     def _copied(self, codes: np.ndarray, out: Any) -> Optional[tuple[torch.Tensor, ...]]:
         """Token sources: every window of the batch, in the order given, by one compiled call (NOTE [compiled
         window copy]); None where it cannot serve (the gather below then serves, or raises)."""
-        x_buf = out[0] if isinstance(out, tuple) else out
-        b = len(codes)
-        x = torch.empty((b, *self._shape), dtype=self.sample_dtype) if x_buf is None else \
-            x_buf if len(x_buf) == b else x_buf[:b]
+        x = self._rows(out[0] if isinstance(out, tuple) else out, len(codes))
         dst = x.numpy()
-        if dst.dtype != self._np_dtype or dst.shape != (b, *self._shape) or not dst.flags.c_contiguous:
-            return None  # (a buffer of too few rows among them: refused below, by name)
+        if not self._fits(dst, len(codes)):
+            return None  # (refused below, by name)
         counts = self._copy(codes, dst)
         if counts is None:
             return None
@@ -326,12 +322,23 @@ class Mixture:
             return x[:, :-1], x[:, 1:], torch.from_numpy(codes >> SHIFT)
         return x[:, :-1], x[:, 1:]
 
+    def _rows(self, x_buf: Optional[torch.Tensor], b: int) -> torch.Tensor:
+        """The batch's sample buffer: ``x_buf``'s first ``b`` rows (a loader's ring slot), or a new one."""
+        if x_buf is None:
+            return torch.empty((b, *self.sample_shape), dtype=self.sample_dtype)
+        return x_buf if len(x_buf) == b else x_buf[:b]
+
+    def _fits(self, dst: np.ndarray, rows: int) -> bool:
+        """Whether token windows can be written into ``dst``: contiguous, of the sources' dtype and window
+        length, and ``rows`` rows at least."""
+        return dst.dtype == self._np_dtype and dst.shape[1:] == self._shape and dst.flags.c_contiguous and \
+            len(dst) >= rows
+
     def _window_batch(self, parts: list[tuple[int, int, int]], idx: np.ndarray, x: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token sources: each source's windows into its rows of ``x``; the targets are ``x`` shifted by one."""
         dst = x.numpy()
-        if dst.dtype != self._np_dtype or dst.shape[1:] != self._shape or not dst.flags.c_contiguous or \
-                len(dst) < len(idx):
+        if not self._fits(dst, len(idx)):
             raise ConfigError(f"out must be a contiguous CPU {self.sample_dtype} tensor of shape (>={len(idx)}, "
                               f"{self._shape[0]}), got {tuple(x.shape)} {x.dtype}")
         self._gather_windows(parts, idx, dst)

@@ -16,7 +16,6 @@ NOTE [fast bicubic]: the ``"fast-bicubic"`` filter resizes whole RGB images with
      reductions (Pillow reduces by an integer factor first), go through Pillow's bicubic, the same kernel.
   4. One intra-op thread in worker processes: a second thread costs more than it gains at these sizes, and
      the workers already fill the cores (as torch's DataLoader workers do).
-
 """
 from __future__ import annotations
 

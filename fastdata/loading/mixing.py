@@ -234,8 +234,9 @@ class MixtureSampler:
 
     def _run_codes(self, k: int, draw: int, count: int, sel: Any, out: np.ndarray, cache: dict[int, EpochOrder]
                    ) -> None:
-        """`codes` for source ``k``'s draws ``draw .. draw + count - 1`` into ``out[sel]`` (``sel`` a slice:
-        every row): a slice of each source epoch's order they reach, nothing per draw but the source's bits."""
+        """`codes` for source ``k``'s draws ``draw .. draw + count - 1`` into ``out[sel]`` (``sel`` the rows, in
+        draw order: a slice of every row, or their places): a slice of each source epoch's order they reach,
+        nothing per draw but the source's bits."""
         size, code = int(self.sizes[k]), k << SHIFT
         for e in range(draw // size, (draw + count - 1) // size + 1):
             lo, hi = max(draw, e * size), min(draw + count, (e + 1) * size)  # the draws in source epoch e
