@@ -113,6 +113,71 @@ def test_augmentations_reproducible_and_resumable(indexed_datasets):
     assert len(rest) == 6 and all(torch.equal(a, b) for a, b in zip(rest, run1[4:]))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def served(pf: CUDAPrefetcher, epochs: range, stop: int = -1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A torch-style loop's batches over ``epochs`` (on the host), ending with a ``break`` after ``stop`` batches."""
+    out = []
+    for epoch in epochs:
+        pf.set_epoch(epoch)
+        for x, y in pf:
+            out.append((x.cpu(), y.cpu()))
+            if len(out) == stop:
+                break
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cut", [3, 6, 7])  # mid-epoch, the last batch still to come, after the epoch's last batch
+def test_a_loop_that_breaks_resumes_at_the_first_batch_it_did_not_see(indexed_datasets, device, cut):
+    """NOTE [prefetch] 11: on a GPU the look-ahead fetched batches the consumer never saw; a state saved after the
+    break, and the same prefetcher iterated again, must still serve them (they were skipped)."""
+    ds = FastDataset(indexed_datasets["npy"])
+
+    def prefetcher() -> CUDAPrefetcher:
+        return CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2)
+
+    whole = served(prefetcher(), range(2))
+    assert len(whole) == 14
+    pf = prefetcher()
+    first = served(pf, range(1), stop=cut)
+    state = pf.state_dict()
+    assert state["epoch"] == 0 and state["position"] == min(cut * 16, INDEXED_N)
+    again = served(pf, range(1)) + served(pf, range(1, 2))  # the same prefetcher, iterated on
+    resumed = prefetcher()
+    resumed.load_state_dict(state)
+    rest = served(resumed, range(state["epoch"], 2))
+    for got in (first + again, first + rest):
+        assert len(got) == len(whole)
+        assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, whole))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_iteration_is_live_at_a_time(indexed_datasets, device):
+    """A new iteration, set_epoch or load_state_dict closes the one under way; it never serves again, and
+    its close never moves the loader off the newer position."""
+    ds = FastDataset(indexed_datasets["npy"])
+    whole = served(CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False), range(1))
+    pf = CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2)
+    old = iter(pf)
+    head = [next(old) for _ in range(2)]
+    new = iter(pf)
+    with pytest.raises(StopIteration):
+        next(old)
+    got = [(x.cpu(), y.cpu()) for x, y in head] + [(x.cpu(), y.cpu()) for x, y in new]
+    assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, whole))
+    assert len(got) == len(whole)
+    start = pf.state_dict()
+    old = iter(pf)
+    next(old)
+    pf.load_state_dict(start)  # closes `old`: its close must not rewind the loader afterwards
+    with pytest.raises(StopIteration):
+        next(old)
+    del old
+    assert pf.state_dict()["position"] == start["position"]
+
+
 def test_bad_arguments():
     from fastdata.errors import ConfigError
 

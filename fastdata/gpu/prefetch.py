@@ -16,9 +16,16 @@ NOTE [prefetch]: the rules of a batch's way to the GPU.
    for with that one event's ``synchronize()`` only when the loader would otherwise run out of buffers.
 9. ``depth`` batches are in flight while the model computes on the current one.
 10. ``device="cpu"`` runs the same conversion synchronously.
+11. An iteration closed early (a ``break``, an exception, ``max_steps``) rewinds the loader to the consumer's
+    view: its look-ahead fetched batches the consumer never saw, and the loader counted them served. A later
+    ``state_dict()`` or iteration then starts at the first unserved batch (after an epoch's last batch: in
+    that epoch, with nothing left, as FastLoader's own break leaves it). One iteration is live at a time:
+    ``iter()``, ``set_epoch`` and ``load_state_dict`` close the one under way first, so its rewind never
+    lands on a newer position.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -172,6 +179,7 @@ class CUDAPrefetcher:
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
         self._fetched_all: Optional[int] = None  # the epoch whose every batch is fetched, its iteration not over
+        self._active: Optional["weakref.ref[Iterator[Any]]"] = None  # the iteration under way, if any
 
     # -- proxies --------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -189,13 +197,15 @@ class CUDAPrefetcher:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch: the loader's order, and the transforms' draws for a loader without a sampler."""
+        self._close_active()  # a live iteration closed later would rewind the loader to its own epoch
         if hasattr(self.loader, "set_epoch"):
             self.loader.set_epoch(epoch)
         self._epoch_counter = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state as the consumer sees it: batches fetched ahead but not yet handed out
-        (``depth`` of them on a GPU) are not counted, so a resume serves them again."""
+        (``depth`` of them on a GPU) are not counted, so a resume serves them again; also after a ``break``
+        (NOTE [prefetch] 11)."""
         state = dict(self.loader.state_dict())
         if self._unserved and "position" in state:
             state["epoch"], state["position"] = self._unserved[0]
@@ -207,7 +217,8 @@ class CUDAPrefetcher:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the loader at a `state_dict`'s position."""
+        """Resume the loader at a `state_dict`'s position; an iteration under way is closed first."""
+        self._close_active()  # closed later, it would rewind the loader over this state
         self.loader.load_state_dict(state)
 
     # -- per-batch randomness -------------------------------------------------------------------------
@@ -266,6 +277,18 @@ class CUDAPrefetcher:
                 yield batch, None
 
     def __iter__(self) -> Iterator[Any]:
+        self._close_active()  # NOTE [prefetch] 11: its early close rewinds the loader before this one reads it
+        gen = self._iterate()
+        self._active = weakref.ref(gen)
+        return gen
+
+    def _close_active(self) -> None:
+        old = self._active() if self._active is not None else None
+        self._active = None
+        if old is not None:
+            old.close()
+
+    def _iterate(self) -> Iterator[Any]:
         self._batch_in_epoch = 0
         it = self._iter_cuda() if self.device.type == "cuda" else self._iter_sync()
         yield from it
@@ -328,6 +351,7 @@ class CUDAPrefetcher:
             ready.append((out, done))
             return True
 
+        finished = False
         try:
             for _ in range(self.depth):
                 if not enqueue():
@@ -341,8 +365,19 @@ class CUDAPrefetcher:
                 enqueue()
                 self._unserved.popleft()
                 yield out
+            finished = True
         finally:
+            view = None if finished else self._rewind_state()
             self._unserved.clear()
             self._fetched_all = None
             while held:
                 reclaim(force_one=True)
+            if view is not None:  # NOTE [prefetch] 11
+                self.loader.load_state_dict(view)
+
+    def _rewind_state(self) -> Optional[dict[str, Any]]:
+        """The consumer's view of an iteration closed early, where the loader's own differs and can be loaded."""
+        if not (self._unserved or self._fetched_all is not None) or not hasattr(self.loader, "load_state_dict"):
+            return None
+        state = self.state_dict()
+        return state if "position" in state else None
