@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import sample_ids
 from test_remote import _downloads, _epoch, _same
 
@@ -118,6 +119,44 @@ def test_an_outage_longer_than_the_budget_is_one_line_and_a_rerun_resumes(s3, pr
         assert np.array_equal(a.numpy(), b.numpy())
     assert np.array_equal(first[0].numpy(), local.get_batch(range(16))[0].numpy())
     assert _image_gets(proxy) == {f"images-{s:05d}.npy": 1 for s in range(7)}  # shard 0 came from the cache
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_outage_under_the_prefetcher_loses_no_batch(s3, proxy, indexed_datasets, tmp_path, device):
+    """The store goes away past the budget mid-epoch while CUDAPrefetcher fetches ahead: the loop gets the
+    one-line error, and the state saved after it resumes (the store back) at the first batch the loop never
+    saw: on a GPU the look-ahead's batches come again, none twice (NOTE [prefetch] 11)."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+    from fastdata.gpu.prefetch import CUDAPrefetcher
+    from fastdata.loading.loader import FastLoader
+
+    def prefetcher(ds: FastDataset) -> CUDAPrefetcher:
+        return CUDAPrefetcher(FastLoader(ds, 16, shuffle=False, num_threads=2), device=device, normalize=False,
+                              depth=2)
+
+    want = [(x.cpu(), y.cpu()) for x, y in prefetcher(FastDataset(indexed_datasets["npy"]))]
+    url = _pushed(s3, indexed_datasets, f"prefetch-{device}")
+    proxy.clear()
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES, retry_seconds=2)
+    pf, got = prefetcher(ds), []
+    with pytest.raises(FormatError) as err:
+        for x, y in pf:
+            got.append((x.cpu(), y.cpu()))
+            if len(got) == 2:  # shards 5 and 6 are not here yet (the cache holds 3): they fail
+                proxy.refuse(8)
+    msg = str(err.value)
+    assert "\n" not in msg and "retry_seconds=2" in msg and "raise retry_seconds" in msg, msg
+    state = pf.state_dict()
+    assert 2 <= len(got) < 7 and state["epoch"] == 0 and state["position"] == 16 * len(got), (len(got), state)
+    ds.close()
+    while proxy.refusing:
+        time.sleep(0.1)
+    again = prefetcher(FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=2))
+    again.load_state_dict(state)
+    got += [(x.cpu(), y.cpu()) for x, y in again]
+    assert len(got) == len(want) == 7
+    assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, want))
 
 
 def test_the_cli_gives_up_on_a_refusing_store_in_one_line(s3, proxy, indexed_datasets, tmp_path, capsys,
