@@ -129,14 +129,16 @@ def served(pf: CUDAPrefetcher, epochs: range, stop: int = -1) -> list[tuple[torc
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("run_ahead", [False, True])
 @pytest.mark.parametrize("cut", [3, 6, 7])  # mid-epoch, the last batch still to come, after the epoch's last batch
-def test_a_loop_that_breaks_resumes_at_the_first_batch_it_did_not_see(indexed_datasets, device, cut):
-    """NOTE [prefetch] 11: on a GPU the look-ahead fetched batches the consumer never saw; a state saved after the
-    break, and the same prefetcher iterated again, must still serve them (they were skipped)."""
+def test_a_loop_that_breaks_resumes_at_the_first_batch_it_did_not_see(indexed_datasets, device, run_ahead, cut):
+    """NOTE [prefetch] 11: on a GPU (or with the side thread) the look-ahead fetched batches the consumer never
+    saw; a state saved after the break, and the same prefetcher iterated again, must still serve them."""
     ds = FastDataset(indexed_datasets["npy"])
 
     def prefetcher() -> CUDAPrefetcher:
-        return CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2)
+        return CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2,
+                              run_ahead=run_ahead)
 
     whole = served(prefetcher(), range(2))
     assert len(whole) == 14
@@ -151,6 +153,43 @@ def test_a_loop_that_breaks_resumes_at_the_first_batch_it_did_not_see(indexed_da
     for got in (first + again, first + rest):
         assert len(got) == len(whole)
         assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, whole))
+
+
+class Failing(RandomHorizontalFlip):
+    """A flip that raises on its ``at``-th batch."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def __call__(self, x, generator=None):
+        self.calls += 1
+        if self.calls == self.at:
+            raise ValueError(f"batch {self.at} is bad")
+        return super().__call__(x, generator)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_side_thread_serves_the_loaders_order_with_buffers_in_heavy_reuse(indexed_datasets, device):
+    """NOTE [prefetch thread]: batches in order, each equal to the synchronous path's, with a loader of two
+    buffers (a buffer released before its job ran would be refilled under it); a job's error comes at its
+    batch's turn, and the state then points at that batch."""
+    ds = FastDataset(indexed_datasets["npy"])
+    aug = Compose([RandomResizedCrop(6), RandomHorizontalFlip()])
+    want = served(CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device="cpu", transforms=aug), range(3))
+    pf = CUDAPrefetcher(FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0), device=device, transforms=aug,
+                        depth=3, run_ahead=True)
+    got = served(pf, range(3))
+    assert len(got) == len(want) == 39
+    assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, want))
+    bad = CUDAPrefetcher(FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0), device=device, depth=3,
+                         run_ahead=True, transforms=Failing(at=5))
+    seen = []
+    with pytest.raises(ValueError, match="batch 5 is bad"):
+        for x, y in bad:
+            seen.append(y.cpu())
+    assert len(seen) == 4 and bad.state_dict()["position"] == 4 * 8
+    assert all(torch.equal(a, b) for a, (_, b) in zip(seen, want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,10 +228,11 @@ def test_bad_arguments():
 
 
 @pytest.mark.cuda
-def test_gpu_batches_match_the_host_source_under_heavy_buffer_reuse(indexed_datasets):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_gpu_batches_match_the_host_source_under_heavy_buffer_reuse(indexed_datasets, run_ahead):
     ds = FastDataset(indexed_datasets["npy"])
     loader = FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0)  # 2 slots: constant reuse
-    pf = CUDAPrefetcher(loader, device="cuda", normalize=False, depth=2)
+    pf = CUDAPrefetcher(loader, device="cuda", normalize=False, depth=2, run_ahead=run_ahead)
     ref = CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device="cpu", normalize=False)
     side = pf._side_stream()
     got, want = [], []

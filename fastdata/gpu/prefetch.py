@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from ..imaging.draws import Draws, batch_seed
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
 from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
+from .side_thread import Job, SideThread
 
 Release = Optional[Callable[[], None]]
 
@@ -148,6 +149,9 @@ class CUDAPrefetcher:
         seed: The seed of the transforms' random draws (default 0).
         cuda_graphs: Replay the image conversion from CUDA graphs where its ops allow (default True;
             ``FASTDATA_CUDA_GRAPHS=0`` also turns it off).
+        run_ahead: Launch each batch's copies and conversion from a thread of its own, so the training thread
+            only waits for it (default False; NOTE [prefetch thread] in fastdata/gpu/side_thread.py). On the CPU
+            the thread converts the batches ahead.
 
     Raises:
         ConfigError: ``device`` is CUDA where torch sees no GPU, ``depth`` is not an integer >= 1, or ``mean``
@@ -164,7 +168,7 @@ class CUDAPrefetcher:
     def __init__(self, loader: Any, device: Union[str, torch.device] = "cuda", *,
                  mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
                  normalize: bool = True, dtype: torch.dtype = torch.float32, transforms: Optional[Transform] = None,
-                 depth: int = 1, seed: int = 0, cuda_graphs: bool = True) -> None:
+                 depth: int = 1, seed: int = 0, cuda_graphs: bool = True, run_ahead: bool = False) -> None:
         self.loader = loader
         self.device = torch.device(device)
         check_cuda(self.device, "pass device='cpu' or install a CUDA build")
@@ -172,7 +176,7 @@ class CUDAPrefetcher:
             raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
         self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
                                    memory_format=torch.channels_last)
-        self.transforms, self.depth, self.seed = transforms, depth, seed
+        self.transforms, self.depth, self.seed, self.run_ahead = transforms, depth, seed, bool(run_ahead)
         graphed = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled() and capturable(transforms)
         self._graphed = GraphedConvert(self._image_float32) if graphed else None  # NOTE [graphed convert]
         self._stream: Optional[torch.cuda.Stream] = None
@@ -270,7 +274,7 @@ class CUDAPrefetcher:
     # -- iteration ------------------------------------------------------------------------------------
     def _source(self) -> Iterator[tuple[Any, Release]]:
         manual = getattr(self.loader, "iter_batches", None)
-        if manual is not None and self.device.type == "cuda":  # hold FastLoader buffers until copied
+        if manual is not None and (self.device.type == "cuda" or self.run_ahead):  # hold buffers until copied
             yield from manual()
         else:
             for batch in self.loader:
@@ -288,10 +292,11 @@ class CUDAPrefetcher:
         if old is not None:
             old.close()
 
+
     def _iterate(self) -> Iterator[Any]:
         self._batch_in_epoch = 0
-        it = self._iter_cuda() if self.device.type == "cuda" else self._iter_sync()
-        yield from it
+        ahead = self.device.type == "cuda" or self.run_ahead
+        yield from self._iter_ahead() if ahead else self._iter_sync()
         self._epoch_counter += 1
 
     def _iter_sync(self) -> Iterator[Any]:
@@ -306,23 +311,50 @@ class CUDAPrefetcher:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _iter_cuda(self) -> Iterator[Any]:
-        stream = self._side_stream()
+    def _launch(self, job: Job, stream: Optional[torch.cuda.Stream]) -> None:
+        """Copy a job's batch to the device and convert it there, on ``stream`` (None: on the CPU, at once)."""
+        if stream is None:
+            moved, job.host = move(job.batch, self.device, pin=False)
+            job.out = self.convert(moved, job.draws)
+            return
+        if job.after is not None:  # made on the loader's stream (storage="cuda"): read it once it is written
+            stream.wait_event(job.after)
+        with torch.cuda.stream(stream):
+            moved, job.host = move(job.batch, self.device, pin=True)
+            job.copied = torch.cuda.Event()
+            job.copied.record(stream)
+            job.out = self.convert(moved, job.draws)
+            job.done = torch.cuda.Event()
+            job.done.record(stream)
+
+    def _iter_ahead(self) -> Iterator[Any]:
+        """``depth`` batches ahead, launched on the side stream here or from a side thread (NOTE [prefetch
+        thread]); on the CPU (``run_ahead``) the side thread converts them at once."""
+        stream = self._side_stream() if self.device.type == "cuda" else None
         source = self._source()
-        ready: deque[tuple[Any, torch.cuda.Event]] = deque()
-        held: deque[tuple[torch.cuda.Event, Release, Any]] = deque()  # host buffers still being read
+        side = SideThread(lambda job: self._launch(job, stream), self.device) if self.run_ahead else None
+        ready: deque[Job] = deque()  # launched or submitted, not yet handed out
+        held: deque[Job] = deque()  # host buffers maybe still being read, in the loader's order
         slots = getattr(self.loader, "slots", None)
 
         def reclaim(force_one: bool = False) -> None:
-            while held and (force_one or held[0][0].query()):
-                event, release, _host = held.popleft()
-                if force_one:
-                    event.synchronize()  # waits for this one copy, not for the device
+            while held:
+                job = held[0]
+                if force_one:  # waits for this one job and its copy, not for the device
+                    job.wait()
+                    if job.copied is not None:
+                        job.copied.synchronize()
+                    elif job.error is not None and stream is not None:
+                        stream.synchronize()  # a failed job may have left copies under way
                     force_one = False
-                if release is not None:
-                    release()
+                elif not job.launched() or (job.copied is not None and not job.copied.query()):
+                    return
+                held.popleft()
+                if job.release is not None:
+                    job.release()
 
         def enqueue() -> bool:
+            reclaim()
             if slots is not None and len(held) >= slots - 1:
                 reclaim(force_one=True)  # the loader needs a buffer back to keep producing
             item = next(source, None)
@@ -332,23 +364,22 @@ class CUDAPrefetcher:
                 return False
             batch, release = item
             self._unserved.append(self._position())
-            gen = self._seeded() if self.transforms is not None else None
+            job = Job(batch, release, self._seeded() if self.transforms is not None else None, side is not None)
             self._batch_in_epoch += 1
-            on_gpu: list[torch.Tensor] = []
-            _walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
-            if on_gpu:  # made on the loader's stream (storage="cuda"): read them only once they are written
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                for t in on_gpu:
-                    t.record_stream(stream)
-            with torch.cuda.stream(stream):
-                moved, host = move(batch, self.device, pin=True)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-                out = self.convert(moved, gen)
-                done = torch.cuda.Event()
-                done.record(stream)
-            held.append((copied, release, host))  # `host` keeps pinned copies of pageable tensors alive
-            ready.append((out, done))
+            if stream is not None:
+                on_gpu: list[torch.Tensor] = []
+                _walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
+                if on_gpu:  # storage="cuda": written on the loader's (this thread's) stream
+                    job.after = torch.cuda.Event()
+                    job.after.record(torch.cuda.current_stream(self.device))
+                    for t in on_gpu:
+                        t.record_stream(stream)
+            held.append(job)
+            ready.append(job)
+            if side is None:
+                self._launch(job, stream)
+            else:
+                side.submit(job)
             return True
 
         finished = False
@@ -357,12 +388,16 @@ class CUDAPrefetcher:
                 if not enqueue():
                     break
             while ready:
-                out, done = ready.popleft()
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(done)
-                _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
-                reclaim()
-                enqueue()
+                job = ready.popleft()
+                enqueue()  # the next batch's work starts before this one is waited for
+                job.wait()
+                if job.error is not None:
+                    raise job.error
+                out, job.out = job.out, None
+                if stream is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(job.done)
+                    _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
                 self._unserved.popleft()
                 yield out
             finished = True
@@ -370,6 +405,8 @@ class CUDAPrefetcher:
             view = None if finished else self._rewind_state()
             self._unserved.clear()
             self._fetched_all = None
+            if side is not None:
+                side.close()
             while held:
                 reclaim(force_one=True)
             if view is not None:  # NOTE [prefetch] 11
