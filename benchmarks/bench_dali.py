@@ -16,7 +16,10 @@ GPU the training rows are also given with every JPEG sent to the hardware JPEG d
 (``hw_decoder_load=1``; DALI's default sends 65%, and decodes the rest with CUDA kernels beside the model),
 with ``pipe.run`` on the training thread (``run_ahead=False``; a loader thread is the default on a GPU)
 and with DALI's outputs synchronised with the host too (``stream_outputs=False``); ``--dali-threads``
-repeats the DALI rows for several CPU thread counts, ``--feeds`` keeps some rows only. Then a short
+repeats the DALI rows for several CPU thread counts, ``--feeds`` keeps some rows only. Also the training
+crops with no model at each fixed ``hw_decoder_load`` of ``--hw-loads`` and with ``"auto"`` (after its
+trial), same data, same run: auto's images/s over the best fixed load's (``--feeds dali_auto`` for these
+rows alone, with auto's memory over --memory-iters batches). Then a short
 profile of each DALI-fed run: host time in ``pipe.run`` (or the training thread's wait for the loader
 thread), kernel time on the model's stream and on DALI's, CUDA calls that wait for the device.
 
@@ -68,13 +71,22 @@ def main() -> None:
     ap.add_argument("--dali-threads", default="4", help="DALI's CPU threads in the training rows, comma-separated: "
                     "every DALI training row for each (the first as the main rows); 4 is DALILoader's default")
     ap.add_argument("--feeds", default="", help="only these training rows, comma-separated (dali, dali_hw, dali_here, "
-                    "dali_host_sync, fastdata); all where empty")
+                    "dali_host_sync, fastdata, dali_auto: the --hw-loads rows); all where empty")
+    ap.add_argument("--hw-loads", default="0,0.5,0.65,0.9,1", help="the fixed hw_decoder_load rows beside "
+                    "hw_decoder_load='auto' (training crops, no model), comma-separated")
+    ap.add_argument("--hw-rounds", type=int, default=1, help="rounds of the --hw-loads rows, each row's best kept")
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation-transform rows (training rows only)")
     ap.add_argument("--json", type=Path, help="write every number here too")
     ap.add_argument("--smoke", action="store_true", help="the training rows on the CPU too: checks the script")
     args = ap.parse_args()
     if 0 < args.memory_iters < 100:  # memory is compared after 100 batches and at the end
         ap.error("--memory-iters must be 0 (no memory rows) or at least 100")
+    try:
+        args.hw_loads = [float(v) for v in args.hw_loads.split(",")]
+    except ValueError:
+        ap.error(f"--hw-loads takes numbers in [0, 1], comma-separated, got {args.hw_loads!r}")
+    if args.hw_rounds < 1:
+        ap.error(f"--hw-rounds must be at least 1, got {args.hw_rounds}")
     device = resolve_device(args.device).type
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-dali-"))
     try:
@@ -301,6 +313,10 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
         r = rate(lambda it=make(): it, args.seconds)
         out[f"{key}_images_per_s"] = r
         print(f"  {names[key]:<80} {r:>8,.0f} images/s")
+    if wanted is None or "dali_auto" in wanted:
+        out.update(hw_load_rates(lambda load: dali(threads[0], hw_decoder_load=load)(), args, device))
+    if not feeds:  # the hw_decoder_load rows alone
+        return out
     ceiling = model_ceiling("resnet50", 8, b, size, device, args.train_seconds)
     out["ceiling_resnet50_images_per_s"] = ceiling
     print(f"ResNet-50@{size}, batch {b}, bf16 autocast, channels_last, {gpu} (data stall: the Trainer's own, over "
@@ -347,13 +363,61 @@ def training_rates(scratch: Path, files: list[Path], args: argparse.Namespace, d
     if args.memory_iters <= 0 or "dali" not in feeds:
         return out
     out["dali_memory"] = memory_flat(feeds["dali"](), args.memory_iters, device)
-    mem = out["dali_memory"]
-    print(f"{mem['iterations']:,} DALILoader batches: GPU memory in use {mem['gpu_used_100'] / 2**20:,.0f} -> "
+    print_memory("DALILoader", out["dali_memory"])
+    return out
+
+
+def print_memory(name: str, mem: dict[str, float]) -> None:
+    """One line of `memory_flat`'s figures."""
+    print(f"{mem['iterations']:,} {name} batches: GPU memory in use {mem['gpu_used_100'] / 2**20:,.0f} -> "
           f"{mem['gpu_used_end'] / 2**20:,.0f} MiB (device-wide: DALI allocates outside torch), torch max allocated "
           f"{mem['gpu_max_allocated_100'] / 2**20:,.0f} -> {mem['gpu_max_allocated_end'] / 2**20:,.0f} MiB, "
           f"host RSS {mem['rss_100'] / 2**20:,.0f} -> {mem['rss_end'] / 2**20:,.0f} MiB")
-    return out
 
+
+def hw_load_rates(make: Any, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """Training crops, no model, images/s of ``make(load)`` (a DALILoader) at each fixed load of ``--hw-loads``
+    and with ``"auto"``, whose epochs first run until its trial is over (NOTE [hw_decoder_load auto]): its
+    figure is that of the load it chose, against the best fixed one of the same run. Each row is the best
+    of ``--hw-rounds`` rounds, every other one in reverse order (drift spread over the rows). Then auto's
+    memory over ``--memory-iters`` batches (the trial's pipelines dropped)."""
+    from bench_gpu import memory_flat
+
+    loaders = {load: make(load) for load in [*args.hw_loads, "auto"]}
+    auto = loaders["auto"]
+    trial = auto.hw_decoder_load_trial  # None on the CPU: DALI's default, nothing measured
+    start, served, images = time.perf_counter(), 0, 0
+    for _ in range(100):  # whole epochs: the trial (a few seconds) may span several short ones
+        if trial is None or trial.done:
+            break
+        for x, _ in auto:
+            served, images = served + 1, images + len(x)
+    trial_s = time.perf_counter() - start
+    rates: dict[Any, float] = {}
+    for i in range(args.hw_rounds):
+        for load in list(loaders)[::-1 if i % 2 else 1]:
+            rates[load] = max(rates.get(load, 0.0), rate(lambda it=loaders[load]: it, args.seconds))
+    r = rates.pop("auto")
+    for load, v in rates.items():
+        print(f"  {f'DALI, hw_decoder_load={load:g}':<80} {v:>8,.0f} images/s")
+    best = max(rates, key=rates.get)
+    ratio, chosen = r / rates[best], auto.hw_decoder_load_chosen
+    figures = {} if trial is None else {f"{k:g}": v for k, v in trial.seconds_per_batch.items()}
+    measured = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in figures.items()) or "none (no trial on the CPU)"
+    print(f"  {'DALI, hw_decoder_load=auto, after its trial':<80} {r:>8,.0f} images/s  chose {chosen}; "
+          f"{ratio:.3f}x the best fixed load ({best:g}; rows: best of {args.hw_rounds} rounds)")
+    print(f"    the trial's ms a batch by load: {measured}; the epochs that held it: {trial_s:.1f} s, {served} "
+          f"batches, {images / max(trial_s, 1e-9):,.0f} images/s (pipelines built and switched)")
+    out: dict[str, Any] = {
+        "dali_hw_load_images_per_s": {f"{k:g}": v for k, v in rates.items()}, "dali_auto_images_per_s": r,
+        "dali_auto_chosen": chosen, "dali_auto_best_fixed": best, "dali_auto_vs_best": ratio,
+        "dali_auto_trial_s_per_batch": figures, "dali_auto_trial_epochs_s": trial_s,
+        "dali_auto_trial_epochs_batches": served, "dali_auto_trial_epochs_images_per_s": images / max(trial_s, 1e-9)}
+    del loaders  # the fixed loads' pipelines go before the memory row
+    if args.memory_iters > 0:
+        out["dali_auto_memory"] = memory_flat(auto, args.memory_iters, device)
+        print_memory("DALILoader (hw_decoder_load=auto)", out["dali_auto_memory"])
+    return out
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,11 @@
 """DALILoader on the CPU (DALI runs without a GPU there): order, coverage, sharding, resume, parity."""
 from __future__ import annotations
 
+import gc
 import itertools
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import numpy as np
@@ -221,6 +223,126 @@ def test_pipelined_state_counts_only_served_batches_and_all_skipped_batches(inde
         loader(root, hw_decoder_load=1.5)
 
 
+def test_hw_decoder_load_is_a_share_none_or_auto(indexed_datasets):
+    from fastdata.errors import ConfigError
+
+    for bad in ("fastest", "AUTO", -0.1, 1.5, True, [0.5]):
+        with pytest.raises(ConfigError, match="'auto'"):
+            loader(indexed_datasets["lmdb"], hw_decoder_load=bad)
+    for ok in (0, 0.5, 1, None):
+        assert loader(indexed_datasets["lmdb"], hw_decoder_load=ok).hw_decoder_load_chosen == ok
+
+
+def test_auto_hw_decoder_load_on_the_cpu_is_dalis_default(indexed_datasets, ahead):
+    kw = {"shuffle": True, "seed": 2, "run_ahead": ahead}
+    auto = loader(indexed_datasets["lmdb"], hw_decoder_load="auto", **kw)
+    default = loader(indexed_datasets["lmdb"], **kw)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in itertools.zip_longest(auto, default))
+    assert auto.hw_decoder_load_trial is None and auto.hw_decoder_load_chosen is None  # nothing to measure
+
+
+def test_choosing_the_hw_decoder_load_from_measurements():
+    from fastdata.gpu.dali_tune import CANDIDATES, HwLoadTrial, choose, flat
+
+    assert choose({}) is None
+    assert choose({0.65: 1.0, 0.0: 1.5, 1.0: 0.8, 0.9: 0.7, 0.5: 0.9}) == 0.9  # the fastest
+    assert choose({0.65: 1.0, 0.0: 1.5, 1.0: 1.02}) == 1.0  # within 3%: the most to the hardware decoder
+    assert choose({0.65: 1.0, 1.0: 1.04}) == 0.65
+    assert flat([1.0, 1.01, 1.029]) and not flat([1.0, 1.01]) and not flat([1.0, 1.01, 1.05])
+    trial = HwLoadTrial(torch.device("cpu"))
+    assert trial.load == CANDIDATES[0] == 0.65 and not trial.done  # DALI's default first
+    for load, s in zip(CANDIDATES, (1.0, 1.3, 0.9, 0.8, 0.85)):
+        assert trial.load == load and trial.window().warmup == (12 if load == 0.65 else 4)
+        trial.record(load, s)
+    assert trial.done and trial.chosen == trial.load == 0.9 and trial.window() is None
+    even = HwLoadTrial(torch.device("cpu"))  # no difference between the first three: settled after them
+    for s in (1.0, 1.01, 0.995):
+        even.record(even.load, s)
+    assert even.chosen == 1.0 and list(even.seconds_per_batch) == [0.65, 0.0, 1.0]
+    timed = HwLoadTrial(torch.device("cpu"), warmup=2, first_warmup=3, batches=2, seconds=0.05)
+    window = timed.window()  # 3 outputs untimed, then at least 2 and 0.05 s
+    assert [window.tick() for _ in range(6)] == [False] * 6 and not timed.seconds_per_batch
+    time.sleep(0.06)
+    assert window.tick() and 0.06 / 4 <= timed.seconds_per_batch[0.65] < 1.0  # 4 timed outputs
+    assert timed.load == 0.0 and timed.window().warmup == 2
+    carried = HwLoadTrial(torch.device("cpu"), warmup=1, first_warmup=1, batches=4, seconds=0.0)
+    window = carried.window()
+    assert [window.tick() for _ in range(3)] == [False] * 3  # 1 untimed, 2 timed: then the epoch ends
+    window.close()
+    window = carried.window()  # the next epoch's: warmed up again, 2 more timed make the 4
+    assert [window.tick() for _ in range(3)] == [False, False, True] and list(carried.seconds_per_batch) == [0.65]
+
+
+def trial_loader(path, **kw):
+    """A DALILoader running the ``"auto"`` trial with short windows (8 batches, no least duration): on the
+    CPU, where "auto" has no trial of its own, the pipeline switches run on DALI's CPU decoder (which
+    ignores the load), timed by the host clock."""
+    from fastdata.gpu.dali_tune import HwLoadTrial
+
+    dl = loader(path, **kw)
+    dl.hw_decoder_load_trial = HwLoadTrial(dl.device, warmup=1, first_warmup=2, batches=8, seconds=0.0)
+    return dl
+
+
+def test_the_hw_decoder_load_trial_serves_every_batch_once_in_order_and_resumes(indexed_datasets, ahead):
+    """NOTE [hw_decoder_load auto] 4-5: the candidates' pipelines take turns in the epoch's plan, their
+    batches in flight served at each switch; a break or a resume anywhere in the trial changes nothing."""
+    import weakref
+
+    kw = {"batch_size": 4, "shuffle": True, "seed": 3, "run_ahead": ahead}
+    fixed, dl = loader(indexed_datasets["lmdb"], **kw), trial_loader(indexed_datasets["lmdb"], **kw)
+    pipes = []
+    for epoch in range(4):  # 25 batches an epoch; the trial about 50 (30 when the first three loads are even)
+        fixed.set_epoch(epoch)
+        dl.set_epoch(epoch)
+        for (a, _), (b, _) in itertools.zip_longest(fixed, dl):
+            assert torch.equal(a, b)
+            pipe = dl._pipe  # None for a moment while the loader thread switches pipelines
+            if pipe is not None and all(r() is not pipe for r in pipes):
+                pipes.append(weakref.ref(pipe))
+            del pipe
+            assert len(dl._kept) <= 1  # the best so far, beside the one under trial
+        assert epoch > 0 or not dl.hw_decoder_load_trial.done  # the trial goes on into the next epoch
+        if dl.hw_decoder_load_trial.done:
+            break
+    trial = dl.hw_decoder_load_trial
+    assert trial.done and dl.hw_decoder_load_chosen == trial.chosen in trial.seconds_per_batch
+    assert len(trial.seconds_per_batch) in (3, 5) and dl._load == trial.chosen and not dl._kept
+    gc.collect()
+    assert len(pipes) >= 2 and [r() for r in pipes if r() is not None] == [dl._pipe]  # the others freed
+    fixed.set_epoch(0)
+    full = [ids(x) for x, _ in fixed]
+    for k in range(1, 25, 3):
+        a = trial_loader(indexed_datasets["lmdb"], **kw)
+        it = iter(a)
+        head = [ids(next(it)[0]) for _ in range(k)]
+        b = trial_loader(indexed_datasets["lmdb"], **kw)
+        b.load_state_dict(a.state_dict())
+        assert head + [ids(x) for x, _ in b] == full, k
+        if k % 2:
+            del it  # closed during the trial, or left open while the loader goes on
+        assert head + [ids(x) for x, _ in a] == full, k  # the same loader: batches in flight run out
+
+
+def test_a_decode_error_during_the_hw_decoder_load_trial(photo_folder, tmp_path, ahead):
+    """A JPEG that fails inside DALI while the trial switches pipelines: the same policy, samples and crops."""
+    from fastdata.cli.main import main
+
+    assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "lm"), "--format", "lmdb", "--size", "64",
+                 "--workers", "1", "--quiet"]) == 0
+    inside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "huffman", 17, huffman=True)  # fails inside DALI
+    outside = corrupt_lmdb_copy(tmp_path / "lm", tmp_path / "zeroed", 17)  # caught on the host before DALI
+    kw = {"train": True, "shuffle": True, "seed": 1, "size": 16, "batch_size": 2, "on_error": "skip", "prefetch": 3,
+          "run_ahead": ahead}
+    got, want = trial_loader(inside, **kw), loader(outside, **kw)
+    for epoch in range(4):  # 21 batches an epoch, the trial about 55 (prefetch 3: each switch runs out 2)
+        got.set_epoch(epoch)
+        want.set_epoch(epoch)
+        for a, b in itertools.zip_longest(got, want):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and got.state_dict() == want.state_dict()
+    assert got.skipped == [17] and got.hw_decoder_load_trial.done and not got._kept
+
+
 def test_without_dali_the_error_names_the_extra():
     code = ("import sys; sys.modules['nvidia.dali'] = None\n"
             "from fastdata.dali import _dali\n"
@@ -272,6 +394,51 @@ def test_gpu_training_batches_are_bf16_channels_last_and_exact_after_a_resume(in
         streamed.append(x)
         torch.cuda._sleep(20_000_000)  # the stream the next batch is bound to is busy for a while
     assert len(streamed) == len(whole) and all(torch.equal(a, b) for a, b in zip(streamed, synced))
+
+
+@pytest.mark.cuda
+def test_gpu_auto_hw_decoder_load_serves_a_fixed_loads_samples_chooses_and_frees_the_rest(indexed_datasets):
+    """NOTE [hw_decoder_load auto] on a GPU: the trial spans epochs of 100 one-image batches, each candidate's
+    window half a second; then short windows, with breaks and resumes inside the trial."""
+    import weakref
+
+    from fastdata.gpu.dali_tune import CANDIDATES
+
+    kw = {"train": True, "shuffle": True, "seed": 6, "device": "cuda", "batch_size": 1}  # crops of flat colours
+    fixed = loader(indexed_datasets["lmdb"], hw_decoder_load=0.65, **kw)
+    auto = loader(indexed_datasets["lmdb"], hw_decoder_load="auto", **kw)
+    trial = auto.hw_decoder_load_trial
+    assert trial is not None and auto.hw_decoder_load_chosen is None
+    pipes = []
+    for epoch in range(300):  # the trial lasts a few seconds, an epoch of one-image batches a fraction of one
+        fixed.set_epoch(epoch)
+        auto.set_epoch(epoch)
+        got = []
+        for x, _ in auto:
+            got.append(ids(x))
+            pipe = auto._pipe  # None for a moment while the loader thread switches pipelines
+            if pipe is not None and all(r() is not pipe for r in pipes):
+                pipes.append(weakref.ref(pipe))
+            del pipe
+        assert got == [ids(x) for x, _ in fixed], epoch  # the same samples in the same order
+        if trial.done:
+            break
+    assert trial.done and auto.hw_decoder_load_chosen in CANDIDATES and len(trial.seconds_per_batch) in (3, 5)
+    assert all(s > 0 for s in trial.seconds_per_batch.values()), trial.seconds_per_batch
+    gc.collect()
+    assert len(pipes) >= 2 and [r() for r in pipes if r() is not None] == [auto._pipe] and not auto._kept
+    fixed.set_epoch(0)
+    want = [ids(x) for x, _ in fixed]
+    for k in (3, 9, 14, 22, 33):  # short windows (10 batches a candidate): breaks all through the trial
+        a = trial_loader(indexed_datasets["lmdb"], hw_decoder_load="auto", **kw)
+        it = iter(a)
+        head = [ids(next(it)[0]) for _ in range(k)]
+        b = trial_loader(indexed_datasets["lmdb"], hw_decoder_load="auto", **kw)
+        b.load_state_dict(a.state_dict())
+        assert head + [ids(x) for x, _ in b] == want, k
+        del it
+        assert head + [ids(x) for x, _ in a] == want, k
+        assert a.hw_decoder_load_trial.done and a.hw_decoder_load_chosen in CANDIDATES
 
 
 def test_outputs_go_to_the_consumers_stream_with_dalis_default_executor():

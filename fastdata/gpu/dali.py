@@ -28,6 +28,7 @@ so judge them by bench_dali's steady-state rows (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -45,6 +46,7 @@ from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..loading.run_ahead import RunAhead
 from ..loading.sampler import DistributedBatchSampler, SamplerBacked
 from ..storage.opening import OpenedPath
+from .dali_tune import HwLoadTrial, release_unused_memory
 
 INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
                 "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
@@ -125,7 +127,9 @@ class DALILoader(SamplerBacked):
         world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
         prefetch: Batches DALI decodes ahead of the consumer, >= 1 (default 2).
         hw_decoder_load: The share of JPEGs given to the GPU's hardware JPEG decoder, in [0, 1] (default None:
-            DALI's own default).
+            DALI's own default, 0.65), or ``"auto"``: 0.65, 0, 1, 0.9 and 0.5 each serve the first batches
+            for half a second (and 12 batches at least), and the fastest is kept (NOTE [hw_decoder_load auto]
+            in fastdata/gpu/dali_tune.py; on the CPU, DALI's default). `hw_decoder_load_chosen` tells which.
         stream_outputs: Hand ``pipe.run``'s outputs to the consumer's CUDA stream where DALI allows it, instead
             of a host-synchronous call (default True; NOTE [DALI outputs on the stream]).
         run_ahead: Run the pipeline and its feed on a loader thread (default None: on a GPU;
@@ -154,7 +158,7 @@ class DALILoader(SamplerBacked):
                  num_threads: Optional[int] = None,
                  on_error: str = "fail", pad: Optional[bool] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, prefetch: int = 2,
-                 hw_decoder_load: Optional[float] = None, stream_outputs: bool = True,
+                 hw_decoder_load: Union[float, str, None] = None, stream_outputs: bool = True,
                  run_ahead: Optional[bool] = None) -> None:
         base, self.indices = _lmdb_samples(path)
         self.root, self.manifest = base.root, base.manifest
@@ -169,9 +173,12 @@ class DALILoader(SamplerBacked):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an integer >= 1, got prefetch={prefetch!r}")
-        if hw_decoder_load is not None and not 0.0 <= hw_decoder_load <= 1.0:
-            raise ConfigError(f"hw_decoder_load must be in [0, 1] (the share of JPEGs for the GPU's hardware decoder), "
-                              f"got hw_decoder_load={hw_decoder_load!r}")
+        if hw_decoder_load is not None and hw_decoder_load != "auto" and (
+                isinstance(hw_decoder_load, (str, bool)) or not isinstance(hw_decoder_load, numbers.Real)
+                or not 0.0 <= hw_decoder_load <= 1.0):
+            raise ConfigError("hw_decoder_load must be a share in [0, 1] (of the JPEGs for the GPU's hardware "
+                              "decoder), None (DALI's default) or 'auto' (measured on the first batches), got "
+                              f"hw_decoder_load={hw_decoder_load!r}")
         self.hw_decoder_load = hw_decoder_load
         self.stream_outputs = bool(stream_outputs)  # NOTE [DALI outputs on the stream]; False: host-synchronous
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -196,6 +203,15 @@ class DALILoader(SamplerBacked):
         self._skipped: dict[int, None] = {}  # samples left out under on_error="skip", in the order found
         self._undecodable: set[int] = set()  # those among them that failed inside DALI: planned batches drop them
         self._pipe: Any = None
+        # NOTE [hw_decoder_load auto]: the trial (on a GPU only), the load of _pipe, and a measured candidate's
+        # reset pipeline kept while it is the best so far
+        self.hw_decoder_load_trial: Optional[HwLoadTrial] = None
+        if hw_decoder_load == "auto" and self.device.type == "cuda":
+            self.hw_decoder_load_trial = HwLoadTrial(self.device)
+        self._load: Optional[float] = None  # DALI's default
+        if hw_decoder_load not in (None, "auto"):
+            self._load = float(hw_decoder_load)  # type: ignore[arg-type]
+        self._kept: dict[float, Any] = {}
         self._on_stream = False  # the pipeline's outputs go to the consumer's stream (set by _build)
         self._feed: Optional[Iterator[Any]] = None  # this epoch's plan while an iteration is under way
         self.loader_thread_s = 0.0  # the loader thread's time producing batches, and their count (run_ahead)
@@ -207,6 +223,14 @@ class DALILoader(SamplerBacked):
     def skipped(self) -> list[int]:
         """Samples left out under ``on_error="skip"`` (each once, in the order they were found)."""
         return list(self._skipped)
+
+    @property
+    def hw_decoder_load_chosen(self) -> Optional[float]:
+        """The hardware decoder's share the pipeline uses: ``hw_decoder_load``, or the one ``"auto"`` chose
+        (its measurements in ``hw_decoder_load_trial.seconds_per_batch``); None: DALI's default, or the
+        trial not over yet."""
+        trial = self.hw_decoder_load_trial
+        return self._load if trial is None else trial.chosen
 
     @property
     def dataset(self) -> "DALILoader":
@@ -231,7 +255,7 @@ class DALILoader(SamplerBacked):
                              prefetch_queue_depth=self.prefetch)
         # hw_decoder_load: the share of a batch's JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs
         # (DALI's default, 0.65, where None); the rest are decoded by CUDA kernels, on the SMs the model uses
-        hw = {"hw_decoder_load": self.hw_decoder_load} if gpu and self.hw_decoder_load is not None else {}
+        hw = {"hw_decoder_load": self._load} if gpu and self._load is not None else {}
         with pipe:
             decoder = "mixed" if gpu else "cpu"
             if self.train:  # boxes and flips drawn on the host (see _crops): exact on resume
@@ -334,10 +358,37 @@ class DALILoader(SamplerBacked):
         raise StopIteration
 
     def _rebuild(self) -> Any:
-        """A new pipeline in place of the old one, whose buffers are freed before the new one is built."""
+        """A new pipeline in place of the old one, whose buffers are freed before the new one is built (for
+        the trial's current load, while ``"auto"`` measures)."""
         self._pipe = None
+        if self.hw_decoder_load_trial is not None:
+            return self._switch()
         self._pipe = self._build()
         return self._pipe
+
+    def _switch(self) -> Any:
+        """The pipeline of the trial's current load in place of `_pipe` (reset, or None): the old one kept if
+        it is the best measured so far, the others dropped, then the new one taken from those kept or built.
+        Once the trial is over, only the chosen pipeline is left (NOTE [hw_decoder_load auto] 4-5)."""
+        trial = self.hw_decoder_load_trial
+        assert trial is not None
+        if self._pipe is not None:
+            self._kept[self._load] = self._pipe  # type: ignore[index]
+            self._pipe = None
+        pick = trial.pick()
+        self._kept = {load: pipe for load, pipe in self._kept.items() if load == pick}  # the rest freed here
+        self._load = trial.load
+        pipe = self._kept.pop(self._load, None)
+        self._pipe = pipe if pipe is not None else self._build()
+        if trial.done:
+            self._settle()
+        return self._pipe
+
+    def _settle(self) -> None:
+        """The trial is over: the candidates' pipelines other than `_pipe` go, and DALI's pools give back
+        what they held for them."""
+        self._kept.clear()
+        release_unused_memory()
 
     def _drain(self) -> None:
         """Run out what an abandoned iteration left scheduled, then reset the pipeline for reuse: its source
@@ -405,34 +456,67 @@ class DALILoader(SamplerBacked):
         self._feed = None
         s.end_epoch()
 
+    def _recover(self, exc: RuntimeError, caught_up: Callable[[], None]) -> Any:
+        """After DALI failed on the oldest batch: raise ImageDecodeError, or (``on_error="skip"``) leave out
+        what the host cannot decode either and return a new pipeline, with a new plan from the sampler's
+        position once the consumer has caught up."""
+        rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
+        bad = self._find_undecodable(rows) if self.on_error == "skip" else []
+        if not bad:
+            raise ImageDecodeError(
+                f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
+                f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
+                                                  " (on_error='skip' leaves out what the host cannot "
+                                                  "decode either)")) from exc
+        self._skip(bad)  # leave them out and go on from this batch with a new pipeline
+        self._undecodable.update(bad)
+        caught_up()
+        pipe = self._rebuild()
+        self._feed, self._fed = self._plan(), deque()
+        return pipe
+
     def _produce(self, caught_up: Callable[[], None]) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         """This epoch's batches from the sampler's position as (images, labels, batches served once they are
         handed out), on whichever thread runs it. After a decode error, ``caught_up()`` waits until the
-        consumer has taken every batch produced before it: the new plan starts at the sampler's position."""
+        consumer has taken every batch produced before it: the new plan starts at the sampler's position.
+        While ``hw_decoder_load="auto"`` measures, a candidate whose window closed has its source ended and
+        its batches in flight served before the next candidate's pipeline goes on with the plan
+        (NOTE [hw_decoder_load auto] 4)."""
+        trial = self.hw_decoder_load_trial
+        if trial is not None and self._load != trial.load:  # measured, but left before the switch
+            self._switch()
         pipe = self._pipe
         self._feed, self._fed = self._plan(), deque()
+        window = trial.window() if trial is not None else None
+        plan: Optional[Iterator[Any]] = None  # the plan, set aside while a measured pipeline runs out
         while True:
             try:
                 (out,) = self._run(pipe)  # schedules the next batch, returns the oldest
             except StopIteration:
-                break
+                if plan is None:
+                    if window is not None:  # the epoch ended first: the window goes on in the next iteration
+                        window.close()
+                    break
+                pipe.reset()  # the measured candidate's batches all served: the next one goes on with the plan
+                pipe = None
+                pipe = self._switch()
+                self._feed, plan = plan, None
+                window = trial.window() if trial is not None else None
+                continue
             except RuntimeError as exc:  # DALI failed on the oldest batch and cannot go on
-                rows = self._fed[0][1] if self._fed else np.zeros(0, np.int64)
-                bad = self._find_undecodable(rows) if self.on_error == "skip" else []
-                if not bad:
-                    raise ImageDecodeError(
-                        f"{self.reader.path}: DALI could not decode a sample of {rows.tolist()[:8]}...: "
-                        f"{str(exc).splitlines()[0]}" + ("" if self.on_error == "skip" else
-                                                          " (on_error='skip' leaves out what the host cannot "
-                                                          "decode either)")) from exc
-                self._skip(bad)  # leave them out and go on from this batch with a new pipeline
-                self._undecodable.update(bad)
-                caught_up()
                 pipe = None  # this reference too: the old pipeline goes before the new one is built
-                pipe = self._rebuild()
-                self._feed, self._fed = self._plan(), deque()
+                pipe = self._recover(exc, caught_up)
+                plan = None
+                window = trial.window() if trial is not None else None  # the window cut short is dropped
                 continue
             served, rows = self._fed.popleft()
             y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)
-            yield self._to_torch(out), y, served
+            x = self._to_torch(out)
+            if window is not None and window.tick():  # this candidate measured
+                window = None
+                if trial.load != self._load:  # type: ignore[union-attr]
+                    plan, self._feed = self._feed, iter(())  # DALI's source ends: run out what it holds
+                elif trial.done:  # type: ignore[union-attr]
+                    self._settle()  # chosen: the pipeline running
+            yield x, y, served
         pipe.reset()
