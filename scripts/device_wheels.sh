@@ -6,7 +6,11 @@
 #                 dropped) and sent as an xz tarball cut into pieces: 280 MB of wheels become 3 parts of 61 MiB
 #   .whl/n0       numba and llvmlite, the same way, in a tarball of their own (one part): only jpeg-bench
 #                 needs them (the compiled decode loop, NOTE [nogil loop]), so they cost no DALI call a part
-#   bash scripts/device_wheels.sh
+#   .whl/remote   wheels for bench_gpu.py's `remote` part and the moto-backed tests: moto's S3 server (flask),
+#                 s3fs, aiobotocore, boto3 and what they need that the device image lacks (it has numpy, fsspec,
+#                 aiohttp, werkzeug, pyyaml, six, pytest): 30 MB (botocore 16), pinned to this checkout's .venv versions
+#   bash scripts/device_wheels.sh          # everything
+#   bash scripts/device_wheels.sh remote   # .whl/remote alone (the rest of .whl kept)
 # Carry `.whl/small` and one part per call (`carry: [".whl/small", ".whl/pK"]`, command
 # `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), one call right after the other (the machine goes back after
 # 30 s idle, and /tmp with it); then `bash scripts/gpu_checks.sh install` there (see scripts/gpu_checks.sh).
@@ -22,7 +26,27 @@ get() {  # wheels for the device's Python and platform
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 "$@" 2>&1 | grep -v "is ignored" || true
 }
+# moto's S3 server, s3fs and boto3, less what the device image has; fsspec rides along because s3fs wants its
+# own release of it (the image's may be another), jinja2 because moto's responses need it
+REMOTE="moto flask flask-cors blinker click itsdangerous jinja2 boto3 botocore s3transfer jmespath python-dateutil
+urllib3 xmltodict responses requests certifi charset-normalizer cryptography cffi pycparser s3fs fsspec aiobotocore
+aioitertools wrapt"
+remote() {  # .whl/remote: each package at the version this checkout's .venv runs (they are known to work together)
+    local freeze pins=() name
+    freeze=$(.venv/bin/python -m pip freeze 2>/dev/null | tr 'A-Z_' 'a-z-')
+    for name in $REMOTE; do
+        pins+=("$(grep -m1 "^$name==" <<< "$freeze" || echo "$name")")
+    done
+    rm -rf .whl/remote && mkdir -p .whl/remote
+    get --no-deps -d .whl/remote "${pins[@]}"
+    du -sh .whl/remote
+}
+if [ "${1:-}" = remote ]; then
+    remote
+    exit 0
+fi
 rm -rf .whl && mkdir -p .whl/small .whl/all .whl/numba .whl/n0
+remote
 get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
 get -d .whl/all "$DALI"
 get --no-deps -d .whl/numba numba llvmlite  # the compiled JPEG decode loop, for jpeg-bench
@@ -43,4 +67,4 @@ split -b "$PART" -d -a 2 .whl/site.tar.xz .whl/site.tar.xz.part-
 k=0
 for piece in .whl/site.tar.xz.part-*; do mkdir -p ".whl/p$k"; mv "$piece" ".whl/p$k/"; k=$((k + 1)); done
 rm -rf .whl/all "$site" .whl/site.tar.xz
-du -sh .whl/small .whl/p* .whl/n0
+du -sh .whl/small .whl/p* .whl/n0 .whl/remote
