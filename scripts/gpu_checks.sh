@@ -7,17 +7,36 @@
 #                                          # and /tmp/dw/numba.tar.xz (numba, for jpeg-bench) where it was carried
 #   bash scripts/gpu_checks.sh tests       # the cuda-marked tests without DALI (junit XML in $OUT)
 #   bash scripts/gpu_checks.sh dali-tests  # every dali-marked test, the cuda + dali ones included
-#   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes;
-#                                          # BENCH_PARTS=stalls for a subset, see bench_gpu.py --parts)
+#   bash scripts/gpu_checks.sh remote      # install .whl/remote (moto's S3 server, s3fs, boto3): bench_gpu's remote
+#                                          # part and the moto-backed tests (else skipped); carry: [".whl/remote"] (30 MB)
+#   bash scripts/gpu_checks.sh bench       # bench_gpu.py: H2D, stalls, storage="cuda", memory (about 5 minutes);
+#                                          # BENCH_PARTS=h2d,stalls,gather,cifar,memory,lmdb,scaling,mixture,remote for a
+#                                          # subset, BENCH_RUNS=3 (issue 40), BENCH_ARGS="--no-plain", BENCH_TAG=x for
+#                                          # $OUT/bench_gpu-x.json
 #   bash scripts/gpu_checks.sh dali-bench  # bench_dali.py: nvJPEG training crops, its stall, its memory
 #                                          # (DALI_ARGS="--no-eval --feeds dali,dali_here,fastdata" for a subset)
 #   bash scripts/gpu_checks.sh text-bench  # bench_text.py: token windows to the GPU (not run yet)
 #   bash scripts/gpu_checks.sh stages      # `fastdata bench` on a GPU (its H2D and GPU-transform stages)
+#   bash scripts/gpu_checks.sh verdicts    # bench_verdicts.py: `fastdata bench` names the bound stage of three
+#                                          # pipelines built to be bound by decode, pageable copies, the model
 #   bash scripts/gpu_checks.sh jpeg-bench  # bench_jpeg.py on the machine's cores (no GPU; issue 17's thread
 #                                          # scaling on a machine that is not a 2-vCPU VM; about 5 minutes;
 #                                          # with numba installed (.whl/n0), the compiled decode loop too)
 # Each writes $OUT/<mode>.txt (and .json / .xml); benchmarks/gpu_results.py merges them into
 # benchmarks/results/gpu-YYYY-MM-DD.json.
+#
+# Issue 40 (the second GPU round) in the issue's order, as few calls as the device time allows (15 minutes a
+# session, the machine's start included; each call right after the one before: it goes back after 30 s idle):
+#   call 1, carry [".whl/small", ".whl/remote"], timeout 560:   bash scripts/gpu_checks.sh round2-a
+#       every cuda-marked test but DALI's (the break rewind, run_ahead, the faults test with CUDA), then
+#       bench_gpu h2d + stalls with 3 runs (steady state and whole-iteration stalls, run_ahead beside them)
+#   call 2, timeout 560:   bash scripts/gpu_checks.sh round2-b
+#       bench_gpu lmdb, scaling (1-16 threads), mixture, remote (cold, warm) with 3 runs, then the verdicts
+#   calls 3-5: DALI as before (carry one .whl/pK each, `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), the last
+#       one then `bash scripts/gpu_checks.sh install && bash scripts/gpu_checks.sh dali-tests &&
+#       DALI_ARGS="--feeds dali_auto --no-eval --profile-steps 0 --hw-rounds 2 --memory-iters 1000"
+#       bash scripts/gpu_checks.sh dali-bench`
+# What a session does not reach, the next one starts with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -60,9 +79,28 @@ tests)
 dali-tests)
     pytest_run dali-tests "dali" tests
     ;;
+remote)
+    mkdir -p "$SITE"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/remote/*.whl \
+        2>&1 | tail -3
+    $PY -c "import moto.server, s3fs, boto3, flask, cryptography; print('moto', moto.__version__, 's3fs', s3fs.__version__)"
+    ;;
 bench)
-    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" ${BENCH_PARTS:+--parts "$BENCH_PARTS"} --json "$OUT/bench_gpu.json" 2>&1 \
-        | tee "$OUT/bench_gpu.txt"
+    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" --runs "${BENCH_RUNS:-1}" ${BENCH_PARTS:+--parts "$BENCH_PARTS"} \
+        ${BENCH_ARGS:-} --json "$OUT/bench_gpu${BENCH_TAG:+-$BENCH_TAG}.json" 2>&1 | grep -v "^USDT:" \
+        | tee "$OUT/bench_gpu${BENCH_TAG:+-$BENCH_TAG}.txt"
+    ;;
+verdicts)  # `fastdata bench`'s verdict on pipelines bound by decode, pageable copies, the model (about 75 s)
+    timeout 170 $PY benchmarks/bench_verdicts.py --seconds 16 --json "$OUT/bench_verdicts.json" 2>&1 \
+        | tee "$OUT/bench_verdicts.txt"
+    ;;
+round2-a)
+    bash "$0" small && bash "$0" remote && bash "$0" tests
+    BENCH_TAG=a BENCH_RUNS=3 BENCH_PARTS=h2d,stalls BENCH_ARGS=--no-plain bash "$0" bench
+    ;;
+round2-b)
+    BENCH_TAG=b BENCH_RUNS=3 BENCH_PARTS=lmdb,scaling,mixture,remote bash "$0" bench
+    bash "$0" verdicts
     ;;
 dali-bench)
     $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" ${DALI_ARGS:-} \
@@ -83,5 +121,6 @@ jpeg-bench)
         | tee "$OUT/bench_jpeg.txt"
     ;;
 *)
-    echo "usage: $0 small|install|tests|dali-tests|bench|dali-bench|text-bench|stages|jpeg-bench" >&2; exit 2 ;;
+    echo "usage: $0 small|install|remote|tests|dali-tests|bench|dali-bench|text-bench|stages|jpeg-bench|verdicts|round2-a|round2-b" >&2
+    exit 2 ;;
 esac

@@ -1,10 +1,13 @@
 """``fastdata bench``: where does a training pipeline wait? Measure each stage alone, then together.
 
-Stages (each time-boxed): storage read (files from the page cache), batch gather (FastDataset.get_batch),
-the FastLoader, host-to-device copies (pinned and pageable, CUDA only), GPU transforms (normalise + flip),
-the model step on synthetic data already on the device (the ceiling) and the full pipeline. The report
-names the bounding stage and gives advice computed from the figures. ``--loader module:factory`` times a
-user's own loader against the same model step; ``--autotune`` searches loader settings for this machine.
+Stages (each time-boxed): storage read (files from the page cache), batch gather (FastDataset.get_batch, one
+thread: JPEG decoding for an LMDB store), the FastLoader, host-to-device copies (pinned and pageable, CUDA
+only), GPU transforms (normalise + flip), the model step on synthetic data already on the device (the
+ceiling) and the full pipeline. The loader and the full pipeline are timed in steady state: their epochs
+serve the dataset many times over and epoch starts are left out (`fastdata.cli.timing.steady_pipeline`), so
+a small dataset's epoch starts do not sway the verdict. The report names the bounding stage (`verdict`) and
+gives advice computed from the figures. ``--loader module:factory`` times a user's own loader against the
+same model step; ``--autotune`` searches loader settings for this machine.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import torch
 
 from ..errors import ConfigError, FastdataError, require
 from ..imaging import turbojpeg as turbo
-from .timing import ModelStep, full_pipeline, machine, step_chunk, sync, timed_rate
+from .timing import (ModelStep, PlainCopies, Repeat, machine, read_rate, steady_pipeline, step_chunk, sync,
+                     timed_rate)
 
 
 def _check(batch_size: Optional[int], seconds: float) -> None:
@@ -30,126 +34,210 @@ def _check(batch_size: Optional[int], seconds: float) -> None:
     require(isinstance(seconds, (int, float)) and seconds >= 0, "seconds", seconds, "a number of seconds >= 0")
 
 
+LOADER, PINNED, PAGEABLE = "FastLoader", "host-to-device copy (pinned)", "host-to-device copy (pageable)"
+CEILING, FULL = "model step, synthetic data on the device (ceiling)", "full pipeline"
+
+
 def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256, device: str = "auto",
-                   seconds: float = 120.0, progress: bool = True) -> dict[str, Any]:
-    """Measure every stage of the native pipeline on ``data``; returns the report (see `render`)."""
+                   seconds: float = 120.0, progress: bool = True, storage: str = "mmap",
+                   num_threads: Optional[int] = None, pageable: bool = False) -> dict[str, Any]:
+    """Measure every stage of the native pipeline on ``data``, each in steady state; returns the report (see
+    `render`).
+
+    Args:
+        data: A fastdata image dataset folder.
+        model: A model of `fastdata.train.models.MODELS` whose training step consumes the batches, or
+            ``"none"``: the data pipeline alone, to the device.
+        batch_size: Samples per batch.
+        device: ``"auto"``, ``"cuda"`` or ``"cpu"``.
+        seconds: The time budget, shared by the stages.
+        progress: Show a progress bar.
+        storage: The dataset's storage (``"mmap"``, ``"ram"``, ``"shm"``).
+        num_threads: FastLoader's threads (default: its own, ``min(4, cores)``).
+        pageable: Batches stay in pageable memory and are copied with a blocking ``.to(device)``, as in a
+            loop without pinned buffers or CUDAPrefetcher (default: FastLoader's pinned buffers, CUDAPrefetcher).
+
+    Raises:
+        ConfigError: A bad setting, found before anything is measured.
+    """
     from ..datasets.images import FastDataset
     from ..distributed import resolve_device
     from ..gpu.prefetch import CUDAPrefetcher
     from ..imaging.transforms import RandomHorizontalFlip
     from ..loading.loader import FastLoader
     from ..progress import progress_bar
+    from ..train.models import MODELS
 
     _check(batch_size, seconds)
+    require(model == "none" or model in MODELS, "model", model, f"one of {sorted(MODELS)} or 'none'")
+    require(storage in ("mmap", "ram", "shm"), "storage", storage, "'mmap', 'ram' or 'shm'")
+    require(num_threads is None or (isinstance(num_threads, int) and num_threads > 0), "num_threads", num_threads,
+            "a positive integer")
     dev = resolve_device(device)
-    ds = FastDataset(data)
+    ds = FastDataset(data, storage=storage)
+    pinned = dev.type == "cuda" and not pageable
     sample_bytes = int(np.prod(ds.sample_shape))
-    n_stages = 8 if dev.type == "cuda" else 6  # the record() calls below, the full pipeline included
+    n_stages = 4 + 2 * (dev.type == "cuda") + (model != "none")  # the record() calls below, the full pipeline too
     box = max(0.5, seconds / (n_stages + 1))  # the full pipeline runs for two boxes
     bar = progress_bar(total=n_stages, desc="bench", unit="stage", enabled=progress)
     stages: dict[str, dict[str, Any]] = {}
     rng = np.random.default_rng(0)
     b = min(batch_size, len(ds))
+    steady: list[dict[str, float]] = []  # the loader's and the full pipeline's runs: their epoch starts
 
     def record(name: str, img_s: float, note: str = "") -> None:
         stages[name] = {"images_per_s": img_s, "gb_per_s": img_s * sample_bytes / 1e9, "note": note}
         bar.update(1)
 
-    files = [ds.root / f["path"] for f in ds.manifest["files"] if f["path"].startswith("images")]
-    total_bytes = sum(p.stat().st_size for p in files)
+    def loader() -> Any:  # over `Repeat`: steady state, whatever the dataset's epoch (see steady_pipeline)
+        return FastLoader(Repeat(ds), b, num_threads=num_threads, pin_memory=pinned)
 
-    def read_all() -> int:
-        for p in files:
-            with open(p, "rb", buffering=0) as f:
-                while f.read(16 << 20):
-                    pass
-        return int(total_bytes / sample_bytes)
-    record("storage read (page cache)", timed_rate(read_all, box))
-    record("batch gather", timed_rate(lambda: len(ds.get_batch(np.sort(rng.integers(0, len(ds), b)))[0]), box))
-    loader = FastLoader(ds, b)
-    record("FastLoader", timed_rate(lambda: sum(len(x) for x, _ in loader), box))
+    record("storage read (page cache)", read_rate(ds, box))
+    record("batch gather", timed_rate(lambda: len(ds.get_batch(np.sort(rng.integers(0, len(ds), b)))[0]), box),
+           "JPEG decode, 1 thread" if ds.is_lmdb else "1 thread")
+    alone = loader()
+    threads = alone.num_threads
+    steady.append(steady_pipeline(alone, box, skip=threads))
+    record(LOADER, steady[-1]["images_per_s"], f"{threads} thread{'s' * (threads > 1)}"
+           + (", JPEG decode" if ds.is_lmdb else "") + ("" if pinned or dev.type != "cuda" else ", pageable buffers"))
     x_host = torch.randint(0, 256, (b, *ds.sample_shape), dtype=torch.uint8)
     if dev.type == "cuda":
-        pinned = x_host.pin_memory()
-        record("host-to-device copy (pinned)", timed_rate(lambda: len(pinned.to(dev, non_blocking=True)), box))
-        record("host-to-device copy (pageable)", timed_rate(lambda: len(x_host.to(dev)), box))
+        pin = x_host.pin_memory()
+        record(PINNED, timed_rate(lambda: len(pin.to(dev, non_blocking=True)), box), "" if pinned else "not used")
+        record(PAGEABLE, timed_rate(lambda: len(x_host.to(dev)), box), "not used" if pinned else "")
     x_dev = x_host.to(dev)
     convert = CUDAPrefetcher([], device=dev, transforms=RandomHorizontalFlip())
-    record("GPU transforms (normalise + flip)" if dev.type == "cuda" else "transforms (normalise + flip, CPU)",
-           timed_rate(lambda: len(convert.convert(x_dev)), box))
-    net = ModelStep(model, len(ds.classes), dev)
-    xs = convert.convert(x_dev)
-    ys = torch.randint(0, len(ds.classes), (b,), device=dev)
-    ceiling = timed_rate(lambda: (net.step(xs, ys), b)[1], box)
-    record("model step, synthetic data on the device (ceiling)", ceiling)
-    full, stall = full_pipeline(CUDAPrefetcher(FastLoader(ds, b), device=dev, transforms=RandomHorizontalFlip()),
-                                 net, box * 2)
-    record("full pipeline", full, f"data stall {stall:.1f}%")
+    transforms = "GPU transforms (normalise + flip)" if dev.type == "cuda" else "transforms (normalise + flip, CPU)"
+    record(transforms, timed_rate(lambda: len(convert.convert(x_dev)), box))
+    net = ceiling = None
+    if model != "none":
+        net = ModelStep(model, len(ds.classes), dev)
+        xs, ys = convert.convert(x_dev), torch.randint(0, len(ds.classes), (b,), device=dev)
+        ceiling = timed_rate(lambda: (net.step(xs, ys), b)[1], box)
+        record(CEILING, ceiling)
+    batches = (CUDAPrefetcher(loader(), device=dev, transforms=RandomHorizontalFlip()) if pinned or dev.type != "cuda"
+               else PlainCopies(loader(), dev, convert.convert))
+    steady.append(steady_pipeline(batches, box * 2, None if net is None else lambda batch: net.step(*batch[:2]),
+                                  skip=threads if net is None else 1))
+    stall = steady[-1]["stall_pct"]
+    record(FULL, steady[-1]["images_per_s"], f"data stall {stall:.1f}%" if net is not None else
+           "no model: batches drawn to the device")
     bar.close()
-    report = {"dataset": str(data), "samples": len(ds), "sample_shape": list(ds.sample_shape), "model": model,
-              "batch_size": b, "device": str(dev), "stages": stages, "ceiling_images_per_s": ceiling,
-              "data_stall_pct": stall, "machine": machine()}
+    settings = {"dataset": str(data), "samples": len(ds), "sample_shape": list(ds.sample_shape), "model": model,
+                "batch_size": b, "device": str(dev), "storage": storage, "num_threads": threads, "pinned": pinned,
+                "decodes": bool(ds.is_lmdb),
+                "pipeline_stages": [LOADER, *([PINNED if pinned else PAGEABLE] if dev.type == "cuda" else []),
+                                    transforms]}
+    return _report(settings, stages, ceiling, steady, ds, dev)
+
+
+def _report(settings: dict[str, Any], stages: dict[str, dict[str, Any]], ceiling: Optional[float],
+            steady: list[dict[str, float]], ds: Any, dev: torch.device) -> dict[str, Any]:
+    """`bench_pipeline`'s report: its settings, the stages, the epoch starts left out, the verdict, advice."""
+    starts = sum(r["epoch_starts"] for r in steady)
+    report = {**settings, "stages": stages, "ceiling_images_per_s": ceiling, "data_stall_pct": steady[-1]["stall_pct"],
+              "epoch_starts_excluded": starts,
+              "epoch_start_s": sum(r["epoch_start_s"] * r["epoch_starts"] for r in steady) / starts,
+              "machine": machine()}
     for s in stages.values():
-        s["share_of_ceiling"] = s["images_per_s"] / ceiling
-    report["bound_by"] = bound_by(stages, ceiling, full, stall)
+        s["share_of_ceiling"] = s["images_per_s"] / ceiling if ceiling else None
+    report["bottleneck"], report["bound_stage"], report["bound_by"] = verdict(report)
     report["advice"] = advice(report, ds, dev)
     return report
 
 
-def bound_by(stages: dict[str, dict[str, Any]], ceiling: float, full: float, stall: float) -> str:
-    """The stage that limits the full pipeline, in words."""
-    data_stages = {k: v["images_per_s"] for k, v in stages.items() if not k.startswith(("model", "full"))}
-    slowest = min(data_stages, key=data_stages.get)
-    if data_stages[slowest] < ceiling:
-        return slowest  # a data stage alone cannot feed the model
-    if full >= 0.9 * ceiling or stall <= 10:
-        return "model compute (the data pipeline keeps up)"
-    return ("data latency: every stage alone outpaces the model, but batches arrive late "
-            "(raise the loader's prefetch or threads)")
+def verdict(report: dict[str, Any]) -> tuple[str, str, str]:
+    """What bounds the full pipeline: ``(kind, stage, words)``, kind one of ``decode`` (JPEG decoding in the
+    loader), ``loader`` (its gather), ``h2d``, ``transforms``, ``model`` or ``latency``.
+
+    The stages the pipeline runs concurrently (the loader, its host-to-device copy, the transforms) are
+    compared, each measured alone in steady state, with the model step's ceiling: the slowest, when it
+    cannot feed the model, bounds the pipeline. Otherwise the model does, unless the full pipeline still
+    waits for data (steady state too: epoch starts are left out of every figure)."""
+    st, ceiling = report["stages"], report["ceiling_images_per_s"]
+    full, stall = st[FULL]["images_per_s"], report["data_stall_pct"]
+    rates = {k: st[k]["images_per_s"] for k in report["pipeline_stages"]}
+    slowest = min(rates, key=rates.get)
+    rate = f"{rates[slowest]:,.0f} images/s" + (f" for a model that takes {ceiling:,.0f}" if ceiling else "")
+    if ceiling is not None and rates[slowest] >= ceiling:
+        if full >= 0.9 * ceiling or stall <= 10:
+            return "model", CEILING, "model compute (the data pipeline keeps up)"
+        return "latency", FULL, ("data latency: every stage alone outpaces the model, but batches arrive late "
+                                 "(raise the loader's prefetch or threads)")
+    if slowest == LOADER:
+        if report["decodes"]:
+            return "decode", slowest, f"JPEG decoding in FastLoader's {report['num_threads']} threads ({rate})"
+        return "loader", slowest, f"FastLoader's {report['num_threads']} threads gathering batches ({rate})"
+    if slowest in (PINNED, PAGEABLE):
+        return "h2d", slowest, f"{slowest}: {st[slowest]['gb_per_s']:.1f} GB/s ({rate})"
+    return "transforms", slowest, f"{slowest} ({rate})"
 
 
 def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
     """Concrete suggestions computed from the measured figures."""
-    st, ceiling, tips = report["stages"], report["ceiling_images_per_s"], []
+    st, tips = report["stages"], []
+    # with no model, a stage is compared with what the full pipeline delivers
+    ceiling = report["ceiling_images_per_s"] or st.get(FULL, {}).get("images_per_s", 0.0)
     dataset_bytes = report["samples"] * int(np.prod(report["sample_shape"]))
-    gather, loader = st["batch gather"]["images_per_s"], st["FastLoader"]["images_per_s"]
+    gather, loader = st["batch gather"]["images_per_s"], st[LOADER]["images_per_s"]
     fits = dataset_bytes < 0.5 * (report["machine"]["memory_bytes"] or 0)
+    cores = os.cpu_count() or 1
     if st["storage read (page cache)"]["images_per_s"] < ceiling and fits:
         tips.append(f"the dataset ({dataset_bytes / 2**30:.1f} GiB) fits in RAM: storage='shm' (one copy per machine) "
                     "or 'ram' avoids reading files while training")
-    if loader < ceiling and loader < 2 * gather and (os.cpu_count() or 1) > 2:
+    if report.get("bottleneck") == "decode":
+        tips.append(f"JPEG decoding bounds the pipeline: more loader threads (num_threads, up to {cores}), records "
+                    "stored smaller (`fastdata preprocess --size`), or decoding on the GPU (fastdata.dali.DALILoader)")
+    elif loader < ceiling and loader < 2 * gather and cores > 2:
         tips.append(f"FastLoader gives {loader:,.0f} images/s for a model that takes {ceiling:,.0f}: raise num_threads "
-                    f"(up to {os.cpu_count()}) or run `fastdata bench --autotune`")
+                    f"(up to {cores}) or run `fastdata bench --autotune`")
     if dev.type == "cuda":
-        pin, page = st["host-to-device copy (pinned)"]["gb_per_s"], st["host-to-device copy (pageable)"]["gb_per_s"]
-        if pin > 1.5 * page:
+        pin, page = st[PINNED]["gb_per_s"], st[PAGEABLE]["gb_per_s"]
+        if not report.get("pinned", True):
+            tips.append(f"batches are copied from pageable memory at {page:.1f} GB/s; pinned copies run at {pin:.1f} "
+                        "GB/s: keep FastLoader's pinned buffers (pin_memory=True, its default on CUDA) and copy "
+                        "with CUDAPrefetcher (non_blocking, on a side stream, one batch ahead)")
+        elif pin > 1.5 * page:
             tips.append(f"pinned copies run at {pin:.1f} GB/s vs {page:.1f} GB/s pageable: keep pin_memory on "
                         "(FastLoader pins by default)")
         free = torch.cuda.mem_get_info()[0]
         if dataset_bytes < 0.25 * free:
             tips.append(f"the uint8 dataset ({dataset_bytes / 2**30:.1f} GiB) fits in GPU memory "
                         f"({free / 2**30:.0f} GiB free): storage='cuda' removes host work and copies entirely")
-        tips.append("train with --amp bf16 and channels_last (the default for conv nets) to raise the ceiling")
+        if report.get("model", "none") != "none":
+            tips.append("train with --amp bf16 and channels_last (the default for conv nets) to raise the ceiling")
     if getattr(ds, "is_lmdb", False) and turbo.library() is None:
         tips.append("each JPEG record is decoded whole: pip install 'fastdata[jpeg]' (libturbojpeg 3) decodes only "
                     "its crop box, the same pixels in 0.7-0.9x the time")
-    if report["data_stall_pct"] > 10:
+    if report["data_stall_pct"] > 10 and report.get("model") != "none" and report.get("bottleneck") != "model":
         tips.append(f"the model waited for data {report['data_stall_pct']:.0f}% of the time: a larger batch or more "
                     "loader threads trade memory for throughput")
+    if report.get("bottleneck") == "transforms":
+        tips.append("the transforms bound the pipeline: on a GPU, CUDAPrefetcher runs them there; fewer or cheaper "
+                    "transforms, or a smaller stored size, also help" if dev.type != "cuda" else
+                    "the GPU transforms bound the pipeline: fewer or cheaper transforms, or a smaller stored size")
     if not tips:
         tips.append("nothing to change: the data pipeline keeps up with the model")
     return tips
 
 
 def render(report: dict[str, Any]) -> str:
+    copies = ("pinned" if report.get("pinned") else "pageable") + " copies" if report["device"].startswith("cuda") \
+        else "no device copies"
     lines = [f"{report['dataset']}: {report['samples']} samples {tuple(report['sample_shape'])}, "
-             f"model {report['model']}, batch {report['batch_size']}, device {report['device']}",
+             f"model {report['model']}, batch {report['batch_size']}, device {report['device']}, storage "
+             f"{report.get('storage', 'mmap')}, {report.get('num_threads')} loader threads, {copies}",
              f"{'stage':<52} {'images/s':>11} {'GB/s':>7} {'x ceiling':>10}"]
     for name, s in report["stages"].items():
-        lines.append(f"{name:<52} {s['images_per_s']:>11,.0f} {s['gb_per_s']:>7.2f} {s['share_of_ceiling']:>9.2f}x"
+        share = "-" if s["share_of_ceiling"] is None else f"{s['share_of_ceiling']:.2f}x"
+        lines.append(f"{name:<52} {s['images_per_s']:>11,.0f} {s['gb_per_s']:>7.2f} {share:>10}"
                      + (f"  {s['note']}" if s["note"] else ""))
-    lines.append(f"data stall: {report['data_stall_pct']:.1f}%")
-    lines.append(f"bound by: {report['bound_by']}")
+    lines.append(f"data stall: {report['data_stall_pct']:.1f}%" if report["model"] != "none" else
+                 "data stall: - (no model step)")
+    lines.append(f"steady state: {report['epoch_starts_excluded']} epoch starts excluded (their first batches, "
+                 f"{1000 * report['epoch_start_s']:.0f} ms on average; the loader's epochs serve the "
+                 f"{report['samples']} samples many times over)")
+    lines.append(f"bound by: {report['bound_by']} [{report['bottleneck']}-bound]")
     lines += [f"advice: {t}" for t in report["advice"]]
     return "\n".join(lines)
 
@@ -335,11 +423,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     names = list(report["stages"])
     rates = [report["stages"][n]["images_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
-    colours = ["tab:red" if n == report["bound_by"] else "tab:blue" for n in names[::-1]]
+    colours = ["tab:red" if n == report["bound_stage"] else "tab:blue" for n in names[::-1]]
     ax.barh(names[::-1], rates[::-1], color=colours)
-    ax.axvline(report["ceiling_images_per_s"], color="k", linestyle="--", label="model ceiling")
+    if report["ceiling_images_per_s"]:
+        ax.axvline(report["ceiling_images_per_s"], color="k", linestyle="--", label="model ceiling")
     ax.set_xlabel("images/s")
     ax.set_title(f"fastdata bench: bound by {report['bound_by']}")
-    ax.legend()
+    if report["ceiling_images_per_s"]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)

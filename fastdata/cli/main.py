@@ -135,6 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
     # Only the options given on the command line: each mode's defaults are its function's (see its docstring).
     given = {k: v for k, v in (("model", args.model), ("batch_size", args.batch_size), ("seconds", args.seconds))
              if v is not None}
+    pipeline = {"storage": args.storage, "num_threads": args.threads, "pageable": args.pageable}
     if args.loader:
         report = bench.diagnose_loader(args.loader, image_size=args.image_size, device=args.device, **given)
         if report["model"] is None:
@@ -154,7 +155,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"best: storage={report['storage']} {report['loader']} -> {report['images_per_s']:,.0f} images/s "
               f"(default {report['default_images_per_s']:,.0f})")
     else:
-        report = bench.bench_pipeline(args.data, device=args.device, progress=not args.quiet, **given)
+        report = bench.bench_pipeline(args.data, device=args.device, progress=not args.quiet, **pipeline, **given)
         print(bench.render(report))
         if args.plot:
             bench.plot(report, args.plot)
@@ -300,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="find where a training pipeline waits; --autotune the loader")
     be.add_argument("data", type=Path, nargs="?", default=None, help="dataset folder")
-    be.add_argument("--model", default=None, help="default resnet50; --loader: resnet50 on a GPU, cnn-small on the CPU")
+    be.add_argument("--model", default=None, help="default resnet50; --loader: resnet50 on a GPU, cnn-small on the "
+                    "CPU; 'none': the data pipeline alone, to the device")
     be.add_argument("--batch-size", type=int, default=None, help="default 256; --loader: the loader's own")
     be.add_argument("--device", default="auto")
     be.add_argument("--seconds", type=float, default=None,
@@ -308,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--loader", default=None, metavar="MODULE:FACTORY", help="diagnose your own loader")
     be.add_argument("--image-size", type=int, default=None,
                     help="--loader: side of the model's synthetic input (default: the loader's batches')")
+    be.add_argument("--storage", default="mmap", choices=("mmap", "ram", "shm"), help="the dataset's (default mmap)")
+    be.add_argument("--threads", type=int, default=None, help="FastLoader threads (default min(4, cores))")
+    be.add_argument("--pageable", action="store_true",
+                    help="batches in pageable memory, copied with a blocking .to(device): a loop without pinned "
+                         "buffers or CUDAPrefetcher")
     be.add_argument("--autotune", action="store_true", help="search loader settings; write them with --json")
     be.add_argument("--json", type=Path, default=None, help="write every figure (and the autotuned config)")
     be.add_argument("--plot", type=Path, default=None, help="stage chart PNG (needs matplotlib)")
