@@ -259,11 +259,11 @@ def test_choosing_the_hw_decoder_load_from_measurements():
     for s in (1.0, 1.01, 0.995):
         even.record(even.load, s)
     assert even.chosen == 1.0 and list(even.seconds_per_batch) == [0.65, 0.0, 1.0]
-    timed = HwLoadTrial(torch.device("cpu"), warmup=2, first_warmup=3, batches=2, seconds=0.05)
-    window = timed.window()  # 3 outputs untimed, then at least 2 and 0.05 s
+    timed = HwLoadTrial(torch.device("cpu"), warmup=2, first_warmup=3, batches=2, seconds=0.5)
+    window = timed.window()  # 3 outputs untimed, then at least 2 and 0.5 s
     assert [window.tick() for _ in range(6)] == [False] * 6 and not timed.seconds_per_batch
-    time.sleep(0.06)
-    assert window.tick() and 0.06 / 4 <= timed.seconds_per_batch[0.65] < 1.0  # 4 timed outputs
+    time.sleep(0.55)
+    assert window.tick() and 0.55 / 4 <= timed.seconds_per_batch[0.65] < 1.0  # 4 timed outputs
     assert timed.load == 0.0 and timed.window().warmup == 2
     carried = HwLoadTrial(torch.device("cpu"), warmup=1, first_warmup=1, batches=4, seconds=0.0)
     window = carried.window()
@@ -449,3 +449,22 @@ def test_outputs_go_to_the_consumers_stream_with_dalis_default_executor():
 
     assert _stream_outputs(dali.Pipeline(batch_size=2, num_threads=1, device_id=None))  # the default executor
     assert not _stream_outputs(dali.Pipeline(batch_size=2, num_threads=1, device_id=None, exec_dynamic=False))
+
+
+def test_a_trial_chosen_as_an_epoch_ends_keeps_one_pipeline(indexed_datasets):
+    """The window that ends the trial closes with the epoch and picks the pipeline running: the candidate
+    kept beside it goes too (it stayed for good, with DALI's pools, before)."""
+    from fastdata.gpu.dali_tune import HwLoadTrial
+
+    dl = loader(indexed_datasets["lmdb"], batch_size=4, shuffle=True, seed=3, run_ahead=False)
+    dl.hw_decoder_load_trial = HwLoadTrial(dl.device, candidates=(0.65, 0.0), warmup=1, first_warmup=1,
+                                           batches=1, seconds=0.3)
+    for epoch in range(2):
+        dl.set_epoch(epoch)
+        for n, _ in enumerate(dl, 1):
+            if epoch == 0:
+                time.sleep(0.005)  # 0.65 looks slow
+            if n == 25:
+                time.sleep(0.35)  # the window's host time passes its least only when the epoch ends
+    trial = dl.hw_decoder_load_trial
+    assert trial.done and trial.chosen == dl._load == 0.0 and not dl._kept, (trial.chosen, dl._load, dl._kept)

@@ -121,8 +121,9 @@ def test_an_outage_longer_than_the_budget_is_one_line_and_a_rerun_resumes(s3, pr
     assert _image_gets(proxy) == {f"images-{s:05d}.npy": 1 for s in range(7)}  # shard 0 came from the cache
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_an_outage_under_the_prefetcher_loses_no_batch(s3, proxy, indexed_datasets, tmp_path, device):
+@pytest.mark.parametrize("device, run_ahead", [("cpu", True), pytest.param("cuda", False, marks=pytest.mark.cuda),
+                                               pytest.param("cuda", True, marks=pytest.mark.cuda)])
+def test_an_outage_under_the_prefetcher_loses_no_batch(s3, proxy, indexed_datasets, tmp_path, device, run_ahead):
     """The store goes away past the budget mid-epoch while CUDAPrefetcher fetches ahead: the loop gets the
     one-line error, and the state saved after it resumes (the store back) at the first batch the loop never
     saw: on a GPU the look-ahead's batches come again, none twice (NOTE [prefetch] 11)."""
@@ -133,10 +134,10 @@ def test_an_outage_under_the_prefetcher_loses_no_batch(s3, proxy, indexed_datase
 
     def prefetcher(ds: FastDataset) -> CUDAPrefetcher:
         return CUDAPrefetcher(FastLoader(ds, 16, shuffle=False, num_threads=2), device=device, normalize=False,
-                              depth=2)
+                              depth=2, run_ahead=run_ahead)
 
     want = [(x.cpu(), y.cpu()) for x, y in prefetcher(FastDataset(indexed_datasets["npy"]))]
-    url = _pushed(s3, indexed_datasets, f"prefetch-{device}")
+    url = _pushed(s3, indexed_datasets, f"prefetch-{device}-{int(run_ahead)}")
     proxy.clear()
     ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES, retry_seconds=2)
     pf, got = prefetcher(ds), []

@@ -176,7 +176,8 @@ def test_the_side_thread_serves_the_loaders_order_with_buffers_in_heavy_reuse(in
     batch's turn, and the state then points at that batch."""
     ds = FastDataset(indexed_datasets["npy"])
     aug = Compose([RandomResizedCrop(6), RandomHorizontalFlip()])
-    want = served(CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device="cpu", transforms=aug), range(3))
+    # the reference on the same device (bilinear crops differ between devices in the last bits)
+    want = served(CUDAPrefetcher(FastLoader(ds, 8, seed=0, copy=True), device=device, transforms=aug), range(3))
     pf = CUDAPrefetcher(FastLoader(ds, 8, seed=0, num_threads=2, prefetch=0), device=device, transforms=aug,
                         depth=3, run_ahead=True)
     got = served(pf, range(3))
@@ -192,13 +193,28 @@ def test_the_side_thread_serves_the_loaders_order_with_buffers_in_heavy_reuse(in
     assert all(torch.equal(a, b) for a, (_, b) in zip(seen, want))
 
 
+def test_the_side_thread_reads_a_batch_the_source_reuses_only_from_its_own_copy():
+    """NOTE [prefetch thread] 8: a source without iter_batches may refill a batch's memory at the next next();
+    the side thread, reading it later, must see the batch as it was handed over."""
+    def reused(n: int):
+        x, y = torch.zeros(4, 5, 5, 3, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64)
+        for i in range(n):
+            x.fill_(i)
+            y.fill_(i)
+            yield x, y
+
+    got = [y.clone() for _, y in CUDAPrefetcher(reused(50), device="cpu", depth=3, run_ahead=True)]
+    assert [int(y[0]) for y in got] == list(range(50)) and all(bool((y == y[0]).all()) for y in got)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_iteration_is_live_at_a_time(indexed_datasets, device):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_one_iteration_is_live_at_a_time(indexed_datasets, device, run_ahead):
     """A new iteration, set_epoch or load_state_dict closes the one under way; it never serves again, and
     its close never moves the loader off the newer position."""
     ds = FastDataset(indexed_datasets["npy"])
     whole = served(CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False), range(1))
-    pf = CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2)
+    pf = CUDAPrefetcher(FastLoader(ds, 16, seed=2), device=device, normalize=False, depth=2, run_ahead=run_ahead)
     old = iter(pf)
     head = [next(old) for _ in range(2)]
     new = iter(pf)
@@ -215,6 +231,31 @@ def test_one_iteration_is_live_at_a_time(indexed_datasets, device):
         next(old)
     del old
     assert pf.state_dict()["position"] == start["position"]
+
+
+@pytest.mark.cuda
+def test_run_ahead_captures_on_the_training_thread_beside_the_models_random_ops(indexed_datasets):
+    """NOTE [graphed convert] 13: a capture marks torch's default CUDA generator as capturing for the whole
+    process; on the side thread it made the model's dropout fail. Captures now happen on the training thread:
+    the side thread only notes a shape that is due."""
+    import threading
+
+    ds = FastDataset(indexed_datasets["npy"])
+    pf = CUDAPrefetcher(FastLoader(ds, 16, seed=0), device="cuda", depth=2, run_ahead=True,
+                        transforms=Compose([RandomResizedCrop(8), RandomHorizontalFlip()]))
+    fn, on = pf._graphed.fn, []
+
+    def watched(x, draws):  # where each capture runs
+        if torch.cuda.is_current_stream_capturing():
+            on.append(threading.current_thread() is threading.main_thread())
+        return fn(x, draws)
+
+    pf._graphed.fn = watched
+    for _ in range(3):
+        for x, _ in pf:
+            torch.nn.functional.dropout(torch.ones(1 << 10, device="cuda"), 0.5)  # the model's draws
+    torch.cuda.synchronize()
+    assert pf._graphed.graphs and not pf._graphed.failed and on and all(on), on
 
 
 def test_bad_arguments():

@@ -23,6 +23,10 @@ NOTE [graphed convert]: the rules of replaying the image conversion from CUDA gr
     intermediates (about 2.5x its batch in float32) for the prefetcher's life.
 11. A capture that fails leaves the eager path, with a warning.
 12. ``FASTDATA_CUDA_GRAPHS=0`` or ``CUDAPrefetcher(cuda_graphs=False)`` turn graphs off.
+13. A capture marks torch's default CUDA generator as capturing for the whole process, so the model's own random
+    ops (dropout) fail while one is under way on another thread. With ``defer`` (CUDAPrefetcher's run_ahead:
+    conversions on a side thread), a shape due for capture is converted eagerly and noted; the training thread
+    captures it with `capture_due` between its steps, the side thread idle (NOTE [prefetch thread]).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -88,11 +92,13 @@ class GraphedConvert:
     converted eagerly ``WARMUP`` times (NOTE [graphed convert]). Returns ``fn``'s output or the graph's own
     static output: callers copy it out before the next call."""
 
-    def __init__(self, fn: Convert) -> None:
+    def __init__(self, fn: Convert, defer: bool = False) -> None:
         self.fn = fn
         self.graphs: dict[Hashable, _Graph] = {}
         self.seen: Counter = Counter()
         self.failed = False
+        self.defer = defer  # captures wait for `capture_due` (13)
+        self.due: dict[Hashable, tuple[Any, ...]] = {}  # with defer: shape -> what its capture needs
         self._stream: Optional[torch.cuda.Stream] = None  # the capture's own stream (replays run on the caller's)
 
     def __call__(self, image: torch.Tensor, draws: Optional[Draws]) -> torch.Tensor:
@@ -105,7 +111,12 @@ class GraphedConvert:
             self.seen[shape] += 1
             if self.seen[shape] <= WARMUP:
                 return self.fn(image, draws)
-            g = self._capture(image, draws)
+            spec = (tuple(image.shape), image.stride(), image.dtype, image.device,
+                    None if draws is None else draws.used)
+            if self.defer:  # captured by the training thread (13); this one converts eagerly
+                self.due[shape] = spec
+                return self.fn(image, draws)
+            g = self._capture(*spec)
             if g is None:
                 return self.fn(image, draws)
             self.graphs[shape] = g
@@ -116,14 +127,26 @@ class GraphedConvert:
         g.graph.replay()
         return g.out
 
-    def _capture(self, image: torch.Tensor, draws: Optional[Draws]) -> Optional[_Graph]:
-        static = torch.empty_strided(image.shape, image.stride(), dtype=image.dtype, device=image.device)
-        key = torch.zeros((), dtype=torch.int64, device=image.device)
-        start = None if draws is None else draws.used
+    def capture_due(self) -> None:
+        """Capture the shapes a deferring converter noted (13), on the calling thread."""
+        while self.due:
+            shape, spec = self.due.popitem()
+            if shape in self.graphs or self.failed or len(self.graphs) >= MAX_SHAPES:
+                continue
+            g = self._capture(*spec)
+            if g is not None:
+                self.graphs[shape] = g
+
+    def _capture(self, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 start: Optional[int]) -> Optional[_Graph]:
+        """A graph of ``fn`` on a static input of this layout (the kernels are recorded, not run: no data is
+        needed), drawing from the Draws key it holds, ``start`` numbers into its stream (None: no draws)."""
+        static = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        key = torch.zeros((), dtype=torch.int64, device=device)
         keyed = None if start is None else Draws.keyed(key, start)
         graph = torch.cuda.CUDAGraph()
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=image.device)
+            self._stream = torch.cuda.Stream(device=device)
         try:
             # A stream of its own: a failed capture can leave torch's allocator routing that stream's allocations
             # to the graph's pool, and torch.cuda.graph's stream current; the outer context restores the caller's
@@ -133,7 +156,7 @@ class GraphedConvert:
                 out = self.fn(static, keyed)
         except Exception as e:  # noqa: BLE001  (any capture failure: the eager path still works)
             self.failed = True
-            _release_default_generator(image.device)
+            _release_default_generator(device)
             warnings.warn(f"CUDAPrefetcher could not capture its batch conversion in a CUDA graph ({type(e).__name__}: "
                           f"{e}); it converts batches eagerly instead (the same values, more host time a batch). "
                           f"Set {ENV}=0 to skip the attempt.", RuntimeWarning, stacklevel=3)

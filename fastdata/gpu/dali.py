@@ -485,6 +485,8 @@ class DALILoader(SamplerBacked):
         trial = self.hw_decoder_load_trial
         if trial is not None and self._load != trial.load:  # measured, but left before the switch
             self._switch()
+        elif trial is not None and trial.done and self._kept:  # chosen as an epoch ended: the running pipeline
+            self._settle()
         pipe = self._pipe
         self._feed, self._fed = self._plan(), deque()
         window = trial.window() if trial is not None else None
@@ -496,6 +498,8 @@ class DALILoader(SamplerBacked):
                 if plan is None:
                     if window is not None:  # the epoch ended first: the window goes on in the next iteration
                         window.close()
+                        if trial.done and trial.load == self._load:  # type: ignore[union-attr]
+                            self._settle()  # chosen by that figure: the pipeline running
                     break
                 pipe.reset()  # the measured candidate's batches all served: the next one goes on with the plan
                 pipe = None

@@ -178,7 +178,8 @@ class CUDAPrefetcher:
                                    memory_format=torch.channels_last)
         self.transforms, self.depth, self.seed, self.run_ahead = transforms, depth, seed, bool(run_ahead)
         graphed = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled() and capturable(transforms)
-        self._graphed = GraphedConvert(self._image_float32) if graphed else None  # NOTE [graphed convert]
+        # NOTE [graphed convert]; with run_ahead, captured on the training thread (its 13)
+        self._graphed = GraphedConvert(self._image_float32, defer=self.run_ahead) if graphed else None
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
@@ -311,6 +312,15 @@ class CUDAPrefetcher:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
+    def _owned(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the side thread can read after the loader moved on: pinned (the copy the inline path
+        makes too) on a GPU, cloned on the CPU; pinned ones and device tensors as they are."""
+        if t.device.type != "cpu":
+            return t
+        if self.device.type == "cuda":
+            return t if t.is_pinned() else t.pin_memory()
+        return t.clone()
+
     def _launch(self, job: Job, stream: Optional[torch.cuda.Stream]) -> None:
         """Copy a job's batch to the device and convert it there, on ``stream`` (None: on the CPU, at once)."""
         if stream is None:
@@ -363,6 +373,8 @@ class CUDAPrefetcher:
                     self._fetched_all = self._unserved[-1][0]
                 return False
             batch, release = item
+            if side is not None and release is None:  # valid until the next next(): the side thread reads it later
+                batch = _walk(batch, self._owned)
             self._unserved.append(self._position())
             job = Job(batch, release, self._seeded() if self.transforms is not None else None, side is not None)
             self._batch_in_epoch += 1
@@ -393,6 +405,10 @@ class CUDAPrefetcher:
                 job.wait()
                 if job.error is not None:
                     raise job.error
+                if side is not None and self._graphed is not None and self._graphed.due:
+                    for later in ready:  # the side thread idle: a capture beside it would be the only one
+                        later.wait()
+                    self._graphed.capture_due()  # here, between the model's steps (NOTE [graphed convert] 13)
                 out, job.out = job.out, None
                 if stream is not None:
                     current = torch.cuda.current_stream(self.device)
@@ -406,7 +422,7 @@ class CUDAPrefetcher:
             self._unserved.clear()
             self._fetched_all = None
             if side is not None:
-                side.close()
+                side.close(cancel=True)  # jobs not begun launch nothing: their buffers go straight back
             while held:
                 reclaim(force_one=True)
             if view is not None:  # NOTE [prefetch] 11

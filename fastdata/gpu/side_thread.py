@@ -15,8 +15,13 @@ NOTE [prefetch thread]: what moves off the training thread, and what stays.
 4. Jobs run in the order they were submitted, so batches come out in the loader's order; an error raised
    by a job is raised to the consumer at that batch's turn.
 5. A loader's buffer is released once its job ran and its copy event completed (NOTE [prefetch] 8).
-6. `close` lets the thread run what was submitted, then ends it; the consumer then releases every buffer.
-7. On the CPU the same thread runs the synchronous conversion: the tests exercise the ordering, the
+6. `close` ends the thread; on an early close the jobs not begun are skipped (they launched nothing), and
+   the consumer then releases every buffer.
+7. Graph captures stay on the training thread (NOTE [graphed convert] 13): a capture marks torch's default
+   CUDA generator as capturing for the whole process, and the model's dropout would fail beside it.
+8. A source without ``iter_batches`` may reuse a batch's memory at the next ``next()``: the consumer pins
+   (on the CPU: clones) such a batch before handing it over, as the inline path pins it before launching.
+9. On the CPU the same thread runs the synchronous conversion: the tests exercise the ordering, the
    release of buffers and the early close without a GPU.
 """
 from __future__ import annotations
@@ -62,6 +67,7 @@ class SideThread:
         self.index: Optional[int] = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else None
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = threading.Event()
         self.thread = threading.Thread(target=self._work, name="fastdata-prefetch", daemon=True)
         self.thread.start()
 
@@ -69,20 +75,30 @@ class SideThread:
         self.jobs.put(job)
 
     def _work(self) -> None:
-        if self.index is not None:
-            torch.cuda.set_device(self.index)
+        failed: Optional[BaseException] = None
+        try:
+            if self.index is not None:
+                torch.cuda.set_device(self.index)
+        except BaseException as exc:  # noqa: BLE001  (every job then raises it: none waits forever)
+            failed = exc
         while True:
             job = self.jobs.get()
             if job is None:
                 return
             try:
-                self.launch(job)
+                if failed is not None:
+                    raise failed
+                if not self.cancelled.is_set():
+                    self.launch(job)
             except BaseException as exc:  # noqa: BLE001  (raised to the consumer at this batch's turn)
                 job.error = exc
             finally:
                 job.ready.set()
 
-    def close(self) -> None:
-        """Run what was submitted, then end the thread and wait for it."""
+    def close(self, cancel: bool = False) -> None:
+        """End the thread once it ran what was submitted (with ``cancel``: the jobs not begun are marked
+        ready without running, so they launched nothing), and wait for it."""
+        if cancel:
+            self.cancelled.set()
         self.jobs.put(None)
         self.thread.join()
