@@ -387,6 +387,29 @@ def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
         Mixture({"web": sets["web"], "pics": FastDataset(mixed_sets["a"])})
 
 
+def test_a_mixture_pickles_and_its_copy_gives_the_same_batches(tmp_path, mixed_sets):
+    """A copy (pickle, deepcopy, another process) holds no lock or gather of the original's: it makes its own."""
+    import copy
+    import pickle
+
+    from test_text import make_docs, preprocess, write_jsonl
+
+    from fastdata.datasets.tokens import TokenDataset
+
+    images = open_mixture(mixed_sets)
+    for name in ("web", "code"):
+        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", make_docs(80)), tmp_path / name, "--val-fraction", "0",
+                   "--shard-tokens", "1000")
+    tokens = Mixture({n: TokenDataset(tmp_path / n, seq_len=16) for n in ("web", "code")}, weights=[0.75, 0.25])
+    for mix in (images, tokens):
+        codes = stream(mix, 32)
+        for twin in (pickle.loads(pickle.dumps(mix)), copy.deepcopy(mix)):
+            assert twin._count_lock is not mix._count_lock and twin.weights == mix.weights
+            assert (twin._copy is None) == (mix._copy is None) and (twin._copy is None or twin._copy is not mix._copy)
+            for a, b in zip(twin.get_batch(codes), mix.get_batch(codes)):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("storage", ["mmap", "ram"])
 def test_token_windows_gathered_by_torch_or_numpy_are_the_streams(tmp_path, monkeypatch, storage):
     """One-shard token sources: many windows a source (torch's index_select, on a thread of one intra-op

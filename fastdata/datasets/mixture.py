@@ -139,15 +139,28 @@ class Mixture:
         self.cache_limit = parse_size(cache_limit)
         self._split_cache()
         self._counts = [0] * len(self.sources)  # samples gathered since interval_report()
-        self._count_lock = threading.Lock()
         self._edges = np.arange(len(self.sources) + 1)  # get_batch's: where each source's rows begin
         # token sources (all of one class, _check_sources saw to it) gather into the batch (NOTE [mixture gather])
         self._windows = all(isinstance(ds, TokenDataset) for ds in self.sources)
         self._np_dtype = torch.empty(0, dtype=self.sample_dtype).numpy().dtype if self._windows else None
-        self._gather_windows = WindowGather(self.sources) if self._windows else None
-        self._copy = WindowCopy(self.sources) if self._windows else None
         self._has_fields = self.fields is not None
         self._shape = tuple(self.sample_shape)
+        self._gatherers()
+
+    def _gatherers(self) -> None:
+        """What a process makes for itself: the counters' lock and the token sources' gathers."""
+        self._count_lock = threading.Lock()
+        self._gather_windows = WindowGather(self.sources) if self._windows else None
+        self._copy = WindowCopy(self.sources) if self._windows else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a copy, another process): the sources pickle themselves; the lock and the gathers,
+        which hold addresses of this process's maps, are made anew on the other side."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_count_lock", "_gather_windows", "_copy")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._gatherers()
 
     def _check_sources(self) -> None:
         if len(set(self.names)) != len(self.names) or any(not n for n in self.names):
