@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -185,7 +186,11 @@ def prefetch_rate(ds: FastDataset, batch: int, threads: int, seconds: float, dev
 
 
 def fit(model: torch.nn.Module, loader: Any, steps: int, device: str, **config: Any) -> list[dict[str, Any]]:
-    """The Trainer's history of ``steps`` steps (bf16 on CUDA, channels_last), the bench's settings."""
+    """The Trainer's history of ``steps`` steps (bf16 on CUDA, channels_last), the bench's settings, from an
+    epoch's start (a loader run before keeps its place in the epoch it is in: a start would fall mid-run)."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(1)
+        loader.set_epoch(0)
     cfg = TrainConfig(max_steps=steps, amp="bf16", lr=0.01, schedule="constant", device=device,
                       progress=False, val_every=0, **config)
     trainer = Trainer(model, loader, config=cfg)
@@ -268,21 +273,25 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
         for threads in (2, 4):
             feeds[f"fastdata as above, {threads} loader threads"] = lambda threads=threads: fastdata(threads)
     for name, make in feeds.items():
-        model = create_model(model_name, num_classes=classes)
-        loader = make()
-        train(model, loader, batch, warm, device)  # warm-up: cudnn autotuning, workers
-        got = [train_steady(model, loader, batch, warm, steps, device)
-               for _ in range(runs if name in (FAST, AHEAD, RESIDENT) else 1)]
-        rows[name] = {k: statistics.median(g[k] for g in got) for k in got[0]}
-        if name in (FAST, AHEAD, RESIDENT):
-            rows[name].update({f"{k}_runs": [g[k] for g in got]
-                               for k in ("images_per_s", "data_stall_pct", "data_stall_pct_whole")})
-            if profile_steps > 0:
-                rows[name]["profile"] = training_thread_profile(model, loader, profile_steps, device)
-        graphed = getattr(loader, "_graphed", None)
-        if graphed is not None:  # whether the rows with graphs really replayed them (NOTE [graphed convert])
-            rows[name].update(cuda_graphs=len(graphed.graphs), cuda_graph_failed=graphed.failed)
-        del loader
+        try:  # a row that fails is reported; the rows after it still run
+            model = create_model(model_name, num_classes=classes)
+            loader = make()
+            train(model, loader, batch, warm, device)  # warm-up: cudnn autotuning, workers
+            got = [train_steady(model, loader, batch, warm, steps, device)
+                   for _ in range(runs if name in (FAST, AHEAD, RESIDENT) else 1)]
+            rows[name] = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            if name in (FAST, AHEAD, RESIDENT):
+                rows[name].update({f"{k}_runs": [g[k] for g in got]
+                                   for k in ("images_per_s", "data_stall_pct", "data_stall_pct_whole")})
+                if profile_steps > 0:
+                    rows[name]["profile"] = training_thread_profile(model, loader, profile_steps, device)
+            graphed = getattr(loader, "_graphed", None)
+            if graphed is not None:  # whether the rows with graphs really replayed them (NOTE [graphed convert])
+                rows[name].update(cuda_graphs=len(graphed.graphs), cuda_graph_failed=graphed.failed)
+            del loader
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return rows
 
 
@@ -415,6 +424,8 @@ def main() -> None:
     out["runs"] = args.runs
     print(f"fastdata {m['fastdata']}, torch {m['torch']}, {m['gpu']}, {m['cores']} cores, {m['date']}")
 
+    failed: list[str] = []  # parts and rows that raised (the run goes on; it exits 1)
+
     def save() -> None:  # after every part: a run cut short keeps what it measured
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))
@@ -472,6 +483,9 @@ def main() -> None:
             ceiling = rows["synthetic on the GPU (ceiling)"]["images_per_s"]
             print(f"{model_name}@{crop}, batch {batch}, bf16, channels_last (data stall: the Trainer's own):")
             for name, r in rows.items():
+                if "error" in r:
+                    print(f"  {name:<66} FAILED: {r['error']}")
+                    continue
                 stall = f"  data stall {r['data_stall_pct']:5.2f}%" if "data_stall_pct" in r else ""
                 if "data_stall_pct_whole" in r:
                     stall += f" (with the start {r['data_stall_pct_whole']:.2f}%)"
@@ -482,25 +496,28 @@ def main() -> None:
                 print(f"  {name:<66} {r['images_per_s']:>9,.0f} images/s {r['images_per_s'] / ceiling:>6.1%}"
                       f" of the ceiling{stall}")
                 show_profile(r.get("profile"))
-            fast, resident = rows[FAST], rows[RESIDENT]
-            plain = next((r for name, r in rows.items() if name.startswith("DataLoader")), None)
-            out[f"stall_pct_{key}"] = fast["data_stall_pct"]
-            out[f"stall_pct_{key}_runs"] = fast["data_stall_pct_runs"]
-            out[f"trainer_stall_pct_{key}"] = resident["data_stall_pct"]
-            out[f"trainer_stall_pct_{key}_runs"] = resident["data_stall_pct_runs"]
-            out[f"stall_pct_{key}_whole"] = fast["data_stall_pct_whole"]  # the first round's method
-            out[f"stall_pct_{key}_whole_runs"] = fast["data_stall_pct_whole_runs"]
-            out[f"stall_pct_{key}_run_ahead"] = rows[AHEAD]["data_stall_pct"]
-            out[f"stall_pct_{key}_run_ahead_runs"] = rows[AHEAD]["data_stall_pct_runs"]
-            out[f"stall_pct_{key}_no_cuda_graphs"] = rows[EAGER]["data_stall_pct"]
-            if plain is not None:
-                out[f"dataloader_stall_pct_{key}"] = plain["data_stall_pct"]
+            plain = next((name for name in rows if name.startswith("DataLoader")), None)
+            for row, to, runs_too in ((FAST, f"stall_pct_{key}", True), (RESIDENT, f"trainer_stall_pct_{key}", True),
+                                      (AHEAD, f"stall_pct_{key}_run_ahead", True),
+                                      (EAGER, f"stall_pct_{key}_no_cuda_graphs", False),
+                                      (plain, f"dataloader_stall_pct_{key}", False)):
+                r = rows.get(row, {})
+                if "error" in r:
+                    failed.append(to)
+                if "data_stall_pct" not in r:
+                    continue
+                out[to] = r["data_stall_pct"]
+                if runs_too:
+                    out[f"{to}_runs"] = r["data_stall_pct_runs"]
+                if row == FAST:  # the first round's method
+                    out[f"{to}_whole"], out[f"{to}_whole_runs"] = (r["data_stall_pct_whole"],
+                                                                   r["data_stall_pct_whole_runs"])
             out[f"rows_{key}"] = rows
             out["stall_method"] = (f"steady state: the Trainer's data_stall_pct over {args.steps} steps after the "
                                    f"first {warm} of one iteration; *_whole: over the whole iteration, its start "
                                    "included (the first GPU round's method)")
             print(f"  target: fastdata's stall <= {target:g}% (the Trainer on resident batches: "
-                  f"{resident['data_stall_pct']:.2f}%)")
+                  f"{rows[RESIDENT].get('data_stall_pct', float('nan')):.2f}%)")
             save()
         if device == "cuda" and "gather" in parts:
             g = gather_ratio(scratch / "s256", batch0)
@@ -538,11 +555,19 @@ def main() -> None:
             setup = gpu_parts.Setup(args, scratch, distinct, device)
             for name in NEW_PARTS:
                 if name in parts:
-                    out.update(gpu_parts.PARTS[name](setup))
+                    try:  # a part that fails is reported; the parts after it still run
+                        out.update(gpu_parts.PARTS[name](setup))
+                    except Exception as exc:  # noqa: BLE001
+                        traceback.print_exc()
+                        failed.append(name)
+                        out.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
                     save()
     finally:
         drop_shm_copies(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

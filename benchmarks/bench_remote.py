@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -286,13 +287,16 @@ def moto_server() -> tuple[Any, str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(200):
+        if server.poll() is not None:  # it could not start (a missing package): say why, not a timeout later
+            raise RuntimeError(f"moto's server exited ({server.returncode}): {server.stderr.read()[-2000:]}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
             break
         except OSError:
             time.sleep(0.05)
+    threading.Thread(target=server.stderr.read, daemon=True).start()  # drained: a full pipe would stall it
     endpoint = f"http://127.0.0.1:{port}"
     os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                        "AWS_DEFAULT_REGION": "us-east-1"})

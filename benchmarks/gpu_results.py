@@ -26,6 +26,7 @@ NEW_GPU = ("trainer_stall_pct_resnet50_224", "trainer_stall_pct_resnet18_112",
            "lmdb_stall_pct_resnet50_224", "lmdb_scaling_1_to_16", "lmdb_processes_images_per_s",
            "lmdb_scaling_cpu_per_image_growth", "lmdb_scaling_busy_share", "physical_cores",
            "mixture_stall_pct_resnet50_224", "remote_warm_stall_pct_resnet50_224", "remote_warm_images_per_s",
+           "remote_warm_whole_stall_pct_resnet50_224", "remote_warm_whole_images_per_s",
            "remote_cold_stall_pct_resnet50_224", "remote_cold_images_per_s", "stall_method")
 PROFILED = ("rows_resnet18_112", "rows_resnet50_224", "lmdb_row", "mixture_row")  # rows with training-thread profiles
 
@@ -93,7 +94,7 @@ def main() -> None:
         "cuda_tests": {k: tests[k] for k in ("passed", "failed", "skipped")},
         **{k: gpu[k] for k in first if k in gpu},
         **({"cifar_h2d_copies_per_step": gpu["cifar"]["h2d_per_step"]} if "cifar" in gpu else {}),
-        **{k: dali[k] for k in ("dali_images_per_s", "dali_stall_pct_resnet50_224") if k in dali},
+        **{k: dali[k] for k in ("dali_images_per_s", "dali_stall_pct_resnet50_224") if dali.get(k) is not None},
         **{f"{feed}_{k}": dali[f"{feed}_{k}"] for feed in ("dali_hw", "dali_here", "dali_host_sync")
            for k in ("images_per_s", "stall_pct_resnet50_224") if f"{feed}_{k}" in dali},
         **{k: dali[k] for k in (*(f"{feed}_start_wait_s" for feed in ("dali", "dali_hw", "dali_here",

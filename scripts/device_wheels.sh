@@ -10,7 +10,7 @@
 #                 s3fs, aiobotocore, boto3 and what they need that the device image lacks (it has numpy, fsspec,
 #                 aiohttp, werkzeug, pyyaml, six, pytest): 30 MB (botocore 16), pinned to this checkout's .venv versions
 #   bash scripts/device_wheels.sh          # everything
-#   bash scripts/device_wheels.sh remote   # .whl/remote alone (the rest of .whl kept)
+#   bash scripts/device_wheels.sh small remote   # those bundles alone (the rest of .whl kept)
 # Carry `.whl/small` and one part per call (`carry: [".whl/small", ".whl/pK"]`, command
 # `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), one call right after the other (the machine goes back after
 # 30 s idle, and /tmp with it); then `bash scripts/gpu_checks.sh install` there (see scripts/gpu_checks.sh).
@@ -41,13 +41,24 @@ remote() {  # .whl/remote: each package at the version this checkout's .venv run
     get --no-deps -d .whl/remote "${pins[@]}"
     du -sh .whl/remote
 }
-if [ "${1:-}" = remote ]; then
-    remote
+small() {  # .whl/small: what the CPU JPEG path and the LMDB format need
+    rm -rf .whl/small && mkdir -p .whl/small
+    get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
+    du -sh .whl/small
+}
+if [ $# -gt 0 ]; then  # some bundles alone, the rest of .whl kept: `small`, `remote`
+    for what in "$@"; do
+        case $what in
+        small) small ;;
+        remote) remote ;;
+        *) echo "usage: $0 [small] [remote]  (no argument: every bundle)" >&2; exit 2 ;;
+        esac
+    done
     exit 0
 fi
-rm -rf .whl && mkdir -p .whl/small .whl/all .whl/numba .whl/n0
+rm -rf .whl && mkdir -p .whl/all .whl/numba .whl/n0
 remote
-get --no-deps -d .whl/small lmdb simplejpeg turbojpeg
+small
 get -d .whl/all "$DALI"
 get --no-deps -d .whl/numba numba llvmlite  # the compiled JPEG decode loop, for jpeg-bench
 for w in .whl/numba/*.whl; do unzip -q -o "$w" -d .whl/numba/site; done

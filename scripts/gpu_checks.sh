@@ -27,15 +27,20 @@
 #
 # Issue 40 (the second GPU round) in the issue's order, as few calls as the device time allows (15 minutes a
 # session, the machine's start included; each call right after the one before: it goes back after 30 s idle):
+#   first, here: `bash scripts/device_wheels.sh small remote` (.whl/small and .whl/remote; the full run also
+#       makes DALI's parts, minutes)
 #   call 1, carry [".whl/small", ".whl/remote"], timeout 560:   bash scripts/gpu_checks.sh round2-a
 #       every cuda-marked test but DALI's (the break rewind, run_ahead, the faults test with CUDA), then
-#       bench_gpu h2d + stalls with 3 runs (steady state and whole-iteration stalls, run_ahead beside them)
-#   call 2, timeout 560:   bash scripts/gpu_checks.sh round2-b
-#       bench_gpu lmdb, scaling (1-16 threads), mixture, remote (cold, warm) with 3 runs, then the verdicts
-#   calls 3-5: DALI as before (carry one .whl/pK each, `mkdir -p /tmp/dw && cp .whl/pK/* /tmp/dw/`), the last
-#       one then `bash scripts/gpu_checks.sh install && bash scripts/gpu_checks.sh dali-tests &&
-#       DALI_ARGS="--feeds dali_auto --no-eval --profile-steps 0 --hw-rounds 2 --memory-iters 1000"
-#       bash scripts/gpu_checks.sh dali-bench`
+#       bench_gpu h2d + stalls + gather with 3 runs (steady-state and whole-iteration stalls, the DataLoader,
+#       eager and run_ahead rows beside them); about 6 minutes
+#   call 2, carry the same, timeout = status's budget_left_s - 45 (a timeout still brings $OUT back):
+#       bash scripts/gpu_checks.sh round2-b
+#       bench_gpu lmdb, scaling (1-16 threads), mixture, remote (cold, warm) with 3 runs, then the verdicts;
+#       about 5 minutes
+#   calls 3-5 (the next session, most likely): DALI as before (carry one .whl/pK each, `mkdir -p /tmp/dw &&
+#       cp .whl/pK/* /tmp/dw/`), the last one then `bash scripts/gpu_checks.sh install &&
+#       bash scripts/gpu_checks.sh dali-tests && DALI_ARGS="--feeds dali,dali_auto --no-eval --profile-steps 0
+#       --hw-rounds 2 --memory-iters 1000" bash scripts/gpu_checks.sh dali-bench`
 # What a session does not reach, the next one starts with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,8 +51,9 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 pytest_run() {  # name, marker expression, files...
     local name=$1 expr=$2; shift 2
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
-    $PY -m pytest -p no:cacheprovider -m "$expr" -rs -v --junitxml="$OUT/$name.xml" "$@" 2>&1 \
-        | tee "$OUT/$name.txt" | tail -25
+    # a hung test costs 120 s, the run 300 s at most (SIGINT: the junit XML is still written)
+    timeout -s INT -k 20 "${TESTS_TIMEOUT:-300}" $PY -m pytest -p no:cacheprovider -o timeout=120 -m "$expr" -rs -v \
+        --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -25
 }
 case "${1:-}" in
 small)
@@ -83,24 +89,34 @@ remote)
     mkdir -p "$SITE"
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/remote/*.whl \
         2>&1 | tail -3
-    $PY -c "import moto.server, s3fs, boto3, flask, cryptography; print('moto', moto.__version__, 's3fs', s3fs.__version__)"
+    $PY -c "import moto.server, s3fs, boto3, flask, cryptography, aiohttp, werkzeug
+print('moto', moto.__version__, 's3fs', s3fs.__version__, 'aiohttp', aiohttp.__version__, 'werkzeug',
+      werkzeug.__version__)"
     ;;
 bench)
-    $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" --runs "${BENCH_RUNS:-1}" ${BENCH_PARTS:+--parts "$BENCH_PARTS"} \
-        ${BENCH_ARGS:-} --json "$OUT/bench_gpu${BENCH_TAG:+-$BENCH_TAG}.json" 2>&1 | grep -v "^USDT:" \
+    timeout -s INT -k 20 "${BENCH_TIMEOUT:-420}" $PY benchmarks/bench_gpu.py --seconds "${SECONDS_PER_ROW:-6}" \
+        --runs "${BENCH_RUNS:-1}" ${BENCH_PARTS:+--parts "$BENCH_PARTS"} ${BENCH_ARGS:-} --json "$OUT/bench_gpu${BENCH_TAG:+-$BENCH_TAG}.json" 2>&1 | grep -v "^USDT:" \
         | tee "$OUT/bench_gpu${BENCH_TAG:+-$BENCH_TAG}.txt"
     ;;
 verdicts)  # `fastdata bench`'s verdict on pipelines bound by decode, pageable copies, the model (about 75 s)
     timeout 170 $PY benchmarks/bench_verdicts.py --seconds 16 --json "$OUT/bench_verdicts.json" 2>&1 \
         | tee "$OUT/bench_verdicts.txt"
     ;;
-round2-a)
-    bash "$0" small && bash "$0" remote && bash "$0" tests
-    BENCH_TAG=a BENCH_RUNS=3 BENCH_PARTS=h2d,stalls BENCH_ARGS=--no-plain bash "$0" bench
+round2-a)  # each step runs whatever the one before did; the exit status says whether any failed
+    rc=0
+    bash "$0" small || rc=1
+    bash "$0" remote || rc=1
+    bash "$0" tests || rc=1
+    BENCH_TAG=a BENCH_RUNS=3 BENCH_PARTS=h2d,stalls,gather bash "$0" bench || rc=1
+    echo "round2-a: rc=$rc"; exit $rc
     ;;
-round2-b)
-    BENCH_TAG=b BENCH_RUNS=3 BENCH_PARTS=lmdb,scaling,mixture,remote bash "$0" bench
-    bash "$0" verdicts
+round2-b)  # installs again (seconds): a machine that went back between the calls starts bare
+    rc=0
+    bash "$0" small || rc=1
+    bash "$0" remote || rc=1
+    BENCH_TAG=b BENCH_RUNS=3 BENCH_PARTS=lmdb,scaling,mixture,remote bash "$0" bench || rc=1
+    bash "$0" verdicts || rc=1
+    echo "round2-b: rc=$rc"; exit $rc
     ;;
 dali-bench)
     $PY benchmarks/bench_dali.py --images 2048 --seconds 5 --train-seconds "${SECONDS_PER_ROW:-6}" ${DALI_ARGS:-} \

@@ -77,7 +77,9 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     ds = FastDataset(data, storage=storage)
     pinned = dev.type == "cuda" and not pageable
     sample_bytes = int(np.prod(ds.sample_shape))
-    n_stages = 4 + 2 * (dev.type == "cuda") + (model != "none")  # the record() calls below, the full pipeline too
+    n_stages = 5 + 2 * (dev.type == "cuda") + (model != "none")  # the record() calls below, the full pipeline too
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as the Trainer sets it: the ceiling is the model's training speed
     box = max(0.5, seconds / (n_stages + 1))  # the full pipeline runs for two boxes
     bar = progress_bar(total=n_stages, desc="bench", unit="stage", enabled=progress)
     stages: dict[str, dict[str, Any]] = {}
