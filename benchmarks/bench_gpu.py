@@ -226,6 +226,21 @@ def train_steady(model: torch.nn.Module, loader: Any, batch: int, warm: int, ste
             "data_stall_pct_whole": 100 * (waited + start_wait) / (sum(seconds) + first_s)}
 
 
+def steady_row(model: torch.nn.Module, loader: Any, batch: int, warm: int, steps: int, device: str, runs: int = 1,
+               profile_steps: int = 0) -> dict[str, Any]:
+    """A warm-up run (cudnn autotuning, the loader's threads), then ``runs`` runs of `train_steady`: their
+    medians, each run's figures under ``<key>_runs``, and the training thread's profile (``profile_steps``)."""
+    from gpu_profile import training_thread_profile
+
+    fit(model, loader, warm, device)
+    got = [train_steady(model, loader, batch, warm, steps, device) for _ in range(runs)]
+    row: dict[str, Any] = {k: statistics.median(g[k] for g in got) for k in got[0]}
+    row.update({f"{k}_runs": [g[k] for g in got] for k in ("images_per_s", "data_stall_pct", "data_stall_pct_whole")})
+    if profile_steps > 0:
+        row["profile"] = training_thread_profile(model, loader, profile_steps, device)
+    return row
+
+
 def ceiling(model_name: str, classes: int, batch: int, crop: int, device: str, seconds: float) -> float:
     """Images/s of one training step of ``model_name`` on synthetic data already on ``device`` (the ceiling)."""
     net = ModelStep(model_name, classes, torch.device(device))
@@ -245,10 +260,8 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
                steps: int, device: str, seconds: float, runs: int = 1, profile_steps: int = 0,
                plain: bool = True) -> dict[str, dict[str, Any]]:
     """The ceiling, fastdata and the plain recipe for one model, each after a warm-up run of its own, in steady
-    state (train_steady); the two headline rows (fastdata's, the Trainer on resident batches) ``runs`` times
-    (``*_runs``: each run; the row's figures: their medians) and profiled on the training thread."""
-    from gpu_profile import training_thread_profile
-
+    state (steady_row); the headline rows (fastdata's, with run_ahead, the Trainer on resident batches) ``runs``
+    times (``*_runs``: each run; the row's figures: their medians) and profiled on the training thread."""
     classes = max(labels) + 1
     warm = max(2, steps // 5)
     cores = os.cpu_count() or 1
@@ -274,17 +287,10 @@ def stall_rows(root: Path, files: list[Path], labels: list[int], model_name: str
             feeds[f"fastdata as above, {threads} loader threads"] = lambda threads=threads: fastdata(threads)
     for name, make in feeds.items():
         try:  # a row that fails is reported; the rows after it still run
-            model = create_model(model_name, num_classes=classes)
             loader = make()
-            train(model, loader, batch, warm, device)  # warm-up: cudnn autotuning, workers
-            got = [train_steady(model, loader, batch, warm, steps, device)
-                   for _ in range(runs if name in (FAST, AHEAD, RESIDENT) else 1)]
-            rows[name] = {k: statistics.median(g[k] for g in got) for k in got[0]}
-            if name in (FAST, AHEAD, RESIDENT):
-                rows[name].update({f"{k}_runs": [g[k] for g in got]
-                                   for k in ("images_per_s", "data_stall_pct", "data_stall_pct_whole")})
-                if profile_steps > 0:
-                    rows[name]["profile"] = training_thread_profile(model, loader, profile_steps, device)
+            headline = name in (FAST, AHEAD, RESIDENT)
+            rows[name] = steady_row(create_model(model_name, num_classes=classes), loader, batch, warm, steps, device,
+                                    runs if headline else 1, profile_steps if headline else 0)
             graphed = getattr(loader, "_graphed", None)
             if graphed is not None:  # whether the rows with graphs really replayed them (NOTE [graphed convert])
                 rows[name].update(cuda_graphs=len(graphed.graphs), cuda_graph_failed=graphed.failed)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from bench_gpu import ceiling, fit, in_shm, replicated, resident_batches, train_steady
+from bench_gpu import ceiling, fit, in_shm, replicated, resident_batches, steady_row, train_steady
 from bench_remote import moto_server
 from fastdata.datasets.images import FastDataset
 from fastdata.datasets.mixture import Mixture
@@ -28,7 +28,7 @@ from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomRes
 from fastdata.loading.loader import FastLoader
 from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
 from fastdata.train.models import create_model
-from gpu_profile import show_profile, training_thread_profile
+from gpu_profile import show_profile
 
 CROP, STORED = 224, 256  # ResNet-50's crop, and the stored side of every dataset here
 SCALING_THREADS = (1, 2, 4, 8, 16)
@@ -96,14 +96,8 @@ class Setup:
     def stall_runs(self, name: str, make: Callable[[], Any]) -> dict[str, Any]:
         """``--runs`` steady-state Trainer runs of the model fed by one ``make()`` loader (a warm-up run first:
         cudnn autotuning, the loader's threads), then the training thread's profile (``--profile-steps``)."""
-        model, loader = create_model(self.model, num_classes=8), make()
-        fit(model, loader, self.warm, self.device)  # warm-up
-        runs = [train_steady(model, loader, self.batch, self.warm, self.steps, self.device)
-                for _ in range(self.args.runs)]
-        row: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        row.update({f"{k}_runs": [r[k] for r in runs] for k in ("images_per_s", "data_stall_pct")})
-        if self.args.profile_steps > 0:
-            row["profile"] = training_thread_profile(model, loader, self.args.profile_steps, self.device)
+        row = steady_row(create_model(self.model, num_classes=8), make(), self.batch, self.warm, self.steps,
+                         self.device, self.args.runs, self.args.profile_steps)
         print(f"  {name:<72} {row['images_per_s']:>8,.0f} images/s, data stall {spread(row['data_stall_pct_runs'])}%"
               f" (first {self.warm} steps waited {row['start_wait_s']:.2f} s)")
         show_profile(row.get("profile"))

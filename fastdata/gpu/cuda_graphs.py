@@ -98,7 +98,7 @@ class GraphedConvert:
         self.seen: Counter = Counter()
         self.failed = False
         self.defer = defer  # captures wait for `capture_due` (13)
-        self.due: dict[Hashable, tuple[Any, ...]] = {}  # with defer: shape -> what its capture needs
+        self.due: set[tuple[Any, ...]] = set()  # with defer: the shapes to capture
         self._stream: Optional[torch.cuda.Stream] = None  # the capture's own stream (replays run on the caller's)
 
     def __call__(self, image: torch.Tensor, draws: Optional[Draws]) -> torch.Tensor:
@@ -111,12 +111,10 @@ class GraphedConvert:
             self.seen[shape] += 1
             if self.seen[shape] <= WARMUP:
                 return self.fn(image, draws)
-            spec = (tuple(image.shape), image.stride(), image.dtype, image.device,
-                    None if draws is None else draws.used)
             if self.defer:  # captured by the training thread (13); this one converts eagerly
-                self.due[shape] = spec
+                self.due.add(shape)
                 return self.fn(image, draws)
-            g = self._capture(*spec)
+            g = self._capture(*shape)
             if g is None:
                 return self.fn(image, draws)
             self.graphs[shape] = g
@@ -130,17 +128,18 @@ class GraphedConvert:
     def capture_due(self) -> None:
         """Capture the shapes a deferring converter noted (13), on the calling thread."""
         while self.due:
-            shape, spec = self.due.popitem()
+            shape = self.due.pop()
             if shape in self.graphs or self.failed or len(self.graphs) >= MAX_SHAPES:
                 continue
-            g = self._capture(*spec)
+            g = self._capture(*shape)
             if g is not None:
                 self.graphs[shape] = g
 
     def _capture(self, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  start: Optional[int]) -> Optional[_Graph]:
-        """A graph of ``fn`` on a static input of this layout (the kernels are recorded, not run: no data is
-        needed), drawing from the Draws key it holds, ``start`` numbers into its stream (None: no draws)."""
+        """A graph of ``fn`` on a static input of the layout a shape key names (the kernels are recorded, not
+        run: no data is needed), drawing from the Draws key it holds, ``start`` numbers into its stream (None:
+        no draws)."""
         static = torch.empty_strided(size, stride, dtype=dtype, device=device)
         key = torch.zeros((), dtype=torch.int64, device=device)
         keyed = None if start is None else Draws.keyed(key, start)

@@ -485,8 +485,6 @@ class DALILoader(SamplerBacked):
         trial = self.hw_decoder_load_trial
         if trial is not None and self._load != trial.load:  # measured, but left before the switch
             self._switch()
-        elif trial is not None and trial.done and self._kept:  # chosen as an epoch ended: the running pipeline
-            self._settle()
         pipe = self._pipe
         self._feed, self._fed = self._plan(), deque()
         window = trial.window() if trial is not None else None

@@ -25,7 +25,6 @@ NOTE [prefetch]: the rules of a batch's way to the GPU.
 """
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -35,6 +34,7 @@ from ..distributed import check_cuda, dist_rank_world
 from ..errors import ConfigError
 from ..imaging.draws import Draws, batch_seed
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
+from ..loading.sampler import LiveIteration
 from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 from .side_thread import Job, SideThread
 
@@ -115,7 +115,7 @@ def is_image(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 and t.ndim == 4
 
 
-class CUDAPrefetcher:
+class CUDAPrefetcher(LiveIteration):
     """Yield the batches of any loader on ``device``, converted and augmented there, ``depth`` batches ahead.
 
     The data's way, for each batch (NOTE [prefetch]):
@@ -184,7 +184,6 @@ class CUDAPrefetcher:
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
         self._fetched_all: Optional[int] = None  # the epoch whose every batch is fetched, its iteration not over
-        self._active: Optional["weakref.ref[Iterator[Any]]"] = None  # the iteration under way, if any
 
     # -- proxies --------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -282,17 +281,7 @@ class CUDAPrefetcher:
                 yield batch, None
 
     def __iter__(self) -> Iterator[Any]:
-        self._close_active()  # NOTE [prefetch] 11: its early close rewinds the loader before this one reads it
-        gen = self._iterate()
-        self._active = weakref.ref(gen)
-        return gen
-
-    def _close_active(self) -> None:
-        old = self._active() if self._active is not None else None
-        self._active = None
-        if old is not None:
-            old.close()
-
+        return self._track(self._iterate())  # NOTE [prefetch] 11: the old one's close rewinds before this reads
 
     def _iterate(self) -> Iterator[Any]:
         self._batch_in_epoch = 0

@@ -279,12 +279,11 @@ class DistributedBatchSampler:
         self.start = min(self.start, self.num_samples)
 
 
-class SamplerBacked:
-    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies, and
-    one live iteration at a time (their buffers, pipelines and plans are shared: a second live iterator would
-    refill what the first still hands out, or serve an old position)."""
+class LiveIteration:
+    """One live iteration at a time, for iterables whose buffers, pipelines, plans or look-ahead are shared
+    (FastLoader, DALILoader, CUDAPrefetcher): a second live iterator would refill what the first still hands
+    out, or serve an old position. A new iteration closes the one under way (`_track`)."""
 
-    sampler: DistributedBatchSampler
     _active: Optional["weakref.ref[Any]"] = None  # the iteration under way, if any
 
     def _track(self, gen: Iterator[Any]) -> Iterator[Any]:
@@ -298,6 +297,13 @@ class SamplerBacked:
         if old is not None:
             old.close()
         self._active = None
+
+
+class SamplerBacked(LiveIteration):
+    """For loaders whose order is a ``self.sampler`` (FastLoader, DALILoader): the torch-style proxies, and
+    one live iteration at a time (`LiveIteration`)."""
+
+    sampler: DistributedBatchSampler
 
     def __len__(self) -> int:
         """Batches this rank serves in a whole epoch."""
