@@ -9,16 +9,19 @@ from typing import Optional, Union
 from .._io import scrub
 from ..errors import SourceError
 from ..storage.remote import is_url
-from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, parquet, segmentation_pair
+from .indexed import FileSource
+from .parquet import ParquetSource, is_parquet
+from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, segmentation_pair
 from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder, url_listing
 from .tar_index import TarSource
 from .tars import is_tar_source, tar_files
 
 
-def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Union[Source, TarSource]:
+def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Union[Source, FileSource]:
     """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a ``.tar``, a brace pattern, a
-    folder of them), else what `discover_any` finds; local or at a URL (NOTE [url source] in
-    fastdata/preprocess/sources.py).
+    folder of them) or Parquet files (a ``.parquet``, a folder of them), summarised later by tasks (NOTE
+    [indexed source] in fastdata/preprocess/indexed.py), else what `discover_any` finds; local or at a URL
+    (NOTE [url source] in fastdata/preprocess/sources.py).
 
     Raises:
         SourceError: The source is missing, unreadable (at a URL: one line, scrubbed), empty or malformed.
@@ -30,10 +33,12 @@ def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> 
             return _discover_url(str(src), coco_json)
         except SourceError as exc:  # records' messages name their file and line: its URL, scrubbed
             raise SourceError(scrub(str(exc))) from None
+    if coco_json is None and is_parquet(Path(src)):
+        return ParquetSource.at(Path(src))
     return discover_any(Path(src), coco_json)
 
 
-def _discover_url(url: str, coco_json: Optional[Path]) -> Source:
+def _discover_url(url: str, coco_json: Optional[Path]) -> Union[Source, FileSource]:
     """`discover_any` at a URL: a records file by its suffix, else a folder, listed once."""
     suffix = posixpath.splitext(url.rstrip("/"))[1].lower()
     if coco_json is not None:
@@ -43,13 +48,13 @@ def _discover_url(url: str, coco_json: Optional[Path]) -> Source:
     elif suffix == ".csv":
         return csv_records(url) if is_record_csv(url) else discover(url)
     elif suffix == ".parquet":
-        source = parquet(url)
+        return ParquetSource.at(url)
     else:
         listing = url_listing(url)
         if {"images", "masks"} <= {n.split("/", 1)[0] for n in listing if "/" in n}:
             source = segmentation_pair(url, listing)
         elif any("/" not in n and n.endswith(".parquet") for n in listing):
-            source = parquet(url)
+            return ParquetSource.at(url)
         else:
             source = url_folder(url, listing)
     if not source.paths:

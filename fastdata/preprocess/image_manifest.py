@@ -17,9 +17,9 @@ from ..formats.tokenizer import cached_tokenizer, token_dtype
 from . import journal, store_out
 from .image_tasks import MAX_SIDE
 from .sources import Source
-from .tar_index import IndexedTars
+from .indexed import Indexed
 
-Listed = Union[Source, IndexedTars]
+Listed = Union[Source, Indexed]
 # ``config`` below: the run's `fastdata.preprocess.images.ImagePreprocessConfig` (not imported: it imports this)
 
 

@@ -24,12 +24,12 @@ from ..errors import ConfigError, ImageDecodeError, require
 from ..formats.base import LABEL_DTYPE
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
-from . import journal, parallel, ray_pool, store_out, tar_index
+from . import journal, parallel, ray_pool, store_out
 from .discover import discover_source
 from .image_manifest import Listed, finish, sample_fields
 from .image_tasks import MAX_SIDE, Plan, chunk_size, chunks, named, unit_task, work, work_fields
 from .sources import Source
-from .tar_index import TarSource
+from .indexed import Area, FileSource
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,10 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
                               "run would read it as a class of its own (and renumber the others); choose an "
                               "output folder outside it")
     params = config.output_params()
-    if isinstance(source, TarSource):  # fields are known once the tars are indexed: the geometry counts now
+    if isinstance(source, FileSource):  # fields are known once the files are summarised: the geometry counts now
+        source.refuse(shuffle=config.shuffle_seed is not None)
         if config.resize == MAX_SIDE and source.first_has_fields():  # refused before hours of indexing
-            raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields="the tars' JSON or captions"))
+            raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=f"the {source.noun}s' records"))
         fingerprint = _fingerprint({**params, "resize": config.resize}, source)
     else:
         source = _ready(config, source)
@@ -207,8 +208,8 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
             return done
         jr = store.resume(fingerprint)
         pool = _pool(config, source, store)
-        if isinstance(source, TarSource):
-            source, params = _indexed(config, source, tar_index.Area(store), pool, store.abandon)
+        if isinstance(source, FileSource):
+            source, params = _indexed(config, source, source.area(store), pool, store.abandon)
         store.drop_old()  # the arguments hold for this source: --overwrite's old dataset goes now
         jr = _aligned(jr, config.shard_size, source.num_samples)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
@@ -222,8 +223,8 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
         pool = _pool(config, source, config.out)
-        if isinstance(source, TarSource):
-            source, params = _indexed(config, source, tar_index.Area(partial), pool,
+        if isinstance(source, FileSource):
+            source, params = _indexed(config, source, source.area(partial), pool,
                                       functools.partial(journal.remove_partial, config.out))
         kept = len(jr.units)
         if len(_aligned(jr, config.shard_size, source.num_samples).units) < kept:
@@ -234,22 +235,22 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         return finish(config, source, jr, config.out, params, fingerprint, None)
 
 
-def _ready(config: ImagePreprocessConfig, source: Union[Source, TarSource], area: Optional[tar_index.Area] = None,
+def _ready(config: ImagePreprocessConfig, source: Union[Source, FileSource], area: Optional[Area] = None,
            pool: Optional[ray_pool.RayPool] = None) -> Listed:
-    """The source as the run reads it: tars indexed (NOTE [tar index]), checked against the arguments,
-    shuffled as asked."""
-    if isinstance(source, TarSource):
+    """The source as the run reads it: tars and Parquet files summarised (NOTE [indexed source]), checked
+    against the arguments, shuffled as asked."""
+    if isinstance(source, FileSource):
         assert area is not None
-        source = source.index(area, functools.partial(_index_run, config, pool))
+        source = source.index(area, functools.partial(_index_run, config, pool, source.noun))
     if config.resize == MAX_SIDE and source.kinds:
         raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=", ".join(source.kinds)))
     return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
 
 
-def _indexed(config: ImagePreprocessConfig, source: TarSource, area: tar_index.Area,
+def _indexed(config: ImagePreprocessConfig, source: FileSource, area: Area,
              pool: Optional[ray_pool.RayPool], abandon: Callable[[], None]) -> tuple[Listed, dict[str, Any]]:
-    """`_ready` for tars, once the run's journal exists, and the manifest's params; ``abandon`` drops that
-    journal when the arguments are refused (no rerun of them could finish it)."""
+    """`_ready` for tars and Parquet, once the run's journal exists, and the manifest's params; ``abandon``
+    drops that journal when the arguments are refused (no rerun of them could finish it)."""
     try:
         ready = _ready(config, source, area, pool)
     except ConfigError:
@@ -262,13 +263,13 @@ def _workers(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool]) ->
     return pool.workers if pool else config.workers or parallel.default_workers()
 
 
-def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], fn: Any, tasks: list[tuple]
-               ) -> Iterator[Any]:
-    """The tars' index tasks on the run's pool, in order, with a progress bar of tars listed."""
+def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], noun: str, fn: Any,
+               tasks: list[tuple]) -> Iterator[Any]:
+    """The files' summary tasks on the run's pool, in order, with a progress bar of files summarised."""
     from ..progress import progress_bar
 
     run = pool.ordered_map if pool else parallel.ordered_map
-    with progress_bar(total=len(tasks), desc="index tars", unit="tar", enabled=config.progress and bool(tasks)) as bar:
+    with progress_bar(total=len(tasks), desc=f"index {noun}s", unit=noun, enabled=config.progress and bool(tasks)) as bar:
         for result, _ in run(fn, tasks, _workers(config, pool), 0):
             bar.update(1)
             yield result
@@ -286,11 +287,11 @@ def _params(config: ImagePreprocessConfig, source: Listed) -> dict[str, Any]:
     return params
 
 
-def _fingerprint(params: dict[str, Any], source: Union[Source, TarSource]) -> str:
+def _fingerprint(params: dict[str, Any], source: Union[Source, FileSource]) -> str:
     return hashlib.sha256(json.dumps([params, source.fingerprint()], sort_keys=True).encode()).hexdigest()
 
 
-def _pool(config: ImagePreprocessConfig, source: Union[Source, TarSource], out: Any) -> Optional[ray_pool.RayPool]:
+def _pool(config: ImagePreprocessConfig, source: Union[Source, FileSource], out: Any) -> Optional[ray_pool.RayPool]:
     """The Ray pool of a ``--ray`` run (None: the local pool), told the local folders its tasks need."""
     if config.engine != "ray":
         return None

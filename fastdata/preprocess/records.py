@@ -1,5 +1,5 @@
 """Sources of samples with fields (NOTE [fields] in fastdata/formats/schema.py): JSONL/CSV records, a segmentation pair of
-folders, a COCO detection JSON over an image folder, and Parquet files as Hugging Face ``datasets`` writes.
+folders and a COCO detection JSON over an image folder (and, read by the same rules, Parquet files: parquet.py).
 
 Each becomes a `Source` whose ``extras`` hold one raw value per sample
 and field; the values are checked against the image (sizes, boxes, classes) by the decoding workers, so a
@@ -22,11 +22,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from ..errors import ImageDecodeError, MissingDependencyError, SourceError
+from ..errors import SourceError
 from ..formats.schema import valid_name
-from ..storage.remote import is_url
-from .sources import (Source, UrlBlobs, UrlReader, class_ids, discover, inside, is_image_name, open_text, parent,
-                      url_listing)
+from .sources import Source, UrlBlobs, class_ids, discover, inside, is_image_name, open_text, parent
 
 Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/sources.py)
 
@@ -63,7 +61,7 @@ def kind_of(key: str, value: Any) -> Optional[str]:
 def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, root: Where, kind: str,
                  paths: Optional[list[str]] = None) -> Source:
     """A Source from ``(where, record)`` pairs (``where`` names the file and line for messages); ``paths``
-    given (Parquet: the images are in the rows) replace the records' ``image`` paths. A URL ``root`` gives
+    given (Parquet, tars: the images are in the rows) replace the records' ``image`` paths. A URL ``root`` gives
     a Source that reads its images (and masks) there."""
     given = paths is not None
     paths = list(paths) if given else []
@@ -279,127 +277,10 @@ def _lines(path: Where) -> Iterator[str]:
         raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
 
 
-def require_pyarrow() -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise MissingDependencyError("Parquet sources need pyarrow: pip install 'fastdata[parquet]'") from exc
-    return pq
-
-
-class ParquetBlobs:
-    """Reads sample ``i``'s encoded image bytes from Parquet files, a row group at a time (the last one read
-    is kept, so a worker's chunk of consecutive rows reads its row group once). Picklable: workers reopen."""
-
-    def __init__(self, files: list[str], column: str, where: list[tuple[int, int, int]]) -> None:
-        self.files, self.column, self.where = files, column, where  # sample -> (file, row group, row)
-        self._group: Optional[tuple[int, int, Any]] = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"files": self.files, "column": self.column, "where": self.where, "_group": None}
-
-    def chunk(self, a: int, b: int) -> "ParquetBlobs":
-        """Samples ``a..b`` only (numbered from 0): what one worker task needs, not every row's place."""
-        return ParquetBlobs(self.files, self.column, self.where[a:b])
-
-    def read(self, i: int) -> bytes:
-        f, g, row = self.where[i]
-        if self._group is None or self._group[:2] != (f, g):
-            table = _parquet_file(self.files[f]).read_row_group(g, columns=[self.column])
-            self._group = (f, g, table.column(0).to_pylist())
-        value = self._group[2][row]
-        data = value.get("bytes") if isinstance(value, dict) else value
-        if not isinstance(data, (bytes, bytearray)) or not data:
-            raise ImageDecodeError(f"row {row} of row group {g} has no image bytes in column {self.column!r}")
-        return bytes(data)
-
-
-def _image_column(schema: Any) -> Optional[str]:
-    """The column holding encoded images: a struct with ``bytes`` (Hugging Face's Image feature) or binary."""
-    import pyarrow as pa
-    for name in schema.names:
-        t = schema.field(name).type
-        if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
-            return name
-    for name in schema.names:
-        if pa.types.is_binary(schema.field(name).type) or pa.types.is_large_binary(schema.field(name).type):
-            return name
-    return None
-
-
-def _hf_class_names(schema: Any, column: str) -> Optional[list[str]]:
-    """A ``ClassLabel`` column's names from the ``huggingface`` schema metadata, when there are some."""
-    try:
-        meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
-        names = meta["info"]["features"][column]["names"]
-        return [str(n) for n in names] if isinstance(names, list) else None
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _parquet_file(path: Where) -> Any:
-    """``pyarrow.parquet.ParquetFile`` on a local file, or on a URL through ranged reads (its footer, then
-    the column chunks each read asks for: never the whole file)."""
-    pq = require_pyarrow()
-    return pq.ParquetFile(UrlReader(path) if isinstance(path, str) and is_url(path) else path)
-
-
-def _parquet_files(src: Where) -> list[Where]:
-    if isinstance(src, str):  # a URL: one .parquet, or the .parquet files at the top of a folder
-        if src.lower().endswith(".parquet"):
-            return [src]
-        base = src.rstrip("/")
-        return [f"{base}/{n}" for n in sorted(url_listing(src)) if "/" not in n and n.endswith(".parquet")]
-    return [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix == ".parquet")
-
-
-def parquet(src: Where) -> Source:
-    """A ``.parquet`` file or a folder of them (local or at a URL): one sample per row, the image column's
-    encoded bytes as the image, every other column a field (read whole: they are small; the images are
-    read by row group)."""
-    files = _parquet_files(src)
-    if not files:
-        raise SourceError(f"{src} holds no .parquet files")
-    where: list[tuple[int, int, int]] = []
-    rows: list[tuple[str, dict[str, Any]]] = []
-    column, names = None, None
-    for fi, path in enumerate(files):
-        try:
-            pf = _parquet_file(path)
-        except SourceError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-            raise SourceError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
-        schema = pf.schema_arrow
-        col = _image_column(schema)
-        if col is None or (column is not None and col != column):
-            raise SourceError(f"{path}: no image column (a struct with 'bytes', or binary) or another one than "
-                              f"{column!r} in the files before")
-        column = col
-        names = names or _hf_class_names(schema, "label")
-        others = [n for n in schema.names if n != col]
-        for g in range(pf.num_row_groups):
-            table = pf.read_row_group(g, columns=others)
-            records = table.to_pylist()
-            for r, rec in enumerate(records):
-                where.append((fi, g, r))
-                rows.append((f"{posixpath.basename(str(path))}#{len(where) - 1}",
-                             {k: v for k, v in rec.items() if v is not None}))
-    assert column is not None
-    paths = [w for w, _ in rows]
-    root = Path(".") if isinstance(src, str) else src.resolve() if src.is_dir() else src.parent.resolve()
-    source = from_records(iter(rows), src, root, "parquet", paths=paths)
-    classes = source.classes
-    if names is not None and source.has_label and len(names) >= len(classes):
-        classes = names  # Hugging Face ClassLabel: ids keep their names
-    return Source("parquet", src, source.root, paths, source.labels, classes, source.kinds, source.extras,
-                  source.has_label, ParquetBlobs([str(f) for f in files], column, where))
-
-
 def discover_any(src: Where, coco_json: Optional[Path] = None) -> Source:
     """The source behind ``fastdata preprocess images SRC``: a segmentation pair (``images/`` + ``masks/``),
-    a ``.jsonl``/``.csv`` of records, Parquet, an image folder with ``coco_json``; else ImageFolder or a
-    ``path,label`` CSV as always (WebDataset tars, and every kind at a URL:
+    a ``.jsonl``/``.csv`` of records, an image folder with ``coco_json``; else ImageFolder or a
+    ``path,label`` CSV as always (WebDataset tars, Parquet, and every kind at a URL:
     `fastdata.preprocess.discover.discover_source`)."""
     src = Path(src)
     if coco_json is not None:
@@ -412,8 +293,6 @@ def discover_any(src: Where, coco_json: Optional[Path] = None) -> Source:
         source = jsonl_records(src)
     elif src.suffix.lower() == ".csv" and src.is_file() and is_record_csv(src):
         source = csv_records(src)
-    elif src.suffix.lower() == ".parquet" or (src.is_dir() and any(p.suffix == ".parquet" for p in src.iterdir())):
-        source = parquet(src)
     else:
         return discover(src)
     if not source.paths:

@@ -1,15 +1,20 @@
-"""What the samples of indexed WebDataset tars share (NOTE [tar index] rule 2 in tar_index.py): each tar's
+"""What the samples of an indexed source share (NOTE [indexed source] rule 2 in indexed.py): each file's
 summary, their merge into one `Schema`, and a record read through it.
 
-One listing of every record decides, as records.py does for a JSONL file: a JSON key is stored where it holds a
-number (or a list of numbers) in every sample; each field has one kind and one length; the class values of
-every sample make one class list. A tar's summary therefore reports its keys' problems rather than raising
-them: a key another tar makes non-numeric is dropped, and its problem never matters.
+Two rules decide which record keys become fields:
+
+- WebDataset tars (one JSON a sample, written by many tools): as one listing of every record would, a JSON key
+  is stored where it holds a number (or a list of numbers) in every sample; each field has one kind and one
+  length; the class values of every sample make one class list. A tar's summary reports its keys' problems
+  rather than raising them: a key another tar makes non-numeric is dropped, and its problem never matters.
+- Parquet (typed columns, ``strict``): records.py's rules for every column, as for a JSONL file: each column
+  is a field, a column that cannot be stored or disagrees between files is an error, and a float field needs
+  a value in every row.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,10 +44,26 @@ def summarize(label: str, index: dict[str, list[Any]]) -> dict[str, Any]:
     local = keep_keys(rows, set(numeric) - set(problems))
     part = from_records(iter(local), label, Path("."), "webdataset",
                         paths=[k for k, r in zip(keys, recs) if r is not None])
-    values = [v for _, r in local for v in class_values(r)]
+    return {"samples": len(keys), "seen": seen, "numeric": numeric, "problems": problems, **_found(part, local)}
+
+
+def summarize_records(label: str, rows: list[tuple[str, dict[str, Any]]], root: Any, kind: str) -> dict[str, Any]:
+    """What the driver needs of one file's rows under records.py's rules (``strict``: Parquet): every key
+    with a value is a field, and a problem in the file's own rows is raised here, naming the row.
+
+    Raises:
+        SourceError: A row's value cannot be stored, or the file's rows disagree (records.py's messages).
+    """
+    part = from_records(iter(rows), label, root, kind, paths=[w for w, _ in rows])
+    seen = sorted({k for _, r in rows for k in r})
+    return {"samples": len(rows), "seen": seen, "numeric": seen, "problems": {}, **_found(part, rows)}
+
+
+def _found(part: Any, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """A summary's fields, kinds, vector lengths and class values, from its good rows as records.py read them."""
+    values = [v for _, r in rows for v in class_values(r)]
     ids = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-    return {"samples": len(keys), "good": len(rows), "seen": seen, "numeric": numeric, "problems": problems,
-            "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
+    return {"good": len(rows), "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
             "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
                         if part.kinds.get(k) == "vector" and c},
             "classes": {} if not values else {"ids": max(values)} if ids else {"names": sorted(set(map(str, values)))}}
@@ -85,6 +106,7 @@ class Schema:
     has_label: bool
     classes: list[str]
     ids: Optional[dict[str, int]]  # class name -> id; None: the records give ids
+    common: dict[str, Any] = field(default_factory=dict)  # what every file agrees on (Parquet: the image column)
 
     def class_id(self, v: Any) -> Any:
         """A class value (or a list of them) as the source's id."""
@@ -103,39 +125,67 @@ class Schema:
 
     def to_json(self) -> dict[str, Any]:
         return {"keep": sorted(self.keep), "kinds": [[k, v] for k, v in self.kinds.items()], "vectors": self.vectors,
-                "has_label": self.has_label, "classes": self.classes, "ids": self.ids}
+                "has_label": self.has_label, "classes": self.classes, "ids": self.ids, "common": self.common}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Schema":
         return cls(frozenset(obj["keep"]), {k: v for k, v in obj["kinds"]}, obj["vectors"], obj["has_label"],
-                   obj["classes"], obj["ids"])
+                   obj["classes"], obj["ids"], obj.get("common", {}))
 
 
 class Merge:
-    """The tars' summaries merged in tar order, one at a time: memory for keys and classes, not tars."""
+    """The files' summaries merged in file order, one at a time: memory for keys and classes, not files.
 
-    def __init__(self) -> None:
+    Args:
+        strict: records.py's rules (Parquet): every key seen is kept, and a float field missing from a whole
+            file is an error; else the tars' (a key is kept where every sample has it numeric).
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
         self.counts: list[int] = []
-        self.digests: list[str] = []  # each index's sha256
-        self.keep: Optional[set[str]] = None  # the keys numeric in every sample so far
+        self.digests: list[str] = []  # each tar index's sha256 ("" where a kind writes no index)
+        self.keep: Optional[set[str]] = None  # the keys kept so far
         self.seen: set[str] = set()
+        self.lacking: dict[str, str] = {}  # strict: a key -> a file with rows but without it
+        self.with_rows: Optional[str] = None  # the first file with rows
         self.kinds: dict[str, str] = {}  # first-seen order, as one listing of every record gives it
         self.vectors: dict[str, int] = {}
         self.clash: dict[str, str] = {}  # a key's first problem: an error only if the key is kept
         self.first: dict[str, str] = {}
-        self.labelled: dict[bool, str] = {}  # has 'label' -> a tar that says so
+        self.labelled: dict[bool, str] = {}  # has 'label' -> a file that says so
         self.ids = -1
         self.names: set[str] = set()
         self.modes: set[str] = set()
+        self.class_names: Optional[list[str]] = None  # a Hugging Face ClassLabel's, from the first file with them
+        self.common: dict[str, tuple[Any, str]] = {}  # key -> (value, the first file that gave it)
 
     def add(self, label: str, s: dict[str, Any]) -> None:
-        """Tar ``label``'s summary, after every tar before it."""
+        """File ``label``'s summary, after every file before it.
+
+        Raises:
+            SourceError: The file disagrees with an earlier one on what every file must share (the image
+                column of Parquet files).
+        """
         self.counts.append(s["samples"])
-        self.digests.append(s["index_sha256"])
+        self.digests.append(s.get("index_sha256", ""))
+        for key, value in s.get("common", {}).items():
+            if self.common.setdefault(key, (value, label))[0] != value:
+                raise SourceError(f"{label}: its {key} is {value!r} but {self.common[key][1]}'s is "
+                                  f"{self.common[key][0]!r}: give every file the same")
+        if self.class_names is None and s.get("class_names"):
+            self.class_names = s["class_names"]
         if not s["good"]:
             return
-        self.keep = set(s["numeric"]) if self.keep is None else self.keep & set(s["numeric"])
-        self.seen.update(s["seen"])
+        seen = set(s["seen"])
+        if self.strict:
+            for key in (self.seen - seen) | ((seen - self.seen) if self.with_rows else set()):
+                self.lacking.setdefault(key, label if key in self.seen else self.with_rows or label)
+            self.with_rows = self.with_rows or label
+            self.keep = (self.keep or set()) | seen
+        else:
+            self.keep = set(s["numeric"]) if self.keep is None else self.keep & set(s["numeric"])
+        self.seen.update(seen)
         for key, problem in s["problems"].items():
             self.clash.setdefault(key, problem)
         for key, kind in s["kinds"]:
@@ -160,8 +210,9 @@ class Merge:
         """The merged schema.
 
         Raises:
-            SourceError: A stored key's values disagree between tars (or cannot be stored), some tars' samples
-                have labels and others' not, or class labels mix ids and names.
+            SourceError: A stored key's values disagree between files (or cannot be stored), some files'
+                samples have labels and others' not, class labels mix ids and names, or (strict) a float
+                field is missing from a file.
         """
         keep = frozenset(self.keep or ())
         if self.seen - keep:
@@ -170,18 +221,24 @@ class Merge:
         clash = next((self.clash[k] for k in [*kinds, *sorted(keep)] if k in self.clash), None)
         if clash:
             raise SourceError(clash)
+        lacking = next((k for k, kind in kinds.items() if kind == "vector" and k in self.lacking), None)
+        if lacking:
+            raise SourceError(f"{self.lacking[lacking]}: {lacking!r} is missing from its records; a float field "
+                              "needs a value in every record")
         if len(self.labelled) > 1:
-            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other tars' have "
+            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other files' have "
                               f"({self.labelled[True]}): give every sample one")
         if ("boxes" in kinds) != ("box_labels" in kinds):
             raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
         if len(self.modes) > 1:
-            raise SourceError("class labels mix ids and names across the tars: use one or the other")
+            raise SourceError("class labels mix ids and names across the files: use one or the other")
         classes: list[str] = [str(i) for i in range(self.ids + 1)]
         ids: Optional[dict[str, int]] = None
         if self.modes == {"names"}:
             names = sorted(self.names)
             classes, numbers = class_ids(names)
             ids = dict(zip(names, numbers))
+        elif self.class_names and True in self.labelled and len(self.class_names) >= len(classes):
+            classes = list(self.class_names)  # Hugging Face ClassLabel: ids keep their names
         return Schema(keep, kinds, {k: v for k, v in self.vectors.items() if k in keep},
-                      True in self.labelled, classes, ids)
+                      True in self.labelled, classes, ids, {k: v for k, (v, _) in self.common.items()})

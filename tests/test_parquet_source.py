@@ -1,0 +1,204 @@
+"""Parquet files as a preprocess source, summarised file by file (NOTE [parquet source] in
+fastdata/preprocess/parquet.py): real Parquet files written with pyarrow, JPEG/PNG bytes made with Pillow."""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import tracemalloc
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from conftest import index_colour, sample_ids
+from PIL import Image
+
+from fastdata.cli.main import main
+from fastdata.datasets.images import FastDataset
+from fastdata.errors import SourceError
+
+pa = pytest.importorskip("pyarrow")  # the test extra installs it; the core never needs it
+pq = pytest.importorskip("pyarrow.parquet")
+
+NAMES = {b"huggingface": json.dumps({"info": {"features": {"label": {"_type": "ClassLabel",
+                                                                   "names": ["cat", "dog", "eel"]}}}}).encode()}
+
+
+def _image(i: int) -> bytes:
+    """A flat picture of sample ``i``'s colour (conftest.index_colour), 40 x 30: JPEG for odd ``i``, else PNG."""
+    buf = io.BytesIO()
+    fmt = "JPEG" if i % 2 else "PNG"
+    Image.new("RGB", (40, 30), index_colour(i)).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def _columns(i: int) -> dict[str, Any]:
+    return {"label": i % 3, "score": i / 10, "emb": [float(i), 2.0 * i], "caption": f"caption {i}"}
+
+
+def write_parts(root: Path, sizes: list[int], columns: Callable[[int], dict[str, Any]] = _columns,
+                image: str = "image", group: int = 3, meta: dict | None = NAMES) -> Path:
+    """Files ``part-NN.parquet`` of ``sizes`` rows (sample ``i`` numbered across the files), Hugging Face's
+    layout: an Image struct column and one column per field, ``group`` rows a row group."""
+    root.mkdir(parents=True)
+    first = 0
+    for p, n in enumerate(sizes):
+        ids = range(first, first + n)
+        rows = [columns(i) for i in ids]
+        data: dict[str, Any] = {image: pa.array([{"bytes": _image(i), "path": None} for i in ids],
+                                                pa.struct([("bytes", pa.binary()), ("path", pa.string())]))}
+        for key in (rows[0] if rows else columns(0)):
+            data[key] = [r.get(key) for r in rows]
+        table = pa.table(data)
+        pq.write_table(table.replace_schema_metadata(meta) if meta else table, root / f"part-{p:02d}.parquet",
+                       row_group_size=group)
+        first += n
+    return root
+
+
+def preprocess(src, out: Path, *extra: str) -> int:
+    return main(["preprocess", "images", str(src), str(out), "--size", "8", "--shard-size", "4", "--quiet", *extra])
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_files_summarised_apart_give_every_row_in_file_order_for_any_worker_count(tmp_path):
+    src = write_parts(tmp_path / "src", [5, 0, 7])  # an empty file between: shards cross both bounds
+    assert preprocess(src, tmp_path / "w1", "--workers", "1") == 0
+    assert preprocess(src, tmp_path / "w2", "--workers", "2") == 0
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")
+    m = json.loads((tmp_path / "w1" / "manifest.json").read_text())
+    assert m["source"]["kind"] == "parquet" and m["num_samples"] == 12 and m["classes"] == ["cat", "dog", "eel"]
+    assert [f["name"] for f in m["fields"]] == ["image", "label", "score", "emb", "caption"]
+    b = FastDataset(tmp_path / "w1").get_batch(np.arange(12))
+    assert sample_ids(b["image"]).tolist() == list(range(12))
+    assert b["label"].tolist() == [i % 3 for i in range(12)]
+    assert np.allclose(b["score"].numpy(), np.arange(12) / 10)
+    assert b["emb"].tolist() == [[float(i), 2.0 * i] for i in range(12)]
+    offsets = b["caption_offsets"].tolist()
+    assert [bytes(b["caption"][lo:hi].numpy().astype(np.uint8)).decode() for lo, hi in zip(offsets, offsets[1:])] == [
+        f"caption {i}" for i in range(12)]
+
+
+def test_a_rerun_reads_the_summaries_and_a_piece_carries_only_its_files(tmp_path):
+    from fastdata.preprocess.parquet import ParquetSource
+
+    src = write_parts(tmp_path / "src", [5, 7])
+    source = ParquetSource.at(src)
+    area = source.area(tmp_path)
+    ran: list[int] = []
+
+    def run(fn, tasks):
+        for task in tasks:
+            ran.append(task[0])
+            yield fn(task)
+    first = source.index(area, run)
+    assert ran == [0, 1] and first.starts.tolist() == [0, 5, 12]
+    again = source.index(area, run)  # a resumed run: every summary is there, no file is read again
+    assert ran == [0, 1] and again.schema == first.schema and again.classes == ["cat", "dog", "eel"]
+    piece = again.piece(3, 7)  # crosses from file 0 into file 1, and row groups of 3 in each
+    assert piece.files == [str(src / "part-00.parquet"), str(src / "part-01.parquet")]
+    loaded = pickle.loads(pickle.dumps(piece)).load()
+    assert loaded.paths == ["part-00.parquet#3", "part-00.parquet#4", "part-01.parquet#0", "part-01.parquet#1"]
+    assert loaded.labels == [i % 3 for i in range(3, 7)]
+    assert loaded.extras["emb"] == [[float(i), 2.0 * i] for i in range(3, 7)]
+    assert [loaded.blobs.read(k) for k in range(4)] == [_image(i) for i in range(3, 7)]
+    # the piece's size depends on its own files, not on the source's
+    assert len(pickle.dumps(again.piece(0, 2))) == len(pickle.dumps(again.piece(8, 10)))
+
+
+def test_a_damaged_summary_is_made_again_and_a_changed_file_is_refused(tmp_path):
+    from fastdata.preprocess.parquet import ParquetSource
+
+    src = write_parts(tmp_path / "src", [5, 7])
+    source = ParquetSource.at(src)
+    area = source.area(tmp_path)
+    indexed = source.index(area, lambda fn, tasks: map(fn, tasks))
+    want = indexed.piece(0, 12).load()
+    summary = tmp_path / area.name(1, "summary")
+    summary.write_bytes(b"{")  # cut short
+    again = source.index(area, lambda fn, tasks: [])  # no task: file 1 is summarised again where it is needed
+    got = again.piece(0, 12).load()
+    assert (got.paths, got.labels, got.extras) == (want.paths, want.labels, want.extras)
+    assert json.loads(summary.read_bytes())["samples"] == 7
+    write_parts(tmp_path / "changed", [6])
+    (src / "part-00.parquet").write_bytes((tmp_path / "changed" / "part-00.parquet").read_bytes())
+    with pytest.raises(SourceError, match="part-00.parquet changed since this run summarised it"):
+        again.piece(0, 2).load()
+
+
+def _files(tmp_path: Path, first: Callable[[int], dict], second: Callable[[int], dict], **kw: Any) -> Path:
+    src = write_parts(tmp_path / "a", [4], first, **kw)
+    write_parts(tmp_path / "b", [4], second, **kw)
+    (tmp_path / "b" / "part-00.parquet").rename(src / "part-01.parquet")
+    return src
+
+
+@pytest.mark.parametrize("second, message", [
+    (lambda i: {"label": 1, "emb": [1.0, 2.0, 3.0]}, "part-01.parquet: 'emb' has lists of length 3 there and 2 in "
+                                                      "part-00.parquet"),
+    (lambda i: {"label": 1, "emb": "text"}, "part-01.parquet: 'emb' holds tokens there and vector in part-00.parquet"),
+    (lambda i: {"label": 1}, "part-01.parquet: 'emb' is missing from its records"),
+    (lambda i: {"label": 1, "emb": None if i == 2 else [1.0, 2.0]}, r"part-01.parquet: 'emb' is missing from some "
+                                                                    r"records \(record 2\)"),
+    (lambda i: {"emb": [1.0, 2.0]}, "part-01.parquet: its samples have no 'label' while other files' have"),
+    (lambda i: {"label": "dog", "emb": [1.0, 2.0]}, "class labels mix ids and names across the files"),
+])
+def test_files_that_disagree_are_refused_with_the_file_named(tmp_path, capsys, second, message):
+    src = _files(tmp_path, lambda i: {"label": i % 3, "emb": [1.0, 2.0]}, second, meta=None)
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_another_image_column_is_refused_and_a_row_without_bytes_is_a_bad_record(tmp_path, capsys):
+    src = write_parts(tmp_path / "a", [4], meta=None)
+    write_parts(tmp_path / "b", [4], image="img", meta=None)
+    (tmp_path / "b" / "part-00.parquet").rename(src / "part-01.parquet")
+    assert preprocess(src, tmp_path / "out") == 1
+    assert "part-01.parquet: its image column is 'img' but part-00.parquet's is 'image'" in capsys.readouterr().err
+    one = tmp_path / "one"
+    one.mkdir()
+    table = pa.table({"image": [_image(0), b"", _image(2)], "label": [0, 1, 2]})  # binary column, row 1 empty
+    pq.write_table(table, one / "x.parquet")
+    assert preprocess(one / "x.parquet", tmp_path / "skip", "--on-error", "skip") == 0
+    m = json.loads((tmp_path / "skip" / "manifest.json").read_text())
+    assert m["num_samples"] == 2 and [s["path"] for s in m["skipped"]] == ["x.parquet#1"]
+    assert preprocess(one / "x.parquet", tmp_path / "fail", "--on-error", "fail") == 1
+    assert "x.parquet#1" in capsys.readouterr().err
+
+
+def test_max_side_and_shuffle_are_refused_before_any_file_is_read(tmp_path, capsys):
+    src = write_parts(tmp_path / "src", [4])
+    assert preprocess(src, tmp_path / "out", "--shuffle", "1") == 1
+    assert "shuffle the rows when writing" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert preprocess(src, tmp_path / "out", "--format", "lmdb", "--resize", "max-side") == 1
+    assert "the files' records" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_driver_holds_a_count_per_file_at_a_billion_rows(tmp_path):
+    # 10^9 rows in 10^5 files of 10^4 (a LAION-sized dataset in Hugging Face's layout), by simulation: the
+    # driver merges one summary per file, and a shard's task carries its own files only
+    from fastdata.preprocess.parquet import ParquetSource
+
+    files, per = 100_000, 10_000
+    source = ParquetSource("s3://bucket/laion", Path("."), [f"s3://bucket/laion/{t:06d}.parquet" for t in range(files)],
+                           [(per * 45_000, f'"{t:032x}"') for t in range(files)])
+    summary = {"samples": per, "good": per, "seen": ["caption", "height"], "numeric": ["caption", "height"],
+               "problems": {}, "kinds": [["caption", "tokens"], ["height", "vector"]], "has_label": False,
+               "vectors": {"height": -1}, "classes": {}, "common": {"image column": "jpg"}, "class_names": None}
+    tracemalloc.start()
+    indexed = source.merge((summary for _ in range(files)), source.area(tmp_path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert indexed.num_samples == 10 ** 9 and indexed.kinds == {"caption": "tokens", "height": "vector"}
+    assert peak < 16e6, peak  # counts per file: ~3 MB here; a row per sample would be 10^11 bytes
+    middle = indexed.piece(500_000_000 - 512, 500_000_000 + 512)  # crosses from file 49,999 into 50,000
+    assert [f.rsplit("/", 1)[1] for f in middle.files] == ["049999.parquet", "050000.parquet"]
+    sizes = [len(pickle.dumps(indexed.piece(a, a + 1024))) for a in (0, 10 ** 9 // 2, 10 ** 9 - 1024)]
+    assert len(pickle.dumps(middle)) < 1_000 and max(sizes) - min(sizes) < 32, sizes  # the positions' digits
