@@ -328,7 +328,7 @@ def plan_case(scratch: Path, samples: int, shard_size: int = 1024, per_tar: int 
     source, listing_cpu = measured(lambda: synthetic_tars(samples, per_tar))
     # one at a time, as the tasks return them
     summaries = (tar_summary(min(per_tar, samples - t * per_tar)) for t in range(len(source.tars)))
-    indexed, merge_cpu = measured(lambda: tar_index.IndexedTars.merge(source, summaries, tar_index.Area(scratch)))
+    indexed, merge_cpu = measured(lambda: source.merge(summaries, source.area(scratch)))
     plan = Plan("npy", 256, shard_size, (), False, "center-crop", "lanczos", 90, "uint8", "bytes")
 
     def tasks() -> int:  # what `images._run` submits, serialised as Ray does (its pickler is cloudpickle's)

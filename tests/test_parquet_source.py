@@ -39,15 +39,16 @@ def _columns(i: int) -> dict[str, Any]:
 
 
 def write_parts(root: Path, sizes: list[int], columns: Callable[[int], dict[str, Any]] = _columns,
-                image: str = "image", group: int = 3, meta: dict | None = NAMES) -> Path:
+                image: str = "image", group: int = 3, meta: dict | None = NAMES, empty: tuple[int, ...] = ()) -> Path:
     """Files ``part-NN.parquet`` of ``sizes`` rows (sample ``i`` numbered across the files), Hugging Face's
-    layout: an Image struct column and one column per field, ``group`` rows a row group."""
+    layout: an Image struct column and one column per field, ``group`` rows a row group; the samples in
+    ``empty`` have no image bytes (bad records)."""
     root.mkdir(parents=True)
     first = 0
     for p, n in enumerate(sizes):
         ids = range(first, first + n)
         rows = [columns(i) for i in ids]
-        data: dict[str, Any] = {image: pa.array([{"bytes": _image(i), "path": None} for i in ids],
+        data: dict[str, Any] = {image: pa.array([{"bytes": b"" if i in empty else _image(i), "path": None} for i in ids],
                                                 pa.struct([("bytes", pa.binary()), ("path", pa.string())]))}
         for key in (rows[0] if rows else columns(0)):
             data[key] = [r.get(key) for r in rows]

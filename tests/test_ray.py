@@ -103,6 +103,18 @@ def test_records_with_fields_give_the_local_bytes_in_lmdb(cluster, tmp_path):
     assert m["num_samples"] == 8 and len(m["fields"]) > 3 and [s["path"] for s in m["skipped"]] == [records[4]["image"]]
 
 
+def test_parquet_files_give_the_local_bytes_with_a_bad_row_listed(cluster, tmp_path):
+    pytest.importorskip("pyarrow")
+    from test_parquet_source import write_parts
+
+    src = write_parts(tmp_path / "src", [5, 7], empty=(6,))  # row 1 of the second file: no image bytes
+    run(src, tmp_path / "local", "local", format="lmdb")
+    m = run(src, tmp_path / "ray", "ray", cluster, format="lmdb")
+    assert tree_bytes(tmp_path / "ray") == tree_bytes(tmp_path / "local")
+    assert m["num_samples"] == 11 and [s["path"] for s in m["skipped"]] == ["part-01.parquet#1"]
+    assert m["classes"] == ["cat", "dog", "eel"] and [f["name"] for f in m["fields"]][:3] == ["image", "label", "score"]
+
+
 def test_text_with_a_bpe_tokenizer_gives_the_local_bytes(cluster, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from test_text import make_docs, write_jsonl
