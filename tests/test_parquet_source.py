@@ -203,3 +203,25 @@ def test_the_driver_holds_a_count_per_file_at_a_billion_rows(tmp_path):
     assert [f.rsplit("/", 1)[1] for f in middle.files] == ["049999.parquet", "050000.parquet"]
     sizes = [len(pickle.dumps(indexed.piece(a, a + 1024))) for a in (0, 10 ** 9 // 2, 10 ** 9 - 1024)]
     assert len(pickle.dumps(middle)) < 1_000 and max(sizes) - min(sizes) < 32, sizes  # the positions' digits
+
+
+def test_a_run_killed_mid_way_resumes_from_its_summaries_to_the_same_bytes(tmp_path, monkeypatch):
+    import sys
+
+    from conftest import kill_when_journaled
+
+    from fastdata.preprocess import parquet
+
+    src = write_parts(tmp_path / "src", [30, 30, 30], group=7)
+    assert preprocess(src, tmp_path / "whole", "--workers", "2") == 0
+    out = tmp_path / "killed"
+    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(out), "--size", "8",
+                         "--shard-size", "4", "--quiet", "--workers", "1"], out, 3)
+    summarised: list[int] = []
+    real = parquet.summary_task
+    monkeypatch.setattr(parquet.ParquetSource, "summarise", staticmethod(
+        lambda task, slot=None: summarised.append(task[0]) or real(task, slot)))
+    (out / ".fastdata-partial" / "parquet-index" / "00000001.summary.json").unlink()  # as if killed before it
+    assert preprocess(src, out, "--workers", "1") == 0
+    assert summarised == [1]  # the others were written before the kill: no file is read for its summary again
+    assert tree_bytes(out) == tree_bytes(tmp_path / "whole")

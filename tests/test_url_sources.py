@@ -128,6 +128,13 @@ def test_parquet_at_a_url_is_read_by_row_group_and_gives_the_local_bytes(s3, tmp
     assert_same_output(local, preprocess(url, tmp_path / "remote", "--workers", "2"), url)
     one = preprocess(root / "part-1.parquet", tmp_path / "local1")
     assert_same_output(one, preprocess(f"{url}/part-1.parquet", tmp_path / "remote1"), f"{url}/part-1.parquet")
+    # OUT at a URL too: the files' summaries live under the run's partial prefix until the manifest is put
+    from test_store_out import store_bytes
+    assert main(["preprocess", "images", url, f"{s3('parquet-out')}/ds", "--size", "16", "--shard-size", "4",
+                 "--quiet", "--workers", "2"]) == 0
+    got = store_bytes(s3, "parquet-out", "ds")
+    assert not [k for k in got if k.startswith(".fastdata-partial")]
+    assert_same_output(local, json.loads(got["manifest.json"]), url)
 
 
 def test_store_faults_mid_read_are_retried_and_change_no_byte(photo_folder, s3, proxy, tmp_path):
