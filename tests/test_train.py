@@ -699,3 +699,48 @@ def test_ctrl_c_says_resume_only_when_a_checkpoint_exists(tmp_path):
     (tmp_path / "ck" / checkpoint.CHECKPOINT_NAME).write_bytes(b"x")
     assert "rerun with --resume" in _after_interrupt(args)
     assert "nothing to resume" in _after_interrupt(argparse.Namespace(command="train", checkpoint=None))
+
+
+def dali_args(data: Path, *extra: str) -> list[str]:
+    return ["train", str(data), "--backend", "dali", "--model", "resnet18", "--crop", "8", "--batch-size", "16",
+            "--max-steps", "1", "--device", "cpu", "--quiet", *extra]
+
+
+@pytest.mark.parametrize("flags, echoed", [
+    (["--hw-decoder-load", "1.5"], "got 1.5"),
+    (["--hw-decoder-load", "-0.1"], "got -0.1"),
+    (["--hw-decoder-load", "nan"], "got nan"),
+    (["--hw-decoder-load", "fastest"], "got 'fastest'"),
+    (["--hw-decoder-load", "AUTO"], "got 'AUTO'"),  # the keyword is lower case, as DALILoader takes it
+])
+def test_a_bad_hw_decoder_load_is_one_line_naming_the_option(indexed_datasets, capsys, flags, echoed):
+    assert main(dali_args(indexed_datasets["lmdb"], *flags)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hw-decoder-load must be a number in [0, 1]" in err and echoed in err, err
+
+
+def test_hw_decoder_load_is_refused_without_the_dali_backend(indexed_datasets, capsys):
+    from fastdata.train.assemble import ImageRun
+
+    args = ["train", str(indexed_datasets["lmdb"]), "--hw-decoder-load", "0.5", "--device", "cpu", "--quiet"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "add --backend dali, or drop --hw-decoder-load 0.5 for --backend native" in err, err
+    with pytest.raises(ConfigError, match="--hw-decoder-load"):
+        ImageRun(data="d", hw_decoder_load=True)  # Python callers: a bool is not a share (nor is it the default)
+
+
+@pytest.mark.dali
+@pytest.mark.parametrize("flags, want", [([], None), (["--hw-decoder-load", "0.25"], 0.25),
+                                         (["--hw-decoder-load", "1"], 1.0), (["--hw-decoder-load", "auto"], "auto")])
+def test_fastdata_train_hands_hw_decoder_load_to_both_dali_loaders(indexed_datasets, monkeypatch, flags, want):
+    from fastdata.train import assemble
+
+    built = []
+    real_build = assemble.build
+    monkeypatch.setattr(assemble, "build", lambda *a, **kw: built.append(real_build(*a, **kw)) or built[-1])
+    assert main(dali_args(indexed_datasets["lmdb"], "--val-fraction", "0.2", *flags)) == 0
+    (_, train, val), = built
+    assert type(train).__name__ == type(val).__name__ == "DALILoader"
+    assert train.hw_decoder_load == val.hw_decoder_load == want  # no flag: DALILoader's own default (None)
+    assert train.hw_decoder_load_chosen == (None if want == "auto" else want)  # "auto" on the CPU: DALI's default

@@ -5,6 +5,7 @@ FastDataset -> FastLoader (DDP-aware) -> CUDAPrefetcher (normalise + augment on 
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,6 +46,8 @@ class ImageRun:
     cache_dir: Optional[str] = None  # URL datasets: the node cache folder...
     cache_limit: Union[int, str, None] = None  # ...and the bytes it may hold
     retry_seconds: float = RETRY_SECONDS  # URL datasets: how long the store may fail before a read gives up
+    # dali: the share of JPEGs for the GPU's hardware decoder, in [0, 1], or "auto"; None: DALILoader's default
+    hw_decoder_load: Union[float, str, None] = None
 
     def __post_init__(self) -> None:
         if self.augment not in AUGMENT:
@@ -59,6 +62,21 @@ class ImageRun:
                               "fetch URL`)")
         if self.backend == "dali" and self.shuffle_window is not None:
             raise ConfigError("--shuffle-window applies to the native backend (DALI shuffles in its own reader)")
+        self._check_hw_decoder_load()
+
+    def _check_hw_decoder_load(self) -> None:
+        """``--hw-decoder-load``: a share in [0, 1] or "auto", for the DALI backend only (the native one
+        decodes no JPEG on the GPU); refused here, before any data is opened."""
+        load = self.hw_decoder_load
+        if load is None:
+            return
+        if self.backend != "dali":
+            raise ConfigError(f"--hw-decoder-load splits DALI's JPEG decoding: add --backend dali, or drop "
+                              f"--hw-decoder-load {load!r} for --backend {self.backend}")
+        share = isinstance(load, numbers.Real) and not isinstance(load, bool) and 0.0 <= load <= 1.0
+        if load != "auto" and not share:
+            raise ConfigError("--hw-decoder-load must be a number in [0, 1] (the share of JPEGs for the GPU's "
+                              f"hardware decoder) or 'auto' (measured on the first batches), got {load!r}")
 
 
 def crop_side(p: ImageRun, side: int) -> int:
@@ -102,8 +120,11 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
         from ..gpu.dali import DALILoader
 
         size = crop_side(p, side)
-        train = DALILoader(train_ds, p.batch_size, size=size, train=True, seed=p.seed, device=device)
-        val = None if val_ds is None else DALILoader(val_ds, p.batch_size, size=size, train=False, device=device)
+        hw = p.hw_decoder_load  # None: DALILoader's default
+        train = DALILoader(train_ds, p.batch_size, size=size, train=True, seed=p.seed, device=device,
+                           hw_decoder_load=hw)
+        val = None if val_ds is None else DALILoader(val_ds, p.batch_size, size=size, train=False, device=device,
+                                                     hw_decoder_load=hw)
         return image_model(p.model, len(ds.classes), size), train, val
     return _image_run(p, device, train_ds, val_ds, side, len(ds.classes), p.shuffle_window)
 
