@@ -297,3 +297,34 @@ def test_damaged_token_shards_are_refused(token_folder):
     shard.write_bytes(bytes(data[:-10]))
     with pytest.raises(ChecksumError, match=r"train-00002\.npy has .* truncated"):
         TokenDataset(token_folder, seq_len=16)
+
+
+def test_parquet_rows_are_documents_with_the_jsonl_files_tokens(tmp_path, capsys):
+    # FineWeb's layout: a folder of Parquet files with a "text" column, read a batch of rows at a time
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    docs = make_docs(120)
+    (tmp_path / "j").mkdir()
+    write_jsonl(tmp_path / "j" / "a.jsonl", docs)
+    (tmp_path / "p").mkdir()
+    for part, rows in enumerate((docs[:50], docs[50:])):
+        pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), tmp_path / "p" / f"{part}.parquet",
+                       row_group_size=16)
+    preprocess(tmp_path / "j" / "a.jsonl", tmp_path / "from-jsonl", "--val-fraction", "0.2", "--shard-tokens", "700")
+    preprocess(tmp_path / "p", tmp_path / "from-parquet", "--val-fraction", "0.2", "--shard-tokens", "700")
+    for name in sorted(p.name for p in (tmp_path / "from-jsonl").iterdir() if p.suffix == ".npy"):
+        assert (tmp_path / "from-parquet" / name).read_bytes() == (tmp_path / "from-jsonl" / name).read_bytes(), name
+    # bad rows are skipped and named by file and row (from 1); a file without the column is named once
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    pq.write_table(pa.table({"text": ["one", None, "", "two"]}), bad / "a.parquet")
+    pq.write_table(pa.table({"body": ["no text column"]}), bad / "b.parquet")
+    (bad / "c.parquet").write_bytes(b"PAR1 not a parquet file")
+    assert main(["preprocess", "text", str(bad), str(tmp_path / "out"), "--val-fraction", "0", "--quiet"]) == 0
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["splits"]["train"]["documents"] == 2
+    assert [(e["file"], e["line"], e["reason"].split(" (")[0]) for e in m["skipped"]] == [
+        ("a.parquet", 2, "missing field 'text'"), ("a.parquet", 3, "empty document"),
+        ("b.parquet", 0, "no column 'text'"), ("c.parquet", 0, "unreadable")]
+    assert "skipped 4" in capsys.readouterr().err

@@ -61,6 +61,14 @@ def _path_or_url(text: str) -> str | Path:
     return text if is_url(text) else Path(text)
 
 
+def _share_or_auto(text: str) -> float | str:
+    """``--hw-decoder-load``: a number, else the text as given ("auto"; ImageRun refuses anything else by name)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch
 
@@ -95,7 +103,8 @@ def _train(args: argparse.Namespace) -> int:
     cache = {"cache_dir": args.cache_dir, "cache_limit": args.cache_limit, **retry_seconds(args)}
     run = dict(model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                val_fraction=args.val_fraction, storage=args.storage, threads=args.threads, augment=args.augment,
-               crop=args.crop, seed=args.seed, backend=args.backend, shuffle_window=args.shuffle_window, **cache)
+               crop=args.crop, seed=args.seed, backend=args.backend, shuffle_window=args.shuffle_window,
+               hw_decoder_load=args.hw_decoder_load, **cache)
     if args.mix:  # several datasets by weight (docs/mixtures.md)
         from ..datasets.mix_config import parse_mix
         from ..train.assemble import build_mix
@@ -225,11 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     img.set_defaults(func=_preprocess_images)
 
-    txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) -> uint16/uint32 token shards")
-    txt.add_argument("src", help="a .txt/.jsonl file (optionally .gz) or a folder of them, local or at a URL")
+    txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) / .parquet -> uint16/uint32 token shards")
+    txt.add_argument("src", help="a .txt/.jsonl file (optionally .gz), a .parquet file or a folder of them, local or "
+                                 "at a URL")
     txt.add_argument("out", help="output dataset folder, or a URL (s3://bucket/prefix)")
     txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
-    txt.add_argument("--field", default="text", help="jsonl: the field holding the document")
+    txt.add_argument("--field", default="text", help="jsonl: the field holding the document; Parquet: the column")
     txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
     txt.add_argument("--workers", type=int, default=None,
                      help="tokenizing processes (default: all cores); with --ray, tasks at once per node")
@@ -279,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--crop", type=int, default=None, help="rrc-flip / dali: output side")
     tr.add_argument("--backend", choices=("native", "dali"), default="native",
                     help="dali: decode an LMDB dataset's JPEGs with NVIDIA DALI (pip install 'fastdata[dali]')")
+    tr.add_argument("--hw-decoder-load", type=_share_or_auto, default=None, metavar="SHARE|auto",
+                    help="dali: the share of JPEGs for the GPU's hardware decoder, in [0, 1], or auto (measured on "
+                         "the first batches); default DALILoader's")
     tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
     tr.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="also checkpoint every N steps")
     tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")

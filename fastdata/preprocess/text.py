@@ -1,6 +1,6 @@
-"""``fastdata preprocess text``: .txt / .jsonl (optionally gzipped) -> uint16/uint32 token shards.
+"""``fastdata preprocess text``: .txt / .jsonl (optionally gzipped) / .parquet -> uint16/uint32 token shards.
 
-The parent reads documents in order (one per .txt file, one per .jsonl line), from local files or
+The parent reads documents in order (one per .txt file, one per .jsonl line or Parquet row), from local files or
 streamed from a URL (NOTE [url source] in fastdata/preprocess/sources.py), applies the bad-input
 policy, and sends chunks of about 1 MB of text to worker processes that tokenise them (batch-encoding);
 results are written in source order, so the output is byte-identical for any worker count. Documents
@@ -34,7 +34,8 @@ from .parallel import default_workers, ordered_map
 from .sources import open_binary, store_call, url_listing
 
 log = logging.getLogger(__name__)
-TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
+_PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
 _CHUNK_BYTES = 1 << 20  # text per worker task
 _MAX_EXAMPLES = 100  # skipped documents listed by name in the manifest (all are counted)
 
@@ -44,13 +45,14 @@ class TextPreprocessConfig:
     """Everything ``fastdata preprocess text`` takes, as one frozen dataclass validated on construction.
 
     Args:
-        src: A ``.txt`` / ``.jsonl`` file (optionally gzipped), or a folder of them (searched recursively,
-            hidden paths skipped), local or an fsspec URL (``s3://bucket/owt/``: read where it lives). A .txt
-            file is one document; a .jsonl line is one.
+        src: A ``.txt`` / ``.jsonl`` file (optionally gzipped) or a ``.parquet`` file (Hugging Face's
+            layout: needs ``pyarrow``), or a folder of them (searched recursively, hidden paths skipped), local
+            or an fsspec URL (``s3://bucket/owt/``: read where it lives). A .txt file is one document; a .jsonl
+            line is one, and so is a Parquet row (named by its row number from 1).
         out: The dataset folder to write.
         tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path (needs ``tokenizers``) or
             ``"tiktoken:NAME"`` (needs ``tiktoken``).
-        field: The .jsonl key that holds a document's text (default ``"text"``).
+        field: The .jsonl key or Parquet column that holds a document's text (default ``"text"``).
         val_fraction: The share of documents that go to the ``val`` split, in [0, 1) (default 0.001).
         workers: Tokenising processes (default None: every core this process may use).
         on_error: ``"skip"`` leaves an unusable document out and counts it in the manifest; ``"fail"`` stops
@@ -112,7 +114,8 @@ def text_files(src: Union[Path, str]) -> list[TextFile]:
         return _url_text_files(str(src))
     src = Path(src)
     if not src.exists():
-        raise SourceError(f"source {src} does not exist: pass a .txt/.jsonl file (optionally .gz) or a folder of them")
+        raise SourceError(f"source {src} does not exist: pass a .txt/.jsonl file (optionally .gz), a .parquet file "
+                          "or a folder of them")
     if src.is_file():
         if not src.name.endswith(TEXT_SUFFIXES):
             raise SourceError(f"source {src} is not one of {TEXT_SUFFIXES}")
@@ -161,12 +164,15 @@ Doc = tuple[str, int, Optional[str], str, int]  # file, line, text (None if unus
 
 def iter_documents(files: list[TextFile], field: str) -> Iterator[Doc]:
     """Yield ``(file, line, text, reason, nbytes)`` for every candidate document in order: ``text`` is None
-    and ``reason`` says why when it is unusable. Line is 0 for whole-file (.txt) documents."""
+    and ``reason`` says why when it is unusable. Line is 0 for whole-file (.txt) documents, a Parquet row's
+    number from 1 for its rows."""
     for tf in files:
         rel = tf.rel
         try:
             with _open(tf) as f:
-                if ".jsonl" in posixpath.basename(rel):
+                if rel.endswith(".parquet"):
+                    yield from _parquet(f, rel, field, tf.size)
+                elif ".jsonl" in posixpath.basename(rel):
                     yield from _jsonl(f, rel, field)
                 else:
                     data = f.read()
@@ -210,6 +216,37 @@ def _jsonl(f: Any, rel: str, field: str) -> Iterator[Doc]:
             yield rel, lineno, obj[field], "", len(raw)
     if not seen:
         yield rel, 0, None, "empty file", 0
+
+
+def _parquet(f: Any, rel: str, field: str, size: int) -> Iterator[Doc]:
+    """A Parquet file's rows as documents, the column ``field`` streamed a batch of rows at a time. Each row
+    counts its share of the file's bytes, so the progress bar's total is the files' sizes as for text."""
+    from .parquet import require_pyarrow
+
+    pq = require_pyarrow()
+    try:
+        pf = pq.ParquetFile(f)
+        if field not in pf.schema_arrow.names:
+            yield rel, 0, None, f"no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})", size
+            return
+        n, row = pf.metadata.num_rows, 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                share = size * (row + 1) // n - size * row // n
+                row += 1
+                if value is None:
+                    yield rel, row, None, f"missing field {field!r}", share
+                elif not isinstance(value, str):
+                    yield rel, row, None, f"field {field!r} is not a string", share
+                elif not value:
+                    yield rel, row, None, "empty document", share
+                else:
+                    yield rel, row, value, "", share
+    except ValueError as exc:  # pyarrow's ArrowInvalid: not a Parquet file, or a damaged page
+        yield rel, 0, None, f"unreadable ({type(exc).__name__}: {exc})", 0
+        return
+    if not row:
+        yield rel, 0, None, "empty file", size
 
 
 def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
