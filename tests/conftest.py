@@ -241,6 +241,16 @@ def started_while_held(out: Path, commands: list[list[str]]) -> tuple[list[subpr
     return procs, lines
 
 
+def recording_run(ran: list[int]):
+    """A run's ordered map for `FileSource.index` (``run(fn, tasks)``) that runs the tasks here, noting each
+    task's file number in ``ran``: which files a run summarised."""
+    def run(fn, tasks):
+        for task in tasks:
+            ran.append(task[0])
+            yield fn(task)
+    return run
+
+
 def kill_when_journaled(cmd: list[str], out: Path, min_units: int) -> None:
     """Run ``cmd`` (a preprocess) and SIGKILL it once its journal lists ``min_units`` finished units."""
     import os

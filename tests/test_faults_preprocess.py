@@ -152,7 +152,7 @@ def test_a_run_killed_while_indexing_tars_resumes_without_listing_them_again(tmp
     done = sorted(index.glob("*.summary.json"))
     assert 3 <= len(done) < 40 and not (out / "manifest.json").exists()
     # a listed tar's captions changed in place, same size and mtime: a rerun that streamed it again would
-    # store the new captions; one that resumes from its index stores the old ones (NOTE [tar index] rule 4)
+    # store the new captions; one that resumes from its index stores the old ones (NOTE [indexed source] rule 4)
     tar0 = src / "00000.tar"
     st = tar0.stat()
     tar0.write_bytes(tar0.read_bytes().replace(b"caption 2", b"caption 8"))

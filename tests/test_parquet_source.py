@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from conftest import index_colour, sample_ids
+from conftest import index_colour, recording_run, sample_ids
 from PIL import Image
 
 from fastdata.cli.main import main
@@ -92,11 +92,7 @@ def test_a_rerun_reads_the_summaries_and_a_piece_carries_only_its_files(tmp_path
     source = ParquetSource.at(src)
     area = source.area(tmp_path)
     ran: list[int] = []
-
-    def run(fn, tasks):
-        for task in tasks:
-            ran.append(task[0])
-            yield fn(task)
+    run = recording_run(ran)
     first = source.index(area, run)
     assert ran == [0, 1] and first.starts.tolist() == [0, 5, 12]
     again = source.index(area, run)  # a resumed run: every summary is there, no file is read again
@@ -126,10 +122,14 @@ def test_a_damaged_summary_is_made_again_and_a_changed_file_is_refused(tmp_path)
     got = again.piece(0, 12).load()
     assert (got.paths, got.labels, got.extras) == (want.paths, want.labels, want.extras)
     assert json.loads(summary.read_bytes())["samples"] == 7
-    write_parts(tmp_path / "changed", [6])
+    blobs = again.piece(0, 5).load().blobs  # handed to a worker before the file changes
+    # the same rows, another class in one: the row counts agree, the footer's statistics do not
+    write_parts(tmp_path / "changed", [5], lambda i: {**_columns(i), "label": 3 if i == 2 else i % 3})
     (src / "part-00.parquet").write_bytes((tmp_path / "changed" / "part-00.parquet").read_bytes())
     with pytest.raises(SourceError, match="part-00.parquet changed since this run summarised it"):
         again.piece(0, 2).load()
+    with pytest.raises(SourceError, match="part-00.parquet changed since this run summarised it"):
+        blobs.read(0)
 
 
 def _files(tmp_path: Path, first: Callable[[int], dict], second: Callable[[int], dict], **kw: Any) -> Path:
@@ -157,6 +157,28 @@ def test_files_that_disagree_are_refused_with_the_file_named(tmp_path, capsys, s
     assert re.search(message, err), err
 
 
+def test_a_disagreement_stops_the_run_at_its_file_not_after_the_last(tmp_path):
+    from fastdata.preprocess.parquet import ParquetSource
+
+    src = write_parts(tmp_path / "src", [2, 2, 2, 2, 2], lambda i: {"label": i % 3, "emb": [1.0] * (2 + (i >= 4))})
+    source = ParquetSource.at(src)
+    ran: list[int] = []
+    run = recording_run(ran)
+    with pytest.raises(SourceError, match="part-02.parquet: 'emb' has lists of length 3 there and 2 in part-00"):
+        source.index(source.area(tmp_path), run)
+    assert ran == [0, 1, 2]  # files 3 and 4 are never read
+
+
+def test_a_segmentation_pair_beside_a_parquet_file_stays_a_pair_as_at_a_url(tmp_path):
+    from fastdata.preprocess.discover import discover_source
+
+    root = write_parts(tmp_path / "src", [2])
+    for sub, colour in (("images", (200, 10, 10)), ("masks", None)):
+        (root / sub).mkdir()
+        Image.new("RGB" if colour else "L", (8, 8), colour or 1).save(root / sub / "a.png")
+    assert discover_source(root).kind == "segmentation"
+
+
 def test_another_image_column_is_refused_and_a_row_without_bytes_is_a_bad_record(tmp_path, capsys):
     src = write_parts(tmp_path / "a", [4], meta=None)
     write_parts(tmp_path / "b", [4], image="img", meta=None)
@@ -179,7 +201,13 @@ def test_max_side_and_shuffle_are_refused_before_any_file_is_read(tmp_path, caps
     assert preprocess(src, tmp_path / "out", "--shuffle", "1") == 1
     assert "shuffle the rows when writing" in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert preprocess(src, tmp_path / "out", "--format", "lmdb", "--resize", "max-side") == 1
-    assert "the files' records" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert "has fields (the columns score, emb, caption)" in err and not (tmp_path / "out").exists()
+    # a label, and a column null in every row, are not fields: max-side is served
+    plain = write_parts(tmp_path / "plain", [4], lambda i: {"label": i % 2, "note": None}, meta=None)
+    assert preprocess(plain, tmp_path / "max-side", "--format", "lmdb", "--resize", "max-side") == 0
+    assert preprocess(tmp_path / "missing.parquet", tmp_path / "none") == 1
+    assert "missing.parquet does not exist" in capsys.readouterr().err
 
 
 def test_the_driver_holds_a_count_per_file_at_a_billion_rows(tmp_path):
@@ -192,7 +220,8 @@ def test_the_driver_holds_a_count_per_file_at_a_billion_rows(tmp_path):
                            [(per * 45_000, f'"{t:032x}"') for t in range(files)])
     summary = {"samples": per, "good": per, "seen": ["caption", "height"], "numeric": ["caption", "height"],
                "problems": {}, "kinds": [["caption", "tokens"], ["height", "vector"]], "has_label": False,
-               "vectors": {"height": -1}, "classes": {}, "common": {"image column": "jpg"}, "class_names": None}
+               "vectors": {"height": -1}, "classes": {}, "common": {"image column": "jpg"}, "class_names": None,
+               "identity": "0" * 64}
     tracemalloc.start()
     indexed = source.merge((summary for _ in range(files)), source.area(tmp_path))
     peak = tracemalloc.get_traced_memory()[1]
@@ -212,16 +241,16 @@ def test_a_run_killed_mid_way_resumes_from_its_summaries_to_the_same_bytes(tmp_p
 
     from fastdata.preprocess import parquet
 
-    src = write_parts(tmp_path / "src", [30, 30, 30], group=7)
-    assert preprocess(src, tmp_path / "whole", "--workers", "2") == 0
+    src = write_parts(tmp_path / "src", [100, 100, 100], group=7)  # 150 shards: killed after 3 on a busy machine too
+    assert preprocess(src, tmp_path / "whole", "--workers", "2", "--shard-size", "2") == 0
     out = tmp_path / "killed"
     kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "images", str(src), str(out), "--size", "8",
-                         "--shard-size", "4", "--quiet", "--workers", "1"], out, 3)
+                         "--shard-size", "2", "--quiet", "--workers", "1"], out, 3)
     summarised: list[int] = []
     real = parquet.summary_task
-    monkeypatch.setattr(parquet.ParquetSource, "summarise", staticmethod(
+    monkeypatch.setattr(parquet.ParquetSource, "summarize", staticmethod(
         lambda task, slot=None: summarised.append(task[0]) or real(task, slot)))
     (out / ".fastdata-partial" / "parquet-index" / "00000001.summary.json").unlink()  # as if killed before it
-    assert preprocess(src, out, "--workers", "1") == 0
+    assert preprocess(src, out, "--workers", "1", "--shard-size", "2") == 0
     assert summarised == [1]  # the others were written before the kill: no file is read for its summary again
     assert tree_bytes(out) == tree_bytes(tmp_path / "whole")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import fresh_fs as _fresh_fs, index_colour, sample_ids
+from conftest import fresh_fs as _fresh_fs, index_colour, recording_run, sample_ids
 from PIL import Image
 
 from fastdata.cli.main import main
@@ -243,18 +243,14 @@ def test_tars_indexed_apart_share_one_class_list_and_the_keys_every_sample_has(t
 def test_a_rerun_reads_the_tar_indexes_and_a_piece_carries_only_its_tars(tmp_path):
     import pickle
 
-    from fastdata.preprocess.tar_index import Area, TarSource
+    from fastdata.preprocess.tar_index import TarSource
     from fastdata.preprocess.tars import tar_files
 
     src = make_tars(tmp_path / "src", count=3)
     source = TarSource.of(src, tar_files(src))
-    area = Area(tmp_path)
+    area = source.area(tmp_path)
     ran: list[int] = []
-
-    def run(fn, tasks):
-        for task in tasks:
-            ran.append(task[0])
-            yield fn(task)
+    run = recording_run(ran)
     first = source.index(area, run)
     assert ran == [0, 1, 2] and first.starts.tolist() == [0, PER_TAR, 2 * PER_TAR, 3 * PER_TAR]
     again = source.index(area, run)  # a resumed run: every summary is there, no tar is streamed again
@@ -272,12 +268,12 @@ def test_a_rerun_reads_the_tar_indexes_and_a_piece_carries_only_its_tars(tmp_pat
 
 def test_a_damaged_or_missing_tar_index_is_listed_again_from_its_tar(tmp_path, caplog):
     from fastdata.preprocess import tar_index
-    from fastdata.preprocess.tar_index import Area, TarSource, index_name
+    from fastdata.preprocess.tar_index import TarSource, index_name
     from fastdata.preprocess.tars import tar_files
 
     src = make_tars(tmp_path / "src", count=2)
     source = TarSource.of(src, tar_files(src))
-    area = Area(tmp_path)
+    area = source.area(tmp_path)
     indexed = source.index(area, lambda fn, tasks: map(fn, tasks))
     want = indexed.piece(0, 2 * PER_TAR).load()
     index0, summary1 = tmp_path / index_name(0, "index"), tmp_path / index_name(1, "summary")

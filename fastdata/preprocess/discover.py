@@ -33,8 +33,10 @@ def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> 
             return _discover_url(str(src), coco_json)
         except SourceError as exc:  # records' messages name their file and line: its URL, scrubbed
             raise SourceError(scrub(str(exc))) from None
-    if coco_json is None and is_parquet(Path(src)):
-        return ParquetSource.at(Path(src))
+    local = Path(src)
+    pair = local.is_dir() and (local / "images").is_dir() and (local / "masks").is_dir()  # as discover_any
+    if coco_json is None and not pair and is_parquet(local):
+        return ParquetSource.at(local)
     return discover_any(Path(src), coco_json)
 
 

@@ -102,7 +102,7 @@ def unit_task(task: tuple, slot: Optional[int] = None) -> tuple[dict[str, Any], 
     plan, k, a, b, piece, max_files, out = task
     if plan.compiled:  # a Ray worker process compiles (or loads) the exact Lanczos once: NOTE [exact lanczos]
         decode.prepare(plan.filter)
-    piece = piece.load()  # a tar source's: its tars' indexes read here (NOTE [tar index] rule 3)
+    piece = piece.load()  # tars' and Parquet's: their records read here (NOTE [indexed source] rule 3)
     labels = np.asarray(piece.labels, LABEL_DTYPE)
     stage = store_out.task_stage(out)
     writer = plan.writer(stage, k)

@@ -194,8 +194,9 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
     params = config.output_params()
     if isinstance(source, FileSource):  # fields are known once the files are summarised: the geometry counts now
         source.refuse(shuffle=config.shuffle_seed is not None)
-        if config.resize == MAX_SIDE and source.first_has_fields():  # refused before hours of indexing
-            raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=f"the {source.noun}s' records"))
+        fields = source.first_fields() if config.resize == MAX_SIDE else None
+        if fields:  # refused before hours of indexing
+            raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=fields))
         fingerprint = _fingerprint({**params, "resize": config.resize}, source)
     else:
         source = _ready(config, source)
@@ -269,7 +270,8 @@ def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], 
     from ..progress import progress_bar
 
     run = pool.ordered_map if pool else parallel.ordered_map
-    with progress_bar(total=len(tasks), desc=f"index {noun}s", unit=noun, enabled=config.progress and bool(tasks)) as bar:
+    shown = config.progress and bool(tasks)
+    with progress_bar(total=len(tasks), desc=f"index {noun}s", unit=noun, enabled=shown) as bar:
         for result, _ in run(fn, tasks, _workers(config, pool), 0):
             bar.update(1)
             yield result
@@ -315,7 +317,7 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
     """Decode the source after the journaled units and write the rest: chunks through the local pool into
     one writer here, or one Ray task per unit that writes and publishes its shard itself (NOTE [ray
     byte-identity]). ``out``: a local folder, or a `StoreOut` (files staged here, then put). Each unit's
-    samples are loaded where they are decoded (`Source.piece`; NOTE [tar index] rule 3)."""
+    samples are loaded where they are decoded (`Source.piece`; NOTE [indexed source] rule 3)."""
     from ..progress import progress_bar
 
     workers = _workers(config, pool)

@@ -160,15 +160,16 @@ class Merge:
         self.class_names: Optional[list[str]] = None  # a Hugging Face ClassLabel's, from the first file with them
         self.common: dict[str, tuple[Any, str]] = {}  # key -> (value, the first file that gave it)
 
-    def add(self, label: str, s: dict[str, Any]) -> None:
-        """File ``label``'s summary, after every file before it.
+    def add(self, label: str, s: dict[str, Any], digest: str = "") -> None:
+        """File ``label``'s summary (``digest``: its index's sha256, or its footer's identity), after every
+        file before it.
 
         Raises:
             SourceError: The file disagrees with an earlier one on what every file must share (the image
-                column of Parquet files).
+                column of Parquet files); strict: on any field (raised at once, not after every file).
         """
         self.counts.append(s["samples"])
-        self.digests.append(s.get("index_sha256", ""))
+        self.digests.append(digest)
         for key, value in s.get("common", {}).items():
             if self.common.setdefault(key, (value, label))[0] != value:
                 raise SourceError(f"{label}: its {key} is {value!r} but {self.common[key][1]}'s is "
@@ -205,6 +206,29 @@ class Merge:
                 self.ids = max(self.ids, value)
             else:
                 self.names.update(value)
+        if self.strict:  # every key is kept: a disagreement is final now, hours before the last file's summary
+            self._check(frozenset(self.keep or ()))
+
+    def _check(self, keep: frozenset[str]) -> dict[str, str]:
+        """The kept fields' kinds, once every check of `schema` passes.
+
+        Raises:
+            SourceError: As `schema`.
+        """
+        kinds = {k: v for k, v in self.kinds.items() if k in keep or k in FIXED}
+        clash = next((self.clash[k] for k in [*kinds, *sorted(keep)] if k in self.clash), None)
+        if clash:
+            raise SourceError(clash)
+        lacking = next((k for k, kind in kinds.items() if kind == "vector" and k in self.lacking), None)
+        if lacking:
+            raise SourceError(f"{self.lacking[lacking]}: {lacking!r} is missing from its records; a float field "
+                              "needs a value in every record")
+        if len(self.labelled) > 1:
+            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other files' have "
+                              f"({self.labelled[True]}): give every sample one")
+        if len(self.modes) > 1:
+            raise SourceError("class labels mix ids and names across the files: use one or the other")
+        return kinds
 
     def schema(self) -> Schema:
         """The merged schema.
@@ -217,21 +241,9 @@ class Merge:
         keep = frozenset(self.keep or ())
         if self.seen - keep:
             log.info("JSON keys not numeric in every sample, not stored: %s", sorted(self.seen - keep))
-        kinds = {k: v for k, v in self.kinds.items() if k in keep or k in FIXED}
-        clash = next((self.clash[k] for k in [*kinds, *sorted(keep)] if k in self.clash), None)
-        if clash:
-            raise SourceError(clash)
-        lacking = next((k for k, kind in kinds.items() if kind == "vector" and k in self.lacking), None)
-        if lacking:
-            raise SourceError(f"{self.lacking[lacking]}: {lacking!r} is missing from its records; a float field "
-                              "needs a value in every record")
-        if len(self.labelled) > 1:
-            raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other files' have "
-                              f"({self.labelled[True]}): give every sample one")
+        kinds = self._check(keep)
         if ("boxes" in kinds) != ("box_labels" in kinds):
             raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
-        if len(self.modes) > 1:
-            raise SourceError("class labels mix ids and names across the files: use one or the other")
         classes: list[str] = [str(i) for i in range(self.ids + 1)]
         ids: Optional[dict[str, int]] = None
         if self.modes == {"names"}:

@@ -60,7 +60,7 @@ class Area:
         folder: The sub-folder of this kind of source (``"tar-index"``, ``"parquet-index"``).
     """
 
-    def __init__(self, at: Any, folder: str = "tar-index") -> None:
+    def __init__(self, at: Any, folder: str) -> None:
         self.at, self.folder = at, folder
 
     def name(self, t: int, what: str) -> str:
@@ -69,6 +69,7 @@ class Area:
 
     @property
     def schema_name(self) -> str:
+        """Where the run's merged schema lives in the area."""
         return f"{self.folder}/schema.json"
 
     def write(self, name: str, obj: Any) -> str:
@@ -160,8 +161,8 @@ class FileSource:
     kind: ClassVar[str]
     folder: ClassVar[str]  # the area's sub-folder
     noun: ClassVar[str]  # what the progress bar counts
-    required: ClassVar[str]  # a key every complete summary of this kind has
-    summarise: ClassVar[Callable[..., dict[str, Any]]]  # (t, file, area, root) -> the file's summary
+    required: ClassVar[str]  # the digest every complete summary of this kind has: its index's, or its footer's
+    summarize: ClassVar[Callable[..., dict[str, Any]]]  # (t, file, area, root) -> the file's summary
     piece_type: ClassVar[type]  # a `Piece` with the kind's ``load()``
     strict: ClassVar[bool] = False  # records.py's rules for every key (Parquet), or the tars' (index_schema.py)
 
@@ -203,7 +204,7 @@ class FileSource:
         """
         have = area.summaries()
         todo = [(t, f, area, self.root) for t, f in enumerate(self.files) if area.name(t, "summary") not in have]
-        fresh = iter(run(type(self).summarise, todo))
+        fresh = iter(run(type(self).summarize, todo))
         listed = {t for t, *_ in todo}
         with ThreadPoolExecutor(16) as ex:
             ahead: deque[tuple[int, Any]] = deque()
@@ -218,14 +219,14 @@ class FileSource:
                 assert u == t
                 s = got.result()  # a damaged summary: that file is summarised again, here
                 ok = isinstance(s, dict) and self.required in s
-                return s if ok else type(self).summarise((t, self.files[t], area, self.root))
+                return s if ok else type(self).summarize((t, self.files[t], area, self.root))
             return self.merge(map(summary, range(len(self.files))), area)
 
     def merge(self, summaries: Iterable[dict[str, Any]], area: Area) -> "Indexed":
         """The source from its files' summaries, in file order (consumed one at a time)."""
         merged = Merge(strict=self.strict)
         for f, summary in zip(self.files, summaries):
-            merged.add(label_of(f), summary)
+            merged.add(label_of(f), summary, summary[self.required])
         starts = np.zeros(len(merged.counts) + 1, np.int64)
         np.cumsum(merged.counts, out=starts[1:])
         if starts[-1] == 0:
@@ -234,6 +235,11 @@ class FileSource:
         sha256 = area.write(area.schema_name, schema.to_json())
         _schemas[sha256] = schema
         return Indexed(self, starts, schema, area, merged.digests, sha256)
+
+    def first_fields(self) -> Optional[str]:
+        """The fields the first file's first records give, as a message names them (None: none), read from
+        the file's head, to refuse arguments that need none before summarising every file."""
+        raise NotImplementedError
 
     def refuse(self, shuffle: bool) -> None:
         """Raise for arguments this kind cannot serve, before any file is read (tars serve every one)."""
@@ -252,7 +258,7 @@ class Indexed:
     starts: np.ndarray  # file t holds source positions [starts[t], starts[t + 1])
     schema: Schema
     area: Area
-    digests: list[str]  # each file's index's sha256 where its kind writes one (tars)
+    digests: list[str]  # each file's digest: its index's sha256 (tars), its footer's identity (Parquet)
     schema_sha256: str
 
     kind = property(lambda self: self.source.kind)
@@ -310,10 +316,12 @@ class Piece:
     def ranges(self) -> Iterable[tuple[int, int, str, int, int]]:
         """``(j, t, file, lo, hi)``: rows ``[lo, hi)`` of the piece's file ``j`` (the run's file ``t``)."""
         for j, (t, f) in enumerate(zip(self.ordinals, self.files)):
-            yield j, t, f, max(self.a, self.starts[j]) - self.starts[j], min(self.b, self.starts[j + 1]) - self.starts[j]
+            first = self.starts[j]
+            yield j, t, f, max(self.a, first) - first, min(self.b, self.starts[j + 1]) - first
 
 
-def with_bad(labels: list[int], extras: dict[str, list[Any]], bad: list[bool]) -> tuple[list[int], dict[str, list[Any]]]:
+def with_bad(labels: list[int], extras: dict[str, list[Any]], bad: list[bool]
+             ) -> tuple[list[int], dict[str, list[Any]]]:
     """Labels and extras for every sample: the good ones' values, blanks where a bad record sits (its worker
     fails it before reading them)."""
     good = np.cumsum([not b for b in bad]) - 1  # sample i is good sample good[i]

@@ -9,16 +9,21 @@ NOTE [parquet source]:
    column whose kind or length differs between files, or a float column with a null is an error naming the
    file and row. Every file has the same image column (a struct with ``bytes``, Hugging Face's Image
    feature, or binary). A ``ClassLabel``'s names, from the ``huggingface`` schema metadata, name the ids.
-3. A piece reads its files' footers afresh and the other columns of the row groups holding its rows; its
-   workers read the image column a row group at a time (`ParquetBlobs`; a process keeps the last few
-   footers). A file whose row count is not its summary's has changed under the run: refused, with
-   ``--overwrite`` to start again.
+3. A summary records its file's footer identity (a sha256 of the footer's row groups, column chunks and
+   statistics). A piece reads its files' footers afresh and refuses one whose identity changed since its
+   summary (the file changed under the run: ``--overwrite`` starts again); it reads the other columns of
+   the row groups holding its rows (a process keeps the last one read: consecutive shards share it). Its
+   workers read the image column a row group at a time (`ParquetBlobs`), from footers of the same identity.
+   A row group is read whole, so a summary warns of row groups over `_BIG_GROUP` bytes of images.
 4. A sample is named ``FILE.parquet#ROW``, its row in its file, in messages and the manifest's skipped list.
 5. ``--shuffle`` is refused: each sample would read its row group again. Shuffle the rows when writing the
    files, or at load time (``shuffle_window``).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import posixpath
 from collections import OrderedDict
@@ -34,13 +39,22 @@ from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_e
 from .records import from_records
 from .sources import Source, UrlReader, url_listing
 
+log = logging.getLogger(__name__)
+
 Where = Union[Path, str]
 _CACHED = 4  # footers a process keeps parsed
-_footers: "OrderedDict[str, Any]" = OrderedDict()  # file -> ParquetFile
+_BIG_GROUP = 256 << 20  # image bytes in one row group above which a summary warns (rule 3)
+_footers: "OrderedDict[str, tuple[Any, str]]" = OrderedDict()  # file -> (ParquetFile, its identity)
+_last_group: dict[str, Any] = {}  # the row group a piece read last: {"key": (file, identity, group), "table": ...}
 _owner = os.getpid()  # a forked worker opens its own files (and its own filesystem, for a URL)
 
 
 def require_pyarrow() -> Any:
+    """``pyarrow.parquet``, or the error that names the extra.
+
+    Raises:
+        MissingDependencyError: pyarrow is not installed.
+    """
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -49,13 +63,19 @@ def require_pyarrow() -> Any:
 
 
 def parquet_files(src: Where) -> list[str]:
-    """The ``.parquet`` file ``src``, or the ones at the top of the folder ``src`` (local or a URL), sorted."""
+    """The ``.parquet`` file ``src``, or the ones at the top of the folder ``src`` (local or a URL), sorted.
+
+    Raises:
+        SourceError: ``src`` does not exist.
+    """
     if isinstance(src, str) and is_url(src):
         if src.lower().endswith(".parquet"):
             return [src]
         base = src.rstrip("/")
         return [f"{base}/{n}" for n in sorted(url_listing(src)) if "/" not in n and n.endswith(".parquet")]
     src = Path(src)
+    if not src.exists():
+        raise SourceError(f"source {src} does not exist: pass a .parquet file or a folder of them")
     return [str(src)] if src.is_file() else sorted(str(p) for p in src.iterdir() if p.suffix == ".parquet")
 
 
@@ -64,9 +84,9 @@ def is_parquet(src: Path) -> bool:
     return src.suffix.lower() == ".parquet" or (src.is_dir() and any(p.suffix == ".parquet" for p in src.iterdir()))
 
 
-def _open(path: str, fresh: bool = False) -> Any:
-    """``pyarrow.parquet.ParquetFile`` on a local file, or on a URL through ranged reads (its footer, then the
-    column chunks each read asks for: never the whole file); the last few kept open, unless ``fresh``.
+def _open(path: str, fresh: bool = False) -> tuple[Any, str]:
+    """``(ParquetFile, footer identity)`` on a local file, or on a URL through ranged reads (its footer, then
+    the column chunks each read asks for: never the whole file); the last few kept open, unless ``fresh``.
 
     Raises:
         SourceError: It is not a readable Parquet file.
@@ -75,22 +95,24 @@ def _open(path: str, fresh: bool = False) -> Any:
     if _owner != os.getpid():
         _owner = os.getpid()
         _footers.clear()
+        _last_group.clear()
     if path in _footers and not fresh:
         _footers.move_to_end(path)
         return _footers[path]
     pq = require_pyarrow()
     try:
         pf = pq.ParquetFile(UrlReader(path) if is_url(path) else path)
+        identity = hashlib.sha256(json.dumps(pf.metadata.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
     except SourceError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise SourceError(f"{label_of(path)} is not a readable Parquet file ({type(exc).__name__}: "
                           f"{scrub(str(exc))})") from exc
-    _footers[path] = pf
+    _footers[path] = (pf, identity)
     _footers.move_to_end(path)
     while len(_footers) > _CACHED:
         _footers.popitem(last=False)
-    return pf
+    return pf, identity
 
 
 def _image_column(schema: Any) -> Optional[str]:
@@ -108,7 +130,6 @@ def _image_column(schema: Any) -> Optional[str]:
 
 def _class_names(schema: Any, column: str) -> Optional[list[str]]:
     """A ``ClassLabel`` column's names from the ``huggingface`` schema metadata, when there are some."""
-    import json
     try:
         meta = json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))
         names = meta["info"]["features"][column]["names"]
@@ -117,43 +138,75 @@ def _class_names(schema: Any, column: str) -> Optional[list[str]]:
         return None
 
 
-def _columns(path: str, fresh: bool = True) -> tuple[Any, str, list[str]]:
-    """A file's ParquetFile (its footer read afresh, unless not ``fresh``), image column and other columns.
+def _columns(path: str, fresh: bool = True) -> tuple[Any, str, str, list[str]]:
+    """A file's ParquetFile (its footer read afresh, unless not ``fresh``), footer identity, image column and
+    other columns.
 
     Raises:
         SourceError: It is not a readable Parquet file, or has no image column.
     """
-    pf = _open(path, fresh)
+    pf, identity = _open(path, fresh)
     column = _image_column(pf.schema_arrow)
     if column is None:
         raise SourceError(f"{label_of(path)}: no image column (a struct with 'bytes', as Hugging Face's Image "
                           "feature writes, or binary)")
-    return pf, column, [n for n in pf.schema_arrow.names if n != column]
+    return pf, identity, column, [n for n in pf.schema_arrow.names if n != column]
 
 
-def _rows(pf: Any, path: str, g: int, others: list[str]) -> list[dict[str, Any]]:
-    """Row group ``g``'s records (its columns but the image; nulls left out)."""
-    try:
-        table = pf.read_row_group(g, columns=others)
-    except SourceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a damaged column chunk, or a store refusing the read
-        raise SourceError(f"cannot read row group {g} of {label_of(path)} ({type(exc).__name__}: "
-                          f"{scrub(str(exc))})") from exc
-    return [{k: v for k, v in rec.items() if v is not None} for rec in table.to_pylist()]
+def _rows(pf: Any, key: tuple[str, str, int], others: list[str], lo: int, hi: int) -> list[dict[str, Any]]:
+    """Rows ``[lo, hi)`` of row group ``key[2]`` (its columns but the image; nulls left out); the group read
+    last is kept, since consecutive shards share one."""
+    path, _, g = key
+    if _last_group.get("key") != key:
+        try:
+            _last_group.update(key=None, table=pf.read_row_group(g, columns=others))
+        except SourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a damaged column chunk, or a store refusing the read
+            raise SourceError(f"cannot read row group {g} of {label_of(path)} ({type(exc).__name__}: "
+                              f"{scrub(str(exc))})") from exc
+        _last_group["key"] = key
+    rows = _last_group["table"].slice(lo, hi - lo).to_pylist()
+    return [{k: v for k, v in rec.items() if v is not None} for rec in rows]
+
+
+def _group_bytes(pf: Any, column: str) -> int:
+    """The most compressed bytes of ``column`` in one row group of ``pf`` (a struct's leaves summed)."""
+    md, most = pf.metadata, 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        most = max(most, sum(rg.column(c).total_compressed_size for c in range(rg.num_columns)
+                             if rg.column(c).path_in_schema.split(".")[0] == column))
+    return most
 
 
 def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     """A worker: read one file's footer and its columns but the image, and write its summary (NOTE [parquet
-    source] rule 1); returns it."""
+    source] rule 1).
+
+    Args:
+        task: ``(t, file, area, root)``: the file's number in the run, its path or URL, the run's `Area`,
+            and the folder its records' paths (masks) are relative to.
+        slot: Unused (the pool's shared-memory slot).
+
+    Returns:
+        The summary written.
+
+    Raises:
+        SourceError: The file is not Parquet, has no image column, or its rows break records.py's rules.
+    """
     t, path, area, root = task
-    pf, column, others = _columns(path)
+    pf, identity, column, others = _columns(path)
     name = posixpath.basename(path.rstrip("/"))
+    if _group_bytes(pf, column) > _BIG_GROUP:
+        log.warning("%s has row groups of over %d MB of images: each shard's task reads a whole row group; write "
+                    "smaller ones (Hugging Face writes 100 rows)", label_of(path), _BIG_GROUP >> 20)
     rows: list[tuple[str, dict[str, Any]]] = []
     for g in range(pf.num_row_groups):
-        rows += [(f"{name}#{len(rows) + r}", rec) for r, rec in enumerate(_rows(pf, path, g, others))]
+        n = pf.metadata.row_group(g).num_rows
+        rows += [(f"{name}#{len(rows) + r}", rec) for r, rec in enumerate(_rows(pf, (path, identity, g), others, 0, n))]
     summary = {**summarize_records(label_of(path), rows, root, "parquet"), "common": {"image column": column},
-               "class_names": _class_names(pf.schema_arrow, "label")}
+               "class_names": _class_names(pf.schema_arrow, "label"), "identity": identity}
     area.write(area.name(t, "summary"), summary)
     return summary
 
@@ -164,25 +217,38 @@ class ParquetBlobs:
 
     Args:
         files: The files of the piece.
+        identities: Each file's footer identity when its piece was loaded (rule 3).
         column: The image column.
         where: Each sample's ``(file, row group, row in the group)``.
     """
 
-    def __init__(self, files: list[str], column: str, where: list[tuple[int, int, int]]) -> None:
-        self.files, self.column, self.where = files, column, where
+    def __init__(self, files: list[str], identities: list[str], column: str, where: list[tuple[int, int, int]]
+                 ) -> None:
+        self.files, self.identities, self.column, self.where = files, identities, column, where
         self._group: Optional[tuple[int, int, Any]] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"files": self.files, "column": self.column, "where": self.where, "_group": None}
+        return {**self.__dict__, "_group": None}
 
     def chunk(self, a: int, b: int) -> "ParquetBlobs":
         """Samples ``a..b`` only (numbered from 0): what one worker task needs, not every row's place."""
-        return ParquetBlobs(self.files, self.column, self.where[a:b])
+        return ParquetBlobs(self.files, self.identities, self.column, self.where[a:b])
 
     def read(self, i: int) -> bytes:
+        """Sample ``i``'s image bytes.
+
+        Raises:
+            ImageDecodeError: The row has no image bytes (a bad record).
+            SourceError: The file changed since its piece was loaded, or cannot be read.
+        """
         f, g, row = self.where[i]
         if self._group is None or self._group[:2] != (f, g):
-            table = _open(self.files[f]).read_row_group(g, columns=[self.column])
+            pf, identity = _open(self.files[f])
+            if identity != self.identities[f]:  # a footer this process read before the file changed
+                pf, identity = _open(self.files[f], fresh=True)
+            if identity != self.identities[f]:
+                raise _changed(self.files[f])
+            table = pf.read_row_group(g, columns=[self.column])
             self._group = (f, g, table.column(0).to_pylist())
         value = self._group[2][row]
         data = value.get("bytes") if isinstance(value, dict) else value
@@ -191,41 +257,45 @@ class ParquetBlobs:
         return bytes(data)
 
 
+def _changed(path: str) -> SourceError:
+    return SourceError(f"{label_of(path)} changed since this run summarised it: rerun with --overwrite to start "
+                       "again from the files as they are now")
+
+
 @dataclass(frozen=True)
 class ParquetPiece(Piece):
     """Source positions ``[a, b)`` of summarised Parquet files: the files holding them, read by `load` where
-    the piece is decoded (NOTE [parquet source] rule 3)."""
+    the piece is decoded (NOTE [parquet source] rule 3). ``digests`` are the files' footer identities."""
 
     def load(self) -> Source:
         """The piece as a `Source` of its samples only, as reading every file up front would give them.
 
         Raises:
-            SourceError: A file cannot be read, or its row count changed since the run summarised it.
+            SourceError: A file cannot be read, or changed since the run summarised it.
         """
         s = load_schema(self.area, self.schema_sha256)
         paths: list[str] = []
         where: list[tuple[int, int, int]] = []
         rows: list[tuple[str, dict[str, Any]]] = []
         for j, _, path, lo, hi in self.ranges():
-            pf, column, others = _columns(path)
-            if pf.metadata.num_rows != self.starts[j + 1] - self.starts[j] or column != s.common["image column"]:
-                raise SourceError(f"{label_of(path)} changed since this run summarised it: rerun with --overwrite "
-                                  "to start again from the files as they are now")
+            pf, identity, _, others = _columns(path)
+            if identity != self.digests[j]:
+                raise _changed(path)
             name, first = posixpath.basename(path.rstrip("/")), 0
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
                 if first < hi and first + n > lo:
-                    recs = _rows(pf, path, g, others)
-                    for r in range(max(lo, first) - first, min(hi, first + n) - first):
+                    a, b = max(lo, first) - first, min(hi, first + n) - first
+                    for r, rec in zip(range(a, b), _rows(pf, (path, identity, g), others, a, b)):
                         paths.append(f"{name}#{first + r}")
                         where.append((j, g, r))
-                        rows.append((paths[-1], s.record(recs[r])))
+                        rows.append((paths[-1], s.record(rec)))
                 first += n
         part = from_records(iter(rows), self.location, self.root, "parquet", paths=paths)
         kinds, extras = schema_extras(s, part, len(paths))
         labels = part.labels if s.has_label else [0] * len(paths)
         return Source("parquet", self.location, self.root, paths, labels, s.classes, kinds, extras, s.has_label,
-                      ParquetBlobs(self.files, s.common["image column"], where))
+                      ParquetBlobs(self.files, self.digests, s.common["image column"], where))
 
 
 @dataclass(frozen=True)
@@ -235,8 +305,8 @@ class ParquetSource(FileSource):
     kind = "parquet"
     folder = "parquet-index"
     noun = "file"
-    required = "common"
-    summarise = staticmethod(summary_task)
+    required = "identity"
+    summarize = staticmethod(summary_task)
     piece_type = ParquetPiece
     strict = True
 
@@ -252,9 +322,25 @@ class ParquetSource(FileSource):
             raise SourceError(f"{scrub(str(src))} holds no .parquet files")
         return cls.of(src, files)
 
-    def first_has_fields(self) -> bool:
-        """Whether the first file has a column besides its image and label: read from its footer only."""
-        return bool(set(_columns(self.files[0], fresh=False)[2]) - {"label"})
+    def first_fields(self) -> Optional[str]:
+        """The first file's columns that are fields (not the image or label, not null in every row), as a
+        message names them: read from its footer only; None when there are none."""
+        import pyarrow as pa
+
+        pf, _, _, others = _columns(self.files[0], fresh=False)
+        md = pf.metadata
+        names = []
+        for name in others:
+            if pa.types.is_null(pf.schema_arrow.field(name).type):  # no value in any row
+                continue
+            leaves = [md.row_group(g).column(c) for g in range(md.num_row_groups) for c in range(md.num_columns)
+                      if md.row_group(g).column(c).path_in_schema.split(".")[0] == name]
+            stats = [leaf.statistics for leaf in leaves]
+            all_null = bool(stats) and all(st is not None and st.has_null_count and st.null_count == st.num_values
+                                           for st in stats)
+            if name != "label" and not all_null:
+                names.append(name)
+        return f"the columns {', '.join(names)}" if names else None
 
     def refuse(self, shuffle: bool) -> None:
         """``--shuffle`` is refused (NOTE [parquet source] rule 5).
@@ -262,11 +348,15 @@ class ParquetSource(FileSource):
         Raises:
             SourceError: ``shuffle`` is asked for.
         """
-        if not shuffle:
-            return
-        raise SourceError(f"--shuffle would read {scrub(str(self.location))}'s Parquet row groups once per sample: "
-                          "shuffle the rows when writing the Parquet files, or keep their order and use a larger "
-                          "shuffle_window")
+        if shuffle:
+            raise SourceError(f"--shuffle would read {scrub(str(self.location))}'s Parquet row groups once per "
+                              "sample: shuffle the rows when writing the Parquet files, or keep their order and use "
+                              "a larger shuffle_window")
 
     def shuffle(self, indexed: Indexed, seed: int) -> Any:
+        """Refused (`refuse`): never reached by a run, which refuses ``--shuffle`` first.
+
+        Raises:
+            SourceError: Always.
+        """
         self.refuse(True)

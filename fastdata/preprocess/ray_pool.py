@@ -9,8 +9,8 @@ workers, and its tasks write the shards themselves: the driver plans, journals a
    source order, or of the ``--shuffle`` permutation): its bytes are a function of its own samples
    (fastdata/formats/base.py), so one task can make it alone, exactly as the local run's writer does.
 2. The driver plans one task per unit after the last journaled one. A task loads its samples (a slice of
-   the listing; of tars, the indexes of its own tars only: NOTE [tar index] in tar_index.py), decodes them
-   with the local pool's worker functions (``image_tasks.work``, ``image_tasks.work_fields``) and the same
+   the listing; of tars and Parquet, its own files' records only: NOTE [indexed source] in indexed.py),
+   decodes them with the local pool's worker functions (``image_tasks.work``, ``image_tasks.work_fields``) and the same
    writer, in a staging folder of its own (in OUT's partial folder, or on its node for an OUT at a URL),
    then publishes the finished files under their final names (a rename, or one put each: NOTE [output at
    a URL] in store_out.py) and returns their sizes and sha256 and its skipped samples (named by path).

@@ -82,7 +82,10 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
                                   "a list of numbers, a class id/name, a path ('mask') or text")
             if kinds.setdefault(key, k) != k:
                 raise SourceError(f"{where}: {key!r} holds {k} here and {kinds[key]} in earlier records")
-            raw.setdefault(key, [None] * n).append(value)
+            col = raw.get(key)
+            if col is None:  # a key first seen here: None for the records before (built once, not per record)
+                col = raw[key] = [None] * n
+            col.append(value)
         n += 1
         for col in raw.values():
             if len(col) < n:

@@ -59,11 +59,7 @@ class Source:
     def shuffled(self, seed: int) -> "Source":
         """The same samples in the order ``numpy.random.default_rng(seed).permutation(n)`` (sample ``i`` is
         the source's ``perm[i]``), so that shards hold every class and a small ``shuffle_window`` mixes
-        batches as a full shuffle does. Parquet rows are read a row group at a time: refused."""
-        if self.blobs is not None and not hasattr(self.blobs, "permuted"):
-            raise SourceError(f"--shuffle would read {self.location}'s Parquet row groups once per sample: shuffle "
-                              "the rows when writing the Parquet files, or keep their order and use a larger "
-                              "shuffle_window")
+        batches as a full shuffle does (Parquet refuses it before: NOTE [parquet source] rule 5)."""
         perm = np.random.default_rng(seed).permutation(len(self.paths)).tolist()
         return replace(self, paths=[self.paths[i] for i in perm], labels=[self.labels[i] for i in perm],
                        extras={k: [v[i] for i in perm] for k, v in self.extras.items()},

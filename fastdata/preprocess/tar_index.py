@@ -42,7 +42,7 @@ __all__ = ["Area", "TarPiece", "TarSource", "index_name", "index_task"]
 
 def index_name(t: int, what: str) -> str:
     """Where tar ``t``'s ``"index"`` or ``"summary"`` lives in the area."""
-    return Area(None, INDEX_DIR).name(t, what)
+    return f"{INDEX_DIR}/{t:08d}.{what}.json"  # `Area.name`
 
 
 def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
@@ -113,6 +113,7 @@ class TarPiece(Piece):
 
     @property
     def tars(self) -> list[str]:
+        """The piece's tars, in order."""
         return self.files
 
     def load(self) -> Source:
@@ -146,19 +147,21 @@ class TarSource(FileSource):
     folder = INDEX_DIR
     noun = "tar"
     required = "index_sha256"
-    summarise = staticmethod(index_task)
+    summarize = staticmethod(index_task)
     piece_type = TarPiece
 
     @property
     def tars(self) -> list[str]:
+        """The tars, in order."""
         return self.files
 
-    def first_has_fields(self) -> bool:
+    def first_fields(self) -> Optional[str]:
         """Whether the first sample of the first tar has a record field besides its label (a caption, a
         number): read from the tar's head only, to refuse arguments that need none before listing every tar."""
         for _, group, reason in members(self.files[0], label_of(self.files[0])):
             try:
-                return reason is None and bool(set(record(group)[1]) - {"label"})
+                fields = reason is None and bool(set(record(group)[1]) - {"label"})
             except (ValueError, UnicodeDecodeError):
-                return False
-        return False
+                fields = False
+            return "the tars' JSON or captions" if fields else None
+        return None
