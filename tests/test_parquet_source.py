@@ -179,6 +179,32 @@ def test_a_segmentation_pair_beside_a_parquet_file_stays_a_pair_as_at_a_url(tmp_
     assert discover_source(root).kind == "segmentation"
 
 
+def test_a_hugging_face_segmentation_file_gives_the_masks_a_folder_pair_gives(tmp_path):
+    # scene_parse_150's layout: an Image column, an Image column of class maps, a scene class
+    from test_fields import make_scenes
+
+    records = make_scenes(tmp_path / "pair", 7, sizes=((120, 90), (90, 130), (64, 64)), jpeg_big=False)
+    cell = lambda p: {"bytes": (tmp_path / "pair" / p).read_bytes(), "path": None}  # noqa: E731
+    annotation = [cell(r["mask"]) for r in records]
+    annotation[4] = None  # a row without its map: a bad record, named
+    (tmp_path / "hf").mkdir()
+    pq.write_table(pa.table({"image": [cell(r["image"]) for r in records], "annotation": annotation,
+                             "scene_category": [i % 2 for i in range(7)]}), tmp_path / "hf" / "train.parquet",
+                   row_group_size=3)
+    args = ("--resize", "center-crop", "--workers", "2")
+    assert preprocess(tmp_path / "pair", tmp_path / "from-pair", *args) == 0
+    assert preprocess(tmp_path / "hf", tmp_path / "from-parquet", *args) == 0
+    m = json.loads((tmp_path / "from-parquet" / "manifest.json").read_text())
+    assert [(f["name"], f["kind"]) for f in m["fields"]] == [("image", "image"), ("scene_category", "vector"),
+                                                            ("annotation", "mask")]
+    assert [s["path"] for s in m["skipped"]] == ["train.parquet#4"] and "no annotation" in m["skipped"][0]["reason"]
+    got = FastDataset(tmp_path / "from-parquet").get_batch(np.arange(6))
+    want = FastDataset(tmp_path / "from-pair").get_batch(np.array([0, 1, 2, 3, 5, 6]))
+    assert np.array_equal(got["image"].numpy(), want["image"].numpy())
+    assert np.array_equal(got["annotation"].numpy(), want["mask"].numpy())
+    assert got["annotation"].numpy().max() > 0
+
+
 def test_another_image_column_is_refused_and_a_row_without_bytes_is_a_bad_record(tmp_path, capsys):
     src = write_parts(tmp_path / "a", [4], meta=None)
     write_parts(tmp_path / "b", [4], image="img", meta=None)

@@ -121,11 +121,13 @@ def test_parquet_at_a_url_is_read_by_row_group_and_gives_the_local_bytes(s3, tmp
     records = make_scenes(root / "img", 10, sizes=((40, 30), (30, 40)))
     for part, rows in enumerate((records[:6], records[6:])):
         table = pa.table({"image": [{"bytes": (root / "img" / r["image"]).read_bytes()} for r in rows],
-                          "label": [i % 3 for i in range(len(rows))], "caption": [f"c{i}" for i in range(len(rows))]})
+                          "label": [i % 3 for i in range(len(rows))], "caption": [f"c{i}" for i in range(len(rows))],
+                          "mask": [f"img/{r['mask']}" for r in rows]})  # paths beside the files: objects at a URL
         pq.write_table(table, root / f"part-{part}.parquet", row_group_size=4)
     url = upload(s3, "parquet", root, "hf")
     local = preprocess(root, tmp_path / "local", "--workers", "2")
     assert local["source"]["kind"] == "parquet" and local["num_samples"] == 10
+    assert [f["name"] for f in local["fields"]] == ["image", "label", "caption", "mask"]
     assert_same_output(local, preprocess(url, tmp_path / "remote", "--workers", "2"), url)
     one = preprocess(root / "part-1.parquet", tmp_path / "local1")
     assert_same_output(one, preprocess(f"{url}/part-1.parquet", tmp_path / "remote1"), f"{url}/part-1.parquet")

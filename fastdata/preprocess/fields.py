@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -101,7 +101,7 @@ class RecordDecoder:
         for name, kind in self.kinds.items():
             v = values.get(name)
             if kind == "mask":
-                fields[name] = self._mask(v, w, h, g)
+                fields[name] = self._mask(v, w, h, g, name)
             elif kind == "boxes":
                 fields["boxes"], fields["box_labels"] = self._boxes(v, values.get("box_labels", []), w, h, g)
             elif kind == "labels":
@@ -119,11 +119,15 @@ class RecordDecoder:
             raise ImageDecodeError(f"{name}: unknown class {int(bad[0])} (the dataset has {self.num_classes} classes)")
         return arr
 
-    def _mask(self, rel: Optional[str], w: int, h: int, g: Geometry) -> np.ndarray:
-        if rel is None:
-            raise ImageDecodeError("no mask for this image (masks/ has no file of the same stem)")
-        if is_url(rel):  # a URL source's masks are full URLs (NOTE [url source] in fastdata/preprocess/sources.py)
-            path: Any = io.BytesIO(read_object(rel))
+    def _mask(self, rel: Union[str, bytes, None], w: int, h: int, g: Geometry, name: str) -> np.ndarray:
+        if rel is None or rel == b"":
+            raise ImageDecodeError(f"no {name} for this image (masks/ has no file of the same stem, or its row has "
+                                   "none)")
+        if isinstance(rel, (bytes, bytearray)):  # a Parquet Image column's PNG, read with the image (parquet.py)
+            path: Any = io.BytesIO(rel)
+            rel = f"in column {name!r}"
+        elif is_url(rel):  # a URL source's masks are full URLs (NOTE [url source] in fastdata/preprocess/sources.py)
+            path = io.BytesIO(read_object(rel))
             rel = scrub(rel)
         else:
             path = self.root / rel

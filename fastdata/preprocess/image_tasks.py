@@ -151,8 +151,11 @@ def work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any
     out: dict[str, list[Any]] = {}
     for j, rel in enumerate(paths):
         try:
-            got = dec.decode(open_source(Path(root), rel, blobs, j), {k: v[j] for k, v in values.items()},
-                             labels[j] if has_label else None, pixels[len(ok)])
+            row = {k: v[j] for k, v in values.items()}
+            if getattr(blobs, "field_columns", None):  # read with the image (a Parquet row's mask bytes)
+                row.update(blobs.read_fields(j))
+            got = dec.decode(open_source(Path(root), rel, blobs, j), row, labels[j] if has_label else None,
+                             pixels[len(ok)])
         except (ImageDecodeError, OSError) as exc:
             failures.append((first + j, reason_of(exc)))
             continue

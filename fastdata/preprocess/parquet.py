@@ -7,8 +7,10 @@ NOTE [parquet source]:
    the file's summary; no index is written beside it.
 2. Every column is a field as a key of a JSONL record is (records.py): a value that cannot be stored, a
    column whose kind or length differs between files, or a float column with a null is an error naming the
-   file and row. Every file has the same image column (a struct with ``bytes``, Hugging Face's Image
-   feature, or binary). A ``ClassLabel``'s names, from the ``huggingface`` schema metadata, name the ids.
+   file and row. Image columns hold a struct with ``bytes`` (Hugging Face's Image feature) or binary: the
+   one named ``image`` (else the first) is the image, and every other one is a mask field of its own name
+   (a segmentation map, as ``scene_parse_150`` has), read by the workers with the image. Every file has
+   the same image and mask columns. A ``ClassLabel``'s names (``huggingface`` schema metadata) name the ids.
 3. A summary records its file's footer identity (a sha256 of the footer's row groups, column chunks and
    statistics). A piece reads its files' footers afresh and refuses one whose identity changed since its
    summary (the file changed under the run: ``--overwrite`` starts again); it reads the other columns of
@@ -29,15 +31,16 @@ import posixpath
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from .._io import scrub
 from ..errors import ImageDecodeError, MissingDependencyError, SourceError
+from ..formats.schema import valid_name
 from ..storage.remote import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records
-from .sources import Source, UrlReader, url_listing
+from .sources import Source, UrlReader, parent, url_listing
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +118,19 @@ def _open(path: str, fresh: bool = False) -> tuple[Any, str]:
     return pf, identity
 
 
-def _image_column(schema: Any) -> Optional[str]:
-    """The column holding encoded images: a struct with ``bytes`` (Hugging Face's Image feature) or binary."""
+def _image_columns(schema: Any) -> tuple[Optional[str], list[str]]:
+    """The column holding the encoded images, and the other image columns (masks): a struct with ``bytes``
+    (Hugging Face's Image feature) or binary. The image is the column named ``image`` where there is one,
+    else the first struct (then binary) column."""
     import pyarrow as pa
-    for name in schema.names:
-        t = schema.field(name).type
-        if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
-            return name
-    for name in schema.names:
-        if pa.types.is_binary(schema.field(name).type) or pa.types.is_large_binary(schema.field(name).type):
-            return name
-    return None
+
+    types = {n: schema.field(n).type for n in schema.names}
+    structs = [n for n, t in types.items() if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0]
+    found = structs + [n for n, t in types.items() if pa.types.is_binary(t) or pa.types.is_large_binary(t)]
+    if not found:
+        return None, []
+    image = "image" if "image" in found else found[0]
+    return image, [n for n in schema.names if n in found and n != image]
 
 
 def _class_names(schema: Any, column: str) -> Optional[list[str]]:
@@ -138,19 +143,23 @@ def _class_names(schema: Any, column: str) -> Optional[list[str]]:
         return None
 
 
-def _columns(path: str, fresh: bool = True) -> tuple[Any, str, str, list[str]]:
-    """A file's ParquetFile (its footer read afresh, unless not ``fresh``), footer identity, image column and
-    other columns.
+def _columns(path: str, fresh: bool = True) -> tuple[Any, str, str, list[str], list[str]]:
+    """A file's ParquetFile (its footer read afresh, unless not ``fresh``), footer identity, image column,
+    mask columns (the other image columns: rule 2) and the other columns.
 
     Raises:
         SourceError: It is not a readable Parquet file, or has no image column.
     """
     pf, identity = _open(path, fresh)
-    column = _image_column(pf.schema_arrow)
+    column, masks = _image_columns(pf.schema_arrow)
     if column is None:
         raise SourceError(f"{label_of(path)}: no image column (a struct with 'bytes', as Hugging Face's Image "
                           "feature writes, or binary)")
-    return pf, identity, column, [n for n in pf.schema_arrow.names if n != column]
+    bad = next((m for m in masks if not valid_name(m)), None)
+    if bad:
+        raise SourceError(f"{label_of(path)}: cannot store the image column {bad!r} as a mask: a field's name is "
+                          "lower-case letters, digits and _")
+    return pf, identity, column, masks, [n for n in pf.schema_arrow.names if n != column and n not in masks]
 
 
 def _rows(pf: Any, key: tuple[str, str, int], others: list[str], lo: int, hi: int) -> list[dict[str, Any]]:
@@ -195,8 +204,8 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     Raises:
         SourceError: The file is not Parquet, has no image column, or its rows break records.py's rules.
     """
-    t, path, area, root = task
-    pf, identity, column, others = _columns(path)
+    t, path, area, _ = task
+    pf, identity, column, masks, others = _columns(path)
     name = posixpath.basename(path.rstrip("/"))
     if _group_bytes(pf, column) > _BIG_GROUP:
         log.warning("%s has row groups of over %d MB of images: each shard's task reads a whole row group; write "
@@ -205,8 +214,11 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         rows += [(f"{name}#{len(rows) + r}", rec) for r, rec in enumerate(_rows(pf, (path, identity, g), others, 0, n))]
-    summary = {**summarize_records(label_of(path), rows, root, "parquet"), "common": {"image column": column},
-               "class_names": _class_names(pf.schema_arrow, "label"), "identity": identity}
+    summary = summarize_records(label_of(path), rows, parent(path), "parquet")  # mask paths: beside the file
+    summary["seen"] = summary["numeric"] = sorted(summary["seen"] + masks)
+    summary["kinds"] += [[m, "mask"] for m in masks]  # after the other columns' fields, in the file's order
+    summary.update(common={"image column": column, "mask columns": masks}, identity=identity,
+                   class_names=_class_names(pf.schema_arrow, "label"))
     area.write(area.name(t, "summary"), summary)
     return summary
 
@@ -220,19 +232,35 @@ class ParquetBlobs:
         identities: Each file's footer identity when its piece was loaded (rule 3).
         column: The image column.
         where: Each sample's ``(file, row group, row in the group)``.
+        field_columns: Image columns read with the image as fields (masks: `read_fields`).
     """
 
-    def __init__(self, files: list[str], identities: list[str], column: str, where: list[tuple[int, int, int]]
-                 ) -> None:
+    def __init__(self, files: list[str], identities: list[str], column: str, where: list[tuple[int, int, int]],
+                 field_columns: Sequence[str] = ()) -> None:
         self.files, self.identities, self.column, self.where = files, identities, column, where
-        self._group: Optional[tuple[int, int, Any]] = None
+        self.field_columns = list(field_columns)
+        self._group: Optional[tuple[int, int, dict[str, list[Any]]]] = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_group": None}
 
     def chunk(self, a: int, b: int) -> "ParquetBlobs":
         """Samples ``a..b`` only (numbered from 0): what one worker task needs, not every row's place."""
-        return ParquetBlobs(self.files, self.identities, self.column, self.where[a:b])
+        return ParquetBlobs(self.files, self.identities, self.column, self.where[a:b], self.field_columns)
+
+    def _row(self, i: int) -> tuple[dict[str, list[Any]], int]:
+        """Sample ``i``'s row group, its image columns as lists, and its row in it."""
+        f, g, row = self.where[i]
+        if self._group is None or self._group[:2] != (f, g):
+            pf, identity = _open(self.files[f])
+            if identity != self.identities[f]:  # a footer this process read before the file changed
+                pf, identity = _open(self.files[f], fresh=True)
+            if identity != self.identities[f]:
+                raise _changed(self.files[f])
+            columns = [self.column, *self.field_columns]
+            table = pf.read_row_group(g, columns=columns)
+            self._group = (f, g, {c: table.column(c).to_pylist() for c in columns})
+        return self._group[2], row
 
     def read(self, i: int) -> bytes:
         """Sample ``i``'s image bytes.
@@ -241,20 +269,23 @@ class ParquetBlobs:
             ImageDecodeError: The row has no image bytes (a bad record).
             SourceError: The file changed since its piece was loaded, or cannot be read.
         """
-        f, g, row = self.where[i]
-        if self._group is None or self._group[:2] != (f, g):
-            pf, identity = _open(self.files[f])
-            if identity != self.identities[f]:  # a footer this process read before the file changed
-                pf, identity = _open(self.files[f], fresh=True)
-            if identity != self.identities[f]:
-                raise _changed(self.files[f])
-            table = pf.read_row_group(g, columns=[self.column])
-            self._group = (f, g, table.column(0).to_pylist())
-        value = self._group[2][row]
-        data = value.get("bytes") if isinstance(value, dict) else value
-        if not isinstance(data, (bytes, bytearray)) or not data:
-            raise ImageDecodeError(f"row {row} of row group {g} has no image bytes in column {self.column!r}")
-        return bytes(data)
+        group, row = self._row(i)
+        data = _bytes(group[self.column][row])
+        if not data:
+            raise ImageDecodeError(f"row {row} of row group {self.where[i][1]} has no image bytes in column "
+                                   f"{self.column!r}")
+        return data
+
+    def read_fields(self, i: int) -> dict[str, Optional[bytes]]:
+        """Sample ``i``'s mask columns' bytes (None where its row has none), from the row group `read` reads."""
+        group, row = self._row(i)
+        return {c: _bytes(group[c][row]) or None for c in self.field_columns}
+
+
+def _bytes(value: Any) -> bytes:
+    """An image cell's encoded bytes: Hugging Face's ``{"bytes": ..., "path": ...}`` or plain binary."""
+    data = value.get("bytes") if isinstance(value, dict) else value
+    return bytes(data) if isinstance(data, (bytes, bytearray)) else b""
 
 
 def _changed(path: str) -> SourceError:
@@ -278,7 +309,7 @@ class ParquetPiece(Piece):
         where: list[tuple[int, int, int]] = []
         rows: list[tuple[str, dict[str, Any]]] = []
         for j, _, path, lo, hi in self.ranges():
-            pf, identity, _, others = _columns(path)
+            pf, identity, _, _, others = _columns(path)
             if identity != self.digests[j]:
                 raise _changed(path)
             name, first = posixpath.basename(path.rstrip("/")), 0
@@ -291,11 +322,12 @@ class ParquetPiece(Piece):
                         where.append((j, g, r))
                         rows.append((paths[-1], s.record(rec)))
                 first += n
-        part = from_records(iter(rows), self.location, self.root, "parquet", paths=paths)
-        kinds, extras = schema_extras(s, part, len(paths))
+        part = from_records(iter(rows), self.location, parent(self.files[0]), "parquet", paths=paths)
+        kinds, extras = schema_extras(s, part, len(paths))  # a mask column's values: read with the image
         labels = part.labels if s.has_label else [0] * len(paths)
         return Source("parquet", self.location, self.root, paths, labels, s.classes, kinds, extras, s.has_label,
-                      ParquetBlobs(self.files, self.digests, s.common["image column"], where))
+                      ParquetBlobs(self.files, self.digests, s.common["image column"], where,
+                                   s.common.get("mask columns", [])))
 
 
 @dataclass(frozen=True)
@@ -327,9 +359,9 @@ class ParquetSource(FileSource):
         message names them: read from its footer only; None when there are none."""
         import pyarrow as pa
 
-        pf, _, _, others = _columns(self.files[0], fresh=False)
+        pf, _, _, masks, others = _columns(self.files[0], fresh=False)
         md = pf.metadata
-        names = []
+        names = list(masks)
         for name in others:
             if pa.types.is_null(pf.schema_arrow.field(name).type):  # no value in any row
                 continue

@@ -137,7 +137,8 @@ def _classes(extras: dict[str, list[Any]], location: Where) -> tuple[list[str], 
         return [], extras
     if all(isinstance(v, int) and not isinstance(v, bool) for v in names):
         if min(names) < 0:
-            raise SourceError(f"{location}: class ids must be >= 0, got {min(names)}")
+            raise SourceError(f"{location}: class ids must be >= 0, got {min(names)} (Hugging Face writes -1 in an "
+                              "unlabelled split: drop its label column, or preprocess a labelled split)")
         return [str(i) for i in range(max(names) + 1)], extras
     if not all(isinstance(v, str) for v in names):
         raise SourceError(f"{location}: class labels mix ids and names ({names[0]!r}, ...): use one or the other")
