@@ -198,3 +198,25 @@ def test_an_unreadable_url_is_one_line_without_secrets(s3, tmp_path, monkeypatch
         assert "hunter" not in str(err.value) and "127.0.0.1:9" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(SourceError, match="s3://empty/nothing/"):  # an empty prefix: nothing to read
         discover_source(f"{s3('empty')}/nothing/")
+
+
+def test_a_chunks_masks_at_a_url_are_requested_ahead_of_their_images(s3, proxy, tmp_path):
+    # one round trip per mask after each image would leave a worker waiting on the store's latency
+    import time
+
+    from fastdata.preprocess.fields import mask_readers, row_values
+
+    url = s3("masks-ahead")
+    for i in range(6):
+        s3.client.put_object(Bucket="masks-ahead", Key=f"m/{i}.png", Body=f"mask {i}".encode())
+    values = {"mask": [f"{url}/m/{i}.png" if i != 3 else None for i in range(6)]}
+    readers = mask_readers({"mask": "mask"}, values)
+    first = row_values(values, 0, readers, None)["mask"]
+    assert first.read() == b"mask 0" and str(first) == f"{url}/m/0.png"
+    deadline = time.monotonic() + 30
+    while sum(proxy.gets.values()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the requests ahead finish on the reader's threads
+    assert sorted(k.rsplit("/", 1)[-1] for k in proxy.gets) == ["0.png", "1.png", "2.png", "4.png", "5.png"]
+    assert row_values(values, 3, readers, None)["mask"] is None  # no mask: the decoder names it, nothing read
+    assert [row_values(values, j, readers, None)["mask"].read() for j in (4, 5)] == [b"mask 4", b"mask 5"]
+    assert sum(proxy.gets.values()) == 5  # each object once

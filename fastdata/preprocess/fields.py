@@ -25,7 +25,7 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
-from .sources import read_object
+from .sources import UrlBlobs, read_object
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -119,12 +119,16 @@ class RecordDecoder:
             raise ImageDecodeError(f"{name}: unknown class {int(bad[0])} (the dataset has {self.num_classes} classes)")
         return arr
 
-    def _mask(self, rel: Union[str, bytes, None], w: int, h: int, g: Geometry, name: str) -> np.ndarray:
+    def _mask(self, rel: Union[str, bytes, io.BytesIO, None], w: int, h: int, g: Geometry, name: str
+              ) -> np.ndarray:
         if rel is None or rel == b"":
             raise ImageDecodeError(f"no {name} for this image (masks/ has no file of the same stem, or its row has "
                                    "none)")
-        if isinstance(rel, (bytes, bytearray)):  # a Parquet Image column's PNG, read with the image (parquet.py)
-            path: Any = io.BytesIO(rel)
+        if isinstance(rel, io.BytesIO):  # an object at a URL, read ahead (`mask_readers`): named by its URL
+            path: Any = rel
+            rel = str(rel)
+        elif isinstance(rel, (bytes, bytearray)):  # a Parquet Image column's PNG, read with the image (parquet.py)
+            path = io.BytesIO(rel)
             rel = f"in column {name!r}"
         elif is_url(rel):  # a URL source's masks are full URLs (NOTE [url source] in fastdata/preprocess/sources.py)
             path = io.BytesIO(read_object(rel))
@@ -168,6 +172,35 @@ class RecordDecoder:
         if not isinstance(text, str):
             raise ImageDecodeError(f"expected text for a caption, got {text!r}")
         return cached_tokenizer(self.tokenizer).encode_batch([text])[0]
+
+
+def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[str, UrlBlobs]:
+    """A read-ahead reader for each mask field of a chunk whose masks are objects at URLs: they are requested
+    ahead as the chunk's images are (NOTE [url source] in fastdata/preprocess/sources.py), not one round trip
+    a sample after each image."""
+    readers = {}
+    for name, kind in kinds.items():
+        urls = [v if isinstance(v, str) and is_url(v) else None for v in values.get(name) or []]
+        if kind == "mask" and any(urls):
+            readers[name] = UrlBlobs("", urls)
+    return readers
+
+
+def row_values(values: dict[str, list[Any]], j: int, readers: dict[str, UrlBlobs], blobs: Any) -> dict[str, Any]:
+    """Sample ``j``'s field values: the chunk's own, its masks' bytes where a reader fetched them, and the
+    fields ``blobs`` reads with the image (a Parquet row's mask columns).
+
+    Raises:
+        ImageDecodeError: A mask object is missing (a bad record).
+        SourceError: The store is down past the retry budget.
+    """
+    row = {k: v[j] for k, v in values.items()}
+    for name, reader in readers.items():
+        if reader.names[j] is not None:
+            row[name] = Blob(reader.read(j), scrub(reader.names[j]))
+    if getattr(blobs, "field_columns", None):
+        row.update(blobs.read_fields(j))
+    return row
 
 
 def open_source(root: Path, rel: str, blobs: Any, index: int) -> Any:

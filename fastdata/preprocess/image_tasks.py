@@ -15,7 +15,7 @@ from ..formats.base import LABEL_DTYPE
 from ..formats.schema import Field
 from ..imaging import decode_file as decode
 from . import parallel, store_out
-from .fields import RecordDecoder, open_source
+from .fields import RecordDecoder, mask_readers, open_source, row_values
 
 MAX_SIDE = "max-side"  # lmdb: the longer side at most S, aspect kept, never upscaled (FFCV's max_resolution)
 
@@ -149,11 +149,10 @@ def work_fields(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
     out: dict[str, list[Any]] = {}
+    readers = mask_readers(kinds, values)
     for j, rel in enumerate(paths):
         try:
-            row = {k: v[j] for k, v in values.items()}
-            if getattr(blobs, "field_columns", None):  # read with the image (a Parquet row's mask bytes)
-                row.update(blobs.read_fields(j))
+            row = row_values(values, j, readers, blobs)
             got = dec.decode(open_source(Path(root), rel, blobs, j), row, labels[j] if has_label else None,
                              pixels[len(ok)])
         except (ImageDecodeError, OSError) as exc:

@@ -5,7 +5,8 @@ machine's disk or at an fsspec URL.
 NOTE [url source]:
 1. A URL SRC (``s3://``, ``gs://``, ``file://``, anything fsspec knows) is read where it lives, never copied
    whole to disk: the driver lists a folder once (``find``) and streams a records or text file through
-   ranged reads (`UrlReader`); each worker reads its samples' objects itself (`UrlBlobs`).
+   ranged reads (`UrlReader`); each worker reads its samples' objects itself (`UrlBlobs`), a few ahead of
+   the one it decodes, masks as images (`fields.mask_readers`).
 2. A folder at a URL gives the classes, paths and order a local folder of the same files gives; records'
    paths are relative to the records file's folder URL and may not leave it (masks become full URLs, which
    the worker reads the same way). The output is byte-identical to the local run's.
@@ -351,8 +352,8 @@ class UrlBlobs:
     (SourceError). Picklable: a task carries its chunk's names; each worker uses its own filesystem.
 
     Args:
-        base: The folder URL the names are relative to.
-        names: Each sample's object, relative to ``base``.
+        base: The folder URL the names are relative to ("" where they are whole URLs: a chunk's masks).
+        names: Each sample's object, relative to ``base`` (None: nothing to read for that sample).
     """
 
     def __init__(self, base: str, names: list[str]) -> None:
@@ -373,7 +374,7 @@ class UrlBlobs:
     def read(self, i: int) -> bytes:
         pool = _readers()
         for j in range(i, min(i + _AHEAD, len(self.names))):
-            if j not in self._ahead:
+            if j not in self._ahead and self.names[j] is not None:  # None: a sample with nothing to read
                 self._ahead[j] = pool.submit(read_object, posixpath.join(self.base, self.names[j]))
         for j in [j for j in self._ahead if j < i]:  # skipped over (a caller that reads out of order)
             self._ahead.pop(j).cancel()
