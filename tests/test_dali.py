@@ -273,6 +273,44 @@ def test_choosing_the_hw_decoder_load_from_measurements():
     assert [window.tick() for _ in range(3)] == [False, False, True] and list(carried.seconds_per_batch) == [0.65]
 
 
+def test_a_lockstep_trial_ends_its_windows_on_a_count_and_measures_every_load(monkeypatch):
+    # NOTE [hw_decoder_load auto] 9: under DDP no window waits on the host's clock and none settles early
+    from fastdata.gpu import dali_tune
+    from fastdata.gpu.dali_tune import CANDIDATES, HwLoadTrial
+
+    monkeypatch.setattr(dali_tune, "LOCKSTEP_BATCHES", 3)
+    trial = HwLoadTrial(torch.device("cpu"), warmup=1, first_warmup=2, batches=50, seconds=10.0, lockstep=True)
+    window = trial.window()
+    assert [window.tick() for _ in range(5)] == [False, False, False, False, True]  # 2 untimed, 3 timed
+    for s in (1.01, 0.995, 1.0, 1.0):  # the first three are even: a lone rank would settle here
+        trial.record(trial.load, s)
+    assert trial.done and list(trial.seconds_per_batch) == list(CANDIDATES)
+
+
+def test_ranks_switch_pipelines_at_the_same_batch_during_a_lockstep_trial(indexed_datasets, monkeypatch):
+    from fastdata.gpu import dali_tune
+    from fastdata.gpu.dali_tune import HwLoadTrial
+
+    monkeypatch.setattr(dali_tune, "LOCKSTEP_BATCHES", 4)
+    loads, seen = [], []
+    for rank in (0, 1):
+        dl = loader(indexed_datasets["lmdb"], batch_size=4, shuffle=True, seed=3, rank=rank, world_size=2)
+        dl.hw_decoder_load_trial = HwLoadTrial(dl.device, warmup=1, first_warmup=2, lockstep=True)
+        mine, served = [], []
+        for epoch in range(4):
+            dl.set_epoch(epoch)
+            for x, _ in dl:
+                mine.append(None if dl.hw_decoder_load_trial.done else dl._load)  # each rank chooses its own
+                served += ids(x) if epoch == 0 else []
+            if rank == 0:
+                time.sleep(0.05)  # the ranks' clocks differ: their windows still end together
+        loads.append(mine)
+        seen.append(served)
+        assert dl.hw_decoder_load_trial.done and len(dl.hw_decoder_load_trial.seconds_per_batch) == 5
+    assert loads[0] == loads[1] and len(set(loads[0])) == 6  # every switch, and the end, at the same batch
+    assert not set(seen[0]) & set(seen[1]) and len(seen[0]) + len(seen[1]) == 100  # each sample once
+
+
 def trial_loader(path, **kw):
     """A DALILoader running the ``"auto"`` trial with short windows (8 batches, no least duration): on the
     CPU, where "auto" has no trial of its own, the pipeline switches run on DALI's CPU decoder (which

@@ -206,8 +206,8 @@ class DALILoader(SamplerBacked):
         # NOTE [hw_decoder_load auto]: the trial (on a GPU only), the load of _pipe, and a measured candidate's
         # reset pipeline kept while it is the best so far
         self.hw_decoder_load_trial: Optional[HwLoadTrial] = None
-        if hw_decoder_load == "auto" and self.device.type == "cuda":
-            self.hw_decoder_load_trial = HwLoadTrial(self.device)
+        if hw_decoder_load == "auto" and self.device.type == "cuda":  # ranks switch at the same output (rule 9)
+            self.hw_decoder_load_trial = HwLoadTrial(self.device, lockstep=self.sampler.world_size > 1)
         self._load: Optional[float] = None  # DALI's default
         if hw_decoder_load not in (None, "auto"):
             self._load = float(hw_decoder_load)  # type: ignore[arg-type]

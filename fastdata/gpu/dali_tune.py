@@ -32,8 +32,12 @@ NOTE [hw_decoder_load auto]:
    makes no difference here: a GPU without a hardware decoder (DALI then ignores the load) or a loader far
    from being the bottleneck. A batch's decode time modelled as ``max(a * load, b * (1 - load)) + c``
    cannot give three equal times at three loads unless it does not depend on the load.
-8. On the CPU there is no hardware decoder: ``"auto"`` is DALI's default, with no trial. Under DDP each rank
-   measures and chooses on its own: the load changes how fast batches come, never which.
+8. On the CPU there is no hardware decoder: ``"auto"`` is DALI's default, with no trial.
+9. Under DDP (``lockstep``) each rank measures and chooses on its own (the load changes how fast batches
+   come, never which), but every rank switches pipelines at the same output: a window ends on a count of
+   outputs (`LOCKSTEP_BATCHES`), not on the host's clock, and every candidate is measured (no early
+   settling, which one rank may reach and another not). A rank rebuilding its pipeline while the others
+   time a window would stall their collectives inside it, and their figures with them.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ import torch
 
 CANDIDATES = (0.65, 0.0, 1.0, 0.9, 0.5)  # NOTE [hw_decoder_load auto] 2
 TOLERANCE = 0.03  # loads within 3% count as equal: under the 5% that issue #40 allows, room left for noise
+LOCKSTEP_BATCHES = 32  # a window's timed outputs under DDP: a count every rank reaches at the same step (rule 9)
 
 
 def choose(seconds_per_batch: Mapping[float, float], tolerance: float = TOLERANCE) -> Optional[float]:
@@ -81,6 +86,9 @@ class HwLoadTrial:
         batches: Timed outputs a window, at least (default 8).
         seconds: Seconds a window lasts, at least (default 0.5: the trial takes a few seconds).
         tolerance: See `choose` and `flat` (default `TOLERANCE`).
+        lockstep: Every rank of a DDP run switches at the same output (NOTE [hw_decoder_load auto] 9):
+            windows of `LOCKSTEP_BATCHES` outputs (``batches`` and ``seconds`` ignored), every candidate
+            measured (default False).
 
     Attributes:
         seconds_per_batch: Each measured load's seconds a batch, in the order measured.
@@ -89,12 +97,14 @@ class HwLoadTrial:
 
     def __init__(self, device: torch.device, candidates: Sequence[float] = CANDIDATES, *, warmup: int = 4,
                  first_warmup: int = 12, batches: int = 8, seconds: float = 0.5,
-                 tolerance: float = TOLERANCE) -> None:
+                 tolerance: float = TOLERANCE, lockstep: bool = False) -> None:
         if not candidates or min(warmup, first_warmup, batches) < 1:
             raise ValueError("a trial needs candidates, and warmup, first_warmup and batches >= 1")
+        if lockstep:
+            batches, seconds = LOCKSTEP_BATCHES, 0.0
         self.device, self.candidates = device, tuple(float(c) for c in candidates)
         self.warmup, self.first_warmup, self.batches, self.seconds = warmup, first_warmup, batches, seconds
-        self.tolerance = tolerance
+        self.tolerance, self.lockstep = tolerance, lockstep
         self.seconds_per_batch: dict[float, float] = {}
         self.chosen: Optional[float] = None
         self._carried = (0.0, 0, 0.0)  # the current candidate's windows ended with an epoch: seconds, outputs, host s
@@ -132,10 +142,11 @@ class HwLoadTrial:
 
     def record(self, load: float, seconds_per_batch: float) -> None:
         """One window's result; the trial ends after the last candidate, or early when the first three
-        are `flat`."""
+        are `flat` (not in ``lockstep``)."""
         self.seconds_per_batch[load] = seconds_per_batch
         measured = list(self.seconds_per_batch.values())
-        if len(measured) == len(self.candidates) or (len(measured) == 3 and flat(measured, self.tolerance)):
+        early = not self.lockstep and len(measured) == 3 and flat(measured, self.tolerance)
+        if len(measured) == len(self.candidates) or early:
             self.chosen = self.pick()
 
     def window(self) -> Optional["Window"]:
