@@ -6,7 +6,8 @@
 2. Serving (B, seq_len + 1) windows: TokenDataset.get_batch vs a memcpy of the same bytes (the ceiling)
    vs the best gather of rows of the same size at random offsets (np.take of contiguous rows: the memory
    system's limit for this access pattern) vs nanoGPT's get_batch (a new np.memmap every batch, a Python
-   list of windows, torch.stack).
+   list of windows, torch.stack). get_batch uses the compiled window copy where numba is installed (rule 5
+   of NOTE [window gather]); the "gather" rows time the numpy/torch gather it replaces, in the same run.
 Targets (issue 7): TokenDataset >= 0.5x memcpy.
 
     python benchmarks/bench_text.py [--mb 20] [--seq-len 1024 4096] [--batch 64]
@@ -86,9 +87,16 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
         ix = torch.randint(len(data) - seq_len - 1, (batch,))
         torch.stack([torch.from_numpy(data[i:i + seq_len + 1].astype(np.int64)) for i in ix.tolist()])
 
+    from fastdata.datasets import window_copy
+    compiled = window_copy.kernel(wait=True) is not None  # compiled before any timing (numba's cache after)
+
+    def gather(d: TokenDataset) -> None:  # get_batch's path without the compiled copy
+        d._gather(d.starts(rng.integers(0, len(d), batch)), dst)
+
     r = {"memcpy": rate(memcpy), "row gather": rate(row_gather),
          "TokenDataset mmap": rate(lambda: ds.get_batch(rng.integers(0, len(ds), batch), out=out)),
          "TokenDataset ram": rate(lambda: ds_ram.get_batch(rng.integers(0, len(ds_ram), batch), out=out)),
+         "gather mmap": rate(lambda: gather(ds)), "gather ram": rate(lambda: gather(ds_ram)),
          "nanoGPT get_batch": rate(nanogpt)}
     gb = length * ds.np_dtype.itemsize / 1e9
     print(f"windows of {length} tokens ({length * ds.np_dtype.itemsize} B), batch {batch}, stream of "
@@ -98,6 +106,9 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
         print(f"  {name:<20} {v:>12,.0f} {v * gb:>6.2f} {v / r['memcpy']:>8.2f}x {v / r['row gather']:>12.2f}x")
     print(f"  TokenDataset mmap is {r['TokenDataset mmap'] / r['nanoGPT get_batch']:.1f}x nanoGPT's get_batch; "
           f"target (issue 7): >= 0.5x memcpy")
+    print(f"  compiled copy {'in use' if compiled else 'NOT available (no numba): the rows are the gather'}: "
+          f"get_batch / the gather: mmap {r['TokenDataset mmap'] / r['gather mmap']:.2f}x, "
+          f"ram {r['TokenDataset ram'] / r['gather ram']:.2f}x")
 
 
 def main() -> None:

@@ -423,6 +423,8 @@ def test_token_windows_gathered_by_torch_or_numpy_are_the_streams(tmp_path, monk
         preprocess(write_jsonl(tmp_path / f"{name}.jsonl", make_docs(docs, seed=len(sets))), tmp_path / name,
                    "--val-fraction", "0")
         sets[name] = tokens.TokenDataset(tmp_path / name, seq_len=16, storage=storage, **kw)
+        sets[name]._compiled()
+        sets[name]._copy.usable = False  # the gather's rules (the compiled copy: tests/test_window_copy.py)
         streams[name] = token_stream(tmp_path / name, "train")
         assert sets[name]._flat_rows is not None and len(sets[name]) > 3 * tokens.TORCH_GATHER_ROWS
     selects = []

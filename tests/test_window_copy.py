@@ -183,3 +183,42 @@ def test_a_fork_waits_for_a_compile_under_way(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}  # a cold compile: the window is widest
     done = subprocess.run([sys.executable, "-c", code], env=env, timeout=120)
     assert done.returncode == 0
+
+
+@pytest.mark.parametrize("storage", ["mmap", "ram"])
+def test_one_dataset_serves_its_windows_by_the_compiled_copy(kernel, token_sets, monkeypatch, storage):
+    # rule 5 of NOTE [window gather]: a single TokenDataset's batch in one compiled call, the gather's bytes
+    for name, kw in (("web", {}), ("math", {"stride": 5}), ("code", {})):  # small shards, odd shards, one shard
+        ds = TokenDataset(token_sets[name], seq_len=16, storage=storage, **kw)
+        rng = np.random.default_rng(len(name))
+        idx = rng.integers(0, len(ds), 300)  # any order, repeats: windows across shard boundaries too
+        want = windows_of(token_sets[name], ds, idx)
+        with monkeypatch.context() as m:
+            m.setattr(TokenDataset, "_gather", lambda *a: pytest.fail("the gather served, not the compiled copy"))
+            x, y = ds.get_batch(idx)
+            buf = torch.zeros((len(idx) + 5, 17), dtype=ds.sample_dtype)
+            bx, _ = ds.get_batch(idx, out=buf)
+        assert np.array_equal(x.numpy(), want[:, :-1]) and torch.equal(x[:, 1:], y[:, :-1])
+        assert bx.data_ptr() == buf.data_ptr() and np.array_equal(buf[:len(idx)].numpy(), want)
+        with pytest.raises(IndexError, match="window index out of range"):
+            ds.get_batch(np.array([0, len(ds)]))
+        again = pickle.loads(pickle.dumps(ds))  # a copy has its own table, and its own compiled copy
+        assert np.array_equal(again.get_batch(idx)[0].numpy(), want[:, :-1]) and again._copy is not ds._copy
+    random = TokenDataset(token_sets["web"], seq_len=16, random_windows=True, seed=3)
+    assert random._compiled() is None  # its starts are drawn: the gather serves them
+
+
+def test_a_dropped_dataset_is_freed_with_its_compiled_copy(kernel, token_sets):
+    import gc
+    import weakref
+
+    ds = TokenDataset(token_sets["web"], seq_len=16, storage="ram")
+    ds.get_batch(np.arange(4))
+    assert ds._copy is not None
+    ref = weakref.ref(ds)
+    gc.disable()  # freed by its reference count, not by a later collection of a cycle
+    try:
+        del ds
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -9,6 +9,7 @@ starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -24,7 +25,7 @@ from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.remote import RETRY_SECONDS
 from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
-from .window_copy import Segments
+from .window_copy import Segments, WindowCopy
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
 TORCH_GATHER_ROWS = 64  # from this many windows a gather runs in torch (NOTE [window gather])
@@ -196,7 +197,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_shards", "_flat_windows", "_flat_rows",
                                                                      "_shard_windows", "_cache", "_released",
-                                                                     "_copy_table")}
+                                                                     "_copy_table", "_copy")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -225,7 +226,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # negative indices wrap to huge as uint64: one reduction for both ends, no copy
         if b and idx.view(np.uint64).max() >= self._count:
             raise IndexError(f"window index out of range for {self._count} windows (got {idx.min()}..{idx.max()})")
-        if out is not None:
+        copy = self._compiled()
+        if copy is not None:  # the batch in one compiled call, without the GIL (rule 5 of NOTE [window gather])
+            w = batch_rows(out, b, self.sample_dtype, self.sample_shape) if out is not None else torch.empty(
+                (b, self.seq_len + 1), dtype=self.sample_dtype)
+            if copy(idx, w.numpy()) is not None:
+                return w[:, :-1], w[:, 1:]
+            self._gather(self.starts(idx), w.numpy())  # (not served: the usual gather, or its error)
+        elif out is not None:
             w = batch_rows(out, b, self.sample_dtype, self.sample_shape)
             self._gather(self.starts(idx), w.numpy())
         elif self._flat_windows is not None:  # the gather's own result is the batch: no second copy
@@ -234,6 +242,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             w = torch.empty((b, self.seq_len + 1), dtype=self.sample_dtype)
             self._gather(self.starts(idx), w.numpy())
         return w[:, :-1], w[:, 1:]
+
+    def _compiled(self) -> Optional[WindowCopy]:
+        """The compiled window copy of this dataset alone, once numba has compiled it (started on a thread the
+        first time: no batch waits for it); None for random windows, a streamed dataset, or without numba."""
+        copy = self.__dict__.get("_copy")
+        if copy is None:  # (a proxy: no cycle keeps a dropped dataset's memory mapped)
+            copy = self._copy = WindowCopy([weakref.proxy(self)])
+        return copy if copy.ready() else None
 
     def _windows(self, arr: np.ndarray) -> Optional[np.ndarray]:
         """Every window of ``arr`` as one item of a 1-D array (a void item of ``seq_len + 1`` tokens, one token
@@ -257,6 +273,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         #    0.2-3.4 ms a 512-window batch instead of 0.14 ms.
         # 4. A Mixture's token sources: one compiled copy for the whole batch where numba is installed (NOTE
         #    [compiled window copy] in window_copy.py), else `WindowGather`, these rules for each source's rows.
+        # 5. One dataset: the same compiled copy (`_compiled`) where numba is installed, the batch written in
+        #    one pass without the GIL; these rules until it has compiled, and without numba.
         if self._flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
             torch.index_select(self._flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
             return
