@@ -328,3 +328,178 @@ def test_parquet_rows_are_documents_with_the_jsonl_files_tokens(tmp_path, capsys
         ("a.parquet", 2, "missing field 'text'"), ("a.parquet", 3, "empty document"),
         ("b.parquet", 0, "no column 'text'"), ("c.parquet", 0, "unreadable")]
     assert "skipped 4" in capsys.readouterr().err
+
+
+# -- zstandard (.jsonl.zst: The Pile, SlimPajama, RedPajama) and JSON Lines named .json.gz (C4, Dolma) ------------
+def zst(data: bytes, frames: int = 1) -> bytes:
+    """``data`` as ``frames`` zstd frames one after another (pzstd's output), cut at byte positions mid-line."""
+    zstandard = pytest.importorskip("zstandard")
+    cuts = np.linspace(0, len(data), frames + 1).astype(int)
+    return b"".join(zstandard.ZstdCompressor(write_checksum=True).compress(data[a:b])
+                    for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def jsonl_bytes(docs: list[str]) -> bytes:
+    return "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs).encode()
+
+
+def same_shards(want: Path, got: Path) -> None:
+    names = sorted(p.name for p in want.iterdir() if p.suffix == ".npy")
+    assert names == sorted(p.name for p in got.iterdir() if p.suffix == ".npy") and len(names) > 10
+    for name in names:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("name, frames", [("d.jsonl.zst", 1), ("d.jsonl.zst", 7), ("d.json.gz", 0),
+                                          ("d.json.zst", 1)], ids=["jsonl.zst", "frames", "json.gz", "json.zst"])
+def test_zstd_and_json_gz_files_give_the_jsonl_files_tokens(tmp_path, name, frames):
+    data = jsonl_bytes(make_docs(300))
+    (tmp_path / "d.jsonl").write_bytes(data)
+    (tmp_path / name).write_bytes(gzip.compress(data, mtime=0) if name.endswith(".gz") else zst(data, frames))
+    args = ("--val-fraction", "0.2", "--shard-tokens", "700")
+    preprocess(tmp_path / "d.jsonl", tmp_path / "want", *args)
+    preprocess(tmp_path / name, tmp_path / "got", *args)
+    same_shards(tmp_path / "want", tmp_path / "got")
+
+
+def test_a_folder_of_txt_zst_files_gives_the_txt_files_tokens(tmp_path):
+    for kind in ("txt", "zst"):
+        (tmp_path / kind).mkdir()
+    for i, d in enumerate(make_docs(40)):
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(d * 20)
+        (tmp_path / "zst" / f"{i:03d}.txt.zst").write_bytes(zst((d * 20).encode()))
+    for kind in ("txt", "zst"):
+        preprocess(tmp_path / kind, tmp_path / f"out-{kind}", "--val-fraction", "0.2", "--shard-tokens", "2000")
+    same_shards(tmp_path / "out-txt", tmp_path / "out-zst")
+
+
+def test_a_hugging_face_folder_is_read_without_its_dataset_info_json(tmp_path, capsys):
+    src = tmp_path / "c4"
+    (src / "en").mkdir(parents=True)
+    # one JSON object with a "text" key: read as JSON Lines it would be one more document
+    (src / "dataset_info.json").write_text(json.dumps({"text": "the dataset card", "splits": {}}) + "\n")
+    (src / "en" / "c4-train.00000-of-00002.json.gz").write_bytes(gzip.compress(jsonl_bytes(["a", "b"]), mtime=0))
+    (src / "en" / "c4-train.00001-of-00002.json.zst").write_bytes(zst(jsonl_bytes(["c"])))
+    assert main(["preprocess", "text", str(src), str(tmp_path / "out"), "--val-fraction", "0", "--quiet"]) == 0
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["source"]["files"] == 2 and m["splits"]["train"]["documents"] == 3 and m["skipped_count"] == 0
+    assert [bytes(d[:-1].astype(np.uint8)).decode() for d in docs_of(stream(tmp_path / "out", "train"), 256)] \
+        == ["a", "b", "c"]
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "dataset_info.json").write_text("{}\n")
+    for bad, says in ((tmp_path / "only", "holds no .txt"), (tmp_path / "only" / "dataset_info.json", "is not one of")):
+        assert main(["preprocess", "text", str(bad), str(tmp_path / "o2"), "--quiet"]) == 1
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "o2" / "manifest.json").exists()
+
+
+def test_a_cut_short_zst_is_skipped_and_named_as_a_cut_short_gz_is(tmp_path, capsys):
+    good = make_docs(50, seed=1)
+    cut_gz = [f"gz: {d}" for d in make_docs(3000, seed=2)]  # ~450 KB: several 128 KiB blocks, half of them read
+    cut_zst = [f"zst: {d}" for d in make_docs(3000, seed=3)]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(jsonl_bytes(good))
+    gz_bytes, zst_bytes = gzip.compress(jsonl_bytes(cut_gz), mtime=0), zst(jsonl_bytes(cut_zst))
+    (src / "b.jsonl.gz").write_bytes(gz_bytes[:len(gz_bytes) // 2])
+    (src / "c.jsonl.zst").write_bytes(zst_bytes[:len(zst_bytes) // 2])
+    (src / "d.jsonl.zst").write_bytes(b"not zstandard at all\n" * 10)
+    (src / "e.jsonl.zst").write_bytes(zst_bytes[:3])  # cut inside the frame's header
+    (src / "f.jsonl").write_bytes(jsonl_bytes(good[:5]))
+    out = tmp_path / "out"
+    assert main(["preprocess", "text", str(src), str(out), "--val-fraction", "0", "--quiet"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    ended = "unreadable (Compressed file ended before the end-of-stream marker was reached)"
+    assert [(e["file"], e["line"]) for e in m["skipped"]] == [(n, 0) for n in ("b.jsonl.gz", "c.jsonl.zst",
+                                                                                "d.jsonl.zst", "e.jsonl.zst")]
+    assert [e["reason"] for e in m["skipped"]][:2] == [ended, ended] and m["skipped"][3]["reason"] == ended
+    assert m["skipped"][2]["reason"].startswith("unreadable (") and "zstd" in m["skipped"][2]["reason"]
+    got = [bytes(d[:-1].astype(np.uint8)).decode() for d in docs_of(stream(out, "train"), 256)]
+    assert got[:50] == good and got[-5:] == good[:5]  # the other files' documents, in order
+    kept_gz = [d for d in got[50:-5] if d.startswith("gz: ")]
+    kept_zst = got[50 + len(kept_gz):-5]
+    assert kept_gz == cut_gz[:len(kept_gz)] and kept_zst == cut_zst[:len(kept_zst)]  # what came before the cut
+    assert 0 < len(kept_zst) < len(cut_zst)
+    assert "c.jsonl.zst: unreadable" in capsys.readouterr().err
+    assert main(["preprocess", "text", str(src / "c.jsonl.zst"), str(tmp_path / "o2"), "--on-error", "fail",
+                 "--quiet"]) == 1
+    assert "c.jsonl.zst: unreadable (Compressed file ended" in capsys.readouterr().err
+
+
+def test_bad_lines_inside_a_jsonl_zst_are_named_by_line(tmp_path, capsys):
+    data = (jsonl_bytes(["good one", "good two"]) + b"not json at all\n" + b'{"text": "bad utf8 \xff"}\n'
+            + b'{"title": "no text"}\n' + jsonl_bytes(["fine"]))
+    (tmp_path / "d.jsonl.zst").write_bytes(zst(data, frames=4))  # frame ends inside lines
+    out = tmp_path / "out"
+    assert main(["preprocess", "text", str(tmp_path / "d.jsonl.zst"), str(out), "--val-fraction", "0",
+                 "--quiet"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert [(e["file"], e["line"], e["reason"].split(" (")[0]) for e in m["skipped"]] == [
+        ("d.jsonl.zst", 3, "invalid JSON"), ("d.jsonl.zst", 4, "invalid UTF-8 at byte 19"),
+        ("d.jsonl.zst", 5, "missing field 'text'")]
+    assert [bytes(d[:-1].astype(np.uint8)).decode() for d in docs_of(stream(out, "train"), 256)] == [
+        "good one", "good two", "fine"]
+    assert "d.jsonl.zst:3: invalid JSON" in capsys.readouterr().err
+
+
+def test_a_jsonl_zst_is_decompressed_as_it_is_read(tmp_path):
+    import tracemalloc
+
+    from fastdata.preprocess.documents import iter_documents, text_files
+
+    rng = np.random.default_rng(0)
+    n, width = 50_000, 160  # 8.7 MB of JSON Lines, ~5 MB compressed (random letters)
+    rows = np.empty((n, width + 13), np.uint8)
+    rows[:, :10] = np.frombuffer(b'{"text": "', np.uint8)
+    rows[:, 10:-3] = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)[rng.integers(0, 27, (n, width))]
+    rows[:, -3:] = np.frombuffer(b'"}\n', np.uint8)
+    (tmp_path / "big.jsonl.zst").write_bytes(zst(rows.tobytes()))
+    files = text_files(tmp_path / "big.jsonl.zst")
+    tracemalloc.start()
+    try:
+        count = sum(1 for _, _, text, _, _ in iter_documents(files, "text") if text is not None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count == n
+    assert peak < 2 << 20, peak  # a few 64 KiB steps in memory, never the 8.7 MB
+
+
+def test_jsonl_zst_and_json_gz_at_a_url_give_the_local_runs_bytes(s3, tmp_path, monkeypatch):
+    from fastdata.preprocess import sources
+    from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+    root = tmp_path / "pile"
+    (root / "train").mkdir(parents=True)
+    (root / "dataset_info.json").write_text(json.dumps({"text": "not a document"}) + "\n")
+    (root / "train" / "00.jsonl.zst").write_bytes(zst(jsonl_bytes(make_docs(400, seed=4)) + b"not json\n", 3))
+    (root / "train" / "01.json.gz").write_bytes(gzip.compress(jsonl_bytes(make_docs(100, seed=5)), mtime=0))
+    url = s3("pile")
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            s3.client.put_object(Bucket="pile", Key=f"p/{p.relative_to(root).as_posix()}", Body=p.read_bytes())
+    monkeypatch.setattr(sources, "_READ_BLOCK", 4096)  # the .zst comes in many ranged reads
+
+    def run(src, out: str) -> dict:
+        return preprocess_text(TextPreprocessConfig(src=src, out=tmp_path / out, shard_tokens=2000, val_fraction=0.2,
+                                                    progress=False, workers=1))
+    local, remote = run(root, "local"), run(f"{url}/p", "remote")
+    assert {f["path"]: f["sha256"] for f in remote["files"]} == {f["path"]: f["sha256"] for f in local["files"]}
+    assert local["source"]["files"] == remote["source"]["files"] == 2
+    assert remote["skipped"] == local["skipped"] == [{"file": "train/00.jsonl.zst", "line": 401,
+                                                      "reason": "invalid JSON (Expecting value)"}]
+    one = run(f"{url}/p/train/00.jsonl.zst", "remote1")  # one file at a URL
+    assert one["splits"]["train"]["documents"] + one["splits"]["val"]["documents"] == 400
+
+
+def test_zst_without_zstandard_names_the_extra_before_writing(tmp_path, monkeypatch, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(jsonl_bytes(make_docs(20)))
+    (src / "b.jsonl.zst").write_bytes(zst(jsonl_bytes(make_docs(20))))
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # `import zstandard` raises ImportError
+    assert main(["preprocess", "text", str(src), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'fastdata[text]'" in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "out" / "manifest.json").exists() and not list((tmp_path / "out").glob("*.npy"))
+    preprocess(src / "a.jsonl", tmp_path / "plain")  # no .zst: zstandard is never imported

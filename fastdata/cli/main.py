@@ -234,12 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     img.set_defaults(func=_preprocess_images)
 
-    txt = pre_sub.add_parser("text", help=".txt / .jsonl (gz too) / .parquet -> uint16/uint32 token shards")
-    txt.add_argument("src", help="a .txt/.jsonl file (optionally .gz), a .parquet file or a folder of them, local or "
-                                 "at a URL")
+    txt = pre_sub.add_parser("text", help=".txt / .jsonl (.gz, .zst too), .json.gz / .json.zst (JSON Lines), "
+                                          ".parquet -> uint16/uint32 token shards")
+    txt.add_argument("src", help="a .txt/.jsonl file (optionally .gz or .zst), a .json.gz/.json.zst file of JSON "
+                                 "Lines, a .parquet file or a folder of them, local or at a URL")
     txt.add_argument("out", help="output dataset folder, or a URL (s3://bucket/prefix)")
     txt.add_argument("--tokenizer", default="bytes", help="bytes | PATH/tokenizer.json | tiktoken:NAME")
-    txt.add_argument("--field", default="text", help="jsonl: the field holding the document; Parquet: the column")
+    txt.add_argument("--field", default="text", help="JSON Lines: the field holding the document; Parquet: the "
+                                                     "column")
     txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
     txt.add_argument("--workers", type=int, default=None,
                      help="tokenizing processes (default: all cores); with --ray, tasks at once per node")

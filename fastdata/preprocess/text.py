@@ -1,7 +1,7 @@
-"""``fastdata preprocess text``: .txt / .jsonl (optionally gzipped) / .parquet -> uint16/uint32 token shards.
+"""``fastdata preprocess text``: .txt / .jsonl (gzip or zstd) / .parquet -> uint16/uint32 token shards.
 
-The parent reads documents in order (one per .txt file, one per .jsonl line or Parquet row), from local files or
-streamed from a URL (NOTE [url source] in fastdata/preprocess/sources.py), applies the bad-input
+The parent reads documents in order (one per .txt file, one per JSON Lines line or Parquet row: documents.py),
+from local files or streamed from a URL (NOTE [url source] in fastdata/preprocess/sources.py), applies the bad-input
 policy, and sends chunks of about 1 MB of text to worker processes that tokenise them (batch-encoding);
 results are written in source order, so the output is byte-identical for any worker count. Documents
 go to train or val by a hash of their position (deterministic, independent of workers). Completed
@@ -9,12 +9,9 @@ units are journaled, so a killed run resumes; the manifest is written last.
 """
 from __future__ import annotations
 
-import contextlib
-import gzip
 import hashlib
 import json
 import logging
-import posixpath
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,14 +25,12 @@ from ..formats import token_shards as ts
 from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
-from ..storage.remote import filesystem, is_url
+from ..storage.remote import is_url
 from . import journal, ray_pool, store_out
 from .parallel import default_workers, ordered_map
-from .sources import open_binary, store_call, url_listing
+from .documents import TextFile, iter_documents, text_files, zstandard_module
 
 log = logging.getLogger(__name__)
-TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
-_PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
 _CHUNK_BYTES = 1 << 20  # text per worker task
 _MAX_EXAMPLES = 100  # skipped documents listed by name in the manifest (all are counted)
 
@@ -45,10 +40,12 @@ class TextPreprocessConfig:
     """Everything ``fastdata preprocess text`` takes, as one frozen dataclass validated on construction.
 
     Args:
-        src: A ``.txt`` / ``.jsonl`` file (optionally gzipped) or a ``.parquet`` file (Hugging Face's
-            layout: needs ``pyarrow``), or a folder of them (searched recursively, hidden paths skipped), local
-            or an fsspec URL (``s3://bucket/owt/``: read where it lives). A .txt file is one document; a .jsonl
-            line is one, and so is a Parquet row (named by its row number from 1).
+        src: A ``.txt`` / ``.jsonl`` file, plain, gzipped (``.gz``) or zstd-compressed (``.zst``: needs
+            ``zstandard``), a ``.json.gz`` / ``.json.zst`` file of JSON Lines (C4's and Dolma's naming; plain
+            ``.json`` is never read) or a ``.parquet`` file (Hugging Face's layout: needs ``pyarrow``), or a folder
+            of them (searched recursively, hidden paths skipped), local or an fsspec URL (``s3://bucket/owt/``:
+            read where it lives). A .txt file is one document; a JSON Lines line is one, and so is a Parquet row
+            (named by its row number from 1).
         out: The dataset folder to write.
         tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path (needs ``tokenizers``) or
             ``"tiktoken:NAME"`` (needs ``tiktoken``).
@@ -96,159 +93,6 @@ class TextPreprocessConfig:
         require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
 
 
-@dataclass(frozen=True)
-class TextFile:
-    """One input file: where it is (a path or a URL), its name relative to the source, its size, and a stamp
-    that changes with its contents (the mtime in ns; at a URL the store's ETag or mtime)."""
-
-    where: Union[Path, str]
-    rel: str
-    size: int
-    stamp: str
-
-
-def text_files(src: Union[Path, str]) -> list[TextFile]:
-    """The source's text files in order: ``src`` itself, or the folder's files sorted by path (hidden ones
-    skipped), local or at a URL (listed once)."""
-    if is_url(src):
-        return _url_text_files(str(src))
-    src = Path(src)
-    if not src.exists():
-        raise SourceError(f"source {src} does not exist: pass a .txt/.jsonl file (optionally .gz), a .parquet file "
-                          "or a folder of them")
-    if src.is_file():
-        if not src.name.endswith(TEXT_SUFFIXES):
-            raise SourceError(f"source {src} is not one of {TEXT_SUFFIXES}")
-        paths, root = [src], src.parent
-    else:
-        paths, root = sorted(p for p in src.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES)
-                             and not any(part.startswith(".") for part in p.relative_to(src).parts)), src
-    if not paths:
-        raise SourceError(f"source folder {src} holds no {', '.join(TEXT_SUFFIXES)} files")
-    return [TextFile(p, p.relative_to(root).as_posix(), st.st_size, str(st.st_mtime_ns))
-            for p, st in ((p, p.stat()) for p in paths)]
-
-
-def _url_text_files(url: str) -> list[TextFile]:
-    if url.endswith(TEXT_SUFFIXES):  # one file: its size and stamp from one metadata request
-        fs, path = filesystem(url)
-        try:
-            info = store_call(url, lambda: fs.info(path))
-        except FileNotFoundError:
-            raise SourceError(f"source {scrub(url)} does not exist (no such object, or no such bucket): check the "
-                              "URL") from None
-        return [TextFile(url, url.rsplit("/", 1)[-1], int(info["size"]), _stamp(info))]
-    base = url.rstrip("/")
-    found = sorted((rel.split("/"), info) for rel, info in url_listing(url).items()  # local order: by path parts
-                   if info.get("type") != "directory" and rel.endswith(TEXT_SUFFIXES)
-                   and not any(part.startswith(".") for part in rel.split("/")))
-    if not found:
-        raise SourceError(f"source folder {scrub(url)} holds no {', '.join(TEXT_SUFFIXES)} files")
-    return [TextFile(f"{base}/{'/'.join(parts)}", "/".join(parts), int(info["size"]), _stamp(info))
-            for parts, info in found]
-
-
-def _stamp(info: dict[str, Any]) -> str:
-    """What changes when an object does: its ETag (S3, GCS, Azure), else its modification time."""
-    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
-
-
-@contextlib.contextmanager
-def _open(f: TextFile) -> Iterator[Any]:
-    with open_binary(f.where, f.size) as raw:  # a URL streams through ranged reads
-        yield gzip.GzipFile(fileobj=raw, mode="rb") if f.rel.endswith(".gz") else raw
-
-
-Doc = tuple[str, int, Optional[str], str, int]  # file, line, text (None if unusable), reason, raw bytes
-
-
-def iter_documents(files: list[TextFile], field: str) -> Iterator[Doc]:
-    """Yield ``(file, line, text, reason, nbytes)`` for every candidate document in order: ``text`` is None
-    and ``reason`` says why when it is unusable. Line is 0 for whole-file (.txt) documents, a Parquet row's
-    number from 1 for its rows."""
-    for tf in files:
-        rel = tf.rel
-        try:
-            with _open(tf) as f:
-                if rel.endswith(".parquet"):
-                    yield from _parquet(f, rel, field, tf.size)
-                elif ".jsonl" in posixpath.basename(rel):
-                    yield from _jsonl(f, rel, field)
-                else:
-                    data = f.read()
-                    yield (rel, 0, *_decode_text(data), len(data))
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            yield rel, 0, None, f"unreadable ({exc})", 0
-
-
-def _decode_text(data: bytes) -> tuple[Optional[str], str]:
-    if not data.strip():
-        return None, "empty document"
-    try:
-        return data.decode("utf-8"), ""
-    except UnicodeDecodeError as exc:
-        return None, f"invalid UTF-8 at byte {exc.start}"
-
-
-def _jsonl(f: Any, rel: str, field: str) -> Iterator[Doc]:
-    seen = False
-    for lineno, raw in enumerate(f, start=1):
-        if not raw.strip():
-            continue
-        seen = True
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield rel, lineno, None, f"invalid UTF-8 at byte {exc.start}", len(raw)
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield rel, lineno, None, f"invalid JSON ({exc.msg})", len(raw)
-            continue
-        if not isinstance(obj, dict) or field not in obj:
-            yield rel, lineno, None, f"missing field {field!r}", len(raw)
-        elif not isinstance(obj[field], str):
-            yield rel, lineno, None, f"field {field!r} is not a string", len(raw)
-        elif not obj[field]:
-            yield rel, lineno, None, "empty document", len(raw)
-        else:
-            yield rel, lineno, obj[field], "", len(raw)
-    if not seen:
-        yield rel, 0, None, "empty file", 0
-
-
-def _parquet(f: Any, rel: str, field: str, size: int) -> Iterator[Doc]:
-    """A Parquet file's rows as documents, the column ``field`` streamed a batch of rows at a time. Each row
-    counts its share of the file's bytes, so the progress bar's total is the files' sizes as for text."""
-    from .parquet import require_pyarrow
-
-    pq = require_pyarrow()
-    try:
-        pf = pq.ParquetFile(f)
-        if field not in pf.schema_arrow.names:
-            yield rel, 0, None, f"no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})", size
-            return
-        n, row = pf.metadata.num_rows, 0
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
-            for value in batch.column(0).to_pylist():
-                share = size * (row + 1) // n - size * row // n
-                row += 1
-                if value is None:
-                    yield rel, row, None, f"missing field {field!r}", share
-                elif not isinstance(value, str):
-                    yield rel, row, None, f"field {field!r} is not a string", share
-                elif not value:
-                    yield rel, row, None, "empty document", share
-                else:
-                    yield rel, row, value, "", share
-    except ValueError as exc:  # pyarrow's ArrowInvalid: not a Parquet file, or a damaged page
-        yield rel, 0, None, f"unreadable ({type(exc).__name__}: {exc})", 0
-        return
-    if not row:
-        yield rel, 0, None, "empty file", size
-
-
 def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
     """Deterministic split by document position: splitmix64(seed, index) / 2**64 < fraction."""
     return (ts.splitmix(seed, index) >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
@@ -286,7 +130,8 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         FastdataError: A document is unusable and ``on_error="fail"``, or the tokenizer gave an id outside
             its vocabulary.
         ConfigError: ``tokenizer`` is not a known spec.
-        MissingDependencyError: The tokenizer needs ``tokenizers`` or ``tiktoken``, not installed.
+        MissingDependencyError: The tokenizer needs ``tokenizers`` or ``tiktoken``, or a .zst file needs
+            ``zstandard``, not installed.
         OutputError: The output folder cannot be written, holds something else, or holds a dataset made with
             other arguments and ``overwrite`` is off (DiskFullError when the disk fills up).
 
@@ -301,6 +146,8 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         journal.check_writable(config.out)
     tok = load_tokenizer(config.tokenizer)
     files = text_files(config.src)
+    if any(f.rel.endswith(".zst") for f in files):
+        zstandard_module()  # missing: said now, before any output
     h = hashlib.sha256(json.dumps([_params(config, tok), _where(config.src)], sort_keys=True).encode())
     for f in files:
         h.update(f"{f.rel}:{f.size}:{f.stamp}\n".encode())
