@@ -381,6 +381,27 @@ def test_a_decode_error_during_the_hw_decoder_load_trial(photo_folder, tmp_path,
     assert got.skipped == [17] and got.hw_decoder_load_trial.done and not got._kept
 
 
+def test_a_decode_error_on_one_rank_keeps_the_lockstep_trials_switches_together(indexed_datasets, tmp_path,
+                                                                               monkeypatch):
+    # NOTE [hw_decoder_load auto] 9: the window a decode error cuts counts on, on the rank that met it
+    from fastdata.gpu import dali_tune
+    from fastdata.gpu.dali_tune import HwLoadTrial
+
+    monkeypatch.setattr(dali_tune, "LOCKSTEP_BATCHES", 4)
+    bad = corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "bad", 7, huffman=True)  # fails inside DALI
+    loads = []
+    for rank in (0, 1):
+        dl = loader(bad, batch_size=4, shuffle=True, seed=3, rank=rank, world_size=2, on_error="skip")
+        dl.hw_decoder_load_trial = HwLoadTrial(dl.device, warmup=1, first_warmup=2, lockstep=True)
+        mine = []
+        for epoch in range(4):
+            dl.set_epoch(epoch)
+            mine += [None if dl.hw_decoder_load_trial.done else dl._load for _ in dl]
+        loads.append(mine)
+        assert dl.skipped == [7] and dl.hw_decoder_load_trial.done
+    assert loads[0] == loads[1] and len(set(loads[0])) == 6
+
+
 def test_without_dali_the_error_names_the_extra():
     code = ("import sys; sys.modules['nvidia.dali'] = None\n"
             "from fastdata.dali import _dali\n"

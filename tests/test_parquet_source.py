@@ -205,12 +205,35 @@ def test_a_hugging_face_segmentation_file_gives_the_masks_a_folder_pair_gives(tm
     assert got["annotation"].numpy().max() > 0
 
 
+def test_a_mask_column_named_as_a_class_field_is_refused_and_a_bad_mask_named(tmp_path, capsys):
+    # segments/sidewalk-semantic keeps its maps in an Image column 'label': it would clash with the class label
+    cells = [{"bytes": _image(i), "path": None} for i in range(4)]
+    (tmp_path / "sw").mkdir()
+    pq.write_table(pa.table({"pixel_values": cells, "label": cells}), tmp_path / "sw" / "train.parquet")
+    assert preprocess(tmp_path / "sw", tmp_path / "out") == 1
+    assert "the image column 'label' would be a mask field" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    # a map that is not an image: a bad record whose reason is the same on every run (no buffer address)
+    gray = io.BytesIO()
+    Image.new("L", (40, 30), 1).save(gray, "PNG")
+    maps = [{"bytes": gray.getvalue(), "path": None}] * 4
+    maps[2] = {"bytes": b"not a png", "path": None}
+    (tmp_path / "seg").mkdir()
+    pq.write_table(pa.table({"image": cells, "annotation": maps}), tmp_path / "seg" / "train.parquet")
+    reasons = []
+    for out in ("a", "b"):
+        assert preprocess(tmp_path / "seg", tmp_path / out) == 0
+        reasons.append(json.loads((tmp_path / out / "manifest.json").read_text())["skipped"])
+    assert reasons[0] == reasons[1] == [{"path": "train.parquet#2", "reason": "mask in column 'annotation': "
+                                         "UnidentifiedImageError: not an image Pillow can read"}]
+
+
 def test_another_image_column_is_refused_and_a_row_without_bytes_is_a_bad_record(tmp_path, capsys):
     src = write_parts(tmp_path / "a", [4], meta=None)
     write_parts(tmp_path / "b", [4], image="img", meta=None)
     (tmp_path / "b" / "part-00.parquet").rename(src / "part-01.parquet")
     assert preprocess(src, tmp_path / "out") == 1
-    assert "part-01.parquet: its image column is 'img' but part-00.parquet's is 'image'" in capsys.readouterr().err
+    assert "part-01.parquet: image column: 'img', but part-00.parquet: 'image'" in capsys.readouterr().err
     one = tmp_path / "one"
     one.mkdir()
     table = pa.table({"image": [_image(0), b"", _image(2)], "label": [0, 1, 2]})  # binary column, row 1 empty

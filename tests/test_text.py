@@ -503,3 +503,20 @@ def test_zst_without_zstandard_names_the_extra_before_writing(tmp_path, monkeypa
     assert "pip install 'fastdata[text]'" in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "out" / "manifest.json").exists() and not list((tmp_path / "out").glob("*.npy"))
     preprocess(src / "a.jsonl", tmp_path / "plain")  # no .zst: zstandard is never imported
+
+
+def test_a_degenerate_zst_is_read_in_small_steps(tmp_path):
+    # runs of one byte compress ~10,000x: a 64 KiB feed would decompress into gigabytes at once
+    zstandard = pytest.importorskip("zstandard")
+    import tracemalloc
+
+    from fastdata.preprocess.documents import iter_documents, text_files
+
+    blank = (b" " * (64 << 10) + b"\n") * 4096  # 256 MB of blank lines, 64 KiB each
+    (tmp_path / "nl.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(blank))
+    assert len(blank) // (tmp_path / "nl.jsonl.zst").stat().st_size > 5000
+    tracemalloc.start()
+    docs = list(iter_documents(text_files(tmp_path / "nl.jsonl.zst"), "text"))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [d[3] for d in docs] == ["empty file"] and peak < 64 << 20, peak

@@ -202,6 +202,7 @@ def test_one_dataset_serves_its_windows_by_the_compiled_copy(kernel, token_sets,
         assert bx.data_ptr() == buf.data_ptr() and np.array_equal(buf[:len(idx)].numpy(), want)
         with pytest.raises(IndexError, match="window index out of range"):
             ds.get_batch(np.array([0, len(ds)]))
+        assert np.array_equal(ds.get_batch(idx[:, None])[0].numpy(), want[:, :-1])  # a (B, 1) column: B windows
         again = pickle.loads(pickle.dumps(ds))  # a copy has its own table, and its own compiled copy
         assert np.array_equal(again.get_batch(idx)[0].numpy(), want[:, :-1]) and again._copy is not ds._copy
     random = TokenDataset(token_sets["web"], seq_len=16, random_windows=True, seed=3)
@@ -213,7 +214,7 @@ def test_a_dropped_dataset_is_freed_with_its_compiled_copy(kernel, token_sets):
     import weakref
 
     ds = TokenDataset(token_sets["web"], seq_len=16, storage="ram")
-    ds.get_batch(np.arange(4))
+    ds.get_batch(np.arange(100))  # (from 64 windows without out=: the compiled copy)
     assert ds._copy is not None
     ref = weakref.ref(ds)
     gc.disable()  # freed by its reference count, not by a later collection of a cycle

@@ -222,16 +222,19 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self._check_open()
         idx = indices if type(indices) is np.ndarray and indices.dtype == np.int64 else np.asarray(
             indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+        idx = idx.reshape(-1)  # (a (B, 1) column of indices is B windows, as it always was)
         b = len(idx)
         # negative indices wrap to huge as uint64: one reduction for both ends, no copy
         if b and idx.view(np.uint64).max() >= self._count:
             raise IndexError(f"window index out of range for {self._count} windows (got {idx.min()}..{idx.max()})")
-        copy = self._compiled()
+        # without out=, a few windows are served faster by the gather's own result (~4 us less a call)
+        copy = self._compiled() if out is not None or b >= TORCH_GATHER_ROWS else None
         if copy is not None:  # the batch in one compiled call, without the GIL (rule 5 of NOTE [window gather])
             w = batch_rows(out, b, self.sample_dtype, self.sample_shape) if out is not None else torch.empty(
                 (b, self.seq_len + 1), dtype=self.sample_dtype)
             if copy(idx, w.numpy()) is not None:
                 return w[:, :-1], w[:, 1:]
+            self._check_open()  # (no table: closed meanwhile, which says so rather than a gather's IndexError)
             self._gather(self.starts(idx), w.numpy())  # (not served: the usual gather, or its error)
         elif out is not None:
             w = batch_rows(out, b, self.sample_dtype, self.sample_shape)
@@ -274,7 +277,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # 4. A Mixture's token sources: one compiled copy for the whole batch where numba is installed (NOTE
         #    [compiled window copy] in window_copy.py), else `WindowGather`, these rules for each source's rows.
         # 5. One dataset: the same compiled copy (`_compiled`) where numba is installed, the batch written in
-        #    one pass without the GIL; these rules until it has compiled, and without numba.
+        #    one pass without the GIL (with ``out=``, or from TORCH_GATHER_ROWS windows: below, without ``out=``,
+        #    the gather's own result costs ~4 us less); these rules until it has compiled, and without numba.
         if self._flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
             torch.index_select(self._flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
             return

@@ -1,4 +1,5 @@
-"""A Mixture's token windows copied into one batch by one compiled call, without the GIL.
+"""Token windows copied into one batch by one compiled call, without the GIL: a Mixture's of token sources,
+and one TokenDataset's (NOTE [window gather] rule 5 in tokens.py).
 
 NOTE [compiled window copy]:
 1. Why: a batch of 512 windows of 2 KB costs its fixed per-call work more than its bytes. A Mixture of
@@ -8,7 +9,7 @@ NOTE [compiled window copy]:
    source's rows and copies each window with one memcpy (a window across a shard boundary in pieces),
    with the GIL released for the whole batch.
 2. Optional and out of the way: used where numba is installed, compiled once a process on a thread of its
-   own the first time a mixture of token sources asks (numba's on-disk cache makes later processes quick),
+   own the first time a token dataset or mixture asks (numba's on-disk cache makes later processes quick),
    so no batch waits for a compiler; until then, without numba, or with ``FASTDATA_NOGIL=0``, `WindowGather`
    serves the same bytes. The loop itself is fastdata/datasets/window_kernel.py.
 3. What it reads: each source's table of memory segments (`TokenDataset._copy_table`: the base address of
@@ -46,7 +47,7 @@ def _compile() -> None:
         _done.set()
         return
     except Exception as exc:  # numba's own failures: say so once
-        log.warning("compiled window copy unavailable (%s: %s); token mixtures use the torch gather",
+        log.warning("compiled window copy unavailable (%s: %s); token windows use the numpy/torch gather",
                     type(exc).__name__, exc)
         _done.set()
         return
@@ -63,7 +64,7 @@ def _compile() -> None:
                 raise AssertionError(f"it copied {probe[0].tolist()} for [0, 1, 2, 3]")
         _state["kernel"] = run
     except Exception as exc:
-        log.warning("compiled window copy unavailable (%s: %s); token mixtures use the torch gather",
+        log.warning("compiled window copy unavailable (%s: %s); token windows use the numpy/torch gather",
                     type(exc).__name__, exc)
     finally:
         _done.set()
@@ -112,7 +113,8 @@ class Segments:
 
 
 class WindowCopy:
-    """The compiled copy for one set of token sources (a Mixture's), once each has its `Segments`.
+    """The compiled copy for one set of token sources (a Mixture's, or one dataset alone), once each has its
+    `Segments`.
 
     Args:
         sources: Token datasets of one window length and dtype, each with ``seq_len``, ``_copy_table`` (a

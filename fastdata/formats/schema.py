@@ -104,7 +104,7 @@ def check_fields(fields: list[Field], where: str) -> list[Field]:
                               f"one of {KINDS[f.kind][0]}: the manifest is damaged")
         names.add(f.name)
     kinds = [f.kind for f in fields]
-    if kinds.count("image") != 1 or any(f.kind in _NAMED and f.name != f.kind for f in fields):
+    if kinds.count("image") != 1 or any((f.kind in _NAMED or f.name in _NAMED) and f.name != f.kind for f in fields):
         raise FormatError(f"{where}: a dataset has one field 'image', and fields of kinds {_NAMED} are named so")
     if ("box_labels" in kinds) != ("boxes" in kinds):
         raise FormatError(f"{where}: boxes come as fields named 'boxes' and 'box_labels', together")

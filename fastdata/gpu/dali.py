@@ -509,7 +509,8 @@ class DALILoader(SamplerBacked):
                 pipe = None  # this reference too: the old pipeline goes before the new one is built
                 pipe = self._recover(exc, caught_up)
                 plan = None
-                window = trial.window() if trial is not None else None  # the window cut short is dropped
+                if trial is not None and not (trial.lockstep and window is not None):  # the window cut short is
+                    window = trial.window()  # dropped; in lockstep it counts on, so every rank switches together
                 continue
             served, rows = self._fed.popleft()
             y = torch.from_numpy(self.labels[rows]).to(self.device, non_blocking=True)

@@ -36,8 +36,10 @@ NOTE [hw_decoder_load auto]:
 9. Under DDP (``lockstep``) each rank measures and chooses on its own (the load changes how fast batches
    come, never which), but every rank switches pipelines at the same output: a window ends on a count of
    outputs (`LOCKSTEP_BATCHES`), not on the host's clock, and every candidate is measured (no early
-   settling, which one rank may reach and another not). A rank rebuilding its pipeline while the others
-   time a window would stall their collectives inside it, and their figures with them.
+   settling, which one rank may reach and another not); a window cut by a decode error counts on (its
+   figure then holds the recovery). A rank rebuilding its pipeline while the others time a window would
+   stall their collectives inside it, and their figures with them. It relies on every rank serving as many
+   batches an epoch, as DDP training needs anyway (DALILoader pads by default when ``train``).
 """
 from __future__ import annotations
 

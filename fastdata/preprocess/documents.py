@@ -25,9 +25,12 @@ from .sources import open_binary, store_call, url_listing
 # a source: Hugging Face repos keep dataset_info.json and the like beside the data.
 _JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst", *_JSON_LINES, ".parquet")
-# compressed bytes decompressed at a time: ~250 KiB of web text at zstd's ~4x (one step's output is this times
-# the ratio, which only a degenerate file, e.g. one byte repeated, takes past ~100x)
+# compressed bytes decompressed at a time: the most, then sized so that one step gives about _ZSTD_STEP bytes at
+# the ratio the last step had (web text: ~4x, so the most); a degenerate file (one byte repeated: ~30,000x)
+# gets small feeds, and the first feed is small, so no step holds more than ~16 MB
 _ZSTD_FEED = 1 << 16
+_ZSTD_FIRST = 512
+_ZSTD_STEP = 4 << 20
 _PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
 
 
@@ -102,6 +105,9 @@ def _open(f: TextFile) -> Iterator[Any]:
 def zstandard_module() -> Any:
     """The ``zstandard`` module, imported when a .zst file is read.
 
+    Returns:
+        The module.
+
     Raises:
         MissingDependencyError: zstandard is not installed.
     """
@@ -114,7 +120,7 @@ def zstandard_module() -> Any:
 
 
 class _ZstdStream(io.RawIOBase):
-    """A .zst file's bytes, decompressed `_ZSTD_FEED` compressed bytes at a time as they are read. Frames one
+    """A .zst file's bytes, decompressed at most `_ZSTD_FEED` compressed bytes at a time as they are read. Frames one
     after another (pzstd's output, files joined with cat) are one stream, as ``zstd -d`` reads them. A file
     that ends inside a frame raises EOFError and damaged bytes OSError, as gzip does: zstandard's own
     readers end such a stream without an error, so each frame's end is checked here."""
@@ -125,18 +131,21 @@ class _ZstdStream(io.RawIOBase):
         self._frame = self._new()
         self._inside = False  # some of the current frame read, its end not yet
         self._out = memoryview(b"")
+        self._feed = _ZSTD_FIRST
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
         while not self._out:
-            data = self._raw.read(_ZSTD_FEED)
+            data = self._raw.read(self._feed)
             if not data:
                 if self._inside:
                     raise EOFError("Compressed file ended before the end-of-stream marker was reached")
                 return 0
             self._out = memoryview(self._decompress(data))
+            ratio = max(1, len(self._out) // len(data))
+            self._feed = max(_ZSTD_FIRST, min(_ZSTD_FEED, _ZSTD_STEP // ratio))
         n = min(len(b), len(self._out))
         b[:n] = self._out[:n]
         self._out = self._out[n:]

@@ -142,7 +142,9 @@ class RecordDecoder:
                     raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids "
                                            "(L, P or 16-bit)")
                 arr = np.asarray(m)
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        except UnidentifiedImageError:  # Pillow names an in-memory buffer by its address: the mask, not it
+            raise ImageDecodeError(f"mask {rel}: UnidentifiedImageError: not an image Pillow can read") from None
+        except (OSError, SyntaxError, ValueError) as exc:
             raise ImageDecodeError(f"mask {rel}: {type(exc).__name__}: {exc}") from exc
         if arr.shape != (h, w):
             raise ImageDecodeError(f"mask {rel} is {arr.shape[1]}x{arr.shape[0]}, the image {w}x{h}: they must match")
@@ -177,7 +179,16 @@ class RecordDecoder:
 def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[str, UrlBlobs]:
     """A read-ahead reader for each mask field of a chunk whose masks are objects at URLs: they are requested
     ahead as the chunk's images are (NOTE [url source] in fastdata/preprocess/sources.py), not one round trip
-    a sample after each image."""
+    a sample after each image.
+
+    Args:
+        kinds: The source's field kinds.
+        values: The chunk's field values (a mask field's: full URLs, or None).
+
+    Returns:
+        Mask field name -> its reader (None for a sample without a mask at a URL); fields of local masks
+        have none.
+    """
     readers = {}
     for name, kind in kinds.items():
         urls = [v if isinstance(v, str) and is_url(v) else None for v in values.get(name) or []]
@@ -189,6 +200,15 @@ def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[st
 def row_values(values: dict[str, list[Any]], j: int, readers: dict[str, UrlBlobs], blobs: Any) -> dict[str, Any]:
     """Sample ``j``'s field values: the chunk's own, its masks' bytes where a reader fetched them, and the
     fields ``blobs`` reads with the image (a Parquet row's mask columns).
+
+    Args:
+        values: The chunk's field values.
+        j: The sample's position in the chunk.
+        readers: `mask_readers` of the chunk.
+        blobs: The chunk's image reader (None for files on disk).
+
+    Returns:
+        Field name -> the sample's value.
 
     Raises:
         ImageDecodeError: A mask object is missing (a bad record).

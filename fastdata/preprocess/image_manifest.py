@@ -12,7 +12,7 @@ from ..errors import ImageDecodeError
 from ..formats import image_shards, lmdb_store
 from ..formats.base import LABEL_DTYPE, npy_header
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, MANIFEST_NAME, new_manifest, write_manifest
-from ..formats.schema import Field
+from ..formats.schema import Field, check_fields
 from ..formats.tokenizer import cached_tokenizer, token_dtype
 from . import journal, store_out
 from .image_tasks import MAX_SIDE
@@ -42,7 +42,7 @@ def sample_fields(config: Any, source: Listed) -> list[Field]:
             fields.append(Field("boxes", "boxes", "<f4", (4,)))
         else:  # labels, box_labels
             fields.append(Field(name, kind, LABEL_DTYPE.str))
-    return fields
+    return check_fields(fields, f"the fields of {source.where}")  # refused before a shard is written
 
 
 def finish(config: Any, source: Listed, jr: journal.Journal, folder: Path,

@@ -172,8 +172,8 @@ class Merge:
         self.digests.append(digest)
         for key, value in s.get("common", {}).items():
             if self.common.setdefault(key, (value, label))[0] != value:
-                raise SourceError(f"{label}: its {key} is {value!r} but {self.common[key][1]}'s is "
-                                  f"{self.common[key][0]!r}: give every file the same")
+                raise SourceError(f"{label}: {key}: {value!r}, but {self.common[key][1]}: {self.common[key][0]!r}: "
+                                  "give every file the same")
         if self.class_names is None and s.get("class_names"):
             self.class_names = s["class_names"]
         if not s["good"]:

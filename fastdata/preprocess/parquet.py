@@ -40,6 +40,8 @@ from ..storage.remote import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records
+
+RESERVED = ("image", "label", "labels", "boxes", "box_labels")  # fields of their own kinds (formats/schema.py)
 from .sources import Source, UrlReader, parent, url_listing
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,10 @@ def _columns(path: str, fresh: bool = True) -> tuple[Any, str, str, list[str], l
     if bad:
         raise SourceError(f"{label_of(path)}: cannot store the image column {bad!r} as a mask: a field's name is "
                           "lower-case letters, digits and _")
+    taken = next((m for m in masks if m in RESERVED), None)
+    if taken:  # (segments/sidewalk-semantic's maps are an Image column 'label')
+        raise SourceError(f"{label_of(path)}: the image column {taken!r} would be a mask field, but {taken!r} names "
+                          "a class field: rename the column (to 'mask', say) when writing the files")
     return pf, identity, column, masks, [n for n in pf.schema_arrow.names if n != column and n not in masks]
 
 
@@ -179,13 +185,14 @@ def _rows(pf: Any, key: tuple[str, str, int], others: list[str], lo: int, hi: in
     return [{k: v for k, v in rec.items() if v is not None} for rec in rows]
 
 
-def _group_bytes(pf: Any, column: str) -> int:
-    """The most compressed bytes of ``column`` in one row group of ``pf`` (a struct's leaves summed)."""
+def _group_bytes(pf: Any, columns: list[str]) -> int:
+    """The most compressed bytes of ``columns`` in one row group of ``pf`` (a struct's leaves summed): what a
+    worker reads for a row group's images and masks."""
     md, most = pf.metadata, 0
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         most = max(most, sum(rg.column(c).total_compressed_size for c in range(rg.num_columns)
-                             if rg.column(c).path_in_schema.split(".")[0] == column))
+                             if rg.column(c).path_in_schema.split(".")[0] in columns))
     return most
 
 
@@ -207,7 +214,7 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     t, path, area, _ = task
     pf, identity, column, masks, others = _columns(path)
     name = posixpath.basename(path.rstrip("/"))
-    if _group_bytes(pf, column) > _BIG_GROUP:
+    if _group_bytes(pf, [column, *masks]) > _BIG_GROUP:
         log.warning("%s has row groups of over %d MB of images: each shard's task reads a whole row group; write "
                     "smaller ones (Hugging Face writes 100 rows)", label_of(path), _BIG_GROUP >> 20)
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -277,7 +284,11 @@ class ParquetBlobs:
         return data
 
     def read_fields(self, i: int) -> dict[str, Optional[bytes]]:
-        """Sample ``i``'s mask columns' bytes (None where its row has none), from the row group `read` reads."""
+        """Sample ``i``'s mask columns' bytes (None where its row has none), from the row group `read` reads.
+
+        Raises:
+            SourceError: The file changed since its piece was loaded, or cannot be read.
+        """
         group, row = self._row(i)
         return {c: _bytes(group[c][row]) or None for c in self.field_columns}
 
