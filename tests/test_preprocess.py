@@ -394,6 +394,39 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang():
     assert got == list(range(len(got))) and len(got) <= 3  # results before the death, in order
 
 
+class _Finalised:
+    """A parent's object in a reference cycle whose finaliser notes which process ran it (NOTE [fork and
+    finalisers]): a thread pool's destructor would join threads only the parent has."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.me = path, self
+
+    def __del__(self) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _collect_in_worker(i: int) -> int:
+    import gc
+
+    gc.collect()  # as any allocation in a worker thread may start a collection
+    return i
+
+
+def test_forked_workers_never_finalise_the_parents_garbage(tmp_path):
+    import gc
+
+    log = tmp_path / "finalised"
+    gc.disable()  # no automatic collection here: the cycle is still there when the workers are forked
+    try:
+        _Finalised(log)  # unreachable at once, but kept by its cycle until a collection
+        assert list(parallel.ordered_map(_collect_in_worker, range(8), 2)) == list(range(8))
+    finally:
+        gc.enable()
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())]  # finalised here, before the fork, once
+
+
 def _slow_unit_writer(fail_at: int = -1):
     """A UnitWriter of 2-sample units whose commits take a while; unit ``fail_at``'s fails like a full disk."""
     from fastdata.formats.base import UnitWriter

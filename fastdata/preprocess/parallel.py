@@ -13,7 +13,10 @@ can unpickle.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
+import gc
 import mmap
 import multiprocessing as mp
 import os
@@ -59,7 +62,35 @@ def _init_worker(slots: Optional[_Slots], parent: int) -> None:
     global _slots
     _slots = slots
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled once, by the parent
+    try:  # a worker that crashes says where (every thread's stack, on stderr) before the run stops
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no usable stderr (a service, a test's capture)
+        pass
     _die_with(parent)
+
+
+@contextlib.contextmanager
+def _forking(first: bool) -> Iterator[None]:
+    """Around the first submit, which forks every worker: this process's garbage is collected here first,
+    and what is left is frozen, so a worker's collector never finalises objects of this process.
+
+    NOTE [fork and finalisers]: a forked worker inherits every object of the parent, among them reference
+    cycles not collected yet (a loader with threads, a DALI pipeline). Collected in the worker (by whichever
+    of its threads allocates), a finaliser that joins its threads would join the parent's, which do not
+    exist there. In CI a worker thread crashed in pthread_join twice, at the same test, after the whole
+    suite had run in that process; this is the likeliest cause found (not reproduced in a smaller run).
+    Collecting first leaves no such cycle; freezing keeps objects that become garbage only in the worker
+    out of its collections. The parent unfreezes once the workers exist (they are all forked by the first
+    submit). Workers also print every thread's stack if they crash (faulthandler)."""
+    if not first:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _die_with(parent: int) -> None:
@@ -117,7 +148,8 @@ def ordered_map(fn: Callable[..., Any], tasks: Iterable[Any], workers: int,
             # When result i is yielded, tasks up to i + window are submitted and none beyond: slot i % count
             # (count = window + 1) is not handed to another task before the consumer asks for result i + 1.
             for _, (i, t) in zip(range(_WINDOW * workers), it):
-                pending.append((i, pool.submit(fn, *call(i, t))))
+                with _forking(not pending):
+                    pending.append((i, pool.submit(fn, *call(i, t))))
             while pending:
                 i, future = pending.popleft()
                 r = future.result()
