@@ -28,7 +28,6 @@ so judge them by bench_dali's steady-state rows (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import inspect
-import numbers
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -46,7 +45,7 @@ from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..loading.run_ahead import RunAhead
 from ..loading.sampler import DistributedBatchSampler, SamplerBacked
 from ..storage.opening import OpenedPath
-from .dali_tune import HwLoadTrial, release_unused_memory
+from .dali_tune import HwLoadTrial, release_unused_memory, valid_load
 
 INSTALL_HINT = ("NVIDIA DALI is not installed: pip install 'fastdata[dali]' (the nvidia-dali-cuda120 wheel; "
                 "nvidia-dali-cuda110 for CUDA 11, nvidia-dali-cuda130 for CUDA 13)")
@@ -173,9 +172,7 @@ class DALILoader(SamplerBacked):
             raise ConfigError(f"on_error must be 'skip' or 'fail', got on_error={on_error!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigError(f"prefetch must be an integer >= 1, got prefetch={prefetch!r}")
-        if hw_decoder_load is not None and hw_decoder_load != "auto" and (
-                isinstance(hw_decoder_load, (str, bool)) or not isinstance(hw_decoder_load, numbers.Real)
-                or not 0.0 <= hw_decoder_load <= 1.0):
+        if not valid_load(hw_decoder_load):
             raise ConfigError("hw_decoder_load must be a share in [0, 1] (of the JPEGs for the GPU's hardware "
                               "decoder), None (DALI's default) or 'auto' (measured on the first batches), got "
                               f"hw_decoder_load={hw_decoder_load!r}")

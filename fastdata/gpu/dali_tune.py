@@ -43,6 +43,7 @@ NOTE [hw_decoder_load auto]:
 """
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Mapping, Optional, Sequence
 
@@ -51,6 +52,14 @@ import torch
 CANDIDATES = (0.65, 0.0, 1.0, 0.9, 0.5)  # NOTE [hw_decoder_load auto] 2
 TOLERANCE = 0.03  # loads within 3% count as equal: under the 5% that issue #40 allows, room left for noise
 LOCKSTEP_BATCHES = 32  # a window's timed outputs under DDP: a count every rank reaches at the same step (rule 9)
+
+
+def valid_load(value: Any) -> bool:
+    """Whether ``value`` is an ``hw_decoder_load`` DALILoader takes: None (DALI's default), ``"auto"``, or a
+    real number in [0, 1] (not a bool)."""
+    if value is None or value == "auto":
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
 def choose(seconds_per_batch: Mapping[float, float], tolerance: float = TOLERANCE) -> Optional[float]:

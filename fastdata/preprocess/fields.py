@@ -25,7 +25,7 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.remote import is_url
-from .sources import UrlBlobs, read_object
+from .sources import UrlBlobs
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -119,20 +119,13 @@ class RecordDecoder:
             raise ImageDecodeError(f"{name}: unknown class {int(bad[0])} (the dataset has {self.num_classes} classes)")
         return arr
 
-    def _mask(self, rel: Union[str, bytes, io.BytesIO, None], w: int, h: int, g: Geometry, name: str
-              ) -> np.ndarray:
-        if rel is None or rel == b"":
+    def _mask(self, rel: Union[str, "Blob", None], w: int, h: int, g: Geometry, name: str) -> np.ndarray:
+        if rel is None:
             raise ImageDecodeError(f"no {name} for this image (masks/ has no file of the same stem, or its row has "
                                    "none)")
-        if isinstance(rel, io.BytesIO):  # an object at a URL, read ahead (`mask_readers`): named by its URL
+        if isinstance(rel, Blob):  # read already (`row_values`): an object at a URL, a Parquet column's bytes
             path: Any = rel
             rel = str(rel)
-        elif isinstance(rel, (bytes, bytearray)):  # a Parquet Image column's PNG, read with the image (parquet.py)
-            path = io.BytesIO(rel)
-            rel = f"in column {name!r}"
-        elif is_url(rel):  # a URL source's masks are full URLs (NOTE [url source] in fastdata/preprocess/sources.py)
-            path = io.BytesIO(read_object(rel))
-            rel = scrub(rel)
         else:
             path = self.root / rel
         try:
@@ -218,8 +211,9 @@ def row_values(values: dict[str, list[Any]], j: int, readers: dict[str, UrlBlobs
     for name, reader in readers.items():
         if reader.names[j] is not None:
             row[name] = Blob(reader.read(j), scrub(reader.names[j]))
-    if getattr(blobs, "field_columns", None):
-        row.update(blobs.read_fields(j))
+    if getattr(blobs, "field_columns", None):  # a Parquet row's mask columns: named by their column
+        row.update({name: None if data is None else Blob(data, f"in column {name!r}")
+                    for name, data in blobs.read_fields(j).items()})
     return row
 
 

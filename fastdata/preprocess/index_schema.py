@@ -144,7 +144,7 @@ class Merge:
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
         self.counts: list[int] = []
-        self.digests: list[str] = []  # each tar index's sha256 ("" where a kind writes no index)
+        self.digests: list[str] = []  # each file's: its tar index's sha256, or its Parquet footer's identity
         self.keep: Optional[set[str]] = None  # the keys kept so far
         self.seen: set[str] = set()
         self.lacking: dict[str, str] = {}  # strict: a key -> a file with rows but without it
@@ -160,7 +160,7 @@ class Merge:
         self.class_names: Optional[list[str]] = None  # a Hugging Face ClassLabel's, from the first file with them
         self.common: dict[str, tuple[Any, str]] = {}  # key -> (value, the first file that gave it)
 
-    def add(self, label: str, s: dict[str, Any], digest: str = "") -> None:
+    def add(self, label: str, s: dict[str, Any], digest: str) -> None:
         """File ``label``'s summary (``digest``: its index's sha256, or its footer's identity), after every
         file before it.
 

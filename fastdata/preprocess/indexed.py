@@ -162,7 +162,7 @@ class FileSource:
     folder: ClassVar[str]  # the area's sub-folder
     noun: ClassVar[str]  # what the progress bar counts
     required: ClassVar[str]  # the digest every complete summary of this kind has: its index's, or its footer's
-    summarize: ClassVar[Callable[..., dict[str, Any]]]  # (t, file, area, root) -> the file's summary
+    summarize: ClassVar[Callable[..., dict[str, Any]]]  # (t, file, area) -> the file's summary
     piece_type: ClassVar[type]  # a `Piece` with the kind's ``load()``
     strict: ClassVar[bool] = False  # records.py's rules for every key (Parquet), or the tars' (index_schema.py)
 
@@ -203,7 +203,7 @@ class FileSource:
             SourceError: A file cannot be read, holds no samples, or its records disagree with another's.
         """
         have = area.summaries()
-        todo = [(t, f, area, self.root) for t, f in enumerate(self.files) if area.name(t, "summary") not in have]
+        todo = [(t, f, area) for t, f in enumerate(self.files) if area.name(t, "summary") not in have]
         fresh = iter(run(type(self).summarize, todo))
         listed = {t for t, *_ in todo}
         with ThreadPoolExecutor(16) as ex:
@@ -219,7 +219,7 @@ class FileSource:
                 assert u == t
                 s = got.result()  # a damaged summary: that file is summarised again, here
                 ok = isinstance(s, dict) and self.required in s
-                return s if ok else type(self).summarize((t, self.files[t], area, self.root))
+                return s if ok else type(self).summarize((t, self.files[t], area))
             return self.merge(map(summary, range(len(self.files))), area)
 
     def merge(self, summaries: Iterable[dict[str, Any]], area: Area) -> "Indexed":

@@ -185,15 +185,18 @@ def _rows(pf: Any, key: tuple[str, str, int], others: list[str], lo: int, hi: in
     return [{k: v for k, v in rec.items() if v is not None} for rec in rows]
 
 
+def _chunks(md: Any, g: int, columns: list[str]) -> list[Any]:
+    """Row group ``g``'s column chunks of ``columns`` (top-level names: a struct's leaves each count)."""
+    rg = md.row_group(g)
+    return [ch for ch in map(rg.column, range(rg.num_columns)) if ch.path_in_schema.split(".")[0] in columns]
+
+
 def _group_bytes(pf: Any, columns: list[str]) -> int:
-    """The most compressed bytes of ``columns`` in one row group of ``pf`` (a struct's leaves summed): what a
-    worker reads for a row group's images and masks."""
-    md, most = pf.metadata, 0
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        most = max(most, sum(rg.column(c).total_compressed_size for c in range(rg.num_columns)
-                             if rg.column(c).path_in_schema.split(".")[0] in columns))
-    return most
+    """The most compressed bytes of ``columns`` in one row group of ``pf``: what a worker reads for a row
+    group's images and masks."""
+    md = pf.metadata
+    return max((sum(ch.total_compressed_size for ch in _chunks(md, g, columns)) for g in range(md.num_row_groups)),
+               default=0)
 
 
 def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
@@ -201,8 +204,8 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     source] rule 1).
 
     Args:
-        task: ``(t, file, area, root)``: the file's number in the run, its path or URL, the run's `Area`,
-            and the folder its records' paths (masks) are relative to.
+        task: ``(t, file, area)``: the file's number in the run, its path or URL, and the run's `Area`
+            (its records' paths, masks, are relative to the file's folder).
         slot: Unused (the pool's shared-memory slot).
 
     Returns:
@@ -211,7 +214,7 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     Raises:
         SourceError: The file is not Parquet, has no image column, or its rows break records.py's rules.
     """
-    t, path, area, _ = task
+    t, path, area = task
     pf, identity, column, masks, others = _columns(path)
     name = posixpath.basename(path.rstrip("/"))
     if _group_bytes(pf, [column, *masks]) > _BIG_GROUP:
@@ -376,9 +379,7 @@ class ParquetSource(FileSource):
         for name in others:
             if pa.types.is_null(pf.schema_arrow.field(name).type):  # no value in any row
                 continue
-            leaves = [md.row_group(g).column(c) for g in range(md.num_row_groups) for c in range(md.num_columns)
-                      if md.row_group(g).column(c).path_in_schema.split(".")[0] == name]
-            stats = [leaf.statistics for leaf in leaves]
+            stats = [ch.statistics for g in range(md.num_row_groups) for ch in _chunks(md, g, [name])]
             all_null = bool(stats) and all(st is not None and st.has_null_count and st.null_count == st.num_values
                                            for st in stats)
             if name != "label" and not all_null:

@@ -48,7 +48,7 @@ def index_name(t: int, what: str) -> str:
 def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     """A worker: stream one tar, write its index and then its summary (NOTE [tar index] rule 1); returns the
     summary, which names the index's sha256."""
-    t, tar, area, _ = task
+    t, tar, area = task
     index = _listing(tar)
     digest = area.write(area.name(t, "index"), index)
     summary = {**summarize(label_of(tar), index), "index_sha256": digest}

@@ -5,7 +5,6 @@ FastDataset -> FastLoader (DDP-aware) -> CUDAPrefetcher (normalise + augment on 
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -16,6 +15,7 @@ from ..datasets.images import FastDataset
 from ..datasets.splits import split
 from ..errors import ConfigError
 from ..formats.manifest import TOKENS
+from ..gpu.dali_tune import valid_load
 from ..gpu.prefetch import CUDAPrefetcher
 from ..imaging.transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from ..loading.loader import FastLoader
@@ -73,8 +73,7 @@ class ImageRun:
         if self.backend != "dali":
             raise ConfigError(f"--hw-decoder-load splits DALI's JPEG decoding: add --backend dali, or drop "
                               f"--hw-decoder-load {load!r} for --backend {self.backend}")
-        share = isinstance(load, numbers.Real) and not isinstance(load, bool) and 0.0 <= load <= 1.0
-        if load != "auto" and not share:
+        if not valid_load(load):
             raise ConfigError("--hw-decoder-load must be a number in [0, 1] (the share of JPEGs for the GPU's "
                               f"hardware decoder) or 'auto' (measured on the first batches), got {load!r}")
 
