@@ -220,3 +220,40 @@ def test_a_chunks_masks_at_a_url_are_requested_ahead_of_their_images(s3, proxy, 
     assert row_values(values, 3, readers, None)["mask"] is None  # no mask: the decoder names it, nothing read
     assert [row_values(values, j, readers, None)["mask"].read() for j in (4, 5)] == [b"mask 4", b"mask 5"]
     assert sum(proxy.gets.values()) == 5  # each object once
+
+
+def test_parquet_and_zst_at_a_url_ride_out_faults_and_an_outage_to_the_local_bytes(s3, proxy, tmp_path):
+    # ranged reads of Parquet footers, row groups (images and an Image column of masks) and a .jsonl.zst
+    # stream, through resets, truncated bodies, SlowDown and a store gone for a while: the local run's bytes
+    pa = pytest.importorskip("pyarrow")
+    zstandard = pytest.importorskip("zstandard")
+    import pyarrow.parquet as pq
+
+    from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+    root = tmp_path / "src"
+    records = make_scenes(root / "img", 8, sizes=((40, 30), (30, 40)))
+    cell = lambda p: {"bytes": (root / "img" / p).read_bytes(), "path": None}  # noqa: E731
+    for part, rows in enumerate((records[:5], records[5:])):
+        pq.write_table(pa.table({"image": [cell(r["image"]) for r in rows], "annotation": [cell(r["mask"]) for r in rows],
+                                 "label": [i % 2 for i in range(len(rows))]}), root / f"part-{part}.parquet",
+                       row_group_size=2)
+    (root / "img").rename(tmp_path / "img")  # only the Parquet files go to the store
+    text = tmp_path / "text"
+    text.mkdir()
+    docs = "".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(400)).encode()
+    (text / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(docs))
+    url, text_url = upload(s3, "pq-faults", root, "hf"), upload(s3, "zst-faults", text, "corpus")
+    local = preprocess(root, tmp_path / "local", "--workers", "2", "--resize", "center-crop")
+    local_text = preprocess_text(TextPreprocessConfig(src=text, out=tmp_path / "local-text", progress=False,
+                                                      val_fraction=0.1))
+    for kind in ("503", "reset", "truncate"):
+        proxy.inject(kind, r"part-[01]\.parquet|d\.jsonl\.zst", times=3)
+    proxy.refuse(2)  # the store gone as the runs begin: listings, footers and the first reads wait it out
+    remote = preprocess(url, tmp_path / "remote", "--workers", "2", "--resize", "center-crop")
+    assert_same_output(local, remote, url)
+    assert [f["name"] for f in remote["fields"]] == ["image", "label", "annotation"]
+    got = preprocess_text(TextPreprocessConfig(src=text_url, out=tmp_path / "remote-text", progress=False,
+                                               val_fraction=0.1))
+    assert {f["path"]: f["sha256"] for f in got["files"]} == {f["path"]: f["sha256"] for f in local_text["files"]}
+    assert sum(proxy.faults.values()) >= 9

@@ -38,7 +38,7 @@ from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
 from ..storage.remote import filesystem, is_url
 from .index_schema import Merge, Schema
-from .sources import where_of
+from .sources import store_call, where_of
 
 _AHEAD = 64  # summaries read ahead on a rerun: a store answers each small read in a round trip
 _schemas: dict[str, Schema] = {}  # by sha256: one per run, read once per process
@@ -113,7 +113,9 @@ class Area:
 
 def file_stats(files: list[str]) -> list[tuple[int, str]]:
     """Each file's size and version (an object's etag, a file's mtime): from one listing per folder, or one
-    request per file where a folder cannot be listed (an HTTP server)."""
+    request per file where a folder cannot be listed (an HTTP server) or its listing failed. The requests
+    per file ride out an outage under the run's retry budget (NOTE [url source] rule 3); a listing is only
+    a shortcut, tried once."""
     if not files or not is_url(files[0]):
         return [(s.st_size, str(s.st_mtime_ns)) for s in map(os.stat, files)]
     fs, _ = filesystem(files[0])
@@ -125,7 +127,7 @@ def file_stats(files: list[str]) -> list[tuple[int, str]]:
         except Exception:  # noqa: BLE001 - no listing here: asked one file at a time below
             pass
     with ThreadPoolExecutor(16) as ex:
-        infos = list(ex.map(lambda p: found.get(p) or fs.info(p), paths))
+        infos = list(ex.map(lambda p, f: found.get(p) or store_call(f, lambda: fs.info(p)), paths, files))
     out = []
     for e in infos:
         version = e.get("ETag") or e.get("etag") or e.get("LastModified") or e.get("mtime") or ""
@@ -175,6 +177,8 @@ class FileSource:
         """
         try:
             stats = file_stats(files)
+        except SourceError:  # the store down past the retry budget, or refusing: its own line
+            raise
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
             raise SourceError(f"cannot list {scrub(str(src))}: {type(exc).__name__}: {scrub(str(exc))}") from exc
         location: Union[str, Path] = str(src) if is_url(str(src)) else Path(src)

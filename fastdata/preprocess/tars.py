@@ -67,9 +67,11 @@ def is_tar_source(src: Union[str, Path]) -> bool:
     if is_url(text):
         if text.lower().endswith((".jsonl", ".csv", ".parquet")):
             return False  # a records file: no listing needed to tell
-        try:
+        try:  # an outage is ridden out under the retry budget (NOTE [url source] rule 3)
             fs, root = filesystem(text)
-            return any(p.endswith(".tar") for p in fs.ls(root, detail=False))
+            return any(p.endswith(".tar") for p in store_call(text, lambda: fs.ls(root, detail=False), "list"))
+        except SourceError:  # down past the budget, or refused: said once, here
+            raise
         except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
             return True
     p = Path(text)
@@ -88,7 +90,10 @@ def tar_files(src: Union[str, Path]) -> list[str]:
     elif is_url(text) and not text.endswith(".tar"):
         fs, root = filesystem(text)
         try:
-            names = [fs.unstrip_protocol(p) for p in fs.ls(root, detail=False) if p.endswith(".tar")]
+            names = [fs.unstrip_protocol(p) for p in store_call(text, lambda: fs.ls(root, detail=False), "list")
+                     if p.endswith(".tar")]
+        except SourceError:
+            raise
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
             raise SourceError(f"cannot list {scrub(text)}: {type(exc).__name__}: {scrub(str(exc))}") from exc
     elif Path(text).is_dir():
