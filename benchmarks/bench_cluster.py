@@ -304,7 +304,7 @@ def tar_summary(samples: int) -> dict[str, Any]:
 
 def unit_record(k: int, shard_size: int) -> dict[str, Any]:
     """A journal entry as NpyShardWriter makes it: images and labels files with sizes and sha256."""
-    return {"index": k, "samples": shard_size, "source_end": (k + 1) * shard_size, "in_partial": False,
+    return {"index": k, "samples": shard_size, "source_end": (k + 1) * shard_size,
             "files": [{"path": image_shards.images_name(k), "bytes": shard_size * 196_736, "sha256": "0" * 64},
                       {"path": image_shards.labels_name(k), "bytes": 128 + 8 * shard_size, "sha256": "0" * 64}]}
 

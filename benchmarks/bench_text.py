@@ -68,7 +68,8 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
     ds = TokenDataset(folder, seq_len=seq_len)
     ds_ram = TokenDataset(folder, seq_len=seq_len, storage="ram")
     length = seq_len + 1
-    src = np.concatenate([np.load(p, allow_pickle=False) for p in sorted(folder.glob("train-[0-9]*.npy"))])
+    shards = sorted(folder.glob("train-[0-9]*.npy"))  # (not train-docs-*: sorted names are the stream's order)
+    src = np.concatenate([np.load(p, allow_pickle=False) for p in shards])
     rows = src[: len(src) // length * length].reshape(-1, length)
     out = torch.empty((batch, length), dtype=ds.sample_dtype)
     dst = out.numpy()
@@ -84,7 +85,7 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
         np.take(rows, rng.integers(0, len(rows), batch), axis=0, out=dst, mode="clip")
 
     def nanogpt() -> None:  # nanoGPT train.py get_batch, CPU part
-        data = np.load(folder / "train-00000.npy", mmap_mode="r")  # "recreate np.memmap every batch ..."
+        data = np.load(shards[0], mmap_mode="r")  # "recreate np.memmap every batch ..."
         ix = torch.randint(len(data) - seq_len - 1, (batch,))
         torch.stack([torch.from_numpy(data[i:i + seq_len + 1].astype(np.int64)) for i in ix.tolist()])
 

@@ -88,6 +88,23 @@ def test_token_dataset_close_and_drop(tmp_path):
     with pytest.raises(ConfigError, match="was closed"):
         ds.get_batch([0])
 
+    # a read that passed get_batch's check when another thread closed the dataset says "closed" too (before:
+    # IndexError on the shard list, or TypeError on the flat windows)
+    import json
+    lines = "".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(200))
+    (tmp_path / "d.jsonl").write_text(lines)
+    assert main(["preprocess", "text", str(tmp_path / "d.jsonl"), str(tmp_path / "many"), "--shard-tokens", "2000",
+                 "--val-fraction", "0", "--quiet"]) == 0
+    for folder in ("many", "tok"):  # several shards, and one
+        ds = TokenDataset(tmp_path / folder, "train", 16)
+        assert folder == "tok" or len(ds.manifest["splits"]["train"]["shards"]) > 3
+        starts = ds.starts(np.arange(0, len(ds), 7, dtype=np.int64))
+        dst = np.empty((len(starts), 17), dtype=ds.np_dtype)
+        ds._gather(starts, dst)
+        ds.close()
+        with pytest.raises(ConfigError, match="was closed"):
+            ds._gather(starts, dst)
+
 
 def test_a_state_names_its_dataset_version_and_another_version_is_refused(indexed_datasets, tmp_path):
     """A resume onto a dataset whose manifest changed (an overwrite, a new push) is refused by name, not

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import kill_when_journaled
+from conftest import journaled_units, kill_when_journaled
 
 from fastdata.cli.main import main
 from fastdata.datasets.tokens import TokenDataset, shard_of, splitmix
 from fastdata.errors import ConfigError, FormatError
 from fastdata.formats.tokenizer import load_tokenizer
-from fastdata.preprocess.text import is_val
+from fastdata.preprocess.text import file_seed, is_val
 
 WORDS = "the quick brown fox jumps over a lazy dog ünïcödé 数据 loader — token shard window €".split()
 
@@ -35,6 +35,13 @@ def write_jsonl(path: Path, docs: list[str], gz: bool = False) -> Path:
 def stream(out: Path, split: str) -> np.ndarray:
     m = json.loads((out / "manifest.json").read_text())
     return np.concatenate([np.load(out / s["path"]) for s in m["splits"][split]["shards"]])
+
+
+def jsonl_val(docs: list[str], fraction: float, file_index: int = 0, seed: int = 0) -> np.ndarray:
+    """Which of a `write_jsonl` file's documents go to val: a hash of the file's place in the source and each
+    line's byte offset (NOTE [text pieces] 4)."""
+    sizes = [len((json.dumps({"text": d}, ensure_ascii=False) + "\n").encode()) for d in docs]
+    return is_val(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64), fraction, file_seed(seed, file_index))
 
 
 def docs_of(tokens: np.ndarray, eos: int) -> list[np.ndarray]:
@@ -71,16 +78,21 @@ def test_bytes_round_trip_across_many_shards(tmp_path, gz):
     out = tmp_path / "out"
     preprocess(src, out, "--val-fraction", "0.2", "--shard-tokens", "700")
     m = json.loads((out / "manifest.json").read_text())
-    assert m["format"] == "fastdata.tokens" and m["dtype"] == "<u2" and m["tokenizer"]["eos_id"] == 256
+    assert m["format"] == "fastdata.tokens" and m["format_version"] == 2 and m["dtype"] == "<u2"
+    assert m["tokenizer"]["eos_id"] == 256
     assert len(m["splits"]["train"]["shards"]) > 10  # documents spread over many shards...
-    val = is_val(np.arange(len(docs)), 0.2, 0)
+    # (plain: cut into ~16 byte ranges read by their own tasks; gzipped: one task reads it whole)
+    val = jsonl_val(docs, 0.2)
     for split, want in (("train", [d for d, v in zip(docs, val) if not v]),
                         ("val", [d for d, v in zip(docs, val) if v])):
         got = [bytes(d[:-1].astype(np.uint8)).decode() for d in docs_of(stream(out, split), 256)]
         assert got == want  # ...and not one byte lost at their boundaries
-        offsets = np.load(out / f"{split}-docs.npy")
-        assert offsets.dtype == np.int64 and len(offsets) == len(want) + 1
-        assert offsets[-1] == m["splits"][split]["tokens"] == len(stream(out, split))
+        assert m["splits"][split]["documents"] == len(want)
+        for sh in m["splits"][split]["shards"]:  # each shard's documents start where its offsets say
+            tokens, starts = np.load(out / sh["path"]), np.load(out / sh["docs"])
+            assert starts.dtype == np.int64 and len(starts) == sh["documents"] + 1 and starts[0] == 0
+            assert starts[-1] == sh["tokens"] == len(tokens)
+            assert np.array_equal(np.flatnonzero(tokens == 256) + 1, starts[1:])
     assert 0 < len([v for v in val if v]) < len(docs)
 
 
@@ -204,12 +216,23 @@ def test_killed_run_resumes_to_identical_output(tmp_path):
     src.mkdir()
     rng = np.random.default_rng(0)
     letters = np.frombuffer(b"abcdefghij klmnopqrstuvwxyz \n", dtype=np.uint8)
-    for i in range(40):
+    for i in range(30):
         (src / f"{i:03d}.txt").write_bytes(letters[rng.integers(0, len(letters), 1_500_000)].tobytes())
+    # first in the source: a JSON Lines file cut into 5 parts, bad lines in its later parts, so the resumed run
+    # must number them from the journaled parts' line counts (NOTE [text pieces] 5)
+    lines = [json.dumps({"text": letters[rng.integers(0, 27, 300)].tobytes().decode()}).encode() + b"\n"
+             for _ in range(25_000)]
+    bad = [9_000, 15_000, 24_000]
+    for i in bad:
+        lines[i] = b"{not json\n"
+    (src / "000.jsonl").write_bytes(b"".join(lines))
     args = ["--workers", "1", "--shard-tokens", "400000", "--quiet", "--val-fraction", "0.1"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert main(["preprocess", "text", str(src), str(ref), *args]) == 0
-    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "text", str(src), str(out), *args], out, 4)
+    m = json.loads((ref / "manifest.json").read_text())
+    assert [(e["file"], e["line"]) for e in m["skipped"]] == [("000.jsonl", i + 1) for i in bad]
+    kill_when_journaled([sys.executable, "-m", "fastdata", "preprocess", "text", str(src), str(out), *args], out, 2)
+    assert len(journaled_units(out)) < 5  # killed inside the cut file's parts
     assert main(["preprocess", "text", str(src), str(out), *args]) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in ref.iterdir()}
 
@@ -285,17 +308,18 @@ def test_gpt_tiny_lowers_the_loss_on_repetitive_text(tmp_path):
 def test_damaged_token_shards_are_refused(token_folder):
     from fastdata.errors import ChecksumError
 
-    shard = token_folder / "train-00002.npy"
+    name = json.loads((token_folder / "manifest.json").read_text())["splits"]["train"]["shards"][2]["path"]
+    shard = token_folder / name
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match=r"train-00002\.npy does not match its checksum"):
+    with pytest.raises(ChecksumError, match=rf"{name} does not match its checksum"):
         TokenDataset(token_folder, seq_len=16, storage="ram")  # ram hashes while it reads
-    with pytest.raises(ChecksumError, match=r"train-00002\.npy does not match"):
+    with pytest.raises(ChecksumError, match=rf"{name} does not match"):
         TokenDataset(token_folder, seq_len=16, verify=True)
     TokenDataset(token_folder, seq_len=16)  # mmap checks sizes only, by default
     shard.write_bytes(bytes(data[:-10]))
-    with pytest.raises(ChecksumError, match=r"train-00002\.npy has .* truncated"):
+    with pytest.raises(ChecksumError, match=rf"{name} has .* truncated"):
         TokenDataset(token_folder, seq_len=16)
 
 
@@ -311,10 +335,16 @@ def test_parquet_rows_are_documents_with_the_jsonl_files_tokens(tmp_path, capsys
     for part, rows in enumerate((docs[:50], docs[50:])):
         pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), tmp_path / "p" / f"{part}.parquet",
                        row_group_size=16)
-    preprocess(tmp_path / "j" / "a.jsonl", tmp_path / "from-jsonl", "--val-fraction", "0.2", "--shard-tokens", "700")
+    preprocess(tmp_path / "j" / "a.jsonl", tmp_path / "from-jsonl", "--val-fraction", "0", "--shard-tokens", "700")
     preprocess(tmp_path / "p", tmp_path / "from-parquet", "--val-fraction", "0.2", "--shard-tokens", "700")
-    for name in sorted(p.name for p in (tmp_path / "from-jsonl").iterdir() if p.suffix == ".npy"):
-        assert (tmp_path / "from-parquet" / name).read_bytes() == (tmp_path / "from-jsonl" / name).read_bytes(), name
+    all_docs = docs_of(stream(tmp_path / "from-jsonl", "train"), 256)
+    assert [bytes(d[:-1].astype(np.uint8)).decode() for d in all_docs] == docs
+    # a Parquet row goes to val by a hash of its file's place and its row (both files cut by row groups)
+    val = np.concatenate([is_val(np.arange(50, dtype=np.uint64), 0.2, file_seed(0, 0)),
+                          is_val(np.arange(70, dtype=np.uint64), 0.2, file_seed(0, 1))])
+    for split, want in (("train", ~val), ("val", val)):
+        got = docs_of(stream(tmp_path / "from-parquet", split), 256)
+        assert [d.tobytes() for d in got] == [d.tobytes() for d, v in zip(all_docs, want) if v]
     # bad rows are skipped and named by file and row (from 1); a file without the column is named once
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -344,10 +374,11 @@ def jsonl_bytes(docs: list[str]) -> bytes:
 
 
 def same_shards(want: Path, got: Path) -> None:
-    names = sorted(p.name for p in want.iterdir() if p.suffix == ".npy")
-    assert names == sorted(p.name for p in got.iterdir() if p.suffix == ".npy") and len(names) > 10
-    for name in names:
-        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+    """The same documents in each split, in order (a plain file is cut into parts, a compressed one is not: the
+    pieces, so the shards' bounds, differ)."""
+    for split in ("train", "val"):
+        a, b = stream(want, split), stream(got, split)
+        assert a.dtype == b.dtype and np.array_equal(a, b) and len(docs_of(a, 256)) > (10 if split == "train" else 0)
 
 
 @pytest.mark.parametrize("name, frames", [("d.jsonl.zst", 1), ("d.jsonl.zst", 7), ("d.json.gz", 0),
@@ -445,7 +476,7 @@ def test_bad_lines_inside_a_jsonl_zst_are_named_by_line(tmp_path, capsys):
 def test_a_jsonl_zst_is_decompressed_as_it_is_read(tmp_path):
     import tracemalloc
 
-    from fastdata.preprocess.documents import iter_documents, text_files
+    from fastdata.preprocess.documents import Part, PartDocuments, text_files
 
     rng = np.random.default_rng(0)
     n, width = 50_000, 160  # 8.7 MB of JSON Lines, ~5 MB compressed (random letters)
@@ -457,7 +488,7 @@ def test_a_jsonl_zst_is_decompressed_as_it_is_read(tmp_path):
     files = text_files(tmp_path / "big.jsonl.zst")
     tracemalloc.start()
     try:
-        count = sum(1 for _, _, text, _, _ in iter_documents(files, "text") if text is not None)
+        count = sum(1 for _, _, text, _ in PartDocuments(Part(files[0], 0), "text") if text is not None)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -510,13 +541,13 @@ def test_a_degenerate_zst_is_read_in_small_steps(tmp_path):
     zstandard = pytest.importorskip("zstandard")
     import tracemalloc
 
-    from fastdata.preprocess.documents import iter_documents, text_files
+    from fastdata.preprocess.documents import Part, PartDocuments, text_files
 
     blank = (b" " * (64 << 10) + b"\n") * 4096  # 256 MB of blank lines, 64 KiB each
     (tmp_path / "nl.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(blank))
     assert len(blank) // (tmp_path / "nl.jsonl.zst").stat().st_size > 5000
     tracemalloc.start()
-    docs = list(iter_documents(text_files(tmp_path / "nl.jsonl.zst"), "text"))
+    docs = list(PartDocuments(Part(text_files(tmp_path / "nl.jsonl.zst")[0], 0), "text"))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert [d[3] for d in docs] == ["empty file"] and peak < 64 << 20, peak

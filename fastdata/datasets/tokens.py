@@ -279,21 +279,27 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # 5. One dataset: the same compiled copy (`_compiled`) where numba is installed, the batch written in
         #    one pass without the GIL (with ``out=``, or from TORCH_GATHER_ROWS windows: below, without ``out=``,
         #    the gather's own result costs ~4 us less); these rules until it has compiled, and without numba.
-        if self._flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
-            torch.index_select(self._flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
+        # 6. The maps are read once into locals: a close() on another thread meanwhile leaves this batch its maps
+        #    (they are unmapped when the last reference goes), or, when it came first, says "closed".
+        flat_rows, flat_windows, shards, shard_windows, cache = (self._flat_rows, self._flat_windows, self._shards,
+                                                                 self._shard_windows, self._cache)
+        if flat_windows is None and not shards and cache is None:
+            self._check_open()
+        if flat_rows is not None and len(starts) >= TORCH_GATHER_ROWS and torch.get_num_threads() == 1:
+            torch.index_select(flat_rows, 0, torch.from_numpy(starts), out=torch.from_numpy(signed(dst)))
             return
         rows = dst.view(self._void).reshape(-1)
-        if self._flat_windows is not None:
-            rows[...] = self._flat_windows[starts]
+        if flat_windows is not None:
+            rows[...] = flat_windows[starts]
             return
         length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
         last = shard_of(starts + length - 1, self._shard_offsets)
-        if self._cache is None:
-            self._gather_shards(starts, first, last, rows, dst, self._shards, self._shard_windows)
+        if cache is None:
+            self._gather_shards(starts, first, last, rows, dst, shards, shard_windows)
             return
         used = np.unique(np.concatenate([first, last]))
-        with self._cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
+        with cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
             arrays, windows = {s: opened[s][0] for s in used.tolist()}, {s: opened[s][1] for s in used.tolist()}
             self._gather_shards(starts, first, last, rows, dst, arrays, windows)
 

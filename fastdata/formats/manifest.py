@@ -25,7 +25,7 @@ TOKENS = "fastdata.tokens"  # the on-disk format name, not a module: never renam
 # format name -> highest version this fastdata reads; bump the version when a reader would misread old files.
 # LMDB 2: shards, LMDB 3: sample fields (lmdb_store.py), LMDB 4: keys per shard and shards of uneven sizes;
 # npy 2: sample fields beyond (image, label) (formats/schema.py), npy 3: shards of uneven sizes (formats/base.py)
-FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 3, IMAGES_LMDB: 4, TOKENS: 1}
+FORMAT_VERSIONS: dict[str, int] = {IMAGES_NPY: 3, IMAGES_LMDB: 4, TOKENS: 2}
 UNEVEN_SHARDS = {IMAGES_NPY: 3, IMAGES_LMDB: 4}  # the version from which shards may hold fewer than shard_size
 
 
@@ -144,6 +144,10 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
             if not _count(split.get("tokens")) or split["tokens"] != sum(s["tokens"] for s in shards):
                 refuse(f"split {name!r} says {split.get('tokens')!r} tokens, its shards hold "
                        f"{sum(s['tokens'] for s in shards)}")
+            if manifest["format_version"] >= 2 and not (  # each shard's document offsets beside it
+                    all(_count(s.get("documents")) and isinstance(s.get("docs"), str) for s in shards)
+                    and split.get("documents") == sum(s["documents"] for s in shards)):
+                refuse(f"split {name!r} lacks its shards' document counts and offsets files")
         return
     n = manifest.get("num_samples")
     if not _count(n):

@@ -1,4 +1,5 @@
-"""The documents of ``fastdata preprocess text``: which files a source holds, and each file's documents in order.
+"""The documents of ``fastdata preprocess text``: which files a source holds, how they are cut into pieces (one
+task each: NOTE [text pieces] in text.py), and each part's documents in order.
 
 A ``.txt`` file is one document. A JSON Lines file (``.jsonl``, and ``.json.gz`` / ``.json.zst``: C4's and
 Dolma's naming) is one a line, in ``--field``; a ``.parquet`` file one a row, in the column ``--field``.
@@ -92,8 +93,8 @@ def _stamp(info: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _open(f: TextFile) -> Iterator[Any]:
-    with open_binary(f.where, f.size) as raw:  # a URL streams through ranged reads
+def _open(f: TextFile, block: Optional[int] = None) -> Iterator[Any]:
+    with open_binary(f.where, f.size, block) as raw:  # a URL streams through ranged reads of ``block`` bytes
         if f.rel.endswith(".gz"):
             yield gzip.GzipFile(fileobj=raw, mode="rb")
         elif f.rel.endswith(".zst"):
@@ -164,26 +165,151 @@ class _ZstdStream(io.RawIOBase):
         return b"".join(out)
 
 
-Doc = tuple[str, int, Optional[str], str, int]  # file, line, text (None if unusable), reason, raw bytes
+# SPLITTABLE: files a piece may take a part of (a byte range of plain JSON Lines, a run of Parquet row groups)
+SPLITTABLE = (".jsonl", ".parquet")
+_PIECE_MIN = 16 << 20  # the least source bytes a piece holds when the source has more (NOTE [text pieces] 2)
+_PIECES_AT_LEAST = 64  # pieces a large source is cut into at least, so that many workers share it
+_PIECE_FILES = 1024  # files a piece holds at most: a task's description stays small (~150 KB)
+_TOKEN_BYTES = 4  # source bytes per token of a piece at most, times the run's tokens per shard
+_PART_BLOCK = 1 << 20  # the least bytes a ranged read of a part fetches at a URL
+_SKIP_STEP = 1 << 20  # bytes read at a time while skipping to a part's first line
 
 
-def iter_documents(files: list[TextFile], field: str) -> Iterator[Doc]:
-    """Yield ``(file, line, text, reason, nbytes)`` for every candidate document in order: ``text`` is None
-    and ``reason`` says why when it is unusable. Line is 0 for whole-file (.txt) documents, a Parquet row's
-    number from 1 for its rows."""
-    for tf in files:
-        rel = tf.rel
+@dataclass(frozen=True)
+class Part:
+    """Part ``k`` of ``parts`` of one input file, the ``index``-th of the source (the whole file when ``parts``
+    is 1): a byte range ``[k * size // parts, (k + 1) * size // parts)`` of plain JSON Lines (the lines that
+    start in it), or a run of a Parquet file's row groups."""
+
+    file: TextFile
+    index: int
+    k: int = 0
+    parts: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k + 1) * self.file.size // self.parts - self.k * self.file.size // self.parts
+
+
+def piece_bytes(total: int, shard_tokens: int) -> int:
+    """The source bytes a piece holds: ``_TOKEN_BYTES * shard_tokens`` at most (about a shard of BPE tokens),
+    and for a source under 64 of those, a 64th of it but at least 16 MiB (NOTE [text pieces] 2)."""
+    return min(_TOKEN_BYTES * shard_tokens, max(_PIECE_MIN, -(-total // _PIECES_AT_LEAST)))
+
+
+def plan_pieces(files: list[TextFile], shard_tokens: int) -> Iterator[list[Part]]:
+    """The run's pieces, in source order: consecutive files up to `piece_bytes` (and `_PIECE_FILES` files) in
+    one, a larger file alone, cut into parts of about `piece_bytes` where it is plain JSON Lines or Parquet.
+    A function of the files and ``shard_tokens`` only, so the output is the same for any workers; made as
+    they are needed (a source of 200 TB has ~10^6 pieces).
+
+    Args:
+        files: The source's files, in order (`text_files`).
+        shard_tokens: The run's tokens per shard.
+
+    Returns:
+        An iterator of pieces, each a list of `Part`.
+    """
+    target = piece_bytes(sum(f.size for f in files), shard_tokens)
+    run: list[Part] = []
+    held = 0
+    for i, f in enumerate(files):
+        if f.size > target:
+            if run:
+                yield run
+                run, held = [], 0
+            parts = -(-f.size // target) if f.rel.endswith(SPLITTABLE) else 1
+            for k in range(parts):
+                yield [Part(f, i, k, parts)]
+            continue
+        run.append(Part(f, i))
+        held += f.size
+        if held >= target or len(run) >= _PIECE_FILES:
+            yield run
+            run, held = [], 0
+    if run:
+        yield run
+
+
+Doc = tuple[int, int, Optional[str], str]  # key, line, text (None if unusable), reason
+
+
+class PartDocuments:
+    """The documents of one `Part`, in order: ``(key, line, text, reason)``, ``text`` None and ``reason``
+    saying why when a document is unusable. ``key`` names the document within its file whatever the pieces:
+    a JSON Lines document's byte offset in the (decompressed) file, a Parquet row's index, 0 for a .txt
+    file. ``line`` is a JSON Lines line's number counted from the part's first line (from the file's first
+    for a whole file), a Parquet row's number from 1 in the file, 0 for a whole-file problem. After the
+    iteration, ``lines`` is the part's line count (JSON Lines) and ``documents`` its document count."""
+
+    def __init__(self, part: Part, field: str) -> None:
+        self.part, self.field = part, field
+        self.lines = self.documents = 0
+
+    def __iter__(self) -> Iterator[Doc]:
+        part, rel = self.part, self.part.file.rel
+        # a part reads little past its end: at a URL, ranged reads of a 16th of it (at most the usual 8 MiB)
+        block = None if part.parts == 1 else max(_PART_BLOCK, part.nbytes // 16)
         try:
-            with _open(tf) as f:
+            with _open(part.file, block) as f:
                 if rel.endswith(".parquet"):
-                    yield from _parquet(f, rel, field, tf.size)
+                    docs = _parquet(f, rel, self.field, part.k, part.parts)
                 elif rel.endswith(_JSON_LINES):
-                    yield from _jsonl(f, rel, field)
+                    docs = self._jsonl(f)
                 else:
-                    data = f.read()
-                    yield (rel, 0, *_decode_text(data), len(data))
+                    docs = iter([(0, 0, *_decode_text(f.read()))])
+                for doc in docs:
+                    self.documents += 1
+                    yield doc
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            yield rel, 0, None, f"unreadable ({exc})", 0
+            if part.k and not self.lines and not self.documents:  # (a file gone or unopenable: said by part 0 alone)
+                return
+            self.documents += 1
+            yield 0, 0, None, f"unreadable ({exc})"
+            return
+        if not self.documents and part.parts == 1:
+            yield 0, 0, None, "empty file"
+
+    def _jsonl(self, f: Any) -> Iterator[Doc]:
+        part = self.part
+        a, b = part.k * part.file.size // part.parts, (part.k + 1) * part.file.size // part.parts
+        pos = 0
+        if a:  # the lines that start in [a, b): the line under way at a belongs to the part before
+            f.seek(a - 1)
+            pos = a - 1
+            while pos < b:  # (in steps: a line of hundreds of MB is never held to be skipped)
+                step = f.readline(_SKIP_STEP)
+                pos += len(step)
+                if not step or step.endswith(b"\n"):
+                    break
+        if part.parts == 1:
+            b = float("inf")  # (a compressed file's decompressed bytes run past its size)
+        while pos < b:
+            raw = f.readline()
+            if not raw:
+                break
+            self.lines += 1
+            key, pos = pos, pos + len(raw)
+            if raw.strip():
+                yield (key, self.lines, *_json_document(raw, self.field))
+
+
+def _json_document(raw: bytes, field: str) -> tuple[Optional[str], str]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"invalid UTF-8 at byte {exc.start}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON ({exc.msg})"
+    if not isinstance(obj, dict) or field not in obj:
+        return None, f"missing field {field!r}"
+    if not isinstance(obj[field], str):
+        return None, f"field {field!r} is not a string"
+    if not obj[field]:
+        return None, "empty document"
+    return obj[field], ""
 
 
 def _decode_text(data: bytes) -> tuple[Optional[str], str]:
@@ -195,60 +321,39 @@ def _decode_text(data: bytes) -> tuple[Optional[str], str]:
         return None, f"invalid UTF-8 at byte {exc.start}"
 
 
-def _jsonl(f: Any, rel: str, field: str) -> Iterator[Doc]:
-    seen = False
-    for lineno, raw in enumerate(f, start=1):
-        if not raw.strip():
-            continue
-        seen = True
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield rel, lineno, None, f"invalid UTF-8 at byte {exc.start}", len(raw)
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield rel, lineno, None, f"invalid JSON ({exc.msg})", len(raw)
-            continue
-        if not isinstance(obj, dict) or field not in obj:
-            yield rel, lineno, None, f"missing field {field!r}", len(raw)
-        elif not isinstance(obj[field], str):
-            yield rel, lineno, None, f"field {field!r} is not a string", len(raw)
-        elif not obj[field]:
-            yield rel, lineno, None, "empty document", len(raw)
-        else:
-            yield rel, lineno, obj[field], "", len(raw)
-    if not seen:
-        yield rel, 0, None, "empty file", 0
-
-
-def _parquet(f: Any, rel: str, field: str, size: int) -> Iterator[Doc]:
-    """A Parquet file's rows as documents, the column ``field`` streamed a batch of rows at a time. Each row
-    counts its share of the file's bytes, so the progress bar's total is the files' sizes as for text."""
+def _parquet(f: Any, rel: str, field: str, k: int, parts: int) -> Iterator[Doc]:
+    """Part ``k`` of ``parts`` of a Parquet file's rows as documents (its share of the row groups), the column
+    ``field`` streamed a batch of rows at a time. Whole-file problems (no such column, an unreadable footer,
+    no rows) are said by part 0 alone."""
     from .parquet import require_pyarrow
 
     pq = require_pyarrow()
     try:
         pf = pq.ParquetFile(f)
-        if field not in pf.schema_arrow.names:
-            yield rel, 0, None, f"no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})", size
-            return
-        n, row = pf.metadata.num_rows, 0
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
+    except ValueError as exc:  # pyarrow's ArrowInvalid: not a Parquet file (said once, by part 0)
+        if k == 0:
+            yield 0, 0, None, f"unreadable ({type(exc).__name__}: {exc})"
+        return
+    if field not in pf.schema_arrow.names:
+        if k == 0:
+            yield 0, 0, None, f"no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})"
+        return
+    meta = pf.metadata
+    groups = range(k * meta.num_row_groups // parts, (k + 1) * meta.num_row_groups // parts)
+    row = sum(meta.row_group(g).num_rows for g in range(groups.start))
+    if not groups:  # (more parts than row groups)
+        return
+    try:
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field], row_groups=list(groups)):
             for value in batch.column(0).to_pylist():
-                share = size * (row + 1) // n - size * row // n
                 row += 1
                 if value is None:
-                    yield rel, row, None, f"missing field {field!r}", share
+                    yield row - 1, row, None, f"missing field {field!r}"
                 elif not isinstance(value, str):
-                    yield rel, row, None, f"field {field!r} is not a string", share
+                    yield row - 1, row, None, f"field {field!r} is not a string"
                 elif not value:
-                    yield rel, row, None, "empty document", share
+                    yield row - 1, row, None, "empty document"
                 else:
-                    yield rel, row, value, "", share
-    except ValueError as exc:  # pyarrow's ArrowInvalid: not a Parquet file, or a damaged page
-        yield rel, 0, None, f"unreadable ({type(exc).__name__}: {exc})", 0
-        return
-    if not row:
-        yield rel, 0, None, "empty file", size
+                    yield row - 1, row, value, ""
+    except ValueError as exc:  # a damaged page in this part's row groups
+        yield row, 0, None, f"unreadable ({type(exc).__name__}: {exc})"

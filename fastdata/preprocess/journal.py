@@ -55,7 +55,7 @@ JOURNAL_NAME = "journal.jsonl"
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
 OWNED = re.compile(r"^(manifest\.json|images-\d{5,}\.npy|labels-\d{5,}\.npy|images(-\d{5,})?\.lmdb|labels\.npy|"
                     r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5,}\.npy|"
-                    r"(train|val)-\d{5,}\.npy|(train|val)-docs\.npy|"
+                    r"(train|val)-\d{5,}(-\d{6,})?\.npy|(train|val)-docs(-\d{5,}-\d{6,})?\.npy|"
                     + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
 
 
@@ -111,12 +111,11 @@ class Journal:
             end = unit["source_end"]
         write_bytes_atomic(partial / JOURNAL_NAME, b"".join(lines))
 
-    def keep_intact(self, out: Path, partial: Path) -> None:
+    def keep_intact(self, out: Path) -> None:
         """Drop units (and all after them) whose files are missing or changed since they were recorded."""
         for n, unit in enumerate(self.units):
             for f in unit["files"]:
-                base = partial if f.get("partial", unit.get("in_partial")) else out
-                if check_file(base, f) is not None:
+                if check_file(out, f) is not None:
                     self.truncate(n)
                     return
 
@@ -216,7 +215,7 @@ def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
         partial.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise disk_error(exc, partial) from exc
-    jr.keep_intact(out, partial)
+    jr.keep_intact(out)
     jr.save(partial)  # compact: the intact units only, no torn line
     return jr, partial
 

@@ -20,9 +20,8 @@ workers, and its tasks write the shards themselves: the driver plans, journals a
 4. The journal, the resume and the manifest are the local run's (journal.py): a killed driver is resumed
    by rerunning the same command, which submits tasks only after the last journaled unit; a task's result
    travels as a few hundred bytes, not its pixels.
-5. ``preprocess text --ray`` runs the tokeniser (``text._tokenize``) as tasks and writes the token shards on
-   the driver: a document stream is packed into shards whose bounds depend on every document before them,
-   and token bytes are ~100x fewer than pixels. Results in flight are bounded (two tasks per worker slot).
+5. ``preprocess text --ray`` runs one task per piece of the source in the same way (NOTE [text pieces] in
+   fastdata/preprocess/text.py): a piece's shards are a function of its own documents.
 """
 from __future__ import annotations
 

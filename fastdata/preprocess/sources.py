@@ -286,10 +286,11 @@ class UrlReader(io.RawIOBase):
         return len(data)
 
 
-def open_binary(location: Union[Path, str], size: Optional[int] = None) -> Any:
-    """A buffered binary stream on a local file or an object at a URL (streamed, `UrlReader`)."""
+def open_binary(location: Union[Path, str], size: Optional[int] = None, block: Optional[int] = None) -> Any:
+    """A buffered binary stream on a local file or an object at a URL (streamed, `UrlReader`, in ranged reads
+    of ``block`` bytes: default 8 MiB)."""
     if isinstance(location, str) and is_url(location):
-        return io.BufferedReader(UrlReader(location, size), _READ_BLOCK)
+        return io.BufferedReader(UrlReader(location, size), min(block or _READ_BLOCK, _READ_BLOCK))
     return open(location, "rb")
 
 

@@ -46,12 +46,6 @@ def unit_name(k: int) -> str:
     return f"unit-{k:08d}.json"
 
 
-def journal_key(entry: dict[str, Any]) -> str:
-    """Where a unit's file lives in the store: under its name, or (a file only the journal needs, such as a
-    text unit's document lengths) under the journal's prefix."""
-    return f"{PARTIAL_DIR}/{entry['path']}" if entry.get("partial") else entry["path"]
-
-
 class StoreOut:
     """OUT as an fsspec URL: puts files, journal objects and the manifest (NOTE [output at a URL]).
     Picklable (a Ray task publishes its own shard): the client is made anew in each process.
@@ -212,7 +206,7 @@ class StoreOut:
                 break
             entry = self.read_json(f"{PARTIAL_DIR}/{unit_name(k)}")
             unit = entry.get("unit") if entry else None
-            if not unit or any(names.get(journal_key(f)) != int(f["bytes"]) for f in unit["files"]):
+            if not unit or any(names.get(f["path"]) != int(f["bytes"]) for f in unit["files"]):
                 break
             jr.units.append(unit)
             jr.skipped.extend(entry.get("skipped", []))

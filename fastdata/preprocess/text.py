@@ -1,37 +1,53 @@
 """``fastdata preprocess text``: .txt / .jsonl (gzip or zstd) / .parquet -> uint16/uint32 token shards.
 
-The parent reads documents in order (one per .txt file, one per JSON Lines line or Parquet row: documents.py),
-from local files or streamed from a URL (NOTE [url source] in fastdata/preprocess/sources.py), applies the bad-input
-policy, and sends chunks of about 1 MB of text to worker processes that tokenise them (batch-encoding);
-results are written in source order, so the output is byte-identical for any worker count. Documents
-go to train or val by a hash of their position (deterministic, independent of workers). Completed
-units are journaled, so a killed run resumes; the manifest is written last.
+NOTE [text pieces]: the run is one task per piece of the source, so it scales out as the image runs do.
+1. A piece is a run of consecutive input files, or one part of a large file (`documents.plan_pieces`). Its
+   task (a worker of the local pool, or a Ray task) reads its documents where they are (a URL in ranged
+   reads), tokenises them, sends each to train or val, writes its own shards and their document offsets
+   (fastdata/formats/token_shards.py) in a staging folder and publishes them (NOTE [ray byte-identity] rule
+   3); it returns a few hundred bytes. The driver lists the files, plans, journals results in order and
+   writes the manifest: it holds nothing per document or per token.
+2. A piece holds at most 4 source bytes per token of a shard (about one shard of BPE tokens); a source of
+   fewer than 64 such pieces is cut into 64 of at least 16 MiB, so one 1 GB file keeps 16 workers busy. The
+   plan is a function of the files and ``shard_tokens`` alone: the same bytes for any workers or nodes.
+3. A large file is cut into parts where its format allows: plain JSON Lines by byte range (a part holds the
+   lines that start in it), Parquet by row groups. Compressed and .txt files are read whole by one task.
+4. A document goes to val by a hash of its file's position in the source and its key in the file (its line's
+   byte offset in the decompressed file, its Parquet row), so no task needs what came before it, and the
+   same JSON Lines plain, gzipped or zstd-compressed are split alike.
+5. A part numbers its lines from its own start and returns its line count; the driver adds the counts of
+   the file's parts before it (results come in order), so a skipped document is named by file and line as a
+   whole-file read names it. With ``on_error="fail"`` the task returns the problem and the driver raises it.
+6. A task returns its skipped count and at most 100 examples; the journal and the manifest keep the run's
+   first 100 and the total.
+Completed pieces are journaled, so a killed run resumes after them; the manifest is written last.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import socket
 import tempfile
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
-from .._io import fsync_dir, scrub, write_bytes_atomic
-from ..errors import FastdataError, SourceError, TextInputError, require
+from .._io import fsync_dir, scrub
+from ..errors import ConfigError, FastdataError, SourceError, TextInputError, require
 from ..formats import token_shards as ts
-from ..formats.base import npy_bytes
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
 from ..storage.remote import is_url
-from . import journal, ray_pool, store_out
-from .parallel import default_workers, ordered_map
-from .documents import TextFile, iter_documents, text_files, zstandard_module
+from . import journal, parallel, ray_pool, store_out
+from .documents import Part, PartDocuments, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
 
 log = logging.getLogger(__name__)
-_CHUNK_BYTES = 1 << 20  # text per worker task
+_CHUNK_BYTES = 1 << 20  # text tokenised in one batch
 _MAX_EXAMPLES = 100  # skipped documents listed by name in the manifest (all are counted)
 
 
@@ -51,7 +67,8 @@ class TextPreprocessConfig:
             ``"tiktoken:NAME"`` (needs ``tiktoken``).
         field: The .jsonl key or Parquet column that holds a document's text (default ``"text"``).
         val_fraction: The share of documents that go to the ``val`` split, in [0, 1) (default 0.001).
-        workers: Tokenising processes (default None: every core this process may use).
+        workers: Processes that read and tokenise pieces of the source (default None: every core this process
+            may use).
         on_error: ``"skip"`` leaves an unusable document out and counts it in the manifest; ``"fail"`` stops
             (default ``"skip"``).
         shard_tokens: Tokens per shard (default ``1 << 26``: 64 Mi tokens, 128 MiB of uint16).
@@ -60,8 +77,7 @@ class TextPreprocessConfig:
             (default False).
         progress: Show a progress bar (default True).
         engine: ``"local"`` (default: a process pool here) or ``"ray"`` (Ray tasks on a cluster; the same bytes,
-            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node. The
-            ``bytes`` tokenizer always runs in this process.
+            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node.
         ray_address: The Ray cluster's ``HOST:PORT`` (default None: the one on this machine, or a new local one).
 
     Raises:
@@ -94,17 +110,100 @@ class TextPreprocessConfig:
 
 
 def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
-    """Deterministic split by document position: splitmix64(seed, index) / 2**64 < fraction."""
+    """Deterministic split: splitmix64(seed, index) / 2**64 < fraction."""
     return (ts.splitmix(seed, index) >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
 
 
-Task = tuple[str, list[int], list[str], list[bool]]
+def file_seed(seed: int, index: int) -> int:
+    """The split's seed for the source's ``index``-th file (NOTE [text pieces] 4)."""
+    return int(ts.splitmix(seed, index))
 
 
-def _tokenize(task: Task) -> tuple[list[int], list[np.ndarray], list[bool]]:
-    """Worker: tokenise one chunk of documents (the tokenizer is built once per process)."""
-    spec, indices, texts, ok = task
-    return indices, cached_tokenizer(spec).encode_batch(texts), ok
+@dataclass(frozen=True)
+class _Plan:
+    """What every piece's task needs besides its parts (pickled with each task: a few hundred bytes)."""
+
+    spec: str
+    definition: str  # the tokenizer's definition hash where the run started (a task checks its own)
+    field: str
+    val_fraction: float
+    seed: int
+    on_error: str
+    shard_tokens: int
+    eos_id: int
+    vocab_size: int
+    dtype: str
+    width: int
+
+
+def piece_task(task: tuple[_Plan, int, list[Part], Any]) -> dict[str, Any]:
+    """A piece's task (NOTE [text pieces] 1): its documents read, tokenised, split, written and published.
+
+    Args:
+        task: ``(plan, piece number, its parts, OUT)``: OUT a local folder (files renamed into it) or a
+            `StoreOut` (put into the store).
+
+    Returns:
+        Its journal record: ``index``, ``files``, ``shards`` per split, ``skipped_count``, ``examples`` (at most
+        `_MAX_EXAMPLES`), ``parts`` (each cut file's part: ``[file, k, parts, lines, documents]``) and, with
+        ``on_error="fail"``, ``fail`` (the first unusable document; then nothing is published).
+
+    Raises:
+        ConfigError: The tokenizer here is not the one the run started with.
+        FastdataError: The tokenizer gave an id outside its vocabulary.
+    """
+    plan, index, parts, out = task
+    tok = cached_tokenizer(plan.spec)
+    if tok.definition_hash != plan.definition:  # a Ray node with another file at the same path
+        raise ConfigError(f"the tokenizer {plan.spec} on {socket.gethostname()} is not the one this run started with "
+                          "(its definition differs): give every node the same tokenizer file")
+    stage = store_out.task_stage(out)
+    writer = ts.PieceWriter(stage, index, plan.width, plan.shard_tokens, plan.eos_id, plan.dtype)
+    examples: list[dict[str, Any]] = []
+    ranged: list[list[int]] = []
+    skipped = 0
+    try:
+        for part in parts:
+            seed, rel = file_seed(plan.seed, part.index), part.file.rel
+            docs = PartDocuments(part, plan.field)
+            keys: list[int] = []
+            texts: list[str] = []
+            held = 0
+            for key, line, text, reason in docs:
+                if text is None:
+                    where = {"file": rel, "line": line, "reason": reason, "of": part.index if part.k else -1}
+                    if plan.on_error == "fail":
+                        return {"index": index, "fail": where}
+                    skipped += 1
+                    if len(examples) < _MAX_EXAMPLES:
+                        examples.append(where)
+                    continue
+                keys.append(key)
+                texts.append(text)
+                held += len(text)
+                if held >= _CHUNK_BYTES:
+                    _encode(tok, plan, writer, keys, texts, seed)
+                    keys, texts, held = [], [], 0
+            _encode(tok, plan, writer, keys, texts, seed)
+            if part.parts > 1:
+                ranged.append([part.index, part.k, part.parts, docs.lines, docs.documents])
+        files = writer.finish()
+        store_out.publish(stage, files, out)
+    finally:
+        store_out.drop_stage(stage)
+    return {"index": index, "source_end": index + 1, "files": files, "shards": writer.shards,
+            "skipped_count": skipped, "examples": examples, "parts": ranged}
+
+
+def _encode(tok: Tokenizer, plan: _Plan, writer: ts.PieceWriter, keys: list[int], texts: list[str],
+            seed: int) -> None:
+    if not texts:
+        return
+    val = is_val(np.asarray(keys, dtype=np.uint64), plan.val_fraction, seed)
+    for ids, v in zip(tok.encode_batch(texts), val):
+        if len(ids) and int(ids.max()) >= plan.vocab_size:
+            raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {plan.vocab_size}")
+        writer.add("val" if v else "train", ids)
 
 
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
@@ -112,12 +211,12 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
 
     The data's way:
 
-        .txt / .jsonl documents, in order -> chunks of about 1 MB of text -> worker processes tokenise
-            -> results written in source order, an end-of-document token between documents -> train or val
-            by a hash of each document's position -> each complete unit journaled -> manifest.json last
+        .txt / .jsonl / .parquet files -> pieces (runs of files, parts of large ones) -> one task each, in
+            worker processes or on Ray: read, tokenise, train or val by a hash of each document's place in its
+            file, shards written with their document offsets -> each piece journaled -> manifest.json last
 
-    The output is byte-identical for any worker count.
-    A killed run resumes from its complete units; a rerun with the same arguments returns at once.
+    The output is byte-identical for any worker count and on Ray (NOTE [text pieces]).
+    A killed run resumes from its complete pieces; a rerun with the same arguments returns at once.
 
     Args:
         config: What to read, what to write and how (`TextPreprocessConfig`).
@@ -148,30 +247,30 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
     files = text_files(config.src)
     if any(f.rel.endswith(".zst") for f in files):
         zstandard_module()  # missing: said now, before any output
-    h = hashlib.sha256(json.dumps([_params(config, tok), _where(config.src)], sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps([_params(config, tok, files), _where(config.src)], sort_keys=True).encode())
     for f in files:
         h.update(f"{f.rel}:{f.size}:{f.stamp}\n".encode())
     fingerprint = h.hexdigest()
-    if store is not None:  # staged here, each unit put when complete (NOTE [output at a URL])
+    if store is not None:  # each piece put by its task (NOTE [output at a URL])
         done = store.prepare(fingerprint, config.overwrite)
         if done is not None:
             return done
         store.drop_old()
         jr = store.resume(fingerprint)
+        pool = _pool(config, None)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
             partial = journal.partial_dir(Path(staging))
             partial.mkdir()
-            config = replace(config, out=Path(staging))
-            total_bytes = _run(config, tok, files, jr, partial, store)
-            return _finish(config, tok, files, jr, partial, fingerprint, total_bytes, store)
+            _run(config, tok, files, jr, partial, store, pool)
+            return _finish(replace(config, out=Path(staging)), tok, files, jr, fingerprint, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
     with journal.output(config.out, fingerprint, config.overwrite) as target:
         if target.done is not None:
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
         jr, partial = journal.resume(config.out, fingerprint)
-        total_bytes = _run(config, tok, files, jr, partial, None)
-        return _finish(config, tok, files, jr, partial, fingerprint, total_bytes, None)
+        _run(config, tok, files, jr, partial, config.out, _pool(config, config.out))
+        return _finish(config, tok, files, jr, fingerprint, None)
 
 
 def _where(src: Union[Path, str]) -> str:
@@ -179,128 +278,116 @@ def _where(src: Union[Path, str]) -> str:
     return scrub(src) if isinstance(src, str) else str(src.resolve())
 
 
-def _params(config: TextPreprocessConfig, tok: Tokenizer) -> dict[str, Any]:
+def _params(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile]) -> dict[str, Any]:
     return {"tokenizer": tok.describe(), "field": config.field, "val_fraction": config.val_fraction,
-            "on_error": config.on_error, "shard_tokens": config.shard_tokens, "seed": config.seed}
+            "on_error": config.on_error, "shard_tokens": config.shard_tokens, "seed": config.seed,
+            "piece_bytes": piece_bytes(sum(f.size for f in files), config.shard_tokens)}
 
 
-def _chunks(docs: Iterator[tuple[int, str, int, Optional[str], str, int]], spec: str,
-            skipped: list[dict[str, Any]], on_error: str, bar: Any) -> Iterator[Task]:
-    """Group documents into ~1 MB tasks; unusable ones are recorded (or raise) and travel as empty
-    placeholders flagged not-ok, so every source position stays covered by the unit that follows it."""
-    indices: list[int] = []
-    texts: list[str] = []
-    ok: list[bool] = []
-    size = 0
-    for idx, rel, line, text, reason, nbytes in docs:
-        bar.update(nbytes)
-        if text is None:
-            where = f"{rel}:{line}" if line else rel
-            if on_error == "fail":
-                raise TextInputError(f"{where}: {reason} (use --on-error skip to leave such documents out)")
-            skipped.append({"index": idx, "file": rel, "line": line, "reason": reason})
-        indices.append(idx)
-        texts.append(text or "")
-        ok.append(text is not None)
-        size += len(text or "")
-        if size >= _CHUNK_BYTES:
-            yield spec, indices, texts, ok
-            indices, texts, ok, size = [], [], [], 0
-    if indices:
-        yield spec, indices, texts, ok
+def _pool(config: TextPreprocessConfig, out: Optional[Path]) -> Optional[ray_pool.RayPool]:
+    """The Ray pool of a ``--ray`` run (None: the local pool), told the local folders its tasks need."""
+    if config.engine != "ray":
+        return None
+    needs = [] if isinstance(config.src, str) else [str(config.src)]
+    return ray_pool.RayPool.open(config.ray_address, config.workers, needs + ([str(out)] if out else []))
 
 
-def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal,
-         partial: Path, store: Optional[store_out.StoreOut]) -> int:
+def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal, partial: Path,
+         out: Any, pool: Optional[ray_pool.RayPool]) -> None:
+    """Run the pieces after the journaled ones and journal each in order (NOTE [text pieces]); ``out``: a local
+    folder or a `StoreOut`."""
     from ..progress import progress_bar
 
-    total_bytes = sum(f.size for f in files)
-    start = jr.source_end
+    count = sum(1 for _ in plan_pieces(files, config.shard_tokens))
+    plan = _Plan(config.tokenizer, tok.definition_hash, config.field, config.val_fraction, config.seed, config.on_error,
+                 config.shard_tokens, tok.eos_id, tok.vocab_size, token_dtype(tok.vocab_size).str,
+                 max(5, len(str(count - 1))))
+    lines: dict[int, int] = {}  # a cut file's lines and documents in its parts so far (NOTE [text pieces] 5)
+    found: dict[int, int] = {}
+    for unit in jr.units:
+        _count_parts(unit["parts"], lines, found)
+    start = len(jr.units)
     skipped = list(jr.skipped)
-    docs = ((i, *d) for i, d in enumerate(iter_documents(files, config.field)) if i >= start)
-    writer = ts.TokenUnitWriter(config.out, partial, config.shard_tokens, tok.eos_id, token_dtype(tok.vocab_size),
-                                len(jr.units))
-    # The bytes tokenizer is one np.frombuffer per document: shipping text to worker processes costs more
-    # than it saves (benchmarks/RESULTS.md), so it always runs here.
-    ray = config.engine == "ray" and tok.kind != "bytes"
-    pool = ray_pool.RayPool.open(config.ray_address, config.workers) if ray else None
-    workers = pool.workers if pool else 1 if tok.kind == "bytes" else config.workers or default_workers()
-    bar = progress_bar(total=total_bytes, desc="tokenize", unit="B", unit_scale=True, enabled=config.progress)
+    bar = progress_bar(total=sum(f.size for f in files), desc="tokenize", unit="B", unit_scale=True,
+                       enabled=config.progress)
+    pieces = plan_pieces(files, config.shard_tokens)
+    bar.update(sum(p.nbytes for piece in itertools.islice(pieces, start) for p in piece))
+    sizes: deque[int] = deque()  # each task's source bytes, for the bar
+
+    def tasks() -> Iterator[tuple[_Plan, int, list[Part], Any]]:
+        for k, piece in enumerate(pieces, start):
+            sizes.append(sum(p.nbytes for p in piece))
+            yield plan, k, piece, out
+    workers = max(1, min(pool.workers if pool else config.workers or parallel.default_workers(), count - start))
     try:
-        tasks = _chunks(docs, config.tokenizer, skipped, config.on_error, bar)
-        for indices, encoded, ok in (pool.ordered_map if pool else ordered_map)(_tokenize, tasks, workers):
-            val = is_val(np.asarray(indices), config.val_fraction, config.seed)
-            for idx, ids, v, good in zip(indices, encoded, val, ok):
-                if not good:
-                    writer.mark(idx)
-                    continue
-                if len(ids) and int(ids.max()) >= tok.vocab_size:
-                    raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size "
-                                        f"{tok.vocab_size}")
-                for unit in writer.add("val" if v else "train", ids, idx):
-                    _put(unit, config.out, partial, store)
-                    jr.add(unit, skipped, partial)
-        for unit in writer.finish():
-            _put(unit, config.out, partial, store)
+        for unit in (pool.ordered_map if pool else parallel.ordered_map)(piece_task, tasks(), workers):
+            fail, examples = unit.pop("fail", None), unit.pop("examples", [])
+            for e in examples + ([fail] if fail else []):
+                of = e.pop("of")
+                if of >= 0 and e["line"]:  # numbered from its part's start: from the file's now
+                    e["line"] += lines.get(of, 0)
+            if fail:
+                raise _unusable(fail)
+            for i in _count_parts(unit["parts"], lines, found):  # a cut file without a line of text
+                e = {"file": files[i].rel, "line": 0, "reason": "empty file"}
+                if config.on_error == "fail":
+                    raise _unusable(e)
+                examples.append(e)
+                unit["skipped_count"] += 1
+            skipped += [{"index": unit["index"], **e} for e in examples[:max(0, _MAX_EXAMPLES - len(skipped))]]
             jr.add(unit, skipped, partial)
+            bar.update(sizes.popleft())
         jr.skipped = skipped
     finally:
         bar.close()
-    return total_bytes
 
 
-def _put(unit: dict[str, Any], out: Path, partial: Path, store: Optional[store_out.StoreOut]) -> None:
-    """A complete unit's files into the store (its document lengths under the journal's prefix, for
-    `_finish`), the local copies removed; nothing without a store."""
-    if store is None:
-        return
-    for f in unit["files"]:
-        local = (partial if f.get("partial") else out) / f["path"]
-        store.put(local, store_out.journal_key(f))
-        local.unlink()
+def _unusable(e: dict[str, Any]) -> TextInputError:
+    return TextInputError(f"{e['file']}{':' + str(e['line']) if e['line'] else ''}: {e['reason']} (use --on-error "
+                          "skip to leave such documents out)")
 
 
-def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal, partial: Path,
-            fingerprint: str, total_bytes: int, store: Optional[store_out.StoreOut]) -> dict[str, Any]:
+def _count_parts(parts: list[list[int]], lines: dict[int, int], found: dict[int, int]) -> list[int]:
+    """Count a piece's cut-file parts (``[file, k, parts, lines, documents]``) into ``lines`` and ``found``;
+    returns the files whose last part this was and that held no document."""
+    empty = []
+    for i, k, n, n_lines, n_docs in parts:
+        lines[i] = lines.get(i, 0) + n_lines
+        found[i] = found.get(i, 0) + n_docs
+        if k == n - 1:
+            lines.pop(i)
+            if not found.pop(i):
+                empty.append(i)
+    return empty
+
+
+def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr: journal.Journal,
+            fingerprint: str, store: Optional[store_out.StoreOut]) -> dict[str, Any]:
     out = config.out
-    files_out = [f for u in jr.units for f in u["files"] if not f.get("partial")]
     splits = {}
     for split in ts.SPLITS:
-        lengths = [np.load(_local(partial, ts.lengths_name(split, u["index"]), store), allow_pickle=False)
-                   for u in jr.units]
-        lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, "<i8")
-        offsets = np.zeros(len(lengths_all) + 1, dtype="<i8")
-        np.cumsum(lengths_all, out=offsets[1:])
-        files_out.append(write_bytes_atomic(out / ts.offsets_name(split), npy_bytes(offsets)))
-        splits[split] = {"tokens": int(offsets[-1]), "documents": int(len(lengths_all)),
-                         "offsets": ts.offsets_name(split),
-                         "shards": [{"path": ts.shard_name(split, u["index"]), **u["counts"][split]} for u in jr.units]}
+        shards = [sh for u in jr.units for sh in u["shards"][split]]
+        splits[split] = {"tokens": sum(sh["tokens"] for sh in shards),
+                         "documents": sum(sh["documents"] for sh in shards), "shards": shards}
     if splits["train"]["tokens"] == 0:
         first = jr.skipped[0] if jr.skipped else {"file": "?", "reason": "no text"}
         raise SourceError(f"no usable documents in {_where(config.src)} (first problem: {first['file']}: "
                           f"{first['reason']})")
     tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
+    total_bytes = sum(f.size for f in files)
     manifest = new_manifest(
-        TOKENS, tokenizer=tok.describe(), dtype=token_dtype(tok.vocab_size).str, splits=splits, files=files_out,
-        params=_params(config, tok), fingerprint=fingerprint,
+        TOKENS, tokenizer=tok.describe(), dtype=token_dtype(tok.vocab_size).str, splits=splits,
+        files=[f for u in jr.units for f in u["files"]], params=_params(config, tok, files), fingerprint=fingerprint,
         source={"path": _where(config.src), "files": len(files), "bytes": total_bytes},
-        bytes_per_token=total_bytes / max(1, tokens), skipped_count=len(jr.skipped),
+        bytes_per_token=total_bytes / max(1, tokens), skipped_count=sum(u["skipped_count"] for u in jr.units),
         skipped=[{k: s[k] for k in ("file", "line", "reason")} for s in jr.skipped[:_MAX_EXAMPLES]])
     write_manifest(out, manifest)
     if store is not None:
-        store.finish(out, [ts.offsets_name(split) for split in ts.SPLITS], [])
+        store.finish(out, [], [])
         return manifest
     journal.remove_partial(out)
     fsync_dir(out)
     return manifest
-
-
-def _local(partial: Path, name: str, store: Optional[store_out.StoreOut]) -> Path:
-    """A journal file (a unit's document lengths) here, fetched from the store when an earlier run made it."""
-    path = partial / name
-    if store is not None and not path.exists():
-        store.get(f"{journal.PARTIAL_DIR}/{name}", path)
-    return path
 
 
 def summary(manifest: dict[str, Any], limit: int = 5) -> str:

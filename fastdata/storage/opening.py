@@ -13,6 +13,7 @@ from ..distributed import broadcast_bytes, group_size, is_main_rank
 from ..errors import ConfigError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, check_manifest, load_manifest
 from .remote import RETRY_SECONDS, RemoteDataset, is_url, scrub
+from .streamed import unread_files
 
 if TYPE_CHECKING:
     from .cache import ShardCache
@@ -83,13 +84,13 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
     remote = _job_remote(str(path), storage_options=storage_options, cache_dir=cache_dir,
                          retry_seconds=retry_seconds)
     manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}")
-    stream = streamed(manifest)
-    need = sum(int(f["bytes"]) for f in manifest["files"] if f["path"] not in stream)
+    stream, unread = streamed(manifest), unread_files(manifest)
+    need = sum(int(f["bytes"]) for f in manifest["files"] if f["path"] not in stream | unread)
     if limit is not None and not stream and need > limit:
         raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
                           f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
                           "storage='mmap')")
-    return OpenedPath(remote.prepare(stream), manifest, remote, limit)
+    return OpenedPath(remote.prepare(stream | unread), manifest, remote, limit)
 
 
 def _job_remote(url: str, **options: Any) -> RemoteDataset:

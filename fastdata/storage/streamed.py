@@ -62,6 +62,13 @@ def token_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
 
 
+def unread_files(manifest: dict[str, Any]) -> frozenset[str]:
+    """The files of a dataset no reader reads, never fetched from a URL: a token dataset's per-shard document
+    offsets (format 2), there for users of the token streams."""
+    return frozenset(sh["docs"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", [])
+                     if "docs" in sh)
+
+
 def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     """The files of a remote dataset of any format fetched as batches need them (the others come at opening)."""
     return image_streamed(manifest, storage) | token_streamed(manifest, storage)
