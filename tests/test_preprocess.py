@@ -531,6 +531,40 @@ def test_the_journal_appends_a_line_per_unit_and_a_torn_last_line_is_dropped(tmp
     assert journal.resume(out, "another")[0].units == []  # other arguments start afresh
 
 
+def test_a_resume_reads_only_the_newest_units_files_and_checks_every_size(tmp_path, monkeypatch):
+    """A resume of a run that wrote terabytes must not hash them all first: sizes for every unit, sha256 for
+    the newest two; a unit of the wrong size or (among the newest) the wrong bytes is redone with all after it."""
+    from fastdata._io import write_bytes_atomic
+    from fastdata.formats import manifest
+    from fastdata.preprocess import journal
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def run_of(n: int) -> journal.Journal:
+        jr, partial = journal.resume(out, "fp")
+        for k in range(len(jr.units), n):
+            f = write_bytes_atomic(out / f"images-{k:05d}.npy", bytes([k]) * 1000)
+            jr.add({"index": k, "source_end": k + 1, "samples": 1, "files": [f]}, [], partial)
+        return jr
+    run_of(10)
+    hashed = []
+    real = manifest.hash_file
+    monkeypatch.setattr(manifest, "hash_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    assert len(journal.resume(out, "fp")[0].units) == 10
+    assert sorted(hashed) == ["images-00008.npy", "images-00009.npy"]  # only the newest two read
+    flip = bytearray((out / "images-00009.npy").read_bytes())
+    flip[500] ^= 1
+    (out / "images-00009.npy").write_bytes(bytes(flip))  # the newest unit's bytes changed, not its size
+    assert len(journal.resume(out, "fp")[0].units) == 9
+    run_of(10)
+    (out / "images-00004.npy").write_bytes(b"short")  # an older unit's size changed: it and all after are redone
+    assert len(journal.resume(out, "fp")[0].units) == 4
+    run_of(10)
+    (out / "images-00002.npy").write_bytes(bytes([7]) * 1000)  # an older unit, same size: kept (its sha256 stays
+    assert len(journal.resume(out, "fp")[0].units) == 10      # the journal's, so `fastdata verify` finds it)
+
+
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
 def test_a_shard_whose_samples_all_failed_is_empty_and_the_dataset_reads_whole(tmp_path, fmt):
     """Shard k holds what decoded of source positions [k*S, (k+1)*S): two bad files filling shard 2 leave it

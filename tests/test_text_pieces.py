@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_text import docs_of, jsonl_bytes, make_docs, stream
 
 from fastdata.cli.main import main
@@ -266,3 +267,60 @@ def test_a_part_inside_a_very_long_line_skips_it_in_steps(tmp_path):
         tracemalloc.stop()
         assert peak < 8 << 20, (k, peak)  # never the rest of the line at once
     assert got == ["after"]
+
+
+def many_token_shards(root: Path, count: int, size: int) -> np.ndarray:
+    """A format-2 token dataset of ``count`` train shards of ``size`` tokens each; returns the whole stream."""
+    from fastdata._io import write_bytes_atomic
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.manifest import TOKENS, new_manifest, write_manifest
+
+    root.mkdir()
+    stream = (np.arange(count * size) % 251).astype("<u2")
+    files, shards = [], []
+    for k in range(count):
+        name, docs = f"train-{k:05d}-000000.npy", f"train-docs-{k:05d}-000000.npy"
+        files.append(write_bytes_atomic(root / name, npy_bytes(stream[k * size:(k + 1) * size])))
+        files.append(write_bytes_atomic(root / docs, npy_bytes(np.array([0, size], "<i8"))))
+        shards.append({"path": name, "tokens": size, "documents": 1, "docs": docs})
+    write_manifest(root, new_manifest(TOKENS, tokenizer=load_tokenizer("bytes").describe(), dtype="<u2",
+                                      splits={"train": {"tokens": count * size, "documents": count, "shards": shards},
+                                              "val": {"tokens": 0, "documents": 0, "shards": []}},
+                                      files=files, params={}, fingerprint="x", source={}, bytes_per_token=1.0,
+                                      skipped_count=0, skipped=[]))
+    return stream
+
+
+def test_more_token_shards_than_memory_mappings_allow_are_mapped_as_read(tmp_path, monkeypatch, caplog):
+    # vm.max_map_count (65,530) caps a process's mappings: FineWeb's ~230,000 shards of 64 Mi tokens pass it.
+    # Here the room left is made small; the dataset maps shards as batches read them, a bounded number at once.
+    from fastdata.datasets.tokens import TokenDataset, touched
+    from fastdata.storage import shards as shard_maps
+
+    stream = many_token_shards(tmp_path / "tok", 1300, 100)
+    whole = TokenDataset(tmp_path / "tok", seq_len=249, stride=37)
+    assert isinstance(whole._shards, list)  # room for every map: one map each, as before
+    reference = whole.get_batch(np.arange(40))[0].numpy().copy()
+    whole.close()
+    del whole
+
+    def mapped() -> int:  # this folder's files mapped into the process now
+        return Path("/proc/self/maps").read_text().count(str(tmp_path / "tok"))
+    assert mapped() == 0
+    monkeypatch.setattr(shard_maps, "_maps_left", lambda: shard_maps._MAP_HEADROOM + 1000)
+    assert not shard_maps.room_for_maps(1300) and shard_maps.room_for_maps(500)
+    with caplog.at_level("WARNING"):
+        ds = TokenDataset(tmp_path / "tok", seq_len=249, stride=37)
+    assert type(ds._shards).__name__ == "ShardMaps" and ds._shards.bound == 500
+    assert "memory mappings" in caplog.text
+    order = np.random.default_rng(0).permutation(len(ds))
+    for lo in range(0, len(ds), 256):  # windows of 250 tokens span up to 4 shards of 100
+        idx = order[lo:lo + 256]
+        x, y = ds.get_batch(idx)
+        want = stream[(idx * 37)[:, None] + np.arange(250)]
+        assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
+        assert mapped() <= 500 + 4  # (+ the maps this batch still reads)
+    assert np.array_equal(ds.get_batch(np.arange(40), out=torch.empty((64, 250), dtype=torch.uint16))[0].numpy(),
+                          reference)
+    first, last = np.array([3, 7, 9]), np.array([3, 10, 9])
+    assert touched(first, last).tolist() == [3, 7, 8, 9, 10]

@@ -23,7 +23,7 @@ from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
 from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.remote import RETRY_SECONDS
-from ..storage.shards import Indices, ShardSet, batch_rows, map_npy, open_shards
+from ..storage.shards import Indices, ShardMaps, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
 from .window_copy import Segments, WindowCopy
 
@@ -34,6 +34,13 @@ TORCH_GATHER_ROWS = 64  # from this many windows a gather runs in torch (NOTE [w
 def shard_of(starts: np.ndarray, shard_offsets: np.ndarray) -> np.ndarray:
     """Index of the shard holding each global token position (int64 throughout: no 2**31 limit)."""
     return np.searchsorted(shard_offsets, starts, side="right") - 1
+
+
+def touched(first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Every shard that windows from shard ``first`` to shard ``last`` touch, once each: a window longer than a
+    shard spans the shards between them too."""
+    wide = np.flatnonzero(last > first + 1)
+    return np.unique(np.concatenate([first, last, *(np.arange(first[r] + 1, last[r]) for r in wide)]))
 
 
 def windows(arr: np.ndarray, length: int, void: np.dtype) -> Optional[np.ndarray]:
@@ -184,10 +191,13 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # Window views are made once here: making one costs more than gathering a small batch.
         self._flat_windows = self._windows(self._flat) if self._flat is not None else None
         self._flat_rows = window_rows(self._flat, self.seq_len + 1) if self._flat is not None else None
-        self._shard_windows = [self._windows(a) for a in self._shards]
         # the segments a compiled copy reads (NOTE [compiled window copy] 3), in one attribute: read at once
-        self._copy_table = Segments([self._flat], [0, self.num_tokens]) if self._flat is not None else \
-            Segments(self._shards, self._shard_offsets)
+        if isinstance(self._shards, ShardMaps):  # more shards than may stay mapped: mapped as batches read them,
+            self._shard_windows, self._copy_table = None, None  # their windows made per batch (NOTE [open files])
+        else:
+            self._shard_windows = [self._windows(a) for a in self._shards]
+            self._copy_table = Segments([self._flat], [0, self.num_tokens]) if self._flat is not None else \
+                Segments(self._shards, self._shard_offsets)
         self._hold()
 
     def _drop_storage(self) -> None:
@@ -295,10 +305,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
         last = shard_of(starts + length - 1, self._shard_offsets)
-        if cache is None:
+        if cache is None and shard_windows is not None:
             self._gather_shards(starts, first, last, rows, dst, shards, shard_windows)
             return
-        used = np.unique(np.concatenate([first, last]))
+        used = touched(first, last)
+        if cache is None:  # bounded maps: this batch's shards mapped (or kept) while it reads them
+            arrays = {s: shards[s] for s in used.tolist()}
+            self._gather_shards(starts, first, last, rows, dst, arrays, {s: self._windows(a) for s, a in arrays.items()})
+            return
         with cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
             arrays, windows = {s: opened[s][0] for s in used.tolist()}, {s: opened[s][1] for s in used.tolist()}
             self._gather_shards(starts, first, last, rows, dst, arrays, windows)

@@ -4,7 +4,7 @@ It lives in ``OUT/.fastdata-partial/journal.jsonl``: a first line with the run's
 line appended (and fsynced) per completed unit with the files skipped before its end, so recording a unit
 costs the same at the millionth shard as at the first. A line torn by a crash is ignored; a resumed run
 rewrites the file with the units still intact. It is removed once the manifest is written. A unit is
-trusted on resume only if its files still hash right.
+trusted on resume only if its files still have their sizes (the newest ones: their sha256, `Journal.keep_intact`).
 
 NOTE [one writer]: a run holds OUT (``flock`` on the folder) from its first check to its manifest, so two
 runs never write the same temporary files: a second one (every rank of a torchrun job calling the
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _held = LOCKS_HELD  # folder descriptors locked by this process, let go in forked children (NOTE [locks across fork])
 
 JOURNAL_NAME = "journal.jsonl"
+_HASHED_UNITS = 2  # the newest units hashed on resume; the others' sizes are checked (`Journal.keep_intact`)
 # What this module may delete in OUT when overwriting: its own outputs and temporaries, nothing else.
 OWNED = re.compile(r"^(manifest\.json|images-\d{5,}\.npy|labels-\d{5,}\.npy|images(-\d{5,})?\.lmdb|labels\.npy|"
                     r"field\.[a-z][a-z0-9_]*(\.offsets)?-\d{5,}\.npy|"
@@ -112,10 +113,17 @@ class Journal:
         write_bytes_atomic(partial / JOURNAL_NAME, b"".join(lines))
 
     def keep_intact(self, out: Path) -> None:
-        """Drop units (and all after them) whose files are missing or changed since they were recorded."""
+        """Drop units (and all after them) whose files are missing or changed since they were recorded: every
+        file's size is checked, and the newest `_HASHED_UNITS` units' files are hashed too. A unit's files
+        were fsynced and renamed whole before its line was, so only a file system that lost the last writes
+        (power lost) could leave the newest ones wrong; hashing every file again would read all the run has
+        written, on one core (hours at 100 TB), before a resume starts. The journal's sha256 goes into the
+        manifest, so a file changed later at the same size is still found by ``fastdata verify`` and by
+        readers that hash (``storage="ram"``, ``verify=True``)."""
+        tail = len(self.units) - _HASHED_UNITS
         for n, unit in enumerate(self.units):
             for f in unit["files"]:
-                if check_file(out, f) is not None:
+                if check_file(out, f, hashed=n >= tail) is not None:
                     self.truncate(n)
                     return
 

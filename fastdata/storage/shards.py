@@ -126,7 +126,12 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
 # 2. Where the hard limit is too low, an mmap dataset maps its shards as batches read them and keeps at most
 #    half the descriptors left open (`ShardMaps`, least recently used unmapped first).
 # 3. _FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
+# 4. Each map is also one of the process's memory mappings, which Linux caps at vm.max_map_count (65,530 by
+#    default; no process can raise it): a token split of FineWeb's size (15 T tokens, ~230,000 shards of 64 Mi)
+#    passes it. Beyond what fits, with _MAP_HEADROOM left for the allocator, libraries and CUDA, the dataset
+#    maps as batches read (rule 2), at most half the mappings left.
 _FD_HEADROOM = 256
+_MAP_HEADROOM = 8192
 
 
 class _Descriptors:
@@ -163,10 +168,27 @@ def _open_descriptors() -> int:
 _FDS = _Descriptors()
 
 
+def _maps_left() -> int:
+    """Memory mappings this process may still make: vm.max_map_count less those it holds (NOTE [open files] 4);
+    a large number where /proc does not say."""
+    try:
+        limit = int(Path(_MAX_MAP_COUNT).read_text())
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return 1 << 30
+    return limit - held
+
+
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
 def room_for_maps(count: int) -> bool:
-    """Whether ``count`` more shard maps fit under this process's limit on open files, raising its soft
-    limit towards the hard one when they do not (NOTE [open files]); False when even the hard limit is
-    too low."""
+    """Whether ``count`` more shard maps fit under this process's limits on open files and on memory mappings,
+    raising its soft limit on open files towards the hard one when they do not (NOTE [open files]); False
+    when even the hard limit is too low, or the mappings would pass vm.max_map_count."""
+    if count + _MAP_HEADROOM > _maps_left():
+        return False
     with _FDS.lock:
         soft, hard = _limits()
         need = _open_descriptors() + count + _FD_HEADROOM
@@ -188,8 +210,8 @@ def room_for_maps(count: int) -> bool:
 
 
 def _bounded_maps() -> int:
-    """How many shard maps `ShardMaps` keeps open: half the descriptors left, at least 16."""
-    return max(16, (_limits()[0] - _open_descriptors() - _FD_HEADROOM) // 2)
+    """How many shard maps `ShardMaps` keeps open: half the descriptors (and mappings) left, at least 16."""
+    return max(16, min(_limits()[0] - _open_descriptors() - _FD_HEADROOM, _maps_left() - _MAP_HEADROOM) // 2)
 
 
 class ShardMaps(Sequence[np.ndarray]):
@@ -201,8 +223,9 @@ class ShardMaps(Sequence[np.ndarray]):
         self.shards, self.bound = shards, bound
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        log.warning("%d shards in %s are more than the limit on open files allows: at most %d are kept mapped "
-                    "(raise the hard limit, `ulimit -Hn`, to keep every one)", len(shards.files), shards.root, bound)
+        log.warning("%d shards in %s are more than the limits on open files and memory mappings allow: at most %d "
+                    "are kept mapped (raise the hard limit, `ulimit -Hn`, and vm.max_map_count to keep every one)",
+                    len(shards.files), shards.root, bound)
 
     def __len__(self) -> int:
         return len(self.shards.files)
