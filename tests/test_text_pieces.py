@@ -324,3 +324,28 @@ def test_more_token_shards_than_memory_mappings_allow_are_mapped_as_read(tmp_pat
                           reference)
     first, last = np.array([3, 7, 9]), np.array([3, 10, 9])
     assert touched(first, last).tolist() == [3, 7, 8, 9, 10]
+    # a loader's threads each hold the one shard they copy from, not every shard their batch touches
+    from fastdata.loading.loader import FastLoader
+    seen = 0
+    for x, _ in FastLoader(ds, 300, shuffle=True, seed=1, num_threads=4):
+        seen += len(x)
+        assert mapped() <= 500 + 8, mapped()
+    assert seen == len(ds)
+    # a second bounded dataset is given what the first has not promised: together they stay under the room
+    other = TokenDataset(tmp_path / "tok", seq_len=249, stride=37)
+    assert other._shards.bound == (1000 - (500 - len(ds._shards._open))) // 2
+
+
+def test_a_full_map_count_is_named(tmp_path, monkeypatch):
+    import errno
+
+    from fastdata.errors import OutputError
+    from fastdata.storage import shards as shard_maps
+
+    many_token_shards(tmp_path / "tok", 3, 100)
+
+    def no_room(*a, **k):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+    monkeypatch.setattr(shard_maps.np, "load", no_room)
+    with pytest.raises(OutputError, match="vm.max_map_count"):
+        shard_maps.map_npy(tmp_path / "tok", "train-00000-000000.npy", (100,), np.dtype("<u2"))

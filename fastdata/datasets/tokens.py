@@ -305,14 +305,11 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         length = dst.shape[1]
         first = shard_of(starts, self._shard_offsets)
         last = shard_of(starts + length - 1, self._shard_offsets)
-        if cache is None and shard_windows is not None:
-            self._gather_shards(starts, first, last, rows, dst, shards, shard_windows)
+        if cache is None:  # bounded maps: one shard mapped (or kept) at a time, while its windows are copied
+            views = shard_windows if shard_windows is not None else _Views(shards, self._windows)
+            self._gather_shards(starts, first, last, rows, dst, shards, views)
             return
         used = touched(first, last)
-        if cache is None:  # bounded maps: this batch's shards mapped (or kept) while it reads them
-            arrays = {s: shards[s] for s in used.tolist()}
-            self._gather_shards(starts, first, last, rows, dst, arrays, {s: self._windows(a) for s, a in arrays.items()})
-            return
         with cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
             arrays, windows = {s: opened[s][0] for s in used.tolist()}, {s: opened[s][1] for s in used.tolist()}
             self._gather_shards(starts, first, last, rows, dst, arrays, windows)
@@ -354,9 +351,10 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             return None
 
         def reads() -> Iterator[np.ndarray]:
-            for b in batches:  # a window's first and last token may lie in two shards
+            for b in batches:  # a window may span two shards, or more where shards are shorter than it
                 starts = self.starts(np.asarray(b, dtype=np.int64))
-                yield np.r_[shard_of(starts, self._shard_offsets), shard_of(starts + self.seq_len, self._shard_offsets)]
+                offsets = self._shard_offsets
+                yield touched(shard_of(starts, offsets), shard_of(starts + self.seq_len, offsets))
         return self._cache.plan(reads(), now)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,6 +368,17 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.root)!r}, split={self.split!r}, seq_len={self.seq_len}, windows={len(self)}, "
                 f"tokens={self.num_tokens}, vocab={self.vocab_size})")
+
+
+class _Views:
+    """Window views of bounded shard maps (`ShardMaps`), made when one is asked for: each keeps its shard
+    mapped only while it is used."""
+
+    def __init__(self, maps: Any, make: Any) -> None:
+        self.maps, self.make = maps, make
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        return self.make(self.maps[s])
 
 
 class WindowGather:

@@ -75,7 +75,7 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
         verify_hashes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
     if storage == "mmap":
         if not room_for_maps(len(shards.files)):
-            return OpenedShards(maps=ShardMaps(shards, bound=_bounded_maps()))
+            return OpenedShards(maps=ShardMaps(shards, *_bounded_maps()))
         return OpenedShards(maps=[map_npy(shards.root, rel, (n, *shards.row_shape), shards.dtype)
                                   for rel, n in shards.files])
     if storage == "shm":
@@ -101,10 +101,14 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
         FormatError: the file's shape or dtype is not the manifest's. OutputError: no descriptor is left.
     """
     if _FDS.live + _FD_HEADROOM >= _FDS.soft:  # cheap test first: most processes never get near the limit
-        room_for_maps(1)
+        _room_for_descriptors(1)
     try:
         arr = np.load(safe_join(root, rel), mmap_mode="r", allow_pickle=False)
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise OutputError(f"cannot map {root / rel}: this process holds as many memory mappings as "
+                              f"vm.max_map_count allows ({_max_map_count()}): raise it (`sysctl -w "
+                              "vm.max_map_count=...`) or close other datasets") from exc
         if exc.errno != errno.EMFILE:
             raise
         soft, hard = _limits()
@@ -168,27 +172,39 @@ def _open_descriptors() -> int:
 _FDS = _Descriptors()
 
 
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
+def _max_map_count() -> Optional[int]:
+    try:
+        return int(Path(_MAX_MAP_COUNT).read_text())
+    except (OSError, ValueError):  # (no /proc: no such limit to respect)
+        return None
+
+
 def _maps_left() -> int:
     """Memory mappings this process may still make: vm.max_map_count less those it holds (NOTE [open files] 4);
     a large number where /proc does not say."""
+    limit = _max_map_count()
     try:
-        limit = int(Path(_MAX_MAP_COUNT).read_text())
         with open("/proc/self/maps", "rb") as f:
             held = sum(1 for _ in f)
-    except (OSError, ValueError):
+    except OSError:
         return 1 << 30
-    return limit - held
-
-
-_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+    return 1 << 30 if limit is None else limit - held
 
 
 def room_for_maps(count: int) -> bool:
     """Whether ``count`` more shard maps fit under this process's limits on open files and on memory mappings,
     raising its soft limit on open files towards the hard one when they do not (NOTE [open files]); False
     when even the hard limit is too low, or the mappings would pass vm.max_map_count."""
-    if count + _MAP_HEADROOM > _maps_left():
-        return False
+    fits = _room_for_descriptors(count)  # (first: a bounded dataset is sized by the raised limit)
+    return fits and count + _MAP_HEADROOM <= _maps_left()
+
+
+def _room_for_descriptors(count: int) -> bool:
+    """Whether ``count`` more maps fit under the limit on open files, its soft limit raised towards the hard
+    one first when they do not."""
     with _FDS.lock:
         soft, hard = _limits()
         need = _open_descriptors() + count + _FD_HEADROOM
@@ -209,9 +225,18 @@ def room_for_maps(count: int) -> bool:
         return need <= soft
 
 
-def _bounded_maps() -> int:
-    """How many shard maps `ShardMaps` keeps open: half the descriptors (and mappings) left, at least 16."""
-    return max(16, min(_limits()[0] - _open_descriptors() - _FD_HEADROOM, _maps_left() - _MAP_HEADROOM) // 2)
+_BOUNDED: "weakref.WeakSet[ShardMaps]" = weakref.WeakSet()  # the live bounded datasets: what they may still map
+
+
+def _bounded_maps() -> tuple[int, str]:
+    """How many shard maps a new `ShardMaps` keeps open: half the descriptors and mappings left once the live
+    ones' unused room is set aside (their bounds are promises), at least 16; and the limit that binds."""
+    promised = sum(max(0, m.bound - len(m._open)) for m in list(_BOUNDED))
+    fds = _limits()[0] - _open_descriptors() - _FD_HEADROOM - promised
+    maps = _maps_left() - _MAP_HEADROOM - promised
+    why = "memory mappings (raise vm.max_map_count)" if maps < fds else \
+        "open files (raise the hard limit, `ulimit -Hn`)"
+    return max(16, min(fds, maps) // 2), why
 
 
 class ShardMaps(Sequence[np.ndarray]):
@@ -219,13 +244,13 @@ class ShardMaps(Sequence[np.ndarray]):
     let go first; a batch still reading one keeps it alive): an mmap dataset with more shards than the limit
     on open files allows (NOTE [open files])."""
 
-    def __init__(self, shards: ShardSet, bound: int) -> None:
+    def __init__(self, shards: ShardSet, bound: int, why: str = "open files") -> None:
         self.shards, self.bound = shards, bound
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        log.warning("%d shards in %s are more than the limits on open files and memory mappings allow: at most %d "
-                    "are kept mapped (raise the hard limit, `ulimit -Hn`, and vm.max_map_count to keep every one)",
-                    len(shards.files), shards.root, bound)
+        _BOUNDED.add(self)
+        log.warning("%d shards in %s are more than this process's %s allows to keep mapped: at most %d are",
+                    len(shards.files), shards.root, why, bound)
 
     def __len__(self) -> int:
         return len(self.shards.files)
