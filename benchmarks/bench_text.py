@@ -9,13 +9,18 @@
    list of windows, torch.stack). get_batch uses the compiled window copy where numba is installed (rule 5
    of NOTE [window gather]); the "gather" rows time get_batch with the copy turned off (the numpy/torch
    gather it replaces), in the same run.
+3. ``--ray``: the same corpus tokenised (bytes tokenizer) by Ray tasks, one per piece of the source (NOTE [text
+   pieces] in fastdata/preprocess/text.py), on 1 node of 1 CPU and on 2 nodes of 1 CPU (``ray.cluster_utils``,
+   every node on 127.0.0.1), beside the local pool's 1 and 2 workers on the same cores (the ceiling of the
+   1 -> 2 node row), and a check that Ray's output is the local pool's, byte for byte.
 Targets (issue 7): TokenDataset >= 0.5x memcpy.
 
-    python benchmarks/bench_text.py [--mb 20] [--seq-len 1024 4096] [--batch 64]
+    python benchmarks/bench_text.py [--mb 20] [--seq-len 1024 4096] [--batch 64] [--ray]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -52,6 +57,40 @@ def naive(docs: list[str], encode, eos: int, out: Path) -> None:
         ids.extend(encode(doc))
         ids.append(eos)
     np.array(ids, dtype=np.uint16).tofile(out)
+
+
+def ray_rows(src: Path, scratch: Path) -> dict[str, float]:
+    """Seconds to tokenise ``src`` (bytes) with the local pool (1, 2 workers) and on Ray (1, 2 nodes of 1 CPU),
+    best of two each; ``identical``: Ray's 2-node output is the local pool's."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node and this driver on 127.0.0.1
+    import ray
+    from ray.cluster_utils import Cluster
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    warm = scratch / "warm.jsonl"
+    warm.write_text("".join(json.dumps({"text": f"warm {i}"}) + "\n" for i in range(100)))
+
+    def run(out: Path, where: Path = src, **kw) -> float:
+        shutil.rmtree(out, ignore_errors=True)
+        return timed(lambda: preprocess_text(TextPreprocessConfig(src=where, out=out, val_fraction=0.0,
+                                                                  progress=False, **kw)))
+    res = {f"local_{w}": min(run(scratch / f"local-{w}", workers=w) for _ in range(2)) for w in (1, 2)}
+    for label, nodes in (("ray_1x1", 1), ("ray_2x1", 2)):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            for _ in range(nodes - 1):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            assert cluster.address.startswith("127.0.0.1:"), cluster.address
+            ray.init(address=cluster.address, logging_level="ERROR")
+            run(scratch / "warm-out", warm, engine="ray")  # the Ray workers started outside the timing
+            res[label] = min(run(scratch / label, engine="ray") for _ in range(2))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    same = {p.name: p.read_bytes() for p in (scratch / "ray_2x1").iterdir()}
+    res["identical"] = float(same == {p.name: p.read_bytes() for p in (scratch / "local-2").iterdir()})
+    return res
 
 
 def timed(fn) -> float:
@@ -120,9 +159,10 @@ def windows(folder: Path, seq_len: int, batch: int, seconds: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=20)
-    ap.add_argument("--seq-len", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--seq-len", type=int, nargs="*", default=[1024, 4096], help="none: no window rows")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--ray", action="store_true", help="also tokenise on a 1- and 2-node Ray cluster here")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="fastdata-bench-text-"))
     try:
@@ -153,6 +193,16 @@ def main() -> None:
                   f"{t_naive / times[1]:>8.2f}x {t_naive / times[cores]:>8.2f}x")
         for seq_len in args.seq_len:
             windows(scratch / "bytes-w1", seq_len, args.batch, args.seconds)
+        if args.ray:
+            if importlib.util.find_spec("ray") is None:
+                print("ray rows skipped: pip install 'fastdata[ray]'")
+            else:
+                r = ray_rows(scratch / "c.jsonl", scratch / "ray")
+                print(f"bytes tokenizer, MB/s: local pool 1 worker {mb / r['local_1']:.1f}, 2 workers "
+                      f"{mb / r['local_2']:.1f} ({r['local_1'] / r['local_2']:.2f}x) | Ray 1 node x 1 CPU "
+                      f"{mb / r['ray_1x1']:.1f}, 2 nodes x 1 CPU {mb / r['ray_2x1']:.1f} "
+                      f"({r['ray_1x1'] / r['ray_2x1']:.2f}x; the local pool's own 1 -> 2: the ceiling) | Ray 2 nodes "
+                      f"/ local 2 workers {r['local_2'] / r['ray_2x1']:.2f}x, byte-identical: {bool(r['identical'])}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
