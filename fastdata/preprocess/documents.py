@@ -192,14 +192,14 @@ class Part:
 
 
 def piece_bytes(total: int, shard_tokens: int) -> int:
-    """The source bytes a piece holds: ``_TOKEN_BYTES * shard_tokens`` at most (about a shard of BPE tokens),
-    and for a source under 64 of those, a 64th of it but at least 16 MiB (NOTE [text pieces] 2)."""
+    """The most source bytes a piece holds: ``_TOKEN_BYTES * shard_tokens`` (about a shard of BPE tokens), or
+    less for a source under 64 of those: a 64th of it, but at least 16 MiB (NOTE [text pieces] 2)."""
     return min(_TOKEN_BYTES * shard_tokens, max(_PIECE_MIN, -(-total // _PIECES_AT_LEAST)))
 
 
 def plan_pieces(files: list[TextFile], shard_tokens: int) -> Iterator[list[Part]]:
     """The run's pieces, in source order: consecutive files up to `piece_bytes` (and `_PIECE_FILES` files) in
-    one, a larger file alone, cut into parts of about `piece_bytes` where it is plain JSON Lines or Parquet.
+    one, a larger file alone, cut into parts of at most `piece_bytes` where it is plain JSON Lines or Parquet.
     A function of the files and ``shard_tokens`` only, so the output is the same for any workers; made as
     they are needed (a source of 200 TB has ~10^6 pieces).
 
@@ -222,11 +222,11 @@ def plan_pieces(files: list[TextFile], shard_tokens: int) -> Iterator[list[Part]
             for k in range(parts):
                 yield [Part(f, i, k, parts)]
             continue
-        run.append(Part(f, i))
-        held += f.size
-        if held >= target or len(run) >= _PIECE_FILES:
+        if run and (held + f.size > target or len(run) >= _PIECE_FILES):  # (a piece never passes the target)
             yield run
             run, held = [], 0
+        run.append(Part(f, i))
+        held += f.size
     if run:
         yield run
 

@@ -5,11 +5,12 @@ NOTE [text pieces]: the run is one task per piece of the source, so it scales ou
    task (a worker of the local pool, or a Ray task) reads its documents where they are (a URL in ranged
    reads), tokenises them, sends each to train or val, writes its own shards and their document offsets
    (fastdata/formats/token_shards.py) in a staging folder and publishes them (NOTE [ray byte-identity] rule
-   3); it returns a few hundred bytes. The driver lists the files, plans, journals results in order and
+   3); it returns under ~1 KB. The driver lists the files, plans, journals results in order and
    writes the manifest: it holds nothing per document or per token.
-2. A piece holds at most 4 source bytes per token of a shard (about one shard of BPE tokens); a source of
-   fewer than 64 such pieces is cut into 64 of at least 16 MiB, so one 1 GB file keeps 16 workers busy. The
-   plan is a function of the files and ``shard_tokens`` alone: the same bytes for any workers or nodes.
+2. A piece holds at most 4 source bytes per token of a shard (about one shard of BPE tokens), and for a
+   source of fewer than 64 such pieces, at most a 64th of it but at least 16 MiB (never more than the first
+   bound), so one 1 GB file keeps 16 workers busy. The plan is a function of the files and ``shard_tokens``
+   alone: the same bytes for any workers or nodes.
 3. A large file is cut into parts where its format allows: plain JSON Lines by byte range (a part holds the
    lines that start in it), Parquet by row groups. Compressed and .txt files are read whole by one task.
 4. A document goes to val by a hash of its file's position in the source and its key in the file (its line's
@@ -72,7 +73,8 @@ class TextPreprocessConfig:
         on_error: ``"skip"`` leaves an unusable document out and counts it in the manifest; ``"fail"`` stops
             (default ``"skip"``).
         shard_tokens: Tokens per shard (default ``1 << 26``: 64 Mi tokens, 128 MiB of uint16).
-        seed: The seed of the train/val split, drawn per document position (default 0).
+        seed: The seed of the train/val split, drawn per document from its file's place in the source and its
+            place in the file (default 0).
         overwrite: Replace a dataset in ``out`` made from another source or with other parameters
             (default False).
         progress: Show a progress bar (default True).
@@ -121,7 +123,7 @@ def file_seed(seed: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What every piece's task needs besides its parts (pickled with each task: a few hundred bytes)."""
+    """What every piece's task needs besides its parts (pickled with each task: under ~300 bytes)."""
 
     spec: str
     definition: str  # the tokenizer's definition hash where the run started (a task checks its own)
@@ -164,27 +166,11 @@ def piece_task(task: tuple[_Plan, int, list[Part], Any]) -> dict[str, Any]:
     skipped = 0
     try:
         for part in parts:
-            seed, rel = file_seed(plan.seed, part.index), part.file.rel
             docs = PartDocuments(part, plan.field)
-            keys: list[int] = []
-            texts: list[str] = []
-            held = 0
-            for key, line, text, reason in docs:
-                if text is None:
-                    where = {"file": rel, "line": line, "reason": reason, "of": part.index if part.k else -1}
-                    if plan.on_error == "fail":
-                        return {"index": index, "fail": where}
-                    skipped += 1
-                    if len(examples) < _MAX_EXAMPLES:
-                        examples.append(where)
-                    continue
-                keys.append(key)
-                texts.append(text)
-                held += len(text)
-                if held >= _CHUNK_BYTES:
-                    _encode(tok, plan, writer, keys, texts, seed)
-                    keys, texts, held = [], [], 0
-            _encode(tok, plan, writer, keys, texts, seed)
+            n, fail = _part(tok, plan, writer, docs, examples)
+            if fail is not None:
+                return {"index": index, "fail": fail}
+            skipped += n
             if part.parts > 1:
                 ranged.append([part.index, part.k, part.parts, docs.lines, docs.documents])
         files = writer.finish()
@@ -193,6 +179,34 @@ def piece_task(task: tuple[_Plan, int, list[Part], Any]) -> dict[str, Any]:
         store_out.drop_stage(stage)
     return {"index": index, "source_end": index + 1, "files": files, "shards": writer.shards,
             "skipped_count": skipped, "examples": examples, "parts": ranged}
+
+
+def _part(tok: Tokenizer, plan: _Plan, writer: ts.PieceWriter, docs: PartDocuments,
+          examples: list[dict[str, Any]]) -> tuple[int, Optional[dict[str, Any]]]:
+    """One part's documents tokenised into ``writer`` about a MB of text at a time; returns its unusable
+    documents' count (the first ones added to ``examples``), or with ``on_error="fail"`` the first one."""
+    part = docs.part
+    seed, skipped = file_seed(plan.seed, part.index), 0
+    keys: list[int] = []
+    texts: list[str] = []
+    held = 0
+    for key, line, text, reason in docs:
+        if text is None:
+            where = {"file": part.file.rel, "line": line, "reason": reason, "of": part.index if part.k else -1}
+            if plan.on_error == "fail":
+                return skipped, where
+            skipped += 1
+            if len(examples) < _MAX_EXAMPLES:
+                examples.append(where)
+            continue
+        keys.append(key)
+        texts.append(text)
+        held += len(text)
+        if held >= _CHUNK_BYTES:
+            _encode(tok, plan, writer, keys, texts, seed)
+            keys, texts, held = [], [], 0
+    _encode(tok, plan, writer, keys, texts, seed)
+    return skipped, None
 
 
 def _encode(tok: Tokenizer, plan: _Plan, writer: ts.PieceWriter, keys: list[int], texts: list[str],
@@ -228,7 +242,7 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
         SourceError: The source is missing, holds no text files, or no usable document.
         FastdataError: A document is unusable and ``on_error="fail"``, or the tokenizer gave an id outside
             its vocabulary.
-        ConfigError: ``tokenizer`` is not a known spec.
+        ConfigError: ``tokenizer`` is not a known spec, or a Ray node's tokenizer file is not this one.
         MissingDependencyError: The tokenizer needs ``tokenizers`` or ``tiktoken``, or a .zst file needs
             ``zstandard``, not installed.
         OutputError: The output folder cannot be written, holds something else, or holds a dataset made with
