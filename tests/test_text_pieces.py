@@ -189,6 +189,12 @@ def test_the_plan_of_the_largest_corpora_is_made_as_it_is_needed():
     small = [TextFile(f"/owt/{i:08d}.txt", f"{i:08d}.txt", 5000, "1") for i in range(1 << 13)]
     piece = next(plan_pieces(small, 1 << 26))
     assert len(piece) == documents._PIECE_FILES and len(pickle.dumps((plan, 0, piece, Path("/out")))) < 200_000
+    tracemalloc.start()  # what the listing holds a file, for paths of OpenWebText's shape
+    names = [f"urlsf_subset{i % 21:02d}-{i}_data/{i:07d}-{i * 7919 % 10 ** 9:09d}.txt" for i in range(20_000)]
+    listed = [TextFile(f"/data/owt/{n}", n, 5000, str(10 ** 18 + i)) for i, n in enumerate(names)]
+    per_file = tracemalloc.get_traced_memory()[0] / len(listed)
+    tracemalloc.stop()
+    assert per_file < 450, per_file
 
 
 def test_shards_and_offsets_round_trip_through_the_manifest(tmp_path):

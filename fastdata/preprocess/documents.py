@@ -37,13 +37,18 @@ _PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group c
 
 @dataclass(frozen=True)
 class TextFile:
-    """One input file: where it is (a path or a URL), its name relative to the source, its size, and a stamp
-    that changes with its contents (the mtime in ns; at a URL the store's ETag or mtime)."""
+    """One input file: where it is (a path or a URL, as text), its name relative to the source, its size, and a
+    stamp that changes with its contents (the mtime in ns; at a URL the store's ETag or mtime). Slotted, the
+    path as a string: ~400 bytes a file, where a Path and a __dict__ took ~720 (2.6 GB for OpenWebText's 8 million)."""
 
-    where: Union[Path, str]
+    __slots__ = ("where", "rel", "size", "stamp")
+    where: str
     rel: str
     size: int
     stamp: str
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, int, str]]:  # (frozen and slotted: rebuilt, not set)
+        return TextFile, (self.where, self.rel, self.size, self.stamp)
 
 
 def text_files(src: Union[Path, str]) -> list[TextFile]:
@@ -64,7 +69,7 @@ def text_files(src: Union[Path, str]) -> list[TextFile]:
                              and not any(part.startswith(".") for part in p.relative_to(src).parts)), src
     if not paths:
         raise SourceError(f"source folder {src} holds no {', '.join(TEXT_SUFFIXES)} files")
-    return [TextFile(p, p.relative_to(root).as_posix(), st.st_size, str(st.st_mtime_ns))
+    return [TextFile(str(p), p.relative_to(root).as_posix(), st.st_size, str(st.st_mtime_ns))
             for p, st in ((p, p.stat()) for p in paths)]
 
 
