@@ -16,7 +16,7 @@ from fastdata.cli.main import main
 from fastdata.datasets.tokens import TokenDataset, shard_of, splitmix
 from fastdata.errors import ConfigError, FormatError
 from fastdata.formats.tokenizer import load_tokenizer
-from fastdata.preprocess.text import file_seed, is_val
+from fastdata.preprocess.text_tasks import file_seed, is_val
 
 WORDS = "the quick brown fox jumps over a lazy dog ünïcödé 数据 loader — token shard window €".split()
 

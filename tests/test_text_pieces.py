@@ -20,7 +20,7 @@ from fastdata.errors import ConfigError
 from fastdata.formats.tokenizer import load_tokenizer
 from fastdata.preprocess import documents
 from fastdata.preprocess.documents import Part, PartDocuments, TextFile, piece_bytes, plan_pieces, text_files
-from fastdata.preprocess.text import _Plan, piece_task
+from fastdata.preprocess.text_tasks import TextPlan, piece_task
 
 
 def whole_and_parts(path: Path, parts: int, field: str = "text") -> tuple[list, list]:
@@ -147,7 +147,7 @@ def test_a_piece_task_sends_back_a_few_hundred_bytes(tmp_path):
     (tmp_path / "d.jsonl").write_bytes(jsonl_bytes(make_docs(300)))
     f = text_files(tmp_path / "d.jsonl")[0]
     bytes_tok = load_tokenizer("bytes")
-    plan = _Plan("bytes", bytes_tok.definition_hash, "text", 0.1, 0, "skip", 1 << 20, 256, 257, "<u2", 7)
+    plan = TextPlan("bytes", bytes_tok.definition_hash, "text", 0.1, 0, "skip", 1 << 20, 256, 257, "<u2", 7)
     (tmp_path / "out" / ".fastdata-partial").mkdir(parents=True)
     unit = piece_task((plan, 12, [Part(f, 0, 1, 3)], tmp_path / "out"))
     names = sorted(p.name for p in (tmp_path / "out").glob("*.npy"))
@@ -176,7 +176,7 @@ def test_the_plan_of_the_largest_corpora_is_made_as_it_is_needed():
     files = [TextFile(f"s3://fw/data/{i:06d}.parquet", f"data/{i:06d}.parquet", 2 << 30, "e") for i in range(10 ** 5)]
     tracemalloc.start()
     count, biggest = 0, 0
-    plan = _Plan("tiktoken:gpt2", "0" * 64, "text", 0.001, 0, "skip", 1 << 26, 50256, 50257, "<u2", 6)
+    plan = TextPlan("tiktoken:gpt2", "0" * 64, "text", 0.001, 0, "skip", 1 << 26, 50256, 50257, "<u2", 6)
     for piece in plan_pieces(files, 1 << 26):
         if count % 997 == 0:
             biggest = max(biggest, len(pickle.dumps((plan, count, piece, "s3://out"))))

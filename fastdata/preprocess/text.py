@@ -2,11 +2,11 @@
 
 NOTE [text pieces]: the run is one task per piece of the source, so it scales out as the image runs do.
 1. A piece is a run of consecutive input files, or one part of a large file (`documents.plan_pieces`). Its
-   task (a worker of the local pool, or a Ray task) reads its documents where they are (a URL in ranged
-   reads), tokenises them, sends each to train or val, writes its own shards and their document offsets
-   (fastdata/formats/token_shards.py) in a staging folder and publishes them (NOTE [ray byte-identity] rule
-   3); it returns under ~1 KB. The driver lists the files, plans, journals results in order and
-   writes the manifest: it holds nothing per document or per token.
+   task (`text_tasks.piece_task`: a worker of the local pool, or a Ray task) reads its documents where they
+   are (a URL in ranged reads), tokenises them, sends each to train or val, writes its own shards and their
+   document offsets (fastdata/formats/token_shards.py) in a staging folder and publishes them (NOTE [ray
+   byte-identity] rule 3); it returns under ~1 KB. The driver lists the files, plans, journals results in
+   order and writes the manifest: it holds nothing per document or per token.
 2. A piece holds at most 4 source bytes per token of a shard (about one shard of BPE tokens), and for a
    source of fewer than 64 such pieces, at most a 64th of it but at least 16 MiB (never more than the first
    bound), so one 1 GB file keeps 16 workers busy. The plan is a function of the files and ``shard_tokens``
@@ -29,27 +29,23 @@ import hashlib
 import itertools
 import json
 import logging
-import socket
 import tempfile
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-import numpy as np
-
 from .._io import fsync_dir, scrub
-from ..errors import ConfigError, FastdataError, SourceError, TextInputError, require
+from ..errors import SourceError, TextInputError, require
 from ..formats import token_shards as ts
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
-from ..formats.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, token_dtype
+from ..formats.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from ..storage.remote import is_url
 from . import journal, parallel, ray_pool, store_out
-from .documents import Part, PartDocuments, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
+from .documents import Part, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
+from .text_tasks import MAX_EXAMPLES, TextPlan, piece_task
 
 log = logging.getLogger(__name__)
-_CHUNK_BYTES = 1 << 20  # text tokenised in one batch
-_MAX_EXAMPLES = 100  # skipped documents listed by name in the manifest (all are counted)
 
 
 @dataclass(frozen=True)
@@ -109,115 +105,6 @@ class TextPreprocessConfig:
                 "a positive integer")
         require(self.workers is None or self.workers >= 1, "workers", self.workers, "a positive integer")
         require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
-
-
-def is_val(index: np.ndarray | int, fraction: float, seed: int) -> np.ndarray:
-    """Deterministic split: splitmix64(seed, index) / 2**64 < fraction."""
-    return (ts.splitmix(seed, index) >> np.uint64(11)).astype(np.float64) / float(2 ** 53) < fraction
-
-
-def file_seed(seed: int, index: int) -> int:
-    """The split's seed for the source's ``index``-th file (NOTE [text pieces] 4)."""
-    return int(ts.splitmix(seed, index))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What every piece's task needs besides its parts (pickled with each task: under ~300 bytes)."""
-
-    spec: str
-    definition: str  # the tokenizer's definition hash where the run started (a task checks its own)
-    field: str
-    val_fraction: float
-    seed: int
-    on_error: str
-    shard_tokens: int
-    eos_id: int
-    vocab_size: int
-    dtype: str
-    width: int
-
-
-def piece_task(task: tuple[_Plan, int, list[Part], Any]) -> dict[str, Any]:
-    """A piece's task (NOTE [text pieces] 1): its documents read, tokenised, split, written and published.
-
-    Args:
-        task: ``(plan, piece number, its parts, OUT)``: OUT a local folder (files renamed into it) or a
-            `StoreOut` (put into the store).
-
-    Returns:
-        Its journal record: ``index``, ``files``, ``shards`` per split, ``skipped_count``, ``examples`` (at most
-        `_MAX_EXAMPLES`), ``parts`` (each cut file's part: ``[file, k, parts, lines, documents]``) and, with
-        ``on_error="fail"``, ``fail`` (the first unusable document; then nothing is published).
-
-    Raises:
-        ConfigError: The tokenizer here is not the one the run started with.
-        FastdataError: The tokenizer gave an id outside its vocabulary.
-    """
-    plan, index, parts, out = task
-    tok = cached_tokenizer(plan.spec)
-    if tok.definition_hash != plan.definition:  # a Ray node with another file at the same path
-        raise ConfigError(f"the tokenizer {plan.spec} on {socket.gethostname()} is not the one this run started with "
-                          "(its definition differs): give every node the same tokenizer file")
-    stage = store_out.task_stage(out)
-    writer = ts.PieceWriter(stage, index, plan.width, plan.shard_tokens, plan.eos_id, plan.dtype)
-    examples: list[dict[str, Any]] = []
-    ranged: list[list[int]] = []
-    skipped = 0
-    try:
-        for part in parts:
-            docs = PartDocuments(part, plan.field)
-            n, fail = _part(tok, plan, writer, docs, examples)
-            if fail is not None:
-                return {"index": index, "fail": fail}
-            skipped += n
-            if part.parts > 1:
-                ranged.append([part.index, part.k, part.parts, docs.lines, docs.documents])
-        files = writer.finish()
-        store_out.publish(stage, files, out)
-    finally:
-        store_out.drop_stage(stage)
-    return {"index": index, "source_end": index + 1, "files": files, "shards": writer.shards,
-            "skipped_count": skipped, "examples": examples, "parts": ranged}
-
-
-def _part(tok: Tokenizer, plan: _Plan, writer: ts.PieceWriter, docs: PartDocuments,
-          examples: list[dict[str, Any]]) -> tuple[int, Optional[dict[str, Any]]]:
-    """One part's documents tokenised into ``writer`` about a MB of text at a time; returns its unusable
-    documents' count (the first ones added to ``examples``), or with ``on_error="fail"`` the first one."""
-    part = docs.part
-    seed, skipped = file_seed(plan.seed, part.index), 0
-    keys: list[int] = []
-    texts: list[str] = []
-    held = 0
-    for key, line, text, reason in docs:
-        if text is None:
-            where = {"file": part.file.rel, "line": line, "reason": reason, "of": part.index if part.k else -1}
-            if plan.on_error == "fail":
-                return skipped, where
-            skipped += 1
-            if len(examples) < _MAX_EXAMPLES:
-                examples.append(where)
-            continue
-        keys.append(key)
-        texts.append(text)
-        held += len(text)
-        if held >= _CHUNK_BYTES:
-            _encode(tok, plan, writer, keys, texts, seed)
-            keys, texts, held = [], [], 0
-    _encode(tok, plan, writer, keys, texts, seed)
-    return skipped, None
-
-
-def _encode(tok: Tokenizer, plan: _Plan, writer: ts.PieceWriter, keys: list[int], texts: list[str],
-            seed: int) -> None:
-    if not texts:
-        return
-    val = is_val(np.asarray(keys, dtype=np.uint64), plan.val_fraction, seed)
-    for ids, v in zip(tok.encode_batch(texts), val):
-        if len(ids) and int(ids.max()) >= plan.vocab_size:
-            raise FastdataError(f"tokenizer produced id {int(ids.max())} >= its vocabulary size {plan.vocab_size}")
-        writer.add("val" if v else "train", ids)
 
 
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
@@ -313,9 +200,9 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr
     from ..progress import progress_bar
 
     count = sum(1 for _ in plan_pieces(files, config.shard_tokens))
-    plan = _Plan(config.tokenizer, tok.definition_hash, config.field, config.val_fraction, config.seed, config.on_error,
-                 config.shard_tokens, tok.eos_id, tok.vocab_size, token_dtype(tok.vocab_size).str,
-                 max(5, len(str(count - 1))))
+    plan = TextPlan(config.tokenizer, tok.definition_hash, config.field, config.val_fraction, config.seed,
+                    config.on_error, config.shard_tokens, tok.eos_id, tok.vocab_size, token_dtype(tok.vocab_size).str,
+                    max(5, len(str(count - 1))))
     lines: dict[int, int] = {}  # a cut file's lines and documents in its parts so far (NOTE [text pieces] 5)
     found: dict[int, int] = {}
     for unit in jr.units:
@@ -328,7 +215,7 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr
     bar.update(sum(p.nbytes for piece in itertools.islice(pieces, start) for p in piece))
     sizes: deque[int] = deque()  # each task's source bytes, for the bar
 
-    def tasks() -> Iterator[tuple[_Plan, int, list[Part], Any]]:
+    def tasks() -> Iterator[tuple[TextPlan, int, list[Part], Any]]:
         for k, piece in enumerate(pieces, start):
             sizes.append(sum(p.nbytes for p in piece))
             yield plan, k, piece, out
@@ -348,7 +235,7 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr
                     raise _unusable(e)
                 examples.append(e)
                 unit["skipped_count"] += 1
-            skipped += [{"index": unit["index"], **e} for e in examples[:max(0, _MAX_EXAMPLES - len(skipped))]]
+            skipped += [{"index": unit["index"], **e} for e in examples[:max(0, MAX_EXAMPLES - len(skipped))]]
             jr.add(unit, skipped, partial)
             bar.update(sizes.popleft())
         jr.skipped = skipped
@@ -394,7 +281,7 @@ def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile],
         files=[f for u in jr.units for f in u["files"]], params=_params(config, tok, files), fingerprint=fingerprint,
         source={"path": _where(config.src), "files": len(files), "bytes": total_bytes},
         bytes_per_token=total_bytes / max(1, tokens), skipped_count=sum(u["skipped_count"] for u in jr.units),
-        skipped=[{k: s[k] for k in ("file", "line", "reason")} for s in jr.skipped[:_MAX_EXAMPLES]])
+        skipped=[{k: s[k] for k in ("file", "line", "reason")} for s in jr.skipped[:MAX_EXAMPLES]])
     write_manifest(out, manifest)
     if store is not None:
         store.finish(out, [], [])
