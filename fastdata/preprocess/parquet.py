@@ -40,11 +40,10 @@ from ..storage.remote import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records
-
-RESERVED = ("image", "label", "labels", "boxes", "box_labels")  # fields of their own kinds (formats/schema.py)
 from .sources import Source, UrlReader, parent, url_listing
 
 log = logging.getLogger(__name__)
+RESERVED = ("image", "label", "labels", "boxes", "box_labels")  # fields of their own kinds (formats/schema.py)
 
 Where = Union[Path, str]
 _CACHED = 4  # footers a process keeps parsed

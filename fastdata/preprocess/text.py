@@ -223,9 +223,9 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr
     try:
         for unit in (pool.ordered_map if pool else parallel.ordered_map)(piece_task, tasks(), workers):
             fail, examples = unit.pop("fail", None), unit.pop("examples", [])
-            for e in examples + ([fail] if fail else []):
-                of = e.pop("of")
-                if of >= 0 and e["line"]:  # numbered from its part's start: from the file's now
+            for e in examples + ([fail] if fail else []):  # numbered from its part's start: from the file's now
+                of = e.pop("of")  # (nothing counted for a whole file, or a first part: it stays)
+                if e["line"]:
                     e["line"] += lines.get(of, 0)
             if fail:
                 raise _unusable(fail)

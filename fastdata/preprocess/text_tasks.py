@@ -100,7 +100,7 @@ def _part(tok: Tokenizer, plan: TextPlan, writer: ts.PieceWriter, docs: PartDocu
     held = 0
     for key, line, text, reason in docs:
         if text is None:
-            where = {"file": part.file.rel, "line": line, "reason": reason, "of": part.index if part.k else -1}
+            where = {"file": part.file.rel, "line": line, "reason": reason, "of": part.index}
             if plan.on_error == "fail":
                 return skipped, where
             skipped += 1

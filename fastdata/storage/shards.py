@@ -131,9 +131,9 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
 #    half the descriptors left open (`ShardMaps`, least recently used unmapped first).
 # 3. _FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
 # 4. Each map is also one of the process's memory mappings, which Linux caps at vm.max_map_count (65,530 by
-#    default; a system setting: a process cannot raise it for itself): a token split of FineWeb's size (15 T tokens, ~230,000 shards of 64 Mi)
-#    passes it. Beyond what fits, with _MAP_HEADROOM left for the allocator, libraries and CUDA, the dataset
-#    maps as batches read (rule 2), at most half the mappings left.
+#    default; a system setting: a process cannot raise it for itself): a token split of FineWeb's size
+#    (15 T tokens, ~230,000 shards of 64 Mi) passes it. Beyond what fits, with _MAP_HEADROOM left for the
+#    allocator, libraries and CUDA, the dataset maps as batches read (rule 2), at most half the mappings left.
 _FD_HEADROOM = 256
 _MAP_HEADROOM = 8192
 
