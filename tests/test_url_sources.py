@@ -223,8 +223,9 @@ def test_a_chunks_masks_at_a_url_are_requested_ahead_of_their_images(s3, proxy, 
 
 
 def test_parquet_and_zst_at_a_url_ride_out_faults_and_an_outage_to_the_local_bytes(s3, proxy, tmp_path):
-    # ranged reads of Parquet footers, row groups (images and an Image column of masks) and a .jsonl.zst
-    # stream, through resets, truncated bodies, SlowDown and a store gone for a while: the local run's bytes
+    # ranged reads of Parquet footers, row groups (images and an Image column of masks), a .jsonl.zst stream and a
+    # plain .jsonl cut into byte ranges, through resets, truncated bodies, SlowDown and a store gone for a while:
+    # the local run's bytes
     pa = pytest.importorskip("pyarrow")
     zstandard = pytest.importorskip("zstandard")
     import pyarrow.parquet as pq
@@ -243,17 +244,18 @@ def test_parquet_and_zst_at_a_url_ride_out_faults_and_an_outage_to_the_local_byt
     text.mkdir()
     docs = "".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(400)).encode()
     (text / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(docs))
+    (text / "e.jsonl").write_bytes(docs)  # plain: cut into ~28 byte ranges, each task seeking to its own
     url, text_url = upload(s3, "pq-faults", root, "hf"), upload(s3, "zst-faults", text, "corpus")
     local = preprocess(root, tmp_path / "local", "--workers", "2", "--resize", "center-crop")
-    local_text = preprocess_text(TextPreprocessConfig(src=text, out=tmp_path / "local-text", progress=False,
-                                                      val_fraction=0.1))
+    text_args = {"progress": False, "val_fraction": 0.1, "shard_tokens": 2000, "workers": 2}
+    local_text = preprocess_text(TextPreprocessConfig(src=text, out=tmp_path / "local-text", **text_args))
+    assert local_text["params"]["piece_bytes"] == 8000
     for kind in ("503", "reset", "truncate"):
-        proxy.inject(kind, r"part-[01]\.parquet|d\.jsonl\.zst", times=3)
+        proxy.inject(kind, r"part-[01]\.parquet|d\.jsonl\.zst|e\.jsonl", times=3)
     proxy.refuse(2)  # the store gone as the runs begin: listings, footers and the first reads wait it out
     remote = preprocess(url, tmp_path / "remote", "--workers", "2", "--resize", "center-crop")
     assert_same_output(local, remote, url)
     assert [f["name"] for f in remote["fields"]] == ["image", "label", "annotation"]
-    got = preprocess_text(TextPreprocessConfig(src=text_url, out=tmp_path / "remote-text", progress=False,
-                                               val_fraction=0.1))
+    got = preprocess_text(TextPreprocessConfig(src=text_url, out=tmp_path / "remote-text", **text_args))
     assert {f["path"]: f["sha256"] for f in got["files"]} == {f["path"]: f["sha256"] for f in local_text["files"]}
     assert sum(proxy.faults.values()) >= 9
