@@ -140,6 +140,114 @@ def test_the_soft_limit_is_raised_before_the_maps_need_it(many):
     assert int(before) == 1024 and int(after) > MANY and kind == "list"
 
 
+@pytest.fixture(scope="module")
+def many_lmdb(tmp_path_factory) -> Path:
+    """An LMDB dataset (format 4) of MANY one-sample stores; sample ``i`` is a flat JPEG whose channels
+    spell ``i`` in base 16 (`colour_of`), label ``i``."""
+    import io
+
+    from PIL import Image
+
+    from fastdata.formats.lmdb_store import LABELS_NAME, build_shard, shard_name
+    from fastdata.formats.manifest import IMAGES_LMDB, new_manifest, write_manifest
+
+    root = tmp_path_factory.mktemp("many_lmdb") / "ds"
+    root.mkdir()
+    files, shards = [], []
+    for i in range(MANY):
+        jpeg = io.BytesIO()
+        Image.new("RGB", (SIDE, SIDE), colour_of(i)).save(jpeg, "JPEG", quality=95)
+        files.append(build_shard(root / shard_name(i), [jpeg.getvalue()]))
+        shards.append({"path": shard_name(i), "samples": 1})
+    np.save(root / LABELS_NAME, np.arange(MANY, dtype="<i8"))
+    import hashlib
+    data = (root / LABELS_NAME).read_bytes()
+    files.append({"path": LABELS_NAME, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    write_manifest(root, new_manifest(IMAGES_LMDB, num_samples=MANY, classes=[str(i) for i in range(MANY)],
+                                      encoding="jpeg", key_format="%012d", label_dtype="<i8", labels=LABELS_NAME,
+                                      lmdb_shards=shards, shard_size=1, max_short_side=SIDE, files=files))
+    return root
+
+
+def colour_of(i: int) -> tuple[int, int, int]:
+    return tuple(((i >> (4 * c)) & 15) * 16 + 8 for c in range(3))  # steps of 16: JPEG's error is far smaller
+
+
+LMDB_EPOCH = """
+    import sys, numpy as np, torch
+    from torch.utils.data import DataLoader
+    from fastdata.datasets.images import FastDataset
+    ds = FastDataset(sys.argv[1])
+
+    def check(x, y):  # each image's colour spells its own index, which is also its label
+        digits = np.rint((x.numpy().reshape(len(x), -1, 3).mean(1) - 8) / 16).astype(int)
+        assert np.array_equal(digits @ np.array([1, 16, 256]), y.numpy()), "a sample has another's bytes"
+        return y.tolist()
+    for lo in range(0, len(ds), 100):  # this process opens every store...
+        check(*ds.get_batch(list(range(lo, min(lo + 100, len(ds))))))
+    seen = []  # ... and so do 4 loader workers
+    for x, y in DataLoader(ds, batch_size=37, shuffle=True, num_workers=4, multiprocessing_context="fork"):
+        seen += check(x, y)
+    assert sorted(seen) == list(range(len(ds))), "not every sample exactly once"
+    print("served", len(seen), "held", ds._reader.held())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hard", [None, 1024])
+def test_1300_lmdb_stores_serve_an_epoch_under_ulimit_1024_with_4_workers(many_lmdb, hard):
+    """Each LMDB store holds a descriptor and a mapping while open: past 1,024 the reader failed mid-epoch with
+    "Too many open files". hard=None: the soft limit is raised; hard=1024: a bounded number stay open."""
+    r = run_child(LMDB_EPOCH, str(many_lmdb), preexec=limited(1024, hard))
+    served, held = r.stdout.split()[1::2]
+    assert int(served) == MANY
+    said = "raised this process's limit on open files" if hard is None else "allows to keep open: at most"
+    assert r.stderr.count(said) == 1, r.stderr
+    if hard is not None:
+        bound = int(r.stderr.split("at most ")[1].split()[0])
+        assert bound < 1024 - 256 and int(held) <= bound
+
+
+def test_a_bounded_lmdb_reader_never_closes_a_store_a_read_block_still_uses(many_lmdb):
+    """Views are valid until their block ends: a block over more stores than the bound keeps them all open
+    (closing one under a view would unmap it: a segfault), and they are let go of once it ends."""
+    r = run_child("""
+        import sys, threading
+        from pathlib import Path
+        from fastdata import _limits
+        from fastdata.formats.lmdb_store import open_lmdb
+        from fastdata.formats.manifest import load_manifest
+        root = Path(sys.argv[1])
+        want = open_lmdb(root, load_manifest(root)).get_many(range(1300))
+        _limits.room_for_maps = lambda count: False
+        _limits.bounded_maps = lambda: (16, "open files")
+        reader = open_lmdb(root, load_manifest(root))
+        assert reader.bound == 16
+        with reader.views(range(40)) as blobs:  # 40 stores in one block: none may close inside it
+            reader.get_many(range(100, 140))    # (another 40, read meanwhile, would push them out)
+            assert [bytes(v) for v in blobs] == want[:40]
+            assert reader.held() >= 40
+        reader.get_many([500])
+        assert reader.held() <= 16, reader.held()
+        errors = []
+        def read(k):  # threads reading overlapping stores at once
+            try:
+                for lo in range(k * 7, 1300 - 50, 97):
+                    with reader.views(range(lo, lo + 50)) as blobs:
+                        assert [bytes(v) for v in blobs] == want[lo:lo + 50]
+            except Exception as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert not errors, errors
+        reader.get_many([0])
+        print("ok", reader.held())
+    """, str(many_lmdb))
+    ok, held = r.stdout.split()
+    assert ok == "ok" and int(held) <= 16
+
+
 # -- LMDB: shared environments ---------------------------------------------------------------------------
 
 

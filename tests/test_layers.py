@@ -11,7 +11,8 @@ ROOT = Path(fastdata.__file__).parent
 # One row per package, lowest first: a module may import its own row or any row below it. storage sits
 # below preprocess because a source at a URL (tars in a bucket) is read through storage.remote.
 LAYERS = [
-    ["fastdata.errors", "fastdata._io", "fastdata._version", "fastdata.distributed", "fastdata.progress"],
+    ["fastdata.errors", "fastdata._io", "fastdata._limits", "fastdata._version", "fastdata.distributed",
+     "fastdata.progress"],
     ["fastdata.formats"],
     ["fastdata.imaging"],
     ["fastdata.storage"],

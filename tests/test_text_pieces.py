@@ -301,11 +301,11 @@ def many_token_shards(root: Path, count: int, size: int) -> np.ndarray:
 def test_more_token_shards_than_memory_mappings_allow_are_mapped_as_read(tmp_path, monkeypatch, caplog):
     # vm.max_map_count (65,530) caps a process's mappings: FineWeb's ~230,000 shards of 64 Mi tokens pass it.
     # Here the room left is made small; the dataset maps shards as batches read them, a bounded number at once.
+    from fastdata import _limits
     from fastdata.datasets.tokens import TokenDataset, touched
-    from fastdata.storage import shards as shard_maps
 
     gc.collect()  # (no bounded dataset of an earlier test holds a share of the room)
-    monkeypatch.setattr(shard_maps, "_limits", lambda: (1 << 20, 1 << 20))  # open files never the binding limit
+    monkeypatch.setattr(_limits, "limits", lambda: (1 << 20, 1 << 20))  # open files never the binding limit
     stream = many_token_shards(tmp_path / "tok", 1300, 100)
     whole = TokenDataset(tmp_path / "tok", seq_len=249, stride=37)
     assert isinstance(whole._shards, list)  # room for every map: one map each, as before
@@ -316,8 +316,8 @@ def test_more_token_shards_than_memory_mappings_allow_are_mapped_as_read(tmp_pat
     def mapped() -> int:  # this folder's files mapped into the process now
         return Path("/proc/self/maps").read_text().count(str(tmp_path / "tok"))
     assert mapped() == 0
-    monkeypatch.setattr(shard_maps, "_maps_left", lambda: shard_maps._MAP_HEADROOM + 1000)
-    assert not shard_maps.room_for_maps(1300) and shard_maps.room_for_maps(500)
+    monkeypatch.setattr(_limits, "maps_left", lambda: _limits.MAP_HEADROOM + 1000)
+    assert not _limits.room_for_maps(1300) and _limits.room_for_maps(500)
     with caplog.at_level("WARNING"):
         ds = TokenDataset(tmp_path / "tok", seq_len=249, stride=37)
     assert type(ds._shards).__name__ == "ShardMaps" and ds._shards.bound == 500

@@ -25,11 +25,13 @@ import errno
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from .. import _limits
 from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
 from ..errors import FormatError
 from .base import UnitWriter, npy_bytes
@@ -183,22 +185,31 @@ def _forked() -> None:
 
 
 class _Holds:
-    """The environments one reader holds in this process (NOTE [shared environments])."""
+    """The environments one reader holds in this process (NOTE [shared environments]); with a ``bound``, at
+    most that many, least recently used let go first, never one a read block still uses (NOTE [open files]
+    in fastdata/_limits.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bound: Optional[int] = None) -> None:
         self.pid = -1
-        self.envs: dict[str, Any] = {}
+        self.bound = bound
+        self.envs: OrderedDict[str, Any] = OrderedDict()
+        self.busy: dict[str, int] = {}  # bounded: environments inside a read block, and how many blocks
+
+    def held(self) -> int:
+        return len(self.envs)
 
     def env(self, path: Path) -> Any:
+        """``path``'s environment, opened in this process if it is not yet; bounded, it counts as used until
+        `done`."""
         key = _key(path)
-        if self.pid == os.getpid():
+        if self.bound is None and self.pid == os.getpid():
             env = self.envs.get(key)
             if env is not None:  # the common case: no lock on the read path
                 return env
         with _ENVS_LOCK:
             _forked()
             if self.pid != os.getpid():  # what it held in the parent is not counted here
-                self.pid, self.envs = os.getpid(), {}
+                self.pid, self.envs, self.busy = os.getpid(), OrderedDict(), {}
             while key not in self.envs:
                 entry = _ENVS.get(key)
                 if entry is None:
@@ -209,7 +220,23 @@ class _Holds:
                 entry[1] += 1
                 if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
                     self.envs[key] = entry[0]
-            return self.envs[key]
+            env = self.envs[key]
+            if self.bound is not None:
+                self.busy[key] = self.busy.get(key, 0) + 1
+                self.envs.move_to_end(key)
+                idle = [k for k in self.envs if not self.busy.get(k)][:max(0, len(self.envs) - self.bound)]
+                for old in idle:
+                    self._let_go(old)
+            return env
+
+    def done(self, path: Path) -> None:
+        """A read block that took ``path``'s environment from `env` has ended (bounded readers only)."""
+        key = _key(path)
+        with _ENVS_LOCK:
+            if self.pid == os.getpid() and self.busy.get(key):
+                self.busy[key] -= 1
+                if not self.busy[key]:
+                    del self.busy[key]
 
     def release(self, path: Optional[Path] = None) -> None:
         """Let go of ``path`` (None: of every file held); the last holder closes the environment (under the
@@ -218,13 +245,16 @@ class _Holds:
             if self.pid != os.getpid():  # held in the parent process: not ours to count down
                 return
             for key in list(self.envs) if path is None else [_key(path)]:
-                if self.envs.pop(key, None) is None:
-                    continue
-                entry = _ENVS[key]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del _ENVS[key]
-                    entry[0].close()
+                self._let_go(key)
+
+    def _let_go(self, key: str) -> None:
+        if self.envs.pop(key, None) is None:
+            return
+        entry = _ENVS[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _ENVS[key]
+            entry[0].close()
 
 
 class LmdbReader:
@@ -245,10 +275,18 @@ class LmdbReader:
         self.local_keys = local_keys
         self._counted: set[int] = set()  # shards whose record count matched the manifest
         self.path = self.paths[0] if len(self.paths) == 1 else self.paths[0].parent
+        # Each open store holds a descriptor and a mapping: past what fits, open them as read (NOTE [open files])
+        self.bound, why = (None, "") if _limits.room_for_maps(len(self.paths)) else _limits.bounded_maps()
         self._hold()
+        if self.bound is not None:
+            _limits.register_bounded(self, len(self.paths), self.path, why)
+
+    def held(self) -> int:
+        """How many stores this reader holds open in this process."""
+        return self._holds.held()
 
     def _hold(self) -> None:
-        self._holds = _Holds()
+        self._holds = _Holds(self.bound)
         weakref.finalize(self, self._holds.release)  # a dropped reader lets go of its environments
 
     def __getstate__(self) -> dict[str, Any]:
@@ -257,6 +295,8 @@ class LmdbReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._hold()
+        if self.bound is not None:
+            _limits.register_bounded(self)
 
     def _count(self, s: int, env: Any) -> None:
         """Refuse a shard whose records are not as many as the manifest says (its keys are rows: a wrong
@@ -305,6 +345,8 @@ class LmdbReader:
                 groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
             for s, rows in groups:  # one read transaction per store touched
                 env = self._holds.env(self.paths[s])
+                if self.bound is not None:  # (registered first: it runs after the transaction's end)
+                    txns.callback(self._holds.done, self.paths[s])
                 if self.local_keys and s not in self._counted:
                     self._count(s, env)
                 txn = txns.enter_context(env.begin(buffers=not copy))

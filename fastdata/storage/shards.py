@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .. import _limits
 from .._io import new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import npy_header
@@ -74,8 +75,8 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
     if storage == "mmap" and verify:  # (shm: the copy is hashed while it is made, a found one before use)
         verify_hashes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
     if storage == "mmap":
-        if not room_for_maps(len(shards.files)):
-            return OpenedShards(maps=ShardMaps(shards, *_bounded_maps()))
+        if not _limits.room_for_maps(len(shards.files)):
+            return OpenedShards(maps=ShardMaps(shards, *_limits.bounded_maps()))
         return OpenedShards(maps=[map_npy(shards.root, rel, (n, *shards.row_shape), shards.dtype)
                                   for rel, n in shards.files])
     if storage == "shm":
@@ -100,157 +101,43 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
     Raises:
         FormatError: the file's shape or dtype is not the manifest's. OutputError: no descriptor is left.
     """
-    if _FDS.live + _FD_HEADROOM >= _FDS.soft:  # cheap test first: most processes never get near the limit
-        _room_for_descriptors(1)
+    fds = _limits.FDS
+    if fds.live + _limits.FD_HEADROOM >= fds.soft:  # cheap test first: most processes never get near the limit
+        _limits.room_for_descriptors(1)
     try:
         arr = np.load(safe_join(root, rel), mmap_mode="r", allow_pickle=False)
     except OSError as exc:
         if exc.errno == errno.ENOMEM:
             raise OutputError(f"cannot map {root / rel}: this process holds as many memory mappings as "
-                              f"vm.max_map_count allows ({_max_map_count()}): raise it (`sysctl -w "
+                              f"vm.max_map_count allows ({_limits.max_map_count()}): raise it (`sysctl -w "
                               "vm.max_map_count=...`) or close other datasets") from exc
         if exc.errno != errno.EMFILE:
             raise
-        soft, hard = _limits()
+        soft, hard = _limits.limits()
         raise OutputError(f"cannot map {root / rel}: this process has {soft} open files, its limit (hard limit "
                           f"{hard}): raise it (`ulimit -n`) or close other datasets") from exc
     if arr.shape != shape or arr.dtype != dtype:
         raise FormatError(f"{root / rel} holds {arr.shape} {arr.dtype}, the manifest says {shape} {dtype}: "
                           "the dataset is damaged; re-run `fastdata preprocess`")
-    with _FDS.lock:
-        _FDS.live += 1
-    weakref.finalize(arr, _FDS.unmapped)
+    with fds.lock:
+        fds.live += 1
+    weakref.finalize(arr, fds.unmapped)
     return arr
-
-
-# NOTE [open files]: each memory map keeps a descriptor open (CPython's mmap duplicates the file's), so an
-# ImageNet-sized dataset (1,252 shards at the default shard size) passes the common soft limit of 1,024.
-# 1. Before mapping more shards than fit, the soft RLIMIT_NOFILE is raised towards the hard limit, said once
-#    in the log (loader workers, forked or spawned, inherit the raised limit).
-# 2. Where the hard limit is too low, an mmap dataset maps its shards as batches read them and keeps at most
-#    half the descriptors left open (`ShardMaps`, least recently used unmapped first).
-# 3. _FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
-# 4. Each map is also one of the process's memory mappings, which Linux caps at vm.max_map_count (65,530 by
-#    default; a system setting: a process cannot raise it for itself): a token split of FineWeb's size
-#    (15 T tokens, ~230,000 shards of 64 Mi) passes it. Beyond what fits, with _MAP_HEADROOM left for the
-#    allocator, libraries and CUDA, the dataset maps as batches read (rule 2), at most half the mappings left.
-_FD_HEADROOM = 256
-_MAP_HEADROOM = 8192
-
-
-class _Descriptors:
-    """This process's count of live shard maps and the soft limit last seen."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()  # (re-entrant: the collector may run a map's finalizer while it is held)
-        self.live = 0
-        self.soft = _limits()[0]
-        self.said = False
-
-    def unmapped(self) -> None:
-        with self.lock:
-            self.live -= 1
-
-
-def _limits() -> tuple[int, int]:
-    try:
-        import resource
-    except ImportError:  # (not a POSIX system: no limit to manage)
-        return 1 << 30, 1 << 30
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = 1 << 30
-    return (top if soft == resource.RLIM_INFINITY else soft), (top if hard == resource.RLIM_INFINITY else hard)
-
-
-def _open_descriptors() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return _FDS.live + 64  # (no /proc: an estimate)
-
-
-_FDS = _Descriptors()
-
-
-_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
-
-
-def _max_map_count() -> Optional[int]:
-    try:
-        return int(Path(_MAX_MAP_COUNT).read_text())
-    except (OSError, ValueError):  # (no /proc: no such limit to respect)
-        return None
-
-
-def _maps_left() -> int:
-    """Memory mappings this process may still make: vm.max_map_count less those it holds (NOTE [open files] 4);
-    a large number where /proc does not say."""
-    limit = _max_map_count()
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            held = sum(1 for _ in f)
-    except OSError:
-        return 1 << 30
-    return 1 << 30 if limit is None else limit - held
-
-
-def room_for_maps(count: int) -> bool:
-    """Whether ``count`` more shard maps fit under this process's limits on open files and on memory mappings,
-    raising its soft limit on open files towards the hard one when they do not (NOTE [open files]); False
-    when even the hard limit is too low, or the mappings would pass vm.max_map_count."""
-    fits = _room_for_descriptors(count)  # (first: a bounded dataset is sized by the raised limit)
-    return fits and count + _MAP_HEADROOM <= _maps_left()
-
-
-def _room_for_descriptors(count: int) -> bool:
-    """Whether ``count`` more maps fit under the limit on open files, its soft limit raised towards the hard
-    one first when they do not."""
-    with _FDS.lock:
-        soft, hard = _limits()
-        need = _open_descriptors() + count + _FD_HEADROOM
-        if need > soft and hard > soft:
-            import resource
-
-            new = min(hard, max(need, 2 * soft))
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            except (ValueError, OSError):  # (above the kernel's nr_open, say): keep the limit there is
-                new = soft
-            if new > soft and not _FDS.said:
-                log.warning("raised this process's limit on open files (RLIMIT_NOFILE) from %d to %d: each "
-                            "memory-mapped shard holds one open file (%d more to map)", soft, new, count)
-                _FDS.said = True
-            soft = new
-        _FDS.soft = soft
-        return need <= soft
-
-
-_BOUNDED: "weakref.WeakSet[ShardMaps]" = weakref.WeakSet()  # the live bounded datasets: what they may still map
-
-
-def _bounded_maps() -> tuple[int, str]:
-    """How many shard maps a new `ShardMaps` keeps open: half the descriptors and mappings left once the live
-    ones' unused room is set aside (their bounds are promises), at least 16; and the limit that binds."""
-    promised = sum(max(0, m.bound - len(m._open)) for m in list(_BOUNDED))
-    fds = _limits()[0] - _open_descriptors() - _FD_HEADROOM - promised
-    maps = _maps_left() - _MAP_HEADROOM - promised
-    why = "memory mappings (raise vm.max_map_count)" if maps < fds else \
-        "open files (raise the hard limit, `ulimit -Hn`)"
-    return max(16, min(fds, maps) // 2), why
 
 
 class ShardMaps(Sequence[np.ndarray]):
     """``shards``' memory maps, each made when first read and at most ``bound`` kept open (least recently used
     let go first; a batch still reading one keeps it alive): an mmap dataset with more shards than the limit
-    on open files allows (NOTE [open files])."""
+    on open files allows (NOTE [open files] in fastdata/_limits.py)."""
 
     def __init__(self, shards: ShardSet, bound: int, why: str = "open files") -> None:
         self.shards, self.bound = shards, bound
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        _BOUNDED.add(self)
-        log.warning("%d shards in %s are more than this process's %s allows to keep mapped: at most %d are",
-                    len(shards.files), shards.root, why, bound)
+        _limits.register_bounded(self, len(shards.files), shards.root, why)
+
+    def held(self) -> int:
+        return len(self._open)
 
     def __len__(self) -> int:
         return len(self.shards.files)
