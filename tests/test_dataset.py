@@ -231,3 +231,43 @@ def test_cuda_storage_without_a_gpu_says_what_to_pass_instead(indexed_datasets):
     with pytest.raises(ConfigError, match=r"torch sees no CUDA device: pass storage='ram' or 'shm'"):
         FastDataset(indexed_datasets["npy"], storage="cuda")  # before: AssertionError from inside torch
     assert FastDataset(indexed_datasets["npy"], storage="cuda", device="cpu").get_batch([3])[1].tolist() == [0]
+
+
+def fs_calls(fn) -> int:
+    """How many file-system calls (stat, lstat, open, listdir, scandir, readlink) ``fn()`` makes on this
+    thread, counted by a profile hook: a count, not a timing, so it holds on any machine."""
+    names = {"stat", "lstat", "open", "listdir", "scandir", "readlink"}
+    count = 0
+
+    def hook(frame, event, arg) -> None:
+        nonlocal count
+        if event == "c_call" and getattr(arg, "__name__", "") in names:
+            count += 1
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("kind, most", [("npy", 4), ("lmdb", 1), ("tokens", 3)])
+def test_opening_makes_a_few_file_system_calls_a_shard(tmp_path, kind, most):
+    """Every rank opens the dataset at each start and resume: at 10^6 shards each call a shard is 10^6 calls
+    (a round trip each on a network file system). The code before resolved every manifest path, several
+    times: 68 calls a shard (npy), 30 (LMDB), 46 (tokens); now the size check's stat, the map's open, and for
+    npy the labels file's stat (benchmarks/bench_open.py times it at 10^5 and 10^6 shards)."""
+    from test_faults_local import many_lmdb_stores, many_shards
+    from test_text_pieces import many_token_shards
+
+    from fastdata.datasets.tokens import TokenDataset
+
+    def made(n: int):
+        root = tmp_path / f"{kind}-{n}"
+        if kind == "tokens":
+            many_token_shards(root, n, 100)
+            return lambda: TokenDataset(root, seq_len=50)
+        (many_shards if kind == "npy" else many_lmdb_stores)(root, n)
+        return lambda: FastDataset(root)
+    small, large = made(200), made(400)
+    assert (fs_calls(large) - fs_calls(small)) / 200 <= most

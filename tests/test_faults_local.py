@@ -142,7 +142,11 @@ def test_the_soft_limit_is_raised_before_the_maps_need_it(many):
 
 @pytest.fixture(scope="module")
 def many_lmdb(tmp_path_factory) -> Path:
-    """An LMDB dataset (format 4) of MANY one-sample stores; sample ``i`` is a flat JPEG whose channels
+    return many_lmdb_stores(tmp_path_factory.mktemp("many_lmdb") / "ds")
+
+
+def many_lmdb_stores(root: Path, n: int = MANY) -> Path:
+    """An LMDB dataset (format 4) of ``n`` one-sample stores; sample ``i`` is a flat JPEG whose channels
     spell ``i`` in base 16 (`colour_of`), label ``i``."""
     import io
 
@@ -151,19 +155,18 @@ def many_lmdb(tmp_path_factory) -> Path:
     from fastdata.formats.lmdb_store import LABELS_NAME, build_shard, shard_name
     from fastdata.formats.manifest import IMAGES_LMDB, new_manifest, write_manifest
 
-    root = tmp_path_factory.mktemp("many_lmdb") / "ds"
-    root.mkdir()
+    root.mkdir(parents=True)
     files, shards = [], []
-    for i in range(MANY):
+    for i in range(n):
         jpeg = io.BytesIO()
         Image.new("RGB", (SIDE, SIDE), colour_of(i)).save(jpeg, "JPEG", quality=95)
         files.append(build_shard(root / shard_name(i), [jpeg.getvalue()]))
         shards.append({"path": shard_name(i), "samples": 1})
-    np.save(root / LABELS_NAME, np.arange(MANY, dtype="<i8"))
+    np.save(root / LABELS_NAME, np.arange(n, dtype="<i8"))
     import hashlib
     data = (root / LABELS_NAME).read_bytes()
     files.append({"path": LABELS_NAME, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    write_manifest(root, new_manifest(IMAGES_LMDB, num_samples=MANY, classes=[str(i) for i in range(MANY)],
+    write_manifest(root, new_manifest(IMAGES_LMDB, num_samples=n, classes=[str(i) for i in range(n)],
                                       encoding="jpeg", key_format="%012d", label_dtype="<i8", labels=LABELS_NAME,
                                       lmdb_shards=shards, shard_size=1, max_short_side=SIDE, files=files))
     return root

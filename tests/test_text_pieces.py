@@ -355,6 +355,6 @@ def test_a_full_map_count_is_named(tmp_path, monkeypatch):
 
     def no_room(*a, **k):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
-    monkeypatch.setattr(shard_maps.np, "load", no_room)
+    monkeypatch.setattr(shard_maps.mmap, "mmap", no_room)
     with pytest.raises(OutputError, match="vm.max_map_count"):
         shard_maps.map_npy(tmp_path / "tok", "train-00000-000000.npy", (100,), np.dtype("<u2"))

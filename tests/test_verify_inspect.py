@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fastdata.cli.main import main
 from fastdata.errors import FormatError, VersionError
@@ -79,6 +80,38 @@ def test_manifest_paths_may_not_escape_the_folder(dataset, capsys):
         load_manifest(dataset)
     assert main(["verify", str(dataset), "--quiet"]) == 1
     assert "refusing" in capsys.readouterr().err
+
+
+def test_a_link_that_leaves_the_folder_is_refused_one_that_stays_is_served(dataset, tmp_path):
+    """NOTE [manifest paths]: a manifest is checked by its text when loaded; a data file replaced by a link is
+    refused when opened if the link leads outside the folder (its bytes never read), served if it stays."""
+    from fastdata.datasets.images import FastDataset
+
+    f = _data_file(dataset)
+    want = FastDataset(dataset).get_batch(np.arange(40))
+    moved = dataset / "moved" / f.name  # inside the folder, behind a link
+    moved.parent.mkdir()
+    f.rename(moved)
+    f.symlink_to(Path("moved") / f.name)
+    got = FastDataset(dataset).get_batch(np.arange(40))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    outside = tmp_path / "elsewhere" / f.name  # the same bytes, outside: refused all the same
+    outside.parent.mkdir()
+    moved.rename(outside)
+    f.unlink()
+    f.symlink_to(outside)
+    load_manifest(dataset)  # (the text is plain: loading it reads no file)
+    with pytest.raises(FormatError, match="outside"):
+        FastDataset(dataset).get_batch(np.arange(40))
+    assert main(["verify", str(dataset), "--quiet"]) == 1
+    if f.suffix == ".lmdb":  # a store is opened at its first read: a link planted after the open is refused then
+        f.unlink()
+        outside.rename(f)
+        ds = FastDataset(dataset)
+        f.rename(outside)
+        f.symlink_to(outside)
+        with pytest.raises(FormatError, match="outside"):
+            ds.get_batch(np.arange(40))
 
 
 def _shards_key(m: dict) -> str:

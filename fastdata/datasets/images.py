@@ -120,7 +120,6 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                                  cache_dir=cache_dir, cache_limit=cache_limit,
                                  streamed=lambda m: image_streamed(m, storage), retry_seconds=retry_seconds)
         self.root, self.manifest, self._remote = self._opened.root, self._opened.manifest, self._opened.remote
-        self.manifest_sha256 = manifest_digest(self.manifest)  # the version a loader's state names
         self.fields: Optional[list[Field]] = fields_of(self.manifest)  # None: (image, label) samples
         self.storage = storage
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
@@ -147,7 +146,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         # the image shards are checked (and hashed: ram/cuda while loading, one read) by open_images
         check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify)
         self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
-                                   at_open=self._labels_at_open)
+                                   at_open=self._labels_at_open, mapped=self._remote is None)
         self._open(self._verify)
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
@@ -170,6 +169,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         return self._decoder is not None and self._decoder.random
 
     # -- metadata -------------------------------------------------------------------------------------
+    @functools.cached_property
+    def manifest_sha256(self) -> str:
+        """The dataset's version, as a loader's state names it (`manifest_digest`): made when first asked for,
+        since it serialises the whole manifest (seconds at a million shards)."""
+        return manifest_digest(self.manifest)
+
     def __len__(self) -> int:
         return int(self.manifest["num_samples"])
 

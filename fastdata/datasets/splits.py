@@ -19,11 +19,14 @@ class DatasetView:
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
         self.sample_shape, self.sample_dtype, self.device = base.sample_shape, base.sample_dtype, base.device
-        self.manifest_sha256 = getattr(base, "manifest_sha256", None)
         self.fields = getattr(base, "fields", None)  # dict batches when the base has sample fields
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    @property
+    def manifest_sha256(self) -> Optional[str]:
+        return getattr(self.base, "manifest_sha256", None)
 
     @property
     def classes(self) -> list[str]:

@@ -8,6 +8,7 @@ starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from pathlib import Path
@@ -130,7 +131,6 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                            cache_limit=cache_limit, streamed=lambda m: token_streamed(m, storage),
                            retry_seconds=retry_seconds)
         self.root, self.manifest = opened.root, opened.manifest
-        self.manifest_sha256 = manifest_digest(self.manifest)  # the version a loader's state names
         self._remote, self._limit = opened.remote, opened.limit
         if split not in self.manifest["splits"]:
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
@@ -214,6 +214,12 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self._open()
 
     # -- windows --------------------------------------------------------------------------------------
+    @functools.cached_property
+    def manifest_sha256(self) -> str:
+        """The dataset's version, as a loader's state names it (`manifest_digest`): made when first asked for,
+        since it serialises the whole manifest (seconds at a million shards)."""
+        return manifest_digest(self.manifest)
+
     def __len__(self) -> int:
         return self._count
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .. import _limits
-from .._io import HASH_NAME, disk_error, hash_file, safe_join, write_bytes_atomic
+from .._io import HASH_NAME, disk_error, hash_file, write_bytes_atomic
 from ..errors import FormatError
 from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows, labels_name
@@ -158,16 +158,6 @@ _ENVS_PID = -1
 _ENVS_LOCK = threading.RLock()
 
 
-_KEYS: dict[str, str] = {}  # path as given -> resolved: resolve() stats every component, once a batch
-
-
-def _key(path: Path) -> str:
-    key = _KEYS.get(str(path))
-    if key is None:
-        key = _KEYS[str(path)] = str(Path(path).resolve())
-    return key
-
-
 def _forked() -> None:
     """In a forked child (``_ENVS_LOCK`` held): close every inherited environment and start counting afresh.
     Closed, not only dropped: a read transaction inherited from the parent (a loader thread's batch,
@@ -187,39 +177,34 @@ def _forked() -> None:
 class _Holds:
     """The environments one reader holds in this process (NOTE [shared environments]); with a ``bound``, at
     most that many, least recently used let go first, never one a read block still uses (NOTE [open files]
-    in fastdata/_limits.py)."""
+    in fastdata/_limits.py). A store's path is resolved each time it is opened, and refused unless it stays
+    ``inside`` the dataset's folder (NOTE [manifest paths] in fastdata/_io.py)."""
 
-    def __init__(self, bound: Optional[int] = None) -> None:
+    def __init__(self, bound: Optional[int] = None, inside: Optional[str] = None) -> None:
         self.pid = -1
-        self.bound = bound
-        self.envs: OrderedDict[str, Any] = OrderedDict()
+        self.bound, self.inside = bound, inside
+        self.envs: OrderedDict[str, Any] = OrderedDict()  # resolved path -> environment
+        self.keys: dict[str, str] = {}  # path as given -> resolved, while held...
+        self.names: dict[str, str] = {}  # ...and back
         self.busy: dict[str, int] = {}  # bounded: environments inside a read block, and how many blocks
 
     def held(self) -> int:
         return len(self.envs)
 
-    def env(self, path: Path) -> Any:
+    def env(self, path: str) -> Any:
         """``path``'s environment, opened in this process if it is not yet; bounded, it counts as used until
         `done`."""
-        key = _key(path)
         if self.bound is None and self.pid == os.getpid():
-            env = self.envs.get(key)
+            env = self.envs.get(self.keys.get(path, ""))
             if env is not None:  # the common case: no lock on the read path
                 return env
         with _ENVS_LOCK:
             _forked()
             if self.pid != os.getpid():  # what it held in the parent is not counted here
-                self.pid, self.envs, self.busy = os.getpid(), OrderedDict(), {}
-            while key not in self.envs:
-                entry = _ENVS.get(key)
-                if entry is None:
-                    import lmdb
-
-                    entry = _ENVS[key] = [lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False,
-                                                    meminit=False, max_readers=1024), 0]
-                entry[1] += 1
-                if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
-                    self.envs[key] = entry[0]
+                self.pid, self.envs, self.keys, self.names, self.busy = os.getpid(), OrderedDict(), {}, {}, {}
+            key = self.keys.get(path)
+            if key is None or key not in self.envs:
+                key = self._open(path)
             env = self.envs[key]
             if self.bound is not None:
                 self.busy[key] = self.busy.get(key, 0) + 1
@@ -229,10 +214,27 @@ class _Holds:
                     self._let_go(old)
             return env
 
-    def done(self, path: Path) -> None:
+    def _open(self, path: str) -> str:
+        key = os.path.realpath(path)  # (stats each component: once a store is opened, not once a batch)
+        if self.inside is not None and not key.startswith(self.inside):
+            raise FormatError(f"manifest path {path} resolves to {key}, outside {self.inside}: refusing to use it")
+        while key not in self.envs:
+            entry = _ENVS.get(key)
+            if entry is None:
+                import lmdb
+
+                entry = _ENVS[key] = [lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False,
+                                                meminit=False, max_readers=1024), 0]
+            entry[1] += 1
+            if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
+                self.envs[key] = entry[0]
+        self.keys[path], self.names[key] = key, path
+        return key
+
+    def done(self, path: str) -> None:
         """A read block that took ``path``'s environment from `env` has ended (bounded readers only)."""
-        key = _key(path)
         with _ENVS_LOCK:
+            key = self.keys.get(path, "")
             if self.pid == os.getpid() and self.busy.get(key):
                 self.busy[key] -= 1
                 if not self.busy[key]:
@@ -244,12 +246,13 @@ class _Holds:
         with _ENVS_LOCK:
             if self.pid != os.getpid():  # held in the parent process: not ours to count down
                 return
-            for key in list(self.envs) if path is None else [_key(path)]:
+            for key in list(self.envs) if path is None else [os.path.realpath(path)]:
                 self._let_go(key)
 
     def _let_go(self, key: str) -> None:
         if self.envs.pop(key, None) is None:
             return
+        self.keys.pop(self.names.pop(key, ""), None)
         entry = _ENVS[key]
         entry[1] -= 1
         if entry[1] == 0:
@@ -266,15 +269,18 @@ class LmdbReader:
         starts: Each shard's first sample, then the number of samples (`manifest.shard_starts`); needed
             with more than one store.
         local_keys: Keys are rows within their shard (format version 4), not global sample indices.
+        root: The dataset folder the stores must stay inside, links resolved (None: not checked).
     """
 
-    def __init__(self, paths: Union[Path, Sequence[Path]], starts: Optional[np.ndarray] = None,
-                 local_keys: bool = False) -> None:
-        self.paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    def __init__(self, paths: Union[str, Path, Sequence[Union[str, Path]]], starts: Optional[np.ndarray] = None,
+                 local_keys: bool = False, root: Optional[Path] = None) -> None:
+        # strings, not Path objects: a million stores' paths are parsed once each, when first opened
+        self.paths = [os.fspath(paths)] if isinstance(paths, (str, Path)) else [os.fspath(p) for p in paths]
         self.index = ShardIndex(np.asarray([0, 1 << 62] if starts is None else starts, dtype=np.int64))
         self.local_keys = local_keys
         self._counted: set[int] = set()  # shards whose record count matched the manifest
-        self.path = self.paths[0] if len(self.paths) == 1 else self.paths[0].parent
+        self.path = Path(self.paths[0]) if len(self.paths) == 1 else Path(self.paths[0]).parent
+        self._inside = None if root is None else os.path.join(os.path.realpath(root), "")
         # Each open store holds a descriptor and a mapping: past what fits, open them as read (NOTE [open files])
         self.bound, why = (None, "") if _limits.room_for_maps(len(self.paths)) else _limits.bounded_maps()
         self._hold()
@@ -286,7 +292,7 @@ class LmdbReader:
         return self._holds.held()
 
     def _hold(self) -> None:
-        self._holds = _Holds(self.bound)
+        self._holds = _Holds(self.bound, self._inside)
         weakref.finalize(self, self._holds.release)  # a dropped reader lets go of its environments
 
     def __getstate__(self) -> dict[str, Any]:
@@ -318,7 +324,7 @@ class LmdbReader:
 
     def path_of(self, i: int) -> Path:
         """The store holding sample ``i``."""
-        return self.paths[int(self.index.locate(np.asarray([i]))[0][0])]
+        return Path(self.paths[int(self.index.locate(np.asarray([i]))[0][0])])
 
     def get_many(self, indices: Sequence[int]) -> list[bytes]:
         """The records of ``indices``, copied out as ``bytes`` (valid for ever)."""
@@ -357,5 +363,6 @@ class LmdbReader:
 
 def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:
     """The reader of an LMDB dataset folder, any version."""
-    return LmdbReader([safe_join(root, n) for n in lmdb_shards(manifest)], shard_starts(manifest),
+    names = lmdb_shards(manifest)  # (plain relative paths: `check_manifest`; links checked when opened)
+    return LmdbReader([os.path.join(root, n) for n in names], shard_starts(manifest), root=root,
                       local_keys=manifest["format_version"] >= LOCAL_KEYS_VERSION)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._io import HASH_NAME, hash_file, safe_join, write_json_atomic
+from .._io import HASH_NAME, contained_stat, hash_file, plain_relative, safe_join, write_json_atomic
 from .._version import __version__
 from ..errors import ChecksumError, FormatError, VersionError
 from .schema import fields_of
@@ -108,8 +109,10 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
         raise FormatError(f"{where} holds {fmt}, but this reader needs one of {list(formats)}")
     if not isinstance(manifest.get("files"), list):
         raise FormatError(f"{where} has no 'files' list: the manifest is damaged")
-    for entry in manifest["files"]:
-        safe_join(root, entry.get("path", ""))  # refuse paths that escape the folder before any use
+    for entry in manifest["files"]:  # refuse paths that escape the folder before any use (NOTE [manifest paths])
+        if not isinstance(entry, dict):
+            raise FormatError(f"{where} lists {entry!r} as a file: the manifest is damaged")
+        plain_relative(root, entry.get("path", ""))
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, where)  # refuses unknown kinds, bad dtypes, a missing image field
     check_layout(manifest, where)
@@ -234,9 +237,9 @@ def file_problem(entry: dict[str, Any], size: Optional[int], digest: Optional[st
 def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
                progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
     """`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
-    path = safe_join(root, entry["path"])
-    size = path.stat().st_size if path.is_file() else None
-    digest = hash_file(path, progress) if hashed and size == entry["bytes"] else None
+    st = contained_stat(root, entry["path"])
+    size = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+    digest = hash_file(Path(root) / entry["path"], progress) if hashed and size == entry["bytes"] else None
     if progress is not None and size is not None and digest is None and hashed:
         progress(int(entry["bytes"]))  # a file refused on its size still counts as done for the bar
     return file_problem(entry, size, digest)

@@ -50,8 +50,8 @@ def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[lis
     """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
     (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
     opened = image_files(manifest, fields, is_lmdb)
-    others = [f["path"] for f in manifest["files"] if f["path"] not in opened and (root / f["path"]).exists()]
-    check_sizes(root, manifest, others)
+    others = check_sizes(root, manifest, [f["path"] for f in manifest["files"] if f["path"] not in opened],
+                         present_only=True)
     if verify:
         verify_hashes(root, manifest, others)
 

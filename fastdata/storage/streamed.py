@@ -76,12 +76,12 @@ def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
 
 class Labels:
     """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
-    when the dataset opens (its labels files, or a streamed dataset's ``all_labels`` when small enough:
-    `labels_at_open`), or else filled in shard by shard as a streamed dataset's shards arrive
-    (`fill`), ``filled`` saying which are in."""
+    when the dataset opens (the one file holding every label, memory-mapped when ``mapped``; a streamed
+    dataset's ``all_labels`` when small enough: `labels_at_open`), or else filled in shard by shard as a
+    streamed dataset's shards arrive (`fill`), ``filled`` saying which are in."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
-                 at_open: bool) -> None:
+                 at_open: bool, mapped: bool = False) -> None:
         self.root, self.manifest, self.has_labels = root, manifest, has_labels
         n = int(manifest["num_samples"])
         self.filled: Optional[np.ndarray] = None  # per shard, while labels arrive with streamed shards
@@ -93,14 +93,15 @@ class Labels:
             self.starts = shard_starts(manifest)
             self.array = np.zeros(n, dtype=np.int64)
             return
-        if manifest["format"] == IMAGES_LMDB:
-            names = [manifest["labels"]]
-        elif streams:  # every label in one file, fetched when the dataset opened
-            names = [manifest["all_labels"]]
-        else:
-            names = [s["labels"] for s in manifest["shards"]]
-        labels = _checked(np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names]), n,
-                          root)
+        one = manifest.get("labels" if manifest["format"] == IMAGES_LMDB else "all_labels")
+        if one:  # every label in one file: ``mapped`` (a local folder's), shared by the processes of a node,
+            # where a million shards' labels files would be a million reads at each open; a URL's (fetched when
+            # the dataset opened) read, so that no descriptor outlives a dropped dataset's node cache
+            labels = _checked(np.load(safe_join(root, one), mmap_mode="r" if mapped else None, allow_pickle=False),
+                              n, root / one)
+        else:  # (npy datasets made before all_labels)
+            labels = _checked(np.concatenate([np.load(safe_join(root, s["labels"]), allow_pickle=False)
+                                              for s in manifest["shards"]]), n, root)
         labels.setflags(write=False)
         self.array = labels
 

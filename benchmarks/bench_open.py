@@ -1,0 +1,199 @@
+"""How long a dataset of many shards takes to open (and to serve its first batch), and the memory the open
+adds, for npy, LMDB and token datasets, against the floor any open that checks its files pays (parse the
+manifest, one stat a file), and, with ``--against REF``, the fastdata of an older commit opening the same
+folders in the same run. Every rank and every resume opens the dataset: at 10^6 shards the open is paid by
+every process of the job.
+
+The folders hold real shards in the formats' own layouts (hard links of a few real files, so that 10^6
+shards take seconds and no disk); each open runs in a fresh process, fastdata and torch imported before
+the clock starts.
+
+    python benchmarks/bench_open.py [--shards 100000] [--formats npy,lmdb,tokens] [--against 3486314]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LINKS = 60_000  # hard links a file may have on ext4 is 65,000: a fresh copy after this many
+
+CHILD = r"""
+import json, os, sys, time
+import numpy as np, torch
+from fastdata.datasets.images import FastDataset
+from fastdata.datasets.tokens import TokenDataset
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+kind, path = sys.argv[1], sys.argv[2]
+before = rss()
+t0 = time.perf_counter()
+if kind == "floor":  # what any open that checks its files pays: the manifest parsed, one stat a file
+    m = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
+    for f in m["files"]:
+        os.stat(os.path.join(path, f["path"]))
+    opened, n = time.perf_counter(), len(m["files"])
+    first = opened
+else:
+    ds = TokenDataset(path, seq_len=255) if kind == "tokens" else FastDataset(path)
+    opened = time.perf_counter()
+    n = len(ds)
+    ds.get_batch(np.array([0, n // 2, n - 1]))
+    first = time.perf_counter()
+print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n}))
+"""
+
+
+class Linker:
+    """Hard links of one file under many names, a fresh copy every LINKS links."""
+
+    def __init__(self, data: bytes, spare: Path) -> None:
+        self.data, self.spare, self.count = data, spare, 0
+        self.entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def put(self, path: Path) -> dict:
+        if self.count % LINKS == 0:
+            self.source = self.spare / f"{hashlib.sha256(self.data).hexdigest()[:16]}-{self.count // LINKS}"
+            self.source.write_bytes(self.data)
+        self.count += 1
+        os.link(self.source, path)
+        return {"path": path.name, **self.entry}
+
+
+def put(root: Path, name: str, data: bytes) -> dict:
+    (root / name).write_bytes(data)
+    return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def make_npy(root: Path, n: int, spare: Path) -> None:
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.image_shards import images_name, labels_name
+    from fastdata.formats.manifest import IMAGES_NPY, new_manifest, write_manifest
+
+    rows = 4
+    images = Linker(npy_bytes(np.full((rows, 8, 8, 3), 7, np.uint8)), spare)
+    labels = Linker(npy_bytes(np.zeros(rows, "<i8")), spare)
+    files, shards = [], []
+    for k in range(n):
+        files += [images.put(root / images_name(k)), labels.put(root / labels_name(k))]
+        shards.append({"images": images_name(k), "labels": labels_name(k), "samples": rows})
+    files.append(put(root, "labels.npy", npy_bytes(np.zeros(rows * n, "<i8"))))
+    write_manifest(root, new_manifest(IMAGES_NPY, num_samples=rows * n, classes=["a"], class_counts=[rows * n],
+                                      sample_shape=[8, 8, 3], dtype="|u1", label_dtype="<i8", layout="NHWC",
+                                      shard_size=rows, shards=shards, files=files, all_labels="labels.npy"))
+
+
+def make_lmdb(root: Path, n: int, spare: Path) -> None:
+    from PIL import Image
+
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.lmdb_store import build_shard, shard_name
+    from fastdata.formats.manifest import IMAGES_LMDB, new_manifest, write_manifest
+
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 8), (90, 120, 150)).save(jpeg, "JPEG", quality=90)
+    build_shard(spare / "one.lmdb", [jpeg.getvalue()])
+    data = (spare / "one.lmdb").read_bytes()
+    store = Linker(data, spare)  # (py-lmdb opens a file once a process: the stores read are copies, not links)
+    files = [put(root, shard_name(k), data) if k in (0, n // 2, n - 1) else store.put(root / shard_name(k))
+             for k in range(n)]
+    files.append(put(root, "labels.npy", npy_bytes(np.zeros(n, "<i8"))))
+    write_manifest(root, new_manifest(IMAGES_LMDB, num_samples=n, classes=["a"], class_counts=[n], encoding="jpeg",
+                                      key_format="%012d", label_dtype="<i8", labels="labels.npy", shard_size=1,
+                                      lmdb_shards=[{"path": shard_name(k), "samples": 1} for k in range(n)],
+                                      max_short_side=8, files=files))
+
+
+def make_tokens(root: Path, n: int, spare: Path) -> None:
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.manifest import TOKENS, new_manifest, write_manifest
+    from fastdata.formats.tokenizer import load_tokenizer
+
+    size = 1024
+    tokens = Linker(npy_bytes((np.arange(size) % 251).astype("<u2")), spare)
+    docs = Linker(npy_bytes(np.array([0, size], "<i8")), spare)
+    files, shards = [], []
+    for k in range(n):
+        name, offsets = f"train-{k // 1000:05d}-{k % 1000:06d}.npy", f"train-docs-{k // 1000:05d}-{k % 1000:06d}.npy"
+        files += [tokens.put(root / name), docs.put(root / offsets)]
+        shards.append({"path": name, "tokens": size, "documents": 1, "docs": offsets})
+    write_manifest(root, new_manifest(TOKENS, tokenizer=load_tokenizer("bytes").describe(), dtype="<u2",
+                                      splits={"train": {"tokens": n * size, "documents": n, "shards": shards},
+                                              "val": {"tokens": 0, "documents": 0, "shards": []}},
+                                      files=files, params={}, fingerprint="bench", source={}, bytes_per_token=1.0,
+                                      skipped_count=0, skipped=[]))
+
+
+MAKERS = {"npy": make_npy, "lmdb": make_lmdb, "tokens": make_tokens}
+
+
+def measure(kind: str, path: Path, code_root: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(code_root))
+    r = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], capture_output=True, text=True, env=env,
+                       cwd=tempfile.gettempdir())
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} at {code_root} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def older(ref: str, into: Path) -> Path:
+    """The fastdata of commit ``ref``, unpacked (no git state changes)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "fastdata"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=100_000)
+    ap.add_argument("--formats", default="npy,lmdb,tokens")
+    ap.add_argument("--against", help="a git ref whose fastdata opens the same folders in the same run")
+    ap.add_argument("--rounds", type=int, default=2, help="opens of each folder by each code; the best is kept")
+    ap.add_argument("--work", help="folder for the datasets (default: a temporary one, removed after)")
+    args = ap.parse_args()
+    import resource
+
+    print(f"{args.shards:,} shards a dataset; limits on open files {resource.getrlimit(resource.RLIMIT_NOFILE)}, "
+          f"vm.max_map_count {Path('/proc/sys/vm/max_map_count').read_text().strip()}")
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        tmp = Path(tmp)
+        codes = {"this": REPO}
+        if args.against:
+            codes[args.against] = older(args.against, Path(tempfile.mkdtemp(dir=tmp)))
+        print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'floor s':>8} "
+              f"{'open/floor':>11}")
+        for kind in args.formats.split(","):
+            root, spare = tmp / kind, tmp / f"{kind}-spare"
+            root.mkdir()
+            spare.mkdir()
+            MAKERS[kind](root, args.shards, spare)
+            floor = min(measure("floor", root, REPO)["open"] for _ in range(args.rounds))
+            best = {}
+            for name, code in codes.items():
+                runs = [measure(kind, root, code) for _ in range(args.rounds)]
+                best[name] = min(runs, key=lambda r: r["open"])
+                r = best[name]
+                print(f"{kind:>7} {name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['rss_mb']:>8.0f} "
+                      f"{floor:>8.2f} {r['open'] / floor:>10.1f}x", flush=True)
+            if args.against:
+                print(f"{kind:>7} this opens {best[args.against]['open'] / best['this']['open']:.1f}x faster than "
+                      f"{args.against}", flush=True)
+            subprocess.run(["rm", "-rf", str(root), str(spare)], check=True)
+
+
+if __name__ == "__main__":
+    main()
