@@ -66,6 +66,27 @@ def test_verify_a_node_cache_counts_absent_files_but_catches_damaged_ones(datase
     assert f"{f.name}: missing" in capsys.readouterr().err
 
 
+def test_files_hashed_at_once_give_the_same_problems_in_the_manifests_order(dataset, capsys):
+    from fastdata.formats.manifest import verify
+
+    files = [e["path"] for e in load_manifest(dataset)["files"]]
+    flipped, cut, gone = (dataset / files[i] for i in (0, 2, 3))
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-7])
+    gone.unlink()
+    one = verify(dataset, workers=1)
+    assert [p.split(":")[0] for p in one] == [files[0], files[2], files[3]]
+    assert verify(dataset, workers=4) == verify(dataset) == one
+    seen = []
+    verify(dataset, seen.append, workers=3)  # blocks hashed, reported from the worker threads
+    entries = load_manifest(dataset)["files"]
+    assert sum(seen) == sum(e["bytes"] for e in entries if e["path"] != files[3])  # (the cut file: as if whole)
+    assert main(["verify", str(dataset), "--quiet", "--workers", "0"]) == 1
+    assert "--workers must be a positive integer" in capsys.readouterr().err
+
+
 def _edit_manifest(ds: Path, **changes) -> None:
     m = json.loads((ds / "manifest.json").read_text())
     m.update(changes)

@@ -22,10 +22,13 @@ def add_retry_seconds(cmd: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..formats.manifest import load_manifest, total_bytes, verify
     from ..progress import progress_bar
     from ..storage.remote import SOURCE_NAME, is_url
 
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be a positive integer, got --workers {args.workers}")
     if is_url(args.path):
         return _verify_url(args)
     manifest = load_manifest(args.path)
@@ -34,7 +37,7 @@ def _verify(args: argparse.Namespace) -> int:
     bar = progress_bar(total=total_bytes(manifest) - sum(int(e["bytes"]) for e in absent), desc="verify",
                        unit="B", unit_scale=True, enabled=not args.quiet)
     try:
-        problems = verify(args.path, bar.update, partial=cache)
+        problems = verify(args.path, bar.update, partial=cache, workers=args.workers)
     finally:
         bar.close()
     if problems:
@@ -60,7 +63,7 @@ def _verify_url(args: argparse.Namespace) -> int:
     from ..progress import progress_bar
     from ..storage.remote import RemoteDataset, scrub, verify_store
 
-    remote = RemoteDataset(args.path, **retry_seconds(args))
+    remote = RemoteDataset(args.path, **retry_seconds(args), **({"workers": args.workers} if args.workers else {}))
     url, n = scrub(remote.url), len(remote.manifest["files"])
     bar = progress_bar(total=total_bytes(remote.manifest), desc="verify store", unit="B", unit_scale=True,
                        enabled=not args.quiet)
@@ -75,7 +78,7 @@ def _verify_url(args: argparse.Namespace) -> int:
     if not (remote.dir / MANIFEST_NAME).is_file():
         print(f"node cache: no copy of this version in {remote.dir.parent}")
         return 1 if problems else 0
-    damaged = verify(remote.dir, partial=True)
+    damaged = verify(remote.dir, partial=True, workers=args.workers)
     cached = sum((remote.dir / e["path"]).is_file() for e in remote.manifest["files"])
     if damaged:
         _problems(f"node cache {remote.dir}: {len(damaged)} problem(s) (remove it: `fastdata cache remove "
@@ -234,6 +237,8 @@ def add_data_commands(sub: Any) -> None:
     ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: the objects in the store are "
                                   "hashed as they stream; this node's cache of it is checked apart)")
     ver.add_argument("--quiet", action="store_true")
+    ver.add_argument("--workers", type=int, default=None,
+                     help="files hashed at once (default: this machine's cores, at most 8; a URL: 8 objects)")
     add_retry_seconds(ver)
     ver.set_defaults(func=_verify)
 

@@ -17,6 +17,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -232,9 +233,10 @@ def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) ->
 
 
 def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
-                dtype: np.dtype, verify: bool, storage: str) -> np.ndarray:
+                dtype: np.dtype, verify: bool, storage: str, workers: Optional[int] = None) -> np.ndarray:
     """One contiguous array from ``.npy`` shards given as ``(file, header length)``, in one read per file,
-    hashing each file as it is read when ``verify``."""
+    hashing each file as it is read when ``verify``; ``workers`` files at once (default: the cores, at most 8:
+    sha256 takes a core per file, and NVMe drives read faster with several reads in flight)."""
     need = int(np.prod(shape)) * dtype.itemsize
     avail = _available_memory()
     if avail is not None and need > avail:
@@ -242,23 +244,31 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
                       "of memory is available: expect swapping or an OOM kill; storage='mmap' or 'shm' "
                       "avoid a private copy", ResourceWarning, stacklevel=4)
     flat = np.empty(shape, dtype)
-    view, pos = memoryview(flat.reshape(-1).view(np.uint8)), 0
+    view = memoryview(flat.reshape(-1).view(np.uint8))
     entries = {f["path"]: f for f in manifest["files"]}
-    for rel, skip in bodies:
+    ends = np.cumsum([int(entries[rel]["bytes"]) - skip for rel, skip in bodies], dtype=np.int64)
+    if len(bodies) and ends[-1] != need:
+        raise FormatError(f"the shards of {root} hold {int(ends[-1])} bytes of rows, the manifest's counts "
+                          f"{need}: the manifest is damaged; re-run `fastdata preprocess`")
+
+    def load(k: int) -> None:  # (sizes were checked: each file fills its own slice, in any order)
+        rel, skip = bodies[k]
+        start = int(ends[k - 1]) if k else 0
         with open(safe_join(root, rel), "rb") as f:
             head = f.read(skip)
-            n = os.fstat(f.fileno()).st_size - skip
-            got = f.readinto(view[pos:pos + n])
-            digest = None
-            if verify:
-                h = new_hash()
-                h.update(head)
-                h.update(view[pos:pos + got])
-                digest = h.hexdigest()
-            problem = file_problem(entries[rel], len(head) + got, digest)
-            if problem is not None:
-                raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
-            pos += n
+            got = f.readinto(view[start:int(ends[k])])
+        digest = None
+        if verify:
+            h = new_hash()
+            h.update(head)
+            h.update(view[start:start + got])
+            digest = h.hexdigest()
+        problem = file_problem(entries[rel], len(head) + got, digest)
+        if problem is not None:
+            raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
+    workers = min(workers or min(8, os.cpu_count() or 1), max(1, len(bodies)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="fastdata-load") as pool:
+        list(pool.map(load, range(len(bodies))))
     return flat
 
 

@@ -28,6 +28,7 @@ import secrets
 import shutil
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +37,7 @@ from ..errors import ChecksumError, OutputError
 from ..formats.manifest import damaged_error, file_problem
 
 PREFIX = "fastdata-"
+COPY_WORKERS = min(8, os.cpu_count() or 1)  # source files copied (and hashed) at once
 
 
 def shm_dir(override: Optional[Path | str] = None) -> Path:
@@ -186,33 +188,51 @@ def _found(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: 
     return target
 
 
+def _slots(files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], header: bytes) -> list[int]:
+    """Where each source file's rows start in the copy, and then where the copy ends."""
+    ends = [len(header)]
+    for rel, skip in payload:
+        ends.append(ends[-1] + int(files[rel]["bytes"]) - skip)
+    return ends
+
+
+def _each(payload: list[tuple[str, int]], work: Any) -> list[Any]:
+    """``work(k)`` for every source file, ``COPY_WORKERS`` files at once (sha256 takes a core per file); the
+    results in order, the first failure raised."""
+    with ThreadPoolExecutor(max(1, min(COPY_WORKERS, len(payload))), thread_name_prefix="fastdata-shm") as pool:
+        return list(pool.map(work, range(len(payload))))
+
+
 def _verify_copy(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]],
                  header: bytes) -> Optional[str]:
     """Hash the copy's part of each source file (that file's own header, read from it, then the copy's
     bytes) against the manifest; what differs, or None."""
+    slots = _slots(files, payload, header)
     with open(target, "rb") as f:
         if f.read(len(header)) != header:
             return "its header differs"
-        for rel, skip in payload:
+        fd = f.fileno()
+
+        def check(k: int) -> Optional[str]:
+            rel, skip = payload[k]
             with open(safe_join(root, rel), "rb") as src:
                 h = new_hash()
                 h.update(src.read(skip))
-            left = files[rel]["bytes"] - skip
-            while left > 0:
-                block = f.read(min(left, 16 << 20))
+            pos = slots[k]
+            while pos < slots[k + 1]:
+                block = os.pread(fd, min(slots[k + 1] - pos, 16 << 20), pos)
                 if not block:
                     return f"it ends before {rel}'s rows"
                 h.update(block)
-                left -= len(block)
-            if h.hexdigest() != files[rel][HASH_NAME]:
-                return f"{rel}'s rows differ"
-    return None
+                pos += len(block)
+            return None if h.hexdigest() == files[rel][HASH_NAME] else f"{rel}'s rows differ"
+        return next((p for p in _each(payload, check) if p is not None), None)
 
 
 def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], header: bytes,
           tmp: Path) -> os.stat_result:
-    """Write the copy to ``tmp`` (created here, 0600, never through a planted name), hashing each source file
-    as it is read; returns the finished file's stat."""
+    """Write the copy to ``tmp`` (created here, 0600, never through a planted name), each source file into its
+    own slot by a worker of its own, hashed as it is read; returns the finished file's stat."""
     try:
         out = open_new(tmp, 0o600)
     except FileExistsError as exc:
@@ -220,20 +240,28 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
                           f"it; remove it and retry") from exc
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
+    slots = _slots(files, payload, header)
     try:
         with out:  # the close() flush can fail on a full disk too: keep it inside the try
             out.write(header)
-            for rel, skip in payload:
-                h, pos = new_hash(), 0
+            out.flush()
+            fd = out.fileno()
+
+            def copy(k: int) -> None:
+                rel, skip = payload[k]
+                h, pos, at = new_hash(), 0, slots[k]
                 for block in iter_blocks(safe_join(root, rel)):
                     h.update(block)
-                    out.write(block[max(0, skip - pos):])
+                    body = memoryview(block)[max(0, skip - pos):][:max(0, slots[k + 1] - at)]  # (its slot only)
+                    while body:
+                        n = os.pwrite(fd, body, at)
+                        body, at = body[n:], at + n
                     pos += len(block)
                 problem = file_problem(files[rel], pos, h.hexdigest())
                 if problem is not None:
                     raise damaged_error(root / rel, files[rel], problem, pos)
-            out.flush()
-            return os.fstat(out.fileno())
+            _each(payload, copy)
+            return os.fstat(fd)
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
 
