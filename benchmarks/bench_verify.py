@@ -102,7 +102,8 @@ def main() -> None:
                  (f"shm copy + sha256, {cores} files at once", best(lambda: copy(cores), args.rounds))]
         for name, seconds in rows:
             base = one if name.startswith("ram") else one_copy
-            print(f"{name:>40}: {seconds:6.2f} s  {size / seconds / 1e9:5.2f} GB/s  {base / seconds:4.2f}x one at a time")
+            print(f"{name:>40}: {seconds:6.2f} s  {size / seconds / 1e9:5.2f} GB/s  "
+                  f"{base / seconds:4.2f}x one at a time")
 
 
 if __name__ == "__main__":

@@ -26,18 +26,21 @@ log = logging.getLogger(__name__)
 #    size (15 T tokens, ~230,000 shards of 64 Mi) passes it. Beyond what fits, with MAP_HEADROOM left for the
 #    allocator, libraries and CUDA, the dataset opens shards as batches read (rule 2), at most half the
 #    mappings left.
-# 5. The bounds of several datasets in one process add up: a new one is sized by what the live ones have not
-#    yet used of theirs (`register_bounded`).
+# 5. The bounds of several datasets in one process add up: a new one is sized by what the live ones may still
+#    open (`register_bounded`): a bounded dataset up to its bound, an LMDB reader that opens its stores as
+#    read every store it has not opened yet.
 FD_HEADROOM = 256
 MAP_HEADROOM = 8192
 
 
 class Bounded(Protocol):
-    """A dataset that keeps at most ``bound`` shards open, ``held()`` of them now."""
+    """A dataset that opens its shards as it reads them: ``promised()`` more may still be opened."""
 
-    bound: int
+    def promised(self) -> int: ...
 
-    def held(self) -> int: ...
+
+def _promised() -> int:
+    return sum(max(0, b.promised()) for b in list(_BOUNDED))
 
 
 class _Descriptors:
@@ -102,7 +105,7 @@ def room_for_maps(count: int) -> bool:
     mappings, raising its soft limit on open files towards the hard one when they do not (NOTE [open files]);
     False when even the hard limit is too low, or the mappings would pass vm.max_map_count."""
     fits = room_for_descriptors(count)  # (first: a bounded dataset is sized by the raised limit)
-    return fits and count + MAP_HEADROOM <= maps_left()
+    return fits and count + MAP_HEADROOM + _promised() <= maps_left()
 
 
 def room_for_descriptors(count: int) -> bool:
@@ -110,7 +113,7 @@ def room_for_descriptors(count: int) -> bool:
     hard one first when they do not."""
     with FDS.lock:
         soft, hard = limits()
-        need = open_descriptors() + count + FD_HEADROOM
+        need = open_descriptors() + count + FD_HEADROOM + _promised()
         if need > soft and hard > soft:
             import resource
 
@@ -134,7 +137,7 @@ _BOUNDED: "weakref.WeakSet[Bounded]" = weakref.WeakSet()  # the live bounded dat
 def bounded_maps() -> tuple[int, str]:
     """How many shards a new bounded dataset keeps open: half the descriptors and mappings left once the live
     ones' unused room is set aside (their bounds are promises), at least 16; and the limit that binds."""
-    promised = sum(max(0, b.bound - b.held()) for b in list(_BOUNDED))
+    promised = _promised()
     fds = limits()[0] - open_descriptors() - FD_HEADROOM - promised
     maps = maps_left() - MAP_HEADROOM - promised
     why = "memory mappings (raise vm.max_map_count)" if maps < fds else \
@@ -142,10 +145,11 @@ def bounded_maps() -> tuple[int, str]:
     return max(16, min(fds, maps) // 2), why
 
 
-def register_bounded(dataset: Bounded, shards: Optional[int] = None, where: object = None, why: str = "") -> None:
-    """Count ``dataset``'s bound among the live ones (rule 5) and, given its ``shards``, say that it is bounded
-    (once: a loader worker that unpickles it only counts it)."""
+def register_bounded(dataset: Bounded, shards: Optional[int] = None, where: object = None, why: str = "",
+                     bound: Optional[int] = None) -> None:
+    """Count what ``dataset`` may still open among the live ones (rule 5) and, given its ``shards``, say that it
+    keeps at most ``bound`` open (once: a loader worker that unpickles it only counts it)."""
     _BOUNDED.add(dataset)
     if shards is not None:
         log.warning("%d shards in %s are more than this process's %s allows to keep open: at most %d are",
-                    shards, where, why, dataset.bound)
+                    shards, where, why, bound)

@@ -127,3 +127,24 @@ def test_a_state_names_its_dataset_version_and_another_version_is_refused(indexe
     with pytest.raises(ConfigError, match="another version of .*other"):
         FastLoader(FastDataset(other), 16, seed=3).load_state_dict(state)
     assert set(state) >= {"dataset_sha256", "epoch", "position"}
+
+
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_the_mapped_labels_file_is_let_go_by_close_and_mapped_anew_by_a_worker(indexed_datasets, fmt):
+    import pickle
+
+    path = indexed_datasets[fmt]
+    labels_file = str(path / "labels.npy")
+
+    def held() -> int:  # descriptors and mappings of the labels file in this process
+        fds = sum(os.path.realpath(f"/proc/self/fd/{f}") == labels_file for f in os.listdir("/proc/self/fd"))
+        return fds + Path("/proc/self/maps").read_text().count(labels_file)
+    ds = FastDataset(path)
+    want = ds.targets.copy()
+    assert held() == 2  # one map of the one file every label is in (its descriptor and its mapping)
+    sent = pickle.loads(pickle.dumps(ds._label_store))  # as a spawned worker receives it: the path, not a copy
+    assert "array" not in sent.__dict__ and np.array_equal(sent.array, want)
+    del sent
+    ds.close()
+    gc.collect()
+    assert held() == 0

@@ -255,8 +255,9 @@ def fs_calls(fn) -> int:
 def test_opening_makes_a_few_file_system_calls_a_shard(tmp_path, kind, most):
     """Every rank opens the dataset at each start and resume: at 10^6 shards each call a shard is 10^6 calls
     (a round trip each on a network file system). The code before resolved every manifest path, several
-    times: 68 calls a shard (npy), 30 (LMDB), 46 (tokens); now the size check's stat, the map's open, and for
-    npy the labels file's stat (benchmarks/bench_open.py times it at 10^5 and 10^6 shards)."""
+    times: 68 calls a shard (npy), 30 (LMDB), 46 (tokens); now the size checks' stats (npy: the shard's and its
+    labels file's) and the map's stat and open (LMDB: stores are opened when read). benchmarks/bench_open.py
+    times it at 10^5 and 10^6 shards."""
     from test_faults_local import many_lmdb_stores, many_shards
     from test_text_pieces import many_token_shards
 

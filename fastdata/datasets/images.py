@@ -248,6 +248,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     def _drop_storage(self) -> None:
         self._shards, self._flat, self._dev, self._dev_labels = [], None, None, None
         self._reader, self._cache, self._store = None, None, None
+        self._label_store.release()
 
     # Pickling (DataLoader workers under spawn, multiprocessing): send the configuration, not the pixels;
     # the receiving process maps or loads the data itself. Forked workers inherit the maps and skip this.

@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import threading
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -36,6 +34,7 @@ from .._io import HASH_NAME, disk_error, hash_file, write_bytes_atomic
 from ..errors import FormatError
 from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows, labels_name
+from .lmdb_envs import CALLS, Holds, ended
 from .manifest import ShardIndex, shard_starts
 from .schema import Field
 
@@ -144,122 +143,6 @@ def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, blobs: Sequence[Any]) -> No
     env.close()
 
 
-# NOTE [shared environments]: py-lmdb allows one open environment per file and process, so every reader of a
-# file in a process shares one, and closing it unmaps pages that any reader's views may still point into (a
-# train and an eval dataset on one LMDB: closing one segfaulted the other).
-# 1. Each environment counts the readers holding it; a reader holds a file from its first read until it
-#    releases it (`LmdbReader.release`, `LmdbReader.close`, or its garbage collection).
-# 2. The environment is closed when its last holder lets go, never before.
-# 3. An environment never crosses a fork: the child closes what it inherited and counts afresh.
-_ENVS: dict[str, list[Any]] = {}  # resolved path -> [env, readers holding it]
-_ENVS_PID = -1
-# Loader threads reach a new store at once: only one may open it. Re-entrant: the collector may run a dropped
-# reader's finalizer (a release) inside the locked region, on the same thread.
-_ENVS_LOCK = threading.RLock()
-
-
-def _forked() -> None:
-    """In a forked child (``_ENVS_LOCK`` held): close every inherited environment and start counting afresh.
-    Closed, not only dropped: a read transaction inherited from the parent (a loader thread's batch,
-    DALILoader's planned one) would keep an environment alive, and while it lives py-lmdb refuses to open
-    the same file again."""
-    global _ENVS_PID
-    if _ENVS_PID == os.getpid():
-        return
-    inherited = [entry[0] for entry in _ENVS.values()]
-    _ENVS.clear()
-    _ENVS_PID = os.getpid()
-    for old in inherited:
-        with contextlib.suppress(Exception):
-            old.close()
-
-
-class _Holds:
-    """The environments one reader holds in this process (NOTE [shared environments]); with a ``bound``, at
-    most that many, least recently used let go first, never one a read block still uses (NOTE [open files]
-    in fastdata/_limits.py). A store's path is resolved each time it is opened, and refused unless it stays
-    ``inside`` the dataset's folder (NOTE [manifest paths] in fastdata/_io.py)."""
-
-    def __init__(self, bound: Optional[int] = None, inside: Optional[str] = None) -> None:
-        self.pid = -1
-        self.bound, self.inside = bound, inside
-        self.envs: OrderedDict[str, Any] = OrderedDict()  # resolved path -> environment
-        self.keys: dict[str, str] = {}  # path as given -> resolved, while held...
-        self.names: dict[str, str] = {}  # ...and back
-        self.busy: dict[str, int] = {}  # bounded: environments inside a read block, and how many blocks
-
-    def held(self) -> int:
-        return len(self.envs)
-
-    def env(self, path: str) -> Any:
-        """``path``'s environment, opened in this process if it is not yet; bounded, it counts as used until
-        `done`."""
-        if self.bound is None and self.pid == os.getpid():
-            env = self.envs.get(self.keys.get(path, ""))
-            if env is not None:  # the common case: no lock on the read path
-                return env
-        with _ENVS_LOCK:
-            _forked()
-            if self.pid != os.getpid():  # what it held in the parent is not counted here
-                self.pid, self.envs, self.keys, self.names, self.busy = os.getpid(), OrderedDict(), {}, {}, {}
-            key = self.keys.get(path)
-            if key is None or key not in self.envs:
-                key = self._open(path)
-            env = self.envs[key]
-            if self.bound is not None:
-                self.busy[key] = self.busy.get(key, 0) + 1
-                self.envs.move_to_end(key)
-                idle = [k for k in self.envs if not self.busy.get(k)][:max(0, len(self.envs) - self.bound)]
-                for old in idle:
-                    self._let_go(old)
-            return env
-
-    def _open(self, path: str) -> str:
-        key = os.path.realpath(path)  # (stats each component: once a store is opened, not once a batch)
-        if self.inside is not None and not key.startswith(self.inside):
-            raise FormatError(f"manifest path {path} resolves to {key}, outside {self.inside}: refusing to use it")
-        while key not in self.envs:
-            entry = _ENVS.get(key)
-            if entry is None:
-                import lmdb
-
-                entry = _ENVS[key] = [lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False,
-                                                meminit=False, max_readers=1024), 0]
-            entry[1] += 1
-            if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
-                self.envs[key] = entry[0]
-        self.keys[path], self.names[key] = key, path
-        return key
-
-    def done(self, path: str) -> None:
-        """A read block that took ``path``'s environment from `env` has ended (bounded readers only)."""
-        with _ENVS_LOCK:
-            key = self.keys.get(path, "")
-            if self.pid == os.getpid() and self.busy.get(key):
-                self.busy[key] -= 1
-                if not self.busy[key]:
-                    del self.busy[key]
-
-    def release(self, path: Optional[Path] = None) -> None:
-        """Let go of ``path`` (None: of every file held); the last holder closes the environment (under the
-        lock: py-lmdb refuses to open a file again while its old environment is not yet closed)."""
-        with _ENVS_LOCK:
-            if self.pid != os.getpid():  # held in the parent process: not ours to count down
-                return
-            for key in list(self.envs) if path is None else [os.path.realpath(path)]:
-                self._let_go(key)
-
-    def _let_go(self, key: str) -> None:
-        if self.envs.pop(key, None) is None:
-            return
-        self.keys.pop(self.names.pop(key, ""), None)
-        entry = _ENVS[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _ENVS[key]
-            entry[0].close()
-
-
 class LmdbReader:
     """Read-only access to LMDB stores (one, or shards in sample order), each opened lazily in each process
     (safe in DataLoader workers).
@@ -284,15 +167,20 @@ class LmdbReader:
         # Each open store holds a descriptor and a mapping: past what fits, open them as read (NOTE [open files])
         self.bound, why = (None, "") if _limits.room_for_maps(len(self.paths)) else _limits.bounded_maps()
         self._hold()
-        if self.bound is not None:
-            _limits.register_bounded(self, len(self.paths), self.path, why)
+        if len(self.paths) > 1:  # (counted while unbounded too: it opens its stores as it reads them)
+            _limits.register_bounded(self, *(() if self.bound is None else (len(self.paths), self.path, why,
+                                                                            self.bound)))
 
     def held(self) -> int:
         """How many stores this reader holds open in this process."""
         return self._holds.held()
 
+    def promised(self) -> int:
+        """How many more stores this reader may open in this process (NOTE [open files] 5)."""
+        return (len(self.paths) if self.bound is None else self.bound) - self.held()
+
     def _hold(self) -> None:
-        self._holds = _Holds(self.bound, self._inside)
+        self._holds = Holds(self.bound, self._inside)
         weakref.finalize(self, self._holds.release)  # a dropped reader lets go of its environments
 
     def __getstate__(self) -> dict[str, Any]:
@@ -301,7 +189,7 @@ class LmdbReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._hold()
-        if self.bound is not None:
+        if len(self.paths) > 1:
             _limits.register_bounded(self)
 
     def _count(self, s: int, env: Any) -> None:
@@ -315,7 +203,8 @@ class LmdbReader:
 
     def release(self, path: Path) -> None:
         """Stop holding the store ``path`` (its file may then be deleted): its environment is closed unless
-        another reader in this process still holds it (NOTE [shared environments]). A later read reopens it."""
+        another reader in this process still holds it (NOTE [shared environments] in lmdb_envs.py). A later read
+        reopens it."""
         self._holds.release(path)
 
     def close(self) -> None:
@@ -350,14 +239,16 @@ class LmdbReader:
             else:
                 groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
             for s, rows in groups:  # one read transaction per store touched
-                env = self._holds.env(self.paths[s])
-                if self.bound is not None:  # (registered first: it runs after the transaction's end)
-                    txns.callback(self._holds.done, self.paths[s])
-                if self.local_keys and s not in self._counted:
-                    self._count(s, env)
-                txn = txns.enter_context(env.begin(buffers=not copy))
-                for r in rows:
-                    out[r] = txn.get(key(keys[r]))
+                with CALLS:  # (a fork waits for this, and for the transaction's end below)
+                    env, held = self._holds.env(self.paths[s])
+                    if self.bound is not None:  # (registered first: it runs after the transaction's end)
+                        txns.callback(self._holds.done, held)
+                    if self.local_keys and s not in self._counted:
+                        self._count(s, env)
+                    txn = env.begin(buffers=not copy)
+                    txns.callback(ended, txn)
+                    for r in rows:
+                        out[r] = txn.get(key(keys[r]))
             yield out
 
 

@@ -9,13 +9,12 @@ import hashlib
 import json
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._io import HASH_NAME, contained_stat, hash_file, plain_relative, safe_join, write_json_atomic
+from .._io import HASH_NAME, contained_stat, hash_file, map_threads, plain_relative, safe_join, write_json_atomic
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
 from .schema import fields_of
@@ -312,8 +311,7 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
         if problem == "hash":
             return f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)"
         return None
-    with ThreadPoolExecutor(max(1, min(workers, len(manifest["files"]))), thread_name_prefix="fastdata-verify") as pool:
-        return [p for p in pool.map(problem_of, manifest["files"]) if p is not None]
+    return [p for p in map_threads(problem_of, manifest["files"], workers, "fastdata-verify") if p is not None]
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:

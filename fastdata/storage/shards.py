@@ -17,7 +17,6 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import _limits
-from .._io import contained_stat, new_hash, safe_join
+from .._io import contained_stat, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import npy_header
 from ..formats.manifest import damaged_error, file_problem, require_intact
@@ -132,7 +131,7 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
     return arr
 
 
-_HEADERS: dict[bytes, tuple[tuple[int, ...], np.dtype, bool]] = {}  # an npy header's bytes -> what it says
+_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # an npy header's bytes -> (shape, fortran, dtype)
 
 
 def _npy_map(path: Path) -> np.ndarray:
@@ -142,7 +141,7 @@ def _npy_map(path: Path) -> np.ndarray:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         head = os.pread(fd, 12, 0)
-        if head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
+        if len(head) < 12 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
             return np.load(path, mmap_mode="r", allow_pickle=False)  # (numpy's own reader says what is wrong)
         end = (10 + int.from_bytes(head[8:10], "little") if head[6] == 1 else
                12 + int.from_bytes(head[8:12], "little"))
@@ -174,10 +173,10 @@ class ShardMaps(Sequence[np.ndarray]):
         self.shards, self.bound = shards, bound
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        _limits.register_bounded(self, len(shards.files), shards.root, why)
+        _limits.register_bounded(self, len(shards.files), shards.root, why, bound)
 
-    def held(self) -> int:
-        return len(self._open)
+    def promised(self) -> int:
+        return self.bound - len(self._open)
 
     def __len__(self) -> int:
         return len(self.shards.files)
@@ -266,9 +265,7 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
         problem = file_problem(entries[rel], len(head) + got, digest)
         if problem is not None:
             raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
-    workers = min(workers or min(8, os.cpu_count() or 1), max(1, len(bodies)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="fastdata-load") as pool:
-        list(pool.map(load, range(len(bodies))))
+    map_threads(load, range(len(bodies)), workers or min(8, os.cpu_count() or 1), "fastdata-load")
     return flat
 
 

@@ -28,11 +28,11 @@ import secrets
 import shutil
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, iter_blocks, new_hash, open_new, safe_join
+from .._io import (HASH_NAME, LockFile, disk_error, fsync_dir, iter_blocks, map_threads, new_hash, open_new,
+                   safe_join)
 from ..errors import ChecksumError, OutputError
 from ..formats.manifest import damaged_error, file_problem
 
@@ -199,8 +199,7 @@ def _slots(files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], hea
 def _each(payload: list[tuple[str, int]], work: Any) -> list[Any]:
     """``work(k)`` for every source file, ``COPY_WORKERS`` files at once (sha256 takes a core per file); the
     results in order, the first failure raised."""
-    with ThreadPoolExecutor(max(1, min(COPY_WORKERS, len(payload))), thread_name_prefix="fastdata-shm") as pool:
-        return list(pool.map(work, range(len(payload))))
+    return map_threads(work, range(len(payload)), COPY_WORKERS, "fastdata-shm")
 
 
 def _verify_copy(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]],

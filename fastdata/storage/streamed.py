@@ -94,16 +94,36 @@ class Labels:
             self.array = np.zeros(n, dtype=np.int64)
             return
         one = manifest.get("labels" if manifest["format"] == IMAGES_LMDB else "all_labels")
-        if one:  # every label in one file: ``mapped`` (a local folder's), shared by the processes of a node,
-            # where a million shards' labels files would be a million reads at each open; a URL's (fetched when
-            # the dataset opened) read, so that no descriptor outlives a dropped dataset's node cache
-            labels = _checked(np.load(safe_join(root, one), mmap_mode="r" if mapped else None, allow_pickle=False),
-                              n, root / one)
-        else:  # (npy datasets made before all_labels)
-            labels = _checked(np.concatenate([np.load(safe_join(root, s["labels"]), allow_pickle=False)
-                                              for s in manifest["shards"]]), n, root)
-        labels.setflags(write=False)
-        self.array = labels
+        # Every label in one file: ``mapped`` (a local folder's), shared by the processes of a node, where a
+        # million shards' labels files would be a million reads at each open. The map is made again where it
+        # was let go of (`release`) or not sent (a spawned worker); a URL's file (fetched when the dataset
+        # opened) is read, so that no descriptor outlives a dropped dataset's node cache.
+        self._mapped = one if one and mapped else None
+        if self._mapped is None:
+            names = [one] if one else [s["labels"] for s in manifest["shards"]]  # (npy made before all_labels)
+            labels = _checked(np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names]),
+                              n, root / (one or ""))
+            labels.setflags(write=False)
+            self.array = labels
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "array" or self.__dict__.get("_mapped") is None:
+            raise AttributeError(name)
+        labels = _checked(np.load(safe_join(self.root, self._mapped), mmap_mode="r", allow_pickle=False),
+                          int(self.manifest["num_samples"]), self.root / self._mapped)
+        self.array = labels  # (the first access maps it; later ones find the attribute)
+        return labels
+
+    def release(self) -> None:
+        """Let go of a mapped labels file (its descriptor and mapping); a later access maps it again."""
+        if self.__dict__.get("_mapped") is not None:
+            self.__dict__.pop("array", None)
+
+    def __getstate__(self) -> dict[str, Any]:  # (spawned workers map the file themselves, not a copy of it)
+        state = dict(self.__dict__)
+        if state.get("_mapped") is not None:
+            state.pop("array", None)
+        return state
 
     def arrived(self, s: int) -> None:
         """Streamed shard ``s`` is in the cache: its labels, which came with it, are filled in."""
