@@ -135,6 +135,14 @@ def test_truncated_shard_is_refused(npy_copy, tmp_path, storage):
         open_ds(npy_copy, storage, tmp_path)
 
 
+def test_a_labels_file_of_other_values_at_the_same_size_is_refused_at_opening(npy_copy):
+    labels = npy_copy / "labels.npy"  # the one file every label is in, memory-mapped: checked when mapped
+    n = len(np.load(labels))
+    np.save(labels, np.zeros(n, dtype="<f8"))  # same size, float labels
+    with pytest.raises(FormatError, match="labels have shape .* float64"):
+        FastDataset(npy_copy)
+
+
 @pytest.mark.parametrize("storage, kw", [("ram", {}), ("cuda", {}), ("shm", {}), ("mmap", {"verify": True})])
 def test_tampered_shard_is_refused(npy_copy, tmp_path, storage, kw):
     f = npy_copy / "images-00003.npy"

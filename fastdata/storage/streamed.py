@@ -99,7 +99,9 @@ class Labels:
         # was let go of (`release`) or not sent (a spawned worker); a URL's file (fetched when the dataset
         # opened) is read, so that no descriptor outlives a dropped dataset's node cache.
         self._mapped = one if one and mapped else None
-        if self._mapped is None:
+        if self._mapped is not None:
+            self.__getattr__("array")  # (mapped and checked now: a damaged file is refused at opening)
+        else:
             names = [one] if one else [s["labels"] for s in manifest["shards"]]  # (npy made before all_labels)
             labels = _checked(np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names]),
                               n, root / (one or ""))
