@@ -25,7 +25,7 @@ import torch
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.schema import OFFSETS, Field, offsets_file
-from .shards import OpenedShards, ShardSet, map_npy, open_shards, take_rows, verify_hashes
+from .shards import OpenedShards, ShardSet, load_npy, map_npy, open_shards, take_rows, verify_hashes
 
 # ``out(key, shape, dtype)`` -> a CPU tensor of exactly that shape to fill (FastLoader's ring slot)
 Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -103,7 +103,7 @@ class FieldStore:
             verify_hashes(root, manifest, names)
         parts, base = [np.zeros(1, np.int64)], 0
         for name, n in zip(names, counts):
-            off = np.load(safe_join(root, name), allow_pickle=False)
+            off = load_npy(safe_join(root, name))
             if off.shape != (n + 1,) or off.dtype != np.int64 or off[0] != 0 or (np.diff(off) < 0).any():
                 raise FormatError(f"{root / name}: offsets of shape {off.shape} {off.dtype}, expected ({n + 1},) "
                                   "int64 rising from 0: the dataset is damaged; re-run `fastdata preprocess`")

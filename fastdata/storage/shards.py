@@ -86,7 +86,7 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
         header = npy_header(shape, shards.dtype)
         path = shm.ensure_copy(shards.root, shards.manifest, shards.bodies(), header, shm_dir, key=shards.key,
                                verify=verify)
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        arr = load_npy(path, "r")
         if arr.shape != shape or arr.dtype != shards.dtype:
             raise FormatError(f"{path} holds {arr.shape} {arr.dtype}, expected {shape} {shards.dtype}: remove it with "
                               "`fastdata shm remove` and retry")
@@ -131,6 +131,18 @@ def map_npy(root: Path, rel: str, shape: tuple[int, ...], dtype: np.dtype) -> np
     return arr
 
 
+# numpy parses an .npy header with ast.literal_eval, and CPython 3.11's compiler is not safe to enter from two
+# threads at once ("SystemError: AST constructor recursion depth mismatch": two loader threads mapping one
+# labels file together, in CI): the .npy files read from loader and cache threads are parsed under one lock.
+_PARSE = threading.Lock()
+
+
+def load_npy(path: Path, mmap_mode: Optional[str] = None) -> np.ndarray:
+    """``np.load(path, mmap_mode)`` (never unpickling), safe to call from several threads at once."""
+    with _PARSE:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+
+
 _HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # an npy header's bytes -> (shape, fortran, dtype)
 
 
@@ -142,7 +154,7 @@ def _npy_map(path: Path) -> np.ndarray:
     try:
         head = os.pread(fd, 12, 0)
         if len(head) < 12 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
-            return np.load(path, mmap_mode="r", allow_pickle=False)  # (numpy's own reader says what is wrong)
+            return load_npy(path, "r")  # (numpy's own reader says what is wrong)
         end = (10 + int.from_bytes(head[8:10], "little") if head[6] == 1 else
                12 + int.from_bytes(head[8:12], "little"))
         header = os.pread(fd, end, 0)
@@ -151,13 +163,14 @@ def _npy_map(path: Path) -> np.ndarray:
             f = io.BytesIO(header)
             major, _ = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-            parsed = read(f)
+            with _PARSE:
+                parsed = read(f)
             if len(_HEADERS) > 4096:  # (uneven shards differ in their row counts: a few hundred headers)
                 _HEADERS.clear()
             _HEADERS[header] = parsed
         shape, fortran, dtype = parsed
         if fortran or dtype.hasobject or not np.prod(shape):
-            return np.load(path, mmap_mode="r", allow_pickle=False)  # (never written by fastdata)
+            return load_npy(path, "r")  # (never written by fastdata)
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # (holds a duplicate of the descriptor)
     finally:
         os.close(fd)

@@ -12,6 +12,7 @@ from .._io import safe_join
 from ..errors import FormatError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, shard_starts
 from ..formats.schema import fields_of
+from .shards import load_npy
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
 
@@ -103,7 +104,7 @@ class Labels:
             self.__getattr__("array")  # (mapped and checked now: a damaged file is refused at opening)
         else:
             names = [one] if one else [s["labels"] for s in manifest["shards"]]  # (npy made before all_labels)
-            labels = _checked(np.concatenate([np.load(safe_join(root, name), allow_pickle=False) for name in names]),
+            labels = _checked(np.concatenate([load_npy(safe_join(root, name)) for name in names]),
                               n, root / (one or ""))
             labels.setflags(write=False)
             self.array = labels
@@ -111,7 +112,7 @@ class Labels:
     def __getattr__(self, name: str) -> Any:
         if name != "array" or self.__dict__.get("_mapped") is None:
             raise AttributeError(name)
-        labels = _checked(np.load(safe_join(self.root, self._mapped), mmap_mode="r", allow_pickle=False),
+        labels = _checked(load_npy(safe_join(self.root, self._mapped), "r"),
                           int(self.manifest["num_samples"]), self.root / self._mapped)
         self.array = labels  # (the first access maps it; later ones find the attribute)
         return labels
@@ -137,7 +138,7 @@ class Labels:
         labels arrive with streamed shards: ``filled`` is set)."""
         assert self.filled is not None
         n, first = int(self.manifest["shards"][s]["samples"]), int(self.starts[s])
-        self.array[first:first + n] = _checked(np.load(path, allow_pickle=False), n, path)
+        self.array[first:first + n] = _checked(load_npy(path), n, path)
         self.filled[s] = True
 
     def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:
