@@ -125,6 +125,9 @@ def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> s
     return h.hexdigest()
 
 
+HASH_WORKERS = min(8, os.cpu_count() or 1)  # files hashed at once by default: sha256 takes a core per file
+
+
 def map_threads(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, name: str) -> list[Any]:
     """``[fn(item) for item in items]`` on ``workers`` threads, in order, the first failure raised; at most
     4 x ``workers`` submitted ahead (a million files must not queue a million futures)."""
@@ -319,14 +322,26 @@ def contained_stat(root: Path, rel: str) -> Optional[os.stat_result]:
         except (FileNotFoundError, NotADirectoryError):
             return None
         if stat.S_ISLNK(st.st_mode):
-            full = (Path(root) / rel).resolve()
-            if not full.is_relative_to(Path(root).resolve()):
-                raise FormatError(f"manifest path {rel!r} resolves to {full}, outside {root}: refusing to use it")
+            full = resolved_inside(os.path.join(root, rel), folder_prefix(root), rel)
             try:
-                return full.stat()
+                return os.stat(full)
             except (FileNotFoundError, NotADirectoryError):
                 return None
     return st if st is not None else os.stat(root)
+
+
+def folder_prefix(root: Path | str) -> str:
+    """``root`` with its links resolved and a final separator: what a path inside it starts with."""
+    return os.path.join(os.path.realpath(root), "")
+
+
+def resolved_inside(path: Path | str, inside: str, rel: Any) -> str:
+    """``path`` with its links resolved, refused unless it starts with ``inside`` (`folder_prefix`); ``rel``
+    names it in the message (NOTE [manifest paths] 2)."""
+    full = os.path.realpath(path)
+    if not full.startswith(inside):
+        raise FormatError(f"manifest path {rel!r} resolves to {full}, outside {inside}: refusing to use it")
+    return full
 
 
 def safe_join(root: Path, rel: str) -> Path:

@@ -19,6 +19,16 @@ import numpy as np
 LABEL_DTYPE = np.dtype("<i8")  # little-endian int64 labels, as recorded in the manifest
 
 
+def body_offsets(files: dict[str, dict[str, Any]], bodies: Sequence[tuple[str, int]], start: int = 0) -> list[int]:
+    """Where the rows of each ``.npy`` file of ``bodies`` (``(path, header length)``) begin when the files'
+    rows are laid end to end from ``start`` (one RAM or shm copy), then where they end; sizes from the
+    manifest's entries ``files``."""
+    offsets = [start]
+    for rel, skip in bodies:
+        offsets.append(offsets[-1] + int(files[rel]["bytes"]) - skip)
+    return offsets
+
+
 def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
     """The ``.npy`` v1.0 header for a C-ordered array; ``np.load`` (and mmap) reads what follows it."""
     buf = io.BytesIO()

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FormatError
+from .._io import resolved_inside
 
 # NOTE [shared environments]: py-lmdb allows one open environment per file and process, so every reader of a
 # file in a process shares one, and closing it unmaps pages that any reader's views may still point into (a
@@ -145,9 +145,8 @@ class Holds:
             self._let_go(old)
 
     def _open(self, path: str) -> str:
-        key = os.path.realpath(path)  # (stats each component: once a store is opened, not once a batch)
-        if self.inside is not None and not key.startswith(self.inside):
-            raise FormatError(f"manifest path {path} resolves to {key}, outside {self.inside}: refusing to use it")
+        # (resolving stats each component: once a store is opened, not once a batch)
+        key = os.path.realpath(path) if self.inside is None else resolved_inside(path, self.inside, path)
         while key not in self.envs:
             entry = _ENVS.get(key)
             if entry is None:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .. import _limits
-from .._io import HASH_NAME, disk_error, hash_file, write_bytes_atomic
+from .._io import HASH_NAME, disk_error, folder_prefix, hash_file, write_bytes_atomic
 from ..errors import FormatError
 from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows, labels_name
@@ -163,13 +163,14 @@ class LmdbReader:
         self.local_keys = local_keys
         self._counted: set[int] = set()  # shards whose record count matched the manifest
         self.path = Path(self.paths[0]) if len(self.paths) == 1 else Path(self.paths[0]).parent
-        self._inside = None if root is None else os.path.join(os.path.realpath(root), "")
+        self._inside = None if root is None else folder_prefix(root)
         # Each open store holds a descriptor and a mapping: past what fits, open them as read (NOTE [open files])
         self.bound, why = (None, "") if _limits.room_for_maps(len(self.paths)) else _limits.bounded_maps()
         self._hold()
-        if len(self.paths) > 1:  # (counted while unbounded too: it opens its stores as it reads them)
-            _limits.register_bounded(self, *(() if self.bound is None else (len(self.paths), self.path, why,
-                                                                            self.bound)))
+        if self.bound is not None:
+            _limits.register_bounded(self, len(self.paths), self.path, why, self.bound)
+        elif len(self.paths) > 1:  # (counted while unbounded too: it opens its stores as it reads them)
+            _limits.register_bounded(self)
 
     def held(self) -> int:
         """How many stores this reader holds open in this process."""

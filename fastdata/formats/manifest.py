@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._io import HASH_NAME, contained_stat, hash_file, map_threads, plain_relative, safe_join, write_json_atomic
+from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threads, plain_relative, safe_join,
+                   write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
 from .schema import fields_of
@@ -262,8 +262,13 @@ def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) ->
     """Raise `damaged_error` unless ``root / entry["path"]`` matches its entry."""
     problem = check_file(root, entry, hashed=hashed)
     if problem is not None:
-        path = safe_join(root, entry["path"])
-        raise damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
+        raise file_error(root, entry, problem)
+
+
+def file_error(root: Path, entry: dict[str, Any], problem: str) -> FormatError:
+    """`damaged_error` for the `check_file` problem of ``root / entry["path"]``, with its size on disk."""
+    path = safe_join(root, entry["path"])
+    return damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
 
 
 def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False,
@@ -294,8 +299,7 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
         >>> problems  # e.g. ["images-00003.npy: sha256 mismatch (file was modified or damaged)"]
         []
     """
-    if workers is None:
-        workers = min(8, os.cpu_count() or 1)
+    workers = HASH_WORKERS if workers is None else workers
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got workers={workers!r}")
     root = Path(root)

@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Iterable, Optional, Union
 
 import numpy as np
 
-from .._io import HASH_NAME, new_hash, scrub, write_bytes_atomic
+from .._io import HASH_NAME, map_threads, new_hash, scrub, write_bytes_atomic
 from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
 from ..storage.remote import filesystem, is_url
@@ -126,8 +126,8 @@ def file_stats(files: list[str]) -> list[tuple[int, str]]:
             found.update({e["name"]: e for e in fs.ls(folder, detail=True)})
         except Exception:  # noqa: BLE001 - no listing here: asked one file at a time below
             pass
-    with ThreadPoolExecutor(16) as ex:
-        infos = list(ex.map(lambda p, f: found.get(p) or store_call(f, lambda: fs.info(p)), paths, files))
+    infos = map_threads(lambda pf: found.get(pf[0]) or store_call(pf[1], lambda: fs.info(pf[0])),
+                        list(zip(paths, files)), 16, "fastdata-stat")
     out = []
     for e in infos:
         version = e.get("ETag") or e.get("etag") or e.get("LastModified") or e.get("mtime") or ""

@@ -7,11 +7,10 @@ last, so a reader never sees a half-uploaded dataset. A rerun skips objects whos
 from __future__ import annotations
 
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from .._io import HASH_NAME, disk_error
+from .._io import HASH_NAME, disk_error, map_threads
 from ..formats.manifest import MANIFEST_NAME
 from .remote import RETRY_SECONDS, Retry, filesystem, object_path
 
@@ -59,8 +58,7 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
         if progress is not None:
             progress(int(entry["bytes"]))
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        list(pool.map(one, manifest["files"]))
+    map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
     data = (local / MANIFEST_NAME).read_bytes()
     retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), "upload")
     return counts

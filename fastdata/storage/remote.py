@@ -45,11 +45,10 @@ import secrets
 import stat
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, new_hash, open_new, scrub, write_bytes_atomic
+from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, map_threads, new_hash, open_new, scrub, write_bytes_atomic
 from ..errors import (ChecksumError, ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError,
                       require)
 from ..formats.manifest import MANIFEST_NAME, file_problem
@@ -251,9 +250,7 @@ class RemoteDataset:
                     write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes, CACHE_FULL_ADVICE, mode=mode)
                     fsync_dir(self.dir)
         entries = [e for e in self.manifest["files"] if e["path"] not in skip]
-        if entries:
-            with ThreadPoolExecutor(max(1, min(self.workers, len(entries)))) as pool:
-                list(pool.map(lambda e: self.fetch(e, progress), entries))
+        map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
 
     def local(self, progress: Optional[Callable[[int], None]] = None) -> Path:
@@ -414,9 +411,8 @@ def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]
             problem = "missing"
         return None if problem is None else f"{scrub(remote.url)}/{entry['path']}: {problem}"
 
-    entries = remote.manifest["files"]
-    with ThreadPoolExecutor(max(1, min(remote.workers, len(entries)))) as pool:
-        return [p for p in pool.map(check, entries) if p is not None]
+    return [p for p in map_threads(check, remote.manifest["files"], remote.workers, "fastdata-verify-store")
+            if p is not None]
 
 
 class _WrongBytes(IOError):

@@ -12,7 +12,6 @@ import io
 import logging
 import mmap
 import os
-import stat
 import threading
 import warnings
 import weakref
@@ -25,10 +24,10 @@ import numpy as np
 import torch
 
 from .. import _limits
-from .._io import contained_stat, map_threads, new_hash, safe_join
+from .._io import HASH_WORKERS, contained_stat, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
-from ..formats.base import npy_header
-from ..formats.manifest import damaged_error, file_problem, require_intact
+from ..formats.base import body_offsets, npy_header
+from ..formats.manifest import check_file, damaged_error, file_error, file_problem, require_intact
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
@@ -226,13 +225,11 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[s
         rel = f["path"]
         if wanted is not None and rel not in wanted:
             continue
-        st = contained_stat(root, rel)
-        if st is None and present_only:
-            continue
-        size = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
-        problem = file_problem(f, size, None)
+        problem = check_file(root, f, hashed=False)
+        if problem == "missing" and present_only and contained_stat(root, rel) is None:
+            continue  # (absent; a folder where the file should be is still refused)
         if problem is not None:
-            raise damaged_error(root / rel, f, problem, size)
+            raise file_error(root, f, problem)
         checked.append(rel)
     return checked
 
@@ -258,17 +255,17 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
     flat = np.empty(shape, dtype)
     view = memoryview(flat.reshape(-1).view(np.uint8))
     entries = {f["path"]: f for f in manifest["files"]}
-    ends = np.cumsum([int(entries[rel]["bytes"]) - skip for rel, skip in bodies], dtype=np.int64)
-    if len(bodies) and ends[-1] != need:
-        raise FormatError(f"the shards of {root} hold {int(ends[-1])} bytes of rows, the manifest's counts "
+    offsets = body_offsets(entries, bodies)
+    if len(bodies) and offsets[-1] != need:
+        raise FormatError(f"the shards of {root} hold {offsets[-1]} bytes of rows, the manifest's counts "
                           f"{need}: the manifest is damaged; re-run `fastdata preprocess`")
 
     def load(k: int) -> None:  # (sizes were checked: each file fills its own slice, in any order)
         rel, skip = bodies[k]
-        start = int(ends[k - 1]) if k else 0
+        start = offsets[k]
         with open(safe_join(root, rel), "rb") as f:
             head = f.read(skip)
-            got = f.readinto(view[start:int(ends[k])])
+            got = f.readinto(view[start:offsets[k + 1]])
         digest = None
         if verify:
             h = new_hash()
@@ -278,7 +275,7 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
         problem = file_problem(entries[rel], len(head) + got, digest)
         if problem is not None:
             raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
-    map_threads(load, range(len(bodies)), workers or min(8, os.cpu_count() or 1), "fastdata-load")
+    map_threads(load, range(len(bodies)), workers or HASH_WORKERS, "fastdata-load")
     return flat
 
 

@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .._io import (HASH_NAME, LockFile, disk_error, fsync_dir, iter_blocks, map_threads, new_hash, open_new,
-                   safe_join)
+from .._io import (HASH_NAME, HASH_WORKERS, LockFile, disk_error, fsync_dir, iter_blocks, map_threads, new_hash,
+                   open_new, safe_join)
 from ..errors import ChecksumError, OutputError
+from ..formats.base import body_offsets
 from ..formats.manifest import damaged_error, file_problem
 
 PREFIX = "fastdata-"
-COPY_WORKERS = min(8, os.cpu_count() or 1)  # source files copied (and hashed) at once
+COPY_WORKERS = HASH_WORKERS  # source files copied (and hashed) at once
 
 
 def shm_dir(override: Optional[Path | str] = None) -> Path:
@@ -188,14 +189,6 @@ def _found(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: 
     return target
 
 
-def _slots(files: dict[str, dict[str, Any]], payload: list[tuple[str, int]], header: bytes) -> list[int]:
-    """Where each source file's rows start in the copy, and then where the copy ends."""
-    ends = [len(header)]
-    for rel, skip in payload:
-        ends.append(ends[-1] + int(files[rel]["bytes"]) - skip)
-    return ends
-
-
 def _each(payload: list[tuple[str, int]], work: Any) -> list[Any]:
     """``work(k)`` for every source file, ``COPY_WORKERS`` files at once (sha256 takes a core per file); the
     results in order, the first failure raised."""
@@ -206,7 +199,7 @@ def _verify_copy(target: Path, root: Path, files: dict[str, dict[str, Any]], pay
                  header: bytes) -> Optional[str]:
     """Hash the copy's part of each source file (that file's own header, read from it, then the copy's
     bytes) against the manifest; what differs, or None."""
-    slots = _slots(files, payload, header)
+    slots = body_offsets(files, payload, len(header))
     with open(target, "rb") as f:
         if f.read(len(header)) != header:
             return "its header differs"
@@ -239,7 +232,7 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
                           f"it; remove it and retry") from exc
     except OSError as exc:
         raise disk_error(exc, tmp) from exc
-    slots = _slots(files, payload, header)
+    slots = body_offsets(files, payload, len(header))
     try:
         with out:  # the close() flush can fail on a full disk too: keep it inside the try
             out.write(header)
