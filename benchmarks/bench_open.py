@@ -6,7 +6,8 @@ every process of the job.
 
 The folders hold real shards in the formats' own layouts (hard links of a few real files, so that 10^6
 shards take seconds and no disk); each open runs in a fresh process, fastdata and torch imported before
-the clock starts.
+the clock starts. "RSS MB" is the memory the open and a first batch add to the process (what every rank
+keeps), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it.
 
     python benchmarks/bench_open.py [--shards 100000] [--formats npy,lmdb,tokens] [--against 3486314]
 """
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 LINKS = 60_000  # hard links a file may have on ext4 is 65,000: a fresh copy after this many
 
 CHILD = r"""
-import json, os, sys, time
+import gc, json, os, pickle, sys, time
 import numpy as np, torch
 from fastdata.datasets.images import FastDataset
 from fastdata.datasets.tokens import TokenDataset
@@ -47,14 +48,17 @@ if kind == "floor":  # what any open that checks its files pays: the manifest pa
     for f in m["files"]:
         os.stat(os.path.join(path, f["path"]))
     opened, n = time.perf_counter(), len(m["files"])
-    first = opened
+    first, sent = opened, 0
 else:
     ds = TokenDataset(path, seq_len=255) if kind == "tokens" else FastDataset(path)
     opened = time.perf_counter()
     n = len(ds)
     ds.get_batch(np.array([0, n // 2, n - 1]))
     first = time.perf_counter()
-print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n}))
+    sent = len(pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL))  # what a spawned DataLoader worker receives
+gc.collect()
+print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n,
+                  "sent_mb": sent / 1e6}))
 """
 
 
@@ -174,8 +178,8 @@ def main() -> None:
         codes = {"this": REPO}
         if args.against:
             codes[args.against] = older(args.against, Path(tempfile.mkdtemp(dir=tmp)))
-        print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'floor s':>8} "
-              f"{'open/floor':>11}")
+        print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'pickled MB':>11} "
+              f"{'floor s':>8} {'open/floor':>11}")
         for kind in args.formats.split(","):
             root, spare = tmp / kind, tmp / f"{kind}-spare"
             root.mkdir()
@@ -188,10 +192,12 @@ def main() -> None:
                 best[name] = min(runs, key=lambda r: r["open"])
                 r = best[name]
                 print(f"{kind:>7} {name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['rss_mb']:>8.0f} "
-                      f"{floor:>8.2f} {r['open'] / floor:>10.1f}x", flush=True)
+                      f"{r['sent_mb']:>11.1f} {floor:>8.2f} {r['open'] / floor:>10.1f}x", flush=True)
             if args.against:
-                print(f"{kind:>7} this opens {best[args.against]['open'] / best['this']['open']:.1f}x faster than "
-                      f"{args.against}", flush=True)
+                old, new = best[args.against], best["this"]
+                print(f"{kind:>7} this opens {old['open'] / new['open']:.1f}x faster than {args.against}, in "
+                      f"{old['rss_mb'] / new['rss_mb']:.1f}x less memory, pickled "
+                      f"{old['sent_mb'] / max(new['sent_mb'], 1e-6):.1f}x smaller", flush=True)
             subprocess.run(["rm", "-rf", str(root), str(spare)], check=True)
 
 

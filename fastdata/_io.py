@@ -91,8 +91,8 @@ class LockFile(io.FileIO):
         super().close()
 
 
-def new_hash() -> "hashlib._Hash":
-    return hashlib.new(HASH_NAME)
+def new_hash(data: bytes = b"") -> "hashlib._Hash":
+    return hashlib.new(HASH_NAME, data)
 
 
 def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> str:

@@ -55,6 +55,19 @@ def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, inde
     again = FastDataset(url, cache_dir=tmp_path / "cache")  # the next job: no download, the same files
     assert again.root == remote.root and {p: p.stat().st_mtime_ns for p in again.root.glob("*.npy")} == stamps
     assert not list(remote.root.rglob("*.part-*"))
+    # The manifest's text is let go once the node cache holds it (0.3 GB at 10^6 shards in every rank and
+    # spawned worker): a spawned worker receives its columns, and the text is read back checked when needed.
+    import pickle
+
+    from fastdata.errors import FormatError
+    from fastdata.formats.rows import Rows
+
+    raw = (indexed_datasets["npy"] / "manifest.json").read_bytes()
+    assert raw not in pickle.dumps(remote) and isinstance(pickle.loads(pickle.dumps(remote)).manifest["files"], Rows)
+    assert remote._remote.manifest_bytes() == raw
+    (remote.root / "manifest.json").write_bytes(raw.replace(b'"shard_size": 16', b'"shard_size": 17'))
+    with pytest.raises(FormatError, match="changed since this dataset was opened"):
+        remote._remote.manifest_bytes()
 
 
 def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
@@ -218,7 +231,7 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     assert not any(e["bytes"] > 2_000 for e in present) and not list(remote.dir.rglob("*.part-*"))
     assert main(["cache", "fetch", url, "--quiet"]) == 0  # the disk has room again: the rerun completes
     monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "empty"))  # full before even the manifest fits
-    assert len(remote._manifest_bytes) > 2_000
+    assert len(remote.manifest_bytes()) > 2_000
     r = subprocess.run([sys.executable, "-m", "fastdata", "cache", "fetch", url, "--quiet"], capture_output=True,
                        text=True, preexec_fn=small_disk, timeout=300)
     assert r.returncode == 1 and "manifest.json" in r.stderr and "cache_limit" in r.stderr, r.stderr

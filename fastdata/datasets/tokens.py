@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError, FormatError
 from ..formats.manifest import TOKENS, manifest_digest
+from ..formats.rows import column, pairs
 from ..formats.token_shards import splitmix
 from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
@@ -157,7 +158,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self.device = torch.device("cpu")
         s = self.manifest["splits"][split]
         self.num_tokens = int(s["tokens"])
-        counts = np.array([sh["tokens"] for sh in s["shards"]], dtype=np.int64)
+        counts = np.array(column(s["shards"], "tokens"), dtype=np.int64)
         self._shard_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.num_tokens < seq_len + 1:
             raise ConfigError(f"the {split} split of {self.root} has {self.num_tokens} tokens, fewer than "
@@ -168,7 +169,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
 
     def _open(self) -> None:
         shards = self.manifest["splits"][self.split]["shards"]
-        tokens = ShardSet(self.root, self.manifest, [(sh["path"], sh["tokens"]) for sh in shards], (), self.np_dtype,
+        tokens = ShardSet(self.root, self.manifest, pairs(shards, "path", "tokens"), (), self.np_dtype,
                           key=self.split)
         self._cache: Optional[ShardCache] = None
         if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive

@@ -36,6 +36,7 @@ from .base import UnitWriter, npy_bytes
 from .image_shards import FieldParts, Rows, labels_name
 from .lmdb_envs import CALLS, Holds, ended
 from .manifest import ShardIndex, shard_starts
+from .rows import column
 from .schema import Field
 
 LMDB_NAME = "images.lmdb"  # version 1: the one store
@@ -57,7 +58,7 @@ LOCAL_KEYS_VERSION = 4  # from this format version on, keys are rows within thei
 def lmdb_shards(manifest: dict[str, Any]) -> list[str]:
     """The store files of an LMDB dataset, in sample order (version 1: its one store)."""
     if "lmdb_shards" in manifest:
-        return [s["path"] for s in manifest["lmdb_shards"]]
+        return column(manifest["lmdb_shards"], "path")
     return [manifest["lmdb"]]
 
 

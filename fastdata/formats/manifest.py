@@ -17,6 +17,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threa
                    write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
+from .rows import Rows, canonical_pieces, column, compact_rows, has_columns, is_rows
 from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
@@ -45,8 +46,10 @@ def new_manifest(fmt: str, version: Optional[int] = None, **fields: Any) -> dict
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """The sha256 of a manifest's content (its canonical JSON): the dataset version a loader's state names,
     the same whichever copy (a folder, a URL, a node cache) it was read from."""
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    digest = hashlib.sha256()
+    for piece in canonical_pieces(manifest):  # (its `Rows` a few thousand at a time: NOTE [compact manifest])
+        digest.update(piece.encode())
+    return digest.hexdigest()
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
@@ -94,8 +97,8 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
 def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]] = None, *,
                    where: str) -> dict[str, Any]:
     """``manifest`` (already parsed, e.g. fetched from object storage) checked as `load_manifest`
-    checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout.
-    ``where`` names it in messages."""
+    checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout;
+    its long lists are then held as columns (NOTE [compact manifest]). ``where`` names it in messages."""
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
         raise FormatError(f"{where} lacks 'format'/'format_version': not a fastdata manifest")
     fmt, version = manifest["format"], manifest["format_version"]
@@ -108,15 +111,28 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
         )
     if formats is not None and fmt not in formats:
         raise FormatError(f"{where} holds {fmt}, but this reader needs one of {list(formats)}")
-    if not isinstance(manifest.get("files"), list):
+    files = manifest.get("files")
+    if not is_rows(files):
         raise FormatError(f"{where} has no 'files' list: the manifest is damaged")
-    for entry in manifest["files"]:  # refuse paths that escape the folder before any use (NOTE [manifest paths])
-        if not isinstance(entry, dict):
-            raise FormatError(f"{where} lists {entry!r} as a file: the manifest is damaged")
-        plain_relative(root, entry.get("path", ""))
+    if not isinstance(files, Rows):
+        for entry in files:
+            if not isinstance(entry, dict):
+                raise FormatError(f"{where} lists {entry!r} as a file: the manifest is damaged")
+    for path in files.column("path") if isinstance(files, Rows) else (e.get("path", "") for e in files):
+        plain_relative(root, path)  # refuse paths that escape the folder before any use (NOTE [manifest paths])
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, where)  # refuses unknown kinds, bad dtypes, a missing image field
     check_layout(manifest, where)
+    return compact(manifest)
+
+
+def compact(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its files and shards held as `Rows` (NOTE [compact manifest]), changed in place."""
+    for key in ("files", "shards", "lmdb_shards"):
+        if key in manifest:
+            manifest[key] = compact_rows(manifest[key])
+    for split in manifest.get("splits", {}).values():
+        split["shards"] = compact_rows(split["shards"])
     return manifest
 
 
@@ -142,15 +158,14 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
             refuse("it has no 'splits'")
         for name, split in splits.items():
             shards = split.get("shards") if isinstance(split, dict) else None
-            if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("tokens"))
-                                                       and isinstance(s.get("path"), str) for s in shards):
+            if not has_columns(shards, ints=("tokens",), texts=("path",)):
                 refuse(f"split {name!r} has no list of shards with paths and token counts")
-            if not _count(split.get("tokens")) or split["tokens"] != sum(s["tokens"] for s in shards):
-                refuse(f"split {name!r} says {split.get('tokens')!r} tokens, its shards hold "
-                       f"{sum(s['tokens'] for s in shards)}")
+            tokens = sum(column(shards, "tokens"))
+            if not _count(split.get("tokens")) or split["tokens"] != tokens:
+                refuse(f"split {name!r} says {split.get('tokens')!r} tokens, its shards hold {tokens}")
             if manifest["format_version"] >= 2 and not (  # each shard's document offsets beside it
-                    all(_count(s.get("documents")) and isinstance(s.get("docs"), str) for s in shards)
-                    and split.get("documents") == sum(s["documents"] for s in shards)):
+                    has_columns(shards, ints=("documents",), texts=("docs",))
+                    and split.get("documents") == sum(column(shards, "documents"))):
                 refuse(f"split {name!r} lacks its shards' document counts and offsets files")
         return
     n = manifest.get("num_samples")
@@ -176,9 +191,9 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     shards, size = manifest.get(key), manifest.get("shard_size")
     if not _count(size) or size < 1:
         refuse(f"shard_size is {size!r}")
-    if not isinstance(shards, list) or not all(isinstance(s, dict) and _count(s.get("samples")) for s in shards):
+    if not has_columns(shards, ints=("samples",)):
         refuse(f"'{key}' is not a list of shards with sample counts")
-    counts = [s["samples"] for s in shards]
+    counts = column(shards, "samples")
     if manifest["format_version"] >= UNEVEN_SHARDS[fmt]:  # shards shortened by bad samples: at most size each
         wrong = sum(counts) != n or any(c > size for c in counts)
     else:
@@ -194,7 +209,7 @@ def shard_starts(manifest: dict[str, Any]) -> np.ndarray:
     if shards is None:
         return np.array([0, int(manifest["num_samples"])], dtype=np.int64)
     starts = np.zeros(len(shards) + 1, dtype=np.int64)
-    np.cumsum([int(s["samples"]) for s in shards], out=starts[1:])
+    np.cumsum(column(shards, "samples"), out=starts[1:])
     return starts
 
 
@@ -319,7 +334,7 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:
-    return sum(int(e["bytes"]) for e in manifest["files"])
+    return sum(column(manifest["files"], "bytes"))
 
 
 def describe(root: Path | str) -> dict[str, Any]:

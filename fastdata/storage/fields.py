@@ -24,6 +24,7 @@ import torch
 
 from .._io import safe_join
 from ..errors import FormatError
+from ..formats.rows import column
 from ..formats.schema import OFFSETS, Field, offsets_file
 from .shards import OpenedShards, ShardSet, load_npy, map_npy, open_shards, take_rows, verify_hashes
 
@@ -63,7 +64,7 @@ class FieldStore:
         self.fields = [f for f in fields if f.kind not in ("image", "label")]
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
         shards = manifest["shards"] if "shards" in manifest else manifest["lmdb_shards"]  # (npy or LMDB images)
-        counts = np.array([int(s["samples"]) for s in shards], dtype=np.int64)
+        counts = np.array(column(shards, "samples"), dtype=np.int64)
         self.offsets: dict[str, np.ndarray] = {}  # variable field -> global offsets (N + 1)
         self._open: dict[str, _Opened] = {}
         self._rows: dict[str, np.ndarray] = {}  # field -> rows per shard

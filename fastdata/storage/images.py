@@ -13,6 +13,7 @@ import torch
 
 from ..formats.lmdb_store import LmdbReader, open_lmdb
 from ..formats.manifest import IMAGES_LMDB
+from ..formats.rows import column, pairs
 from ..formats.schema import Field
 from .cache import ShardCache
 from .fields import FieldStore
@@ -37,7 +38,7 @@ class OpenedImages:
 
 def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool) -> set[str]:
     """The files opened (and checked) by `open_images`: image shards and the extra fields' files."""
-    names = set() if is_lmdb else {s["images"] for s in manifest["shards"]}
+    names = set() if is_lmdb else set(column(manifest["shards"], "images"))
     shards = len(manifest["lmdb_shards" if is_lmdb else "shards"]) if fields is not None else 0
     for f in fields or []:
         if f.kind not in ("image", "label"):
@@ -50,7 +51,7 @@ def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[lis
     """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
     (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
     opened = image_files(manifest, fields, is_lmdb)
-    others = check_sizes(root, manifest, [f["path"] for f in manifest["files"] if f["path"] not in opened],
+    others = check_sizes(root, manifest, [p for p in column(manifest["files"], "path") if p not in opened],
                          present_only=True)
     if verify:
         verify_hashes(root, manifest, others)
@@ -70,8 +71,7 @@ def open_images(opened: OpenedPath, fields: Optional[list[Field]], storage: str,
         elif fields is not None:
             out.fields = FieldStore(root, manifest, fields, storage, verify=verify)
         return out
-    images = ShardSet(root, manifest, [(s["images"], s["samples"]) for s in manifest["shards"]], sample_shape,
-                      np.dtype(np.uint8))
+    images = ShardSet(root, manifest, pairs(manifest["shards"], "images", "samples"), sample_shape, np.dtype(np.uint8))
     if streams:
         _stream(out, opened, fields, storage, labels, labels_at_open, images, verify)
         return out

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 from ..distributed import broadcast_bytes, group_size, is_main_rank
 from ..errors import ConfigError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, check_manifest, load_manifest
+from ..formats.rows import column
 from .remote import RETRY_SECONDS, RemoteDataset, is_url, scrub
 from .streamed import unread_files
 
@@ -85,7 +86,9 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
                          retry_seconds=retry_seconds)
     manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}")
     stream, unread = streamed(manifest), unread_files(manifest)
-    need = sum(int(f["bytes"]) for f in manifest["files"] if f["path"] not in stream | unread)
+    fetched = stream | unread
+    need = sum(b for p, b in zip(column(manifest["files"], "path"), column(manifest["files"], "bytes"))
+               if p not in fetched)
     if limit is not None and not stream and need > limit:
         raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
                           f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
@@ -105,7 +108,7 @@ def _job_remote(url: str, **options: Any) -> RemoteDataset:
             remote = RemoteDataset(url, **options)
         except FastdataError as exc:  # the others must not wait for bytes that never come
             error = exc
-    raw = broadcast_bytes(remote._manifest_bytes if remote is not None else None)
+    raw = broadcast_bytes(remote.manifest_bytes() if remote is not None else None)
     if error is not None:
         raise error
     if raw is None:

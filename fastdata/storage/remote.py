@@ -52,6 +52,7 @@ from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, map_threads, new_h
 from ..errors import (ChecksumError, ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError,
                       require)
 from ..formats.manifest import MANIFEST_NAME, file_problem
+from ..formats.rows import column, lookup
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
 _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -198,7 +199,8 @@ class RemoteDataset:
             raise FormatError(f"{scrub(self.url)}/{MANIFEST_NAME} is not a fastdata manifest")
         for entry in self.manifest["files"]:
             object_path(self.root, entry.get("path", ""))  # refuse escaping names before anything is fetched
-        self._manifest_bytes = raw
+        self._manifest_bytes: Optional[bytes] = raw  # until the node cache holds it (`prepare`): 0.3 GB at 10^6 shards
+        self._manifest_sha = new_hash(raw).hexdigest()
         digest = new_hash()
         digest.update(scrub(self.url).encode() + b"\0" + raw)
         self.id = digest.hexdigest()[:20]
@@ -225,7 +227,7 @@ class RemoteDataset:
         return self._fs
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
-        return {k: v for k, v in self.__dict__.items() if k not in ("_count", "_fs", "_fs_pid")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_count", "_fs", "_fs_pid", "_entries")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -247,9 +249,11 @@ class RemoteDataset:
                     write_bytes_atomic(self.dir / SOURCE_NAME, json.dumps(  # for `fastdata cache list`
                         {"url": scrub(self.url), "id": self.id, "created": time.time()}).encode(), CACHE_FULL_ADVICE,
                         mode=mode)
-                    write_bytes_atomic(self.dir / MANIFEST_NAME, self._manifest_bytes, CACHE_FULL_ADVICE, mode=mode)
+                    write_bytes_atomic(self.dir / MANIFEST_NAME, self.manifest_bytes(), CACHE_FULL_ADVICE, mode=mode)
                     fsync_dir(self.dir)
-        entries = [e for e in self.manifest["files"] if e["path"] not in skip]
+        self._manifest_bytes = None  # (read back from the cache when asked for, not held by every process)
+        files = self.manifest["files"]
+        entries = [files[i] for i, path in enumerate(column(files, "path")) if path not in skip]
         map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
 
@@ -260,8 +264,11 @@ class RemoteDataset:
     def entry(self, name: str) -> dict[str, Any]:
         """The manifest's entry for file ``name``."""
         if not hasattr(self, "_entries"):
-            self._entries = {e["path"]: e for e in self.manifest["files"]}
-        return self._entries[name]
+            self._entries = lookup(self.manifest["files"])
+        entry = self._entries(name)
+        if entry is None:
+            raise KeyError(name)
+        return entry
 
     def fetch(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> Path:
         """One manifest entry as a verified local file (downloaded at most once per node)."""
@@ -352,9 +359,21 @@ class RemoteDataset:
             if len(block) > end - start:  # a server that ignores Range sent the whole object: the checks judge it
                 return
 
+    def manifest_bytes(self) -> bytes:
+        """The manifest's bytes as this dataset read them: held until the node cache has them, then read back
+        from there (or fetched again) and checked against their sha256."""
+        if self._manifest_bytes is not None:
+            return self._manifest_bytes
+        cached = self.dir / MANIFEST_NAME
+        raw = cached.read_bytes() if cached.is_file() else self._fetch_manifest()
+        if new_hash(raw).hexdigest() != self._manifest_sha:
+            raise FormatError(f"{scrub(self.url)}/{MANIFEST_NAME} changed since this dataset was opened (or its "
+                              f"copy in {self.dir} was): open the dataset again")
+        return raw
+
     def _manifest_changed(self) -> bool:
         try:
-            return self.fs.cat_file(object_path(self.root, MANIFEST_NAME)) != self._manifest_bytes
+            return new_hash(self.fs.cat_file(object_path(self.root, MANIFEST_NAME))).hexdigest() != self._manifest_sha
         except Exception:  # noqa: BLE001 - unreachable now: not known to have changed; the caller retries
             return False
 

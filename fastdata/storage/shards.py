@@ -28,6 +28,7 @@ from .._io import HASH_WORKERS, contained_stat, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
 from ..formats.manifest import check_file, damaged_error, file_error, file_problem, require_intact
+from ..formats.rows import column, lookup
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
@@ -42,7 +43,7 @@ class ShardSet:
 
     root: Path
     manifest: dict[str, Any]
-    files: list[tuple[str, int]]
+    files: Sequence[tuple[str, int]]  # (a view of the manifest's shards: NOTE [compact manifest])
     row_shape: tuple[int, ...]
     dtype: np.dtype
     key: str = ""
@@ -221,10 +222,11 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[s
     open of a million shards. Returns the paths checked (those present, with ``present_only``)."""
     wanted = None if paths is None else set(paths)  # a set: 20,000 shards must not cost 20,000^2 comparisons
     checked = []
-    for f in manifest["files"]:
-        rel = f["path"]
+    files = manifest["files"]
+    for rel, size in zip(column(files, "path"), column(files, "bytes")):  # (no row built: NOTE [compact manifest])
         if wanted is not None and rel not in wanted:
             continue
+        f = {"path": rel, "bytes": size}
         problem = check_file(root, f, hashed=False)
         if problem == "missing" and present_only and contained_stat(root, rel) is None:
             continue  # (absent; a folder where the file should be is still refused)
@@ -236,9 +238,9 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[s
 
 def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
     """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
-    entries = {f["path"]: f for f in manifest["files"]}
+    entry_of = lookup(manifest["files"])
     for rel in paths:
-        require_intact(root, entries[rel])
+        require_intact(root, entry_of(rel))
 
 
 def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
@@ -254,7 +256,8 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
                       "avoid a private copy", ResourceWarning, stacklevel=4)
     flat = np.empty(shape, dtype)
     view = memoryview(flat.reshape(-1).view(np.uint8))
-    entries = {f["path"]: f for f in manifest["files"]}
+    entry_of = lookup(manifest["files"])
+    entries = {rel: entry_of(rel) for rel, _ in bodies}
     offsets = body_offsets(entries, bodies)
     if len(bodies) and offsets[-1] != need:
         raise FormatError(f"the shards of {root} hold {offsets[-1]} bytes of rows, the manifest's counts "

@@ -36,6 +36,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, LockFile, disk_error, fsync_dir, ite
 from ..errors import ChecksumError, OutputError
 from ..formats.base import body_offsets
 from ..formats.manifest import damaged_error, file_problem
+from ..formats.rows import column, lookup
 
 PREFIX = "fastdata-"
 COPY_WORKERS = HASH_WORKERS  # source files copied (and hashed) at once
@@ -88,8 +89,9 @@ def _check_private(d: Path) -> None:
 def copy_id(manifest: dict[str, Any], key: str = "") -> str:
     """16 hex digits naming the dataset's bytes (hash of its files' checksums; ``key`` names a part of it)."""
     h = hashlib.sha256(key.encode())
-    for f in manifest["files"]:
-        h.update(f"{f['path']}:{f[HASH_NAME]}\n".encode())
+    files = manifest["files"]
+    for path, digest in zip(column(files, "path"), column(files, HASH_NAME)):
+        h.update(f"{path}:{digest}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -108,7 +110,8 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
     d = private_dir(directory)
     cid = copy_id(manifest, key)
     target = d / f"{PREFIX}{cid}.npy"
-    files = {f["path"]: f for f in manifest["files"]}
+    entry_of = lookup(manifest["files"])
+    files = {p: entry_of(p) for p, _ in payload}
     needed = len(header) + sum(files[p]["bytes"] - skip for p, skip in payload)
     if os.path.lexists(target):
         return _found(target, root, files, payload, header, needed, verify)

@@ -11,6 +11,7 @@ import numpy as np
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, shard_starts
+from ..formats.rows import column, lookup, present
 from ..formats.schema import fields_of
 from .shards import load_npy
 
@@ -24,8 +25,8 @@ def labels_at_open(manifest: dict[str, Any]) -> bool:
     name = manifest.get("all_labels")
     if not name:
         return False
-    size = next((int(f["bytes"]) for f in manifest["files"] if f.get("path") == name), None)
-    return size is not None and size <= ALL_LABELS_AT_OPEN
+    entry = lookup(manifest["files"])(name)
+    return entry is not None and int(entry["bytes"]) <= ALL_LABELS_AT_OPEN
 
 
 def shard_groups(manifest: dict[str, Any], at_open: bool) -> list[tuple[str, ...]]:
@@ -33,9 +34,14 @@ def shard_groups(manifest: dict[str, Any], at_open: bool) -> list[tuple[str, ...
     they are all read at opening: ``at_open``, from `labels_at_open`), each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
     if "lmdb_shards" in manifest:
-        return [(s["path"], *(f.files(k)[0] for f in fields)) for k, s in enumerate(manifest["lmdb_shards"])]
-    return [(s["images"], *([s["labels"]] if "labels" in s and not at_open else []), *(f.files(k)[0] for f in fields))
-            for k, s in enumerate(manifest.get("shards", []))]
+        return [(path, *(f.files(k)[0] for f in fields))
+                for k, path in enumerate(column(manifest["lmdb_shards"], "path"))]
+    shards = manifest.get("shards", [])
+    names = [] if at_open else present(shards, "labels")
+    own = ([[s["labels"]] if "labels" in s else [] for s in shards] if 0 < len(names) < len(shards)
+           else [[n] for n in names] or [[]] * len(shards))  # (a labels file a shard, or none)
+    return [(images, *mine, *(f.files(k)[0] for f in fields))
+            for k, (images, mine) in enumerate(zip(column(shards, "images"), own))]
 
 
 def image_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
@@ -47,7 +53,7 @@ def image_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     if manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
         at_open = labels_at_open(manifest)
         names = {f for group in shard_groups(manifest, at_open) for f in group}
-        names |= {s["labels"] for s in manifest.get("shards", []) if "labels" in s}  # (unread with all_labels)
+        names.update(present(manifest.get("shards", []), "labels"))  # (unread with all_labels)
         if "all_labels" in manifest and not at_open:
             names.add(manifest["all_labels"])
         return frozenset(names)
@@ -60,14 +66,15 @@ def token_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
     """The files of a remote token dataset fetched as batches need them: every split's shards, memory-mapped."""
     if storage != "mmap":
         return frozenset()
-    return frozenset(sh["path"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", []))
+    splits = manifest.get("splits", {}).values()
+    return frozenset(p for split in splits for p in column(split.get("shards", []), "path"))
 
 
 def unread_files(manifest: dict[str, Any]) -> frozenset[str]:
     """The files of a dataset no reader reads, never fetched from a URL: a token dataset's per-shard document
     offsets (format 2), there for users of the token streams."""
-    return frozenset(sh["docs"] for split in manifest.get("splits", {}).values() for sh in split.get("shards", [])
-                     if "docs" in sh)
+    splits = manifest.get("splits", {}).values()
+    return frozenset(p for split in splits for p in present(split.get("shards", []), "docs"))
 
 
 def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
@@ -103,7 +110,7 @@ class Labels:
         if self._mapped is not None:
             self.__getattr__("array")  # (mapped and checked now: a damaged file is refused at opening)
         else:
-            names = [one] if one else [s["labels"] for s in manifest["shards"]]  # (npy made before all_labels)
+            names = [one] if one else column(manifest["shards"], "labels")  # (npy made before all_labels)
             labels = _checked(np.concatenate([load_npy(safe_join(root, name)) for name in names]),
                               n, root / (one or ""))
             labels.setflags(write=False)

@@ -1,0 +1,288 @@
+"""A manifest's long lists (its files, its shards) held as columns, not as a dict a row.
+
+NOTE [compact manifest]
+1. A manifest a reader opens (`load_manifest`, `check_manifest`) holds its per-file and per-shard lists as
+   `Rows`: a column per key, integers in an int64 array, text in one UTF-8 buffer with offsets, sha256
+   digests as 32 bytes. Parsed JSON keeps a dict, its strings and their hashes for every row: ~1.2 GB in
+   every rank at a million shards, and a spawned or forkserver DataLoader worker unpickles a copy of it.
+   Columns are a few arrays (`benchmarks/bench_open.py` gives the figures).
+2. `Rows` is a read-only sequence of dicts: ``rows[i]`` and iteration build each dict when asked, so code
+   written for a list reads both; paths that touch every row at opening take whole columns (`column`,
+   `ints`) or look rows up by a key's value (`find`).
+3. Compacting never changes what a manifest says: a list whose rows have different keys, or values other
+   than str and int (bools, floats, nested lists, ints past int64), stays a list; `to_list` gives the rows
+   back equal to the parsed ones, and `manifest_digest` streams them to the same canonical JSON.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+_INT, _TEXT, _HEX = "int", "text", "hex"
+_CHUNK = 8192  # rows built at once when iterating or serialising
+
+
+def _hex_column(joined: str, n: int) -> Optional[np.ndarray]:
+    """``(n, 32)`` uint8 when ``joined`` is ``n`` lowercase hex sha256 digests end to end, else None."""
+    if len(joined) != 64 * n:
+        return None
+    try:
+        raw = bytes.fromhex(joined)
+    except ValueError:
+        return None
+    if raw.hex() != joined:  # (fromhex also takes capitals and spaces: only what comes back the same)
+        return None
+    return np.frombuffer(raw, np.uint8).reshape(n, 32)
+
+
+def _column(values: list[Any]) -> Optional[tuple[Any, ...]]:
+    """One key's values as a column, or None when they are not all str or all int within int64."""
+    n = len(values)
+    if all(type(v) is int for v in values):
+        try:
+            return (_INT, np.array(values, dtype=np.int64))
+        except OverflowError:
+            return None
+    if not all(type(v) is str for v in values):
+        return None
+    joined = "".join(values)
+    digests = _hex_column(joined, n) if all(len(v) == 64 for v in values) else None
+    if digests is not None:
+        return (_HEX, digests)
+    if joined.isascii():  # a character is a byte: the lengths are the strings' own
+        blob, lengths = joined.encode("ascii"), np.fromiter(map(len, values), np.int64, n)
+    else:
+        encoded = [v.encode("utf-8", "surrogatepass") for v in values]
+        blob, lengths = b"".join(encoded), np.fromiter(map(len, encoded), np.int64, n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return (_TEXT, blob, offsets)
+
+
+class Rows(Sequence[dict[str, Any]]):
+    """A list of flat records (``{"path": str, "bytes": int, "sha256": str}``, a shard's names and counts)
+    held as columns (NOTE [compact manifest]); read-only. Make one with `compact_rows`."""
+
+    __slots__ = ("keys", "_cols", "_n", "_index")
+
+    def __init__(self, keys: tuple[str, ...], cols: tuple[tuple[Any, ...], ...], n: int) -> None:
+        self.keys, self._cols, self._n = keys, cols, n
+        self._index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (arrays and one buffer: a spawned worker gets no row objects)
+        return (Rows, (self.keys, self._cols, self._n))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _values(self, k: int, start: int, stop: int) -> list[Any]:
+        col = self._cols[k]
+        if col[0] == _INT:
+            return col[1][start:stop].tolist()
+        if col[0] == _HEX:
+            return [bytes(d).hex() for d in col[1][start:stop]]
+        blob, offsets = col[1], col[2]
+        ends = offsets[start:stop + 1].tolist()
+        text = blob[ends[0]:ends[-1]].decode("utf-8", "surrogatepass")
+        if len(text) == ends[-1] - ends[0]:  # ASCII: slice the text, not the bytes
+            base = ends[0]
+            return [text[a - base:b - base] for a, b in zip(ends, ends[1:])]
+        return [blob[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends, ends[1:])]
+
+    def _chunk(self, start: int, stop: int) -> list[dict[str, Any]]:
+        columns = [self._values(k, start, stop) for k in range(len(self.keys))]
+        return [dict(zip(self.keys, vals)) for vals in zip(*columns)]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"row {i} of {self._n}")
+        return self._chunk(i, i + 1)[0]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for start in range(0, self._n, _CHUNK):
+            yield from self._chunk(start, min(start + _CHUNK, self._n))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Rows, list)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Rows({self._n} rows of {list(self.keys)})"
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """The rows as a list of dicts, equal to the list they were made from."""
+        return list(self)
+
+    def column(self, key: str) -> list[Any]:
+        """Every row's value of ``key``, in order (KeyError when the rows have no such key)."""
+        return self._values(self.keys.index(key), 0, self._n)
+
+    def ints(self, key: str) -> np.ndarray:
+        """An int64 column as an array (read-only), without a Python object a row."""
+        col = self._cols[self.keys.index(key)]
+        if col[0] != _INT:
+            raise TypeError(f"{key!r} is not a column of integers")
+        out = col[1].view()
+        out.flags.writeable = False
+        return out
+
+    def find(self, key: str, value: str) -> Optional[int]:
+        """The position of the (first) row whose text ``key`` is ``value``, or None: a binary search in the
+        column sorted once, on first use (fixed-width bytes and an order: no object a row)."""
+        if key not in self._index:
+            self._index[key] = self._sorted(key)
+        sorted_keys, order = self._index[key]
+        probe = value.encode("utf-8", "surrogatepass")
+        if isinstance(sorted_keys, dict):
+            return sorted_keys.get(probe)
+        j = int(np.searchsorted(sorted_keys, probe))
+        if b"\0" not in probe and j < self._n and sorted_keys[j] == probe:
+            return int(order[j])
+        return None
+
+    def _sorted(self, key: str) -> tuple[Any, Any]:
+        col = self._cols[self.keys.index(key)]
+        if col[0] == _TEXT and b"\0" not in col[1]:  # (numpy's bytes drop trailing NULs: none may be there)
+            lengths = np.diff(col[2])
+            if len(lengths) and (lengths == lengths[0]).all() and lengths[0] > 0:
+                keys = np.frombuffer(col[1], dtype=f"S{int(lengths[0])}")  # the buffer itself
+            else:
+                keys = np.array([t.encode("utf-8", "surrogatepass") for t in self.column(key)])
+            order = np.argsort(keys, kind="stable")
+            return keys[order], order
+        found: dict[bytes, int] = {}  # (digests, integers, text with NULs: rare; a dict serves them)
+        for i, v in enumerate(self.column(key)):
+            found.setdefault(str(v).encode("utf-8", "surrogatepass"), i)
+        return found, None
+
+
+class Pairs(Sequence[tuple[Any, Any]]):
+    """Two columns of `Rows` read as ``(a, b)`` tuples (a shard's file and its rows), each made when asked."""
+
+    __slots__ = ("_rows", "_a", "_b")
+
+    def __init__(self, rows: Rows, a: str, b: str) -> None:
+        self._rows, self._a, self._b = rows, rows.keys.index(a), rows.keys.index(b)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i) + (len(self) if int(i) < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        return self._rows._values(self._a, i, i + 1)[0], self._rows._values(self._b, i, i + 1)[0]
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        for start in range(0, len(self), _CHUNK):
+            stop = min(start + _CHUNK, len(self))
+            yield from zip(self._rows._values(self._a, start, stop), self._rows._values(self._b, start, stop))
+
+
+def pairs(rows: Sequence[dict[str, Any]], a: str, b: str) -> Sequence[tuple[Any, Any]]:
+    """Each row's ``(a, b)``: a view of `Rows` (no tuple kept a row), a list for a list of dicts."""
+    return Pairs(rows, a, b) if isinstance(rows, Rows) else [(r[a], r[b]) for r in rows]
+
+
+def compact_rows(items: Any) -> Any:
+    """``items`` as `Rows` when it is a non-empty list of dicts with the same keys whose values are all str
+    or all int for each key (NOTE [compact manifest] rule 3), else ``items`` itself."""
+    if isinstance(items, Rows) or not isinstance(items, list) or not items or type(items[0]) is not dict:
+        return items
+    first = items[0].keys()
+    if not first or not all(type(r) is dict and r.keys() == first for r in items):
+        return items
+    keys = tuple(first)
+    cols = []
+    for key in keys:
+        col = _column([r[key] for r in items])
+        if col is None:
+            return items
+        cols.append(col)
+    return Rows(keys, tuple(cols), len(items))
+
+
+def column(rows: Sequence[dict[str, Any]], key: str) -> list[Any]:
+    """Every row's ``key``, from `Rows` or a list of dicts."""
+    return rows.column(key) if isinstance(rows, Rows) else [r[key] for r in rows]
+
+
+def present(rows: Sequence[dict[str, Any]], key: str) -> list[Any]:
+    """The ``key`` of every row that has one, from `Rows` or a list of dicts."""
+    if isinstance(rows, Rows):
+        return rows.column(key) if key in rows.keys else []
+    return [r[key] for r in rows if key in r]
+
+
+def lookup(rows: Sequence[dict[str, Any]], key: str = "path") -> Callable[[str], Optional[dict[str, Any]]]:
+    """``row_of(value)``: the (first) row whose ``key`` is ``value``, or None; a binary search in `Rows`, a
+    dict made once for a list."""
+    if isinstance(rows, Rows):
+        def row_of(value: str) -> Optional[dict[str, Any]]:
+            i = rows.find(key, value)
+            return None if i is None else rows[i]
+        return row_of
+    table: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        table.setdefault(r[key], r)
+    return table.get
+
+
+def has_columns(rows: Any, ints: tuple[str, ...] = (), texts: tuple[str, ...] = ()) -> bool:
+    """``rows`` is `Rows` or a list of dicts, and every row has each of ``ints`` as an int >= 0 (not a bool)
+    and each of ``texts`` as a str."""
+    if isinstance(rows, Rows):
+        kinds = dict(zip(rows.keys, (c[0] for c in rows._cols)))
+        return (all(kinds.get(k) == _INT and (not len(rows) or rows.ints(k).min() >= 0) for k in ints)
+                and all(kinds.get(k) in (_TEXT, _HEX) for k in texts))
+    return isinstance(rows, list) and all(
+        isinstance(r, dict) and all(type(r.get(k)) is int and r[k] >= 0 for k in ints)
+        and all(isinstance(r.get(k), str) for k in texts) for r in rows)
+
+
+def is_rows(value: Any) -> bool:
+    """A list of rows, or `Rows`: what a manifest's lists may be once read."""
+    return isinstance(value, (list, Rows))
+
+
+def canonical_pieces(obj: Any) -> Iterator[str]:
+    """``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in pieces, `Rows`
+    written as the lists they hold, a few thousand rows a piece (so a million rows are never dicts at once)."""
+    def dumps(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    if isinstance(obj, Rows):
+        yield "["
+        for start in range(0, len(obj), _CHUNK):
+            yield ("," if start else "") + dumps(obj._chunk(start, min(start + _CHUNK, len(obj))))[1:-1]
+        yield "]"
+    elif isinstance(obj, dict) and any(isinstance(v, (dict, list, Rows)) for v in obj.values()):
+        yield "{"
+        for i, key in enumerate(sorted(obj)):
+            yield ("," if i else "") + dumps(key) + ":"
+            yield from canonical_pieces(obj[key])
+        yield "}"
+    elif isinstance(obj, list) and any(isinstance(v, (dict, list, Rows)) for v in obj):
+        yield "["
+        for i, value in enumerate(obj):
+            if i:
+                yield ","
+            yield from canonical_pieces(value)
+        yield "]"
+    else:
+        yield dumps(obj)
+
+
+MaybeRows = Union[Rows, list]

@@ -1,0 +1,174 @@
+"""A manifest's files and shards held as columns (NOTE [compact manifest]): what they say is unchanged, and
+what they hold per row is a few bytes, not a dict."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import pickle
+import random
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from fastdata.formats.manifest import (IMAGES_NPY, load_manifest, manifest_digest, new_manifest, total_bytes,
+                                       write_manifest)
+from fastdata.formats.rows import Rows, canonical_pieces, compact_rows, has_columns, lookup, pairs, present
+
+
+def canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest_of(k: int) -> str:
+    return hashlib.sha256(str(k).encode()).hexdigest()
+
+
+def test_rows_read_back_as_the_rows_they_were_made_of():
+    rows = [{"path": f"images-{k:05d}.npy", "bytes": 1000 + k * 7, "sha256": digest_of(k)} for k in range(20_000)]
+    rows[3]["path"] = "sub/ünïcode-名前.npy"  # a path longer than the others, not ASCII
+    compact = compact_rows(rows)
+    assert isinstance(compact, Rows) and len(compact) == len(rows)
+    assert compact == rows and compact.to_list() == rows
+    assert compact[0] == rows[0] and compact[-1] == rows[-1] and compact[3] == rows[3]
+    assert compact[10:13] == rows[10:13] and compact[::5000] == rows[::5000]
+    assert compact.column("path") == [r["path"] for r in rows]
+    assert compact.ints("bytes").tolist() == [r["bytes"] for r in rows]
+    with pytest.raises(IndexError):
+        compact[len(rows)]
+    with pytest.raises(ValueError):
+        compact.ints("bytes")[0] = 1  # read-only
+    assert compact.find("path", "images-12345.npy") == 12345
+    assert compact.find("path", "sub/ünïcode-名前.npy") == 3
+    assert compact.find("path", "images-00003.npy") is None  # (renamed above)
+    assert compact.find("path", "images-12345.np") is None and compact.find("path", "images-12345.npy\0") is None
+    again = pickle.loads(pickle.dumps(compact))
+    assert again == rows and again.find("path", "images-19999.npy") == 19999
+    assert "".join(canonical_pieces({"files": compact, "n": 1})) == canonical({"files": rows, "n": 1})
+
+
+def test_equal_length_paths_are_searched_in_place():
+    rows = compact_rows([{"path": f"s-{k:04d}", "n": k} for k in (5, 1, 3, 1)])
+    assert [rows.find("path", f"s-{k:04d}") for k in (1, 3, 5, 2)] == [1, 2, 0, None]  # (the first of two)
+    assert lookup(rows)("s-0003") == {"path": "s-0003", "n": 3} and lookup(rows)("s-0002") is None
+    as_list = [{"path": "a", "n": 1}, {"path": "a", "n": 2}]
+    assert lookup(as_list)("a") == {"path": "a", "n": 1}
+
+
+@pytest.mark.parametrize("rows", [
+    [{"a": 1}, {"a": 2, "b": 3}],  # different keys
+    [{"a": 1}, {"a": True}],  # a bool is not an int here
+    [{"a": 1}, {"a": 1.5}],
+    [{"a": 1}, {"a": 2 ** 63}],  # past int64
+    [{"a": "x"}, {"a": ["x"]}],
+    [{"a": "x"}, {"a": None}],
+    [{"a": 1}, "not a dict"],
+    [{}, {}],
+    [],
+])
+def test_lists_that_columns_cannot_hold_stay_lists(rows):
+    assert compact_rows(rows) is rows
+
+
+def test_digests_are_packed_only_when_they_come_back_the_same():
+    cases = {"lower": digest_of(1), "upper": digest_of(2).upper(), "spaced": digest_of(3)[:62] + " 0",
+             "not hex": "g" * 64, "short": "ab" * 31}
+    for name, value in cases.items():
+        rows = [{"sha256": value}, {"sha256": digest_of(4)}]
+        compact = compact_rows(rows)
+        assert isinstance(compact, Rows), name
+        assert compact == rows and compact.column("sha256") == [value, digest_of(4)], name
+        assert compact.find("sha256", value) == 0, name
+
+
+def test_random_lists_round_trip_exactly():
+    rng = random.Random(7)
+    pools = {"int": lambda: rng.choice([0, -1, 2 ** 63 - 1, -2 ** 63, rng.randrange(-10 ** 6, 10 ** 6)]),
+             "text": lambda: "".join(rng.choice("ab/é\0 \u2603x.-") for _ in range(rng.randrange(0, 9))),
+             "hex": lambda: digest_of(rng.randrange(1000)),
+             "any": lambda: rng.choice([1, "1", True, None, 1.0, [1], {"a": 1}])}
+    for trial in range(300):
+        keys = rng.sample(["path", "bytes", "sha256", "samples", "x"], rng.randrange(1, 5))
+        kinds = {k: rng.choice(list(pools)) for k in keys}
+        rows = [{k: pools[kinds[k]]() for k in keys} for _ in range(rng.randrange(1, 40))]
+        compact = compact_rows(rows)
+        assert compact == rows, (trial, kinds)
+        assert "".join(canonical_pieces([compact, {"r": compact}])) == canonical([rows, {"r": rows}]), trial
+        if isinstance(compact, Rows):
+            for k in keys:
+                if all(type(r[k]) is str for r in rows):
+                    for v in {r[k] for r in rows}:
+                        i = compact.find(k, v)
+                        assert i is not None and rows[i][k] == v and all(r[k] != v for r in rows[:i]), (trial, v)
+
+
+def test_has_columns_present_and_pairs_read_rows_and_lists_alike():
+    rows = [{"path": "a", "samples": 3}, {"path": "b", "samples": 0}, {"path": "c", "samples": 9}]
+    for form in (rows, compact_rows(rows)):
+        two = pairs(form, "path", "samples")
+        assert list(two) == [("a", 3), ("b", 0), ("c", 9)] and len(two) == 3
+        assert two[1] == ("b", 0) and two[-1] == ("c", 9) and two[1:] == [("b", 0), ("c", 9)]
+        with pytest.raises(IndexError):
+            two[3]
+        assert has_columns(form, ints=("samples",), texts=("path",))
+        assert not has_columns(form, ints=("path",)) and not has_columns(form, texts=("samples",))
+        assert not has_columns(form, ints=("missing",))
+        assert present(form, "path") == ["a", "b", "c"] and present(form, "labels") == []
+    assert not has_columns(compact_rows([{"samples": -1}]), ints=("samples",))
+    assert not has_columns("not rows", ints=("samples",))
+
+
+def many_shard_manifest(root: Path, shards: int) -> dict:
+    """A manifest of an npy dataset of ``shards`` shards (the files are never read: only the manifest)."""
+    files, listed = [], []
+    for k in range(shards):
+        images, labels = f"images-{k:07d}.npy", f"labels-{k:07d}.npy"
+        files += [{"path": images, "bytes": 4096 + k, "sha256": digest_of(k)},
+                  {"path": labels, "bytes": 160, "sha256": digest_of(-k)}]
+        listed.append({"images": images, "labels": labels, "samples": 4})
+    files.append({"path": "labels.npy", "bytes": 128 + 32 * shards, "sha256": digest_of(-1)})
+    manifest = new_manifest(IMAGES_NPY, num_samples=4 * shards, classes=["a"], class_counts=[4 * shards],
+                            sample_shape=[8, 8, 3], dtype="|u1", label_dtype="<i8", layout="NHWC", shard_size=4,
+                            shards=listed, files=files, all_labels="labels.npy")
+    root.mkdir()
+    write_manifest(root, manifest)
+    return manifest
+
+
+def test_a_manifest_of_many_shards_holds_columns_not_a_dict_a_row(tmp_path):
+    # Parsed JSON kept ~1.2 KB a shard (three dicts, their strings) in every rank and in every spawned
+    # DataLoader worker: 1.2 GB at a million shards. Columns keep its bytes: ~200 B a shard here.
+    shards = 100_000
+    plain = many_shard_manifest(tmp_path / "ds", shards)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        manifest = load_manifest(tmp_path / "ds")
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(manifest["files"], Rows) and isinstance(manifest["shards"], Rows)
+    assert held / shards < 300, f"{held / shards:.0f} B a shard"
+    assert manifest["files"] == plain["files"] and manifest["shards"] == plain["shards"]
+    assert total_bytes(manifest) == sum(f["bytes"] for f in plain["files"])
+    raw = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest_digest(manifest) == hashlib.sha256(canonical(raw).encode()).hexdigest()
+    assert len(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL)) / shards < 200
+
+
+def test_the_dataset_version_is_the_digest_of_the_manifest_as_written(indexed_datasets, tmp_path):
+    # A loader's state names the manifest's sha256: held as columns, a manifest must hash as its JSON did.
+    from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.tokens import TokenDataset
+
+    from test_text_pieces import many_token_shards
+
+    many_token_shards(tmp_path / "tok", 30, 100)
+    for root, ds in [(indexed_datasets["npy"], FastDataset(indexed_datasets["npy"])),
+                     (indexed_datasets["lmdb"], FastDataset(indexed_datasets["lmdb"])),
+                     (tmp_path / "tok", TokenDataset(tmp_path / "tok", seq_len=15))]:
+        raw = json.loads((Path(root) / "manifest.json").read_text())
+        assert isinstance(ds.manifest["files"], Rows)
+        assert ds.manifest_sha256 == hashlib.sha256(canonical(raw).encode()).hexdigest(), root
