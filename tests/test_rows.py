@@ -14,7 +14,8 @@ import pytest
 
 from fastdata.formats.manifest import (IMAGES_NPY, load_manifest, manifest_digest, new_manifest, total_bytes,
                                        write_manifest)
-from fastdata.formats.rows import Rows, canonical_pieces, compact_rows, has_columns, lookup, pairs, present
+from fastdata.formats.rows import (Rows, canonical_pieces, compact_rows, has_columns, lookup, pairs, present,
+                                   rows_by)
 
 
 def canonical(obj) -> str:
@@ -54,6 +55,11 @@ def test_equal_length_paths_are_searched_in_place():
     assert lookup(rows)("s-0003") == {"path": "s-0003", "n": 3} and lookup(rows)("s-0002") is None
     as_list = [{"path": "a", "n": 1}, {"path": "a", "n": 2}]
     assert lookup(as_list)("a") == {"path": "a", "n": 1}
+    for form in (as_list, compact_rows(as_list)):  # many at once: the first row of each, the absent left out
+        assert rows_by(form, ["a", "b"]) == {"a": {"path": "a", "n": 1}}
+    wide = [{"path": f"p{k}é" * (k % 3 + 1), "bytes": k, "sha256": digest_of(k)} for k in range(50)]
+    assert compact_rows(wide).take([49, 0, 7, 7]) == [wide[49], wide[0], wide[7], wide[7]]
+    assert rows_by(compact_rows(wide), [w["path"] for w in wide[::-3]]) == {w["path"]: w for w in wide[::-3]}
 
 
 @pytest.mark.parametrize("rows", [
@@ -139,12 +145,14 @@ def many_shard_manifest(root: Path, shards: int) -> dict:
 def test_a_manifest_of_many_shards_holds_columns_not_a_dict_a_row(tmp_path):
     # Parsed JSON kept ~1.2 KB a shard (three dicts, their strings) in every rank and in every spawned
     # DataLoader worker: 1.2 GB at a million shards. Columns keep its bytes: ~200 B a shard here.
+    from fastdata.storage.opening import open_path
+
     shards = 100_000
     plain = many_shard_manifest(tmp_path / "ds", shards)
     gc.collect()
     tracemalloc.start()
     try:
-        manifest = load_manifest(tmp_path / "ds")
+        manifest = open_path(tmp_path / "ds", (IMAGES_NPY,)).manifest  # what a dataset keeps
         gc.collect()
         held, _ = tracemalloc.get_traced_memory()
     finally:
@@ -156,6 +164,18 @@ def test_a_manifest_of_many_shards_holds_columns_not_a_dict_a_row(tmp_path):
     raw = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest_digest(manifest) == hashlib.sha256(canonical(raw).encode()).hexdigest()
     assert len(pickle.dumps(manifest, protocol=pickle.HIGHEST_PROTOCOL)) / shards < 200
+    # load_manifest itself gives plain JSON data, for users who change or write it
+    loaded = load_manifest(tmp_path / "ds")
+    assert type(loaded["files"]) is list and json.loads(json.dumps(loaded)) == raw
+
+
+def test_only_the_lists_a_format_defines_are_compacted(tmp_path):
+    plain = many_shard_manifest(tmp_path / "ds", 3)
+    write_manifest(tmp_path / "ds", {**plain, "splits": "a key of the user's"})  # (not a token dataset's)
+    from fastdata.storage.opening import open_path
+
+    manifest = open_path(tmp_path / "ds", (IMAGES_NPY,)).manifest
+    assert isinstance(manifest["files"], Rows) and manifest["splits"] == "a key of the user's"
 
 
 def test_the_dataset_version_is_the_digest_of_the_manifest_as_written(indexed_datasets, tmp_path):

@@ -97,8 +97,8 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
 def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]] = None, *,
                    where: str) -> dict[str, Any]:
     """``manifest`` (already parsed, e.g. fetched from object storage) checked as `load_manifest`
-    checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout;
-    its long lists are then held as columns (NOTE [compact manifest]). ``where`` names it in messages."""
+    checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout.
+    ``where`` names it in messages."""
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
         raise FormatError(f"{where} lacks 'format'/'format_version': not a fastdata manifest")
     fmt, version = manifest["format"], manifest["format_version"]
@@ -123,16 +123,18 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, where)  # refuses unknown kinds, bad dtypes, a missing image field
     check_layout(manifest, where)
-    return compact(manifest)
+    return manifest
 
 
 def compact(manifest: dict[str, Any]) -> dict[str, Any]:
-    """``manifest`` with its files and shards held as `Rows` (NOTE [compact manifest]), changed in place."""
+    """A checked ``manifest`` with its files and shards held as `Rows` (NOTE [compact manifest]), changed in
+    place: what a dataset keeps (a manifest returned by `load_manifest` stays plain JSON data)."""
     for key in ("files", "shards", "lmdb_shards"):
         if key in manifest:
             manifest[key] = compact_rows(manifest[key])
-    for split in manifest.get("splits", {}).values():
-        split["shards"] = compact_rows(split["shards"])
+    if manifest["format"] == TOKENS:  # (checked: every split a dict with its shards)
+        for split in manifest["splits"].values():
+            split["shards"] = compact_rows(split["shards"])
     return manifest
 
 

@@ -1,22 +1,23 @@
 """A manifest's long lists (its files, its shards) held as columns, not as a dict a row.
 
 NOTE [compact manifest]
-1. A manifest a reader opens (`load_manifest`, `check_manifest`) holds its per-file and per-shard lists as
+1. A manifest a dataset opens (`storage.opening.open_path`) holds its per-file and per-shard lists as
    `Rows`: a column per key, integers in an int64 array, text in one UTF-8 buffer with offsets, sha256
    digests as 32 bytes. Parsed JSON keeps a dict, its strings and their hashes for every row: ~1.2 GB in
    every rank at a million shards, and a spawned or forkserver DataLoader worker unpickles a copy of it.
    Columns are a few arrays (`benchmarks/bench_open.py` gives the figures).
-2. `Rows` is a read-only sequence of dicts: ``rows[i]`` and iteration build each dict when asked, so code
-   written for a list reads both; paths that touch every row at opening take whole columns (`column`,
+2. `Rows` is a read-only sequence of dicts: ``rows[i]`` and iteration build each dict when asked (a copy:
+   changing it changes nothing), so code written for a list reads both; paths that touch every row at opening take whole columns (`column`,
    `ints`) or look rows up by a key's value (`find`).
 3. Compacting never changes what a manifest says: a list whose rows have different keys, or values other
    than str and int (bools, floats, nested lists, ints past int64), stays a list; `to_list` gives the rows
-   back equal to the parsed ones, and `manifest_digest` streams them to the same canonical JSON.
+   back equal to the parsed ones (keys in the first row's order), and `manifest_digest` streams them to the
+   same canonical JSON. `load_manifest` itself returns plain JSON data, for users who edit or write it.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -124,6 +125,21 @@ class Rows(Sequence[dict[str, Any]]):
     def to_list(self) -> list[dict[str, Any]]:
         """The rows as a list of dicts, equal to the list they were made from."""
         return list(self)
+
+    def take(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+        """The rows at ``positions``, each column read once for all of them."""
+        pos = np.asarray(positions, dtype=np.int64)
+        columns = []
+        for col in self._cols:
+            if col[0] == _INT:
+                columns.append(col[1][pos].tolist())
+            elif col[0] == _HEX:
+                columns.append([d.hex() for d in map(bytes, col[1][pos])])
+            else:
+                blob = col[1]
+                columns.append([blob[a:b].decode("utf-8", "surrogatepass")
+                                for a, b in zip(col[2][pos].tolist(), col[2][pos + 1].tolist())])
+        return [dict(zip(self.keys, vals)) for vals in zip(*columns)]
 
     def column(self, key: str) -> list[Any]:
         """Every row's value of ``key``, in order (KeyError when the rows have no such key)."""
@@ -243,6 +259,23 @@ def lookup(rows: Sequence[dict[str, Any]], key: str = "path") -> Callable[[str],
     for r in rows:
         table.setdefault(r[key], r)
     return table.get
+
+
+def rows_by(rows: Sequence[dict[str, Any]], values: Iterable[str], key: str = "path") -> dict[str, dict[str, Any]]:
+    """The (first) row whose ``key`` is each of ``values``, by that value; a value no row has is left out.
+    For many values at once: one pass over the column, no search a value."""
+    wanted = set(values)
+    if isinstance(rows, Rows):
+        at: dict[str, int] = {}
+        for i, v in enumerate(rows.column(key)):
+            if v in wanted and v not in at:
+                at[v] = i
+        return dict(zip(at, rows.take(list(at.values()))))
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r[key] in wanted and r[key] not in out:
+            out[r[key]] = r
+    return out
 
 
 def has_columns(rows: Any, ints: tuple[str, ...] = (), texts: tuple[str, ...] = ()) -> bool:

@@ -80,7 +80,8 @@ class ShardCache:
         self.remote, self.opener, self.closer = remote, opener, closer
         self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
         self.names = [g[0] for g in self.groups]
-        self.sizes = np.array([sum(int(remote.entry(n)["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
+        entries = remote.entries(n for g in self.groups for n in g)
+        self.sizes = np.array([sum(int(entries[n]["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
         self.limit, self.in_flight, self.requests = limit, in_flight, max(1, requests)
         self.horizon = horizon(limit, self.sizes)  # runs a plan learns ahead of the reader
         self._start()

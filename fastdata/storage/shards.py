@@ -28,7 +28,7 @@ from .._io import HASH_WORKERS, contained_stat, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
 from ..formats.manifest import check_file, damaged_error, file_error, file_problem, require_intact
-from ..formats.rows import column, lookup
+from ..formats.rows import column, rows_by
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
@@ -238,9 +238,9 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[s
 
 def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
     """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
-    entry_of = lookup(manifest["files"])
+    entries = rows_by(manifest["files"], paths)
     for rel in paths:
-        require_intact(root, entry_of(rel))
+        require_intact(root, entries[rel])
 
 
 def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
@@ -256,8 +256,7 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
                       "avoid a private copy", ResourceWarning, stacklevel=4)
     flat = np.empty(shape, dtype)
     view = memoryview(flat.reshape(-1).view(np.uint8))
-    entry_of = lookup(manifest["files"])
-    entries = {rel: entry_of(rel) for rel, _ in bodies}
+    entries = rows_by(manifest["files"], (rel for rel, _ in bodies))
     offsets = body_offsets(entries, bodies)
     if len(bodies) and offsets[-1] != need:
         raise FormatError(f"the shards of {root} hold {offsets[-1]} bytes of rows, the manifest's counts "

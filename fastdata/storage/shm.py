@@ -36,7 +36,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, LockFile, disk_error, fsync_dir, ite
 from ..errors import ChecksumError, OutputError
 from ..formats.base import body_offsets
 from ..formats.manifest import damaged_error, file_problem
-from ..formats.rows import column, lookup
+from ..formats.rows import column, rows_by
 
 PREFIX = "fastdata-"
 COPY_WORKERS = HASH_WORKERS  # source files copied (and hashed) at once
@@ -110,8 +110,7 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
     d = private_dir(directory)
     cid = copy_id(manifest, key)
     target = d / f"{PREFIX}{cid}.npy"
-    entry_of = lookup(manifest["files"])
-    files = {p: entry_of(p) for p, _ in payload}
+    files = rows_by(manifest["files"], (p for p, _ in payload))
     needed = len(header) + sum(files[p]["bytes"] - skip for p, skip in payload)
     if os.path.lexists(target):
         return _found(target, root, files, payload, header, needed, verify)
