@@ -7,8 +7,8 @@ NOTE [compact manifest]
    every rank at a million shards, and a spawned or forkserver DataLoader worker unpickles a copy of it.
    Columns are a few arrays (`benchmarks/bench_open.py` gives the figures).
 2. `Rows` is a read-only sequence of dicts: ``rows[i]`` and iteration build each dict when asked (a copy:
-   changing it changes nothing), so code written for a list reads both; paths that touch every row at opening take whole columns (`column`,
-   `ints`) or look rows up by a key's value (`find`).
+   changing it changes nothing), so code written for a list reads both. What touches every row at opening
+   takes whole columns (`column`, `ints`, `pairs`); many rows by their paths come in one pass (`rows_by`).
 3. Compacting never changes what a manifest says: a list whose rows have different keys, or values other
    than str and int (bools, floats, nested lists, ints past int64), stays a list; `to_list` gives the rows
    back equal to the parsed ones (keys in the first row's order), and `manifest_digest` streams them to the
@@ -17,7 +17,7 @@ NOTE [compact manifest]
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -322,5 +322,3 @@ def canonical_pieces(obj: Any) -> Iterator[str]:
     else:
         yield dumps(obj)
 
-
-MaybeRows = Union[Rows, list]

@@ -253,7 +253,7 @@ class RemoteDataset:
                     fsync_dir(self.dir)
         self._manifest_bytes = None  # (read back from the cache when asked for, not held by every process)
         files = self.manifest["files"]
-        entries = [files[i] for i, path in enumerate(column(files, "path")) if path not in skip]
+        entries = list(rows_by(files, (path for path in column(files, "path") if path not in skip)).values())
         map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
 
