@@ -72,7 +72,7 @@ class Rows(Sequence[dict[str, Any]]):
 
     def __init__(self, keys: tuple[str, ...], cols: tuple[tuple[Any, ...], ...], n: int) -> None:
         self.keys, self._cols, self._n = keys, cols, n
-        self._index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._index: dict[str, tuple[Any, Any]] = {}  # key -> (sorted view, order) or (dict, None), by `find`
 
     def __reduce__(self) -> tuple[Any, ...]:  # (arrays and one buffer: a spawned worker gets no row objects)
         return (Rows, (self.keys, self._cols, self._n))
