@@ -14,8 +14,8 @@ import pytest
 
 from fastdata.formats.manifest import (IMAGES_NPY, load_manifest, manifest_digest, new_manifest, total_bytes,
                                        write_manifest)
-from fastdata.formats.rows import (Rows, canonical_pieces, compact_rows, has_columns, lookup, pairs, present,
-                                   rows_by)
+from fastdata.formats.rows import (Rows, canonical_pieces, column, compact_rows, has_columns, lookup, pairs,
+                                   present, rows_by)
 
 
 def canonical(obj) -> str:
@@ -121,7 +121,9 @@ def test_has_columns_present_and_pairs_read_rows_and_lists_alike():
         assert not has_columns(form, ints=("path",)) and not has_columns(form, texts=("samples",))
         assert not has_columns(form, ints=("missing",))
         assert present(form, "path") == ["a", "b", "c"] and present(form, "labels") == []
+        assert column(form, "labels", None) == [None] * 3 and column(form, "path", None) == ["a", "b", "c"]
     assert not has_columns(compact_rows([{"samples": -1}]), ints=("samples",))
+    assert column([{"a": 1}, {}], "a", 0) == [1, 0]
     assert not has_columns("not rows", ints=("samples",))
 
 

@@ -72,7 +72,7 @@ class Rows(Sequence[dict[str, Any]]):
 
     def __init__(self, keys: tuple[str, ...], cols: tuple[tuple[Any, ...], ...], n: int) -> None:
         self.keys, self._cols, self._n = keys, cols, n
-        self._index: dict[str, tuple[Any, Any]] = {}  # key -> (sorted view, order) or (dict, None), by `find`
+        self._index: dict[str, tuple[Any, Any]] = {}  # key -> (fixed-width keys, order) or (dict, None): `find`
 
     def __reduce__(self) -> tuple[Any, ...]:  # (arrays and one buffer: a spawned worker gets no row objects)
         return (Rows, (self.keys, self._cols, self._n))
@@ -155,16 +155,16 @@ class Rows(Sequence[dict[str, Any]]):
         return out
 
     def find(self, key: str, value: str) -> Optional[int]:
-        """The position of the (first) row whose text ``key`` is ``value``, or None: a binary search in the
-        column sorted once, on first use (fixed-width bytes and an order: no object a row)."""
+        """The position of the (first) row whose text ``key`` is ``value``, or None: a binary search through
+        the column's order, found once, on first use (fixed-width bytes and an order: no object a row)."""
         if key not in self._index:
             self._index[key] = self._sorted(key)
-        sorted_keys, order = self._index[key]
+        keys, order = self._index[key]
         probe = value.encode("utf-8", "surrogatepass")
-        if isinstance(sorted_keys, dict):
-            return sorted_keys.get(probe)
-        j = int(np.searchsorted(sorted_keys, probe))
-        if b"\0" not in probe and j < self._n and sorted_keys[j] == probe:
+        if isinstance(keys, dict):
+            return keys.get(probe)
+        j = int(np.searchsorted(keys, probe, sorter=order))
+        if b"\0" not in probe and j < self._n and keys[order[j]] == probe:
             return int(order[j])
         return None
 
@@ -176,8 +176,7 @@ class Rows(Sequence[dict[str, Any]]):
                 keys = np.frombuffer(col[1], dtype=f"S{int(lengths[0])}")  # the buffer itself
             else:
                 keys = np.array([t.encode("utf-8", "surrogatepass") for t in self.column(key)])
-            order = np.argsort(keys, kind="stable")
-            return keys[order], order
+            return keys, np.argsort(keys, kind="stable")  # (equal widths: the order is all that is added)
         found: dict[bytes, int] = {}  # (digests, integers, text with NULs: rare; a dict serves them)
         for i, v in enumerate(self.column(key)):
             found.setdefault(str(v).encode("utf-8", "surrogatepass"), i)
@@ -235,9 +234,16 @@ def compact_rows(items: Any) -> Any:
     return Rows(keys, tuple(cols), len(items))
 
 
-def column(rows: Sequence[dict[str, Any]], key: str) -> list[Any]:
-    """Every row's ``key``, from `Rows` or a list of dicts."""
-    return rows.column(key) if isinstance(rows, Rows) else [r[key] for r in rows]
+_NO_DEFAULT = object()
+
+
+def column(rows: Sequence[dict[str, Any]], key: str, default: Any = _NO_DEFAULT) -> list[Any]:
+    """Every row's ``key``, from `Rows` or a list of dicts; ``default`` where a row has none (when given)."""
+    if default is _NO_DEFAULT:
+        return rows.column(key) if isinstance(rows, Rows) else [r[key] for r in rows]
+    if isinstance(rows, Rows):
+        return rows.column(key) if key in rows.keys else [default] * len(rows)
+    return [r.get(key, default) for r in rows]
 
 
 def present(rows: Sequence[dict[str, Any]], key: str) -> list[Any]:

@@ -37,11 +37,9 @@ def shard_groups(manifest: dict[str, Any], at_open: bool) -> list[tuple[str, ...
         return [(path, *(f.files(k)[0] for f in fields))
                 for k, path in enumerate(column(manifest["lmdb_shards"], "path"))]
     shards = manifest.get("shards", [])
-    names = [] if at_open else present(shards, "labels")
-    own = ([[s["labels"]] if "labels" in s else [] for s in shards] if 0 < len(names) < len(shards)
-           else [[n] for n in names] or [[]] * len(shards))  # (a labels file a shard, or none)
-    return [(images, *mine, *(f.files(k)[0] for f in fields))
-            for k, (images, mine) in enumerate(zip(column(shards, "images"), own))]
+    labels = [None] * len(shards) if at_open else column(shards, "labels", None)
+    return [(images, *([] if label is None else [label]), *(f.files(k)[0] for f in fields))
+            for k, (images, label) in enumerate(zip(column(shards, "images"), labels))]
 
 
 def image_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
