@@ -7,9 +7,10 @@ every process of the job.
 The folders hold real shards in the formats' own layouts (hard links of a few real files, so that 10^6
 shards take seconds and no disk); each open runs in a fresh process, fastdata and torch imported before
 the clock starts. "RSS MB" is the memory the open and a first batch add to the process (what every rank
-keeps), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it.
+keeps), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it, "version s" the
+dataset's version (`manifest_sha256`, the digest of its manifest a loader's first ``state_dict`` names).
 
-    python benchmarks/bench_open.py [--shards 100000] [--formats npy,lmdb,tokens] [--against 3486314]
+    python benchmarks/bench_open.py [--shards 100000] [--formats npy,lmdb,tokens] [--against REF[,REF...]]
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ if kind == "floor":  # what any open that checks its files pays: the manifest pa
     for f in m["files"]:
         os.stat(os.path.join(path, f["path"]))
     opened, n = time.perf_counter(), len(m["files"])
-    first, sent = opened, 0
+    first, sent, version = opened, 0, 0.0
 else:
     ds = TokenDataset(path, seq_len=255) if kind == "tokens" else FastDataset(path)
     opened = time.perf_counter()
@@ -56,9 +57,12 @@ else:
     ds.get_batch(np.array([0, n // 2, n - 1]))
     first = time.perf_counter()
     sent = len(pickle.dumps(ds, protocol=pickle.HIGHEST_PROTOCOL))  # what a spawned DataLoader worker receives
+    t1 = time.perf_counter()
+    ds.manifest_sha256
+    version = time.perf_counter() - t1
 gc.collect()
 print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n,
-                  "sent_mb": sent / 1e6}))
+                  "sent_mb": sent / 1e6, "version": version}))
 """
 
 
@@ -165,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=100_000)
     ap.add_argument("--formats", default="npy,lmdb,tokens")
-    ap.add_argument("--against", help="a git ref whose fastdata opens the same folders in the same run")
+    ap.add_argument("--against", help="git refs (comma-separated) whose fastdata opens the same folders in the "
+                    "same run")
     ap.add_argument("--rounds", type=int, default=2, help="opens of each folder by each code; the best is kept")
     ap.add_argument("--work", help="folder for the datasets (default: a temporary one, removed after)")
     args = ap.parse_args()
@@ -176,10 +181,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         tmp = Path(tmp)
         codes = {"this": REPO}
-        if args.against:
-            codes[args.against] = older(args.against, Path(tempfile.mkdtemp(dir=tmp)))
+        refs = args.against.split(",") if args.against else []
+        for ref in refs:
+            codes[ref] = older(ref, Path(tempfile.mkdtemp(dir=tmp)))
         print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'pickled MB':>11} "
-              f"{'floor s':>8} {'open/floor':>11}")
+              f"{'version s':>10} {'floor s':>8} {'open/floor':>11}")
         for kind in args.formats.split(","):
             root, spare = tmp / kind, tmp / f"{kind}-spare"
             root.mkdir()
@@ -192,12 +198,14 @@ def main() -> None:
                 best[name] = min(runs, key=lambda r: r["open"])
                 r = best[name]
                 print(f"{kind:>7} {name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['rss_mb']:>8.0f} "
-                      f"{r['sent_mb']:>11.1f} {floor:>8.2f} {r['open'] / floor:>10.1f}x", flush=True)
-            if args.against:
-                old, new = best[args.against], best["this"]
-                print(f"{kind:>7} this opens {old['open'] / new['open']:.1f}x faster than {args.against}, in "
+                      f"{r['sent_mb']:>11.1f} {r['version']:>10.2f} {floor:>8.2f} {r['open'] / floor:>10.1f}x",
+                      flush=True)
+            for ref in refs:
+                old, new = best[ref], best["this"]
+                print(f"{kind:>7} this opens {old['open'] / new['open']:.2f}x faster than {ref}, in "
                       f"{old['rss_mb'] / new['rss_mb']:.1f}x less memory, pickled "
-                      f"{old['sent_mb'] / max(new['sent_mb'], 1e-6):.1f}x smaller", flush=True)
+                      f"{old['sent_mb'] / max(new['sent_mb'], 1e-6):.1f}x smaller, its version made "
+                      f"{old['version'] / max(new['version'], 1e-6):.1f}x faster", flush=True)
             subprocess.run(["rm", "-rf", str(root), str(spare)], check=True)
 
 

@@ -135,6 +135,23 @@ def test_truncated_shard_is_refused(npy_copy, tmp_path, storage):
         open_ds(npy_copy, storage, tmp_path)
 
 
+def test_every_file_is_checked_by_its_size_at_opening(npy_copy):
+    # one stat a file, beside the folder's descriptor (`contained_sizes`): each problem named at the open
+    shard, labels = npy_copy / "images-00001.npy", npy_copy / "labels.npy"
+    data = shard.read_bytes()
+    shard.unlink()
+    with pytest.raises(FormatError, match=r"images-00001\.npy is missing"):
+        FastDataset(npy_copy)
+    shard.mkdir()  # a folder where the shard should be
+    with pytest.raises(FormatError, match=r"images-00001\.npy is missing"):
+        FastDataset(npy_copy)
+    shard.rmdir()
+    shard.write_bytes(data)
+    labels.write_bytes(labels.read_bytes() + b"\0")  # a file the shards do not list: its size all the same
+    with pytest.raises(ChecksumError, match=r"labels\.npy has \d+ bytes but the manifest says"):
+        FastDataset(npy_copy)
+
+
 def test_a_labels_file_of_other_values_at_the_same_size_is_refused_at_opening(npy_copy):
     labels = npy_copy / "labels.npy"  # the one file every label is in, memory-mapped: checked when mapped
     n = len(np.load(labels))

@@ -62,6 +62,22 @@ def test_equal_length_paths_are_searched_in_place():
     assert rows_by(compact_rows(wide), [w["path"] for w in wide[::-3]]) == {w["path"]: w for w in wide[::-3]}
 
 
+def test_a_few_lookups_search_the_buffer_then_the_column_is_sorted():
+    # an open looks up one file (its labels): a search of the buffer, no order of a million paths kept
+    names = ["x-labels.npy", "", "labels.npy.bak", "", "labels.npy", "labels.npy", "a"]
+    rows = compact_rows([{"path": p, "n": k} for k, p in enumerate(names)])
+    assert rows.find("path", "labels.npy") == 4 and rows._index == {}  # (found inside three rows first)
+    assert [rows.find("path", p) for p in ("a", "labels", "x-labels.npy", "")] == [6, None, 0, 1]
+    assert "path" in rows._index  # ("" cannot be searched for: it was answered by the sorted column ...)
+    rows = compact_rows([{"path": p, "n": k} for k, p in enumerate(names)])
+    for _ in range(10):  # ... as every lookup after the first few is
+        assert rows.find("path", "labels.npy") == 4 and rows.find("path", "zzz") is None
+    assert "path" in rows._index
+    crowded = compact_rows([{"path": f"{k}-labels.npy"} for k in range(500)] + [{"path": "labels.npy"}])
+    assert crowded.find("path", "labels.npy") == 500  # (more than 64 rows hold it: sorted at once)
+    assert "path" in crowded._index
+
+
 @pytest.mark.parametrize("rows", [
     [{"a": 1}, {"a": 2, "b": 3}],  # different keys
     [{"a": 1}, {"a": True}],  # a bool is not an int here
@@ -91,7 +107,7 @@ def test_digests_are_packed_only_when_they_come_back_the_same():
 def test_random_lists_round_trip_exactly():
     rng = random.Random(7)
     pools = {"int": lambda: rng.choice([0, -1, 2 ** 63 - 1, -2 ** 63, rng.randrange(-10 ** 6, 10 ** 6)]),
-             "text": lambda: "".join(rng.choice("ab/é\0 \u2603x.-") for _ in range(rng.randrange(0, 9))),
+             "text": lambda: "".join(rng.choice("ab/é\0 \u2603x.-\"\\\n%") for _ in range(rng.randrange(0, 9))),
              "hex": lambda: digest_of(rng.randrange(1000)),
              "any": lambda: rng.choice([1, "1", True, None, 1.0, [1], {"a": 1}])}
     for trial in range(300):

@@ -93,14 +93,76 @@ def _edit_manifest(ds: Path, **changes) -> None:
     (ds / "manifest.json").write_text(json.dumps(m))
 
 
-def test_manifest_paths_may_not_escape_the_folder(dataset, capsys):
+@pytest.mark.parametrize("where", [0, -1])
+@pytest.mark.parametrize("bad", ["../../../etc/passwd", "/etc/passwd", "", "sub/../../x", "a/..", ".."])
+def test_manifest_paths_may_not_escape_the_folder(dataset, capsys, bad, where):
+    from fastdata.datasets.images import FastDataset
+
     m = json.loads((dataset / "manifest.json").read_text())
-    m["files"][0]["path"] = "../../../etc/passwd"
+    m["files"][where]["path"] = bad
     (dataset / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="not a plain relative path"):
         load_manifest(dataset)
+    with pytest.raises(FormatError, match="not a plain relative path"):  # (the columns a dataset keeps)
+        FastDataset(dataset)
     assert main(["verify", str(dataset), "--quiet"]) == 1
     assert "refusing" in capsys.readouterr().err
+
+
+def test_paths_are_refused_by_their_text_not_by_a_look_alike():
+    # whole-buffer tests find the paths to check; each found one is checked by `plain_relative`, so a name
+    # with two dots in it, or a slash inside, is served like any other
+    import random
+
+    from fastdata._io import plain_relative
+    from fastdata.formats.rows import compact_rows, suspect_paths
+
+    rng = random.Random(3)
+    for trial in range(300):
+        paths = ["".join(rng.choice("ab./é") for _ in range(rng.randrange(0, 7))) for _ in range(rng.randrange(1, 30))]
+        rows = compact_rows([{"path": p, "bytes": 1} for p in paths])
+        suspects = suspect_paths(rows)
+        assert suspects == [p for p in paths if not p or p.startswith("/") or ".." in p], trial
+        for p in paths:
+            if p not in suspects:
+                plain_relative(Path("."), p)  # (raises for a path that escapes)
+
+
+@pytest.mark.parametrize("entry", [{"path": "x.npy"}, {"path": "x.npy", "bytes": "12"}, {"path": 3, "bytes": 1},
+                                   {"path": "x.npy", "bytes": -1}, "x.npy"])
+def test_a_file_listed_without_its_path_and_size_is_refused(dataset, entry):
+    m = json.loads((dataset / "manifest.json").read_text())
+    m["files"].append(entry)
+    (dataset / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="as a file, not a path and its size in bytes"):
+        load_manifest(dataset)
+
+
+def test_sizes_by_one_stat_a_file_agree_with_a_walk_of_each_path(tmp_path):
+    from fastdata._io import contained_sizes, contained_stat
+
+    root, outside = tmp_path / "ds", tmp_path / "outside"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    outside.mkdir()
+    (root / "a.npy").write_bytes(b"x" * 5)
+    (root / "sub" / "b.npy").write_bytes(b"x" * 7)
+    (root / "sub" / "deeper" / "c").write_bytes(b"")
+    (root / "folder.npy").mkdir()
+    (root / "inside.npy").symlink_to("sub/b.npy")
+    (root / "linked").symlink_to("sub")
+    (outside / "d.npy").write_bytes(b"x" * 9)
+    names = ["a.npy", "sub/b.npy", "sub/deeper/c", "folder.npy", "inside.npy", "linked/b.npy", "absent.npy",
+             "sub/absent", "a.npy/under-a-file", ".", "sub", "a..b"]
+    want = []
+    for rel in names:
+        st = contained_stat(root, rel)
+        want.append(-1 if st is None else st.st_size if st.st_mode & 0o170000 == 0o100000 else -2)
+    assert contained_sizes(root, names).tolist() == want == [5, 7, 0, -2, 7, 7, -1, -1, -1, -2, -2, -1]
+    (root / "away.npy").symlink_to(outside / "d.npy")
+    (root / "away").symlink_to(outside)
+    for rel in ("away.npy", "away/d.npy", "..", "", "/etc/passwd", "sub/../.."):
+        with pytest.raises(FormatError, match="outside|not a plain relative path"):
+            contained_sizes(root, ["a.npy", rel])
 
 
 def test_a_link_that_leaves_the_folder_is_refused_one_that_stays_is_served(dataset, tmp_path):

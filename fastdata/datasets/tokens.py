@@ -179,8 +179,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                 # (refers to no dataset: a dropped dataset is collected and its cache closed, see close())
                 arr = map_npy(root, tokens.files[s][0], (tokens.files[s][1],), dtype)
                 return arr, windows(arr, length, void)
-            names = [rel for rel, _ in tokens.files]
-            self._cache = ShardCache(self._remote, names, opener, limit=self._limit)
+            self._cache = ShardCache(self._remote, tokens.names(), opener, limit=self._limit)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
             self._flat_rows = self._copy_table = None
             self._hold()

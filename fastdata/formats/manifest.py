@@ -17,7 +17,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threa
                    write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
-from .rows import Rows, canonical_pieces, column, compact_rows, has_columns, is_rows
+from .rows import canonical_pieces, column, compact_rows, has_columns, is_rows, suspect_paths
 from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
@@ -79,7 +79,17 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
         >>> m["format"], m["num_samples"]
         ('fastdata.images.npy', 1281167)
     """
-    root = Path(root)
+    return check_manifest(_parsed(Path(root)), root, formats, where=str(Path(root) / MANIFEST_NAME))
+
+
+def load_columns(root: Path | str, formats: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
+    """`load_manifest` for a reader that keeps the manifest: its long lists held as `Rows` before they are
+    checked, so that the checks read whole columns (NOTE [compact manifest])."""
+    return check_manifest(_parsed(Path(root)), root, formats, where=str(Path(root) / MANIFEST_NAME), columns=True)
+
+
+def _parsed(root: Path) -> Any:
+    """The JSON of ``root``'s manifest, unchecked."""
     path = root / MANIFEST_NAME
     if not root.is_dir():
         raise FormatError(f"{root} is not a folder: pass a dataset folder made by `fastdata preprocess`")
@@ -88,17 +98,16 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
             root / PARTIAL_DIR).exists() else ""
         raise FormatError(f"{root} has no {MANIFEST_NAME}: it is not a fastdata dataset{hint}")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{path} is not valid JSON ({exc}): the manifest is damaged") from exc
-    return check_manifest(manifest, root, formats, where=str(path))
 
 
 def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]] = None, *,
-                   where: str) -> dict[str, Any]:
+                   where: str, columns: bool = False) -> dict[str, Any]:
     """``manifest`` (already parsed, e.g. fetched from object storage) checked as `load_manifest`
     checks a file: a known format and version, one of ``formats``, paths inside ``root``, a sound layout.
-    ``where`` names it in messages."""
+    ``where`` names it in messages; ``columns`` compacts it first (`compact`, in place)."""
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
         raise FormatError(f"{where} lacks 'format'/'format_version': not a fastdata manifest")
     fmt, version = manifest["format"], manifest["format_version"]
@@ -111,14 +120,16 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
         )
     if formats is not None and fmt not in formats:
         raise FormatError(f"{where} holds {fmt}, but this reader needs one of {list(formats)}")
+    if columns:
+        compact(manifest)
     files = manifest.get("files")
     if not is_rows(files):
         raise FormatError(f"{where} has no 'files' list: the manifest is damaged")
-    if not isinstance(files, Rows):
-        for entry in files:
-            if not isinstance(entry, dict):
-                raise FormatError(f"{where} lists {entry!r} as a file: the manifest is damaged")
-    for path in files.column("path") if isinstance(files, Rows) else (e.get("path", "") for e in files):
+    if not has_columns(files, ints=("bytes",), texts=("path",)):
+        bad = next((e for e in files if not has_columns([e], ints=("bytes",), texts=("path",))), None)
+        raise FormatError(f"{where} lists {bad!r} as a file, not a path and its size in bytes: the manifest is "
+                          "damaged")
+    for path in suspect_paths(files):
         plain_relative(root, path)  # refuse paths that escape the folder before any use (NOTE [manifest paths])
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
         fields_of(manifest, where)  # refuses unknown kinds, bad dtypes, a missing image field
@@ -127,13 +138,15 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
 
 
 def compact(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A checked ``manifest`` with its files and shards held as `Rows` (NOTE [compact manifest]), changed in
-    place: what a dataset keeps (a manifest returned by `load_manifest` stays plain JSON data)."""
+    """``manifest`` with its files and shards held as `Rows` (NOTE [compact manifest]), changed in place: what a
+    dataset keeps (a manifest returned by `load_manifest` stays plain JSON data). Anything else is left as it
+    is, for the checks to refuse."""
     for key in ("files", "shards", "lmdb_shards"):
         if key in manifest:
             manifest[key] = compact_rows(manifest[key])
-    if manifest["format"] == TOKENS:  # (checked: every split a dict with its shards)
-        for split in manifest["splits"].values():
+    splits = manifest.get("splits") if manifest.get("format") == TOKENS else None
+    for split in splits.values() if isinstance(splits, dict) else ():
+        if isinstance(split, dict) and "shards" in split:
             split["shards"] = compact_rows(split["shards"])
     return manifest
 

@@ -8,21 +8,28 @@ NOTE [compact manifest]
    Columns are a few arrays (`benchmarks/bench_open.py` gives the figures).
 2. `Rows` is a read-only sequence of dicts: ``rows[i]`` and iteration build each dict when asked (a copy:
    changing it changes nothing), so code written for a list reads both. What touches every row at opening
-   takes whole columns (`column`, `ints`, `pairs`); many rows by their paths come in one pass (`rows_by`).
+   takes whole columns (`column`, `ints`, `pairs`); many rows by their paths come in one pass (`rows_by`);
+   a manifest is compacted before it is checked, so the checks read columns too (`suspect_paths`,
+   `has_columns`). One row by its path is a search of the text buffer for its first few lookups (an open
+   looks up one labels file), then a binary search through the column's order (`Rows.find`).
 3. Compacting never changes what a manifest says: a list whose rows have different keys, or values other
    than str and int (bools, floats, nested lists, ints past int64), stays a list; `to_list` gives the rows
    back equal to the parsed ones (keys in the first row's order), and `manifest_digest` streams them to the
-   same canonical JSON. `load_manifest` itself returns plain JSON data, for users who edit or write it.
+   same canonical JSON, written a column at a time (`Rows._json_values`). `load_manifest` itself returns plain JSON data, for users who edit or write it.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
 _INT, _TEXT, _HEX = "int", "text", "hex"
 _CHUNK = 8192  # rows built at once when iterating or serialising
+_SCANS = 8  # lookups of a key that search its buffer before it is sorted (each ~10 ms a million rows)
+_UNSURE = object()
+_ESCAPED = re.compile(rb'[\x00-\x1f"\\]')  # bytes JSON writes escaped (ensure_ascii=False)
 
 
 def _hex_column(joined: str, n: int) -> Optional[np.ndarray]:
@@ -68,11 +75,12 @@ class Rows(Sequence[dict[str, Any]]):
     """A list of flat records (``{"path": str, "bytes": int, "sha256": str}``, a shard's names and counts)
     held as columns (NOTE [compact manifest]); read-only. Make one with `compact_rows`."""
 
-    __slots__ = ("keys", "_cols", "_n", "_index")
+    __slots__ = ("keys", "_cols", "_n", "_index", "_scans")
 
     def __init__(self, keys: tuple[str, ...], cols: tuple[tuple[Any, ...], ...], n: int) -> None:
         self.keys, self._cols, self._n = keys, cols, n
         self._index: dict[str, tuple[Any, Any]] = {}  # key -> (fixed-width keys, order) or (dict, None): `find`
+        self._scans: dict[str, int] = {}  # key -> lookups that searched the buffer
 
     def __reduce__(self) -> tuple[Any, ...]:  # (arrays and one buffer: a spawned worker gets no row objects)
         return (Rows, (self.keys, self._cols, self._n))
@@ -93,6 +101,16 @@ class Rows(Sequence[dict[str, Any]]):
             base = ends[0]
             return [text[a - base:b - base] for a, b in zip(ends, ends[1:])]
         return [blob[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends, ends[1:])]
+
+    def _json_values(self, k: int, start: int, stop: int) -> list[str]:
+        """Column ``k``'s values as `canonical_pieces` writes them (compact JSON, non-ASCII as it is)."""
+        col = self._cols[k]
+        if col[0] == _INT:
+            return list(map(str, col[1][start:stop].tolist()))
+        values = self._values(k, start, stop)
+        if col[0] == _HEX or not _ESCAPED.search(col[1], int(col[2][start]), int(col[2][stop])):
+            return ['"' + v + '"' for v in values]  # (nothing to escape: the text between quotes)
+        return [json.dumps(v, ensure_ascii=False) for v in values]
 
     def _chunk(self, start: int, stop: int) -> list[dict[str, Any]]:
         columns = [self._values(k, start, stop) for k in range(len(self.keys))]
@@ -155,9 +173,16 @@ class Rows(Sequence[dict[str, Any]]):
         return out
 
     def find(self, key: str, value: str) -> Optional[int]:
-        """The position of the (first) row whose text ``key`` is ``value``, or None: a binary search through
-        the column's order, found once, on first use (fixed-width bytes and an order: no object a row)."""
+        """The position of the (first) row whose text ``key`` is ``value``, or None. The first few lookups of a
+        key search its buffer (`_scan`: an open looks up one labels file); later ones a binary search through
+        the column's order, found once (fixed-width bytes and an order: no object a row)."""
         if key not in self._index:
+            scans = self._scans.get(key, 0)
+            if scans < _SCANS:
+                self._scans[key] = scans + 1
+                found = self._scan(key, value)
+                if found is not _UNSURE:
+                    return found
             self._index[key] = self._sorted(key)
         keys, order = self._index[key]
         probe = value.encode("utf-8", "surrogatepass")
@@ -167,6 +192,25 @@ class Rows(Sequence[dict[str, Any]]):
         if b"\0" not in probe and j < self._n and keys[order[j]] == probe:
             return int(order[j])
         return None
+
+    def _scan(self, key: str, value: str) -> Any:
+        """``find`` by searching the text column's buffer for ``value`` where a row starts and ends there
+        (the first such row); `_UNSURE` for another kind of column, an empty value, or a value found inside
+        many longer rows first."""
+        col = self._cols[self.keys.index(key)]
+        probe = value.encode("utf-8", "surrogatepass")
+        if col[0] != _TEXT or not probe:
+            return _UNSURE
+        blob, offsets = col[1], col[2]
+        at = blob.find(probe)
+        for _ in range(64):
+            if at < 0:
+                return None
+            j = int(np.searchsorted(offsets, at, side="right")) - 1  # (the last row starting there: others are empty)
+            if offsets[j] == at and offsets[j + 1] == at + len(probe):
+                return j
+            at = blob.find(probe, at + 1)
+        return _UNSURE
 
     def _sorted(self, key: str) -> tuple[Any, Any]:
         col = self._cols[self.keys.index(key)]
@@ -208,6 +252,13 @@ class Pairs(Sequence[tuple[Any, Any]]):
             yield from zip(self._rows._values(self._a, start, stop), self._rows._values(self._b, start, stop))
 
 
+def unzipped(items: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
+    """The first and the second values of ``items`` (`Pairs`: its two columns, no tuple built)."""
+    if isinstance(items, Pairs):
+        return items._rows._values(items._a, 0, len(items)), items._rows._values(items._b, 0, len(items))
+    return [a for a, _ in items], [b for _, b in items]
+
+
 def pairs(rows: Sequence[dict[str, Any]], a: str, b: str) -> Sequence[tuple[Any, Any]]:
     """Each row's ``(a, b)``: a view of `Rows` (no tuple kept a row), a list for a list of dicts."""
     return Pairs(rows, a, b) if isinstance(rows, Rows) else [(r[a], r[b]) for r in rows]
@@ -244,6 +295,30 @@ def column(rows: Sequence[dict[str, Any]], key: str, default: Any = _NO_DEFAULT)
     if isinstance(rows, Rows):
         return rows.column(key) if key in rows.keys else [default] * len(rows)
     return [r.get(key, default) for r in rows]
+
+
+def suspect_paths(rows: Sequence[dict[str, Any]], key: str = "path") -> list[Any]:
+    """The values of ``key`` that may not be plain relative paths (NOTE [manifest paths] in _io.py): every
+    value of a list; of `Rows`, the empty ones, those starting with ``/`` and those holding ``..``, found by
+    whole-buffer tests (a million paths are checked at every open). Digests are never suspect."""
+    if not isinstance(rows, Rows):
+        return column(rows, key)
+    col = rows._cols[rows.keys.index(key)]
+    if col[0] != _TEXT:
+        return [] if col[0] == _HEX else rows.column(key)
+    data, offsets = np.frombuffer(col[1], np.uint8), col[2]
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    odd = lengths == 0
+    odd[~odd] = data[starts[~odd]] == ord("/")
+    dots = np.flatnonzero((data[:-1] == ord(".")) & (data[1:] == ord(".")))
+    row = np.searchsorted(offsets, dots, side="right") - 1
+    odd[row[offsets[row + 1] > dots + 1]] = True  # (a `..` inside a row, not a row ending and the next starting `.`)
+    return [r[key] for r in rows.take(np.flatnonzero(odd))]
+
+
+def int_column(rows: Sequence[dict[str, Any]], key: str) -> np.ndarray:
+    """Every row's integer ``key`` as an int64 array (read-only for `Rows`: its own column)."""
+    return rows.ints(key) if isinstance(rows, Rows) else np.array(column(rows, key), dtype=np.int64)
 
 
 def present(rows: Sequence[dict[str, Any]], key: str) -> list[Any]:
@@ -308,9 +383,12 @@ def canonical_pieces(obj: Any) -> Iterator[str]:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     if isinstance(obj, Rows):
+        order = sorted(range(len(obj.keys)), key=lambda k: obj.keys[k])
+        row = "{" + ",".join(dumps(obj.keys[k]).replace("%", "%%") + ":%s" for k in order) + "}"
         yield "["
         for start in range(0, len(obj), _CHUNK):
-            yield ("," if start else "") + dumps(obj._chunk(start, min(start + _CHUNK, len(obj))))[1:-1]
+            values = [obj._json_values(k, start, min(start + _CHUNK, len(obj))) for k in order]
+            yield ("," if start else "") + ",".join([row % v for v in zip(*values)])
         yield "]"
     elif isinstance(obj, dict) and any(isinstance(v, (dict, list, Rows)) for v in obj.values()):
         yield "{"

@@ -51,8 +51,7 @@ def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[lis
     """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
     (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
     opened = image_files(manifest, fields, is_lmdb)
-    others = check_sizes(root, manifest, [p for p in column(manifest["files"], "path") if p not in opened],
-                         present_only=True)
+    others = check_sizes(root, manifest, skip=opened, present_only=True)
     if verify:
         verify_hashes(root, manifest, others)
 

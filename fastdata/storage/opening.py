@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..distributed import broadcast_bytes, group_size, is_main_rank
 from ..errors import ConfigError, FastdataError, FormatError
-from ..formats.manifest import MANIFEST_NAME, check_manifest, compact, load_manifest
+from ..formats.manifest import MANIFEST_NAME, check_manifest, load_columns
 from ..formats.rows import column
 from .remote import RETRY_SECONDS, RemoteDataset, is_url, scrub
 from .streamed import unread_files
@@ -74,18 +74,18 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
         if storage_options is not None or cache_dir is not None or cache_limit is not None:
             raise ConfigError("storage_options, cache_dir and cache_limit were given when the dataset was opened; "
                               "pass them there, not again with the opened dataset")
-        compact(check_manifest(path.manifest, path.root, formats, where=str(path.root / MANIFEST_NAME)))
+        check_manifest(path.manifest, path.root, formats, where=str(path.root / MANIFEST_NAME), columns=True)
         return path
     limit = parse_size(cache_limit)
     if not is_url(str(path)):  # a local folder is read in place
         if storage_options is not None or cache_dir is not None or cache_limit is not None:
             raise ConfigError(f"storage_options, cache_dir and cache_limit apply to URLs (s3://..., gs://...); "
                               f"{path} is a local path")
-        return OpenedPath(Path(path), compact(load_manifest(path, formats)))
+        return OpenedPath(Path(path), load_columns(path, formats))
     remote = _job_remote(str(path), storage_options=storage_options, cache_dir=cache_dir,
                          retry_seconds=retry_seconds)
-    manifest = compact(check_manifest(remote.manifest, remote.dir, formats,
-                                      where=f"{scrub(remote.url)}/{MANIFEST_NAME}"))  # (the remote's own, in place)
+    manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}",
+                              columns=True)  # (the remote's own, in place)
     stream, unread = streamed(manifest), unread_files(manifest)
     fetched = stream | unread
     need = sum(b for p, b in zip(column(manifest["files"], "path"), column(manifest["files"], "bytes"))

@@ -18,17 +18,17 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Collection, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from .. import _limits
-from .._io import HASH_WORKERS, contained_stat, map_threads, new_hash, safe_join
+from .._io import HASH_WORKERS, contained_sizes, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
-from ..formats.manifest import check_file, damaged_error, file_error, file_problem, require_intact
-from ..formats.rows import column, rows_by
+from ..formats.manifest import damaged_error, file_error, file_problem, require_intact
+from ..formats.rows import column, int_column, rows_by, unzipped
 from . import shm
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
@@ -50,7 +50,11 @@ class ShardSet:
 
     @property
     def rows(self) -> int:
-        return sum(n for _, n in self.files)
+        return sum(unzipped(self.files)[1])
+
+    def names(self) -> list[str]:
+        """The shards' manifest paths, in order."""
+        return unzipped(self.files)[0]
 
     def bodies(self) -> list[tuple[str, int]]:
         """``(file, header length)`` of every shard: where its raw rows start."""
@@ -73,10 +77,10 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
     (while reading it for ``ram``/``cuda``: one pass). Sizes are always checked first."""
     if storage not in STORAGE:
         raise ConfigError(f"storage must be one of {STORAGE}, got storage={storage!r}")
-    check_sizes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
+    check_sizes(shards.root, shards.manifest, shards.names())
     shape = (shards.rows, *shards.row_shape)
     if storage == "mmap" and verify:  # (shm: the copy is hashed while it is made, a found one before use)
-        verify_hashes(shards.root, shards.manifest, [rel for rel, _ in shards.files])
+        verify_hashes(shards.root, shards.manifest, shards.names())
     if storage == "mmap":
         if not _limits.room_for_maps(len(shards.files)):
             return OpenedShards(maps=ShardMaps(shards, *_limits.bounded_maps()))
@@ -216,24 +220,27 @@ class ShardMaps(Sequence[np.ndarray]):
         return arr
 
 
-def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Sequence[str]] = None, *,
-                present_only: bool = False) -> list[str]:
-    """Refuse missing (unless ``present_only``) or truncated files: one stat each, cheap enough for every
-    open of a million shards. Returns the paths checked (those present, with ``present_only``)."""
-    wanted = None if paths is None else set(paths)  # a set: 20,000 shards must not cost 20,000^2 comparisons
-    checked = []
+def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection[str]] = None, *,
+                present_only: bool = False, skip: Collection[str] = ()) -> list[str]:
+    """Refuse missing (unless ``present_only``) or truncated files among ``paths`` (default: every file but
+    those in ``skip``): one stat each, cheap enough for every open of a million shards (`contained_sizes`;
+    sizes compared as arrays). Returns the paths checked (those present, with ``present_only``), in the
+    manifest's order."""
     files = manifest["files"]
-    for rel, size in zip(column(files, "path"), column(files, "bytes")):  # (no row built: NOTE [compact manifest])
-        if wanted is not None and rel not in wanted:
-            continue
-        f = {"path": rel, "bytes": size}
-        problem = check_file(root, f, hashed=False)
-        if problem == "missing" and present_only and contained_stat(root, rel) is None:
-            continue  # (absent; a folder where the file should be is still refused)
-        if problem is not None:
-            raise file_error(root, f, problem)
-        checked.append(rel)
-    return checked
+    names = column(files, "path")  # (whole columns, no row built: NOTE [compact manifest])
+    expected = int_column(files, "bytes")
+    if paths is not None or skip:  # (sets: 20,000 shards must not cost 20,000^2 comparisons)
+        listed = set(paths if paths is not None else skip)
+        keep = np.fromiter(map(listed.__contains__, names), bool, len(names))
+        keep = np.flatnonzero(keep if paths is not None else ~keep)
+        names, expected = [names[i] for i in keep.tolist()], expected[keep]
+    found = contained_sizes(root, names)
+    bad = found != expected
+    if present_only:
+        bad &= found != -1  # (absent; a folder where the file should be is still refused)
+    for i in np.flatnonzero(bad)[:1].tolist():
+        raise file_error(root, {"path": names[i], "bytes": int(expected[i])}, "size" if found[i] >= 0 else "missing")
+    return [n for n, size in zip(names, found.tolist()) if size != -1] if present_only else names
 
 
 def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
