@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 #    in the log (loader workers, forked or spawned, inherit the raised limit).
 # 2. Where the hard limit is too low, a dataset opens its shards as batches read them and keeps at most half
 #    the descriptors left open (npy: `ShardMaps`; LMDB: a bounded `LmdbReader`), least recently used let go
-#    first; a shard a batch is still reading is never let go.
+#    first; a shard a batch is still reading is never let go (LMDB: rule 6 keeps such shards within bound).
 # 3. FD_HEADROOM descriptors stay free for everything else: sockets, pipes, worker queues, lock files.
 # 4. Each open shard is also one of the process's memory mappings, which Linux caps at vm.max_map_count
 #    (65,530 by default; a system setting: a process cannot raise it for itself): a token split of FineWeb's
@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # 5. The bounds of several datasets in one process add up: a new one is sized by what the live ones may still
 #    open (`register_bounded`): a bounded dataset up to its bound, an LMDB reader that opens its stores as
 #    read every store it has not opened yet.
+# 6. A bounded LMDB reader's read blocks share its bound: a block takes room for the stores it reads beside
+#    what the blocks in flight hold (`Holds.room`); one over more stores than there is room for reads copies,
+#    that many stores at a time (at least one), each group's transactions ended before the next (a batch over
+#    1,300 stores under a hard limit of 1,024 failed with "Too many open files" before 2026-11-27).
 FD_HEADROOM = 256
 MAP_HEADROOM = 8192
 

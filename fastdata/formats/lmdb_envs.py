@@ -103,6 +103,7 @@ class Holds:
         self.keys: dict[str, str] = {}  # path as given -> resolved, while held...
         self.names: dict[str, str] = {}  # ...and back
         self.busy: dict[str, int] = {}  # bounded: environments inside a read block, and how many blocks
+        self.reserved = 0  # bounded: stores the read blocks in flight may hold (`room`)
 
     def held(self) -> int:
         return len(self.envs)
@@ -116,9 +117,7 @@ class Holds:
             if env is not None:  # the common case: no lock on the read path
                 return env, key
         with _ENVS_LOCK:
-            _forked()
-            if self.pid != os.getpid():  # what it held in the parent is not counted here
-                self.pid, self.envs, self.keys, self.names, self.busy = os.getpid(), OrderedDict(), {}, {}, {}
+            self._here()
             key = self.keys.get(path)
             if key is None or key not in self.envs:
                 key = self._open(path)
@@ -128,6 +127,29 @@ class Holds:
                 self.envs.move_to_end(key)
                 self._trim()
             return env, key
+
+    def _here(self) -> None:
+        """Start counting afresh in a forked child (``_ENVS_LOCK`` held): what it held in the parent is not
+        counted here."""
+        _forked()
+        if self.pid != os.getpid():
+            self.pid, self.envs, self.keys, self.names, self.busy = os.getpid(), OrderedDict(), {}, {}, {}
+            self.reserved = 0
+
+    def room(self, stores: int) -> int:
+        """How many stores a read block over ``stores`` may hold at once (bounded): all of them when they fit
+        beside the stores the blocks in flight may hold, else what is left, at least one (never a wait: this
+        thread may itself be inside a block). Give it back with `give_back` when the block ends."""
+        with _ENVS_LOCK:
+            self._here()
+            granted = max(1, min(stores, self.bound - self.reserved))  # type: ignore[operator]
+            self.reserved += granted
+            return granted
+
+    def give_back(self, granted: int) -> None:
+        with _ENVS_LOCK:
+            if self.pid == os.getpid():
+                self.reserved -= granted
 
     def _trim(self) -> None:
         """Let go of the least recently used stores no read block uses, down to the bound (``_ENVS_LOCK``

@@ -226,32 +226,50 @@ class LmdbReader:
         """``with reader.views(indices) as blobs``: the records as read-only views of the memory-mapped
         stores, valid only inside the block (their read transactions stay open until it ends). No copy:
         the loader decodes straight from the page cache, whereas a record copied into ``bytes`` is copied with
-        the GIL held (py-lmdb copies under it), which two loader threads then queue for."""
+        the GIL held (py-lmdb copies under it), which two loader threads then queue for. A bounded reader
+        gives copies for a block over more stores than it may hold open (NOTE [open files] 6)."""
         return self._reading(indices, copy=False)
 
     @contextlib.contextmanager
     def _reading(self, indices: Sequence[int], copy: bool) -> Iterator[list[Any]]:
         idx = np.asarray(indices, dtype=np.int64)
         out: list[Any] = [b""] * len(idx)
-        with contextlib.ExitStack() as txns:
-            shard, row = self.index.locate(idx)
-            keys = (row if self.local_keys else idx).tolist()
-            if len(self.paths) == 1:
-                groups = [(0, range(len(idx)))]
-            else:
-                groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
-            for s, rows in groups:  # one read transaction per store touched
-                with CALLS:  # (a fork waits for this, and for the transaction's end below)
-                    env, held = self._holds.env(self.paths[s])
-                    if self.bound is not None:  # (registered first: it runs after the transaction's end)
-                        txns.callback(self._holds.done, held)
-                    if self.local_keys and s not in self._counted:
-                        self._count(s, env)
-                    txn = env.begin(buffers=not copy)
-                    txns.callback(ended, txn)
-                    for r in rows:
-                        out[r] = txn.get(key(keys[r]))
-            yield out
+        shard, row = self.index.locate(idx)
+        keys = (row if self.local_keys else idx).tolist()
+        if len(self.paths) == 1:
+            groups = [(0, range(len(idx)))]
+        else:
+            groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
+        room = len(groups) if self.bound is None else self._holds.room(len(groups))
+        try:
+            if room >= len(groups):
+                with contextlib.ExitStack() as txns:
+                    self._read(groups, keys, out, copy, txns)
+                    yield out
+                return
+            for part in range(0, len(groups), room):  # (NOTE [open files] 6: copies, `room` stores at a time)
+                with contextlib.ExitStack() as txns:
+                    self._read(groups[part:part + room], keys, out, True, txns)
+        finally:
+            if self.bound is not None:
+                self._holds.give_back(room)
+        yield out
+
+    def _read(self, groups: Sequence[tuple[int, Sequence[int]]], keys: list[int], out: list[Any], copy: bool,
+              txns: contextlib.ExitStack) -> None:
+        """``out[r]`` for the rows of each ``(store, rows)`` group: one read transaction a store, ended (and the
+        store let go of, bounded) when ``txns`` closes."""
+        for s, rows in groups:
+            with CALLS:  # (a fork waits for this, and for the transaction's end below)
+                env, held = self._holds.env(self.paths[s])
+                if self.bound is not None:  # (registered first: it runs after the transaction's end)
+                    txns.callback(self._holds.done, held)
+                if self.local_keys and s not in self._counted:
+                    self._count(s, env)
+                txn = env.begin(buffers=not copy)
+                txns.callback(ended, txn)
+                for r in rows:
+                    out[r] = txn.get(key(keys[r]))
 
 
 def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:
