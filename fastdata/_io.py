@@ -337,35 +337,46 @@ _NOT_NAMES = ("", ".", "..")
 
 
 def contained_sizes(root: Path, rels: Sequence[Any]) -> np.ndarray:
-    """The size of each regular file ``root / rel`` (manifest paths), -1 where none is, -2 where something
-    else is (a folder): `contained_stat` for each, with one ``lstat`` beside an open descriptor of ``root`` for
-    a plain file name (most shards: no walk of components, no path joined; 2·10^6 files a rank opens).
-
-    Raises:
-        FormatError: a path is not plain relative, or a link in it leads outside ``root``.
-    """
+    """The size of each regular file ``root / rel`` (manifest paths): -1 where none is, -2 where something else
+    is (a folder), -3 where `contained_stat` refuses the path (call it to raise its error). A plain file name
+    is stat'd beside a descriptor of ``root`` (no walk of components, no path joined: 2·10^6 files a rank
+    opens); any other path, or a link, goes through `contained_stat`."""
     sizes: list[int] = []
-    add, lstat = sizes.append, os.lstat
-    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)) if os.lstat in os.supports_dir_fd else None
+    add, lstat, fd = sizes.append, os.lstat, _folder_descriptor(root)
     prefix = os.path.join(os.fspath(root), "")
     try:
         for rel in rels:
             if type(rel) is str and "/" not in rel and rel not in _NOT_NAMES:  # one component, no `..`
                 try:
-                    mode_size = lstat(rel, dir_fd=fd) if fd is not None else lstat(prefix + rel)
+                    st = os.stat(rel, dir_fd=fd, follow_symlinks=False) if fd is not None else lstat(prefix + rel)
                 except (FileNotFoundError, NotADirectoryError):
                     add(-1)
                     continue
-                kind = stat.S_IFMT(mode_size.st_mode)
+                kind = stat.S_IFMT(st.st_mode)
                 if kind != stat.S_IFLNK:  # (a link is resolved and checked by contained_stat)
-                    add(mode_size.st_size if kind == stat.S_IFREG else -2)
+                    add(st.st_size if kind == stat.S_IFREG else -2)
                     continue
-            st = contained_stat(root, rel)
-            add(-1 if st is None else st.st_size if stat.S_ISREG(st.st_mode) else -2)
+            try:
+                found = contained_stat(root, rel)
+            except FormatError:
+                add(-3)
+                continue
+            add(-1 if found is None else found.st_size if stat.S_ISREG(found.st_mode) else -2)
     finally:
         if fd is not None:
             os.close(fd)
     return np.array(sizes, dtype=np.int64)
+
+
+def _folder_descriptor(root: Path) -> Optional[int]:
+    """A descriptor of the folder ``root`` to stat names beside (``O_PATH`` where there is one: a folder this
+    user may enter but not list still serves), or None where that is not to be had."""
+    if os.stat not in os.supports_dir_fd or not os.path.isdir(root):
+        return None
+    try:
+        return os.open(root, getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def folder_prefix(root: Path | str) -> str:

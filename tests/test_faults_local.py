@@ -264,6 +264,17 @@ def test_a_bounded_lmdb_reader_never_closes_a_store_a_read_block_still_uses(many
                 assert bytes(blobs[0]) == want[k]
                 reader.release(reader.path_of(k))
         reader.get_many(range(100, 140))
+        import os
+        with reader.views(range(10)) as blobs:  # a child forked inside a block leaves it: not its room to give
+            child = os.fork()
+            if child == 0:
+                reader.get_many([300])  # (the child reads first: it counts afresh)
+        if child == 0:
+            with reader.views(range(200, 240)) as more:
+                fine = reader.held() <= 16 and list(more) == want[200:240]
+            os._exit(0 if fine and reader._holds.reserved == 0 else 3)
+        assert os.WEXITSTATUS(os.waitpid(child, 0)[1]) == 0, "the child held more than its bound"
+        assert reader._holds.reserved == 0
         print("ok", reader.held())
     """, str(many_lmdb))
     ok, held = r.stdout.split()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdata.cli.main import main
-from fastdata.errors import FormatError, VersionError
+from fastdata.errors import ChecksumError, FormatError, VersionError
 from fastdata.formats.manifest import load_manifest
 
 
@@ -129,7 +129,7 @@ def test_paths_are_refused_by_their_text_not_by_a_look_alike():
 
 
 @pytest.mark.parametrize("entry", [{"path": "x.npy"}, {"path": "x.npy", "bytes": "12"}, {"path": 3, "bytes": 1},
-                                   {"path": "x.npy", "bytes": -1}, "x.npy"])
+                                   {"path": "x.npy", "bytes": -1}, {"path": "x.npy", "bytes": 2 ** 63}, "x.npy"])
 def test_a_file_listed_without_its_path_and_size_is_refused(dataset, entry):
     m = json.loads((dataset / "manifest.json").read_text())
     m["files"].append(entry)
@@ -160,9 +160,30 @@ def test_sizes_by_one_stat_a_file_agree_with_a_walk_of_each_path(tmp_path):
     assert contained_sizes(root, names).tolist() == want == [5, 7, 0, -2, 7, 7, -1, -1, -1, -2, -2, -1]
     (root / "away.npy").symlink_to(outside / "d.npy")
     (root / "away").symlink_to(outside)
-    for rel in ("away.npy", "away/d.npy", "..", "", "/etc/passwd", "sub/../.."):
+    refused = ["away.npy", "away/d.npy", "..", "", "/etc/passwd", "sub/../..", 7]
+    assert contained_sizes(root, ["a.npy", *refused]).tolist() == [5] + [-3] * len(refused)
+    for rel in refused:  # (-3: contained_stat says why)
         with pytest.raises(FormatError, match="outside|not a plain relative path"):
-            contained_sizes(root, ["a.npy", rel])
+            contained_stat(root, rel)
+
+
+def test_the_first_problem_in_the_manifests_order_is_the_one_named(dataset, tmp_path):
+    # every file is stat'd before any size is compared: a later link out of the folder must not hide an
+    # earlier truncated file (nor turn its error into another)
+    from fastdata.datasets.images import FastDataset
+
+    data = sorted(p for p in dataset.iterdir() if p.name.startswith("images-"))
+    first, later = data[0], data[-1]
+    (tmp_path / "elsewhere").write_bytes(later.read_bytes())
+    later.unlink()
+    later.symlink_to(tmp_path / "elsewhere")
+    whole = first.read_bytes()
+    first.write_bytes(whole[:-1])
+    with pytest.raises(ChecksumError, match=rf"{first.name} has \d+ bytes but the manifest says"):
+        FastDataset(dataset)
+    first.write_bytes(whole)
+    with pytest.raises(FormatError, match=f"'{later.name}' resolves to .*outside"):
+        FastDataset(dataset)
 
 
 def test_a_link_that_leaves_the_folder_is_refused_one_that_stays_is_served(dataset, tmp_path):

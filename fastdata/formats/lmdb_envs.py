@@ -146,9 +146,11 @@ class Holds:
             self.reserved += granted
             return granted
 
-    def give_back(self, granted: int) -> None:
+    def give_back(self, granted: int, pid: int) -> None:
+        """The room `room` granted in process ``pid`` (a block begun before a fork ends in the child too: not
+        the child's to give back)."""
         with _ENVS_LOCK:
-            if self.pid == os.getpid():
+            if self.pid == pid == os.getpid():
                 self.reserved -= granted
 
     def _trim(self) -> None:
@@ -182,11 +184,11 @@ class Holds:
         self.keys[path], self.names[key] = key, path
         return key
 
-    def done(self, key: str) -> None:
-        """A read block that took the environment of ``key`` from `env` has ended (bounded readers only; the
-        key, not the path: a store let go of meanwhile has no path left)."""
+    def done(self, key: str, pid: int) -> None:
+        """A read block that took the environment of ``key`` from `env` in process ``pid`` has ended (bounded
+        readers only; the key, not the path: a store let go of meanwhile has no path left)."""
         with _ENVS_LOCK:
-            if self.pid == os.getpid() and self.busy.get(key):
+            if self.pid == pid == os.getpid() and self.busy.get(key):
                 self.busy[key] -= 1
                 if not self.busy[key]:
                     del self.busy[key]

@@ -240,6 +240,7 @@ class LmdbReader:
             groups = [(0, range(len(idx)))]
         else:
             groups = [(s, np.flatnonzero(shard == s).tolist()) for s in np.unique(shard).tolist()]
+        pid = os.getpid()  # (a block begun before a fork is given back by the parent only)
         room = len(groups) if self.bound is None else self._holds.room(len(groups))
         try:
             if room >= len(groups):
@@ -252,7 +253,7 @@ class LmdbReader:
                     self._read(groups[part:part + room], keys, out, True, txns)
         finally:
             if self.bound is not None:
-                self._holds.give_back(room)
+                self._holds.give_back(room, pid)
         yield out
 
     def _read(self, groups: Sequence[tuple[int, Sequence[int]]], keys: list[int], out: list[Any], copy: bool,
@@ -263,7 +264,7 @@ class LmdbReader:
             with CALLS:  # (a fork waits for this, and for the transaction's end below)
                 env, held = self._holds.env(self.paths[s])
                 if self.bound is not None:  # (registered first: it runs after the transaction's end)
-                    txns.callback(self._holds.done, held)
+                    txns.callback(self._holds.done, held, os.getpid())
                 if self.local_keys and s not in self._counted:
                     self._count(s, env)
                 txn = env.begin(buffers=not copy)

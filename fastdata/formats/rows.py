@@ -360,14 +360,14 @@ def rows_by(rows: Sequence[dict[str, Any]], values: Iterable[str], key: str = "p
 
 
 def has_columns(rows: Any, ints: tuple[str, ...] = (), texts: tuple[str, ...] = ()) -> bool:
-    """``rows`` is `Rows` or a list of dicts, and every row has each of ``ints`` as an int >= 0 (not a bool)
-    and each of ``texts`` as a str."""
+    """``rows`` is `Rows` or a list of dicts, and every row has each of ``ints`` as an int >= 0 within int64
+    (not a bool) and each of ``texts`` as a str."""
     if isinstance(rows, Rows):
         kinds = dict(zip(rows.keys, (c[0] for c in rows._cols)))
         return (all(kinds.get(k) == _INT and (not len(rows) or rows.ints(k).min() >= 0) for k in ints)
                 and all(kinds.get(k) in (_TEXT, _HEX) for k in texts))
     return isinstance(rows, list) and all(
-        isinstance(r, dict) and all(type(r.get(k)) is int and r[k] >= 0 for k in ints)
+        isinstance(r, dict) and all(type(r.get(k)) is int and 0 <= r[k] < 1 << 63 for k in ints)
         and all(isinstance(r.get(k), str) for k in texts) for r in rows)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import _limits
-from .._io import HASH_WORKERS, contained_sizes, map_threads, new_hash, safe_join
+from .._io import HASH_WORKERS, contained_sizes, contained_stat, map_threads, new_hash, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
 from ..formats.manifest import damaged_error, file_error, file_problem, require_intact
@@ -238,7 +238,9 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
     bad = found != expected
     if present_only:
         bad &= found != -1  # (absent; a folder where the file should be is still refused)
-    for i in np.flatnonzero(bad)[:1].tolist():
+    for i in np.flatnonzero(bad)[:1].tolist():  # (the first problem in the manifest's order)
+        if found[i] == -3:
+            contained_stat(root, names[i])  # (raises: the path leaves the folder)
         raise file_error(root, {"path": names[i], "bytes": int(expected[i])}, "size" if found[i] >= 0 else "missing")
     return [n for n, size in zip(names, found.tolist()) if size != -1] if present_only else names
 
