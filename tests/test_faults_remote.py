@@ -175,7 +175,7 @@ def test_the_cli_gives_up_on_a_refusing_store_in_one_line(s3, proxy, indexed_dat
 
 def test_one_outage_is_given_up_on_once_not_once_per_read():
     from fastdata.errors import ConfigError, FormatError
-    from fastdata.storage.remote import Retry
+    from fastdata.storage.object_store import Retry
 
     calls: list[float] = []
 
@@ -201,7 +201,7 @@ def test_one_outage_is_given_up_on_once_not_once_per_read():
 
 
 def test_the_s3_clients_own_retry_loops_are_off_unless_asked_for(s3):
-    from fastdata.storage.remote import filesystem
+    from fastdata.storage.object_store import filesystem
 
     fs, _ = filesystem("s3://bucket/ds")
     assert fs.retries == 1 and fs.config_kwargs["retries"]["total_max_attempts"] == 1
@@ -367,7 +367,7 @@ def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed
                                                                           monkeypatch):
     pytest.importorskip("fsspec")
     from fastdata.cli.main import main
-    from fastdata.storage.remote import Retry
+    from fastdata.storage.object_store import Retry
 
     url = "memory://user:hunter2@store/ds?token=t0k3n&X-Amz-Signature=s1gn"  # fsspec's in-process store
     monkeypatch.setenv("FASTDATA_CACHE", str(tmp_path / "cache"))

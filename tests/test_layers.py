@@ -9,7 +9,7 @@ import fastdata
 
 ROOT = Path(fastdata.__file__).parent
 # One row per package, lowest first: a module may import its own row or any row below it. storage sits
-# below preprocess because a source at a URL (tars in a bucket) is read through storage.remote.
+# below preprocess because a source at a URL (tars in a bucket) is read through storage.object_store.
 LAYERS = [
     ["fastdata.errors", "fastdata._io", "fastdata._limits", "fastdata._version", "fastdata.distributed",
      "fastdata.progress"],

@@ -257,7 +257,8 @@ def test_push_to_a_file_url_makes_its_folders_and_reads_back_the_same_batches(in
 def test_urls_need_the_remote_extra_and_local_paths_refuse_remote_options(monkeypatch, indexed_datasets):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import ConfigError, MissingDependencyError
-    from fastdata.storage.remote import is_url, scrub
+    from fastdata.storage.object_store import is_url
+    from fastdata.storage.remote import scrub
 
     assert is_url("s3://b/p") and is_url("file:///tmp/x") and not is_url("/tmp/x") and not is_url("C:/x")
     assert scrub("https://h/p?X-Amz-Signature=abc123&X-Amz-Credential=AKIA/x") == \

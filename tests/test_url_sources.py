@@ -22,7 +22,7 @@ from fastdata.preprocess import sources
 from fastdata.preprocess.sources import discover
 from fastdata.preprocess.discover import discover_source
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
-from fastdata.storage.remote import Retry
+from fastdata.storage.object_store import Retry
 
 pytestmark = pytest.mark.remote
 

@@ -25,7 +25,8 @@ def _verify(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..formats.manifest import load_manifest, total_bytes, verify
     from ..progress import progress_bar
-    from ..storage.remote import SOURCE_NAME, is_url
+    from ..storage.cache_folders import SOURCE_NAME
+    from ..storage.object_store import is_url
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be a positive integer, got --workers {args.workers}")
@@ -61,7 +62,8 @@ def _verify_url(args: argparse.Namespace) -> int:
     source), then this version's node cache folder, if any, reported apart. Exit 0 only if both are intact."""
     from ..formats.manifest import MANIFEST_NAME, total_bytes, verify
     from ..progress import progress_bar
-    from ..storage.remote import RemoteDataset, scrub, verify_store
+    from .._io import scrub
+    from ..storage.remote import RemoteDataset, verify_store
 
     remote = RemoteDataset(args.path, **retry_seconds(args), **({"workers": args.workers} if args.workers else {}))
     url, n = scrub(remote.url), len(remote.manifest["files"])
@@ -92,7 +94,7 @@ def _push(args: argparse.Namespace) -> int:
     from ..formats.manifest import load_manifest, total_bytes
     from ..progress import progress_bar
     from ..storage.push import push
-    from ..storage.remote import scrub
+    from .._io import scrub
 
     bar = progress_bar(total=total_bytes(load_manifest(args.data)), desc="push", unit="B", unit_scale=True,
                        enabled=not args.quiet)
@@ -107,7 +109,9 @@ def _push(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..formats.manifest import describe
-    from ..storage.remote import RemoteDataset, is_url, scrub
+    from .._io import scrub
+    from ..storage.object_store import is_url
+    from ..storage.remote import RemoteDataset
 
     if is_url(args.path):  # only the manifest is read (into the node cache): nothing else is downloaded
         remote = RemoteDataset(args.path, **retry_seconds(args))
@@ -162,7 +166,8 @@ def _shm(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from ..storage.remote import default_cache_dir, list_cached, remove_cached, scrub
+    from .._io import scrub
+    from ..storage.cache_folders import default_cache_dir, list_cached, remove_cached
 
     where = args.dir or default_cache_dir()
     if args.action == "list":
@@ -182,7 +187,9 @@ def _cache_fetch(args: argparse.Namespace, where: Path) -> int:
     warmed before a job)."""
     from ..formats.manifest import total_bytes
     from ..progress import progress_bar
-    from ..storage.remote import RemoteDataset, is_url, scrub
+    from .._io import scrub
+    from ..storage.object_store import is_url
+    from ..storage.remote import RemoteDataset
 
     if not args.ids or not all(is_url(u) for u in args.ids):
         print("fastdata: error: name the dataset URLs to fetch (s3://..., gs://...)", file=sys.stderr)

@@ -56,7 +56,7 @@ def _add_ray(parser: argparse.ArgumentParser) -> None:
 
 def _path_or_url(text: str) -> str | Path:
     """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
-    from ..storage.remote import is_url
+    from ..storage.object_store import is_url
 
     return text if is_url(text) else Path(text)
 

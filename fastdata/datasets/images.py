@@ -30,7 +30,7 @@ from ..imaging.draws import RATIO, SCALE
 from ..storage.fields import Alloc, collate_fields, split_fields
 from ..storage.images import check_other_files, open_images
 from ..storage.opening import OpenedPath, StreamedReads, open_path
-from ..storage.remote import RETRY_SECONDS
+from ..storage.object_store import RETRY_SECONDS
 from ..storage.shards import STORAGE, Indices, batch_rows, take_rows
 from ..storage.streamed import Labels, image_streamed, labels_at_open
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 from ..errors import ConfigError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
 from ..storage.opening import open_path
-from ..storage.remote import RETRY_SECONDS, is_url
+from ..storage.object_store import RETRY_SECONDS, is_url
 from ..storage.streamed import streamed_files
 from .mixture import Mixture, cache_shares
 
@@ -106,7 +106,7 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
     """Open every source of ``spec`` (image folders as FastDataset, token folders' train split as TokenDataset;
     URLs through the node cache, ``cache_limit`` split among them by weight, again whenever the weights change:
     `Mixture`'s ``cache_limit``) as one `Mixture`. A URL's reads are retried over ``retry_seconds``, as for
-    one dataset (NOTE [retry budget] in fastdata/storage/remote.py).
+    one dataset (NOTE [retry budget] in fastdata/storage/object_store.py).
 
     Raises:
         ConfigError: sources of different kinds or classes (the two are named), bad weights or options.

@@ -24,7 +24,7 @@ from ..formats.token_shards import splitmix
 from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
 from ..storage.opening import OpenedPath, StreamedReads, open_path
-from ..storage.remote import RETRY_SECONDS
+from ..storage.object_store import RETRY_SECONDS
 from ..storage.shards import Indices, ShardMaps, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
 from .window_copy import Segments, WindowCopy

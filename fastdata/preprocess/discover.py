@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from .._io import scrub
 from ..errors import SourceError
-from ..storage.remote import is_url
+from ..storage.object_store import is_url
 from .indexed import FileSource
 from .parquet import ParquetSource, is_parquet
 from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, segmentation_pair

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .._io import scrub
 from ..errors import MissingDependencyError, SourceError
-from ..storage.remote import filesystem, is_url
+from ..storage.object_store import filesystem, is_url
 from .sources import open_binary, store_call, url_listing
 
 # C4 and Dolma name their JSON Lines files .json.gz, so compressed .json is JSON Lines too; plain .json is not

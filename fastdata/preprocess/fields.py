@@ -24,7 +24,7 @@ from .._io import scrub
 from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
-from ..storage.remote import is_url
+from ..storage.object_store import is_url
 from .sources import UrlBlobs
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused

@@ -23,7 +23,7 @@ from .._io import scrub
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats.base import LABEL_DTYPE
 from ..imaging import decode_file as decode
-from ..storage.remote import is_url
+from ..storage.object_store import is_url
 from . import journal, parallel, ray_pool, store_out
 from .discover import discover_source
 from .image_manifest import Listed, finish, sample_fields

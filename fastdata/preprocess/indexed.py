@@ -36,7 +36,7 @@ import numpy as np
 from .._io import HASH_NAME, map_threads, new_hash, scrub, write_bytes_atomic
 from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
-from ..storage.remote import filesystem, is_url
+from ..storage.object_store import filesystem, is_url
 from .index_schema import Merge, Schema
 from .sources import store_call, where_of
 

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, MissingDependencyError, SourceError
 from ..formats.schema import valid_name
-from ..storage.remote import is_url
+from ..storage.object_store import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records

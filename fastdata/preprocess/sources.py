@@ -11,7 +11,7 @@ NOTE [url source]:
    paths are relative to the records file's folder URL and may not leave it (masks become full URLs, which
    the worker reads the same way). The output is byte-identical to the local run's.
 3. Every request goes through the process's own fsspec filesystem (fsspec keeps one per process and set of
-   options) under one retry budget per process (NOTE [retry budget] in fastdata/storage/remote.py). A
+   options) under one retry budget per process (NOTE [retry budget] in fastdata/storage/object_store.py). A
    source that is missing or refused is one SourceError line, its URL scrubbed of secrets.
 4. A sample whose object is missing is a bad record, as a missing local file is; a store still failing
    when the budget is spent stops the run (a rerun resumes).
@@ -33,7 +33,7 @@ import numpy as np
 
 from .._io import scrub
 from ..errors import FormatError, ImageDecodeError, SourceError
-from ..storage.remote import Retry, filesystem, is_url
+from ..storage.object_store import Retry, filesystem, is_url
 
 # torchvision's IMG_EXTENSIONS plus .gif and .jfif; matched case-insensitively.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",

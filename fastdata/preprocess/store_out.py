@@ -33,7 +33,7 @@ from typing import Any, Optional
 from .._io import fsync_dir, scrub
 from ..errors import FormatError, OutputError
 from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR
-from ..storage.remote import RETRY_SECONDS, Retry, filesystem, is_url, object_path
+from ..storage.object_store import RETRY_SECONDS, Retry, filesystem, is_url, object_path
 from .journal import OWNED, Journal
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
-from ..storage.remote import filesystem, is_url
+from ..storage.object_store import filesystem, is_url
 from .sources import IMAGE_EXTENSIONS, store_call
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from ..errors import SourceError, TextInputError, require
 from ..formats import token_shards as ts
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, load_tokenizer, token_dtype
-from ..storage.remote import is_url
+from ..storage.object_store import is_url
 from . import journal, parallel, ray_pool, store_out
 from .documents import Part, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
 from .text_tasks import MAX_EXAMPLES, TextPlan, piece_task

@@ -57,10 +57,12 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from .._io import scrub
 from ..errors import ConfigError, FastdataError, FormatError
 from . import evict
 from .plan import Plan, horizon
-from .remote import RemoteDataset, download_bar, lock_file, scrub
+from .cache_folders import lock_file
+from .remote import RemoteDataset, download_bar
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8

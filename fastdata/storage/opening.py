@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from .._io import scrub
 from ..distributed import broadcast_bytes, group_size, is_main_rank
 from ..errors import ConfigError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, check_manifest, load_columns
 from ..formats.rows import column
-from .remote import RETRY_SECONDS, RemoteDataset, is_url, scrub
+from .object_store import RETRY_SECONDS, is_url
+from .remote import RemoteDataset
 from .streamed import unread_files
 
 if TYPE_CHECKING:
@@ -62,7 +64,7 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
               retry_seconds: float = RETRY_SECONDS) -> OpenedPath:
     """A dataset folder or URL opened: its manifest read and checked once (one of ``formats``), a URL's files
     but ``streamed(manifest)`` downloaded into the node cache (those come with the batches), the cache bound
-    parsed; a URL's reads are retried over ``retry_seconds`` (NOTE [retry budget] in remote.py). An
+    parsed; a URL's reads are retried over ``retry_seconds`` (NOTE [retry budget] in object_store.py). An
     `OpenedPath` is checked against ``formats`` and returned as it is.
 
     Raises:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Union
 
 from .._io import HASH_NAME, disk_error, map_threads
 from ..formats.manifest import MANIFEST_NAME
-from .remote import RETRY_SECONDS, Retry, filesystem, object_path
+from .object_store import RETRY_SECONDS, Retry, filesystem, object_path
 
 PUSH_MARKERS = ".fastdata-push"
 

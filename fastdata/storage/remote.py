@@ -1,5 +1,5 @@
 """Datasets at an fsspec URL (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``): a node-local cache of
-verified files, and ``push`` to upload a finished dataset.
+verified files (its folders on disk: cache_folders.py; reaching the store: object_store.py).
 
 NOTE [remote cache]: ``cache_dir/<id>/`` mirrors one remote dataset, ``id`` naming the URL and the sha256
 of its manifest, so a manifest changed under a running job gives another folder and is never mixed with
@@ -12,157 +12,31 @@ arrive: FastDataset streams image shards into it as batches need them (storage/c
 reader waits for every file, and then it is an ordinary dataset folder. The next job on the same data
 reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download whose bytes do not match while
 the remote manifest changed is refused: a job never mixes two versions of a dataset. A network fault is
-retried (NOTE [retry budget]); a full cache disk is not (trying again does not free space): the partial file
+retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not free space): the partial file
 is removed and one line says what to do (DiskFullError; a rerun keeps what is cached). The cache is private:
 folders 0700, files 0600, an existing folder of another user refused (its files could be planted);
 ``$FASTDATA_CACHE_MODE=group`` shares it with the folders' group instead (02770, 0660).
-
-NOTE [retry budget]: every call to the store (the manifest at opening, each download or prefetch, each
-object ``verify`` hashes, each upload of ``push``) is retried by one `Retry` per dataset over one
-budget, ``retry_seconds`` (default 120):
-1. A failed try waits a random time between 0 and 0.2 s x 2^(tries - 1), at most 10 s (exponential back-off with
-   full jitter: many ranks coming back after an outage do not knock together), then tries again.
-2. The budget runs from the earlier of this call's first try and the dataset's first failure since its
-   last success, so a read that waited for a failed prefetch's download lock gets no budget of its own: an
-   outage is given up on once, ``retry_seconds`` after it began (plus one try), not once per shard.
-3. The last try is made at the deadline: an outage shorter than the budget is survived.
-4. After it, one FormatError names the (scrubbed) URL, the tries and seconds, the last error and what to
-   do. Nothing partial has a final name, so a rerun resumes from the files cached.
-5. The client's own retry loops would multiply the wait (s3fs tries 5 times, botocore 5 times each): an
-   ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
-6. Not retried: an answer that trying again does not change (no such object, access denied, the same
-   wrong bytes twice, a full cache disk).
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
-import posixpath
-import random
-import re
 import secrets
-import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
-from .._io import HASH_NAME, LockFile, disk_error, fsync_dir, map_threads, new_hash, open_new, scrub, write_bytes_atomic
-from ..errors import (ChecksumError, ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError,
-                      require)
+from .._io import HASH_NAME, disk_error, fsync_dir, map_threads, new_hash, open_new, scrub, write_bytes_atomic
+from ..errors import ChecksumError, FormatError
 from ..formats.manifest import MANIFEST_NAME, file_problem
 from ..formats.rows import column, lookup, rows_by
+from .cache_folders import CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, default_cache_dir, lock_file
+from .object_store import RETRY_SECONDS, Retry, filesystem, object_path
 
-REMOTE_EXTRA = "pip install 'fastdata[remote]'"
-_PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-                      "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
-SOURCE_NAME = ".source.json"
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
-CACHE_FULL_ADVICE = ("give the dataset a cache_limit below the free space (`--cache-limit`: shards are then "
-                     "streamed and evicted), remove other datasets' copies (`fastdata cache remove`), or point "
-                     "cache_dir / $FASTDATA_CACHE at a larger disk; a rerun keeps the files already cached")
-RETRY_SECONDS = 120.0  # the outage a read rides out by default: throttling, a failover, a DNS blip
-_FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, doubled per try up to this
-CACHE_MODES = {"private": (0o700, 0o600), "group": (0o2770, 0o660)}  # $FASTDATA_CACHE_MODE: folders, files
-
-
-def is_url(path: Union[str, Path]) -> bool:
-    """True for ``protocol://...`` (``file://`` included); plain paths are read in place, as before."""
-    return isinstance(path, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
-
-
-def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
-    """``(fsspec filesystem, path inside it)`` for ``url``; names the extra to install when it is missing.
-    Credentials and endpoints come from the usual places (AWS_* variables such as ``AWS_ENDPOINT_URL``,
-    profiles, ...) or ``storage_options``. An ``s3://`` client tries each request once (s3fs's and botocore's
-    own retry loops off, unless ``storage_options`` sets them): `Retry` is the one budget
-    (NOTE [retry budget])."""
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-    except ImportError as exc:
-        raise MissingDependencyError(f"{scrub(url)} is a URL: reading it needs fsspec ({REMOTE_EXTRA})") from exc
-    options = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
-        # botocore's own retry loop off (a dict of our own each time: botocore adds to it)
-        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, **options.get("config_kwargs", {})}
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
-        raise MissingDependencyError(f"{scrub(url)}: {protocol}:// needs {package} ({REMOTE_EXTRA})") from exc
-    except ValueError as exc:  # an unknown protocol
-        raise ConfigError(f"{scrub(url)}: {scrub(str(exc))}") from exc
-    if protocol in ("s3", "s3a"):  # (an instance of its own: fsspec caches one per set of options, and these
-        fs.retries = 1             # options are ours)
-    return fs, path
-
-
-def object_path(root: str, name: str) -> str:
-    """``root/name`` for a name from a manifest, refused unless it stays inside the dataset's prefix."""
-    if (not isinstance(name, str) or not name or name.startswith(("/", "\\")) or "://" in name or "\\" in name
-            or any(part in ("", ".", "..") for part in name.split("/"))):
-        raise FormatError(f"the manifest names {name!r}, which is not a plain relative path inside the dataset: "
-                          "refusing to read outside its prefix")
-    return posixpath.join(root.rstrip("/"), name)
-
-
-class Retry:
-    """Calls to the store retried over one budget of ``seconds`` (see NOTE [retry budget]); one per dataset
-    (or push), shared by its threads.
-
-    Args:
-        seconds: How long the store may fail before a read gives up: the time since this call's first try,
-            or since the dataset's reads began failing, whichever is earlier. 0 tries once.
-    """
-
-    def __init__(self, seconds: float = RETRY_SECONDS) -> None:
-        require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf"),
-                "retry_seconds", seconds, "a number of seconds >= 0")
-        self.seconds = float(seconds)
-        self.failing_since: Optional[float] = None  # monotonic time of the first failure since the last success
-
-    def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
-        """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``."""
-        start, tries = time.monotonic(), 0
-        while True:
-            tries += 1
-            try:
-                result = fn()
-            except (FileNotFoundError, MissingDependencyError, FastdataError):
-                raise  # (OutputError: this machine's disk, e.g. a full cache, which trying again does not mend)
-            except PermissionError as exc:  # denied is an answer, not an outage
-                raise FormatError(f"cannot {doing} {scrub(what)}: access denied ({_said(exc)}): check the "
-                                  "credentials (AWS_* variables, profile or storage_options)") from None
-            except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
-                now = time.monotonic()
-                self.failing_since = self.failing_since or now
-                deadline = min(start, self.failing_since) + self.seconds
-                if now >= deadline:
-                    raise FormatError(
-                        f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "
-                        f"{now - start:.1f} s (retry_seconds={self.seconds:g}), the last: {_said(exc)}; check that "
-                        "the store is up and reachable, or raise retry_seconds (`--retry-seconds`) to ride out a "
-                        "longer outage; a rerun resumes from what is cached") from None
-                bound = min(_LONGEST_WAIT, _FIRST_WAIT * 2 ** min(tries - 1, 30))
-                time.sleep(min(random.uniform(0, bound), deadline - now))  # full jitter, the last try at the deadline
-                continue
-            self.failing_since = None
-            return result
-
-
-def _said(exc: BaseException) -> str:
-    """``Type: text`` of an exception on one line, at most 300 characters, scrubbed."""
-    return scrub(f"{type(exc).__name__}: {' '.join(str(exc).split())}")[:300]
-
-
-def default_cache_dir() -> Path:
-    """``$FASTDATA_CACHE``, else ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``."""
-    if os.environ.get("FASTDATA_CACHE"):
-        return Path(os.environ["FASTDATA_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastdata"
 
 
 class RemoteDataset:
@@ -444,91 +318,6 @@ class _WrongBytes(IOError):
     def __init__(self, digest: str) -> None:
         super().__init__(f"the downloaded bytes' {HASH_NAME} differs from the manifest's (corrupted)")
         self.digest = digest
-
-
-def cache_modes() -> tuple[int, int]:
-    """``(folder mode, file mode)`` of the node cache: private to this user (0700, 0600) unless
-    ``$FASTDATA_CACHE_MODE=group``, a cache shared by the members of its folders' group (02770, 0660; the
-    setgid bit gives new files the folder's group). Others never get to plant or read a cached file."""
-    name = os.environ.get("FASTDATA_CACHE_MODE") or "private"
-    if name not in CACHE_MODES:
-        raise ConfigError(f"FASTDATA_CACHE_MODE must be one of {', '.join(CACHE_MODES)}, "
-                          f"got FASTDATA_CACHE_MODE={name!r}")
-    return CACHE_MODES[name]
-
-
-def cache_folder(path: Path) -> Path:
-    """``path`` made (with any missing parent) with the cache's folder mode (`cache_modes`), or an
-    existing one checked: this user's is given that mode; another user's is refused unless the cache is
-    shared with a group this user is in (its files could have been planted there)."""
-    mode, missing, folder = cache_modes()[0], [], path
-    while not os.path.lexists(folder):
-        missing.append(folder)
-        folder = folder.parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, mode)
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise disk_error(exc, folder, CACHE_FULL_ADVICE) from exc
-        os.chmod(folder, mode)  # (mkdir's mode passes through the umask)
-    info = os.lstat(path)
-    mine = info.st_uid == os.geteuid()
-    shared = mode & 0o070 and info.st_gid in {os.getegid(), *os.getgroups()} and not info.st_mode & 0o002
-    if not stat.S_ISDIR(info.st_mode) or not (mine or shared):
-        raise OutputError(f"{path} is in the way of the node cache: it is not a folder of this user"
-                          + (" or of a group it shares" if mode & 0o070 else "") + "; remove it, or set cache_dir "
-                          "/ $FASTDATA_CACHE to a folder of your own (a cache shared on purpose: "
-                          "$FASTDATA_CACHE_MODE=group)")
-    if mine and stat.S_IMODE(info.st_mode) != mode:
-        os.chmod(path, mode)  # (a folder made before modes were set, or under the other mode)
-    return path
-
-
-def lock_file(path: Path) -> Any:
-    """A lock file of the cache opened for ``flock`` (created with the cache's file mode, never through a
-    symbolic link)."""
-    flags, mode = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, cache_modes()[1]
-    try:
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
-            os.fchmod(fd, mode)  # (the umask took bits from the group's)
-        except FileExistsError:
-            fd = os.open(path, flags)  # (made by another rank, perhaps another member of the group)
-    except OSError as exc:
-        raise disk_error(exc, path, CACHE_FULL_ADVICE) from exc
-    return LockFile(fd)  # (its lock stays with this process: NOTE [locks across fork])
-
-
-def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, Any]]:
-    """Every remote dataset in the node cache: id, URL, bytes cached of bytes in all, files cached."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = []
-    for d in sorted(p for p in root.glob("*") if (p / MANIFEST_NAME).is_file()):
-        try:
-            info = json.loads((d / SOURCE_NAME).read_text())
-            files = json.loads((d / MANIFEST_NAME).read_text())["files"]
-        except (OSError, ValueError, KeyError):
-            info, files = {"url": "?"}, []
-        sizes = [(d / f["path"]).stat().st_size if (d / f["path"]).is_file() else None for f in files]
-        out.append({"id": d.name, "url": info.get("url", "?"), "path": str(d), "files": len(files),
-                    "cached_files": sum(x is not None for x in sizes), "cached_bytes": sum(x or 0 for x in sizes),
-                    "bytes": sum(int(f.get("bytes", 0)) for f in files)})
-    return out
-
-
-def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) -> list[str]:
-    """Delete the named datasets' cache folders (all when ``ids`` is empty); the ids removed. A job still
-    reading one keeps its open files; run this between jobs."""
-    import shutil
-
-    removed = []
-    for info in list_cached(cache_dir):
-        if not ids or info["id"] in ids:
-            shutil.rmtree(info["path"], ignore_errors=True)
-            removed.append(info["id"])
-    return removed
 
 
 def download_bar(remote: RemoteDataset, left: int) -> Optional[Callable[[int], None]]:

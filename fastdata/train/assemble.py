@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .._io import scrub
 from ..datasets.images import FastDataset
 from ..datasets.splits import split
 from ..errors import ConfigError
@@ -19,8 +20,8 @@ from ..gpu.dali_tune import valid_load
 from ..gpu.prefetch import CUDAPrefetcher
 from ..imaging.transforms import CenterCrop, Compose, RandomCrop, RandomHorizontalFlip, RandomResizedCrop, Transform
 from ..loading.loader import FastLoader
+from ..storage.object_store import RETRY_SECONDS, is_url
 from ..storage.opening import OpenedPath, open_path
-from ..storage.remote import RETRY_SECONDS, is_url, scrub
 from ..storage.streamed import streamed_files
 from .models import create_model
 

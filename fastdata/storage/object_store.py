@@ -1,0 +1,127 @@
+"""Object storage reached through fsspec (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``): which paths
+are URLs, a filesystem for one (the extra to install named when its package is missing), an object's path
+inside a dataset's prefix, and the one retry budget every call to the store goes through.
+
+NOTE [retry budget]: every call to the store (the manifest at opening, each download or prefetch, each
+object ``verify`` hashes, each upload of ``push``) is retried by one `Retry` per dataset over one
+budget, ``retry_seconds`` (default 120):
+1. A failed try waits a random time between 0 and 0.2 s x 2^(tries - 1), at most 10 s (exponential back-off with
+   full jitter: many ranks coming back after an outage do not knock together), then tries again.
+2. The budget runs from the earlier of this call's first try and the dataset's first failure since its
+   last success, so a read that waited for a failed prefetch's download lock gets no budget of its own: an
+   outage is given up on once, ``retry_seconds`` after it began (plus one try), not once per shard.
+3. The last try is made at the deadline: an outage shorter than the budget is survived.
+4. After it, one FormatError names the (scrubbed) URL, the tries and seconds, the last error and what to
+   do. Nothing partial has a final name, so a rerun resumes from the files cached.
+5. The client's own retry loops would multiply the wait (s3fs tries 5 times, botocore 5 times each): an
+   ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
+6. Not retried: an answer that trying again does not change (no such object, access denied, the same
+   wrong bytes twice, a full cache disk).
+"""
+from __future__ import annotations
+
+import posixpath
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from .._io import scrub
+from ..errors import ConfigError, FastdataError, FormatError, MissingDependencyError, require
+
+REMOTE_EXTRA = "pip install 'fastdata[remote]'"
+_PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
+                      "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
+RETRY_SECONDS = 120.0  # the outage a read rides out by default: throttling, a failover, a DNS blip
+_FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, doubled per try up to this
+
+
+def is_url(path: Union[str, Path]) -> bool:
+    """True for ``protocol://...`` (``file://`` included); plain paths are read in place, as before."""
+    return isinstance(path, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
+
+
+def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path inside it)`` for ``url``; names the extra to install when it is missing.
+    Credentials and endpoints come from the usual places (AWS_* variables such as ``AWS_ENDPOINT_URL``,
+    profiles, ...) or ``storage_options``. An ``s3://`` client tries each request once (s3fs's and botocore's
+    own retry loops off, unless ``storage_options`` sets them): `Retry` is the one budget
+    (NOTE [retry budget])."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise MissingDependencyError(f"{scrub(url)} is a URL: reading it needs fsspec ({REMOTE_EXTRA})") from exc
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a"):
+        # botocore's own retry loop off (a dict of our own each time: botocore adds to it)
+        options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, **options.get("config_kwargs", {})}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
+        raise MissingDependencyError(f"{scrub(url)}: {protocol}:// needs {package} ({REMOTE_EXTRA})") from exc
+    except ValueError as exc:  # an unknown protocol
+        raise ConfigError(f"{scrub(url)}: {scrub(str(exc))}") from exc
+    if protocol in ("s3", "s3a"):  # (an instance of its own: fsspec caches one per set of options, and these
+        fs.retries = 1             # options are ours)
+    return fs, path
+
+
+def object_path(root: str, name: str) -> str:
+    """``root/name`` for a name from a manifest, refused unless it stays inside the dataset's prefix."""
+    if (not isinstance(name, str) or not name or name.startswith(("/", "\\")) or "://" in name or "\\" in name
+            or any(part in ("", ".", "..") for part in name.split("/"))):
+        raise FormatError(f"the manifest names {name!r}, which is not a plain relative path inside the dataset: "
+                          "refusing to read outside its prefix")
+    return posixpath.join(root.rstrip("/"), name)
+
+
+class Retry:
+    """Calls to the store retried over one budget of ``seconds`` (see NOTE [retry budget]); one per dataset
+    (or push), shared by its threads.
+
+    Args:
+        seconds: How long the store may fail before a read gives up: the time since this call's first try,
+            or since the dataset's reads began failing, whichever is earlier. 0 tries once.
+    """
+
+    def __init__(self, seconds: float = RETRY_SECONDS) -> None:
+        require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf"),
+                "retry_seconds", seconds, "a number of seconds >= 0")
+        self.seconds = float(seconds)
+        self.failing_since: Optional[float] = None  # monotonic time of the first failure since the last success
+
+    def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
+        """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``."""
+        start, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                result = fn()
+            except (FileNotFoundError, MissingDependencyError, FastdataError):
+                raise  # (OutputError: this machine's disk, e.g. a full cache, which trying again does not mend)
+            except PermissionError as exc:  # denied is an answer, not an outage
+                raise FormatError(f"cannot {doing} {scrub(what)}: access denied ({_said(exc)}): check the "
+                                  "credentials (AWS_* variables, profile or storage_options)") from None
+            except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
+                now = time.monotonic()
+                self.failing_since = self.failing_since or now
+                deadline = min(start, self.failing_since) + self.seconds
+                if now >= deadline:
+                    raise FormatError(
+                        f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "
+                        f"{now - start:.1f} s (retry_seconds={self.seconds:g}), the last: {_said(exc)}; check that "
+                        "the store is up and reachable, or raise retry_seconds (`--retry-seconds`) to ride out a "
+                        "longer outage; a rerun resumes from what is cached") from None
+                bound = min(_LONGEST_WAIT, _FIRST_WAIT * 2 ** min(tries - 1, 30))
+                time.sleep(min(random.uniform(0, bound), deadline - now))  # full jitter, the last try at the deadline
+                continue
+            self.failing_since = None
+            return result
+
+
+def _said(exc: BaseException) -> str:
+    """``Type: text`` of an exception on one line, at most 300 characters, scrubbed."""
+    return scrub(f"{type(exc).__name__}: {' '.join(str(exc).split())}")[:300]
