@@ -89,6 +89,8 @@ EPOCH = """
     for lo in range(0, len(ds), 100):  # this process reads every shard (streamed: fetches and maps each)...
         x, y = ds.get_batch(list(range(lo, min(lo + 100, len(ds)))))
         assert all(np.array_equal(img, pixels(i)) for img, i in zip(x.numpy(), y.tolist()))
+    x, y = ds.get_batch(np.random.default_rng(1).permutation(len(ds)))  # one batch over every shard
+    assert all(np.array_equal(img, pixels(i)) for img, i in zip(x.numpy(), y.tolist()))
     seen = []  # ... and so do 4 loader workers
     loader = DataLoader(ds, batch_size=37, shuffle=True, num_workers=4, generator=torch.Generator().manual_seed(0),
                         multiprocessing_context=start)
@@ -116,14 +118,75 @@ def test_1300_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(many, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.remote
-def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path):
+@pytest.mark.parametrize("hard", [None, 1024])
+def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path, hard):
+    """hard=1024: shards are mapped as batches read them, not as they arrive (before 2026-11-27, evening:
+    "Too many open files" once ~1,000 shards had arrived)."""
     from fastdata.storage.push import push
 
     url = s3("many-shards") + "/ds"
     push(many, url, workers=8)
     # spawned workers: s3fs refuses to be used in a forked child ("This class is not fork-safe")
-    r = run_child(EPOCH, url, "mmap", repr({"cache_dir": str(tmp_path / "cache")}), "spawn", preexec=limited(1024))
-    assert f"served {MANY}" in r.stdout and "raised this process's limit on open files" in r.stderr
+    r = run_child(EPOCH, url, "mmap", repr({"cache_dir": str(tmp_path / "cache")}), "spawn",
+                  preexec=limited(1024, hard))
+    said = "raised this process's limit on open files" if hard is None else "allows to keep open: at most"
+    assert f"served {MANY}" in r.stdout and said in r.stderr
+
+
+def many_token_shards(root: Path, n: int = MANY, size: int = 64) -> Path:
+    """A token dataset (format 2) of ``n`` shards of ``size`` tokens (uint32), token ``t`` of the stream
+    being ``t`` itself, each shard one document."""
+    import hashlib
+
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.manifest import TOKENS, new_manifest, write_manifest
+    from fastdata.formats.tokenizer import load_tokenizer
+
+    def put(name: str, arr: np.ndarray) -> dict:
+        data = npy_bytes(arr)
+        (root / name).write_bytes(data)
+        return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    root.mkdir(parents=True)
+    files, shards = [], []
+    for k in range(n):
+        name, docs = f"train-{k:05d}.npy", f"train-docs-{k:05d}.npy"
+        files += [put(name, np.arange(k * size, (k + 1) * size, dtype="<u4")), put(docs, np.array([0, size], "<i8"))]
+        shards.append({"path": name, "tokens": size, "documents": 1, "docs": docs})
+    write_manifest(root, new_manifest(TOKENS, tokenizer=load_tokenizer("bytes").describe(), dtype="<u4",
+                                      splits={"train": {"tokens": n * size, "documents": n, "shards": shards}},
+                                      files=files, params={}, fingerprint="faults", source={},
+                                      bytes_per_token=1.0, skipped_count=0, skipped=[]))
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.remote
+@pytest.mark.parametrize("streamed", [False, True])
+def test_1300_token_shards_serve_batches_over_every_shard_under_a_hard_limit_of_1024(s3, tmp_path, streamed):
+    """Token shards, local or streamed, past a hard limit on open files: mapped as batches read them (the
+    streamed ones failed with "Too many open files" before 2026-11-27, evening)."""
+    root = many_token_shards(tmp_path / "tokens")
+    path = root
+    if streamed:
+        from fastdata.storage.push import push
+
+        path = s3("many-tokens") + "/tokens"
+        push(root, path, workers=8)
+    r = run_child("""
+        import sys, numpy as np
+        from fastdata.datasets.tokens import TokenDataset
+        ds = TokenDataset(sys.argv[1], seq_len=40, cache_dir=sys.argv[2] if sys.argv[1].startswith("s3") else None)
+        order = np.random.default_rng(0).permutation(len(ds))
+        for batch in (37, len(ds)):  # the last: one batch over every shard, windows across shard ends
+            for lo in range(0, len(ds), batch):
+                idx = order[lo:lo + batch]
+                x, y = ds.get_batch(idx)
+                want = ds.starts(idx)[:, None] + np.arange(41)
+                assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
+        print("served", len(ds))
+    """, str(path), str(tmp_path / "cache"), preexec=limited(1024, 1024))
+    assert "served" in r.stdout and "allows to keep open: at most" in r.stderr
 
 
 def test_the_soft_limit_is_raised_before_the_maps_need_it(many):

@@ -29,8 +29,8 @@ from ..imaging.decode_batch import BatchDecoder
 from ..imaging.draws import RATIO, SCALE
 from ..storage.fields import Alloc, collate_fields, split_fields
 from ..storage.images import check_other_files, open_images
-from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.object_store import RETRY_SECONDS
+from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.shards import STORAGE, Indices, batch_rows, take_rows
 from ..storage.streamed import Labels, image_streamed, labels_at_open
 
@@ -358,10 +358,10 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             return
         shard, rows = self._where.locate(idx)
         if self._cache is None or maps is not None:
-            take_rows(self._shards if maps is None else maps, shard, rows, dst)
+            take_rows(self._shards if maps is None or len(self._shards) else maps, shard, rows, dst)
         else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
-            with self._cache.reading(np.unique(shard)) as maps:
-                take_rows(maps, shard, rows, dst)
+            with self._cache.reading(np.unique(shard)) as maps:  # (bounded maps beside the cache: its own)
+                take_rows(self._shards if len(self._shards) else maps, shard, rows, dst)
 
     def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; after the first

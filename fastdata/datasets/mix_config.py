@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence, Union
 
 from ..errors import ConfigError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, TOKENS
-from ..storage.opening import open_path
 from ..storage.object_store import RETRY_SECONDS, is_url
+from ..storage.opening import open_path
 from ..storage.streamed import streamed_files
 from .mixture import Mixture, cache_shares
 

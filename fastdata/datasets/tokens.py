@@ -17,14 +17,15 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .. import _limits
 from ..errors import ConfigError, FormatError
 from ..formats.manifest import TOKENS, manifest_digest
 from ..formats.rows import column, pairs
 from ..formats.token_shards import splitmix
 from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
-from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.object_store import RETRY_SECONDS
+from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.shards import Indices, ShardMaps, ShardSet, batch_rows, map_npy, open_shards
 from ..storage.streamed import token_streamed
 from .window_copy import Segments, WindowCopy
@@ -172,15 +173,19 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         tokens = ShardSet(self.root, self.manifest, pairs(shards, "path", "tokens"), (), self.np_dtype,
                           key=self.split)
         self._cache: Optional[ShardCache] = None
-        if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive
+        if self._remote is not None and self.storage == "mmap":  # streamed: shards mapped as they arrive...
             root, dtype, length, void = self.root, self.np_dtype, self.seq_len + 1, self._void
+            bounded = not _limits.room_for_maps(len(tokens.files))  # ... or as batches read them (NOTE [open files])
+            maps = ShardMaps(tokens, *_limits.bounded_maps()) if bounded else []
 
-            def opener(s: int, path: Path) -> tuple[np.ndarray, Optional[np.ndarray]]:
+            def opener(s: int, path: Path) -> Any:
                 # (refers to no dataset: a dropped dataset is collected and its cache closed, see close())
+                if bounded:
+                    return path
                 arr = map_npy(root, tokens.files[s][0], (tokens.files[s][1],), dtype)
                 return arr, windows(arr, length, void)
             self._cache = ShardCache(self._remote, tokens.names(), opener, limit=self._limit)
-            self._flat, self._shards, self._flat_windows, self._shard_windows = None, [], None, []
+            self._flat, self._shards, self._flat_windows, self._shard_windows = None, maps, None, []
             self._flat_rows = self._copy_table = None
             self._hold()
             return
@@ -317,6 +322,9 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             return
         used = touched(first, last)
         with cache.reading(used) as opened:  # streamed: this batch's shards fetched and pinned
+            if len(shards):  # (bounded maps beside the cache: mapped as the batch reads them)
+                self._gather_shards(starts, first, last, rows, dst, shards, _Views(shards, self._windows))
+                return
             arrays, windows = {s: opened[s][0] for s in used.tolist()}, {s: opened[s][1] for s in used.tolist()}
             self._gather_shards(starts, first, last, rows, dst, arrays, windows)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
+from .. import _limits
 from ..formats.lmdb_store import LmdbReader, open_lmdb
 from ..formats.manifest import IMAGES_LMDB
 from ..formats.rows import column, pairs
@@ -18,16 +19,17 @@ from ..formats.schema import Field
 from .cache import ShardCache
 from .fields import FieldStore
 from .opening import OpenedPath
-from .shards import ShardSet, check_sizes, map_npy, open_shards, verify_hashes
+from .shards import ShardMaps, ShardSet, check_sizes, map_npy, open_shards, verify_hashes
 from .streamed import Labels, shard_groups
 
 
 @dataclass
 class OpenedImages:
     """Where an image dataset's bytes live once opened; exactly one of ``maps`` (non-empty), ``flat``,
-    ``device``, ``reader`` or ``cache`` holds the images (``cache`` beside ``reader`` for a streamed LMDB)."""
+    ``device``, ``reader`` or ``cache`` holds the images (``cache`` beside ``reader`` for a streamed LMDB,
+    beside bounded ``maps`` for streamed npy shards more than may stay mapped)."""
 
-    maps: list[np.ndarray] = field(default_factory=list)  # mmap: one map per shard
+    maps: Sequence[np.ndarray] = field(default_factory=list)  # mmap: a map per shard (ShardMaps: bounded)
     flat: Optional[np.ndarray] = None  # ram/shm: one (N, S, S, 3) array
     device: Optional[torch.Tensor] = None  # cuda: the whole dataset on the device...
     device_labels: Optional[torch.Tensor] = None  # ...and its labels
@@ -90,6 +92,8 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
     (npy) or its LMDB store handed to the reader (``images`` None)."""
     root, manifest = opened.root, opened.manifest
     groups = shard_groups(manifest, labels_at_open)
+    if images is not None and not _limits.room_for_maps(len(images.files)):  # (NOTE [open files] 2)
+        out.maps = ShardMaps(images, *_limits.bounded_maps())  # mapped as batches read them, not as they arrive
     store = None
     if fields is not None:
         store = out.fields = FieldStore(root, manifest, fields, storage, verify=verify, streamed=True)
@@ -100,7 +104,7 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
         labels.arrived(s)
         if store is not None:
             store.open_shard(s)
-        if images is None:
+        if images is None or out.maps:
             return path
         return map_npy(root, images.files[s][0], (images.files[s][1], *images.row_shape), images.dtype)
 
