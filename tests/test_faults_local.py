@@ -34,26 +34,30 @@ def pixels(i: int) -> np.ndarray:
     return img
 
 
-def many_shards(root: Path, n: int = MANY) -> Path:
-    """An npy dataset of ``n`` one-sample shards (label ``i``) in the format's own byte layout and names,
-    written without an fsync per file (2 s, not 20)."""
+def put_npy(root: Path, name: str, arr: np.ndarray) -> dict:
+    """``arr`` saved as ``root / name``; its manifest entry."""
     import hashlib
 
     from fastdata.formats.base import npy_bytes
+
+    data = npy_bytes(arr)
+    (root / name).write_bytes(data)
+    return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def many_shards(root: Path, n: int = MANY) -> Path:
+    """An npy dataset of ``n`` one-sample shards (label ``i``) in the format's own byte layout and names,
+    written without an fsync per file (2 s, not 20)."""
     from fastdata.formats.image_shards import images_name, labels_name
     from fastdata.formats.manifest import IMAGES_NPY, new_manifest, write_manifest
-
-    def put(name: str, arr: np.ndarray) -> dict:
-        data = npy_bytes(arr)
-        (root / name).write_bytes(data)
-        return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     root.mkdir(parents=True)
     files, shards = [], []
     for i in range(n):
-        files += [put(images_name(i), pixels(i)[None]), put(labels_name(i), np.array([i], dtype="<i8"))]
+        files += [put_npy(root, images_name(i), pixels(i)[None]),
+                  put_npy(root, labels_name(i), np.array([i], dtype="<i8"))]
         shards.append({"images": images_name(i), "labels": labels_name(i), "samples": 1})
-    files.append(put("labels.npy", np.arange(n, dtype="<i8")))
+    files.append(put_npy(root, "labels.npy", np.arange(n, dtype="<i8")))
     write_manifest(root, new_manifest(IMAGES_NPY, num_samples=n, classes=[str(i) for i in range(n)],
                                       sample_shape=[SIDE, SIDE, 3], dtype="|u1", label_dtype="<i8", layout="NHWC",
                                       shard_size=1, shards=shards, files=files, all_labels="labels.npy"))
@@ -136,22 +140,15 @@ def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3
 def many_token_shards(root: Path, n: int = MANY, size: int = 64) -> Path:
     """A token dataset (format 2) of ``n`` shards of ``size`` tokens (uint32), token ``t`` of the stream
     being ``t`` itself, each shard one document."""
-    import hashlib
-
-    from fastdata.formats.base import npy_bytes
     from fastdata.formats.manifest import TOKENS, new_manifest, write_manifest
     from fastdata.formats.tokenizer import load_tokenizer
-
-    def put(name: str, arr: np.ndarray) -> dict:
-        data = npy_bytes(arr)
-        (root / name).write_bytes(data)
-        return {"path": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     root.mkdir(parents=True)
     files, shards = [], []
     for k in range(n):
         name, docs = f"train-{k:05d}.npy", f"train-docs-{k:05d}.npy"
-        files += [put(name, np.arange(k * size, (k + 1) * size, dtype="<u4")), put(docs, np.array([0, size], "<i8"))]
+        files += [put_npy(root, name, np.arange(k * size, (k + 1) * size, dtype="<u4")),
+                  put_npy(root, docs, np.array([0, size], "<i8"))]
         shards.append({"path": name, "tokens": size, "documents": 1, "docs": docs})
     write_manifest(root, new_manifest(TOKENS, tokenizer=load_tokenizer("bytes").describe(), dtype="<u4",
                                       splits={"train": {"tokens": n * size, "documents": n, "shards": shards}},
