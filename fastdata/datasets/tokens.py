@@ -184,7 +184,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                     return path
                 arr = map_npy(root, tokens.files[s][0], (tokens.files[s][1],), dtype)
                 return arr, windows(arr, length, void)
-            self._cache = ShardCache(self._remote, tokens.names(), opener, limit=self._limit)
+            closer = (lambda s, path: maps.drop(s)) if bounded else None  # (a map would keep an evicted file's disk)
+            self._cache = ShardCache(self._remote, tokens.names(), opener, limit=self._limit, closer=closer)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, maps, None, []
             self._flat_rows = self._copy_table = None
             self._hold()

@@ -22,11 +22,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .. import _limits
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.rows import column
 from ..formats.schema import OFFSETS, Field, offsets_file
-from .shards import OpenedShards, ShardSet, load_npy, map_npy, open_shards, take_rows, verify_hashes
+from .shards import OpenedShards, ShardMaps, ShardSet, load_npy, map_npy, open_shards, take_rows, verify_hashes
 
 # ``out(key, shape, dtype)`` -> a CPU tensor of exactly that shape to fill (FastLoader's ring slot)
 Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -59,7 +60,7 @@ class FieldStore:
 
     def __init__(self, root: Path, manifest: dict[str, Any], fields: list[Field], storage: str, *, verify: bool,
                  device: Union[str, torch.device] = "cpu", shm_dir: Optional[Union[str, Path]] = None,
-                 streamed: bool = False) -> None:
+                 streamed: bool = False, bounded: bool = False) -> None:
         self.root = root
         self.fields = [f for f in fields if f.kind not in ("image", "label")]
         self.device = torch.device(device) if storage == "cuda" else torch.device("cpu")
@@ -78,24 +79,30 @@ class FieldStore:
             else:
                 rows = counts
             self._rows[f.name] = rows
-            if streamed:  # mapped shard by shard as they arrive (open_shard)
+            if streamed and not bounded:  # mapped shard by shard as they arrive (open_shard)
                 opened = OpenedShards(maps=[None] * len(rows))  # type: ignore[list-item]
             else:
                 files = [(f.files(k)[0], int(n)) for k, n in enumerate(rows)]
-                opened = open_shards(ShardSet(root, manifest, files, f.shape, f.np_dtype, key=f.name), storage,
-                                     verify=verify, device=device, shm_dir=shm_dir)
+                shards = ShardSet(root, manifest, files, f.shape, f.np_dtype, key=f.name)
+                opened = (OpenedShards(maps=ShardMaps(shards, *_limits.bounded_maps())) if streamed  # (as read)
+                          else open_shards(shards, storage, verify=verify, device=device, shm_dir=shm_dir))
             self._open[f.name] = _Opened(opened, np.r_[0, np.cumsum(rows)[:-1]].astype(np.int64))
 
     def open_shard(self, k: int) -> None:
-        """Map shard ``k``'s field files (streamed: the shard has just arrived in the cache)."""
+        """Map shard ``k``'s field files (streamed: the shard has just arrived in the cache; bounded, they are
+        mapped as batches read them)."""
         for f in self.fields:
-            self._open[f.name].maps[k] = map_npy(self.root, f.files(k)[0], (int(self._rows[f.name][k]), *f.shape),
-                                                 f.np_dtype)
+            maps = self._open[f.name].maps
+            if not isinstance(maps, ShardMaps):
+                maps[k] = map_npy(self.root, f.files(k)[0], (int(self._rows[f.name][k]), *f.shape), f.np_dtype)
 
     def close_shard(self, k: int) -> None:
         """Let go of shard ``k``'s maps (streamed: before the cache may evict it)."""
         for opened in self._open.values():
-            opened.maps[k] = None  # type: ignore[call-overload]
+            if isinstance(opened.maps, ShardMaps):
+                opened.maps.drop(k)
+            else:
+                opened.maps[k] = None  # type: ignore[call-overload]
 
     @staticmethod
     def _load_offsets(root: Path, manifest: dict[str, Any], f: Field, counts: np.ndarray, verify: bool) -> np.ndarray:

@@ -92,11 +92,14 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
     (npy) or its LMDB store handed to the reader (``images`` None)."""
     root, manifest = opened.root, opened.manifest
     groups = shard_groups(manifest, labels_at_open)
-    if images is not None and not _limits.room_for_maps(len(images.files)):  # (NOTE [open files] 2)
+    maps_a_shard = (images is not None) + sum(f.kind not in ("image", "label") for f in fields or [])
+    bounded = not _limits.room_for_maps(len(groups) * maps_a_shard)  # (NOTE [open files] 2)
+    if bounded and images is not None:
         out.maps = ShardMaps(images, *_limits.bounded_maps())  # mapped as batches read them, not as they arrive
     store = None
     if fields is not None:
-        store = out.fields = FieldStore(root, manifest, fields, storage, verify=verify, streamed=True)
+        store = out.fields = FieldStore(root, manifest, fields, storage, verify=verify, streamed=True,
+                                        bounded=bounded)
 
     def opener(s: int, path: Path) -> Any:
         if verify:
@@ -111,6 +114,8 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
     def closer(s: int, path: Path) -> None:
         if images is None:
             out.reader.release(path)  # type: ignore[union-attr]
+        elif out.maps:
+            out.maps.drop(s)  # type: ignore[attr-defined]
         if store is not None:
             store.close_shard(s)
     out.cache = ShardCache(opened.remote, groups, opener, limit=opened.limit, closer=closer)

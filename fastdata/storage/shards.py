@@ -195,6 +195,12 @@ class ShardMaps(Sequence[np.ndarray]):
     def promised(self) -> int:
         return self.bound - len(self._open)
 
+    def drop(self, s: int) -> None:
+        """Let go of shard ``s``'s map (streamed: before the node cache may evict its file, whose disk space a
+        map would keep); a batch still reading it keeps its own reference, and a later read maps it again."""
+        with self._lock:
+            self._open.pop(s, None)
+
     def __len__(self) -> int:
         return len(self.shards.files)
 
