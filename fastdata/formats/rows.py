@@ -15,7 +15,8 @@ NOTE [compact manifest]
 3. Compacting never changes what a manifest says: a list whose rows have different keys, or values other
    than str and int (bools, floats, nested lists, ints past int64), stays a list; `to_list` gives the rows
    back equal to the parsed ones (keys in the first row's order), and `manifest_digest` streams them to the
-   same canonical JSON, written a column at a time (`Rows._json_values`). `load_manifest` itself returns plain JSON data, for users who edit or write it.
+   same canonical JSON, written a column at a time (`Rows._json_values`). `load_manifest` itself returns
+   plain JSON data, for users who edit or write it.
 """
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ with one take, into a buffer of exactly the batch's total length.
 
 Streamed from object storage (``streamed=True``), the offsets are read up front (small) and each shard's
 field files are mapped when the dataset's shard cache brings the shard in (`FieldStore.open_shard`,
-from the cache's opener, so they arrive, are checked and are evicted with the images of that shard).
+from the cache's opener, so they arrive, are checked and are evicted with the images of that shard); past
+the limits on open files (``bounded=True``), each field's files are mapped as batches read them
+(`ShardMaps`, NOTE [open files] 2 in fastdata/_limits.py), let go of when the cache closes the shard.
 """
 from __future__ import annotations
 

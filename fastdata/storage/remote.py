@@ -1,21 +1,20 @@
 """Datasets at an fsspec URL (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``): a node-local cache of
 verified files (its folders on disk: cache_folders.py; reaching the store: object_store.py).
 
-NOTE [remote cache]: ``cache_dir/<id>/`` mirrors one remote dataset, ``id`` naming the URL and the sha256
-of its manifest, so a manifest changed under a running job gives another folder and is never mixed with
-the old files. A file is downloaded under ``<name>.part-<pid>-<random>``, hashed while it streams, compared
-with the manifest's size and sha256, then renamed: nothing partial or corrupt ever has a final name. A
-per-file lock (``flock`` under ``.locks/``) makes every rank and worker on a node wait for one download
-instead of starting their own; leftovers of a killed downloader (``.part-*`` whose file's lock is free) are removed.
-The folder holds the manifest from the start (its id is that manifest's hash) and the files as they
-arrive: FastDataset streams image shards into it as batches need them (storage/cache.py), any other
-reader waits for every file, and then it is an ordinary dataset folder. The next job on the same data
-reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download whose bytes do not match while
-the remote manifest changed is refused: a job never mixes two versions of a dataset. A network fault is
-retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not free space): the partial file
-is removed and one line says what to do (DiskFullError; a rerun keeps what is cached). The cache is private:
-folders 0700, files 0600, an existing folder of another user refused (its files could be planted);
-``$FASTDATA_CACHE_MODE=group`` shares it with the folders' group instead (02770, 0660).
+NOTE [remote cache]: ``cache_dir/<id>/`` mirrors one remote dataset, ``id`` naming the URL and the sha256 of its
+manifest, so a manifest changed under a running job gives another folder and is never mixed with the old files. A
+file is downloaded under ``<name>.part-<pid>-<random>``, hashed while it streams, compared with the manifest's size
+and sha256, then renamed: nothing partial or corrupt ever has a final name. A per-file lock (``flock`` under
+``.locks/``) makes every rank and worker on a node wait for one download instead of starting their own; leftovers of
+a killed downloader (``.part-*`` whose file's lock is free) are removed. The folder holds the manifest from the
+start (its id is that manifest's hash) and the files as they arrive: FastDataset streams image shards into it as
+batches need them (storage/cache.py), any other reader waits for every file, and then it is an ordinary dataset
+folder. The next job on the same data reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download
+whose bytes do not match while the remote manifest changed is refused: a job never mixes two versions of a dataset.
+A network fault is retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not
+free space): the partial file is removed and one line says what to do (DiskFullError; a rerun keeps what is cached).
+The cache is private: folders 0700, files 0600, an existing folder of another user refused (its files could be
+planted); ``$FASTDATA_CACHE_MODE=group`` shares it with the folders' group instead (02770, 0660).
 """
 from __future__ import annotations
 
