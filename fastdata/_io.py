@@ -51,12 +51,13 @@ def scrub(text: str) -> str:
     return text
 
 
-# NOTE [locks across fork]: an ``flock`` belongs to an open file, which a forked child (a DataLoader worker, a
-# fork-started pool) shares with its parent, so the child would keep every lock the parent held at the fork
-# until it exits: the parent could not evict a shard it no longer reads, and a download copied mid-flight
-# would never let its waiters go. Every forked child points the descriptors in LOCKS_HELD at /dev/null: the
-# locks stay with the process that took them, and the numbers stay valid, so whatever owns one closes it as
-# usual (never another file that took its number).
+# NOTE [locks across fork]: an ``flock`` (or an open-file-description byte-range lock: the node cache's pins)
+# belongs to an open file, which a forked child (a DataLoader worker, a fork-started pool) shares with its
+# parent, so the child would keep every lock the parent held at the fork until it exits: the parent could not
+# evict a shard it no longer reads, and a download copied mid-flight would never let its waiters go. Every
+# forked child points the descriptors in LOCKS_HELD at /dev/null: the locks stay with the process that took
+# them, and the numbers stay valid, so whatever owns one closes it as usual (never another file that took
+# its number).
 LOCKS_HELD: set[int] = set()
 
 

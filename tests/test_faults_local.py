@@ -122,17 +122,21 @@ def test_1300_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(many, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.remote
-@pytest.mark.parametrize("hard", [None, 1024])
-def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path, hard):
+@pytest.mark.parametrize("hard, limited_cache", [(None, False), (1024, False), (1024, True)])
+def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path, hard,
+                                                                              limited_cache):
     """hard=1024: shards are mapped as batches read them, not as they arrive (before 2026-11-27, evening:
-    "Too many open files" once ~1,000 shards had arrived)."""
+    "Too many open files" once ~1,000 shards had arrived). With a cache_limit (half the shards), the batch over
+    every shard pins all 1,300 of them (until 2026-11-27: a pin file each, "Too many open files")."""
     from fastdata.storage.push import push
 
     url = s3("many-shards") + "/ds"
     push(many, url, workers=8)
+    extra = {"cache_dir": str(tmp_path / "cache")}
+    if limited_cache:
+        extra["cache_limit"] = sum(f.stat().st_size for f in many.glob("images-*.npy")) // 2
     # spawned workers: s3fs refuses to be used in a forked child ("This class is not fork-safe")
-    r = run_child(EPOCH, url, "mmap", repr({"cache_dir": str(tmp_path / "cache")}), "spawn",
-                  preexec=limited(1024, hard))
+    r = run_child(EPOCH, url, "mmap", repr(extra), "spawn", preexec=limited(1024, hard))
     said = "raised this process's limit on open files" if hard is None else "allows to keep open: at most"
     assert f"served {MANY}" in r.stdout and said in r.stderr
 
@@ -240,7 +244,8 @@ LMDB_EPOCH = """
     import sys, numpy as np, torch
     from torch.utils.data import DataLoader
     from fastdata.datasets.images import FastDataset
-    ds = FastDataset(sys.argv[1])
+    ds = FastDataset(sys.argv[1], **(eval(sys.argv[2]) if len(sys.argv) > 2 else {}))
+    start = sys.argv[3] if len(sys.argv) > 3 else "fork"
 
     def check(x, y):  # each image's colour spells its own index, which is also its label
         digits = np.rint((x.numpy().reshape(len(x), -1, 3).mean(1) - 8) / 16).astype(int)
@@ -255,11 +260,28 @@ LMDB_EPOCH = """
         for x, y in pool.map(ds.get_batch, [order[k::2] for k in (0, 1, 1, 0)]):
             check(x, y)
     seen = []  # ... and so do 4 loader workers
-    for x, y in DataLoader(ds, batch_size=37, shuffle=True, num_workers=4, multiprocessing_context="fork"):
+    for x, y in DataLoader(ds, batch_size=37, shuffle=True, num_workers=4, multiprocessing_context=start):
         seen += check(x, y)
     assert sorted(seen) == list(range(len(ds))), "not every sample exactly once"
     print("served", len(seen), "held", ds._reader.held())
 """
+
+
+@pytest.mark.slow
+@pytest.mark.remote
+def test_1300_streamed_lmdb_stores_with_a_cache_limit_serve_an_epoch_under_a_hard_limit_of_1024(s3, many_lmdb,
+                                                                                             tmp_path):
+    """Streamed through a node cache holding half the stores: the batch over every store pins all 1,300 of
+    them (until 2026-11-27: a pin file each, "Too many open files")."""
+    from fastdata.storage.push import push
+
+    url = s3("many-lmdb") + "/ds"
+    push(many_lmdb, url, workers=8)
+    limit = sum(f.stat().st_size for f in many_lmdb.glob("*.lmdb")) // 2
+    # spawned workers: s3fs refuses to be used in a forked child
+    r = run_child(LMDB_EPOCH, url, repr({"cache_dir": str(tmp_path / "cache"), "cache_limit": limit}), "spawn",
+                  preexec=limited(1024, 1024))
+    assert int(r.stdout.split()[1]) == MANY
 
 
 @pytest.mark.slow

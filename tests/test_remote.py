@@ -153,6 +153,36 @@ def test_a_half_pushed_or_hostile_dataset_is_refused(s3, indexed_datasets, tmp_p
         FastDataset(url + "/evil", cache_dir=tmp_path / "c")
 
 
+def test_a_manifests_names_are_checked_at_once_as_one_at_a_time():
+    """`check_object_names` (one regex over every name joined) refuses exactly what `object_path` refuses,
+    naming the first bad name in order, over random names of separators, dots, backslashes and newlines."""
+    import random
+
+    from fastdata.errors import FormatError
+    from fastdata.storage.object_store import check_object_names, object_path
+
+    def plain(name):
+        try:
+            object_path("root", name)
+            return True
+        except FormatError:
+            return False
+    rng, parts = random.Random(5), ["a", "b", ".", "..", "/", "\\", ":", "//", "\n", "é", "...", ""]
+    for _ in range(5000):
+        names = ["".join(rng.choice(parts) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(1, 6))]
+        if rng.random() < 0.5:
+            names = [n for n in names if plain(n)] or ["x"]
+        first = next((n for n in names if not plain(n)), None)
+        if first is None:
+            check_object_names(names)
+        else:
+            with pytest.raises(FormatError, match="not a plain relative path") as err:
+                check_object_names(names)
+            assert repr(first) in str(err.value)
+    with pytest.raises(FormatError):
+        check_object_names(["a", 7])
+
+
 def test_ranks_on_a_node_share_one_cache_and_a_dead_downloaders_leftovers_go(s3, indexed_datasets, tmp_path):
     from fastdata.storage.push import push
     from fastdata.storage.remote import RemoteDataset

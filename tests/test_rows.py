@@ -78,6 +78,21 @@ def test_a_few_lookups_search_the_buffer_then_the_column_is_sorted():
     assert "path" in crowded._index
 
 
+def test_many_lookups_at_once_agree_with_one_at_a_time():
+    """`Rows.find_many` (the node cache's sizes of 10^6 shards: one sorted search): paths of unequal widths
+    (sorted from the buffer, padded as numpy pads), empty, non-ASCII, longer than any row, with a NUL."""
+    rng = random.Random(3)
+    for _ in range(300):
+        paths = ["".join(rng.choice("ab/é.-") for _ in range(rng.randint(0, 7))) for _ in range(rng.randint(1, 40))]
+        rows = compact_rows([{"path": p, "bytes": k} for k, p in enumerate(paths)])
+        probes = paths[::-1] + ["zz", "a", "é", "", "ab" * 9, "a\0", "b\0b"]
+        want = [paths.index(p) if p in paths else -1 for p in probes]
+        assert rows.find_many("path", probes).tolist() == want, (paths, probes)
+        assert [rows.find("path", p) for p in probes] == [None if w < 0 else w for w in want]
+    same = compact_rows([{"path": f"s-{k:04d}", "bytes": k} for k in range(100)])  # (the buffer itself)
+    assert same.find_many("path", ["s-0099", "s-0000", "s-0100", "s-00"]).tolist() == [99, 0, -1, -1]
+
+
 @pytest.mark.parametrize("rows", [
     [{"a": 1}, {"a": 2, "b": 3}],  # different keys
     [{"a": 1}, {"a": True}],  # a bool is not an int here

@@ -167,6 +167,38 @@ def test_sizes_by_one_stat_a_file_agree_with_a_walk_of_each_path(tmp_path):
             contained_stat(root, rel)
 
 
+@pytest.mark.parametrize("extra", [0, 1500])
+def test_present_files_are_checked_alike_by_a_stat_each_or_a_listing_first(tmp_path, extra):
+    """`check_sizes(present_only=True)` (a streamed dataset's cache folder: most files absent) lists the
+    folder first past 1,000 names and stats only what it holds: the same files found, the same refusals."""
+    from fastdata.errors import ChecksumError
+    from fastdata.storage.shards import check_sizes
+
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    files = [{"path": f"absent-{k:05d}.npy", "bytes": 3} for k in range(extra)]
+    for name, size in (("a.npy", 5), ("sub/b.npy", 7), ("c.npy", 2)):
+        (root / name).write_bytes(b"x" * size)
+        files.append({"path": name, "bytes": size})
+    files += [{"path": "gone.npy", "bytes": 4}, {"path": "sub/gone.npy", "bytes": 4}]
+    manifest = {"files": files}
+    assert check_sizes(root, manifest, present_only=True) == ["a.npy", "sub/b.npy", "c.npy"]
+    assert check_sizes(root, manifest, present_only=True, skip={"c.npy"}) == ["a.npy", "sub/b.npy"]
+    (root / "c.npy").write_bytes(b"x")  # truncated
+    with pytest.raises(ChecksumError, match="c.npy has 1 bytes"):
+        check_sizes(root, manifest, present_only=True)
+    (root / "c.npy").unlink()
+    (root / "c.npy").mkdir()  # a folder where the file should be
+    with pytest.raises(FormatError, match="c.npy is missing"):
+        check_sizes(root, manifest, present_only=True)
+    (root / "c.npy").rmdir()
+    (outside / "c.npy").write_bytes(b"xx")
+    (root / "c.npy").symlink_to(outside / "c.npy")  # a link out of the folder
+    with pytest.raises(FormatError, match="outside"):
+        check_sizes(root, manifest, present_only=True)
+
+
 def test_the_first_problem_in_the_manifests_order_is_the_one_named(dataset, tmp_path):
     # every file is stat'd before any size is compared: a later link out of the folder must not hide an
     # earlier truncated file (nor turn its error into another)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ _INT, _TEXT, _HEX = "int", "text", "hex"
 _CHUNK = 8192  # rows built at once when iterating or serialising
 _SCANS = 8  # lookups of a key that search its buffer before it is sorted (each ~10 ms a million rows)
 _UNSURE = object()
+_SORTING = threading.Lock()  # one thread sorts a column; the others (the cache's download threads) wait for it
 _ESCAPED = re.compile(rb'[\x00-\x1f"\\]')  # bytes JSON writes escaped (ensure_ascii=False)
 
 
@@ -184,7 +186,9 @@ class Rows(Sequence[dict[str, Any]]):
                 found = self._scan(key, value)
                 if found is not _UNSURE:
                     return found
-            self._index[key] = self._sorted(key)
+            with _SORTING:
+                if key not in self._index:
+                    self._index[key] = self._sorted(key)
         keys, order = self._index[key]
         probe = value.encode("utf-8", "surrogatepass")
         if isinstance(keys, dict):
@@ -193,6 +197,23 @@ class Rows(Sequence[dict[str, Any]]):
         if b"\0" not in probe and j < self._n and keys[order[j]] == probe:
             return int(order[j])
         return None
+
+    def find_many(self, key: str, values: Sequence[str]) -> np.ndarray:
+        """`find` for many values at once (one sorted search for all of them): the positions, -1 where no
+        row has the value."""
+        with _SORTING:
+            if key not in self._index:
+                self._index[key] = self._sorted(key)
+        keys, order = self._index[key]
+        probes = [v.encode("utf-8", "surrogatepass") for v in values]
+        if isinstance(keys, dict) or any(b"\0" in p for p in probes):
+            return np.array([-1 if (i := self.find(key, v)) is None else i for v in values], dtype=np.int64)
+        wanted = np.array(probes, dtype=keys.dtype if probes and max(map(len, probes)) <= keys.itemsize else None)
+        at = np.minimum(np.searchsorted(keys, wanted, sorter=order), self._n - 1) if self._n else None
+        if at is None:
+            return np.full(len(values), -1, dtype=np.int64)
+        found = order[at]
+        return np.where(keys[found] == wanted, found, -1).astype(np.int64)
 
     def _scan(self, key: str, value: str) -> Any:
         """``find`` by searching the text column's buffer for ``value`` where a row starts and ends there
@@ -219,8 +240,13 @@ class Rows(Sequence[dict[str, Any]]):
             lengths = np.diff(col[2])
             if len(lengths) and (lengths == lengths[0]).all() and lengths[0] > 0:
                 keys = np.frombuffer(col[1], dtype=f"S{int(lengths[0])}")  # the buffer itself
-            else:
-                keys = np.array([t.encode("utf-8", "surrogatepass") for t in self.column(key)])
+            else:  # each row padded with NULs to the longest (as numpy's bytes compare), without a row object
+                width, starts = max(1, int(lengths.max(initial=0))), col[2][:-1]
+                blob, padded = np.frombuffer(col[1], dtype=np.uint8), np.zeros((self._n, width), dtype=np.uint8)
+                for j in range(width):  # (a byte column at a time: no index array as long as the buffer)
+                    has = np.flatnonzero(lengths > j)
+                    padded[has, j] = blob[starts[has] + j]
+                keys = padded.view(f"S{width}").ravel()
             return keys, np.argsort(keys, kind="stable")  # (equal widths: the order is all that is added)
         found: dict[bytes, int] = {}  # (digests, integers, text with NULs: rare; a dict serves them)
         for i, v in enumerate(self.column(key)):

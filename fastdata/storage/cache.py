@@ -25,12 +25,17 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     within its retry budget; no prefetch starts meanwhile) and evicts them. Only when the shards pinned by the
     batches being read fill the limit is a batch's own shard fetched anyway, and a warning says the limit is
     too small for the shards in use.
-11. Shards in use are never evicted, across processes too: a process holds a shared ``flock`` on a shard's pin
-    file while it has the shard mapped, and an eviction needs that lock exclusively.
+11. Shards in use are never evicted, across processes too: a cache holds a shard pinned while it has it open
+    (`ShardPins`: a shared lock on the shard's byte of one file per dataset, so a batch over 10,000 shards
+    needs no descriptor per shard), and an eviction needs that byte exclusively. (Pins until 2026-11-27
+    were a file per shard: a job of an older fastdata sharing a cache folder does not see these.)
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).
-14. The limit is kept up to the bytes other processes have in flight.
+14. The limit is kept up to the bytes other processes have in flight. Other processes fetch and evict too:
+    the scheduler thread looks at the disk again (`cached`: a listing of the folders, 0.7 s at 10^6 shards)
+    outside the lock, at most once a second and a twentieth of the time; what this process learnt meanwhile
+    stands.
 15. Counted against the limit: shards on disk, arriving (each download owns its shard's room until it ends,
     whoever waits for it) and pinned. A download ends in one locked step that gives its room back and
     records whether the file is there (another process may have evicted it).
@@ -44,7 +49,6 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sys
 import threading
@@ -61,7 +65,7 @@ from .._io import scrub
 from ..errors import ConfigError, FastdataError, FormatError
 from . import evict
 from .plan import Plan, horizon
-from .cache_folders import lock_file
+from .cache_folders import ShardPins, on_disk
 from .remote import RemoteDataset, download_bar
 
 IN_FLIGHT = 512 << 20
@@ -82,8 +86,10 @@ class ShardCache:
         self.remote, self.opener, self.closer = remote, opener, closer
         self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
         self.names = [g[0] for g in self.groups]
-        entries = remote.entries(n for g in self.groups for n in g)
-        self.sizes = np.array([sum(int(entries[n]["bytes"]) for n in g) for g in self.groups], dtype=np.int64)
+        self._folders = sorted({os.path.dirname(n) for g in self.groups for n in g})  # (relative: "" the top)
+        sizes = remote.sizes([n for g in self.groups for n in g])
+        starts = np.cumsum([0] + [len(g) for g in self.groups[:-1]]) if self.groups else np.zeros(0, np.int64)
+        self.sizes = np.add.reduceat(sizes, starts) if len(sizes) > len(self.groups) else sizes
         self.limit, self.in_flight, self.requests = limit, in_flight, max(1, requests)
         self.horizon = horizon(limit, self.sizes)  # runs a plan learns ahead of the reader
         self._start()
@@ -95,10 +101,15 @@ class ShardCache:
         self._cond = threading.Condition()
         self._objs = np.full(len(self.names), None, dtype=object)  # what opener made, per shard
         self._is_open = np.zeros(len(self.names), dtype=bool)
-        self._locks: dict[int, Any] = {}  # shard -> lock file held shared while opened (with a limit)
+        if getattr(self, "_pinned", None) is not None:  # a forked child: the parent's pins stay the parent's
+            self._pinned.close()
+        self._pinned = ShardPins(self.remote.dir / ".locks")  # shards opened with a limit (NOTE 11)
+        self._held = np.zeros(len(self.names), dtype=bool)  # which of them this cache holds pinned
         self._pins = np.zeros(len(self.names), dtype=np.int64)
+        self._since: Optional[list[int]] = None  # shards this process learnt about while a scan of the disk ran
+        began = time.monotonic()
         self._have = self.cached()  # which shards are local, as far as this process knows
-        self._scanned = time.monotonic()
+        self._scanned, self._scan_cost, self._scanning = time.monotonic(), time.monotonic() - began, False
         if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
                 self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
@@ -189,6 +200,8 @@ class ShardCache:
         """
         self._check_pid()
         shards = np.asarray(shards, dtype=np.int64)
+        if self._thread is None or not self._thread.is_alive():  # no scheduler to look at the disk: a batch does
+            self._rescan()
         with self._cond:
             if self._failed is not None:  # a prefetch's error: this is the consumer's next batch
                 failed, self._failed = self._failed, None
@@ -263,33 +276,32 @@ class ShardCache:
         other processes' evictions); else left closed, to be fetched again."""
         if self._is_open[s] or s in self._fetching:
             return
-        lock = None
         if self.limit is not None:
-            lock = lock_file(self._pin_path(s))
-            fcntl.flock(lock, fcntl.LOCK_SH)
+            self._pinned.pin(self.names[s])
+            self._held[s] = True
         try:
             if not self._present(s):  # evicted by another process since it arrived
-                self._have[s] = False
-                if lock is not None:
-                    lock.close()
+                self._know(s, False)
+                self._unpin(s)
                 return
             self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
         except BaseException:
-            if lock is not None:
-                lock.close()
+            self._unpin(s)
             raise
-        self._is_open[s] = self._have[s] = True
-        if lock is not None:
-            self._locks[s] = lock
+        self._is_open[s] = True
+        self._know(s, True)
 
     def _close(self, s: int) -> None:
         if self._is_open[s] and self.closer is not None:
             self.closer(s, self.remote.dir / self.names[s])
         self._objs[s] = None
         self._is_open[s] = False
-        lock = self._locks.pop(s, None)
-        if lock is not None:
-            lock.close()
+        self._unpin(s)
+
+    def _unpin(self, s: int) -> None:
+        if self._held[s]:
+            self._pinned.unpin(self.names[s])
+            self._held[s] = False
 
     # -- downloads --------------------------------------------------------------------------------------
     def _fetch(self, s: int, plan: Optional[Plan], at: int, prefetch: bool) -> None:
@@ -307,7 +319,7 @@ class ShardCache:
             failed = exc
         with self._cond:
             del self._fetching[s]
-            self._have[s] = self._present(s)
+            self._know(s, self._present(s))
             if got and plan is not None:
                 plan.count(s, at)
             if failed is not None and prefetch and self._failed is None and not self._closed:
@@ -356,8 +368,8 @@ class ShardCache:
             if self.limit is None:  # shards opened without pins: pin the ones in use, close the others
                 for s in np.flatnonzero(self._is_open).tolist():
                     if self._pins[s] > 0:
-                        self._locks[s] = lock_file(self._pin_path(s))
-                        fcntl.flock(self._locks[s], fcntl.LOCK_SH)
+                        self._pinned.pin(self.names[s])
+                        self._held[s] = True
                     else:
                         self._close(s)
             self.limit = int(limit)
@@ -369,7 +381,38 @@ class ShardCache:
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:
         """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
-        return np.array([self._present(s) for s in range(len(self.groups))], dtype=bool)
+        return on_disk(self.remote.dir, self.groups, self._folders)
+
+    def _rescan_due(self) -> bool:
+        """(Under the lock.)"""
+        due = time.monotonic() - self._scanned > max(1.0, 20 * self._scan_cost)
+        return due and self.limit is not None and not self._scanning
+
+    def _know(self, s: int, here: bool) -> None:
+        """(Under the lock.) What this process learnt of shard ``s`` on disk (kept over a scan under way)."""
+        self._have[s] = here
+        if self._since is not None:
+            self._since.append(s)
+
+    def _rescan(self) -> None:
+        """Other processes fetch and evict too: look at the disk again (outside the lock, so no batch waits
+        for it), at most once a second and for at most a twentieth of the time; what this process learnt
+        meanwhile stands."""
+        with self._cond:
+            if not self._rescan_due():
+                return
+            self._scanning, self._since = True, []
+        began, have = time.monotonic(), None
+        try:
+            have = self.cached()
+        finally:
+            with self._cond:
+                if have is not None:
+                    learnt = np.array(self._since, dtype=np.int64)
+                    have[learnt] = self._have[learnt]
+                    self._have = have
+                self._scanned, self._scan_cost = time.monotonic(), time.monotonic() - began
+                self._scanning, self._since = False, None
 
     def _present(self, s: int) -> bool:
         return all((self.remote.dir / n).is_file() for n in self.groups[s])
@@ -383,9 +426,6 @@ class ShardCache:
         download that waiting would not); otherwise it stays short."""
         if self.limit is None:
             return 0
-        now = time.monotonic()
-        if now - self._scanned > 1.0:  # other processes fetch and evict too: look at the disk once a second
-            self._have, self._scanned = self.cached(), now  # (a stat per shard: not per decision at 20,000)
         busy = self._pins > 0
         busy[list(self._fetching)] = True
         counted = self._have | busy
@@ -413,20 +453,16 @@ class ShardCache:
                 short -= int(self.sizes[c])
         return max(0, short)
 
-    def _pin_path(self, s: int) -> Path:
-        """The file readers hold shared while they use shard ``s`` (not the download lock: a reader never
-        waits for a download while it holds a pin)."""
-        return self.remote.dir / ".locks" / (self.names[s].replace("/", "%") + ".pin")
-
     def _evict(self, c: int) -> bool:
-        with lock_file(self._pin_path(c)) as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        """(Under the lock, ``c`` closed here.) Delete shard ``c``'s files unless another reader holds it."""
+        if self._held[c]:  # (its own pin would not stop this cache: never the case, _close comes first)
+            return False
+        with self._pinned.evicting(self.names[c]) as free:
+            if not free:
                 return False  # another process reads it
             for name in self.groups[c]:
                 (self.remote.dir / name).unlink(missing_ok=True)
-            self._have[c] = False
+            self._know(c, False)
             return True
 
     # -- prefetching ------------------------------------------------------------------------------------
@@ -446,6 +482,7 @@ class ShardCache:
         here, one shard at a time in that order, so prefetches never evict each other out of order. With
         nothing to fetch now, learn more of the plan (how far ahead eviction can see), up to its horizon."""
         while True:
+            self._rescan()
             learn: Optional[Plan] = None
             with self._cond:
                 found = self._next_candidate()
@@ -454,10 +491,14 @@ class ShardCache:
                     if plan is not None and plan.wants_more():
                         learn = plan
                         break
+                    if self._rescan_due():
+                        break
                     self._cond.wait(0.5)
                     found = self._next_candidate()
                 if self._closed:
                     return
+                if found is None and learn is None:  # a look at the disk is due
+                    continue
                 if learn is None:
                     plan = self._active()
                     assert found is not None and plan is not None  # (a candidate comes from the active plan)
@@ -489,7 +530,7 @@ class ShardCache:
                     hold = i + h if hold is None else hold
                     continue
                 if self._present(s):
-                    self._have[s] = True
+                    self._know(s, True)
                     continue
                 plan.cursor = i + h if hold is None else hold
                 if self._fetching and fetching_bytes + self.sizes[s] > self.in_flight:
@@ -510,6 +551,8 @@ class ShardCache:
                 self._close(s)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._side.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            self._pinned.close()
 
 
 def _user_level() -> int:

@@ -2,12 +2,19 @@
 (private, or shared with a group), the lock files in them, and listing and removing them (`fastdata cache`)."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import stat
+import struct
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
 
 from .._io import LockFile, disk_error
 from ..errors import ConfigError, OutputError
@@ -80,6 +87,138 @@ def lock_file(path: Path) -> Any:
     except OSError as exc:
         raise disk_error(exc, path, CACHE_FULL_ADVICE) from exc
     return LockFile(fd)  # (its lock stays with this process: NOTE [locks across fork])
+
+
+def on_disk(folder: Path, groups: Sequence[Sequence[str]], subfolders: Iterable[str]) -> np.ndarray:
+    """Which ``groups`` of files (paths relative to ``folder``) are all files in it now (a symbolic link to
+    one counts, as for `Path.is_file`): a listing of each of ``subfolders`` (those the paths are in), not a
+    stat per file (10^6 shards of two files: 0.4 s against 11 s).
+
+    Args:
+        folder: A dataset's folder in the cache.
+        groups: The files of each shard.
+        subfolders: The folders (relative, "" for ``folder`` itself) holding them.
+
+    Returns:
+        A bool array, one per group.
+    """
+    present: set[str] = set()
+    for sub in subfolders:
+        try:
+            with os.scandir(folder / sub) as entries:
+                present.update(os.path.join(sub, e.name) for e in entries if e.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    hits = np.fromiter((n in present for g in groups for n in g), dtype=bool)
+    if len(hits) == len(groups):
+        return hits
+    starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
+    return np.logical_and.reduceat(hits, starts)
+
+
+# struct flock for F_OFD_*: l_type, l_whence, l_start, l_len, l_pid (0 for these locks), padded as C does
+_FLOCK = "hhqqi4x" if struct.calcsize("hhqqi4x") == 32 else "hhqqi"
+_OFFSETS = (1 << 62) - 1  # a pin's byte: a 62-bit hash of its shard's name (off_t is signed 64-bit)
+
+
+class ShardPins:
+    """The shards of one cache folder this object has in use, so that no process evicts them (NOTE [shard
+    cache] 11 in cache.py): a shared byte-range lock per shard on one file, ``.locks/shards.pins``, at an
+    offset hashed from the shard's name; an eviction takes that byte exclusively, and cannot while anyone
+    holds it. Open-file-description locks (Linux): one descriptor however many shards are pinned (a batch
+    over 10,000 shards under a limit of 1,024 open files), two objects in one process exclude each other,
+    and forked children keep none (NOTE [locks across fork] in fastdata/_io.py). Two shards whose names
+    hash alike only make an eviction wait for the other's reader. Where a folder's file system has no such
+    locks, a pin is a shared ``flock`` on a file of its own (a descriptor per pinned shard), in every process
+    alike (the kind is decided by the folder).
+
+    Args:
+        folder: The dataset's ``.locks`` folder in the cache.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._file: Optional[LockFile] = None
+        self._ofd: Optional[bool] = None  # byte-range locks on one file (decided at the first use)
+        self._files: dict[str, LockFile] = {}  # without them: shard name -> its pin file
+
+    def _lock(self, name: str, kind: int, wait: bool) -> None:
+        offset = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") & _OFFSETS
+        command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+        fcntl.fcntl(self._file, command, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+
+    def _open(self) -> bool:
+        """Whether pins are byte ranges of one file here (opened, and tried once, at the first use)."""
+        if self._ofd is None:
+            self._file = lock_file(self.folder / "shards.pins")
+            try:
+                if not hasattr(fcntl, "F_OFD_GETLK"):
+                    raise OSError(errno.EINVAL, "no open file description locks")
+                fcntl.fcntl(self._file, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+                self._ofd = True
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                self._ofd = False
+                self._file.close()
+                self._file = None
+        return self._ofd
+
+    def pin(self, name: str) -> None:
+        """Hold shard ``name``, once until `unpin` (waits for an eviction of it under way to end)."""
+        if self._open():
+            self._lock(name, fcntl.F_RDLCK, wait=True)
+        else:
+            lock = lock_file(self._pin_file(name))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+            except BaseException:
+                lock.close()
+                raise
+            self._files[name] = lock
+
+    def unpin(self, name: str) -> None:
+        if self._ofd:
+            self._lock(name, fcntl.F_UNLCK, wait=False)
+        elif name in self._files:
+            self._files.pop(name).close()
+
+    @contextlib.contextmanager
+    def evicting(self, name: str) -> Iterator[bool]:
+        """Whether shard ``name`` may be deleted now (no process holds it), held so while the block runs.
+        This object must not hold it itself (unpin it first)."""
+        if self._open():
+            try:
+                self._lock(name, fcntl.F_WRLCK, wait=False)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                yield False  # another process reads it
+                return
+            try:
+                yield True
+            finally:
+                self._lock(name, fcntl.F_UNLCK, wait=False)
+        else:
+            with lock_file(self._pin_file(name)) as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    yield False
+                    return
+                yield True
+
+    def _pin_file(self, name: str) -> Path:
+        return self.folder / (name.replace("/", "%") + ".pin")
+
+    def close(self) -> None:
+        """Let go of every pin."""
+        for lock in self._files.values():
+            lock.close()
+        self._files.clear()
+        if self._file is not None:
+            self._file.close()
+        self._file, self._ofd = None, None
 
 
 def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, Any]]:

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+import numpy as np
+
 from .._io import scrub
 from ..distributed import broadcast_bytes, group_size, is_main_rank
 from ..errors import ConfigError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, check_manifest, load_columns
-from ..formats.rows import column
+from ..formats.rows import column, int_column
 from .object_store import RETRY_SECONDS, is_url
 from .remote import RemoteDataset
 from .streamed import unread_files
@@ -89,9 +91,11 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
     manifest = check_manifest(remote.manifest, remote.dir, formats, where=f"{scrub(remote.url)}/{MANIFEST_NAME}",
                               columns=True)  # (the remote's own, in place)
     stream, unread = streamed(manifest), unread_files(manifest)
-    fetched = stream | unread
-    need = sum(b for p, b in zip(column(manifest["files"], "path"), column(manifest["files"], "bytes"))
-               if p not in fetched)
+    need = 0
+    if limit is not None and not stream:  # (only then: the sum walks every file)
+        files = manifest["files"]
+        kept = np.fromiter((p not in unread for p in column(files, "path")), bool, len(files))
+        need = int(int_column(files, "bytes")[kept].sum())
     if limit is not None and not stream and need > limit:
         raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
                           f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
