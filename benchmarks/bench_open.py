@@ -10,7 +10,14 @@ the clock starts. "RSS MB" is the memory the open and a first batch add to the p
 keeps), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it, "version s" the
 dataset's version (`manifest_sha256`, the digest of its manifest a loader's first ``state_dict`` names).
 
+``--remote``: the npy dataset streamed from a loopback S3 server (moto, started here; the manifest and the
+first shards uploaded) through the node cache with a ``cache_limit`` of ``--cache-shards`` shards, as every
+rank opens it; "read shards/s" is a FastLoader's first ``--reads`` shards in order (or as many as ``--seconds``
+allow), each fetched into the cache as the loader's plan says and evicted behind it: what the cache costs a
+shard at that many shards.
+
     python benchmarks/bench_open.py [--shards 100000] [--formats npy,lmdb,tokens] [--against REF[,REF...]]
+    python benchmarks/bench_open.py --remote [--shards 1000000] [--reads 2000] [--against REF[,REF...]]
 """
 from __future__ import annotations
 
@@ -23,10 +30,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Union
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+ROWS = 4  # samples a shard of make_npy
 LINKS = 60_000  # hard links a file may have on ext4 is 65,000: a fresh copy after this many
 
 CHILD = r"""
@@ -44,6 +53,22 @@ def rss():
 kind, path = sys.argv[1], sys.argv[2]
 before = rss()
 t0 = time.perf_counter()
+if kind == "remote":  # streamed through the node cache with a limit: the first shards read in order
+    from fastdata.loading.loader import FastLoader
+    limit, reads, per, seconds = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[7])
+    ds = FastDataset(path, cache_dir=sys.argv[6], cache_limit=limit)
+    opened = time.perf_counter()
+    n, sent, version, seen = len(ds), 0, 0.0, 0
+    for x, y in FastLoader(ds, batch_size=10 * per, shuffle=False, num_threads=2):
+        if seen == 0:
+            first = time.perf_counter()
+        seen += len(y)
+        if seen >= reads * per or time.perf_counter() - first > seconds:
+            break
+    read = time.perf_counter() - first
+    print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n,
+                      "shards_per_s": (seen / per - 10) / read}))
+    sys.exit(0)
 if kind == "floor":  # what any open that checks its files pays: the manifest parsed, one stat a file
     m = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
     for f in m["files"]:
@@ -92,7 +117,7 @@ def make_npy(root: Path, n: int, spare: Path) -> None:
     from fastdata.formats.image_shards import images_name, labels_name
     from fastdata.formats.manifest import IMAGES_NPY, new_manifest, write_manifest
 
-    rows = 4
+    rows = ROWS
     images = Linker(npy_bytes(np.full((rows, 8, 8, 3), 7, np.uint8)), spare)
     labels = Linker(npy_bytes(np.zeros(rows, "<i8")), spare)
     files, shards = [], []
@@ -149,10 +174,10 @@ def make_tokens(root: Path, n: int, spare: Path) -> None:
 MAKERS = {"npy": make_npy, "lmdb": make_lmdb, "tokens": make_tokens}
 
 
-def measure(kind: str, path: Path, code_root: Path) -> dict:
+def measure(kind: str, path: Union[Path, str], code_root: Path, *extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code_root))
-    r = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], capture_output=True, text=True, env=env,
-                       cwd=tempfile.gettempdir())
+    r = subprocess.run([sys.executable, "-c", CHILD, kind, str(path), *extra], capture_output=True, text=True,
+                       env=env, cwd=tempfile.gettempdir())
     if r.returncode != 0:
         raise SystemExit(f"{kind} at {code_root} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -165,6 +190,63 @@ def older(ref: str, into: Path) -> Path:
     return into
 
 
+def upload_first(root: Path, shards: int) -> str:
+    """A loopback S3 server (moto) holding ``root``'s manifest and labels and its first ``shards`` npy shards
+    (enough for what the remote child reads: the loader fetches no further); its URL. The endpoint goes into
+    this process's environment, which the children inherit."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._server.server_port}"
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="bench")
+    from fastdata.formats.image_shards import images_name, labels_name
+
+    names = [n for k in range(shards) for n in (images_name(k), labels_name(k))] + ["labels.npy"]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda n: client.put_object(Bucket="bench", Key=f"ds/{n}", Body=(root / n).read_bytes()),
+                      names))
+    client.put_object(Bucket="bench", Key="ds/manifest.json", Body=(root / "manifest.json").read_bytes())
+    return "s3://bench/ds"
+
+
+def remote(args: argparse.Namespace, codes: dict[str, Path], tmp: Path) -> None:
+    """The ``--remote`` table: each code opens the streamed npy dataset with a fresh cache folder and reads
+    its first ``--reads`` shards in order."""
+    root, spare = tmp / "npy", tmp / "npy-spare"
+    root.mkdir()
+    spare.mkdir()
+    make_npy(root, args.shards, spare)
+    size = sum((root / n).stat().st_size for n in ("images-00000.npy", "labels-00000.npy"))
+    url = upload_first(root, args.reads + 4 * args.cache_shards + 64)
+    print(f"{'code':>10} {'open s':>8} {'first batch s':>14} {'read shards/s':>14} {'RSS MB':>8}")
+    best = {}
+    for name, code in codes.items():
+        runs = []
+        for k in range(args.rounds):
+            cache = tmp / f"cache-{name}-{k}"
+            runs.append(measure("remote", url, code, str(args.cache_shards * size), str(args.reads), str(ROWS),
+                                str(cache), str(args.seconds)))
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+        best[name] = r = min(runs, key=lambda r: r["open"] + r["first"])
+        print(f"{name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['shards_per_s']:>14.0f} {r['rss_mb']:>8.0f}",
+              flush=True)
+    for ref in codes:
+        if ref != "this":
+            old, new = best[ref], best["this"]
+            print(f"this opens {old['open'] / new['open']:.2f}x faster than {ref}, first batch "
+                  f"{old['first'] / new['first']:.2f}x sooner, reads shards "
+                  f"{new['shards_per_s'] / old['shards_per_s']:.2f}x as fast", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=100_000)
@@ -173,6 +255,11 @@ def main() -> None:
                     "same run")
     ap.add_argument("--rounds", type=int, default=2, help="opens of each folder by each code; the best is kept")
     ap.add_argument("--work", help="folder for the datasets (default: a temporary one, removed after)")
+    ap.add_argument("--remote", action="store_true", help="the npy dataset streamed from a loopback S3 server "
+                    "through a limited node cache (needs the test extra's moto)")
+    ap.add_argument("--reads", type=int, default=2000, help="--remote: shards the loader reads")
+    ap.add_argument("--cache-shards", type=int, default=100, help="--remote: shards the cache_limit holds")
+    ap.add_argument("--seconds", type=float, default=120, help="--remote: reading stops after this long")
     args = ap.parse_args()
     import resource
 
@@ -184,6 +271,8 @@ def main() -> None:
         refs = args.against.split(",") if args.against else []
         for ref in refs:
             codes[ref] = older(ref, Path(tempfile.mkdtemp(dir=tmp)))
+        if args.remote:
+            return remote(args, codes, tmp)
         print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'pickled MB':>11} "
               f"{'version s':>10} {'floor s':>8} {'open/floor':>11}")
         for kind in args.formats.split(","):

@@ -190,23 +190,24 @@ class ShardPins:
         if self._open():
             try:
                 self._lock(name, fcntl.F_WRLCK, wait=False)
+                free = True
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-                yield False  # another process reads it
-                return
+                free = False  # another process reads it
             try:
-                yield True
+                yield free
             finally:
-                self._lock(name, fcntl.F_UNLCK, wait=False)
+                if free:
+                    self._lock(name, fcntl.F_UNLCK, wait=False)
         else:
             with lock_file(self._pin_file(name)) as lock:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    free = True
                 except BlockingIOError:
-                    yield False
-                    return
-                yield True
+                    free = False
+                yield free
 
     def _pin_file(self, name: str) -> Path:
         return self.folder / (name.replace("/", "%") + ".pin")
