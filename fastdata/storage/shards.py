@@ -236,7 +236,8 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
     names = column(files, "path")  # (whole columns, no row built: NOTE [compact manifest])
     expected = int_column(files, "bytes")
     if paths is not None or skip:  # (sets: 20,000 shards must not cost 20,000^2 comparisons)
-        listed = set(paths if paths is not None else skip)
+        listed = paths if paths is not None else skip
+        listed = listed if isinstance(listed, (set, frozenset)) else set(listed)
         keep = np.fromiter(map(listed.__contains__, names), bool, len(names))
         keep = np.flatnonzero(keep if paths is not None else ~keep)
         names, expected = [names[i] for i in keep.tolist()], expected[keep]
