@@ -226,7 +226,7 @@ def remote(args: argparse.Namespace, codes: dict[str, Path], tmp: Path) -> None:
     spare.mkdir()
     make_npy(root, args.shards, spare)
     size = sum((root / n).stat().st_size for n in ("images-00000.npy", "labels-00000.npy"))
-    url = upload_first(root, args.reads + 4 * args.cache_shards + 64)
+    url = upload_first(root, min(args.shards, args.reads + 4 * args.cache_shards + 64))
     print(f"{'code':>10} {'open s':>8} {'first batch s':>14} {'read shards/s':>14} {'RSS MB':>8}")
     best = {}
     for name, code in codes.items():

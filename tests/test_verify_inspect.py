@@ -199,6 +199,46 @@ def test_present_files_are_checked_alike_by_a_stat_each_or_a_listing_first(tmp_p
         check_sizes(root, manifest, present_only=True)
 
 
+_UNLISTABLE = """
+import os, sys
+from pathlib import Path
+from fastdata.storage.shards import check_sizes
+root, extra = Path(sys.argv[1]), int(sys.argv[2])
+if os.geteuid() == 0:  # (root reads any folder: the check runs as nobody)
+    os.setgid(65534)
+    os.setuid(65534)
+else:
+    os.chmod(root, 0o300)  # this user may enter it, not list it
+files = [{"path": f"absent-{k:05d}.npy", "bytes": 3} for k in range(extra)] + [{"path": "a.npy", "bytes": 5}]
+print(check_sizes(root, {"files": files}, present_only=True))
+"""
+
+
+@pytest.mark.parametrize("extra", [0, 1500])
+def test_a_folder_that_may_be_entered_but_not_listed_is_checked_by_stats(extra):
+    """A folder its reader may enter but not list: the stat of each file serves it (an O_PATH descriptor),
+    and so does the listing path past 1,000 names, by falling back to it (it raised PermissionError)."""
+    import os
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # (not under the 0700 folders of pytest: nobody must reach it)
+    try:
+        os.chmod(base, 0o755)
+        root = base / "ds"
+        root.mkdir()
+        (root / "a.npy").write_bytes(b"x" * 5)
+        os.chmod(root / "a.npy", 0o644)
+        os.chmod(root, 0o711)
+        r = subprocess.run([sys.executable, "-c", _UNLISTABLE, str(root), str(extra)], capture_output=True,
+                           text=True, cwd=Path(__file__).parent.parent)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "['a.npy']"
+    finally:
+        os.chmod(base / "ds", 0o755)
+        shutil.rmtree(base)
+
+
 def test_the_first_problem_in_the_manifests_order_is_the_one_named(dataset, tmp_path):
     # every file is stat'd before any size is compared: a later link out of the folder must not hide an
     # earlier truncated file (nor turn its error into another)

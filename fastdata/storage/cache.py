@@ -364,6 +364,7 @@ class ShardCache:
         if not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 1:
             raise ConfigError(f"a cache limit must be a positive number of bytes, got limit={limit!r}")
         self._check_pid()
+        self._rescan(now=True)  # (other processes' shards count against the new bound at once)
         with self._cond:
             if self.limit is None:  # shards opened without pins: pin the ones in use, close the others
                 for s in np.flatnonzero(self._is_open).tolist():
@@ -394,12 +395,12 @@ class ShardCache:
         if self._since is not None:
             self._since.append(s)
 
-    def _rescan(self) -> None:
+    def _rescan(self, now: bool = False) -> None:
         """Other processes fetch and evict too: look at the disk again (outside the lock, so no batch waits
-        for it), at most once a second and for at most a twentieth of the time; what this process learnt
-        meanwhile stands."""
+        for it), at most once a second and for at most a twentieth of the time (``now``: whenever no look is
+        under way); what this process learnt meanwhile stands."""
         with self._cond:
-            if not self._rescan_due():
+            if self._scanning or not (now or self._rescan_due()):
                 return
             self._scanning, self._since = True, []
         began, have = time.monotonic(), None

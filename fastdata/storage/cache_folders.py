@@ -105,15 +105,24 @@ def on_disk(folder: Path, groups: Sequence[Sequence[str]], subfolders: Iterable[
     present: set[str] = set()
     for sub in subfolders:
         try:
-            with os.scandir(folder / sub) as entries:
-                present.update(os.path.join(sub, e.name) for e in entries if e.is_file())
+            entries = os.scandir(folder / sub)
         except (FileNotFoundError, NotADirectoryError):
             continue
+        with entries:
+            present.update(os.path.join(sub, e.name) for e in entries if _is_file(e))
     hits = np.fromiter((n in present for g in groups for n in g), dtype=bool)
     if len(hits) == len(groups):
         return hits
     starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
     return np.logical_and.reduceat(hits, starts)
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    """`Path.is_file` of a listed entry: False for a link that loops or passes through a file."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
 
 
 # struct flock for F_OFD_*: l_type, l_whence, l_start, l_len, l_pid (0 for these locks), padded as C does
@@ -128,7 +137,8 @@ class ShardPins:
     holds it. Open-file-description locks (Linux): one descriptor however many shards are pinned (a batch
     over 10,000 shards under a limit of 1,024 open files), two objects in one process exclude each other,
     and forked children keep none (NOTE [locks across fork] in fastdata/_io.py). Two shards whose names
-    hash alike only make an eviction wait for the other's reader. Where a folder's file system has no such
+    hash alike share a byte (counted here: it stays locked while either is pinned, and neither is evicted
+    meanwhile by this object or another). Where a folder's file system has no such
     locks, a pin is a shared ``flock`` on a file of its own (a descriptor per pinned shard), in every process
     alike (the kind is decided by the folder).
 
@@ -141,9 +151,13 @@ class ShardPins:
         self._file: Optional[LockFile] = None
         self._ofd: Optional[bool] = None  # byte-range locks on one file (decided at the first use)
         self._files: dict[str, LockFile] = {}  # without them: shard name -> its pin file
+        self._held: dict[int, int] = {}  # with them: byte -> pins on it (names may hash alike)
 
-    def _lock(self, name: str, kind: int, wait: bool) -> None:
-        offset = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") & _OFFSETS
+    @staticmethod
+    def _offset(name: str) -> int:
+        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") & _OFFSETS
+
+    def _lock(self, offset: int, kind: int, wait: bool) -> None:
         command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
         fcntl.fcntl(self._file, command, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
 
@@ -167,7 +181,10 @@ class ShardPins:
     def pin(self, name: str) -> None:
         """Hold shard ``name``, once until `unpin` (waits for an eviction of it under way to end)."""
         if self._open():
-            self._lock(name, fcntl.F_RDLCK, wait=True)
+            offset = self._offset(name)
+            if offset not in self._held:
+                self._lock(offset, fcntl.F_RDLCK, wait=True)
+            self._held[offset] = self._held.get(offset, 0) + 1
         else:
             lock = lock_file(self._pin_file(name))
             try:
@@ -179,7 +196,12 @@ class ShardPins:
 
     def unpin(self, name: str) -> None:
         if self._ofd:
-            self._lock(name, fcntl.F_UNLCK, wait=False)
+            offset = self._offset(name)
+            left = self._held.pop(offset, 0) - 1
+            if left > 0:
+                self._held[offset] = left
+            elif left == 0:
+                self._lock(offset, fcntl.F_UNLCK, wait=False)
         elif name in self._files:
             self._files.pop(name).close()
 
@@ -188,18 +210,19 @@ class ShardPins:
         """Whether shard ``name`` may be deleted now (no process holds it), held so while the block runs.
         This object must not hold it itself (unpin it first)."""
         if self._open():
-            try:
-                self._lock(name, fcntl.F_WRLCK, wait=False)
-                free = True
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                free = False  # another process reads it
+            offset, free = self._offset(name), False
+            if offset not in self._held:  # (else this object pins a shard on its byte: its lock must stay)
+                try:
+                    self._lock(offset, fcntl.F_WRLCK, wait=False)
+                    free = True
+                except OSError as exc:  # EAGAIN, EACCES: another process reads it (free stays False)
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
             try:
                 yield free
             finally:
                 if free:
-                    self._lock(name, fcntl.F_UNLCK, wait=False)
+                    self._lock(offset, fcntl.F_UNLCK, wait=False)
         else:
             with lock_file(self._pin_file(name)) as lock:
                 try:
@@ -217,6 +240,7 @@ class ShardPins:
         for lock in self._files.values():
             lock.close()
         self._files.clear()
+        self._held.clear()
         if self._file is not None:
             self._file.close()
         self._file, self._ofd = None, None

@@ -241,9 +241,10 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
         keep = np.fromiter(map(listed.__contains__, names), bool, len(names))
         keep = np.flatnonzero(keep if paths is not None else ~keep)
         names, expected = [names[i] for i in keep.tolist()], expected[keep]
-    if present_only and len(names) > 1000:  # (most may be absent: a streamed dataset's cache folder)
+    # most may be absent (a streamed dataset's cache folder): a listing first, a stat for what it holds
+    here = _listed(root) if present_only and len(names) > 1000 else None
+    if here is not None:
         found = np.full(len(names), -1, dtype=np.int64)
-        here = set(os.listdir(root)) if root.is_dir() else set()  # a plain name not listed is absent
         maybe = np.flatnonzero(np.fromiter(("/" in n or n in here for n in names), bool, len(names)))
         found[maybe] = contained_sizes(root, [names[i] for i in maybe.tolist()])
     else:
@@ -256,6 +257,17 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
             contained_stat(root, names[i])  # (raises: the path leaves the folder)
         raise file_error(root, {"path": names[i], "bytes": int(expected[i])}, "size" if found[i] >= 0 else "missing")
     return [n for n, size in zip(names, found.tolist()) if size != -1] if present_only else names
+
+
+def _listed(root: Path) -> Optional[set[str]]:
+    """The names in folder ``root`` (none: it is missing), or None where it may be entered but not listed
+    (``contained_sizes`` serves that one)."""
+    try:
+        return set(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    except PermissionError:
+        return None
 
 
 def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) -> None:
