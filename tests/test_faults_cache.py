@@ -357,6 +357,28 @@ def test_a_lower_limit_counts_what_other_processes_fetched(s3, indexed_datasets,
     cache.close()
 
 
+def test_the_disk_is_looked_at_while_a_plan_is_read_not_after(s3, indexed_datasets, tmp_path):
+    """The scheduler looks at the disk again while a plan is read (at most once a second), and stops once no
+    plan is left (a listing is 0.4 s at 10^6 shards: not for the life of an idle dataset)."""
+    url = _pushed(s3, indexed_datasets, "idle")
+    cache, remote, _ = _cache(url, tmp_path, limit_shards=3)
+    token = cache.plan(iter([np.array([0]), np.array([1])]))
+    with cache.reading(np.array([0])):
+        pass
+    first = cache._scanned
+    time.sleep(2.5)
+    assert cache._scanned > first  # (looked again while the plan is read)
+    cache.end_plan(token)
+    time.sleep(0.6)  # (a look under way ends)
+    idle = cache._scanned
+    time.sleep(2.5)
+    assert cache._scanned == idle
+    with cache.reading(np.array([1])):  # a batch without a plan looks itself
+        pass
+    assert cache._scanned > idle
+    cache.close()
+
+
 _PIN_CHILD = """
 import fcntl, sys
 from pathlib import Path

@@ -33,9 +33,10 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).
 14. The limit is kept up to the bytes other processes have in flight. Other processes fetch and evict too:
-    the scheduler thread looks at the disk again (`cached`: a listing of the folders, 0.7 s at 10^6 shards)
-    outside the lock, at most once a second and a twentieth of the time; what this process learnt meanwhile
-    stands.
+    while a plan is read, the scheduler thread looks at the disk again (`cached`: a listing of the folders,
+    0.4 s at 10^6 shards of two files) outside the lock, at most once a second and a twentieth of the time
+    (batches read without a plan look themselves; a new limit looks at once); what this process learnt
+    meanwhile stands.
 15. Counted against the limit: shards on disk, arriving (each download owns its shard's room until it ends,
     whoever waits for it) and pinned. A download ends in one locked step that gives its room back and
     records whether the file is there (another process may have evicted it).
@@ -200,7 +201,7 @@ class ShardCache:
         """
         self._check_pid()
         shards = np.asarray(shards, dtype=np.int64)
-        if self._thread is None or not self._thread.is_alive():  # no scheduler to look at the disk: a batch does
+        if not self._plans:  # no plan for the scheduler to look at the disk beside: a batch does
             self._rescan()
         with self._cond:
             if self._failed is not None:  # a prefetch's error: this is the consumer's next batch
@@ -483,7 +484,8 @@ class ShardCache:
         here, one shard at a time in that order, so prefetches never evict each other out of order. With
         nothing to fetch now, learn more of the plan (how far ahead eviction can see), up to its horizon."""
         while True:
-            self._rescan()
+            if self._plans:  # (none: nobody reads, or batches come without a plan and look themselves)
+                self._rescan()
             learn: Optional[Plan] = None
             with self._cond:
                 found = self._next_candidate()
@@ -492,7 +494,7 @@ class ShardCache:
                     if plan is not None and plan.wants_more():
                         learn = plan
                         break
-                    if self._rescan_due():
+                    if self._rescan_due() and self._plans:
                         break
                     self._cond.wait(0.5)
                     found = self._next_candidate()
