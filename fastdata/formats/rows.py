@@ -208,11 +208,10 @@ class Rows(Sequence[dict[str, Any]]):
         probes = [v.encode("utf-8", "surrogatepass") for v in values]
         if isinstance(keys, dict) or any(b"\0" in p for p in probes):
             return np.array([-1 if (i := self.find(key, v)) is None else i for v in values], dtype=np.int64)
-        wanted = np.array(probes, dtype=keys.dtype if probes and max(map(len, probes)) <= keys.itemsize else None)
-        at = np.minimum(np.searchsorted(keys, wanted, sorter=order), self._n - 1) if self._n else None
-        if at is None:
-            return np.full(len(values), -1, dtype=np.int64)
-        found = order[at]
+        if not self._n or not probes:
+            return np.full(len(probes), -1, dtype=np.int64)
+        wanted = np.array(probes, dtype=keys.dtype if max(map(len, probes)) <= keys.itemsize else None)
+        found = order[np.minimum(np.searchsorted(keys, wanted, sorter=order), self._n - 1)]
         return np.where(keys[found] == wanted, found, -1).astype(np.int64)
 
     def _scan(self, key: str, value: str) -> Any:

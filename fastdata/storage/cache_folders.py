@@ -138,9 +138,9 @@ class ShardPins:
     over 10,000 shards under a limit of 1,024 open files), two objects in one process exclude each other,
     and forked children keep none (NOTE [locks across fork] in fastdata/_io.py). Two shards whose names
     hash alike share a byte (counted here: it stays locked while either is pinned, and neither is evicted
-    meanwhile by this object or another). Where a folder's file system has no such
-    locks, a pin is a shared ``flock`` on a file of its own (a descriptor per pinned shard), in every process
-    alike (the kind is decided by the folder).
+    meanwhile, by this object or another). Where a folder's file system has no such locks, a pin is a
+    shared ``flock`` on a file of its own (a descriptor per pinned shard), in every process alike (the kind
+    is decided by the folder).
 
     Args:
         folder: The dataset's ``.locks`` folder in the cache.

@@ -69,8 +69,8 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     return fs, path
 
 
-# a component "", "." or ".." of any name, a leading "\\", "\\" or "://" anywhere, in names joined by newlines (a
-# newline inside a name only adds matches, each then checked by object_path)
+# a component "", "." or ".." of any name, or "\\" or "://" anywhere, in names joined by newlines (a newline
+# inside a name only adds matches, each then checked by object_path)
 _SUSPECT = re.compile(r"(?:\A|[\n/])\.{0,2}(?:\Z|[\n/])|\\|://")
 
 
