@@ -276,8 +276,9 @@ def test_on_disk_agrees_with_a_stat_of_every_file_among_odd_things_in_the_folder
     os.symlink(tmp_path / "loop.npy", tmp_path / "loop.npy")  # ELOOP
     for k in range(50):  # (listed after those links too: none may be lost)
         (tmp_path / f"more-{k:02d}.npy").write_bytes(b"x")
-    groups = [(f"more-{k:02d}.npy",) for k in range(50)] + [("through.npy",), ("loop.npy",)] + [("a/b/x.npy", "a/b/y.npy"), ("a/b/x.npy", "a/b/z.npy"), ("top.npy",), ("dir.npy",), ("link.npy",),
-              ("dangling.npy",), ("c/none.npy",), ("top.npy", "a/b/y.npy"), ("d/e.npy",)]
+    groups = [(f"more-{k:02d}.npy",) for k in range(50)] + [("through.npy",), ("loop.npy",)]
+    groups += [("a/b/x.npy", "a/b/y.npy"), ("a/b/x.npy", "a/b/z.npy"), ("top.npy",), ("dir.npy",), ("link.npy",),
+               ("dangling.npy",), ("c/none.npy",), ("top.npy", "a/b/y.npy"), ("d/e.npy",)]
     want = [all((tmp_path / n).is_file() for n in g) for g in groups]
     assert want == [True] * 50 + [False, False] + [True, False, True, False, True, False, False, True, False]
     subfolders = {os.path.dirname(n) for g in groups for n in g}
@@ -308,9 +309,10 @@ def test_a_look_at_the_disk_sees_other_processes_and_keeps_what_this_one_learnt_
     with cache._cond:
         cache._close(0)
     (remote.dir / SHARDS[0]).unlink()  # (as another process's eviction)
-    cache._rescan()  # not due yet: nothing seen
+    cache._scanned = time.monotonic() + 60  # (as if it had just looked: the next look is not due)
+    cache._rescan()
     assert cache._have.tolist()[:2] == [True, False]
-    cache._scanned -= 2
+    cache._scanned = time.monotonic() - 2  # (due)
     cache._rescan()
     assert cache._have.tolist()[:3] == [False, True, False]
     listed, go = threading.Event(), threading.Event()
@@ -322,7 +324,7 @@ def test_a_look_at_the_disk_sees_other_processes_and_keeps_what_this_one_learnt_
         go.wait(30)
         return seen
     cache.cached = slow
-    cache._scanned -= 2
+    cache._scanned = time.monotonic() - 2
     t, outcome = _run(cache._rescan)
     assert listed.wait(30)
     with cache.reading(np.array([2])):  # fetched by this process while the look is under way
@@ -365,18 +367,58 @@ def test_the_disk_is_looked_at_while_a_plan_is_read_not_after(s3, indexed_datase
     token = cache.plan(iter([np.array([0]), np.array([1])]))
     with cache.reading(np.array([0])):
         pass
-    first = cache._scanned
-    time.sleep(2.5)
+    first, deadline = cache._scanned, time.monotonic() + 30
+    while cache._scanned == first and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert cache._scanned > first  # (looked again while the plan is read)
     cache.end_plan(token)
-    time.sleep(0.6)  # (a look under way ends)
+    time.sleep(1.5)  # (a look the scheduler began as the plan ended comes to its end)
+    while cache._scanning:
+        time.sleep(0.05)
     idle = cache._scanned
-    time.sleep(2.5)
+    time.sleep(2.5)  # (more than twice the time between looks while a plan was read)
     assert cache._scanned == idle
     with cache.reading(np.array([1])):  # a batch without a plan looks itself
         pass
     assert cache._scanned > idle
     cache.close()
+
+
+_READER = """
+import sys, warnings
+import numpy as np, torch
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
+url, cache, local, limit, seed = sys.argv[1:6]
+warnings.simplefilter("ignore", ResourceWarning)  # (three readers' shards in use pass the small limit: said)
+ds, ref = FastDataset(url, cache_dir=cache, cache_limit=int(limit)), FastDataset(local)
+rng = np.random.default_rng(int(seed))
+for _ in range(40):  # batches without a plan: each pins its shards, evicts others' unpinned ones
+    lo = int(rng.integers(0, len(ds) - 24))
+    idx = np.arange(lo, lo + 24)
+    assert all(torch.equal(a, b) for a, b in zip(ds.get_batch(idx), ref.get_batch(idx))), idx
+for epoch in range(2):  # and a loader's epochs (a plan, prefetches)
+    for k, got in enumerate(FastLoader(ds, batch_size=10, shuffle=False, num_threads=2)):
+        want = ref.get_batch(np.arange(k * 10, min(k * 10 + 10, len(ds))))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (epoch, k)
+print("read", len(ds))
+"""
+
+
+def test_three_processes_reading_through_one_small_cache_serve_every_batch_exactly(s3, indexed_datasets, tmp_path):
+    """Three readers (three ranks of a node) share a cache folder whose limit holds 3 of the 7 shards: each
+    evicts what the others do not pin, and never what they read (their pins on one file), so every batch
+    comes back bit-exact and no read finds its shard gone."""
+    url = _pushed(s3, indexed_datasets, "three")
+    size = (indexed_datasets["npy"] / SHARDS[0]).stat().st_size + \
+        (indexed_datasets["npy"] / SHARDS[0].replace("images", "labels")).stat().st_size
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+    readers = [subprocess.Popen([sys.executable, "-c", _READER, url, str(tmp_path / "cache"),
+                                 str(indexed_datasets["npy"]), str(3 * size), str(k)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(3)]
+    for r in readers:
+        out, err = r.communicate(timeout=300)
+        assert r.returncode == 0 and out.split() == ["read", "100"], err[-3000:]
 
 
 _PIN_CHILD = """

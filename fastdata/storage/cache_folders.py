@@ -256,11 +256,20 @@ def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, 
             files = json.loads((d / MANIFEST_NAME).read_text())["files"]
         except (OSError, ValueError, KeyError):
             info, files = {"url": "?"}, []
-        sizes = [(d / f["path"]).stat().st_size if (d / f["path"]).is_file() else None for f in files]
+        sizes = [_size(d / f["path"]) for f in files]
         out.append({"id": d.name, "url": info.get("url", "?"), "path": str(d), "files": len(files),
                     "cached_files": sum(x is not None for x in sizes), "cached_bytes": sum(x or 0 for x in sizes),
                     "bytes": sum(int(f.get("bytes", 0)) for f in files)})
     return out
+
+
+def _size(path: Path) -> Optional[int]:
+    """A cached file's size by one stat, None when there is none (a job may evict it as it is listed)."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) -> list[str]:
