@@ -456,9 +456,8 @@ class ShardCache:
         return max(0, short)
 
     def _evict(self, c: int) -> bool:
-        """(Under the lock, ``c`` closed here.) Delete shard ``c``'s files unless another reader holds it."""
-        if self._held[c]:  # (its own pin would not stop this cache: never the case, _close comes first)
-            return False
+        """(Under the lock, ``c`` closed here.) Delete shard ``c``'s files unless a reader holds it (this cache
+        too: `ShardPins.evicting` refuses a shard its own object pins)."""
         with self._pinned.evicting(self.names[c]) as free:
             if not free:
                 return False  # another process reads it

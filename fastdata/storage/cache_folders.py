@@ -256,15 +256,16 @@ def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, 
             files = json.loads((d / MANIFEST_NAME).read_text())["files"]
         except (OSError, ValueError, KeyError):
             info, files = {"url": "?"}, []
-        sizes = [_size(d / f["path"]) for f in files]
+        sizes = [cached_size(d / f["path"]) for f in files]
         out.append({"id": d.name, "url": info.get("url", "?"), "path": str(d), "files": len(files),
                     "cached_files": sum(x is not None for x in sizes), "cached_bytes": sum(x or 0 for x in sizes),
                     "bytes": sum(int(f.get("bytes", 0)) for f in files)})
     return out
 
 
-def _size(path: Path) -> Optional[int]:
-    """A cached file's size by one stat, None when there is none (a job may evict it as it is listed)."""
+def cached_size(path: Path) -> Optional[int]:
+    """A cached file's size by one stat, None when there is none (another rank may evict it at any moment:
+    an `is_file` then a `stat` can fail between the two)."""
     try:
         info = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):

@@ -22,7 +22,6 @@ import fcntl
 import json
 import os
 import secrets
-import stat
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,8 @@ from .._io import HASH_NAME, disk_error, fsync_dir, map_threads, new_hash, open_
 from ..errors import ChecksumError, FormatError
 from ..formats.manifest import MANIFEST_NAME, file_problem
 from ..formats.rows import Rows, column, int_column, lookup, rows_by
-from .cache_folders import CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, default_cache_dir, lock_file
+from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size,
+                            default_cache_dir, lock_file)
 from .object_store import RETRY_SECONDS, Retry, check_object_names, filesystem, object_path
 
 _BLOCK = 8 << 20
@@ -172,7 +172,7 @@ class RemoteDataset:
         another thread or process on the node fetched it meanwhile)."""
         name = entry["path"]
         final = self.dir / name
-        if _whole(final, entry):
+        if cached_size(final) == entry.get("bytes"):
             return False  # only verified bytes ever get a final name
         for parent in reversed(final.relative_to(self.dir).parents[:-1]):  # a name's folders, inside the cache
             cache_folder(self.dir / parent)
@@ -193,7 +193,7 @@ class RemoteDataset:
                 raise
         with lock_file(lock_path) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
-            if _whole(final, entry):
+            if cached_size(final) == entry.get("bytes"):
                 return False
             self.retry(f"{self.url}/{name}", download)
         return True
@@ -324,16 +324,6 @@ def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]
 
     return [p for p in map_threads(check, remote.manifest["files"], remote.workers, "fastdata-verify-store")
             if p is not None]
-
-
-def _whole(final: Path, entry: dict[str, Any]) -> bool:
-    """Whether the cache holds file ``entry`` (its size: only verified bytes get a final name), by one stat:
-    another rank may evict it at any moment (an `is_file` then a `stat` failed between the two)."""
-    try:
-        info = os.stat(final)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_size == entry.get("bytes")
 
 
 class _WrongBytes(IOError):
