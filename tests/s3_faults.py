@@ -112,10 +112,12 @@ class FaultProxy:
             self.faults.clear()
 
     def _fault_for(self, method: str, path: str) -> str | None:
-        if method != "GET":
+        if method not in ("GET", "PUT"):
             return None
         with self.lock:
             for rule in self.rules:
+                if (rule[0] == "short") != (method == "PUT"):  # "short" is a PUT's fault, the others a GET's
+                    continue
                 if rule[2] > 0 and rule[1].search(path):
                     rule[2] -= 1
                     self.faults[rule[0]] += 1
@@ -171,6 +173,11 @@ class FaultProxy:
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
         drop = ("connection", "range") if fault == "norange" else ("connection",)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in drop}
+        if fault == "short":  # a gateway that loses the body's second half and says nothing
+            body = body[: len(body) // 2]
+            headers = {k: v for k, v in headers.items()  # (nor any checksum of the whole)
+                       if k.lower() not in ("content-length", "content-md5") and "checksum" not in k.lower()}
+            headers["Content-Length"] = str(len(body))
         conn.request(h.command, h.path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()

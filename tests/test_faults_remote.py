@@ -414,3 +414,76 @@ def test_forked_dataloader_workers_stream_after_the_parent_used_the_store(s3, in
         assert np.array_equal(x.numpy(), local.get_batch(ids.tolist())[0].numpy())
         seen += ids.tolist()
     assert sorted(seen) == list(range(len(local)))
+
+
+def _store_bytes(s3, bucket: str, key: str) -> bytes:
+    return s3.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose_the_last_save(s3, proxy, tmp_path,
+                                                                                               monkeypatch, caplog):
+    """NOTE [checkpoint generations] rule 4 through a real S3 API: generations by copies within the store, an
+    outage within the budget ridden out, one past it a clear error with the last save whole, an upload the
+    store keeps half of refused and the resume falling back to the generation before; nothing spooled left."""
+    import io
+    import logging
+    import tempfile
+
+    from fastdata.errors import FormatError, OutputError
+    from fastdata.train import checkpoint
+
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    path = checkpoint.location(s3("ckpt") + "/run/")
+    assert path == "s3://ckpt/run/checkpoint.pt"
+
+    def save(i: int, **kw) -> None:
+        checkpoint.write(path, {"i": i, "w": torch.full((20_000,), float(i))}, keep=3, **kw)
+
+    def newest_i() -> int:
+        chosen, data = checkpoint.newest(path, keep=3)
+        return torch.load(io.BytesIO(data), weights_only=True)["i"]
+
+    assert checkpoint.newest(path, keep=3) == (None, None) and checkpoint.existing(path, 3) == []
+    checkpoint.prepare_folder("s3://ckpt/run")  # a probe object put and deleted
+    for i in range(4):
+        save(i)
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt")["Contents"])
+    assert keys == ["run/checkpoint.prev.pt", "run/checkpoint.prev2.pt", "run/checkpoint.pt"]
+    held = {k: torch.load(io.BytesIO(_store_bytes(s3, "ckpt", k)), weights_only=True)["i"] for k in keys}
+    assert held == {"run/checkpoint.pt": 3, "run/checkpoint.prev.pt": 2, "run/checkpoint.prev2.pt": 1}
+    assert checkpoint.existing(path, 3) == [f"s3://ckpt/run/checkpoint.{k}pt" for k in ("", "prev.", "prev2.")]
+    assert newest_i() == 3
+
+    proxy.refuse(1.5)  # within the budget: ridden out
+    save(4, retry_seconds=30)
+    assert newest_i() == 4
+    last = _store_bytes(s3, "ckpt", "run/checkpoint.pt")
+
+    proxy.refuse(4)  # past it: one clear error; the last save stays whole under its name
+    with pytest.raises(OutputError, match=r"checkpoint not saved: cannot .*s3://ckpt/run/checkpoint\.p.*after "
+                                          r".*checkpoint\.pt in s3://ckpt/run holds the last save"):
+        save(5, retry_seconds=1)
+    while proxy.refusing:
+        time.sleep(0.1)
+    assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 4
+
+    proxy.inject("short", r"/run/checkpoint\.pt$")  # the store keeps half of the upload and answers 200
+    with pytest.raises(OutputError, match=r"not saved whole: s3://ckpt/run/checkpoint\.pt holds \d+ bytes after "
+                                          r"the upload of \d+"):
+        save(6)
+    assert len(_store_bytes(s3, "ckpt", "run/checkpoint.pt")) < len(last)
+    with caplog.at_level(logging.WARNING, logger="fastdata.train.checkpoint"):
+        chosen, data = checkpoint.newest(path, keep=3)
+    assert chosen == "s3://ckpt/run/checkpoint.prev.pt" and torch.load(io.BytesIO(data), weights_only=True)["i"] == 4
+    assert "s3://ckpt/run/checkpoint.pt is damaged" in caplog.text and "checkpoint.prev.pt" in caplog.text
+    assert list(spool.iterdir()) == []  # every spooled save removed, failed ones too
+
+    for k in keys:  # every generation damaged: the newest is named, with its bytes, for `read` to refuse
+        s3.client.put_object(Bucket="ckpt", Key=k, Body=b"PK\x03\x04 not a zip")
+    chosen, data = checkpoint.newest(path, keep=3)
+    assert chosen == path and data.startswith(b"PK")
+    with pytest.raises(FormatError, match=r"cannot read checkpoint s3://ckpt/run/checkpoint\.pt"):
+        checkpoint.read(chosen, torch.device("cpu"), torch.nn.Linear(1, 1), data)
+

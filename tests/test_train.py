@@ -324,6 +324,46 @@ def test_a_checkpoint_is_never_overwritten_by_a_run_that_does_not_resume_it(smal
     assert load_ckpt(tmp_path)["step"] == 3
 
 
+
+@pytest.mark.remote
+def test_a_run_checkpointed_to_a_url_resumes_elsewhere_to_the_same_weights(s3, small_images, tmp_path, capsys):
+    """--checkpoint s3://...: a run stopped mid-epoch goes on from the store with nothing of its own left (a
+    preempted job on another machine) to the weights of a run never stopped; the store holds the generations;
+    a run without --resume refuses to overwrite them; a bucket that does not exist is refused before training."""
+    import io
+
+    common = ["--epochs", "50", "--schedule", "constant", "--augment", "crop-flip", "--checkpoint-every", "2"]
+    url = s3("runs") + "/r1"
+    assert main(train_args(small_images, *common, "--max-steps", "5", "--checkpoint", url)) == 0
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="runs")["Contents"])
+    assert keys == ["r1/checkpoint.prev.pt", "r1/checkpoint.pt"]
+
+    def at(key: str) -> dict:
+        return torch.load(io.BytesIO(s3.client.get_object(Bucket="runs", Key=key)["Body"].read()), weights_only=True)
+    assert at("r1/checkpoint.pt")["step"] == 5 and at("r1/checkpoint.prev.pt")["step"] == 4
+    assert at("r1/checkpoint.pt")["loader"]["position"] == 40  # mid-epoch: 6 steps of 8 an epoch
+    capsys.readouterr()
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", url)) == 1
+    err = capsys.readouterr().err
+    assert "s3://runs/r1/checkpoint.pt holds another run's checkpoint" in err and "--resume" in err, err
+    assert at("r1/checkpoint.pt")["step"] == 5
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", url, "--resume")) == 0
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", str(tmp_path / "ref"))) == 0
+    a, b = load_ckpt(tmp_path / "ref"), at("r1/checkpoint.pt")
+    assert a["step"] == b["step"] == 9 and a["loader"]["position"] == b["loader"]["position"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    capsys.readouterr()
+    assert main(train_args(small_images, "--max-steps", "1", "--retry-seconds", "0", "--checkpoint",
+                           "s3://no-such-bucket/run")) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3://no-such-bucket/run" in err and "bucket exists" in err, err
+    secret = "memory://user:hunter2@store/run"  # fsspec's in-process store: a password in the URL is never said
+    assert main(train_args(small_images, "--max-steps", "1", "--checkpoint", secret)) == 0
+    assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", secret)) == 1
+    err = capsys.readouterr().err
+    assert "memory://user:***@store/run/checkpoint.pt holds another run's checkpoint" in err and "hunter2" not in err
+
 @pytest.mark.slow
 def test_ctrl_c_says_how_to_continue(small_images, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "fastdata", *train_args(small_images, "--epochs", "100000",

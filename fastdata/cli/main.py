@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .._io import scrub
 from ..errors import ConfigError, FastdataError
 from .data import add_data_commands, add_retry_seconds, retry_seconds
 
@@ -89,7 +90,7 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume, val_every=args.val_every, val_every_steps=args.val_every_steps,
         early_stop_patience=args.early_stop_patience, early_stop_min_delta=args.early_stop_min_delta,
         log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,
-        profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet)
+        profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet, **retry_seconds(args))
     info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
     if args.config is not None:  # autotuned loader settings; explicit --storage / --threads still win
         from ..loading.loader import load_config
@@ -134,7 +135,7 @@ def _train(args: argparse.Namespace) -> int:
         from ..train.stop import signal_name
 
         print(f"fastdata: stopped by {signal_name(trainer.stop_signal)} at step {trainer.step}, checkpoint saved in "
-              f"{args.checkpoint}: rerun with --resume to continue", file=sys.stderr)
+              f"{scrub(str(args.checkpoint))}: rerun with --resume to continue", file=sys.stderr)
     return 128 + trainer.stop_signal  # what a shell reports for a process the signal ended
 
 
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--hw-decoder-load", type=_share_or_auto, default=None, metavar="SHARE|auto",
                     help="dali: the share of JPEGs for the GPU's hardware decoder, in [0, 1], or auto (measured on "
                          "the first batches); default DALILoader's")
-    tr.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder")
+    tr.add_argument("--checkpoint", default=None, help="checkpoint folder, or a URL (s3://bucket/run)")
     tr.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="also checkpoint every N steps")
     tr.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     tr.add_argument("--max-steps", type=int, default=D.max_steps)
@@ -385,8 +386,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FastdataError as exc:
-        from .._io import scrub
-
         print(f"fastdata: error: {scrub(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -403,9 +402,14 @@ def _after_interrupt(args: argparse.Namespace) -> Optional[str]:
         if getattr(args, "checkpoint", None):
             from ..train import checkpoint
 
-            if checkpoint.existing(Path(args.checkpoint) / checkpoint.CHECKPOINT_NAME):
-                return f"rerun with --resume to continue from the last checkpoint in {args.checkpoint}"
-            return f"no checkpoint was saved in {args.checkpoint} yet: a rerun starts from the beginning"
+            where = scrub(str(args.checkpoint))
+            try:  # (one try at a URL: Ctrl-C is no time to wait out an outage)
+                saved = checkpoint.existing(checkpoint.location(args.checkpoint), retry_seconds=0)
+            except FastdataError:
+                return f"rerun with --resume to continue from the last checkpoint in {where}, if one was saved"
+            if saved:
+                return f"rerun with --resume to continue from the last checkpoint in {where}"
+            return f"no checkpoint was saved in {where} yet: a rerun starts from the beginning"
         return "without --checkpoint there is nothing to resume from"
     return None
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._io import fsync_dir, scrub
-from ..errors import FormatError, OutputError
+from ..errors import OutputError
 from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR
-from ..storage.object_store import RETRY_SECONDS, Retry, filesystem, is_url, object_path
+from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
 from .journal import OWNED, Journal
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def unit_name(k: int) -> str:
     return f"unit-{k:08d}.json"
 
 
-class StoreOut:
+class StoreOut(StoreFolder):
     """OUT as an fsspec URL: puts files, journal objects and the manifest (NOTE [output at a URL]).
     Picklable (a Ray task publishes its own shard): the client is made anew in each process.
 
@@ -56,38 +56,14 @@ class StoreOut:
     """
 
     def __init__(self, url: str, retry_seconds: float = RETRY_SECONDS) -> None:
-        self.url = url.rstrip("/")
-        self.retry_seconds = retry_seconds
-        self._fs: Optional[tuple[int, Any, str, Retry]] = None
+        super().__init__(url, retry_seconds)
         self._old: list[str] = []  # the dataset --overwrite replaces (`drop_old`)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "retry_seconds": self.retry_seconds, "_fs": None, "_old": []}
+        return {**super().__getstate__(), "_old": []}
 
-    def _client(self) -> tuple[Any, str, Retry]:
-        if self._fs is None or self._fs[0] != os.getpid():  # a fork or another process: a client of its own
-            fs, root = filesystem(self.url)
-            self._fs = (os.getpid(), fs, root, Retry(self.retry_seconds))
-        return self._fs[1], self._fs[2], self._fs[3]
-
-    def _key(self, name: str) -> str:
-        return object_path(self._client()[1], name)
-
-    def _call(self, name: str, fn: Any, doing: str) -> Any:
-        try:
-            return self._client()[2](f"{self.url}/{name}", fn, doing)
-        except FormatError as exc:  # the budget is spent, or access was denied: the output's problem
-            raise OutputError(str(exc)) from None
-        except FileNotFoundError as exc:  # s3fs: no such bucket
-            raise OutputError(f"cannot {doing} {scrub(self.url)}/{name}: {scrub(str(exc)) or 'not found'}; check "
-                              "that the bucket exists and the URL is right") from None
-
-    def check_writable(self) -> None:
-        """Put and delete a probe object, so a store that refuses writes is named before any work."""
-        fs, _, _ = self._client()
-        name = f"{PARTIAL_DIR}/probe-{uuid.uuid4().hex}"
-        self._call(name, lambda: fs.pipe_file(self._key(name), b""), "write")
-        self._call(name, lambda: fs.rm_file(self._key(name)), "write")
+    def check_writable(self, folder: str = PARTIAL_DIR) -> None:
+        super().check_writable(folder)
 
     def read_json(self, name: str) -> Optional[dict[str, Any]]:
         data = self.read_bytes(name)
@@ -98,52 +74,8 @@ class StoreOut:
         except ValueError:
             return None
 
-    def listing(self) -> dict[str, int]:
-        """Every object under OUT (``name -> size``), in one listing."""
-        fs, root, _ = self._client()
-
-        def find() -> dict[str, Any]:
-            try:
-                return fs.find(root, detail=True)
-            except FileNotFoundError:
-                return {}
-        found = self._call("", find, "list")
-        prefix = root.rstrip("/") + "/"
-        return {k[len(prefix):]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(prefix)}
-
-    def put(self, local: Path, name: str) -> None:
-        fs, _, _ = self._client()
-        self._call(name, lambda: fs.put_file(str(local), self._key(name)), "upload")
-
-    def get(self, name: str, local: Path) -> None:
-        fs, _, _ = self._client()
-        self._call(name, lambda: fs.get_file(self._key(name), str(local)), "download")
-
     def put_json(self, name: str, obj: dict[str, Any]) -> None:
         self.put_bytes(name, json.dumps(obj, sort_keys=True, indent=None, separators=(",", ":")).encode())
-
-    def put_bytes(self, name: str, data: bytes) -> None:
-        fs, _, _ = self._client()
-        self._call(name, lambda: fs.pipe_file(self._key(name), data), "upload")
-
-    def read_bytes(self, name: str) -> Optional[bytes]:
-        """An object's bytes; None when it does not exist."""
-        fs, _, _ = self._client()
-
-        def get() -> Optional[bytes]:
-            try:
-                return fs.cat_file(self._key(name))
-            except FileNotFoundError:
-                return None
-        return self._call(name, get, "read")
-
-    def delete(self, names: list[str]) -> None:
-        """Delete objects, 1,000 a request where the store deletes in bulk (S3): a run of 10^6 shards leaves
-        as many journal objects."""
-        fs, _, _ = self._client()
-        for i in range(0, len(names), 1000):
-            batch = [self._key(n) for n in names[i:i + 1000]]
-            self._call(names[i], lambda batch=batch: fs.rm(batch), "delete")
 
     def prepare(self, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
         """The store's side of `journal.prepare_output`: the manifest when OUT is complete with these

@@ -20,20 +20,23 @@ budget, ``retry_seconds`` (default 120):
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import random
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from .._io import scrub
-from ..errors import ConfigError, FastdataError, FormatError, MissingDependencyError, require
+from ..errors import ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError, require
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
 _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
                       "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp"}
 RETRY_SECONDS = 120.0  # the outage a read rides out by default: throttling, a failover, a DNS blip
+RERUN_ADVICE = "a rerun resumes from what is cached"  # what a spent budget's message ends with, by default
 _FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, doubled per try up to this
 
 
@@ -101,12 +104,14 @@ class Retry:
     Args:
         seconds: How long the store may fail before a read gives up: the time since this call's first try,
             or since the dataset's reads began failing, whichever is earlier. 0 tries once.
+        advice: What the message of a spent budget ends with: what a rerun does.
     """
 
-    def __init__(self, seconds: float = RETRY_SECONDS) -> None:
+    def __init__(self, seconds: float = RETRY_SECONDS, advice: str = RERUN_ADVICE) -> None:
         require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < float("inf"),
                 "retry_seconds", seconds, "a number of seconds >= 0")
         self.seconds = float(seconds)
+        self.advice = advice
         self.failing_since: Optional[float] = None  # monotonic time of the first failure since the last success
 
     def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
@@ -130,12 +135,124 @@ class Retry:
                         f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "
                         f"{now - start:.1f} s (retry_seconds={self.seconds:g}), the last: {_said(exc)}; check that "
                         "the store is up and reachable, or raise retry_seconds (`--retry-seconds`) to ride out a "
-                        "longer outage; a rerun resumes from what is cached") from None
+                        f"longer outage{'; ' + self.advice if self.advice else ''}") from None
                 bound = min(_LONGEST_WAIT, _FIRST_WAIT * 2 ** min(tries - 1, 30))
                 time.sleep(min(random.uniform(0, bound), deadline - now))  # full jitter, the last try at the deadline
                 continue
             self.failing_since = None
             return result
+
+
+class StoreFolder:
+    """A prefix at a URL that fastdata writes (a preprocess run's OUT, a run's checkpoints): each call retried
+    over one budget (NOTE [retry budget]), a spent budget or a missing bucket one OutputError naming the
+    scrubbed URL. Picklable: the client is made anew in each process (a fork, a Ray task).
+
+    Args:
+        url: The prefix, an fsspec URL.
+        retry_seconds: How long the store may fail before a call gives up.
+        advice: What a spent budget's message ends with (`Retry`'s ``advice``).
+    """
+
+    def __init__(self, url: str, retry_seconds: float = RETRY_SECONDS,
+                 advice: str = RERUN_ADVICE) -> None:
+        self.url = url.rstrip("/")
+        self.retry_seconds = retry_seconds
+        self.advice = advice
+        self._fs: Optional[tuple[int, Any, str, Retry]] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    def _client(self) -> tuple[Any, str, Retry]:
+        if self._fs is None or self._fs[0] != os.getpid():  # a fork or another process: a client of its own
+            fs, root = filesystem(self.url)
+            self._fs = (os.getpid(), fs, root, Retry(self.retry_seconds, self.advice))
+        return self._fs[1], self._fs[2], self._fs[3]
+
+    def _key(self, name: str) -> str:
+        return object_path(self._client()[1], name)
+
+    def _call(self, name: str, fn: Any, doing: str) -> Any:
+        try:
+            return self._client()[2](f"{self.url}/{name}", fn, doing)
+        except FormatError as exc:  # the budget is spent, or access was denied: the output's problem
+            raise OutputError(str(exc)) from None
+        except FileNotFoundError as exc:  # s3fs: no such bucket
+            raise OutputError(f"cannot {doing} {scrub(self.url)}/{name}: {scrub(str(exc)) or 'not found'}; check "
+                              "that the bucket exists and the URL is right") from None
+
+    def check_writable(self, folder: str = "") -> None:
+        """Put and delete a probe object (in ``folder``), so a store that refuses writes is named before any
+        work."""
+        fs, _, _ = self._client()
+        name = f"{folder + '/' if folder else ''}.fastdata-probe-{uuid.uuid4().hex}"
+        self._call(name, lambda: fs.pipe_file(self._key(name), b""), "write")
+        self._call(name, lambda: fs.rm_file(self._key(name)), "write")
+
+    def listing(self) -> dict[str, int]:
+        """Every object under the prefix (``name -> size``), in one listing, never an answer cached by the
+        client (another process may have written since)."""
+        fs, root, _ = self._client()
+
+        def find() -> dict[str, Any]:
+            fs.invalidate_cache(root)
+            try:
+                return fs.find(root, detail=True)
+            except FileNotFoundError:
+                return {}
+        found = self._call("", find, "list")
+        prefix = root.rstrip("/") + "/"
+        return {k[len(prefix):]: int(v.get("size") or 0) for k, v in found.items() if k.startswith(prefix)}
+
+    def size(self, name: str) -> Optional[int]:
+        """An object's size; None when it does not exist (asked of the store, not of the client's cache)."""
+        fs, _, _ = self._client()
+
+        def info() -> Optional[int]:
+            key = self._key(name)
+            fs.invalidate_cache(key)
+            try:
+                return int(fs.info(key)["size"])
+            except FileNotFoundError:
+                return None
+        return self._call(name, info, "read")
+
+    def put(self, local: Path, name: str) -> None:
+        fs, _, _ = self._client()
+        self._call(name, lambda: fs.put_file(str(local), self._key(name)), "upload")
+
+    def get(self, name: str, local: Path) -> None:
+        fs, _, _ = self._client()
+        self._call(name, lambda: fs.get_file(self._key(name), str(local)), "download")
+
+    def copy(self, name: str, to: str) -> None:
+        """Copy an object within the store (no bytes through this machine), replacing ``to`` whole."""
+        fs, _, _ = self._client()
+        self._call(to, lambda: fs.copy(self._key(name), self._key(to)), "copy to")
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        fs, _, _ = self._client()
+        self._call(name, lambda: fs.pipe_file(self._key(name), data), "upload")
+
+    def read_bytes(self, name: str) -> Optional[bytes]:
+        """An object's bytes; None when it does not exist."""
+        fs, _, _ = self._client()
+
+        def get() -> Optional[bytes]:
+            try:
+                return fs.cat_file(self._key(name))
+            except FileNotFoundError:
+                return None
+        return self._call(name, get, "read")
+
+    def delete(self, names: list[str]) -> None:
+        """Delete objects, 1,000 a request where the store deletes in bulk (S3): a run of 10^6 shards leaves
+        as many journal objects."""
+        fs, _, _ = self._client()
+        for i in range(0, len(names), 1000):
+            batch = [self._key(n) for n in names[i:i + 1000]]
+            self._call(names[i], lambda batch=batch: fs.rm(batch), "delete")
 
 
 def _said(exc: BaseException) -> str:

@@ -11,6 +11,13 @@ A checkpoint holds tensors, numbers and strings only (no pickled code), so it lo
    final name only ever holds a complete file and ``checkpoint.pt`` never goes missing.
 3. Resuming loads the newest generation whose zip records pass their CRC check, and says so when it falls
    back to an older one (a disk that lost the newest file's tail, say).
+4. At a URL (``--checkpoint s3://bucket/run``, where a preempted job may come back on another machine) the
+   same names hold the same generations: the state is written to a local temporary file first, each older
+   generation is copied within the store down a name (oldest first), then the new one is put over
+   ``checkpoint.pt`` in one request. A store's put is atomic, so ``checkpoint.pt`` is always a whole file;
+   its size is checked after the put. Every call is retried over ``retry_seconds`` (NOTE [retry budget] in
+   fastdata/storage/object_store.py); a save that fails leaves ``checkpoint.pt`` as the last save wrote it.
+   Resuming downloads the generations newest first until one passes rule 3's check.
 
 The Trainer decides what goes in and when (rank 0 writes).
 """
@@ -23,21 +30,24 @@ import os
 import random
 import secrets
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from .._io import disk_error, fsync_dir, make_folder
+from .._io import disk_error, fsync_dir, make_folder, scrub
 from ..distributed import broadcast_bytes
 from ..errors import FormatError, OutputError
+from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
 
 CHECKPOINT_NAME = "checkpoint.pt"
 KEEP = 2  # generations kept by default: the newest and the one before it
 log = logging.getLogger(__name__)
+Location = Union[Path, str]  # a checkpoint file: a local path, or a URL (NOTE [checkpoint generations] rule 4)
 
 
 def rng_state() -> dict[str, Any]:
@@ -57,32 +67,67 @@ def set_rng_state(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
 
 
-def prepare_folder(folder: Path) -> None:
-    """Make the checkpoint folder now: a path that cannot hold checkpoints fails before training, not at the
-    first save an epoch (or hours) later."""
+def location(folder: Union[str, Path]) -> Location:
+    """``checkpoint.pt`` in ``folder``: a Path, or a URL where ``folder`` is one (``file://`` is a local path)."""
+    folder = str(folder)
+    if folder.startswith("file://"):
+        return Path(folder[len("file://"):]) / CHECKPOINT_NAME
+    if is_url(folder):
+        return f"{folder.rstrip('/')}/{CHECKPOINT_NAME}"
+    return Path(folder) / CHECKPOINT_NAME
+
+
+def _at_url(path: str, retry_seconds: float) -> tuple[StoreFolder, str]:
+    """The store folder of the checkpoint URL ``path`` and the file's name in it: a client made for each
+    save or load, so its retry budget is that operation's and the endpoint is today's."""
+    folder, name = path.rsplit("/", 1)
+    return StoreFolder(folder, retry_seconds, advice=""), name
+
+
+def prepare_folder(folder: Union[str, Path], retry_seconds: float = RETRY_SECONDS) -> None:
+    """Make the checkpoint folder now (at a URL: put and delete a probe object): a path that cannot hold
+    checkpoints fails before training, not at the first save an epoch (or hours) later."""
+    if isinstance(location(folder), str):
+        _at_url(str(location(folder)), retry_seconds)[0].check_writable()
+        return
+    folder = location(folder).parent
     make_folder(folder, "checkpoint folder", f"checkpoint folder {folder} is a file: give --checkpoint a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in checkpoint folder {folder}: give --checkpoint a writable folder")
 
 
-def generations(path: Path, keep: int = KEEP) -> list[Path]:
+def generations(path: Location, keep: int = KEEP) -> list[Any]:
     """The ``keep`` file names of the checkpoint ``path``, newest first: ``checkpoint.pt``,
-    ``checkpoint.prev.pt``, ``checkpoint.prev2.pt``... (NOTE [checkpoint generations])."""
-    stem, suffix = path.name[:-len(path.suffix)] if path.suffix else path.name, path.suffix
-    return [path] + [path.with_name(f"{stem}.prev{'' if k == 1 else k}{suffix}") for k in range(1, keep)]
+    ``checkpoint.prev.pt``, ``checkpoint.prev2.pt``... (NOTE [checkpoint generations]); URLs for a URL."""
+    if isinstance(path, str):
+        folder, name = path.rsplit("/", 1)
+        return [f"{folder}/{n}" for n in _names(name, keep)]
+    return [path.with_name(n) for n in _names(path.name, keep)]
 
 
-def existing(path: Path, keep: int = KEEP) -> list[Path]:
+def _names(name: str, keep: int) -> list[str]:
+    stem, dot, suffix = name.rpartition(".")
+    stem, suffix = (stem, dot + suffix) if stem else (name, "")
+    return [name] + [f"{stem}.prev{'' if k == 1 else k}{suffix}" for k in range(1, keep)]
+
+
+def existing(path: Location, keep: int = KEEP, retry_seconds: float = RETRY_SECONDS) -> list[Any]:
     """The generations of ``path`` that exist, newest first."""
+    if isinstance(path, str):
+        store, _ = _at_url(path, retry_seconds)
+        return [p for p in generations(path, keep) if store.size(p.rsplit("/", 1)[1]) is not None]
     return [p for p in generations(path, keep) if p.is_file()]
 
 
-def write(path: Path, state: dict[str, Any], keep: int = KEEP) -> None:
+def write(path: Location, state: dict[str, Any], keep: int = KEEP, retry_seconds: float = RETRY_SECONDS) -> None:
     """Save ``state`` to ``path`` atomically and durably, keeping ``keep`` generations (NOTE [checkpoint
-    generations]); a write that fails (a full disk: DiskFullError) leaves the checkpoints as they were and
-    no temporary file."""
+    generations]); a write that fails (a full disk: DiskFullError; a store down past ``retry_seconds``:
+    OutputError) leaves the newest checkpoint as it was and no temporary file."""
     if keep < 1:
         raise ValueError(f"keep must be 1 or more, got keep={keep!r}")
+    if isinstance(path, str):
+        _write_url(path, state, keep, retry_seconds)
+        return
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # this writer's own
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +154,40 @@ def write(path: Path, state: dict[str, Any], keep: int = KEEP) -> None:
         said = (f"the previous checkpoint is intact ({kept[0].name})" if kept else
                 "no earlier checkpoint is there to resume from")
         raise disk_error(cause, path, f"free space there or give --checkpoint another folder; {said}") from exc
+
+
+def _write_url(url: str, state: dict[str, Any], keep: int, retry_seconds: float) -> None:
+    """`write` at a URL (NOTE [checkpoint generations] rule 4)."""
+    store, _ = _at_url(url, retry_seconds)
+    names = [g.rsplit("/", 1)[1] for g in generations(url, keep)]
+    spool = Path(tempfile.gettempdir()) / f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
+    try:
+        try:
+            with open(spool, "xb") as f:
+                torch.save(state, f)
+        except (OSError, RuntimeError) as exc:
+            cause = _os_error(exc)
+            if cause is None:
+                raise
+            raise disk_error(cause, spool, "free space in the temporary folder (TMPDIR): a checkpoint for a URL "
+                             "is written there first; the checkpoints in the store are as they were") from exc
+        size = spool.stat().st_size
+        try:
+            for older, newer in zip(reversed(names[1:]), reversed(names[:-1])):
+                if store.size(newer) is not None:
+                    store.copy(newer, older)
+            store.put(spool, names[0])
+            put = store.size(names[0])
+        except OutputError as exc:
+            raise OutputError(f"checkpoint not saved: {exc}; {names[0]} in {scrub(store.url)} holds the last "
+                              "save, if any") from None
+        if put != size:
+            raise OutputError(f"checkpoint not saved whole: {scrub(url)} holds {put} bytes after the upload of "
+                              f"{size}; the store answers oddly (a proxy?): check it, and resume from "
+                              f"{names[1] if len(names) > 1 else 'an earlier save'} if this one is refused")
+    finally:
+        with contextlib.suppress(OSError):
+            spool.unlink(missing_ok=True)
 
 
 def _shift(names: list[Path], tmp: Path) -> None:
@@ -144,54 +223,69 @@ def _os_error(exc: BaseException) -> "OSError | None":
     return seen if isinstance(seen, OSError) else None
 
 
-def newest(path: Path, keep: int = KEEP) -> Optional[Path]:
+def newest(path: Location, keep: int = KEEP, retry_seconds: float = RETRY_SECONDS) -> tuple[Any, Optional[bytes]]:
     """The newest generation of ``path`` that is intact (its zip records pass their CRC check), saying so when
-    that is not the newest one; None when there is none. When every generation is damaged, the newest (for
+    that is not the newest one, and its bytes where they had to be downloaded to be checked (a URL's; None
+    for a local file); ``(None, None)`` when there is none. When every generation is damaged, the newest (for
     `read` to refuse by name)."""
-    found = existing(path, keep)
-    for k, p in enumerate(found):
-        problem = _damage(p)
+    found: list[tuple[Any, Optional[str], Optional[bytes]]] = []
+    store = _at_url(path, retry_seconds)[0] if isinstance(path, str) else None
+    for p in generations(path, keep):
+        if store is not None:
+            data = store.read_bytes(p.rsplit("/", 1)[1])
+            if data is None:
+                continue
+            problem = _damage(io.BytesIO(data))
+        elif p.is_file():
+            data, problem = None, _damage(p)
+        else:
+            continue
         if problem is None:
-            if k:
+            if found:
                 log.warning("checkpoint %s is damaged (%s): resuming from the previous generation, %s",
-                            found[0], _damage(found[0]), p)
-            return p
-    return found[0] if found else None
+                            scrub(str(found[0][0])), found[0][1], scrub(str(p)))
+            return p, data
+        found.append((p, problem, data))
+    return (found[0][0], found[0][2]) if found else (None, None)
 
 
-def _damage(path: Path) -> Optional[str]:
-    """What is wrong with the checkpoint file ``path`` (None: it is complete). torch.save writes a zip whose
-    records carry CRC-32s, so a truncated or overwritten file is found without unpickling anything."""
+def _damage(file: Any) -> Optional[str]:
+    """What is wrong with the checkpoint ``file`` (a path or a file object; None: it is complete). torch.save
+    writes a zip whose records carry CRC-32s, so a truncated or overwritten file is found without unpickling
+    anything."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(file) as z:
             bad = z.testzip()
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         return f"not a complete checkpoint: {exc}"
     return None if bad is None else f"record {bad} fails its CRC check"
 
 
-def rank0_bytes(path: Optional[Path], main: bool) -> Optional[bytes]:
-    """Rank 0's checkpoint file ``path`` (None if it has none), on every rank of the process group: rank 0
-    alone writes checkpoints, so on node-local disks the other nodes' folders are empty, and ranks that each
-    read their own folder resumed from different steps (or not at all) and hung."""
-    data = path.read_bytes() if main and path is not None and path.is_file() else None
-    return broadcast_bytes(data) or None  # (an empty file is no checkpoint either)
+def rank0_bytes(path: Optional[Location], main: bool, data: Optional[bytes] = None) -> Optional[bytes]:
+    """Rank 0's checkpoint ``path`` (its ``data`` where rank 0 has them already; None if it has none), on
+    every rank of the process group: rank 0 alone writes checkpoints, so on node-local disks the other
+    nodes' folders are empty, and ranks that each read their own folder resumed from different steps (or not
+    at all) and hung."""
+    if main and data is None and isinstance(path, Path) and path.is_file():
+        data = path.read_bytes()
+    return broadcast_bytes(data if main else None) or None  # (an empty file is no checkpoint either)
 
 
-def read(path: Path, device: torch.device, model: nn.Module, data: Optional[bytes] = None) -> dict[str, Any]:
+def read(path: Location, device: torch.device, model: nn.Module, data: Optional[bytes] = None) -> dict[str, Any]:
     """Load ``path`` (or ``data``, its bytes) for ``model`` (weights loaded into it), refusing a file that is
     unreadable or was written for another model, with a message that says what to do."""
+    where = scrub(str(path))
     try:
         state = torch.load(io.BytesIO(data) if data is not None else path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
-        raise FormatError(f"cannot read checkpoint {path}: {exc}") from exc
+        raise FormatError(f"cannot read checkpoint {where}: {exc}") from exc
     if state.get("model_class") != type(model).__name__:
-        raise FormatError(f"checkpoint {path} holds a {state.get('model_class')}, not a {type(model).__name__}: "
+        raise FormatError(f"checkpoint {where} holds a {state.get('model_class')}, not a {type(model).__name__}: "
                           "resume with the same --model, or use another --checkpoint folder")
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
         first = str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else str(exc)
-        raise FormatError(f"checkpoint {path} does not fit this model ({first}): resume with the same model "
+        raise FormatError(f"checkpoint {where} does not fit this model ({first}): resume with the same model "
                           "and dataset, or use another --checkpoint folder") from None
     return state

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import ConfigError, require
+from ..storage.object_store import RETRY_SECONDS
 
 if TYPE_CHECKING:  # torch is imported where a device is checked: `fastdata preprocess` never loads it
     import torch
@@ -58,11 +59,15 @@ class TrainConfig:
         compile: Run the model through ``torch.compile`` (default False).
         sync_bn: Use SyncBatchNorm under DDP (default False; CUDA only).
         cudnn_benchmark: Let cuDNN pick the fastest kernels for the fixed shapes (default True).
-        checkpoint_dir: The folder of ``checkpoint.pt`` (default None: no checkpoints).
+        checkpoint_dir: The folder of ``checkpoint.pt``, or a URL (``s3://bucket/run``, with the ``remote``
+            extra) where a preempted job that comes back on another machine finds it (default None: no
+            checkpoints).
         checkpoint_every: Also save every this many optimizer steps (default 0: at epoch ends and when stopping).
         checkpoint_keep: Checkpoint generations kept, >= 1: ``checkpoint.pt``, ``checkpoint.prev.pt``...
             (default 2; NOTE [checkpoint generations] in fastdata/train/checkpoint.py).
         resume: Continue from ``checkpoint_dir``'s newest intact checkpoint (default False).
+        retry_seconds: How long object storage may fail before a checkpoint save or load at a URL gives up
+            (default 120; NOTE [retry budget] in fastdata/storage/object_store.py).
         val_every: Validate every this many epochs (default 1; 0: never at epoch ends).
         val_every_steps: Also validate every this many optimizer steps (default 0: never).
         early_stop_patience: Validations without an improvement of the validation loss before stopping
@@ -104,6 +109,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # optimizer steps; 0: at epoch ends and when stopping
     checkpoint_keep: int = 2  # generations kept: checkpoint.pt, checkpoint.prev.pt (NOTE [checkpoint generations])
     resume: bool = False
+    retry_seconds: float = RETRY_SECONDS  # checkpoints at a URL: how long the store may fail
     val_every: int = 1  # epochs (0: never at epoch ends)
     val_every_steps: int = 0
     early_stop_patience: int = 0  # validations without improvement of val loss before stopping (0: off)
@@ -137,6 +143,8 @@ class TrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")
         for name in ("momentum", "weight_decay", "early_stop_min_delta"):
             need(getattr(self, name) >= 0, name, "0 or more")
+        need(isinstance(self.retry_seconds, (int, float)) and not isinstance(self.retry_seconds, bool)
+             and 0 <= self.retry_seconds < float("inf"), "retry_seconds", "a number of seconds >= 0")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
 
     @property

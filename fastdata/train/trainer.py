@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._io import disk_error
+from .._io import disk_error, scrub
 from ..distributed import hold_group, init_distributed, release_group
 from ..errors import ConfigError
 from . import checkpoint
@@ -80,7 +80,7 @@ class Trainer:
         ConfigError: The checkpoint folder holds another run's checkpoint and ``resume`` is off, the training
             loader serves no batch, a loader without ``len()`` comes without ``max_steps``, or the device cannot
             run the config (fp16 or sync_bn on the CPU, bf16 on a GPU without it, CUDA where there is none).
-        OutputError: The checkpoint folder cannot be written.
+        OutputError: The checkpoint folder cannot be written (at a URL: the store refuses a probe object).
         FormatError: ``resume`` met a checkpoint that cannot be read or does not fit the model.
 
     Examples:
@@ -95,10 +95,11 @@ class Trainer:
         cfg = self.cfg = config
         existing = self._checkpoint_path()
         # (checked before any process group is held; any generation kept counts: NOTE [checkpoint generations])
-        if existing is not None and checkpoint.existing(existing, cfg.checkpoint_keep) and not cfg.resume:
-            raise ConfigError(f"{existing} holds another run's checkpoint, which this run would overwrite: pass "
-                              "--resume (resume=True) to continue it, or choose another --checkpoint folder (or "
-                              "delete it to start afresh)")
+        if (existing is not None and not cfg.resume
+                and checkpoint.existing(existing, cfg.checkpoint_keep, cfg.retry_seconds)):
+            raise ConfigError(f"{scrub(str(existing))} holds another run's checkpoint, which this run would "
+                              "overwrite: pass --resume (resume=True) to continue it, or choose another --checkpoint "
+                              "folder (or delete it to start afresh)")
         try:
             batches: Optional[int] = len(train_loader)
         except TypeError:  # a DataLoader of an iterable dataset
@@ -113,7 +114,7 @@ class Trainer:
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
-            checkpoint.prepare_folder(Path(cfg.checkpoint_dir))
+            checkpoint.prepare_folder(cfg.checkpoint_dir, cfg.retry_seconds)
         check_device(cfg, self.device)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -215,7 +216,9 @@ class Trainer:
         cfg = self.cfg
         start = time.monotonic()
         bar = self._progress()
-        profiler = StepProfiler(cfg.profile_steps, self.device, Path(cfg.checkpoint_dir or "."), self.dist.main,
+        traces = self._checkpoint_path()  # beside the checkpoints, or here when they go to a URL
+        traces = traces.parent if isinstance(traces, Path) else Path(".")
+        profiler = StepProfiler(cfg.profile_steps, self.device, traces, self.dist.main,
                                 self._waited) if cfg.profile_steps else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
             stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
@@ -389,8 +392,8 @@ class Trainer:
         return None
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def _checkpoint_path(self) -> Optional[Path]:
-        return Path(self.cfg.checkpoint_dir) / checkpoint.CHECKPOINT_NAME if self.cfg.checkpoint_dir else None
+    def _checkpoint_path(self) -> Optional[checkpoint.Location]:
+        return checkpoint.location(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
 
     def save_checkpoint(self) -> None:
         """Everything needed to continue exactly here, written atomically by rank 0 (see train/checkpoint.py)."""
@@ -399,7 +402,7 @@ class Trainer:
             return
         loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
         if self.dist.main:
-            checkpoint.write(path, keep=self.cfg.checkpoint_keep, state={
+            checkpoint.write(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds, state={
                 "model": self.model.state_dict(), "model_class": type(self.model).__name__,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
@@ -415,8 +418,9 @@ class Trainer:
         if path is None:
             raise ConfigError("resume=True needs checkpoint_dir (--checkpoint DIR)")
         grouped = self.dist.world_size > 1
-        chosen = checkpoint.newest(path, self.cfg.checkpoint_keep) if self.dist.main else None
-        data = checkpoint.rank0_bytes(chosen, self.dist.main) if grouped else None
+        chosen, data = (checkpoint.newest(path, self.cfg.checkpoint_keep, self.cfg.retry_seconds) if self.dist.main
+                        else (None, None))
+        data = checkpoint.rank0_bytes(chosen, self.dist.main, data) if grouped else data
         if (grouped and data is None) or (not grouped and chosen is None):
             return False
         state = checkpoint.read(chosen or path, self.device, self.model, data)
@@ -431,7 +435,7 @@ class Trainer:
         self.best, self.bad_evals = state["best"], state["bad_evals"]
         checkpoint.set_rng_state(state["rng"])
         if self.dist.main and self.cfg.progress:
-            log.info("resumed from %s: epoch %d, step %d", chosen, self.epoch, self.step)
+            log.info("resumed from %s: epoch %d, step %d", scrub(str(chosen)), self.epoch, self.step)
         return True
 
     # -- progress bar and profiler --------------------------------------------------------------------
