@@ -109,6 +109,38 @@ def test_fastdata_train_under_torchrun(small_images, tmp_path):
     assert load_ckpt(ck)["step"] == 4 and load_ckpt(ck)["epoch"] == 1  # 36 train images, 18 a rank: 3 steps an epoch
 
 
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.remote
+def test_torchrun_ranks_checkpoint_to_a_url_and_resume_from_it_at_another_world_size(s3, small_images, tmp_path):
+    """Two ranks save to the store; three ranks with nothing local (another machine) resume from it: rank 0
+    reads the store and the others get its bytes, so every rank goes on from the same step."""
+    import io
+
+    url = s3("ddp-ck") + "/run"
+    log = tmp_path / "log.jsonl"
+    common = ["--epochs", "10", "--val-fraction", "0.25", "--checkpoint", url, "--log-file", str(log), "--log-every",
+              "1"]
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TMPDIR": str(tmp_path / "tmp")}
+    r = torchrun(2, "-m", "fastdata", *train_args(small_images, "--max-steps", "4", *common), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def saved() -> dict:
+        data = s3.client.get_object(Bucket="ddp-ck", Key="run/checkpoint.pt")["Body"].read()
+        return torch.load(io.BytesIO(data), weights_only=True)
+    assert saved()["step"] == 4 and saved()["epoch"] == 1  # 36 train images, 18 a rank: 3 steps an epoch
+    r = torchrun(3, "-m", "fastdata", *train_args(small_images, "--max-steps", "6", *common, "--resume"), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    ends = [k for k, e in enumerate(events) if e.get("event") == "end"]
+    assert [(events[k]["reason"], events[k]["step"]) for k in ends] == [("max_steps", 4), ("max_steps", 6)]
+    steps = [[e["step"] for e in part if "loss" in e] for part in (events[:ends[0]], events[ends[0] + 1:ends[1]])]
+    assert steps == [[1, 2, 3, 4], [5, 6]], steps  # the second run went on from the store's step 4
+    assert saved()["step"] == 6
+    assert list((tmp_path / "tmp").glob("fastdata-checkpoint-*")) == []  # every spooled save removed
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(small_images, tmp_path):
     common = ["--epochs", "100", "--max-steps", "40", "--checkpoint-every", "2", "--augment", "crop-flip",
