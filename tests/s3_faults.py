@@ -27,7 +27,10 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>
 class FaultProxy:
     """``FaultProxy(upstream_port)``; ``inject(kind, pattern, times)`` makes the next ``times`` GETs of keys
     matching ``pattern`` fail as ``kind`` ("reset", "truncate", "corrupt", "503"), or answer the whole object
-    whatever byte range was asked ("norange": a server that ignores Range); ``down(seconds)`` drops every
+    whatever byte range was asked ("norange": a server that ignores Range), or the next PUTs store only the
+    first half of their body and answer 200 ("short", a gateway that loses bytes) or are held before their
+    body is read, ``stalled`` set, until ``unstall`` is set ("stall"); a PUT whose client goes away mid-body
+    is dropped, never forwarded, as a store keeps nothing of it; ``down(seconds)`` drops every
     connection for a while; ``refuse(seconds)`` stops listening for a while (a client's connect is refused,
     as from a host whose server is gone; open connections are dropped). ``gets[key]`` counts GETs of each
     object path that were answered, ``heads[key]`` the HEADs."""
@@ -42,6 +45,7 @@ class FaultProxy:
         self.bytes: Counter[str] = Counter()  # body bytes of those GETs
         self.faults: Counter[str] = Counter()
         self.down_until = 0.0
+        self.stalled, self.unstall = threading.Event(), threading.Event()  # a "stall" PUT held, and let go
         self.lock = threading.Lock()
         self._relisten: threading.Timer | None = None
         proxy = self
@@ -116,7 +120,7 @@ class FaultProxy:
             return None
         with self.lock:
             for rule in self.rules:
-                if (rule[0] == "short") != (method == "PUT"):  # "short" is a PUT's fault, the others a GET's
+                if (rule[0] in ("short", "stall")) != (method == "PUT"):  # a PUT's faults, the others a GET's
                     continue
                 if rule[2] > 0 and rule[1].search(path):
                     rule[2] -= 1
@@ -157,12 +161,26 @@ class FaultProxy:
         if h.path.startswith("/__proxy__/"):
             self._control(h)
             return
-        body = h.rfile.read(int(h.headers.get("Content-Length") or 0)) if h.command in ("PUT", "POST") else None
+        path = h.path.split("?", 1)[0]
+        fault = self._fault_for(h.command, path) if h.command == "PUT" else None
+        body = None
+        if h.command in ("PUT", "POST"):
+            if fault == "stall":  # the client blocks sending its body until the test lets it go
+                self.stalled.set()
+                self.unstall.wait(60)
+            expected = int(h.headers.get("Content-Length") or 0)
+            try:
+                body = h.rfile.read(expected)
+            except OSError:
+                body = b""
+            if len(body) < expected:  # the client went away mid-body: a store keeps nothing of it
+                _drop(h)
+                return
         if time.monotonic() < self.down_until:  # the server is gone: the connection drops without an answer
             _drop(h)
             return
-        path = h.path.split("?", 1)[0]
-        fault = self._fault_for(h.command, path)
+        if h.command != "PUT":
+            fault = self._fault_for(h.command, path)
         if fault == "503":
             h.send_response(503)
             h.send_header("Content-Type", "application/xml")

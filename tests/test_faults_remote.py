@@ -424,12 +424,13 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
                                                                                                monkeypatch, caplog):
     """NOTE [checkpoint generations] rule 4 through a real S3 API: generations by copies within the store, an
     outage within the budget ridden out, one past it a clear error with the last save whole, an upload the
-    store keeps half of refused and the resume falling back to the generation before; nothing spooled left."""
+    store keeps half of refused before it replaces anything (even the only generation kept), a damaged newest
+    generation passed over at the resume; names fsspec would expand refused; nothing spooled left."""
     import io
     import logging
     import tempfile
 
-    from fastdata.errors import FormatError, OutputError
+    from fastdata.errors import ConfigError, FormatError, OutputError
     from fastdata.train import checkpoint
 
     spool = tmp_path / "tmp"
@@ -439,7 +440,7 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
     assert path == "s3://ckpt/run/checkpoint.pt"
 
     def save(i: int, **kw) -> None:
-        checkpoint.write(path, {"i": i, "w": torch.full((20_000,), float(i))}, keep=3, **kw)
+        checkpoint.write(path, {"i": i, "w": torch.full((20_000,), float(i))}, **{"keep": 3, **kw})
 
     def newest_i() -> int:
         chosen, data = checkpoint.newest(path, keep=3)
@@ -469,17 +470,26 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
         time.sleep(0.1)
     assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 4
 
-    proxy.inject("short", r"/run/checkpoint\.pt$")  # the store keeps half of the upload and answers 200
-    with pytest.raises(OutputError, match=r"not saved whole: s3://ckpt/run/checkpoint\.pt holds \d+ bytes after "
-                                          r"the upload of \d+"):
-        save(6)
-    assert len(_store_bytes(s3, "ckpt", "run/checkpoint.pt")) < len(last)
+    proxy.inject("short", r"/run/checkpoint\.pt\.uploading$")  # the store keeps half of it and answers 200
+    with pytest.raises(OutputError, match=r"checkpoint not saved: cannot upload s3://ckpt/run/checkpoint\.pt"
+                                          r"\.uploading: the store holds \d+ bytes of \d+"):
+        save(6, keep=1)  # (the only generation kept: it must not be touched)
+    assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 4
+    assert sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt")["Contents"]) == keys  # no upload left
+
+    # a newest generation the store lost the tail of: the resume falls back and says so
+    s3.client.put_object(Bucket="ckpt", Key="run/checkpoint.pt", Body=last[:len(last) // 2])
     with caplog.at_level(logging.WARNING, logger="fastdata.train.checkpoint"):
         chosen, data = checkpoint.newest(path, keep=3)
-    assert chosen == "s3://ckpt/run/checkpoint.prev.pt" and torch.load(io.BytesIO(data), weights_only=True)["i"] == 4
+    assert chosen == "s3://ckpt/run/checkpoint.prev.pt" and torch.load(io.BytesIO(data), weights_only=True)["i"] == 3
     assert "s3://ckpt/run/checkpoint.pt is damaged" in caplog.text and "checkpoint.prev.pt" in caplog.text
     assert list(spool.iterdir()) == []  # every spooled save removed, failed ones too
 
+    for bad in ("s3://ckpt/lr*0.1", "s3://ckpt/run[1]", "s3://ckpt/exp?"):  # fsspec patterns, refused
+        with pytest.raises(ConfigError, match="patterns to fsspec"):
+            checkpoint.prepare_folder(bad)
+    with pytest.raises(ConfigError, match="an HTTP server cannot hold checkpoints"):
+        checkpoint.location("https://host/run")
     for k in keys:  # every generation damaged: the newest is named, with its bytes, for `read` to refuse
         s3.client.put_object(Bucket="ckpt", Key=k, Body=b"PK\x03\x04 not a zip")
     chosen, data = checkpoint.newest(path, keep=3)
@@ -487,3 +497,38 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
     with pytest.raises(FormatError, match=r"cannot read checkpoint s3://ckpt/run/checkpoint\.pt"):
         checkpoint.read(chosen, torch.device("cpu"), torch.nn.Linear(1, 1), data)
 
+
+
+def test_a_save_to_a_url_killed_mid_upload_leaves_the_last_save_and_nothing_in_tmpdir(s3, proxy, tmp_path):
+    """A preempted job's grace runs out while its checkpoint uploads (kill -9 with the PUT's body half sent):
+    checkpoint.pt is still the last save, whole, and the spooled state left nothing in the temporary folder."""
+    import io
+    import subprocess
+    import sys
+
+    from fastdata.train import checkpoint
+
+    url = s3("killed") + "/run"
+    path = checkpoint.location(url)
+    checkpoint.write(path, {"i": 0, "w": torch.zeros(10)})
+    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")  # the next upload is held mid-body
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import torch; from fastdata.train import checkpoint; "
+        f"checkpoint.write({path!r}, {{'i': 1, 'w': torch.ones(5_000_000)}})")],
+        env={**os.environ, "TMPDIR": str(tmp)}, stderr=subprocess.PIPE)
+    try:
+        assert proxy.stalled.wait(120), child.communicate(timeout=10)[1][-2000:]
+        child.kill()
+        assert child.wait(30) == -9
+    finally:
+        proxy.unstall.set()
+    assert list(tmp.iterdir()) == []  # 20 MB spooled without a name: gone with the process
+    chosen, data = checkpoint.newest(path)
+    assert chosen == path and torch.load(io.BytesIO(data), weights_only=True)["i"] == 0
+    assert proxy.faults["stall"] == 1
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="killed")["Contents"]]
+    assert keys == ["run/checkpoint.pt"], keys  # the half-sent upload never became an object
+    checkpoint.write(path, {"i": 2, "w": torch.zeros(10)})  # the next save goes on as usual
+    assert torch.load(io.BytesIO(checkpoint.newest(path)[1]), weights_only=True)["i"] == 2

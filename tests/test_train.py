@@ -275,6 +275,10 @@ BAD_TRAIN_ARGS = {  # name: (flags after the dataset's, a function of tmp_path g
                                        "cannot create checkpoint folder"),
     "negative checkpoint_every": (lambda t: ["--checkpoint-every", "-1"], "checkpoint_every must be 0 or a positive"),
     "negative warm-up": (lambda t: ["--warmup-steps", "-3"], "warmup_steps must be 0 or a positive"),  # lr < 0
+    # an unset "$CKPT" in a job script: before, no checkpoints at all, silently
+    "empty checkpoint": (lambda t: ["--checkpoint", ""], "checkpoint_dir must be a folder or a URL"),
+    "checkpoint at an HTTP URL": (lambda t: ["--checkpoint", "https://host/run"], "an HTTP server cannot hold"),
+    "checkpoint URL with a pattern": (lambda t: ["--checkpoint", "s3://bucket/lr*0.1"], "patterns to fsspec"),
 }
 
 
@@ -379,7 +383,11 @@ def test_a_run_checkpointed_to_a_url_resumes_elsewhere_to_the_same_weights(s3, s
     err = capsys.readouterr().err
     assert "s3://runs/r1/checkpoint.pt holds another run's checkpoint" in err and "--resume" in err, err
     assert at("r1/checkpoint.pt")["step"] == 5
-    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", url, "--resume")) == 0
+    log = tmp_path / "log.jsonl"
+    assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", url, "--resume", "--log-file",
+                           str(log), "--log-every", "1")) == 0
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"loss"' in line]
+    assert steps == [6, 7, 8, 9], steps  # went on from the store's step 5
     assert main(train_args(small_images, *common, "--max-steps", "9", "--checkpoint", str(tmp_path / "ref"))) == 0
     a, b = load_ckpt(tmp_path / "ref"), at("r1/checkpoint.pt")
     assert a["step"] == b["step"] == 9 and a["loader"]["position"] == b["loader"]["position"]
@@ -395,6 +403,12 @@ def test_a_run_checkpointed_to_a_url_resumes_elsewhere_to_the_same_weights(s3, s
     assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", secret)) == 1
     err = capsys.readouterr().err
     assert "memory://user:***@store/run/checkpoint.pt holds another run's checkpoint" in err and "hunter2" not in err
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(secret + "/checkpoint.pt")
+    kept = fs.cat_file(key)
+    assert torch.load(io.BytesIO(kept), weights_only=True)["config"]["checkpoint_dir"] == "memory://user:***@store/run"
+    assert b"hunter2" not in kept
 
 @pytest.mark.slow
 def test_ctrl_c_says_how_to_continue(small_images, tmp_path):

@@ -86,7 +86,7 @@ def _train(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, weight_decay=args.weight_decay, schedule=args.schedule,
         warmup_steps=args.warmup_steps, label_smoothing=args.label_smoothing, amp=args.amp, accum=args.accum,
         clip=args.clip, compile=args.compile, sync_bn=args.sync_bn,
-        checkpoint_dir=str(args.checkpoint) if args.checkpoint else None, checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint, checkpoint_every=args.checkpoint_every,
         resume=args.resume, val_every=args.val_every, val_every_steps=args.val_every_steps,
         early_stop_patience=args.early_stop_patience, early_stop_min_delta=args.early_stop_min_delta,
         log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,

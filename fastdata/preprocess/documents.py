@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Union
 
 from .._io import scrub
 from ..errors import MissingDependencyError, SourceError
-from ..storage.object_store import filesystem, is_url
+from ..storage.object_store import filesystem, is_url, object_version
 from .sources import open_binary, store_call, url_listing
 
 # C4 and Dolma name their JSON Lines files .json.gz, so compressed .json is JSON Lines too; plain .json is not
@@ -82,20 +82,15 @@ def _url_text_files(url: str) -> list[TextFile]:
         except FileNotFoundError:
             raise SourceError(f"source {scrub(url)} does not exist (no such object, or no such bucket): check the "
                               "URL") from None
-        return [TextFile(url, url.rsplit("/", 1)[-1], int(info["size"]), _stamp(info))]
+        return [TextFile(url, url.rsplit("/", 1)[-1], int(info["size"]), object_version(info))]
     base = url.rstrip("/")
     found = sorted((rel.split("/"), info) for rel, info in url_listing(url).items()  # local order: by path parts
                    if info.get("type") != "directory" and rel.endswith(TEXT_SUFFIXES)
                    and not any(part.startswith(".") for part in rel.split("/")))
     if not found:
         raise SourceError(f"source folder {scrub(url)} holds no {', '.join(TEXT_SUFFIXES)} files")
-    return [TextFile(f"{base}/{'/'.join(parts)}", "/".join(parts), int(info["size"]), _stamp(info))
+    return [TextFile(f"{base}/{'/'.join(parts)}", "/".join(parts), int(info["size"]), object_version(info))
             for parts, info in found]
-
-
-def _stamp(info: dict[str, Any]) -> str:
-    """What changes when an object does: its ETag (S3, GCS, Azure), else its modification time."""
-    return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
 
 
 @contextlib.contextmanager

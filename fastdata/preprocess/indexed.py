@@ -36,7 +36,7 @@ import numpy as np
 from .._io import HASH_NAME, map_threads, new_hash, scrub, write_bytes_atomic
 from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
-from ..storage.object_store import filesystem, is_url
+from ..storage.object_store import filesystem, is_url, object_version
 from .index_schema import Merge, Schema
 from .sources import store_call, where_of
 
@@ -128,11 +128,7 @@ def file_stats(files: list[str]) -> list[tuple[int, str]]:
             pass
     infos = map_threads(lambda pf: found.get(pf[0]) or store_call(pf[1], lambda: fs.info(pf[0])),
                         list(zip(paths, files)), 16, "fastdata-stat")
-    out = []
-    for e in infos:
-        version = e.get("ETag") or e.get("etag") or e.get("LastModified") or e.get("mtime") or ""
-        out.append((int(e.get("size") or 0), str(version)))
-    return out
+    return [(int(e.get("size") or 0), object_version(e)) for e in infos]
 
 
 def label_of(path: str) -> str:

@@ -72,6 +72,12 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     return fs, path
 
 
+def object_version(info: dict[str, Any]) -> str:
+    """What changes when an object does, from an fsspec ``info``/``ls`` entry: its ETag (S3, GCS, Azure),
+    else its modification time; "" when the store says neither."""
+    return str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or "")
+
+
 # a component "", "." or ".." of any name, or "\\" or "://" anywhere, in names joined by newlines (a newline
 # inside a name only adds matches, each then checked by object_path)
 _SUSPECT = re.compile(r"(?:\A|[\n/])\.{0,2}(?:\Z|[\n/])|\\|://")
@@ -156,6 +162,9 @@ class StoreFolder:
 
     def __init__(self, url: str, retry_seconds: float = RETRY_SECONDS,
                  advice: str = RERUN_ADVICE) -> None:
+        if re.search(r"[*?\[\]]", url.split("://", 1)[-1]):  # fsspec would expand them in copies and deletes
+            raise ConfigError(f"{scrub(url)}: '*', '?', '[' and ']' are patterns to fsspec, which would copy or "
+                              "delete other objects than these: choose a prefix without them")
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
         self.advice = advice
@@ -213,9 +222,10 @@ class StoreFolder:
             key = self._key(name)
             fs.invalidate_cache(key)
             try:
-                return int(fs.info(key)["size"])
+                found = fs.info(key)
             except FileNotFoundError:
                 return None
+            return int(found["size"]) if found.get("type", "file") == "file" else None  # (a "folder": none)
         return self._call(name, info, "read")
 
     def put(self, local: Path, name: str) -> None:
@@ -229,7 +239,7 @@ class StoreFolder:
     def copy(self, name: str, to: str) -> None:
         """Copy an object within the store (no bytes through this machine), replacing ``to`` whole."""
         fs, _, _ = self._client()
-        self._call(to, lambda: fs.copy(self._key(name), self._key(to)), "copy to")
+        self._call(to, lambda: fs.cp_file(self._key(name), self._key(to)), "copy to")
 
     def put_bytes(self, name: str, data: bytes) -> None:
         fs, _, _ = self._client()

@@ -12,11 +12,12 @@ A checkpoint holds tensors, numbers and strings only (no pickled code), so it lo
 3. Resuming loads the newest generation whose zip records pass their CRC check, and says so when it falls
    back to an older one (a disk that lost the newest file's tail, say).
 4. At a URL (``--checkpoint s3://bucket/run``, where a preempted job may come back on another machine) the
-   same names hold the same generations: the state is written to a local temporary file first, each older
-   generation is copied within the store down a name (oldest first), then the new one is put over
-   ``checkpoint.pt`` in one request. A store's put is atomic, so ``checkpoint.pt`` is always a whole file;
-   its size is checked after the put. Every call is retried over ``retry_seconds`` (NOTE [retry budget] in
-   fastdata/storage/object_store.py); a save that fails leaves ``checkpoint.pt`` as the last save wrote it.
+   same names hold the same generations: the state is written to a local temporary file first (without a
+   name on Linux: a kill mid-upload leaves nothing behind) and put as ``checkpoint.pt.uploading``; once
+   the store holds all its bytes, each older generation is copied within the store down a name (oldest
+   first) and the upload is copied over ``checkpoint.pt``. Puts and copies are atomic, so every name holds
+   a whole file, and a save that fails anywhere leaves ``checkpoint.pt`` as the last save wrote it. Every
+   call is retried over ``retry_seconds`` (NOTE [retry budget] in fastdata/storage/object_store.py).
    Resuming downloads the generations newest first until one passes rule 3's check.
 
 The Trainer decides what goes in and when (rank 0 writes).
@@ -33,7 +34,7 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -41,13 +42,14 @@ import torch.nn as nn
 
 from .._io import disk_error, fsync_dir, make_folder, scrub
 from ..distributed import broadcast_bytes
-from ..errors import FormatError, OutputError
+from ..errors import ConfigError, FormatError, OutputError
 from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
 
 CHECKPOINT_NAME = "checkpoint.pt"
 KEEP = 2  # generations kept by default: the newest and the one before it
 log = logging.getLogger(__name__)
 Location = Union[Path, str]  # a checkpoint file: a local path, or a URL (NOTE [checkpoint generations] rule 4)
+UPLOADING = ".uploading"  # a save's name in a store until its size is checked
 
 
 def rng_state() -> dict[str, Any]:
@@ -72,6 +74,9 @@ def location(folder: Union[str, Path]) -> Location:
     folder = str(folder)
     if folder.startswith("file://"):
         return Path(folder[len("file://"):]) / CHECKPOINT_NAME
+    if folder.lower().startswith(("http://", "https://")):
+        raise ConfigError(f"{scrub(folder)}: an HTTP server cannot hold checkpoints; give a folder or an object "
+                          "store's URL (s3://, gs://, az://)")
     if is_url(folder):
         return f"{folder.rstrip('/')}/{CHECKPOINT_NAME}"
     return Path(folder) / CHECKPOINT_NAME
@@ -160,34 +165,56 @@ def _write_url(url: str, state: dict[str, Any], keep: int, retry_seconds: float)
     """`write` at a URL (NOTE [checkpoint generations] rule 4)."""
     store, _ = _at_url(url, retry_seconds)
     names = [g.rsplit("/", 1)[1] for g in generations(url, keep)]
-    spool = Path(tempfile.gettempdir()) / f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
-    try:
+    upload = f"{names[0]}{UPLOADING}"
+    with _spool() as (spool, f):
         try:
-            with open(spool, "xb") as f:
-                torch.save(state, f)
+            torch.save(state, f)
+            f.flush()
         except (OSError, RuntimeError) as exc:
             cause = _os_error(exc)
             if cause is None:
                 raise
-            raise disk_error(cause, spool, "free space in the temporary folder (TMPDIR): a checkpoint for a URL "
-                             "is written there first; the checkpoints in the store are as they were") from exc
-        size = spool.stat().st_size
+            raise disk_error(cause, Path(tempfile.gettempdir()) / "fastdata-checkpoint", "free space in the "
+                             "temporary folder (TMPDIR): a checkpoint for a URL is written there first; the "
+                             "checkpoints in the store are as they were") from exc
+        size = os.fstat(f.fileno()).st_size
         try:
+            store.put(spool, upload)
+            put = store.size(upload)
+            if put != size:
+                raise OutputError(f"cannot upload {scrub(store.url)}/{upload}: the store holds {put} bytes of "
+                                  f"{size} after it (a proxy that loses bytes?); check the store and its way here")
             for older, newer in zip(reversed(names[1:]), reversed(names[:-1])):
                 if store.size(newer) is not None:
                     store.copy(newer, older)
-            store.put(spool, names[0])
-            put = store.size(names[0])
+            store.copy(upload, names[0])
         except OutputError as exc:
+            with contextlib.suppress(OutputError):  # one try: the store may be what failed
+                _at_url(url, 0)[0].delete([upload])
             raise OutputError(f"checkpoint not saved: {exc}; {names[0]} in {scrub(store.url)} holds the last "
                               "save, if any") from None
-        if put != size:
-            raise OutputError(f"checkpoint not saved whole: {scrub(url)} holds {put} bytes after the upload of "
-                              f"{size}; the store answers oddly (a proxy?): check it, and resume from "
-                              f"{names[1] if len(names) > 1 else 'an earlier save'} if this one is refused")
+    with contextlib.suppress(OutputError):  # (a leftover is replaced by the next save's upload)
+        store.delete([upload])
+
+
+@contextlib.contextmanager
+def _spool() -> Iterator[tuple[Path, Any]]:
+    """A local file for a save on its way to a URL, and a path that reads it: on Linux a file without a
+    name (its /proc/self/fd path), which the kernel frees even when the process is killed mid-upload (a
+    preempted job's grace running out), so no spool of a dead job fills the temporary folder; elsewhere a
+    named file of this writer's own, removed afterwards."""
+    with tempfile.TemporaryFile(prefix="fastdata-checkpoint-") as f:
+        proc = Path(f"/proc/self/fd/{f.fileno()}")
+        if proc.exists():
+            yield proc, f
+            return
+    named = Path(tempfile.gettempdir()) / f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
+    try:
+        with open(named, "xb") as f:
+            yield named, f
     finally:
         with contextlib.suppress(OSError):
-            spool.unlink(missing_ok=True)
+            named.unlink(missing_ok=True)
 
 
 def _shift(names: list[Path], tmp: Path) -> None:
@@ -245,7 +272,7 @@ def newest(path: Location, keep: int = KEEP, retry_seconds: float = RETRY_SECOND
                 log.warning("checkpoint %s is damaged (%s): resuming from the previous generation, %s",
                             scrub(str(found[0][0])), found[0][1], scrub(str(p)))
             return p, data
-        found.append((p, problem, data))
+        found.append((p, problem, None if found else data))  # (the newest's bytes only: `read` names it)
     return (found[0][0], found[0][2]) if found else (None, None)
 
 

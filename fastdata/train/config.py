@@ -143,6 +143,8 @@ class TrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")
         for name in ("momentum", "weight_decay", "early_stop_min_delta"):
             need(getattr(self, name) >= 0, name, "0 or more")
+        need(self.checkpoint_dir is None or str(self.checkpoint_dir).strip() != "", "checkpoint_dir",
+             "a folder or a URL, or None for no checkpoints")
         need(isinstance(self.retry_seconds, (int, float)) and not isinstance(self.retry_seconds, bool)
              and 0 <= self.retry_seconds < float("inf"), "retry_seconds", "a number of seconds >= 0")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")

@@ -406,11 +406,17 @@ class Trainer:
                 "model": self.model.state_dict(), "model_class": type(self.model).__name__,
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
-                "best": self.best, "bad_evals": self.bad_evals, "config": asdict(self.cfg),
+                "best": self.best, "bad_evals": self.bad_evals, "config": self._config_saved(),
                 "rng": checkpoint.rng_state()})
         if self.dist.world_size > 1:
             dist.barrier()
         self._saved_at = (self.epoch, self.step)
+
+    def _config_saved(self) -> dict[str, Any]:
+        """The config as a checkpoint records it: a URL's secrets never go into a file."""
+        cfg = asdict(self.cfg)
+        cfg["checkpoint_dir"] = scrub(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else cfg["checkpoint_dir"]
+        return cfg
 
     def load_checkpoint(self) -> bool:
         """Continue from (rank 0's) ``checkpoint_dir/checkpoint.pt`` if it exists; returns whether it did."""
