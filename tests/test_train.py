@@ -141,6 +141,24 @@ def test_torchrun_ranks_checkpoint_to_a_url_and_resume_from_it_at_another_world_
     assert saved()["step"] == 6
     assert list((tmp_path / "tmp").glob("fastdata-checkpoint-*")) == []  # every spooled save removed
 
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_save_rank_0_cannot_make_stops_every_rank_at_once_with_its_reason(small_images, tmp_path):
+    """A full disk at rank 0's save under torchrun: the other rank stops too, saying why, instead of waiting in
+    a barrier for a rank that had raised until the launcher killed it."""
+    ck = tmp_path / "ck"
+    assert main(train_args(small_images, "--max-steps", "1", "--checkpoint", str(ck))) == 0
+    limit = (ck / "checkpoint.pt").stat().st_size // 2  # the next checkpoint, as big, cannot be written
+    args = train_args(small_images, "--max-steps", "4", "--epochs", "10", "--checkpoint", str(ck), "--resume")
+    began = time.monotonic()
+    r = torchrun(2, "-m", "fastdata", *args, preexec_fn=disk_of(limit), timeout=120)
+    assert r.returncode != 0
+    assert "fastdata: error: no space left while writing" in r.stderr, r.stderr[-3000:]
+    assert "fastdata: error: rank 0 could not save the checkpoint: no space left while writing" in r.stderr, \
+        r.stderr[-3000:]
+    assert time.monotonic() - began < 60  # (torchrun waits 30 s for a worker it has to stop)
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(small_images, tmp_path):
     common = ["--epochs", "100", "--max-steps", "40", "--checkpoint-every", "2", "--augment", "crop-flip",

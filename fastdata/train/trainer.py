@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._io import disk_error, scrub
-from ..distributed import hold_group, init_distributed, release_group
-from ..errors import ConfigError
+from ..distributed import broadcast_bytes, hold_group, init_distributed, release_group
+from ..errors import ConfigError, OutputError
 from . import checkpoint
 from .config import TrainConfig, check_device, lr_lambda, param_groups
 from .meter import Meter, StepProfiler
@@ -401,15 +401,23 @@ class Trainer:
         if path is None:
             return
         loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
+        failed: Optional[Exception] = None
         if self.dist.main:
-            checkpoint.write(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds, state={
-                "model": self.model.state_dict(), "model_class": type(self.model).__name__,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch, "step": self.step,
-                "best": self.best, "bad_evals": self.bad_evals, "config": self._config_saved(),
-                "rng": checkpoint.rng_state()})
-        if self.dist.world_size > 1:
-            dist.barrier()
+            try:
+                checkpoint.write(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds, state={
+                    "model": self.model.state_dict(), "model_class": type(self.model).__name__,
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch,
+                    "step": self.step, "best": self.best, "bad_evals": self.bad_evals,
+                    "config": self._config_saved(), "rng": checkpoint.rng_state()})
+            except Exception as exc:  # noqa: BLE001 - told to the other ranks below, then raised here
+                failed = exc
+        if self.dist.world_size > 1:  # (not a barrier: the others would wait there for a rank that had raised)
+            said = broadcast_bytes(scrub(str(failed) or type(failed).__name__).encode() if failed else b"")
+            if failed is None and said:
+                raise OutputError(f"rank 0 could not save the checkpoint: {said.decode()}")
+        if failed is not None:
+            raise failed
         self._saved_at = (self.epoch, self.step)
 
     def _config_saved(self) -> dict[str, Any]:
