@@ -110,6 +110,49 @@ def test_fastdata_train_under_torchrun(small_images, tmp_path):
 
 
 
+
+@pytest.mark.remote
+def test_checkpoint_uploads_to_a_url_go_on_while_training_does(s3, proxy, small_images):
+    """NOTE [checkpoint generations] rule 5: while the save of step 2 is held mid-upload, training goes on to
+    the next save, which waits for it; fit() returns once the last upload is in the store."""
+    import io
+    import threading
+
+    url = s3("uploads") + "/run"
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(
+        max_steps=6, checkpoint_every=2, checkpoint_dir=url, progress=False, device="cpu"))
+    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")  # the first upload is held
+    raised = []
+    run = threading.Thread(target=_catch, args=(t.fit, raised))
+    run.start()
+    try:
+        assert proxy.stalled.wait(60)
+        deadline = time.monotonic() + 60
+        while t.step < 4 and time.monotonic() < deadline and run.is_alive():
+            time.sleep(0.01)
+        assert t.step == 4, (t.step, raised)  # trained on past the save of step 2 while its upload was held
+        time.sleep(0.3)
+        assert t.step == 4  # the save of step 4 waits for the upload before it: one at a time
+    finally:
+        proxy.unstall.set()
+    run.join(120)
+    assert not run.is_alive() and raised == []
+
+    def saved(key: str) -> dict:
+        data = s3.client.get_object(Bucket="uploads", Key=key)["Body"].read()
+        return torch.load(io.BytesIO(data), weights_only=True)
+    assert saved("run/checkpoint.pt")["step"] == 6 and saved("run/checkpoint.prev.pt")["step"] == 4
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="uploads")["Contents"])
+    assert keys == ["run/checkpoint.prev.pt", "run/checkpoint.pt"]  # no upload left behind
+
+
+def _catch(fn, raised: list) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+        raised.append(exc)
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.remote

@@ -19,6 +19,9 @@ A checkpoint holds tensors, numbers and strings only (no pickled code), so it lo
    a whole file, and a save that fails anywhere leaves ``checkpoint.pt`` as the last save wrote it. Every
    call is retried over ``retry_seconds`` (NOTE [retry budget] in fastdata/storage/object_store.py).
    Resuming downloads the generations newest first until one passes rule 3's check.
+5. The Trainer's saves to a URL upload while training goes on (`Saves`): the state is serialised at its
+   step, then a thread uploads it; the next save, and the end of ``fit``, first wait for it and raise
+   its error. At most one upload is under way, so a link slower than the saves slows training to its pace.
 
 The Trainer decides what goes in and when (rank 0 writes).
 """
@@ -32,9 +35,10 @@ import random
 import secrets
 import shutil
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -163,58 +167,126 @@ def write(path: Location, state: dict[str, Any], keep: int = KEEP, retry_seconds
 
 def _write_url(url: str, state: dict[str, Any], keep: int, retry_seconds: float) -> None:
     """`write` at a URL (NOTE [checkpoint generations] rule 4)."""
-    store, _ = _at_url(url, retry_seconds)
-    names = [g.rsplit("/", 1)[1] for g in generations(url, keep)]
-    upload = f"{names[0]}{UPLOADING}"
-    with _spool() as (spool, f):
+    spool = Spool(state)
+    try:
+        _upload(url, spool, keep, retry_seconds, "checkpoint not saved")
+    finally:
+        spool.close()
+
+
+class Spool:
+    """A save on its way to a URL, serialised into a local file (a state's tensors may change once the step
+    after it runs). On Linux the file has no name (it is read through its /proc/self/fd path), so the kernel
+    frees it even when the process is killed mid-upload (a preempted job's grace running out) and no spool
+    of a dead job fills the temporary folder; elsewhere it is a named file of this writer's own.
+
+    Raises:
+        DiskFullError: The temporary folder (TMPDIR) is full.
+        OutputError: It cannot be written.
+    """
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.file: Any = None
+        self.path, self._named = Path(tempfile.gettempdir()) / "fastdata-checkpoint", False
         try:
-            torch.save(state, f)
-            f.flush()
+            self.file = tempfile.TemporaryFile(prefix="fastdata-checkpoint-")
+            self.path = Path(f"/proc/self/fd/{self.file.fileno()}")
+            if not self.path.exists():
+                self.file.close()
+                name = f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
+                self.path = Path(tempfile.gettempdir()) / name
+                self.file, self._named = open(self.path, "xb"), True
+            torch.save(state, self.file)
+            self.file.flush()
+            self.size = os.fstat(self.file.fileno()).st_size
         except (OSError, RuntimeError) as exc:
+            self.close()
             cause = _os_error(exc)
             if cause is None:
                 raise
             raise disk_error(cause, Path(tempfile.gettempdir()) / "fastdata-checkpoint", "free space in the "
                              "temporary folder (TMPDIR): a checkpoint for a URL is written there first; the "
                              "checkpoints in the store are as they were") from exc
-        size = os.fstat(f.fileno()).st_size
-        try:
-            store.put(spool, upload)
-            put = store.size(upload)
-            if put != size:
-                raise OutputError(f"cannot upload {scrub(store.url)}/{upload}: the store holds {put} bytes of "
-                                  f"{size} after it (a proxy that loses bytes?); check the store and its way here")
-            for older, newer in zip(reversed(names[1:]), reversed(names[:-1])):
-                if store.size(newer) is not None:
-                    store.copy(newer, older)
-            store.copy(upload, names[0])
-        except OutputError as exc:
-            with contextlib.suppress(OutputError):  # one try: the store may be what failed
-                _at_url(url, 0)[0].delete([upload])
-            raise OutputError(f"checkpoint not saved: {exc}; {names[0]} in {scrub(store.url)} holds the last "
-                              "save, if any") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # (None: never opened)
+            self.file.close()
+        if self._named:
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+
+
+def _upload(url: str, spool: Spool, keep: int, retry_seconds: float, what: str) -> None:
+    """``spool`` put at ``url`` as its newest generation; an OutputError that starts with ``what`` when the
+    store fails (NOTE [checkpoint generations] rule 4)."""
+    store, _ = _at_url(url, retry_seconds)
+    names = [g.rsplit("/", 1)[1] for g in generations(url, keep)]
+    upload = f"{names[0]}{UPLOADING}"
+    try:
+        store.put(spool.path, upload)
+        put = store.size(upload)
+        if put != spool.size:
+            raise OutputError(f"cannot upload {scrub(store.url)}/{upload}: the store holds {put} bytes of "
+                              f"{spool.size} after it (a proxy that loses bytes?); check the store and its way here")
+        for older, newer in zip(reversed(names[1:]), reversed(names[:-1])):
+            if store.size(newer) is not None:
+                store.copy(newer, older)
+        store.copy(upload, names[0])
+    except OutputError as exc:
+        with contextlib.suppress(OutputError):  # one try: the store may be what failed
+            _at_url(url, 0)[0].delete([upload])
+        raise OutputError(f"{what}: {exc}; {names[0]} in {scrub(store.url)} holds the last save, if "
+                          "any") from None
     with contextlib.suppress(OutputError):  # (a leftover is replaced by the next save's upload)
         store.delete([upload])
 
 
-@contextlib.contextmanager
-def _spool() -> Iterator[tuple[Path, Any]]:
-    """A local file for a save on its way to a URL, and a path that reads it: on Linux a file without a
-    name (its /proc/self/fd path), which the kernel frees even when the process is killed mid-upload (a
-    preempted job's grace running out), so no spool of a dead job fills the temporary folder; elsewhere a
-    named file of this writer's own, removed afterwards."""
-    with tempfile.TemporaryFile(prefix="fastdata-checkpoint-") as f:
-        proc = Path(f"/proc/self/fd/{f.fileno()}")
-        if proc.exists():
-            yield proc, f
+class Saves:
+    """A run's checkpoint saves: to a folder at once (`write`); to a URL serialised at once and uploaded on a
+    thread of its own while training goes on, one upload at a time (NOTE [checkpoint generations] rule 5).
+    `finish` waits for the upload under way and raises its error; every save begins with it."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._failed: Optional[BaseException] = None
+
+    def save(self, path: Location, state: dict[str, Any], *, keep: int = KEEP,
+             retry_seconds: float = RETRY_SECONDS, wait: bool = True, label: str = "") -> None:
+        """Save ``state`` as `write` does; at a URL with ``wait`` False, return once it is serialised.
+
+        Raises:
+            OutputError: This save or the upload before it failed (DiskFullError: a full disk or TMPDIR).
+        """
+        self.finish()
+        if not isinstance(path, str) or wait:
+            write(path, state, keep, retry_seconds)
             return
-    named = Path(tempfile.gettempdir()) / f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
-    try:
-        with open(named, "xb") as f:
-            yield named, f
-    finally:
-        with contextlib.suppress(OSError):
-            named.unlink(missing_ok=True)
+        spool = Spool(state)
+        self._thread = threading.Thread(target=self._upload, args=(path, spool, keep, retry_seconds, label),
+                                        name="fastdata-checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def _upload(self, url: str, spool: Spool, keep: int, retry_seconds: float, label: str) -> None:
+        try:
+            _upload(url, spool, keep, retry_seconds, f"the checkpoint{' of ' + label if label else ''} was not saved")
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread by `finish`
+            self._failed = exc
+        finally:
+            spool.close()
+
+    @property
+    def busy(self) -> bool:
+        """Whether an upload is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the upload under way, if any; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
 
 def _shift(names: list[Path], tmp: Path) -> None:

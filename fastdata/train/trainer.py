@@ -152,6 +152,7 @@ class Trainer:
         self.stop_signal: Optional[int] = None  # the signal fit() stopped on (NOTE [stop signals])
         self._stops = EarlyStops(False, None, alone=True)  # fit() makes the run's own
         self._saved_at: Optional[tuple[int, int]] = None  # (epoch, step) of the last checkpoint written
+        self._saves = checkpoint.Saves()  # rank 0's: at a URL, one upload going on while training does
         if cfg.resume:
             self.load_checkpoint()
 
@@ -222,6 +223,7 @@ class Trainer:
                                 self._waited) if cfg.profile_steps else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
             stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+            self._finish_saves()  # (within: a signal meanwhile is the run's, NOTE [stop signals])
         self.stop_signal = self._stops.signal
         if profiler is not None:
             profiler.stop(self._waited)
@@ -268,8 +270,8 @@ class Trainer:
                     self._optimizer_step()
                     stop = self._after_step(meter, bar, profiler)
                     if stop:  # saved while the iteration is live: a look-ahead's batches are not counted as served
-                        if self._saved_at != (self.epoch, self.step):
-                            self.save_checkpoint()  # (a repeated signal meanwhile is ignored, NOTE [stop signals])
+                        if self._saved_at != (self.epoch, self.step):  # (NOTE [stop signals]: a repeated
+                            self.save_checkpoint(wait=False)  # signal meanwhile is ignored; fit waits for it)
                         break
             if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
                 self._partial_accumulation(micro % cfg.accum)
@@ -280,7 +282,7 @@ class Trainer:
                 self.epoch += 1
                 if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
                     stop = self._validate_and_check()
-                self.save_checkpoint()
+                self.save_checkpoint(wait=False)
                 stop = stop or self._stops.due()
         return stop
 
@@ -314,7 +316,7 @@ class Trainer:
         if stop:
             return stop
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-            self.save_checkpoint()
+            self.save_checkpoint(wait=False)
         if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
             if self._validate_and_check():
                 return "early_stop"
@@ -395,8 +397,17 @@ class Trainer:
     def _checkpoint_path(self) -> Optional[checkpoint.Location]:
         return checkpoint.location(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
 
-    def save_checkpoint(self) -> None:
-        """Everything needed to continue exactly here, written atomically by rank 0 (see train/checkpoint.py)."""
+    def save_checkpoint(self, wait: bool = True) -> None:
+        """Everything needed to continue exactly here, written atomically by rank 0 (see train/checkpoint.py).
+
+        Args:
+            wait: At a URL, return once the checkpoint is in the store (default); False: once its state is
+                serialised, the upload going on while training does (``fit`` saves so and waits at its end;
+                NOTE [checkpoint generations] rule 5).
+
+        Raises:
+            OutputError: This save, or an upload before it, failed (on every rank: rank 0's reason).
+        """
         path = self._checkpoint_path()
         if path is None:
             return
@@ -404,21 +415,38 @@ class Trainer:
         failed: Optional[Exception] = None
         if self.dist.main:
             try:
-                checkpoint.write(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds, state={
-                    "model": self.model.state_dict(), "model_class": type(self.model).__name__,
-                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(), "loader": loader_state, "epoch": self.epoch,
-                    "step": self.step, "best": self.best, "bad_evals": self.bad_evals,
-                    "config": self._config_saved(), "rng": checkpoint.rng_state()})
+                self._saves.save(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds,
+                                 wait=wait, label=f"step {self.step}", state={
+                                     "model": self.model.state_dict(), "model_class": type(self.model).__name__,
+                                     "optimizer": self.optimizer.state_dict(),
+                                     "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                                     "loader": loader_state, "epoch": self.epoch, "step": self.step,
+                                     "best": self.best, "bad_evals": self.bad_evals,
+                                     "config": self._config_saved(), "rng": checkpoint.rng_state()})
             except Exception as exc:  # noqa: BLE001 - told to the other ranks below, then raised here
                 failed = exc
-        if self.dist.world_size > 1:  # (not a barrier: the others would wait there for a rank that had raised)
+        self._agree(failed)
+        self._saved_at = (self.epoch, self.step)
+
+    def _finish_saves(self) -> None:
+        """Wait for the checkpoint upload under way (rank 0), on every rank: its error is every rank's."""
+        failed: Optional[Exception] = None
+        if self.dist.main:
+            try:
+                self._saves.finish()
+            except Exception as exc:  # noqa: BLE001 - told to the other ranks below, then raised here
+                failed = exc
+        self._agree(failed)
+
+    def _agree(self, failed: Optional[Exception]) -> None:
+        """Raise rank 0's ``failed`` on every rank (a collective; not a barrier, where the others would wait for
+        a rank that had raised)."""
+        if self.dist.world_size > 1:
             said = broadcast_bytes(scrub(str(failed) or type(failed).__name__).encode() if failed else b"")
             if failed is None and said:
                 raise OutputError(f"rank 0 could not save the checkpoint: {said.decode()}")
         if failed is not None:
             raise failed
-        self._saved_at = (self.epoch, self.step)
 
     def _config_saved(self) -> dict[str, Any]:
         """The config as a checkpoint records it: a URL's secrets never go into a file."""
