@@ -178,8 +178,8 @@ def broadcast_bytes(data: Optional[bytes]) -> Optional[bytes]:
     main = dist.get_rank() == 0
     size = torch.tensor([-1 if data is None or not main else len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
-    if int(size) < 0:
-        return None
+    if int(size) <= 0:  # (nothing to send: no empty tensor goes through the backend)
+        return None if int(size) < 0 else b""
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if main and data else
            torch.empty(int(size), dtype=torch.uint8, device=device))
     dist.broadcast(buf, 0)

@@ -485,6 +485,17 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
     assert "s3://ckpt/run/checkpoint.pt is damaged" in caplog.text and "checkpoint.prev.pt" in caplog.text
     assert list(spool.iterdir()) == []  # every spooled save removed, failed ones too
 
+    # a background upload that fails does not cost the save after it: that one is made, then the error said
+    saves = checkpoint.Saves()
+    proxy.refuse(2.5)
+    saves.save(path, {"i": 7}, keep=3, retry_seconds=1, wait=False, label="step 7")
+    while proxy.refusing:
+        time.sleep(0.1)
+    with pytest.raises(OutputError, match=r"the checkpoint of step 7 was not saved: cannot "):
+        saves.save(path, {"i": 8}, keep=3, wait=False, label="step 8")
+    saves.finish()
+    assert newest_i() == 8
+
     for bad in ("s3://ckpt/lr*0.1", "s3://ckpt/run[1]", "s3://ckpt/exp?"):  # fsspec patterns, refused
         with pytest.raises(ConfigError, match="patterns to fsspec"):
             checkpoint.prepare_folder(bad)

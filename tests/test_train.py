@@ -147,6 +147,55 @@ def test_checkpoint_uploads_to_a_url_go_on_while_training_does(s3, proxy, small_
     assert keys == ["run/checkpoint.prev.pt", "run/checkpoint.pt"]  # no upload left behind
 
 
+@pytest.mark.remote
+def test_a_run_that_fails_still_lands_the_checkpoint_on_its_way(s3, proxy, small_images):
+    """An error (or Ctrl-C) while the save of step 2 uploads: fit() waits for the upload before it raises, so
+    the store holds what the run saved, as a folder would (the upload thread would die with the process)."""
+    import io
+    import threading
+
+    calls = []
+
+    def loss(out, y):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a NaN check, say")
+        return torch.nn.functional.cross_entropy(out, y)
+    url = s3("fails") + "/run"
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader, loss_fn=loss, config=TrainConfig(
+        max_steps=6, checkpoint_every=2, checkpoint_dir=url, progress=False, device="cpu"))
+    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")
+    raised = []
+    run = threading.Thread(target=_catch, args=(t.fit, raised))
+    run.start()
+    try:
+        assert proxy.stalled.wait(60)
+        deadline = time.monotonic() + 60
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run.join(1.0)
+        assert run.is_alive()  # the error is raised once the upload on its way has landed
+    finally:
+        proxy.unstall.set()
+    run.join(120)
+    assert [type(e) for e in raised] == [RuntimeError] and t.step == 2
+    data = s3.client.get_object(Bucket="fails", Key="run/checkpoint.pt")["Body"].read()
+    assert torch.load(io.BytesIO(data), weights_only=True)["step"] == 2
+
+
+def test_a_checkpoint_folder_given_as_a_path_saves_and_resumes(small_images, tmp_path):
+    """TrainConfig(checkpoint_dir=Path(...)): kept as a string, so the checkpoint holds no pickled class."""
+    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
+    cfg = TrainConfig(max_steps=2, checkpoint_dir=tmp_path / "ck", progress=False, device="cpu")
+    assert cfg.checkpoint_dir == str(tmp_path / "ck")
+    Trainer(create_model("cnn-small", num_classes=3), loader, config=cfg).fit()
+    resumed = Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(
+        max_steps=3, checkpoint_dir=tmp_path / "ck", resume=True, progress=False, device="cpu"))
+    resumed.fit()
+    assert resumed.step == 3 and load_ckpt(tmp_path / "ck")["config"]["checkpoint_dir"] == str(tmp_path / "ck")
+
+
 def _catch(fn, raised: list) -> None:
     try:
         fn()

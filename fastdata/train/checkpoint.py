@@ -20,8 +20,11 @@ A checkpoint holds tensors, numbers and strings only (no pickled code), so it lo
    call is retried over ``retry_seconds`` (NOTE [retry budget] in fastdata/storage/object_store.py).
    Resuming downloads the generations newest first until one passes rule 3's check.
 5. The Trainer's saves to a URL upload while training goes on (`Saves`): the state is serialised at its
-   step, then a thread uploads it; the next save, and the end of ``fit``, first wait for it and raise
-   its error. At most one upload is under way, so a link slower than the saves slows training to its pace.
+   step, then a thread uploads it; the next save, and the end of ``fit``, first wait for it, and its error
+   is raised once the next save is made (a failed upload never costs the save after it). At most one
+   upload is under way, so a link slower than the saves slows training to its pace. A ``fit`` that fails
+   (or Ctrl-C) still waits for the upload under way, logging its error rather than hiding its own; Ctrl-C
+   again leaves it.
 
 The Trainer decides what goes in and when (rank 0 writes).
 """
@@ -74,10 +77,11 @@ def set_rng_state(rng: dict[str, Any]) -> None:
 
 
 def location(folder: Union[str, Path]) -> Location:
-    """``checkpoint.pt`` in ``folder``: a Path, or a URL where ``folder`` is one (``file://`` is a local path)."""
+    """``checkpoint.pt`` in ``folder``: a Path, or a URL where ``folder`` is one (``file://``, ``local://``: a
+    local path)."""
     folder = str(folder)
-    if folder.startswith("file://"):
-        return Path(folder[len("file://"):]) / CHECKPOINT_NAME
+    if folder.startswith(("file://", "local://")):  # (a file system's copies are not atomic: its own rules)
+        return Path(folder.split("://", 1)[1]) / CHECKPOINT_NAME
     if folder.lower().startswith(("http://", "https://")):
         raise ConfigError(f"{scrub(folder)}: an HTTP server cannot hold checkpoints; give a folder or an object "
                           "store's URL (s3://, gs://, az://)")
@@ -244,29 +248,37 @@ def _upload(url: str, spool: Spool, keep: int, retry_seconds: float, what: str) 
 class Saves:
     """A run's checkpoint saves: to a folder at once (`write`); to a URL serialised at once and uploaded on a
     thread of its own while training goes on, one upload at a time (NOTE [checkpoint generations] rule 5).
-    `finish` waits for the upload under way and raises its error; every save begins with it."""
+    `finish` waits for the upload under way and raises its error."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._failed: Optional[BaseException] = None
+        self._label = ""
 
     def save(self, path: Location, state: dict[str, Any], *, keep: int = KEEP,
              retry_seconds: float = RETRY_SECONDS, wait: bool = True, label: str = "") -> None:
-        """Save ``state`` as `write` does; at a URL with ``wait`` False, return once it is serialised.
+        """Save ``state`` as `write` does; at a URL with ``wait`` False, return once it is serialised. The
+        upload before it is waited for first; its error is raised after this save is made (or under way).
 
         Raises:
             OutputError: This save or the upload before it failed (DiskFullError: a full disk or TMPDIR).
         """
-        self.finish()
-        if not isinstance(path, str) or wait:
-            write(path, state, keep, retry_seconds)
-            return
-        spool = Spool(state)
-        self._thread = threading.Thread(target=self._upload, args=(path, spool, keep, retry_seconds, label),
-                                        name="fastdata-checkpoint-upload", daemon=True)
-        self._thread.start()
+        before = self._wait()
+        try:
+            if not isinstance(path, str) or wait:
+                write(path, state, keep, retry_seconds)
+            else:
+                spool = Spool(state)
+                self._label = label
+                self._thread = threading.Thread(target=self._upload, args=(path, spool, keep, retry_seconds),
+                                                name="fastdata-checkpoint-upload", daemon=True)
+                self._thread.start()
+        finally:
+            if before is not None:
+                raise before
 
-    def _upload(self, url: str, spool: Spool, keep: int, retry_seconds: float, label: str) -> None:
+    def _upload(self, url: str, spool: Spool, keep: int, retry_seconds: float) -> None:
+        label = self._label
         try:
             _upload(url, spool, keep, retry_seconds, f"the checkpoint{' of ' + label if label else ''} was not saved")
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread by `finish`
@@ -274,18 +286,25 @@ class Saves:
         finally:
             spool.close()
 
-    @property
-    def busy(self) -> bool:
-        """Whether an upload is under way."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def finish(self) -> None:
-        """Wait for the upload under way, if any; raise its error."""
+    def _wait(self) -> Optional[BaseException]:
+        """Wait for the upload under way, if any (interruptible: Ctrl-C); its error."""
         if self._thread is not None:
-            self._thread.join()
+            while self._thread.is_alive():
+                self._thread.join(0.5)
             self._thread = None
         failed, self._failed = self._failed, None
-        if failed is not None:
+        return failed
+
+    def finish(self, quiet: bool = False) -> None:
+        """Wait for the upload under way, if any; raise its error (``quiet``: log it instead, for a run that
+        stops on an error of its own, which it must not hide)."""
+        if quiet and self._thread is not None and self._thread.is_alive():
+            log.warning("waiting for the upload of the checkpoint%s (Ctrl-C again to leave it)",
+                        f" of {self._label}" if self._label else "")
+        failed = self._wait()
+        if failed is not None and quiet:
+            log.error("%s", scrub(str(failed)))
+        elif failed is not None:
             raise failed
 
 

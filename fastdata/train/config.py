@@ -7,6 +7,7 @@ option), so the CLI and the Python API behave alike.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -145,6 +146,8 @@ class TrainConfig:
             need(getattr(self, name) >= 0, name, "0 or more")
         need(self.checkpoint_dir is None or str(self.checkpoint_dir).strip() != "", "checkpoint_dir",
              "a folder or a URL, or None for no checkpoints")
+        if self.checkpoint_dir is not None:  # a Path too (saved in each checkpoint as a string: no pickled class)
+            object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
         need(isinstance(self.retry_seconds, (int, float)) and not isinstance(self.retry_seconds, bool)
              and 0 <= self.retry_seconds < float("inf"), "retry_seconds", "a number of seconds >= 0")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")

@@ -7,7 +7,8 @@ the process at once: the handler only records the signal, and the loop stops at 
 where weights, optimizer, scheduler and loader position agree, saves a checkpoint there and returns. A
 signal that arrived mid-step would otherwise be a checkpoint of a half-applied step, or none at all.
 Further signals while stopping are ignored (``kill -9`` still ends the process). Ctrl-C (SIGINT) stops at
-once as it always has: the last checkpoint written is the one ``--resume`` continues from. Handlers are
+once as it always has: the last checkpoint written is the one ``--resume`` continues from (at a URL, once
+the upload under way lands: Ctrl-C again leaves it; NOTE [checkpoint generations] rule 5). Handlers are
 Python's, so they are set only from the main thread, and the previous ones come back when ``fit`` returns.
 
 NOTE [agreed stops]: ranks of a process group must stop after the same step, or the ones that go on wait

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .._io import disk_error, scrub
 from ..distributed import broadcast_bytes, hold_group, init_distributed, release_group
 from ..errors import ConfigError, OutputError
+from ..storage.object_store import is_url
 from . import checkpoint
 from .config import TrainConfig, check_device, lr_lambda, param_groups
 from .meter import Meter, StepProfiler
@@ -222,7 +223,12 @@ class Trainer:
         profiler = StepProfiler(cfg.profile_steps, self.device, traces, self.dist.main,
                                 self._waited) if cfg.profile_steps else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
-            stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+            try:
+                stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+            except BaseException:  # an error, Ctrl-C: the save on its way still lands (rank 0 alone, no collective)
+                if self.dist.main:
+                    self._saves.finish(quiet=True)
+                raise
             self._finish_saves()  # (within: a signal meanwhile is the run's, NOTE [stop signals])
         self.stop_signal = self._stops.signal
         if profiler is not None:
@@ -451,7 +457,8 @@ class Trainer:
     def _config_saved(self) -> dict[str, Any]:
         """The config as a checkpoint records it: a URL's secrets never go into a file."""
         cfg = asdict(self.cfg)
-        cfg["checkpoint_dir"] = scrub(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else cfg["checkpoint_dir"]
+        if is_url(cfg["checkpoint_dir"] or ""):
+            cfg["checkpoint_dir"] = scrub(cfg["checkpoint_dir"])
         return cfg
 
     def load_checkpoint(self) -> bool:
