@@ -273,9 +273,12 @@ class Saves:
                 self._thread = threading.Thread(target=self._upload, args=(path, spool, keep, retry_seconds),
                                                 name="fastdata-checkpoint-upload", daemon=True)
                 self._thread.start()
-        finally:
-            if before is not None:
-                raise before
+        except BaseException:
+            if before is not None:  # (said, not hidden: this save's own error goes on)
+                log.error("%s", scrub(str(before)))
+            raise
+        if before is not None:
+            raise before
 
     def _upload(self, url: str, spool: Spool, keep: int, retry_seconds: float) -> None:
         label = self._label
