@@ -116,18 +116,9 @@ def test_checkpoint_uploads_to_a_url_go_on_while_training_does(s3, proxy, small_
     """NOTE [checkpoint generations] rule 5: while the save of step 2 is held mid-upload, training goes on to
     the next save, which waits for it; fit() returns once the last upload is in the store."""
     import io
-    import threading
 
-    url = s3("uploads") + "/run"
-    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
-    t = Trainer(create_model("cnn-small", num_classes=3), loader, config=TrainConfig(
-        max_steps=6, checkpoint_every=2, checkpoint_dir=url, progress=False, device="cpu"))
-    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")  # the first upload is held
-    raised = []
-    run = threading.Thread(target=_catch, args=(t.fit, raised))
-    run.start()
+    t, run, raised = _fit_with_its_first_upload_held(s3("uploads") + "/run", proxy, small_images)
     try:
-        assert proxy.stalled.wait(60)
         deadline = time.monotonic() + 60
         while t.step < 4 and time.monotonic() < deadline and run.is_alive():
             time.sleep(0.01)
@@ -152,7 +143,6 @@ def test_a_run_that_fails_still_lands_the_checkpoint_on_its_way(s3, proxy, small
     """An error (or Ctrl-C) while the save of step 2 uploads: fit() waits for the upload before it raises, so
     the store holds what the run saved, as a folder would (the upload thread would die with the process)."""
     import io
-    import threading
 
     calls = []
 
@@ -161,16 +151,8 @@ def test_a_run_that_fails_still_lands_the_checkpoint_on_its_way(s3, proxy, small
         if len(calls) == 3:
             raise RuntimeError("a NaN check, say")
         return torch.nn.functional.cross_entropy(out, y)
-    url = s3("fails") + "/run"
-    loader = CUDAPrefetcher(FastLoader(FastDataset(small_images), 8), device="cpu")
-    t = Trainer(create_model("cnn-small", num_classes=3), loader, loss_fn=loss, config=TrainConfig(
-        max_steps=6, checkpoint_every=2, checkpoint_dir=url, progress=False, device="cpu"))
-    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")
-    raised = []
-    run = threading.Thread(target=_catch, args=(t.fit, raised))
-    run.start()
+    t, run, raised = _fit_with_its_first_upload_held(s3("fails") + "/run", proxy, small_images, loss)
     try:
-        assert proxy.stalled.wait(60)
         deadline = time.monotonic() + 60
         while len(calls) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -194,6 +176,25 @@ def test_a_checkpoint_folder_given_as_a_path_saves_and_resumes(small_images, tmp
         max_steps=3, checkpoint_dir=tmp_path / "ck", resume=True, progress=False, device="cpu"))
     resumed.fit()
     assert resumed.step == 3 and load_ckpt(tmp_path / "ck")["config"]["checkpoint_dir"] == str(tmp_path / "ck")
+
+
+def _fit_with_its_first_upload_held(url: str, proxy, data: Path, loss_fn=None):
+    """A Trainer saving every 2 of 6 steps to ``url``, fitting on a thread of its own, once the upload of its
+    first save is held at the fault proxy; ``(trainer, thread, what fit raised)``."""
+    import threading
+
+    loader = CUDAPrefetcher(FastLoader(FastDataset(data), 8), device="cpu")
+    t = Trainer(create_model("cnn-small", num_classes=3), loader, loss_fn=loss_fn, config=TrainConfig(
+        max_steps=6, checkpoint_every=2, checkpoint_dir=url, progress=False, device="cpu"))
+    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")
+    raised: list = []
+    run = threading.Thread(target=_catch, args=(t.fit, raised))
+    run.start()
+    if not proxy.stalled.wait(60):
+        proxy.unstall.set()
+        run.join(60)
+        raise AssertionError(f"no upload was held: {raised}")
+    return t, run, raised
 
 
 def _catch(fn, raised: list) -> None:
