@@ -100,10 +100,11 @@ def _at_url(path: str, retry_seconds: float) -> tuple[StoreFolder, str]:
 def prepare_folder(folder: Union[str, Path], retry_seconds: float = RETRY_SECONDS) -> None:
     """Make the checkpoint folder now (at a URL: put and delete a probe object): a path that cannot hold
     checkpoints fails before training, not at the first save an epoch (or hours) later."""
-    if isinstance(location(folder), str):
-        _at_url(str(location(folder)), retry_seconds)[0].check_writable()
+    path = location(folder)
+    if isinstance(path, str):
+        _at_url(path, retry_seconds)[0].check_writable()
         return
-    folder = location(folder).parent
+    folder = path.parent
     make_folder(folder, "checkpoint folder", f"checkpoint folder {folder} is a file: give --checkpoint a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in checkpoint folder {folder}: give --checkpoint a writable folder")
@@ -223,8 +224,8 @@ class Spool:
 def _upload(url: str, spool: Spool, keep: int, retry_seconds: float, what: str) -> None:
     """``spool`` put at ``url`` as its newest generation; an OutputError that starts with ``what`` when the
     store fails (NOTE [checkpoint generations] rule 4)."""
-    store, _ = _at_url(url, retry_seconds)
-    names = [g.rsplit("/", 1)[1] for g in generations(url, keep)]
+    store, name = _at_url(url, retry_seconds)
+    names = _names(name, keep)
     upload = f"{names[0]}{UPLOADING}"
     try:
         store.put(spool.path, upload)
