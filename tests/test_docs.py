@@ -1,5 +1,6 @@
 """The docs: the site builds with ``mkdocs build --strict`` (a broken link, anchor or reference fails it), the
-API page lists every public name where it lives, and the README stays a short front page whose links resolve."""
+API page lists every public name where it lives, and the README stays a short front page whose links resolve
+and whose table gives the figures of the RESULTS rows it cites."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.docs
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:x(?![\d])|%)")  # 1.19x, 0.8%; not the 224x of 224x224
+ROW = re.compile(r'<a id="([^"]+)"></a>')
 
 
 def needs_mkdocs() -> None:
@@ -110,6 +113,35 @@ def test_the_readme_is_a_short_front_page_whose_links_resolve():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail into docs/ (at most 200)"
     broken = broken_links(readme, ROOT)
     assert not broken, "README.md links that lead nowhere:\n" + "\n".join(broken)
+
+
+def figures_not_in_their_rows(readme: Path, results: Path) -> list[str]:
+    """Ratios and percentages of ``readme``'s table lines that the RESULTS row the line cites does not give."""
+    rows = {m.group(1): line for line in results.read_text().splitlines() if (m := ROW.search(line))}
+    stale = []
+    for line in readme.read_text().splitlines():
+        cited = re.findall(r"RESULTS\.md#([\w-]+)", line)
+        if not line.startswith("|") or len(cited) != 1:
+            continue
+        row = rows.get(cited[0], "")
+        stale += [f"{figure} ({cited[0]})" for figure in FIGURE.findall(line.rpartition("[")[0]) if figure not in row]
+    return stale
+
+
+def test_the_readme_figures_are_the_figures_of_the_rows_they_cite():
+    stale = figures_not_in_their_rows(ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md")
+    assert not stale, "README.md figures its RESULTS.md row does not give (copy today's figures):\n" + "\n".join(stale)
+
+
+def test_the_figure_check_finds_a_figure_its_row_does_not_give(tmp_path):
+    (tmp_path / "RESULTS.md").write_text('| <a id="loader"></a>loader | **1.30x** / 1.29x at 224x224, 0.8% |\n')
+    readme = tmp_path / "README.md"
+    readme.write_text("| loader, 224x224 | 1.29x-1.30x, 0.8% | [loader](RESULTS.md#loader) |\n"
+                      "| loader | 1.3x, 0.9% | [loader](RESULTS.md#loader) |\n"
+                      "| gone | 2.0x | [gone](RESULTS.md#gone) |\n"
+                      "prose may round: 1.3x ([loader](RESULTS.md#loader))\n")
+    assert figures_not_in_their_rows(readme, tmp_path / "RESULTS.md") == ["1.3x (loader)", "0.9% (loader)",
+                                                                          "2.0x (gone)"]
 
 
 def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
