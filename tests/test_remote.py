@@ -578,6 +578,80 @@ def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cac
             assert 0 < report[0]["ahead"] + report[1]["downloads"] < 7, report
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_labels_that_come_with_streamed_shards_are_held_while_their_shard_is_open(s3, proxy, indexed_datasets,
+                                                                               tmp_path, monkeypatch, threads):
+    """A labels.npy too big to read at opening (past 8M samples): each shard's labels come with it and, with a
+    cache_limit, are held only while the shard is open in this process (memory in proportion to the cache,
+    not to the dataset: 10^9 samples were 8 GB of labels a rank). Every batch's labels are still right."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.loading.loader import FastLoader
+    from fastdata.storage import streamed
+    from fastdata.storage.push import push
+
+    monkeypatch.setattr(streamed, "ALL_LABELS_AT_OPEN", 0)
+    url = s3("held" + str(threads)) + "/ds"
+    push(indexed_datasets["npy"], url)
+    group = sum((indexed_datasets["npy"] / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
+    local = FastDataset(indexed_datasets["npy"])
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=4 * group)  # 4 of the 7 shards fit
+    store = ds._label_store
+    assert store.held == {} and "array" not in store.__dict__ and not list(ds.root.glob("*.npy"))
+    most = 0
+    for epoch in range(2):
+        want = FastLoader(local, 8, seed=6, shuffle_window=2, num_threads=threads)
+        got = FastLoader(ds, 8, seed=6, shuffle_window=2, num_threads=threads)
+        want.set_epoch(epoch), got.set_epoch(epoch)
+        batches = []
+        for x, y in got:
+            batches.append((x.numpy().copy(), y.numpy().copy()))
+            with ds._cache._cond:  # (shards open and close under the cache's lock)
+                held, opened = set(store.held), set(np.flatnonzero(ds._cache._is_open).tolist())
+            assert held == opened, (held, opened)
+            most = max(most, len(held))
+        assert _same(batches, _epoch(want))
+        assert np.array_equal(ds.get_batch([99, 0, 50])[1], local.get_batch([99, 0, 50])[1])
+    assert 0 < most <= 4 and "array" not in store.__dict__
+    assert np.array_equal(ds.targets, local.targets)  # asked for: one array of every label, from then on
+    assert store.held == {} and np.array_equal(ds.get_batch([3, 97])[1], local.get_batch([3, 97])[1])
+
+
+def test_labels_held_with_their_shards_cost_the_shards_open_at_10_9_samples(tmp_path):
+    """By arithmetic and allocation: 10^9 samples in 10^6 shards of 1,000, streamed with a cache_limit. The
+    labels of 100 open shards cost their 800 kB and the shards' first samples (8 MB), not the 8 GB an array
+    of every label was; a shard let go of takes its labels with it."""
+    import tracemalloc
+
+    from fastdata.formats.base import npy_bytes
+    from fastdata.formats.manifest import IMAGES_NPY, ShardIndex
+    from fastdata.formats.rows import compact_rows
+    from fastdata.storage.streamed import Labels
+
+    shards, per = 10 ** 6, 1000
+    manifest = {"format": IMAGES_NPY, "num_samples": shards * per,
+                "shards": compact_rows([{"images": f"images-{k:07d}.npy", "labels": f"labels-{k:07d}.npy",
+                                         "samples": per} for k in range(shards)])}
+    open_now = list(range(0, shards, shards // 100))
+    for k in open_now:
+        (tmp_path / f"labels-{k:07d}.npy").write_bytes(npy_bytes(np.arange(k, k + per, dtype=np.int64) % 997))
+    tracemalloc.start()
+    try:
+        labels = Labels(tmp_path, manifest, has_labels=True, streams=True, at_open=False, held=True)
+        for k in open_now:
+            labels.arrived(k)
+        traced = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert traced < 8 * (shards + 1) + len(open_now) * per * 8 + (2 << 20), traced  # (8.8 MB and change)
+    where = ShardIndex(np.arange(shards + 1, dtype=np.int64) * per)
+    idx = np.array([k * per + 999 for k in open_now[::-1]] + [open_now[3] * per + 5])
+    want = np.array([(k + 999) % 997 for k in open_now[::-1]] + [(open_now[3] + 5) % 997])
+    assert np.array_equal(labels.take(idx, where), want)
+    for k in open_now[1:]:
+        labels.left(k)
+    assert list(labels.held) == [0]
+
+
 def test_a_plan_learnt_in_chunks_knows_every_shards_next_use_and_run():
     """The cache's plan learns the reads a chunk of batches at a time (issue 19: a plan over 10^9 samples
     is never made whole); it must answer exactly as one learnt at once, and say "beyond the horizon", not
@@ -676,18 +750,24 @@ def test_fastdata_train_streams_a_url_with_a_shuffle_window_through_a_bounded_ca
     assert "cache_dir and cache_limit apply to URLs" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
-def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, proxy, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["npy", "lmdb", "npy-labels-with-shards"])
+def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, proxy, tmp_path, fmt, monkeypatch):
     """Masks, boxes (variable length), labels and images (npy rows or an LMDB store of JPEGs) of a shard arrive,
     are pinned and are evicted together: the same dict batches as the local copy, through a cache that holds 3
-    of the 5 shards."""
+    of the 5 shards. "labels-with-shards": labels.npy too big to read at opening (as past 8M samples), so
+    each shard's labels file comes with it."""
     import torch
     from test_fields import make_scenes
 
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
     from fastdata.preprocess.images import ImagePreprocessConfig, preprocess_images
+    from fastdata.storage import streamed
     from fastdata.storage.push import push
+
+    fmt, with_shards = fmt.split("-")[0], fmt.endswith("with-shards")
+    if with_shards:
+        monkeypatch.setattr(streamed, "ALL_LABELS_AT_OPEN", 0)
 
     records = make_scenes(tmp_path / "src", 18, sizes=((64, 48), (40, 64)), jpeg_big=False)
     with open(tmp_path / "src" / "recs.jsonl", "w") as f:
@@ -720,9 +800,15 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     report = _downloads(ds, proxy)
     assert report[0]["downloads"] == 5 and report[0]["repeats"] == 0, report  # a shard's files: one download
     assert proxy.faults == {"corrupt": 1, "503": 2} and not list(ds.root.rglob("*.part-*"))
-    assert sum(v for k, v in proxy.gets.items() if "/labels-" in k) == 0  # every label came in labels.npy
-    assert sum(v for k, v in proxy.gets.items() if k.endswith("/labels.npy")) == 1  # at opening
-    for name in ("images", "field.mask", "field.boxes", "field.box_labels"):  # each fetched with its shard
+    with_its_shard = ("images", "field.mask", "field.boxes", "field.box_labels")
+    if with_shards:  # no labels.npy; labels held with their shard, never one array of every label
+        assert sum(v for k, v in proxy.gets.items() if k.endswith("/labels.npy")) == 0
+        assert "array" not in ds._label_store.__dict__ and ds._label_store.held == {}  # (all closed)
+        with_its_shard += ("labels",)
+    else:
+        assert sum(v for k, v in proxy.gets.items() if "/labels-" in k) == 0  # every label came in labels.npy
+        assert sum(v for k, v in proxy.gets.items() if k.endswith("/labels.npy")) == 1  # at opening
+    for name in with_its_shard:  # each fetched with its shard
         retried = name == "field.mask"  # (the corrupted body was answered, then fetched again)
         assert sum(v for k, v in proxy.gets.items() if f"/{name}-" in k) == sum(
             r["downloads"] + r["ahead"] for r in report) + retried, (name, sorted(proxy.gets.items()))

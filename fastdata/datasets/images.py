@@ -146,7 +146,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         # the image shards are checked (and hashed: ram/cuda while loading, one read) by open_images
         check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify)
         self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
-                                   at_open=self._labels_at_open, mapped=self._remote is None)
+                                   at_open=self._labels_at_open, mapped=self._remote is None,
+                                   held=self._opened.limit is not None)
         self._open(self._verify)
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
@@ -222,11 +223,6 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     # -- opening (storage/images.py) -----------------------------------------------------------------
     @property
-    def _labels(self) -> np.ndarray:
-        """Every sample's label (filled in as streamed shards arrive: `Labels`)."""
-        return self._label_store.array
-
-    @property
     def has_labels(self) -> bool:
         """False for a dataset with fields but no class label (segmentation, detection, captions)."""
         return self.fields is None or any(f.kind == "label" for f in self.fields)
@@ -297,17 +293,25 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)
             return x, self._dev_labels[idx_t]
         idx = self._indices(indices)
-        x = self._host_images(idx, batch_rows(out, len(idx), torch.uint8, self.sample_shape) if out is not None
-                              else None, draw)
-        return x, torch.from_numpy(self._labels[idx])
+        buf = batch_rows(out, len(idx), torch.uint8, self.sample_shape) if out is not None else None
+        with self._pinned(idx) as maps:  # (a streamed shard's labels are held while it is open)
+            return self._host_images(idx, buf, draw, maps=maps), torch.from_numpy(self._label_store.take(idx,
+                                                                                                        self._where))
+
+    def _pinned(self, idx: np.ndarray) -> contextlib.AbstractContextManager[Optional[np.ndarray]]:
+        """Streamed: the shards of ``idx`` fetched (or waited for) and pinned while the block reads them (the
+        opened shards, indexed by shard); else nothing to hold (None)."""
+        if self._cache is None:
+            return contextlib.nullcontext(None)
+        return self._cache.reading(np.unique(self._where.shard_of(idx)))
 
     def _host_images(self, idx: np.ndarray, buf: Optional[torch.Tensor],
                      draw: Optional[tuple[int, int, int, int]] = None, maps: Optional[Any] = None) -> torch.Tensor:
         """The images of ``idx`` gathered (or decoded) on the host into ``buf`` (a new tensor when None);
-        ``maps``: a streamed batch's shards, pinned by the caller."""
+        ``maps``: a streamed batch's shards, pinned by the caller (`_pinned`)."""
         x = buf if buf is not None else torch.empty((len(idx), *self.sample_shape), dtype=torch.uint8)
         if self._reader is not None:
-            self._decode_into(idx, x, draw, pinned=maps is not None)
+            self._decode_into(idx, x, draw)
         elif self._flat is not None:
             np.take(self._flat, idx, axis=0, out=x.numpy(), mode="clip")
         else:
@@ -329,9 +333,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             image_buf = out("image", (b, *self.sample_shape), torch.uint8) if out is not None else None
         batch: dict[str, torch.Tensor] = {}
         idx_t = None
-        pinned = contextlib.nullcontext(None) if self._cache is None else self._cache.reading(
-            np.unique(self._where.shard_of(idx)))
-        with pinned as maps:  # streamed: the batch's shards (every field's files) pinned while it is read
+        with self._pinned(idx) as maps:  # streamed: the batch's shards (every field's files) pinned while read
             if self._dev is not None:  # storage="cuda": gathered on the device
                 idx_t = torch.from_numpy(idx).to(self.device)
                 batch["image"] = torch.index_select(self._dev, 0, idx_t)
@@ -341,7 +343,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                 batch["image"] = self._host_images(idx, image_buf, maps=maps)
                 if self.has_labels:
                     y = alloc("label", (b,), torch.int64) if alloc is not None else torch.empty(b, dtype=torch.int64)
-                    np.take(self._labels, idx, out=y.numpy(), mode="clip")
+                    self._label_store.take(idx, self._where, out=y.numpy())
                     batch["label"] = y
             assert self._store is not None
             batch.update(self._store.gather(idx, alloc, idx_t))
@@ -356,12 +358,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
     def _gather_shards(self, idx: np.ndarray, dst: np.ndarray, maps: Optional[Any] = None) -> None:
         if len(idx) == 0:
             return
-        shard, rows = self._where.locate(idx)
-        if self._cache is None or maps is not None:
-            take_rows(self._shards if maps is None or len(self._shards) else maps, shard, rows, dst)
-        else:  # streamed: this batch's shards fetched (or waited for) and pinned while read
-            with self._cache.reading(np.unique(shard)) as maps:  # (bounded maps beside the cache: its own)
-                take_rows(self._shards if len(self._shards) else maps, shard, rows, dst)
+        shard, rows = self._where.locate(idx)  # (streamed: the cache's maps, or bounded maps beside it)
+        take_rows(self._shards if maps is None or len(self._shards) else maps, shard, rows, dst)
 
     def plan_reads(self, batches: Iterable[np.ndarray], now: Optional[int] = None) -> Optional[object]:
         """Tell a streamed dataset the coming batches (an iterator of index arrays, in order; after the first
@@ -372,16 +370,12 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         where = self._where
         return self._cache.plan((where.shard_of(np.asarray(b, dtype=np.int64)) for b in batches), now)
 
-    def _decode_into(self, idx: np.ndarray, x: torch.Tensor, draw: Optional[tuple[int, int, int, int]],
-                     pinned: bool = False) -> None:
+    def _decode_into(self, idx: np.ndarray, x: torch.Tensor, draw: Optional[tuple[int, int, int, int]]) -> None:
         # JPEG decoding is per image by nature; libjpeg-turbo (and Pillow, its fallback) release the GIL, so
-        # loader threads decode in parallel, each straight into its row of the batch. ``pinned``: the caller
-        # holds the batch's streamed stores already (a batch with fields).
+        # loader threads decode in parallel, each straight into its row of the batch. Streamed: the caller
+        # holds the batch's stores (`_pinned`).
         assert self._reader is not None
-        # streamed: the batch's stores fetched (or waited for) and pinned while read
-        stores = (contextlib.nullcontext() if self._cache is None or pinned else
-                  self._cache.reading(np.unique(self._where.shard_of(idx))))
-        with stores, self._reader.views(idx) as blobs:  # decoded from the page cache, no copy
+        with self._reader.views(idx) as blobs:  # decoded from the page cache, no copy
             self._decode_views(idx, blobs, x, draw)
 
     def _decode_views(self, idx: np.ndarray, blobs: list[memoryview], x: torch.Tensor,

@@ -17,7 +17,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threa
                    write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
-from .rows import canonical_pieces, column, compact_rows, has_columns, is_rows, suspect_paths
+from .rows import canonical_pieces, column, compact_rows, has_columns, int_column, is_rows, suspect_paths
 from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
@@ -224,7 +224,7 @@ def shard_starts(manifest: dict[str, Any]) -> np.ndarray:
     if shards is None:
         return np.array([0, int(manifest["num_samples"])], dtype=np.int64)
     starts = np.zeros(len(shards) + 1, dtype=np.int64)
-    np.cumsum(column(shards, "samples"), out=starts[1:])
+    np.cumsum(int_column(shards, "samples"), out=starts[1:])  # (no list of a million ints)
     return starts
 
 

@@ -88,8 +88,8 @@ def open_images(opened: OpenedPath, fields: Optional[list[Field]], storage: str,
 def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]], storage: str, labels: Labels,
             labels_at_open: bool, images: Optional[ShardSet], verify: bool) -> None:
     """Shards fetched from object storage as batches need them (NOTE [shard cache]), each with its group's
-    files: checked, labels filled in (unless all came at opening), fields opened, then its images mapped
-    (npy) or its LMDB store handed to the reader (``images`` None)."""
+    files: checked, labels read in (unless all came at opening), fields opened, then its images mapped
+    (npy) or its LMDB store handed to the reader (``images`` None); all let go of when the shard closes."""
     root, manifest = opened.root, opened.manifest
     groups = shard_groups(manifest, labels_at_open)
     maps_a_shard = (images is not None) + sum(f.kind not in ("image", "label") for f in fields or [])
@@ -112,6 +112,7 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
         return map_npy(root, images.files[s][0], (images.files[s][1], *images.row_shape), images.dtype)
 
     def closer(s: int, path: Path) -> None:
+        labels.left(s)
         if images is None:
             out.reader.release(path)  # type: ignore[union-attr]
         elif out.maps:

@@ -10,10 +10,10 @@ import numpy as np
 
 from .._io import safe_join
 from ..errors import FormatError
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, shard_starts
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex, shard_starts
 from ..formats.rows import column, lookup, present
 from ..formats.schema import fields_of
-from .shards import load_npy
+from .shards import load_npy, take_rows
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
 
@@ -83,21 +83,33 @@ def streamed_files(manifest: dict[str, Any], storage: str) -> frozenset[str]:
 class Labels:
     """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
     when the dataset opens (the one file holding every label, memory-mapped when ``mapped``; a streamed
-    dataset's ``all_labels`` when small enough: `labels_at_open`), or else filled in shard by shard as a
-    streamed dataset's shards arrive (`fill`), ``filled`` saying which are in."""
+    dataset's ``all_labels`` when small enough: `labels_at_open`), or else taken from each streamed shard's
+    labels file, which arrives with the shard (`arrived`):
+
+    - ``held``: (a node cache with a limit) the labels of the shards open in this process, let go of with
+      them (`left`): memory in proportion to the cache, not to the dataset (10^9 samples would be 8 GB a
+      rank as one array);
+    - else filled into ``array`` shard by shard, ``filled`` saying which are in (without a limit every
+      shard stays open, on the node's disk, once it has arrived).
+
+    `take` gives a batch's labels either way; `complete` every label (fetched without their images)."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
-                 at_open: bool, mapped: bool = False) -> None:
+                 at_open: bool, mapped: bool = False, held: bool = False) -> None:
         self.root, self.manifest, self.has_labels = root, manifest, has_labels
         n = int(manifest["num_samples"])
         self.filled: Optional[np.ndarray] = None  # per shard, while labels arrive with streamed shards
+        self.held: Optional[dict[int, np.ndarray]] = None  # an open shard's labels, by shard
         if not has_labels:
             self.array = np.zeros(0, dtype=np.int64)
             return
         if streams and not at_open:
-            self.filled = np.zeros(len(manifest["shards"]), dtype=bool)
             self.starts = shard_starts(manifest)
-            self.array = np.zeros(n, dtype=np.int64)
+            if held:
+                self.held = {}
+            else:
+                self.filled = np.zeros(len(manifest["shards"]), dtype=bool)
+                self.array = np.zeros(n, dtype=np.int64)
             return
         one = manifest.get("labels" if manifest["format"] == IMAGES_LMDB else "all_labels")
         # Every label in one file: ``mapped`` (a local folder's), shared by the processes of a node, where a
@@ -131,24 +143,58 @@ class Labels:
         state = dict(self.__dict__)
         if state.get("_mapped") is not None:
             state.pop("array", None)
+        if state.get("held") is not None:  # (the receiving process holds the shards it opens)
+            state["held"] = {}
         return state
 
     def arrived(self, s: int) -> None:
-        """Streamed shard ``s`` is in the cache: its labels, which came with it, are filled in."""
-        if self.filled is not None and "labels" in self.manifest["shards"][s]:
-            self.fill(s, safe_join(self.root, self.manifest["shards"][s]["labels"]))
+        """Streamed shard ``s`` is open in this process: its labels, which came with it, are read in."""
+        if self.held is None and self.filled is None or "labels" not in self.manifest["shards"][s]:
+            return
+        path = safe_join(self.root, self.manifest["shards"][s]["labels"])
+        if self.held is not None and "array" not in self.__dict__:
+            self.held[s] = self._read(s, path)
+        elif self.filled is not None:
+            self.fill(s, path)
+
+    def left(self, s: int) -> None:
+        """Streamed shard ``s`` is closed in this process (it may be evicted): its held labels go with it."""
+        if self.held is not None:
+            self.held.pop(s, None)
+
+    def take(self, idx: np.ndarray, where: ShardIndex, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The labels of samples ``idx`` (into ``out`` when given); held labels only while the caller holds
+        the batch's shards open (pinned)."""
+        out = np.empty(len(idx), dtype=np.int64) if out is None else out
+        if self.held is None or "array" in self.__dict__:
+            return np.take(self.array, idx, out=out, mode="clip")
+        shard, rows = where.locate(idx)
+        take_rows(self.held, shard, rows, out)
+        return out
 
     def fill(self, s: int, path: Path) -> None:
         """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array`` (only while
-        labels arrive with streamed shards: ``filled`` is set)."""
+        labels arrive with streamed shards and are not held: ``filled`` is set)."""
         assert self.filled is not None
-        n, first = int(self.manifest["shards"][s]["samples"]), int(self.starts[s])
-        self.array[first:first + n] = _checked(load_npy(path), n, path)
+        first = int(self.starts[s])
+        labels = self._read(s, path)
+        self.array[first:first + len(labels)] = labels
         self.filled[s] = True
+
+    def _read(self, s: int, path: Path) -> np.ndarray:
+        labels = _checked(load_npy(path), int(self.manifest["shards"][s]["samples"]), path)
+        labels.setflags(write=False)
+        return labels
 
     def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:
         """Every label, read-only: the shards' labels files not in yet fetched first (``fetch(name)`` gives a
-        file's local path), without their images."""
+        file's local path), without their images. Held labels become one array here (what was asked for)."""
+        if self.held is not None and "array" not in self.__dict__:
+            shards = self.manifest["shards"]
+            parts = [self.held[s] if s in self.held else self._read(s, fetch(shards[s]["labels"]))
+                     for s in range(len(shards))]
+            self.array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            self.held = {}
         if self.filled is not None:
             for s in np.flatnonzero(~self.filled).tolist():
                 self.fill(s, fetch(self.manifest["shards"][s]["labels"]))
