@@ -57,15 +57,28 @@ def scrub(text: str) -> str:
 # evict a shard it no longer reads, and a download copied mid-flight would never let its waiters go. Every
 # forked child points the descriptors in LOCKS_HELD at /dev/null: the locks stay with the process that took
 # them, and the numbers stay valid, so whatever owns one closes it as usual (never another file that took
-# its number).
+# its number). The files in FILES_HELD (a checkpoint's nameless spool while it uploads: train/checkpoint.py)
+# are let go of the same way, every descriptor of them (the upload reads one through descriptors of its own):
+# a child would keep their disk in use until it exits.
 LOCKS_HELD: set[int] = set()
+FILES_HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino)
 
 
 def _let_go_in_child() -> None:
-    if not LOCKS_HELD:
+    fds = set(LOCKS_HELD)
+    if FILES_HELD:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                info = os.fstat(int(name))
+            except OSError:  # (the listing's own descriptor, closed by now)
+                continue
+            if (info.st_dev, info.st_ino) in FILES_HELD:
+                fds.add(int(name))
+        FILES_HELD.clear()
+    if not fds:
         return
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-    for fd in list(LOCKS_HELD):
+    for fd in fds:
         try:
             os.dup2(null, fd, inheritable=False)
         except OSError:  # closed meanwhile by a thread that did not survive the fork: nothing to let go

@@ -510,6 +510,58 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
 
 
 
+class _SpoolsHeld(torch.utils.data.Dataset):
+    """Each sample: how many descriptors of the worker process point into ``folder`` (a spool's)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return _spools(self.folder)
+
+
+def _spools(folder: str) -> int:
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith(folder + "/")
+        except OSError:  # (the listing's own descriptor, closed by now)
+            pass
+    return held
+
+
+def test_dataloader_workers_forked_while_a_save_uploads_hold_none_of_its_disk(s3, proxy, tmp_path, monkeypatch):
+    """A torch DataLoader's workers start (forked) while the Trainer's save uploads on its thread, as at an
+    epoch's start after an epoch-end save: they let go of the save's nameless spool, whose disk would stay in
+    use until they exit (an epoch; for ever with persistent workers) after the upload had closed it."""
+    import io
+    import tempfile
+
+    from fastdata.train import checkpoint
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    path = checkpoint.location(s3("forked") + "/run")
+    proxy.inject("stall", r"/run/checkpoint\.pt\.uploading$")
+    saves = checkpoint.Saves()
+    try:
+        saves.save(path, {"i": 1, "w": torch.ones(1_000_000)}, wait=False)
+        assert proxy.stalled.wait(60)
+        assert _spools(str(tmp)) >= 1  # the uploading process holds it (and reads it through another)
+        loader = torch.utils.data.DataLoader(_SpoolsHeld(str(tmp)), batch_size=None, num_workers=2,
+                                             multiprocessing_context="fork")
+        assert [int(held) for held in loader] == [0, 0, 0, 0]
+    finally:
+        proxy.unstall.set()
+    saves.finish()
+    assert _spools(str(tmp)) == 0 and list(tmp.iterdir()) == []
+    assert torch.load(io.BytesIO(checkpoint.newest(path)[1]), weights_only=True)["i"] == 1
+
+
 def test_a_save_to_a_url_killed_mid_upload_leaves_the_last_save_and_nothing_in_tmpdir(s3, proxy, tmp_path):
     """A preempted job's grace runs out while its checkpoint uploads (kill -9 with the PUT's body half sent):
     checkpoint.pt is still the last save, whole, and the spooled state left nothing in the temporary folder."""

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .._io import disk_error, fsync_dir, make_folder, scrub
+from .._io import FILES_HELD, disk_error, fsync_dir, make_folder, scrub
 from ..distributed import broadcast_bytes
 from ..errors import ConfigError, FormatError, OutputError
 from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
@@ -192,6 +192,7 @@ class Spool:
 
     def __init__(self, state: dict[str, Any]) -> None:
         self.file: Any = None
+        self._id: Optional[tuple[int, int]] = None
         self.path, self._named = Path(tempfile.gettempdir()) / "fastdata-checkpoint", False
         try:
             self.file = tempfile.TemporaryFile(prefix="fastdata-checkpoint-")
@@ -201,6 +202,9 @@ class Spool:
                 name = f"fastdata-checkpoint-{os.getpid()}-{secrets.token_hex(4)}.pt"
                 self.path = Path(tempfile.gettempdir()) / name
                 self.file, self._named = open(self.path, "xb"), True
+            info = os.fstat(self.file.fileno())
+            self._id = (info.st_dev, info.st_ino)
+            FILES_HELD.add(self._id)  # (children forked meanwhile hold none of its disk: NOTE [locks across fork])
             torch.save(state, self.file)
             self.file.flush()
             self.size = os.fstat(self.file.fileno()).st_size
@@ -214,6 +218,7 @@ class Spool:
                              "checkpoints in the store are as they were") from exc
 
     def close(self) -> None:
+        FILES_HELD.discard(self._id)
         with contextlib.suppress(OSError, AttributeError):  # (None: never opened)
             self.file.close()
         if self._named:
