@@ -7,7 +7,8 @@ every process of the job.
 The folders hold real shards in the formats' own layouts (hard links of a few real files, so that 10^6
 shards take seconds and no disk); each open runs in a fresh process, fastdata and torch imported before
 the clock starts. "RSS MB" is the memory the open and a first batch add to the process (what every rank
-keeps), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it, "version s" the
+keeps), "peak MB" the most it held above where it started (what every rank needs at once at a job's
+start), "pickled MB" the dataset as a spawned or forkserver DataLoader worker receives it, "version s" the
 dataset's version (`manifest_sha256`, the digest of its manifest a loader's first ``state_dict`` names).
 
 ``--remote``: the npy dataset streamed from a loopback S3 server (moto, started here; the manifest and the
@@ -50,6 +51,11 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak():  # the most memory the process has held (VmHWM)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 kind, path = sys.argv[1], sys.argv[2]
 before = rss()
 t0 = time.perf_counter()
@@ -67,7 +73,7 @@ if kind == "remote":  # streamed through the node cache with a limit: the first 
             break
     read = time.perf_counter() - first
     print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n,
-                      "shards_per_s": (seen / per - 10) / read}))
+                      "peak_mb": (peak() - before) / 1e6, "shards_per_s": (seen / per - 10) / read}))
     sys.exit(0)
 if kind == "floor":  # what any open that checks its files pays: the manifest parsed, one stat a file
     m = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
@@ -87,7 +93,7 @@ else:
     version = time.perf_counter() - t1
 gc.collect()
 print(json.dumps({"open": opened - t0, "first": first - opened, "rss_mb": (rss() - before) / 1e6, "n": n,
-                  "sent_mb": sent / 1e6, "version": version}))
+                  "peak_mb": (peak() - before) / 1e6, "sent_mb": sent / 1e6, "version": version}))
 """
 
 
@@ -227,7 +233,7 @@ def remote(args: argparse.Namespace, codes: dict[str, Path], tmp: Path) -> None:
     make_npy(root, args.shards, spare)
     size = sum((root / n).stat().st_size for n in ("images-00000.npy", "labels-00000.npy"))
     url = upload_first(root, min(args.shards, args.reads + 4 * args.cache_shards + 64))
-    print(f"{'code':>10} {'open s':>8} {'first batch s':>14} {'read shards/s':>14} {'RSS MB':>8}")
+    print(f"{'code':>10} {'open s':>8} {'first batch s':>14} {'read shards/s':>14} {'RSS MB':>8} {'peak MB':>8}")
     best = {}
     for name, code in codes.items():
         runs = []
@@ -237,12 +243,14 @@ def remote(args: argparse.Namespace, codes: dict[str, Path], tmp: Path) -> None:
                                 str(cache), str(args.seconds)))
             subprocess.run(["rm", "-rf", str(cache)], check=True)
         best[name] = r = min(runs, key=lambda r: r["open"] + r["first"])
-        print(f"{name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['shards_per_s']:>14.0f} {r['rss_mb']:>8.0f}",
+        print(f"{name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['shards_per_s']:>14.0f} {r['rss_mb']:>8.0f} "
+              f"{r['peak_mb']:>8.0f}",
               flush=True)
     for ref in codes:
         if ref != "this":
             old, new = best[ref], best["this"]
-            print(f"this opens {old['open'] / new['open']:.2f}x faster than {ref}, first batch "
+            print(f"this opens {old['open'] / new['open']:.2f}x faster than {ref} with a "
+                  f"{old['peak_mb'] / new['peak_mb']:.2f}x lower peak, first batch "
                   f"{old['first'] / new['first']:.2f}x sooner, reads shards "
                   f"{new['shards_per_s'] / old['shards_per_s']:.2f}x as fast", flush=True)
 
@@ -273,7 +281,8 @@ def main() -> None:
             codes[ref] = older(ref, Path(tempfile.mkdtemp(dir=tmp)))
         if args.remote:
             return remote(args, codes, tmp)
-        print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'pickled MB':>11} "
+        print(f"{'format':>7} {'code':>10} {'open s':>8} {'first batch s':>14} {'RSS MB':>8} {'peak MB':>8} "
+              f"{'pickled MB':>11} "
               f"{'version s':>10} {'floor s':>8} {'open/floor':>11}")
         for kind in args.formats.split(","):
             root, spare = tmp / kind, tmp / f"{kind}-spare"
@@ -287,12 +296,13 @@ def main() -> None:
                 best[name] = min(runs, key=lambda r: r["open"])
                 r = best[name]
                 print(f"{kind:>7} {name:>10} {r['open']:>8.2f} {r['first']:>14.3f} {r['rss_mb']:>8.0f} "
-                      f"{r['sent_mb']:>11.1f} {r['version']:>10.2f} {floor:>8.2f} {r['open'] / floor:>10.1f}x",
+                      f"{r['peak_mb']:>8.0f} {r['sent_mb']:>11.1f} {r['version']:>10.2f} {floor:>8.2f} {r['open'] / floor:>10.1f}x",
                       flush=True)
             for ref in refs:
                 old, new = best[ref], best["this"]
                 print(f"{kind:>7} this opens {old['open'] / new['open']:.2f}x faster than {ref}, in "
-                      f"{old['rss_mb'] / new['rss_mb']:.1f}x less memory, pickled "
+                      f"{old['rss_mb'] / new['rss_mb']:.1f}x less memory ({old['peak_mb'] / new['peak_mb']:.1f}x "
+                      "less at the peak), pickled "
                       f"{old['sent_mb'] / max(new['sent_mb'], 1e-6):.1f}x smaller, its version made "
                       f"{old['version'] / max(new['version'], 1e-6):.1f}x faster", flush=True)
             subprocess.run(["rm", "-rf", str(root), str(spare)], check=True)

@@ -202,6 +202,83 @@ def test_a_manifest_of_many_shards_holds_columns_not_a_dict_a_row(tmp_path):
     assert type(loaded["files"]) is list and json.loads(json.dumps(loaded)) == raw
 
 
+def _same(a, b) -> bool:
+    """Equal, and of the same types throughout (`Rows` where the other has `Rows`, of the same column kinds)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, Rows):
+        return a.keys == b.keys and a.to_list() == b.to_list() and [c[0] for c in a._cols] == [c[0] for c in b._cols]
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("piece", [1, 9, 60, 400, 1 << 23])
+def test_a_manifest_compacted_while_it_is_parsed_is_the_manifest_compacted_whole(monkeypatch, piece):
+    """NOTE [compact manifest] rule 4: the long lists parsed a piece at a time (pieces of ``piece`` characters,
+    down to a row each) give exactly what compacting the parsed JSON gives, for rows whose strings hold a
+    row's end (``}, {``), quotes, escapes and non-ASCII text, nested lists of objects, values no column holds
+    in some pieces only (ints past int64, bools, a non-dict row, a missing key), keys in another order, text
+    and digests in different pieces, any JSON layout; and JSON that json.loads refuses is refused."""
+    from fastdata.formats import rows as rows_mod
+    from fastdata.formats.manifest import compact, parse_manifest
+
+    monkeypatch.setattr(rows_mod, "_PIECE", piece)
+    rng = random.Random(piece)
+    nasty = ['}, {"', "}]", '"}, {', "\\", "\n", "é", "\u2028", "}{", "],[{", 'a"b', "\ud800", "x}\t,\n{y"]
+
+    def text() -> str:
+        r = rng.random()
+        return digest_of(rng.randrange(10 ** 6)) if r < 0.3 else rng.choice(nasty) if r < 0.5 else f"im-{r}.npy"
+
+    values = {"i": lambda: rng.randrange(10 ** 6) if rng.random() > 0.002 else 2 ** 70, "s": text,
+              "h": lambda: digest_of(rng.randrange(10 ** 6)), "n": lambda: [{"x": 1}, {"y": text()}],
+              "b": lambda: rng.random() < 0.5}
+    for trial in range(60):
+        kinds = rng.choice(["sih", "sis", "snh", "sbh", "sih", "sih"])
+        files = [{k: values[v]() for k, v in zip(("path", "bytes", "sha256"), kinds)}
+                 for _ in range(rng.choice([0, 1, 2, 7, 120]))]
+        if files and rng.random() < 0.15:
+            files[rng.randrange(len(files))] = rng.choice([5, {"path": "p", "sha256": digest_of(0), "bytes": 1},
+                                                           {"path": "p", "bytes": 1}])
+        manifest = {"format": rng.choice(["fastdata.tokens", IMAGES_NPY]), "format_version": 2, "files": files,
+                    "shards": [{"images": text(), "samples": rng.randrange(1, 9)} for _ in range(rng.choice([0, 40]))],
+                    "other": {"files": [{"a": 1}]}, "lmdb_shards": "not a list",
+                    "splits": {"train": {"tokens": 3, "shards": [{"path": text(), "tokens": 3}] * rng.randrange(30)},
+                               "val": []}}
+        layout = rng.choice([{}, {"indent": 1}, {"indent": "\t"}, {"separators": (" , ", " :  ")}])
+        raw = json.dumps(manifest, ensure_ascii=rng.random() < 0.5, **layout)
+        assert _same(parse_manifest(raw, columns=True), compact(json.loads(raw))), (trial, kinds)
+    long = parse_manifest(json.dumps({"files": [{"path": f"f{k}", "bytes": k} for k in range(500)]}), columns=True)
+    assert isinstance(long["files"], Rows) and long["files"].ints("bytes").tolist() == list(range(500))
+    for broken in ['{"files": [{"a": 1},]}', '{"files": [{"a": 1}', '{"files": [{"a": 1}]', '{"files": [{"a": 1}]} x',
+                   '{"files" [1]}', "{files: 1}", '{"a": 1,}', "", '{"files": [{"a": "}, {"}, {"b": 2]}',
+                   '{"files": [{"a": 1} {"a": 2}]}']:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(broken)
+        with pytest.raises(json.JSONDecodeError):
+            parse_manifest(broken, columns=True)
+
+
+def test_opening_a_manifest_of_many_shards_never_holds_a_dict_a_row(tmp_path):
+    """The peak of an open, not only what it keeps: parsed whole, the dicts of every row were there at once
+    (1,910 B a shard here, in every rank at once at a job's start); parsed in pieces, 1,001 B."""
+    from fastdata.storage.opening import open_path
+
+    shards = 100_000
+    many_shard_manifest(tmp_path / "ds", shards)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        manifest = open_path(tmp_path / "ds", (IMAGES_NPY,)).manifest
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(manifest["files"], Rows) and peak / shards < 1250, f"{peak / shards:.0f} B a shard"
+
+
 def test_only_the_lists_a_format_defines_are_compacted(tmp_path):
     plain = many_shard_manifest(tmp_path / "ds", 3)
     write_manifest(tmp_path / "ds", {**plain, "splits": "a key of the user's"})  # (not a token dataset's)

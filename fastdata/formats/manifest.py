@@ -17,7 +17,8 @@ from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threa
                    write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
-from .rows import canonical_pieces, column, compact_rows, has_columns, int_column, is_rows, suspect_paths
+from .rows import (ROWS, EachKey, Rows, canonical_pieces, column, compact_rows, has_columns, int_column, is_rows,
+                   loads_with_rows, suspect_paths)
 from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
@@ -85,10 +86,31 @@ def load_manifest(root: Path | str, formats: Optional[tuple[str, ...]] = None) -
 def load_columns(root: Path | str, formats: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
     """`load_manifest` for a reader that keeps the manifest: its long lists held as `Rows` before they are
     checked, so that the checks read whole columns (NOTE [compact manifest])."""
-    return check_manifest(_parsed(Path(root)), root, formats, where=str(Path(root) / MANIFEST_NAME), columns=True)
+    return check_manifest(_parsed(Path(root), True), root, formats, where=str(Path(root) / MANIFEST_NAME),
+                          columns=True)
 
 
-def _parsed(root: Path) -> Any:
+def parse_manifest(text: str, columns: bool = False) -> Any:
+    """A manifest's JSON text parsed; ``columns``: its long lists compacted while they are parsed, as
+    `compact` leaves them (NOTE [compact manifest] rule 4), for a reader that keeps it.
+
+    Raises:
+        json.JSONDecodeError: ``text`` is not JSON.
+    """
+    if not columns:
+        return json.loads(text)
+    manifest = loads_with_rows(text, _LONG_LISTS)
+    splits = manifest.get("splits") if isinstance(manifest, dict) and manifest.get("format") != TOKENS else None
+    for split in splits.values() if isinstance(splits, dict) else ():  # (only a token manifest's: `compact`)
+        if isinstance(split, dict) and isinstance(split.get("shards"), Rows):
+            split["shards"] = split["shards"].to_list()
+    return manifest
+
+
+_LONG_LISTS = {"files": ROWS, "shards": ROWS, "lmdb_shards": ROWS, "splits": EachKey({"shards": ROWS})}
+
+
+def _parsed(root: Path, columns: bool = False) -> Any:
     """The JSON of ``root``'s manifest, unchecked."""
     path = root / MANIFEST_NAME
     if not root.is_dir():
@@ -98,7 +120,7 @@ def _parsed(root: Path) -> Any:
             root / PARTIAL_DIR).exists() else ""
         raise FormatError(f"{root} has no {MANIFEST_NAME}: it is not a fastdata dataset{hint}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_manifest(path.read_text(encoding="utf-8"), columns)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{path} is not valid JSON ({exc}): the manifest is damaged") from exc
 
