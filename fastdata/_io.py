@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -105,6 +107,26 @@ class LockFile(io.FileIO):
         if not self.closed:
             LOCKS_HELD.discard(self.fileno())
         super().close()
+
+
+TRIM_FILES = 100_000  # a dataset opened with this many files gives its freed heap back (`trim_heap`)
+
+
+def trim_heap(files: int) -> None:
+    """After opening a dataset of ``files`` files (at least TRIM_FILES), hand the C heap's free pages back to
+    the system: glibc keeps what the open's freed temporaries leave (~70 MB in every rank at a million shards,
+    once a manifest parsed in pieces has raised its mmap threshold). Nothing where there is no malloc_trim."""
+    trim = _malloc_trim() if files >= TRIM_FILES else None
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # (not glibc)
+        return None
 
 
 def new_hash(data: bytes = b"") -> "hashlib._Hash":

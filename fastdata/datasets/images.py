@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .._io import trim_heap
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError
 from ..formats.lmdb_store import LmdbReader
@@ -149,6 +150,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                                    at_open=self._labels_at_open, mapped=self._remote is None,
                                    held=self._opened.limit is not None)
         self._open(self._verify)
+        trim_heap(len(self.manifest["files"]))
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
         decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them

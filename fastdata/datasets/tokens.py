@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .. import _limits
+from .._io import trim_heap
 from ..errors import ConfigError, FormatError
 from ..formats.manifest import TOKENS, manifest_digest
-from ..formats.rows import column, pairs
+from ..formats.rows import int_column, pairs
 from ..formats.token_shards import splitmix
 from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
@@ -159,7 +160,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self.device = torch.device("cpu")
         s = self.manifest["splits"][split]
         self.num_tokens = int(s["tokens"])
-        counts = np.array(column(s["shards"], "tokens"), dtype=np.int64)
+        counts = int_column(s["shards"], "tokens")
         self._shard_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.num_tokens < seq_len + 1:
             raise ConfigError(f"the {split} split of {self.root} has {self.num_tokens} tokens, fewer than "
@@ -167,6 +168,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self._count = (self.num_tokens - 1 - seq_len) // self.stride + 1  # windows (kept: get_batch checks it)
         self._verify = verify if verify is not None else storage == "ram"
         self._open()
+        trim_heap(len(self.manifest["files"]))
 
     def _open(self) -> None:
         shards = self.manifest["splits"][self.split]["shards"]
