@@ -69,7 +69,11 @@ FILES_HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino)
 def _let_go_in_child() -> None:
     fds = set(LOCKS_HELD)
     if FILES_HELD:
-        for name in os.listdir("/proc/self/fd"):
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:  # (no /proc: the files stay shared, the locks are let go of still)
+            names = []
+        for name in names:
             try:
                 info = os.fstat(int(name))
             except OSError:  # (the listing's own descriptor, closed by now)

@@ -562,6 +562,22 @@ def test_dataloader_workers_forked_while_a_save_uploads_hold_none_of_its_disk(s3
     assert torch.load(io.BytesIO(checkpoint.newest(path)[1]), weights_only=True)["i"] == 1
 
 
+def test_a_state_that_cannot_be_saved_leaves_no_spool_behind(tmp_path, monkeypatch):
+    """torch.save refuses the state (an object pickle cannot take): the error is the user's to see, and the
+    spool goes with it, its disk and its place among the files forked children let go of (a stale entry
+    would send the next file given its inode number to /dev/null in every child)."""
+    import pickle
+    import tempfile
+
+    from fastdata import _io
+    from fastdata.train import checkpoint
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        checkpoint.Spool({"w": torch.zeros(3), "hook": lambda: None})
+    assert _io.FILES_HELD == set() and list(tmp_path.iterdir()) == [] and _spools(str(tmp_path)) == 0
+
+
 def test_a_save_to_a_url_killed_mid_upload_leaves_the_last_save_and_nothing_in_tmpdir(s3, proxy, tmp_path):
     """A preempted job's grace runs out while its checkpoint uploads (kill -9 with the PUT's body half sent):
     checkpoint.pt is still the last save, whole, and the spooled state left nothing in the temporary folder."""

@@ -578,23 +578,29 @@ def test_a_windowed_shuffle_streams_each_shard_once_an_epoch_through_a_small_cac
             assert 0 < report[0]["ahead"] + report[1]["downloads"] < 7, report
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads, limited", [(1, "opening"), (3, "opening"), (1, "later")])
 def test_labels_that_come_with_streamed_shards_are_held_while_their_shard_is_open(s3, proxy, indexed_datasets,
-                                                                               tmp_path, monkeypatch, threads):
-    """A labels.npy too big to read at opening (past 8M samples): each shard's labels come with it and, with a
-    cache_limit, are held only while the shard is open in this process (memory in proportion to the cache,
-    not to the dataset: 10^9 samples were 8 GB of labels a rank). Every batch's labels are still right."""
+                                                                               tmp_path, monkeypatch, threads,
+                                                                               limited):
+    """A labels.npy too big to read at opening (past 8M samples): each shard's labels come with it and are
+    held only while the shard is open in this process, so with a cache_limit (given at opening, or later as a
+    Mixture gives it) memory goes with the cache, not the dataset (10^9 samples were 8 GB of labels a rank).
+    Every batch's labels are still right."""
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
     from fastdata.storage import streamed
     from fastdata.storage.push import push
 
     monkeypatch.setattr(streamed, "ALL_LABELS_AT_OPEN", 0)
-    url = s3("held" + str(threads)) + "/ds"
+    url = s3("held" + str(threads) + limited) + "/ds"
     push(indexed_datasets["npy"], url)
     group = sum((indexed_datasets["npy"] / f"{k}-00000.npy").stat().st_size for k in ("images", "labels"))
     local = FastDataset(indexed_datasets["npy"])
-    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=4 * group)  # 4 of the 7 shards fit
+    if limited == "opening":
+        ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=4 * group)  # 4 of the 7 shards fit
+    else:
+        ds = FastDataset(url, cache_dir=tmp_path / "cache")
+        ds.set_cache_limit(4 * group)
     store = ds._label_store
     assert store.held == {} and "array" not in store.__dict__ and not list(ds.root.glob("*.npy"))
     most = 0
@@ -638,7 +644,7 @@ def test_labels_held_with_their_shards_cost_the_shards_open_at_10_9_samples(tmp_
         (tmp_path / f"labels-{k:07d}.npy").write_bytes(npy_bytes(np.arange(k, k + per, dtype=np.int64) % 997))
     tracemalloc.start()
     try:
-        labels = Labels(tmp_path, manifest, has_labels=True, streams=True, at_open=False, held=True)
+        labels = Labels(tmp_path, manifest, has_labels=True, streams=True, at_open=False)
         for k in open_now:
             labels.arrived(k)
         traced = tracemalloc.get_traced_memory()[1]

@@ -147,8 +147,7 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         # the image shards are checked (and hashed: ram/cuda while loading, one read) by open_images
         check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify)
         self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
-                                   at_open=self._labels_at_open, mapped=self._remote is None,
-                                   held=self._opened.limit is not None)
+                                   at_open=self._labels_at_open, mapped=self._remote is None)
         self._open(self._verify)
         trim_heap(len(self.manifest["files"]))
 

@@ -101,9 +101,9 @@ def parse_manifest(text: str, columns: bool = False) -> Any:
         return json.loads(text)
     manifest = loads_with_rows(text, _LONG_LISTS)
     splits = manifest.get("splits") if isinstance(manifest, dict) and manifest.get("format") != TOKENS else None
-    for split in splits.values() if isinstance(splits, dict) else ():  # (only a token manifest's: `compact`)
-        if isinstance(split, dict) and isinstance(split.get("shards"), Rows):
-            split["shards"] = split["shards"].to_list()
+    if isinstance(splits, dict) and any(isinstance(s, dict) and isinstance(s.get("shards"), Rows)
+                                        for s in splits.values()):
+        manifest["splits"] = json.loads(text)["splits"]  # (only a token manifest's are compacted: `compact`)
     return manifest
 
 

@@ -344,6 +344,8 @@ def loads_with_rows(text: str, layout: Any) -> Any:
     Raises:
         json.JSONDecodeError: ``text`` is not JSON.
     """
+    if text.startswith("\ufeff"):  # (as json.loads says it)
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     value, end = _value(text, _WS.match(text, 0).end(), layout)
     end = _WS.match(text, end).end()
     if end != len(text):
@@ -389,7 +391,7 @@ def _rows(text: str, i: int) -> tuple[Any, int]:
     pieces: list[Any] = []
     while True:
         # the list's end when it is within a piece's length, else the first row end after that length
-        for end in (_LIST_END.search(text, pos, pos + _PIECE), _ROW_END.search(text, pos + _PIECE)):
+        for end in (_LIST_END.search(text, pos, pos + _PIECE), _ROW_END.search(text, pos + _PIECE, pos + 2 * _PIECE)):
             if end is None:
                 continue
             try:
@@ -398,7 +400,7 @@ def _rows(text: str, i: int) -> tuple[Any, int]:
                 continue
             pieces.append(compact_rows(rows))
             if end.group(1):
-                return _joined(pieces), end.end()
+                return _joined(pieces, text, i), end.end()
             pos = end.end()
             break
         else:  # one row at a time, a piece's length
@@ -409,7 +411,7 @@ def _rows(text: str, i: int) -> tuple[Any, int]:
                 pos = _WS.match(text, pos).end()
                 if text.startswith("]", pos):
                     pieces.append(compact_rows(rows))
-                    return _joined(pieces), pos + 1
+                    return _joined(pieces, text, i), pos + 1
                 if not text.startswith(",", pos):
                     raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
                 pos = _WS.match(text, pos + 1).end()
@@ -418,14 +420,15 @@ def _rows(text: str, i: int) -> tuple[Any, int]:
             pieces.append(compact_rows(rows))
 
 
-def _joined(pieces: list[Any]) -> Any:
-    """The pieces of one list, compacted each, as `compact_rows` makes the whole list: `Rows` when every
-    piece is `Rows` of the same keys and of kinds that join (digests join text as text), else a list."""
+def _joined(pieces: list[Any], text: str, i: int) -> Any:
+    """The pieces of the list at ``text[i]``, compacted each, as `compact_rows` makes the whole list: `Rows`
+    when every piece is `Rows` of the same keys and of kinds that join (digests join text as text), else
+    the list as json.loads gives it (parsed again whole: a list no column holds, refused by the checks)."""
     first = pieces[0]
+    if not all(isinstance(p, Rows) and set(p.keys) == set(first.keys) for p in pieces):
+        return _DECODER.raw_decode(text, i)[0]
     if len(pieces) == 1:
         return first
-    if not all(isinstance(p, Rows) and set(p.keys) == set(first.keys) for p in pieces):
-        return compact_rows([r for p in pieces for r in (p.to_list() if isinstance(p, Rows) else p)])
     cols = []
     for key in first.keys:
         parts = [p._cols[p.keys.index(key)] for p in pieces]
@@ -433,7 +436,7 @@ def _joined(pieces: list[Any]) -> Any:
         if kinds == {_INT} or kinds == {_HEX}:
             cols.append((parts[0][0], np.concatenate([c[1] for c in parts])))
         elif _INT in kinds:  # ints and text: no column, as for the whole list
-            return compact_rows([r for p in pieces for r in p.to_list()])
+            return _DECODER.raw_decode(text, i)[0]
         else:
             texts = [c if c[0] == _TEXT else _hex_as_text(c[1]) for c in parts]
             offsets = np.zeros(sum(len(c[2]) - 1 for c in texts) + 1, dtype=np.int64)

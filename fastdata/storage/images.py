@@ -105,11 +105,15 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
         if verify:
             verify_hashes(root, manifest, list(groups[s]))
         labels.arrived(s)
-        if store is not None:
-            store.open_shard(s)
-        if images is None or out.maps:
-            return path
-        return map_npy(root, images.files[s][0], (images.files[s][1], *images.row_shape), images.dtype)
+        try:
+            if store is not None:
+                store.open_shard(s)
+            if images is None or out.maps:
+                return path
+            return map_npy(root, images.files[s][0], (images.files[s][1], *images.row_shape), images.dtype)
+        except BaseException:
+            labels.left(s)  # (not open: fetched again, and read in again, by the next batch that needs it)
+            raise
 
     def closer(s: int, path: Path) -> None:
         labels.left(s)

@@ -1,6 +1,6 @@
 """Which files of a dataset in object storage are streamed (fetched as batches need them, NOTE [shard cache]
 in cache.py) rather than downloaded when it opens, which of them travel together as one shard's group, and
-an image dataset's labels, read at opening or filled in as streamed shards arrive."""
+an image dataset's labels, read at opening or held while their streamed shards are open."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ import numpy as np
 
 from .._io import safe_join
 from ..errors import FormatError
-from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex, shard_starts
+from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex
 from ..formats.rows import column, lookup, present
 from ..formats.schema import fields_of
 from .shards import load_npy, take_rows
@@ -84,32 +84,23 @@ class Labels:
     """An image dataset's int64 labels (``array``, one per sample; empty when it has no class label). Read
     when the dataset opens (the one file holding every label, memory-mapped when ``mapped``; a streamed
     dataset's ``all_labels`` when small enough: `labels_at_open`), or else taken from each streamed shard's
-    labels file, which arrives with the shard (`arrived`):
-
-    - ``held``: (a node cache with a limit) the labels of the shards open in this process, let go of with
-      them (`left`): memory in proportion to the cache, not to the dataset (10^9 samples would be 8 GB a
-      rank as one array);
-    - else filled into ``array`` shard by shard, ``filled`` saying which are in (without a limit every
-      shard stays open, on the node's disk, once it has arrived).
+    labels file, which arrives with the shard: ``held`` has the labels of the shards open in this process
+    (`arrived`), let go of with them (`left`). With a cache_limit that is memory in proportion to the cache,
+    not to the dataset (10^9 samples were 8 GB a rank as one array); without one every shard stays open
+    once it has arrived, its labels with it.
 
     `take` gives a batch's labels either way; `complete` every label (fetched without their images)."""
 
     def __init__(self, root: Path, manifest: dict[str, Any], *, has_labels: bool, streams: bool,
-                 at_open: bool, mapped: bool = False, held: bool = False) -> None:
+                 at_open: bool, mapped: bool = False) -> None:
         self.root, self.manifest, self.has_labels = root, manifest, has_labels
         n = int(manifest["num_samples"])
-        self.filled: Optional[np.ndarray] = None  # per shard, while labels arrive with streamed shards
-        self.held: Optional[dict[int, np.ndarray]] = None  # an open shard's labels, by shard
+        self.held: Optional[dict[int, np.ndarray]] = None  # an open shard's labels, by shard (streamed)
         if not has_labels:
             self.array = np.zeros(0, dtype=np.int64)
             return
         if streams and not at_open:
-            self.starts = shard_starts(manifest)
-            if held:
-                self.held = {}
-            else:
-                self.filled = np.zeros(len(manifest["shards"]), dtype=bool)
-                self.array = np.zeros(n, dtype=np.int64)
+            self.held = {}
             return
         one = manifest.get("labels" if manifest["format"] == IMAGES_LMDB else "all_labels")
         # Every label in one file: ``mapped`` (a local folder's), shared by the processes of a node, where a
@@ -148,14 +139,10 @@ class Labels:
         return state
 
     def arrived(self, s: int) -> None:
-        """Streamed shard ``s`` is open in this process: its labels, which came with it, are read in."""
-        if self.held is None and self.filled is None or "labels" not in self.manifest["shards"][s]:
-            return
-        path = safe_join(self.root, self.manifest["shards"][s]["labels"])
-        if self.held is not None and "array" not in self.__dict__:
-            self.held[s] = self._read(s, path)
-        elif self.filled is not None:
-            self.fill(s, path)
+        """Streamed shard ``s`` is open in this process: its labels, which came with it, are read in (until
+        `complete` has read every label)."""
+        if self.held is not None and "array" not in self.__dict__ and "labels" in self.manifest["shards"][s]:
+            self.held[s] = self._read(s, self.manifest["shards"][s]["labels"])
 
     def left(self, s: int) -> None:
         """Streamed shard ``s`` is closed in this process (it may be evicted): its held labels go with it."""
@@ -166,38 +153,32 @@ class Labels:
         """The labels of samples ``idx`` (into ``out`` when given); held labels only while the caller holds
         the batch's shards open (pinned)."""
         out = np.empty(len(idx), dtype=np.int64) if out is None else out
-        if self.held is None or "array" in self.__dict__:
+        held = self.held  # (before the look at ``array``: `complete` may replace it meanwhile)
+        if held is None or "array" in self.__dict__:
             return np.take(self.array, idx, out=out, mode="clip")
         shard, rows = where.locate(idx)
-        take_rows(self.held, shard, rows, out)
+        take_rows(held, shard, rows, out)
         return out
 
-    def fill(self, s: int, path: Path) -> None:
-        """Shard ``s``'s labels file (fetched with its shard), checked, into its place in ``array`` (only while
-        labels arrive with streamed shards and are not held: ``filled`` is set)."""
-        assert self.filled is not None
-        first = int(self.starts[s])
-        labels = self._read(s, path)
-        self.array[first:first + len(labels)] = labels
-        self.filled[s] = True
-
-    def _read(self, s: int, path: Path) -> np.ndarray:
+    def _read(self, s: int, name: str, path: Optional[Path] = None) -> np.ndarray:
+        """Shard ``s``'s labels file ``name`` (at ``path``, else in the dataset's folder), checked."""
+        path = path if path is not None else safe_join(self.root, name)
         labels = _checked(load_npy(path), int(self.manifest["shards"][s]["samples"]), path)
         labels.setflags(write=False)
         return labels
 
     def complete(self, fetch: Callable[[str], Path]) -> np.ndarray:
-        """Every label, read-only: the shards' labels files not in yet fetched first (``fetch(name)`` gives a
-        file's local path), without their images. Held labels become one array here (what was asked for)."""
+        """Every label, read-only: the shards' labels files not held fetched first (``fetch(name)`` gives a
+        file's local path), without their images. Held labels become one array (what was asked for)."""
         if self.held is not None and "array" not in self.__dict__:
-            shards = self.manifest["shards"]
-            parts = [self.held[s] if s in self.held else self._read(s, fetch(shards[s]["labels"]))
-                     for s in range(len(shards))]
-            self.array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            self.held = {}
-        if self.filled is not None:
-            for s in np.flatnonzero(~self.filled).tolist():
-                self.fill(s, fetch(self.manifest["shards"][s]["labels"]))
+            held, shards = self.held, self.manifest["shards"]
+            parts = []
+            for s, name in enumerate(column(shards, "labels")):
+                part = held.get(s)  # (a shard closing meanwhile: fetched as the others)
+                parts.append(part if part is not None else self._read(s, name, fetch(name)))
+            array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            array.setflags(write=False)
+            self.array, self.held = array, {}
         view = self.array.view()
         view.setflags(write=False)
         return view

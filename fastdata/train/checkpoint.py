@@ -208,9 +208,9 @@ class Spool:
             torch.save(state, self.file)
             self.file.flush()
             self.size = os.fstat(self.file.fileno()).st_size
-        except (OSError, RuntimeError) as exc:
+        except BaseException as exc:  # (any failure: no spool, nor its entry in FILES_HELD, outlives it)
             self.close()
-            cause = _os_error(exc)
+            cause = _os_error(exc) if isinstance(exc, (OSError, RuntimeError)) else None
             if cause is None:
                 raise
             raise disk_error(cause, Path(tempfile.gettempdir()) / "fastdata-checkpoint", "free space in the "
