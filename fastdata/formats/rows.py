@@ -22,7 +22,8 @@ NOTE [compact manifest]
    Parsed whole, its dicts were ~1.2 GB at a million shards at the peak of every rank's open, though gone
    once compacted. A piece ends where a row does (``}`` then ``,`` or ``]``); where that text is inside a
    string or a nested list, the piece does not parse and its rows are read one at a time instead. The
-   result equals the whole list compacted: pieces of other keys or kinds give the list, as it would be.
+   result equals the whole list compacted: a list no column holds (pieces of other keys or kinds) is
+   parsed again whole and kept as json.loads gives it, as compacting would have left it.
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def open_images(opened: OpenedPath, fields: Optional[list[Field]], storage: str,
                 sample_shape: tuple[int, ...], verify: bool, streams: bool, labels_at_open: bool,
                 device: torch.device, shm_dir: Optional[Path]) -> OpenedImages:
     """The bytes of an opened dataset in ``storage`` mode (``streams``: npy shards through the node cache;
-    a URL's LMDB shards always stream); ``labels`` are filled in as streamed shards arrive."""
+    a URL's LMDB shards always stream); ``labels`` are held while their streamed shards are open."""
     root, manifest = opened.root, opened.manifest
     out = OpenedImages()
     if manifest["format"] == IMAGES_LMDB:
