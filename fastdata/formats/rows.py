@@ -345,12 +345,14 @@ def loads_with_rows(text: str, layout: Any) -> Any:
     Raises:
         json.JSONDecodeError: ``text`` is not JSON.
     """
-    if text.startswith("\ufeff"):  # (as json.loads says it)
-        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    value, end = _value(text, _WS.match(text, 0).end(), layout)
-    end = _WS.match(text, end).end()
-    if end != len(text):
-        raise json.JSONDecodeError("Extra data", text, end)
+    try:
+        value, end = _value(text, _WS.match(text, 0).end(), layout)
+        end = _WS.match(text, end).end()
+        if end != len(text):
+            raise json.JSONDecodeError("Extra data", text, end)
+    except json.JSONDecodeError:  # json.loads' own words (they differ between Python versions): parsed whole
+        json.loads(text)
+        raise
     return value
 
 
