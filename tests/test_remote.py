@@ -624,6 +624,36 @@ def test_labels_that_come_with_streamed_shards_are_held_while_their_shard_is_ope
     assert store.held == {} and np.array_equal(ds.get_batch([3, 97])[1], local.get_batch([3, 97])[1])
 
 
+def test_a_cache_limit_set_after_opening_is_the_one_a_spawned_worker_opens_with(s3, indexed_datasets, tmp_path):
+    """A spawned or forkserver DataLoader worker opens the dataset again from its pickled state: a limit set
+    after opening (as a Mixture sets its sources') must be the one it opens with; it opened with none, so its
+    cache kept every shard it read. Another reader of the same opened path keeps its own limit."""
+    import pickle
+
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.tokens import TokenDataset
+    from fastdata.storage.opening import open_path
+    from fastdata.storage.push import push
+
+    url = s3("later-limit")
+    push(indexed_datasets["npy"], url + "/ds")
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i}: " + "hello limits, " * 20}) + "\n" for i in range(20)))
+    assert main(["preprocess", "text", str(text), str(tmp_path / "tok"), "--tokenizer", "bytes", "--quiet",
+                 "--shard-tokens", "1000"]) == 0
+    push(tmp_path / "tok", url + "/tok")
+    opened = open_path(url + "/ds", ("fastdata.images.npy",), cache_dir=tmp_path / "c")
+    datasets = [FastDataset(opened), TokenDataset(url + "/tok", seq_len=16, cache_dir=tmp_path / "c")]
+    for ds in datasets:
+        assert ds.cache_limit is None
+        ds.set_cache_limit(123_456)
+        worker = pickle.loads(pickle.dumps(ds))  # (as a spawned worker receives it, and opens it)
+        assert worker.cache_limit == 123_456, type(ds).__name__
+        worker.close()
+    assert opened.limit is None and FastDataset(opened).cache_limit is None
+
+
 def test_labels_held_with_their_shards_cost_the_shards_open_at_10_9_samples(tmp_path):
     """By arithmetic and allocation: 10^9 samples in 10^6 shards of 1,000, streamed with a cache_limit. The
     labels of 100 open shards cost their 800 kB and the shards' first samples (8 MB), not the 8 GB an array

@@ -13,6 +13,7 @@ Every take uses ``mode="clip"`` on indices already checked by ``_indices``: with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -241,6 +242,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._dev_labels, self._reader, self._cache, self._store = (opened.device_labels, opened.reader,
                                                                     opened.cache, opened.fields)
         self._hold(self._reader)
+
+    def _keep_limit(self, limit: Optional[int]) -> None:
+        self._opened = dataclasses.replace(self._opened, limit=limit)  # (a copy: another reader may share it)
 
     def _drop_storage(self) -> None:
         self._shards, self._flat, self._dev, self._dev_labels = [], None, None, None

@@ -208,6 +208,9 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                 Segments(self._shards, self._shard_offsets)
         self._hold()
 
+    def _keep_limit(self, limit: Optional[int]) -> None:
+        self._limit = limit
+
     def _drop_storage(self) -> None:
         self._flat, self._shards, self._flat_windows, self._shard_windows, self._cache = None, [], None, [], None
         self._flat_rows = self._copy_table = None

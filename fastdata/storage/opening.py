@@ -196,6 +196,11 @@ class StreamedReads:
         if self._cache is None:
             raise ConfigError(f"{self!r} reads local files: it has no cache to limit")
         self._cache.set_limit(limit)
+        self._keep_limit(limit)
+
+    def _keep_limit(self, limit: Optional[int]) -> None:
+        """Remember a limit given after opening for the dataset's next opening (a spawned or forkserver
+        DataLoader worker opens it again from its pickled state)."""
 
     def download_report(self) -> list[dict[str, Optional[int]]]:
         """Downloads per loader pass, oldest first (`ShardCache.report`); empty when not streamed."""
