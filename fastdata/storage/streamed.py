@@ -11,7 +11,7 @@ import numpy as np
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex
-from ..formats.rows import column, lookup, present
+from ..formats.rows import column, int_column, lookup, present
 from ..formats.schema import fields_of
 from .shards import load_npy, take_rows
 
@@ -141,8 +141,11 @@ class Labels:
     def arrived(self, s: int) -> None:
         """Streamed shard ``s`` is open in this process: its labels, which came with it, are read in (until
         `complete` has read every label)."""
-        if self.held is not None and "array" not in self.__dict__ and "labels" in self.manifest["shards"][s]:
-            self.held[s] = self._read(s, self.manifest["shards"][s]["labels"])
+        if self.held is None or "array" in self.__dict__:
+            return
+        row = self.manifest["shards"][s]  # (a dict made from the columns: once)
+        if "labels" in row:
+            self.held[s] = self._read(safe_join(self.root, row["labels"]), int(row["samples"]))
 
     def left(self, s: int) -> None:
         """Streamed shard ``s`` is closed in this process (it may be evicted): its held labels go with it."""
@@ -160,10 +163,10 @@ class Labels:
         take_rows(held, shard, rows, out)
         return out
 
-    def _read(self, s: int, name: str, path: Optional[Path] = None) -> np.ndarray:
-        """Shard ``s``'s labels file ``name`` (at ``path``, else in the dataset's folder), checked."""
-        path = path if path is not None else safe_join(self.root, name)
-        labels = _checked(load_npy(path), int(self.manifest["shards"][s]["samples"]), path)
+    @staticmethod
+    def _read(path: Path, samples: int) -> np.ndarray:
+        """A shard's labels file, checked to hold its ``samples`` labels."""
+        labels = _checked(load_npy(path), samples, path)
         labels.setflags(write=False)
         return labels
 
@@ -173,9 +176,9 @@ class Labels:
         if self.held is not None and "array" not in self.__dict__:
             held, shards = self.held, self.manifest["shards"]
             parts = []
-            for s, name in enumerate(column(shards, "labels")):
+            for s, (name, samples) in enumerate(zip(column(shards, "labels"), int_column(shards, "samples").tolist())):
                 part = held.get(s)  # (a shard closing meanwhile: fetched as the others)
-                parts.append(part if part is not None else self._read(s, name, fetch(name)))
+                parts.append(part if part is not None else self._read(fetch(name), samples))
             array = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             array.setflags(write=False)
             self.array, self.held = array, {}
