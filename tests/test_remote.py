@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,8 +71,22 @@ def test_push_then_read_gives_the_local_batches_and_the_cache_is_reused(s3, inde
         remote._remote.manifest_bytes()
 
 
-def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
+def _pushed_tokens(tmp_path: Path, url: str) -> Path:
+    """A token dataset of 40 documents in shards of 1,000 tokens (several shards), made at tmp_path/tok and
+    pushed to ``url``; its local folder."""
     from fastdata.cli.main import main
+    from fastdata.storage.push import push
+
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i}: " + "hello remote world, " * 20}) + "\n"
+                            for i in range(40)))
+    assert main(["preprocess", "text", str(text), str(tmp_path / "tok"), "--tokenizer", "bytes", "--quiet",
+                 "--shard-tokens", "1000"]) == 0
+    push(tmp_path / "tok", url)
+    return tmp_path / "tok"
+
+
+def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.datasets.tokens import TokenDataset
     from fastdata.loading.loader import FastLoader
@@ -95,12 +110,7 @@ def test_lmdb_and_token_datasets_stream_too(s3, indexed_datasets, tmp_path):
         got = FastLoader(small, 16, shuffle=False, num_threads=1, prefetch=0)
         assert _same(_epoch(got), _epoch(want))
     assert len(list(small.root.glob("*.lmdb"))) <= 2
-    text = tmp_path / "t.jsonl"
-    text.write_text("".join(json.dumps({"text": f"document {i}: " + "hello remote world, " * 20}) + "\n"
-                            for i in range(40)))
-    assert main(["preprocess", "text", str(text), str(tmp_path / "tok"), "--tokenizer", "bytes", "--quiet",
-                 "--shard-tokens", "1000"]) == 0
-    push(tmp_path / "tok", url + "/tok")
+    _pushed_tokens(tmp_path, url + "/tok")
     streamed = TokenDataset(url + "/tok", seq_len=16, cache_dir=tmp_path / "c", random_windows=True)
     shards = [sh["path"] for sh in streamed.manifest["splits"]["train"]["shards"]]
     assert not any((streamed.root / n).exists() for n in shards)  # they come with the batches that read them
@@ -630,7 +640,6 @@ def test_a_cache_limit_set_after_opening_is_the_one_a_spawned_worker_opens_with(
     cache kept every shard it read. Another reader of the same opened path keeps its own limit."""
     import pickle
 
-    from fastdata.cli.main import main
     from fastdata.datasets.images import FastDataset
     from fastdata.datasets.tokens import TokenDataset
     from fastdata.storage.opening import open_path
@@ -638,11 +647,7 @@ def test_a_cache_limit_set_after_opening_is_the_one_a_spawned_worker_opens_with(
 
     url = s3("later-limit")
     push(indexed_datasets["npy"], url + "/ds")
-    text = tmp_path / "t.jsonl"
-    text.write_text("".join(json.dumps({"text": f"document {i}: " + "hello limits, " * 20}) + "\n" for i in range(20)))
-    assert main(["preprocess", "text", str(text), str(tmp_path / "tok"), "--tokenizer", "bytes", "--quiet",
-                 "--shard-tokens", "1000"]) == 0
-    push(tmp_path / "tok", url + "/tok")
+    _pushed_tokens(tmp_path, url + "/tok")
     opened = open_path(url + "/ds", ("fastdata.images.npy",), cache_dir=tmp_path / "c")
     datasets = [FastDataset(opened), TokenDataset(url + "/tok", seq_len=16, cache_dir=tmp_path / "c")]
     for ds in datasets:
