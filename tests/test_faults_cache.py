@@ -264,6 +264,7 @@ def test_on_disk_agrees_with_a_stat_of_every_file_among_odd_things_in_the_folder
     import os
 
     from fastdata.storage.cache_folders import on_disk
+    from fastdata.storage.streamed import FileGroups
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     for name in ("a/b/x.npy", "a/b/y.npy", "top.npy"):
@@ -282,10 +283,11 @@ def test_on_disk_agrees_with_a_stat_of_every_file_among_odd_things_in_the_folder
     want = [all((tmp_path / n).is_file() for n in g) for g in groups]
     assert want == [True] * 50 + [False, False] + [True, False, True, False, True, False, False, True, False]
     subfolders = {os.path.dirname(n) for g in groups for n in g}
-    assert on_disk(tmp_path, groups, subfolders).tolist() == want
+    assert on_disk(tmp_path, *FileGroups.of(groups).flat(), subfolders).tolist() == want
     singles = [g[:1] for g in groups]  # (one file a shard: no reduction)
-    assert on_disk(tmp_path, singles, subfolders).tolist() == [(tmp_path / g[0]).is_file() for g in singles]
-    assert on_disk(tmp_path, [], ()).tolist() == []
+    assert on_disk(tmp_path, *FileGroups.of(singles).flat(), subfolders).tolist() == [
+        (tmp_path / g[0]).is_file() for g in singles]
+    assert on_disk(tmp_path, *FileGroups.of([]).flat(), ()).tolist() == []
 
 
 def test_a_look_at_the_disk_sees_other_processes_and_keeps_what_this_one_learnt_meanwhile(s3, indexed_datasets,

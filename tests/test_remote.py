@@ -695,6 +695,51 @@ def test_labels_held_with_their_shards_cost_the_shards_open_at_10_9_samples(tmp_
     assert list(labels.held) == [0]
 
 
+def test_a_streamed_datasets_shard_groups_keep_no_object_a_shard_at_10_6_shards():
+    """The cache's groups of files read together (images, labels, a field's rows) are views of the manifest's
+    columns: 10^6 shards keep no tuple or name a shard (a list of tuples held ~200 MB in every rank), and
+    every group, the flat list and where each group starts are what the manifest's rows say, for `Rows` and
+    for a plain list of rows."""
+    import tracemalloc
+
+    from fastdata.formats.manifest import IMAGES_NPY
+    from fastdata.formats.rows import compact_rows
+    from fastdata.storage.streamed import FileGroups, shard_groups
+
+    shards = 10 ** 6
+    rows = [{"images": f"images-{k:07d}.npy", "labels": f"labels-{k:07d}.npy", "samples": 4} for k in range(shards)]
+    manifest = {"format": IMAGES_NPY, "shards": compact_rows(rows),
+                "fields": [{"name": "image", "kind": "image", "dtype": "|u1", "shape": [8, 8, 3]},
+                           {"name": "label", "kind": "label", "dtype": "<i8"},
+                           {"name": "depth", "kind": "mask", "dtype": "|u1", "shape": [8, 8]}]}
+    tracemalloc.start()
+    try:
+        groups = shard_groups(manifest, at_open=False)
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert kept < 4096, kept
+    assert len(groups) == shards and groups.first(12) == "images-0000012.npy"
+    for k in (0, 1, 99_999, shards - 1, -1):
+        n = k % shards
+        assert groups[k] == (f"images-{n:07d}.npy", f"labels-{n:07d}.npy", f"field.depth-{n:05d}.npy")
+    with pytest.raises(IndexError):
+        groups[shards]
+    files, starts = groups.flat()
+    assert len(files) == 3 * shards and files[3 * 500_000 + 2] == "field.depth-500000.npy"
+    assert np.array_equal(starts, np.arange(shards) * 3)
+    assert shard_groups(manifest, at_open=True)[7] == ("images-0000007.npy", "field.depth-00007.npy")
+    plain = dict(manifest, shards=rows[:5])  # (a manifest whose rows could not be columns)
+    plain["shards"][2] = {"images": "images-odd.npy", "samples": 4}  # a shard without a labels file
+    assert list(shard_groups(plain, at_open=False)) == [
+        (f"images-{k:07d}.npy", f"labels-{k:07d}.npy", f"field.depth-{k:05d}.npy") if k != 2 else
+        ("images-odd.npy", "field.depth-00002.npy") for k in range(5)]
+    mixed = FileGroups.of(["a.npy", ("b.npy", "c.npy"), ["d.npy"]])
+    assert list(mixed) == [("a.npy",), ("b.npy", "c.npy"), ("d.npy",)] and mixed[1:] == list(mixed)[1:]
+    assert mixed.flat()[0] == ["a.npy", "b.npy", "c.npy", "d.npy"] and mixed.flat()[1].tolist() == [0, 1, 3]
+    assert FileGroups.of(mixed) is mixed and len(FileGroups.of([])) == 0
+
+
 def test_a_plan_learnt_in_chunks_knows_every_shards_next_use_and_run():
     """The cache's plan learns the reads a chunk of batches at a time (issue 19: a plan over 10^9 samples
     is never made whole); it must answer exactly as one learnt at once, and say "beyond the horizon", not

@@ -129,11 +129,7 @@ class Rows(Sequence[dict[str, Any]]):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._n))]
-        i = int(i)
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(f"row {i} of {self._n}")
+        i = _position(i, self._n)
         return self._chunk(i, i + 1)[0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -260,13 +256,22 @@ class Rows(Sequence[dict[str, Any]]):
         return found, None
 
 
-class Pairs(Sequence[tuple[Any, Any]]):
-    """Two columns of `Rows` read as ``(a, b)`` tuples (a shard's file and its rows), each made when asked."""
+def _position(i: Any, n: int) -> int:
+    """Row ``i`` of ``n`` as a position (from the end when negative); IndexError outside them."""
+    i = int(i) + (n if int(i) < 0 else 0)
+    if not 0 <= i < n:
+        raise IndexError(f"row {i} of {n}")
+    return i
 
-    __slots__ = ("_rows", "_a", "_b")
 
-    def __init__(self, rows: Rows, a: str, b: str) -> None:
-        self._rows, self._a, self._b = rows, rows.keys.index(a), rows.keys.index(b)
+class Column(Sequence[Any]):
+    """One column of `Rows` read as a sequence (a shard's file names), each value made when asked: a view
+    that keeps no object a row."""
+
+    __slots__ = ("_rows", "_k")
+
+    def __init__(self, rows: Rows, key: str) -> None:
+        self._rows, self._k = rows, rows.keys.index(key)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -274,21 +279,38 @@ class Pairs(Sequence[tuple[Any, Any]]):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i) + (len(self) if int(i) < 0 else 0)
-        if not 0 <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        return self._rows._values(self._a, i, i + 1)[0], self._rows._values(self._b, i, i + 1)[0]
+        i = _position(i, len(self))
+        return self._rows._values(self._k, i, i + 1)[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        for start in range(0, len(self), _CHUNK):
+            yield from self._rows._values(self._k, start, min(start + _CHUNK, len(self)))
+
+
+class Pairs(Sequence[tuple[Any, Any]]):
+    """Two columns of `Rows` read as ``(a, b)`` tuples (a shard's file and its rows), each made when asked."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, rows: Rows, a: str, b: str) -> None:
+        self._a, self._b = Column(rows, a), Column(rows, b)
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._a[i], self._b[i]
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        for start in range(0, len(self), _CHUNK):
-            stop = min(start + _CHUNK, len(self))
-            yield from zip(self._rows._values(self._a, start, stop), self._rows._values(self._b, start, stop))
+        return zip(self._a, self._b)
 
 
 def unzipped(items: Sequence[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
     """The first and the second values of ``items`` (`Pairs`: its two columns, no tuple built)."""
     if isinstance(items, Pairs):
-        return items._rows._values(items._a, 0, len(items)), items._rows._values(items._b, 0, len(items))
+        return list(items._a), list(items._b)
     return [a for a, _ in items], [b for _, b in items]
 
 
@@ -467,6 +489,14 @@ def column(rows: Sequence[dict[str, Any]], key: str, default: Any = _NO_DEFAULT)
     if isinstance(rows, Rows):
         return rows.column(key) if key in rows.keys else [default] * len(rows)
     return [r.get(key, default) for r in rows]
+
+
+def column_view(rows: Sequence[dict[str, Any]], key: str, default: Any = _NO_DEFAULT) -> Sequence[Any]:
+    """`column` as a sequence: a `Column` view of `Rows` that have ``key`` (no object kept a row), else the
+    list `column` makes."""
+    if isinstance(rows, Rows) and key in rows.keys:
+        return Column(rows, key)
+    return column(rows, key, default)
 
 
 def suspect_paths(rows: Sequence[dict[str, Any]], key: str = "path") -> list[Any]:

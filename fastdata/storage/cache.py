@@ -68,6 +68,7 @@ from . import evict
 from .plan import Plan, horizon
 from .cache_folders import ShardPins, on_disk
 from .remote import RemoteDataset, download_bar
+from .streamed import FileGroups
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8
@@ -85,11 +86,10 @@ class ShardCache:
                  limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
                  progress: bool = True, closer: Optional[Callable[[int, Path], None]] = None) -> None:
         self.remote, self.opener, self.closer = remote, opener, closer
-        self.groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]  # the files read together
-        self.names = [g[0] for g in self.groups]
-        self._folders = sorted({os.path.dirname(n) for g in self.groups for n in g})  # (relative: "" the top)
-        sizes = remote.sizes([n for g in self.groups for n in g])
-        starts = np.cumsum([0] + [len(g) for g in self.groups[:-1]]) if self.groups else np.zeros(0, np.int64)
+        self.groups = FileGroups.of(names)  # the files read together (columns: no tuple a shard is kept)
+        files, starts = self.groups.flat()
+        self._folders = sorted(set(map(os.path.dirname, files)))  # (relative: "" the top)
+        sizes = remote.sizes(files)
         self.sizes = np.add.reduceat(sizes, starts) if len(sizes) > len(self.groups) else sizes
         self.limit, self.in_flight, self.requests = limit, in_flight, max(1, requests)
         self.horizon = horizon(limit, self.sizes)  # runs a plan learns ahead of the reader
@@ -100,20 +100,20 @@ class ShardCache:
     def _start(self) -> None:
         self._pid = os.getpid()
         self._cond = threading.Condition()
-        self._objs = np.full(len(self.names), None, dtype=object)  # what opener made, per shard
-        self._is_open = np.zeros(len(self.names), dtype=bool)
+        self._objs = np.full(len(self.groups), None, dtype=object)  # what opener made, per shard
+        self._is_open = np.zeros(len(self.groups), dtype=bool)
         if getattr(self, "_pinned", None) is not None:  # a forked child: the parent's pins stay the parent's
             self._pinned.close()
         self._pinned = ShardPins(self.remote.dir / ".locks")  # shards opened with a limit (NOTE 11)
-        self._held = np.zeros(len(self.names), dtype=bool)  # which of them this cache holds pinned
-        self._pins = np.zeros(len(self.names), dtype=np.int64)
+        self._held = np.zeros(len(self.groups), dtype=bool)  # which of them this cache holds pinned
+        self._pins = np.zeros(len(self.groups), dtype=np.int64)
         self._since: Optional[list[int]] = None  # shards this process learnt about while a scan of the disk ran
         began = time.monotonic()
         self._have = self.cached()  # which shards are local, as far as this process knows
         self._scanned, self._scan_cost, self._scanning = time.monotonic(), time.monotonic() - began, False
         if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
-                self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
+                self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
                 self._is_open[s] = True
         # the one download under way per shard in this process, demand or prefetch: it owns the shard's room
         # in the limit until it ends (_download), whoever waits for it
@@ -141,7 +141,7 @@ class ShardCache:
         newest plan drives prefetching. Warns once when the reads are scattered over more shards than the
         cache holds (a plain shuffle: use a ``shuffle_window``)."""
         self._check_pid()
-        token, plan = object(), Plan(iter(reads), len(self.names), now, self.horizon)
+        token, plan = object(), Plan(iter(reads), len(self.groups), now, self.horizon)
         plan.learn(self._cond)  # the first chunk now: evictions before the scheduler runs must see it
         self._warn_scattered(plan)
         with self._cond:
@@ -158,7 +158,7 @@ class ShardCache:
         if self._warned_order or not plan.scattered(holds):
             return
         self._warned_order = True
-        warnings.warn(f"cache_limit={self.limit} bytes holds about {holds} of the {len(self.names)} shards of "
+        warnings.warn(f"cache_limit={self.limit} bytes holds about {holds} of the {len(self.groups)} shards of "
                       f"{scrub(self.remote.url)}, and the loader's order reads every shard again every few "
                       "batches (a plain shuffle): most batches will download shards again. Give the loader a "
                       "shuffle_window (FastLoader(..., shuffle_window=W), `--shuffle-window W`): it reads W "
@@ -278,14 +278,14 @@ class ShardCache:
         if self._is_open[s] or s in self._fetching:
             return
         if self.limit is not None:
-            self._pinned.pin(self.names[s])
+            self._pinned.pin(self.groups.first(s))
             self._held[s] = True
         try:
             if not self._present(s):  # evicted by another process since it arrived
                 self._know(s, False)
                 self._unpin(s)
                 return
-            self._objs[s] = self.opener(s, self.remote.dir / self.names[s])
+            self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
         except BaseException:
             self._unpin(s)
             raise
@@ -294,14 +294,14 @@ class ShardCache:
 
     def _close(self, s: int) -> None:
         if self._is_open[s] and self.closer is not None:
-            self.closer(s, self.remote.dir / self.names[s])
+            self.closer(s, self.remote.dir / self.groups.first(s))
         self._objs[s] = None
         self._is_open[s] = False
         self._unpin(s)
 
     def _unpin(self, s: int) -> None:
         if self._held[s]:
-            self._pinned.unpin(self.names[s])
+            self._pinned.unpin(self.groups.first(s))
             self._held[s] = False
 
     # -- downloads --------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class ShardCache:
             if self.limit is None:  # shards opened without pins: pin the ones in use, close the others
                 for s in np.flatnonzero(self._is_open).tolist():
                     if self._pins[s] > 0:
-                        self._pinned.pin(self.names[s])
+                        self._pinned.pin(self.groups.first(s))
                         self._held[s] = True
                     else:
                         self._close(s)
@@ -383,7 +383,7 @@ class ShardCache:
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:
         """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
-        return on_disk(self.remote.dir, self.groups, self._folders)
+        return on_disk(self.remote.dir, *self.groups.flat(), self._folders)
 
     def _rescan_due(self) -> bool:
         """(Under the lock.)"""
@@ -458,7 +458,7 @@ class ShardCache:
     def _evict(self, c: int) -> bool:
         """(Under the lock, ``c`` closed here.) Delete shard ``c``'s files unless a reader holds it (this cache
         too: `ShardPins.evicting` refuses a shard its own object pins)."""
-        with self._pinned.evicting(self.names[c]) as free:
+        with self._pinned.evicting(self.groups.first(c)) as free:
             if not free:
                 return False  # another process reads it
             for name in self.groups[c]:

@@ -4,15 +4,15 @@ an image dataset's labels, read at opening or held while their streamed shards a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from .._io import safe_join
 from ..errors import FormatError
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex
-from ..formats.rows import column, int_column, lookup, present
-from ..formats.schema import fields_of
+from ..formats.rows import column, column_view, int_column, lookup, present
+from ..formats.schema import Field, fields_of
 from .shards import load_npy, take_rows
 
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
@@ -29,17 +29,81 @@ def labels_at_open(manifest: dict[str, Any]) -> bool:
     return entry is not None and int(entry["bytes"]) <= ALL_LABELS_AT_OPEN
 
 
-def shard_groups(manifest: dict[str, Any], at_open: bool) -> list[tuple[str, ...]]:
+class FileGroups(Sequence[tuple[str, ...]]):
+    """Each shard's files, read together (the first names the shard): columns of names, a value a shard (None:
+    that shard has no such file), each group made as a tuple when asked. Views of the manifest's `Rows`, so a
+    million shards keep no tuple or name a shard (~200 MB a rank at 10^6 shards of two files)."""
+
+    __slots__ = ("_cols", "_n")
+
+    def __init__(self, cols: Sequence[Sequence[Optional[str]]], n: int) -> None:
+        self._cols, self._n = list(cols), n
+
+    @classmethod
+    def of(cls, names: Sequence[Union[str, Sequence[str]]]) -> "FileGroups":
+        """Groups given one name a shard or a sequence of names a shard (itself when it is one)."""
+        if isinstance(names, FileGroups):
+            return names
+        groups = [(n,) if isinstance(n, str) else tuple(n) for n in names]
+        width = max(map(len, groups), default=0)
+        return cls([[g[j] if j < len(g) else None for g in groups] for j in range(width)], len(groups))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, s: Any) -> Any:
+        if isinstance(s, slice):
+            return [self[k] for k in range(*s.indices(self._n))]
+        return tuple(n for n in (c[s] for c in self._cols) if n is not None)
+
+    def __iter__(self) -> Iterator[tuple[str, ...]]:
+        for group in zip(*self._cols):
+            yield tuple(n for n in group if n is not None)
+
+    def first(self, s: int) -> str:
+        """Shard ``s``'s first file, which names it."""
+        return self._cols[0][s]
+
+    def flat(self) -> tuple[list[str], np.ndarray]:
+        """Every shard's files in order, and where each shard's first is among them (made for the call)."""
+        cols = [list(c) for c in self._cols]
+        widths = np.zeros(self._n, dtype=np.int64)
+        for c in cols:
+            widths += np.fromiter((n is not None for n in c), dtype=bool, count=self._n)
+        starts = np.zeros(self._n, dtype=np.int64)
+        np.cumsum(widths[:-1], out=starts[1:])
+        return [n for group in zip(*cols) for n in group if n is not None], starts
+
+
+class _FieldFiles(Sequence[str]):
+    """Each shard's file of an extra field (its name follows from the shard's number)."""
+
+    __slots__ = ("_field", "_n")
+
+    def __init__(self, field: Field, n: int) -> None:
+        self._field, self._n = field, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k: Any) -> Any:
+        at = range(self._n)[k]  # (IndexError past the end; a range for a slice)
+        return [self[j] for j in at] if isinstance(at, range) else self._field.files(at)[0]
+
+
+def shard_groups(manifest: dict[str, Any], at_open: bool) -> FileGroups:
     """Each shard's files, read together: its images first (npy rows or an LMDB store), its labels (npy, unless
     they are all read at opening: ``at_open``, from `labels_at_open`), each other field's rows."""
     fields = [f for f in fields_of(manifest) or [] if f.kind not in ("image", "label")]
     if "lmdb_shards" in manifest:
-        return [(path, *(f.files(k)[0] for f in fields))
-                for k, path in enumerate(column(manifest["lmdb_shards"], "path"))]
-    shards = manifest.get("shards", [])
-    labels = [None] * len(shards) if at_open else column(shards, "labels", None)
-    return [(images, *([] if label is None else [label]), *(f.files(k)[0] for f in fields))
-            for k, (images, label) in enumerate(zip(column(shards, "images"), labels))]
+        first = column_view(manifest["lmdb_shards"], "path")
+    else:
+        shards = manifest.get("shards", [])
+        first = column_view(shards, "images")
+        if not at_open:  # (a shard without a labels file has None there)
+            labels = column_view(shards, "labels", None)
+            return FileGroups([first, labels, *(_FieldFiles(f, len(first)) for f in fields)], len(first))
+    return FileGroups([first, *(_FieldFiles(f, len(first)) for f in fields)], len(first))
 
 
 def image_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
@@ -50,13 +114,13 @@ def image_streamed(manifest: dict[str, Any], storage: str) -> frozenset[str]:
         return frozenset()
     if manifest.get("format") == IMAGES_NPY:  # each shard's other files come with it
         at_open = labels_at_open(manifest)
-        names = {f for group in shard_groups(manifest, at_open) for f in group}
+        names = set(shard_groups(manifest, at_open).flat()[0])
         names.update(present(manifest.get("shards", []), "labels"))  # (unread with all_labels)
         if "all_labels" in manifest and not at_open:
             names.add(manifest["all_labels"])
         return frozenset(names)
     if "lmdb_shards" in manifest:
-        return frozenset(f for group in shard_groups(manifest, False) for f in group)
+        return frozenset(shard_groups(manifest, False).flat()[0])
     return frozenset()
 
 
