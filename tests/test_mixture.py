@@ -3,6 +3,7 @@ world size (real torchrun on gloo), mix="batch", tokens, streamed sources, bad i
 `fastdata preprocess`."""
 from __future__ import annotations
 
+import itertools
 import json
 import tracemalloc
 from collections import Counter
@@ -368,6 +369,10 @@ def test_token_sources_mix_as_windows(tmp_path, mixed_sets):
 
     mix = open_spec(parse_mix([f"web={tmp_path / 'web'}:0.75", f"code={tmp_path / 'code'}:0.25"]), seq_len=16)
     assert isinstance(mix.sources[0], TokenDataset) and mix.weights == {"web": 0.75, "code": 0.25}
+    for spec in ([f"web={tmp_path / 'web'}", f"pics={mixed_sets['a']}"], [f"pics={mixed_sets['a']}",
+                                                                       f"web={tmp_path / 'web'}"]):
+        with pytest.raises(ConfigError, match="sources '(web|pics)' and '(web|pics)' differ"):  # (AttributeError)
+            open_spec(parse_mix(spec), seq_len=16)
     ref = stream(mix, 64)
     for t, (x, y) in enumerate(FastLoader(mix, 16, num_threads=2)):
         want = np.sort(ref[t * 16:(t + 1) * 16])
@@ -560,7 +565,7 @@ def served_in_order(samplers: list[MixtureSampler], steps: int | None) -> tuple[
     for r, batches in enumerate(got):
         for t, b in enumerate(batches):
             units = b.reshape(-1, s0.unit)
-            out[(t * per + np.arange(len(units))) * world + r] = units
+            out[(t * world + r) * per + np.arange(len(units))] = units  # (rank r's block of each step)
     for s in samplers:
         s.advance(n)
     assert start == s0.start
@@ -631,6 +636,148 @@ def test_sources_of_two_billion_samples_cost_a_window(mixed_sets):
     t = MixtureSampler(mix, 256, rank=0, world_size=3)
     t.load_state_dict(state)
     assert t.position() == 8 * 256 and t.state_dict()["sources"]["x"]["epoch"] == 0
+
+
+def _each_source_in_its_orders(mix: Mixture, sizes, codes: np.ndarray) -> None:
+    from fastdata.loading.order import EpochOrder
+
+    for j, n in enumerate(sizes):  # each source: its own orders, epoch after epoch, nothing left out
+        seq = per_source(codes, j)
+        ref = np.concatenate([EpochOrder(n, mix.source_seed(j), e).at(np.arange(n)) for e in range(len(seq) // n + 1)])
+        assert np.array_equal(seq, ref[:len(seq)]), j
+
+
+@pytest.mark.parametrize("stop", ["first", "all"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_drop_last_never_leaves_an_epoch_of_stop_first_or_all_empty(stop, world):
+    """NOTE [mixture] 4: an epoch drop_last rounds down leaves a source's rest under a step; the next epoch of
+    stop="first" aimed at that rest alone, was cut to no batch, and so was every epoch after it (nothing moved:
+    training went on with empty epochs). Sources smaller than a step did it from the first epoch. Every epoch
+    serves a batch now, the same on every rank, and each source still walks its orders exactly once each."""
+    for sizes, weights in (((100, 37, 60), [0.5, 0.3, 0.2]), ((3, 5), [0.5, 0.5]), ((2000, 9), [0.9, 0.1])):
+        mix = Mixture([Sized(n) for n in sizes], weights=weights, seed=4, stop=stop)
+        ranks = [MixtureSampler(mix, 16, drop_last=True, rank=r, world_size=world) for r in range(world)]
+        parts = []
+        for epoch in range(8):
+            part, steps = served_in_order(ranks, None)
+            assert steps >= 1, (sizes, epoch)
+            parts.append(part)
+            for s in ranks:
+                s.end_epoch()
+        _each_source_in_its_orders(mix, sizes, np.concatenate(parts))
+    loader = FastLoader(Mixture({"a": Sized(100), "b": Sized(37)}, seed=4, stop=stop), 16, drop_last=True)
+    for epoch in range(6):
+        loader.set_epoch(epoch)
+        assert len(loader) >= 1, epoch
+    with pytest.raises(ConfigError, match="epoch_size=20 is less than one step"):
+        MixtureSampler(Mixture([Sized(50), Sized(50)], epoch_size=20), 8, drop_last=True, rank=0, world_size=3)
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_every_ranks_batch_holds_each_sources_share(world):
+    """NOTE [mixture] 1: ranks took every world-th position, which the schedule's alternation lines up with:
+    at weights 0.5/0.5 on 2 ranks rank 0 served only one source and rank 1 only the other (per-rank BatchNorm
+    saw one source). Each rank's batch is a block of the step now: within the schedule's bound of every share."""
+    for weights in ([0.5, 0.5], [0.5, 0.3, 0.2], [0.25] * 4, [0.7, 0.3]):
+        mix = Mixture([Sized(1000) for _ in weights], weights=weights, seed=0)
+        depth = max(1, (len(weights) - 1).bit_length())
+        for r in range(world):
+            s = MixtureSampler(mix, 32, rank=r, world_size=world)
+            for b in itertools.islice(s.batches(), 20):
+                counts = np.bincount(b >> SHIFT, minlength=len(weights))
+                assert np.all(np.abs(counts - 32 * np.array(weights)) <= 2 * depth + 1), (weights, r, counts)
+
+
+def test_a_state_with_other_orders_data_or_batch_positions_is_refused_by_name():
+    """A state resumed on another shuffle or shuffle_window of a source, on other data of a source (its
+    manifest's digest), or with mix="batch" at another batch_size (a position is a batch: positions counted
+    in the old one) was accepted and repeated and skipped samples; now each is refused, by name."""
+    class Versioned(WindowedSized):
+        def __init__(self, n: int, version: str) -> None:
+            super().__init__(n, 10)
+            self.manifest_sha256 = version
+
+    def state_of(**kw):
+        s = MixtureSampler(Mixture({"a": Versioned(50, "1" * 64), "b": Versioned(30, "2" * 64)}, seed=1, **kw), 4,
+                           rank=0, world_size=1)
+        s.advance(3)
+        return json.loads(json.dumps(s.state_dict()))
+
+    def resume(state, batch=4, **kw):
+        sources = kw.pop("sources", {"a": Versioned(50, "1" * 64), "b": Versioned(30, "2" * 64)})
+        MixtureSampler(Mixture(sources, seed=1, **kw), batch, rank=0, world_size=2).load_state_dict(state)
+
+    resume(state_of())  # (the same at another world size)
+    with pytest.raises(ConfigError, match="source 'a' was saved with shuffle_window=2 \\(now None\\)"):
+        resume(state_of(shuffle_window={"a": 2, "b": None}))
+    with pytest.raises(ConfigError, match="source 'b' was saved with shuffle=True \\(now False\\)"):
+        resume(state_of(), shuffle={"a": True, "b": False})
+    with pytest.raises(ConfigError, match="source 'b' was saved with other data: its manifest's sha256 was 2222"):
+        resume(state_of(), sources={"a": Versioned(50, "1" * 64), "b": Versioned(30, "3" * 64)})
+    with pytest.raises(ConfigError, match="mix='batch' and batch_size=4 .* resume with batch_size=4"):
+        resume(state_of(mix="batch"), batch=8, mix="batch")
+    resume(state_of(mix="batch"), batch=4, mix="batch")
+    resume(state_of(), batch=8)  # (mix="sample": a position is a sample, at any batch size)
+    old = state_of()
+    for key in ("shuffle", "shuffle_window", "versions", "draws_a_position"):  # a state saved before these
+        del old["mixture"][key]
+    resume(old, shuffle={"a": True, "b": False})
+
+
+def _tampered(state: dict, path: tuple, value) -> dict:
+    state = json.loads(json.dumps(state))
+    *head, last = path
+    at = state
+    for key in head:
+        at = at[key]
+    if value is KeyError:
+        del at[last]
+    else:
+        at[last] = value
+    return state
+
+
+@pytest.mark.parametrize("path, value", [
+    (("position",), None), (("position",), "12"), (("position",), -4), (("epoch",), 1.5), (("epoch",), True),
+    (("segments",), None), (("segments",), []), (("segments", 0, "weights"), KeyError),
+    (("segments", 0, "cursors", "b"), KeyError), (("segments", 0, "cursors", "a"), "x"),
+    (("segments", 0, "cursors", "a"), 2 ** 70), (("segments", 0, "cursors", "a"), -500),
+    (("segments", 0, "weights", "a"), 0), (("segments", 0, "start"), None), (("mixture", "sources"), None),
+    (("mixture", "sizes"), [50]), (("mixture", "sources"), ["a", "a"])])
+def test_a_damaged_state_is_refused_with_what_is_wrong(path, value):
+    """Each damage gave a bare TypeError/KeyError/OverflowError, or was accepted (a missing cursor read as
+    0: the source started its epoch over)."""
+    s = MixtureSampler(Mixture({"a": Sized(50), "b": Sized(30)}, seed=1), 4, rank=0, world_size=1)
+    s.advance(3)
+    state = s.state_dict()
+    t = MixtureSampler(Mixture({"a": Sized(50), "b": Sized(30)}, seed=1), 4, rank=0, world_size=1)
+    t.load_state_dict(json.loads(json.dumps(state)))  # (the state itself loads)
+    with pytest.raises(ConfigError, match="damaged|another mixture"):
+        t.load_state_dict(_tampered(state, path, value))
+
+
+def test_weights_of_numpy_numbers_int_keys_and_huge_values_are_taken():
+    mix = Mixture([Sized(10), Sized(10)], weights=np.array([1, 3]))
+    assert mix.weights == {"0": 0.25, "1": 0.75}
+    mix.set_weights(np.array([0.5, 0.5], dtype=np.float32))
+    assert mix.weights == {"0": 0.5, "1": 0.5}
+    mix.set_weights({0: 0.7, 1: 0.3})  # (a list's sources are named "0", "1")
+    assert mix.weights == {"0": 0.7, "1": 0.3}
+    mix.set_weights([1e308, 1e308])  # (their sum overflows)
+    assert mix.weights == {"0": 0.5, "1": 0.5}
+
+
+def test_a_mix_option_keeps_a_urls_port():
+    from fastdata.datasets.mix_config import parse_one
+
+    assert parse_one("web=http://localhost:9000/bucket/web") == ("web", "http://localhost:9000/bucket/web", 1.0)
+    assert parse_one("web=http://localhost:9000/bucket/web:0.5") == ("web", "http://localhost:9000/bucket/web", 0.5)
+    assert parse_one("http://127.0.0.1:8080/data/web") == ("web", "http://127.0.0.1:8080/data/web", 1.0)
+    assert parse_one("web=http://localhost:9000") == ("web", "http://localhost:9000", 1.0)
+    assert parse_one("web=s3://bucket/web:2") == ("web", "s3://bucket/web", 2.0)
+    assert parse_one("/data/web:0.25") == ("web", "/data/web", 0.25)
+    with pytest.raises(ConfigError, match="must be a number"):
+        parse_one("web=/data/web:lots")
 
 
 # -- bad input ----------------------------------------------------------------------------------------------
@@ -943,20 +1090,19 @@ def test_span_is_at_of_a_run():
 
 
 def test_the_served_stream_is_the_one_of_before_the_runs():
-    """A digest of the batches three epochs of a fixed mixture give on 1 and 3 ranks, both mixes, a weight-0
-    source, small sources (many source epochs a chunk), as the sampler served them before it dealt runs: the
-    order a saved state resumes is the same across versions."""
+    """A digest of the global stream three epochs of a fixed mixture give on 1 and 3 ranks (each rank's batches
+    put at their positions), both mixes, a weight-0 source, small sources (many source epochs a chunk), as the
+    sampler served it before it dealt runs, and before ranks took blocks of each step: the order a saved state
+    resumes is the same across versions."""
     import hashlib
 
     h = hashlib.sha256()
     for mix_kind in ("sample", "batch"):
         mix = Mixture([Sized(n) for n in (3000, 1700, 900, 50)], weights=[0.4, 0.3, 0.0, 0.3], seed=3, mix=mix_kind)
         for world in (1, 3):
-            for rank in range(world):
-                s = MixtureSampler(mix, 24, rank=rank, world_size=world)
-                for _ in range(3):
-                    for b in s.batches():
-                        h.update(b.tobytes())
-                        s.advance()
+            ranks = [MixtureSampler(mix, 24, rank=r, world_size=world) for r in range(world)]
+            for _ in range(3):
+                h.update(served_in_order(ranks, None)[0].tobytes())
+                for s in ranks:
                     s.end_epoch()
-    assert h.hexdigest() == "a2e6eeb718fd35009b80826e2412a254226a97833c14571cb05f726da6dfc711"
+    assert h.hexdigest() == "568ab6dfe21ece0edb74efcb6de82f585d2f75b89270e5e8db011e88daa65086"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -50,7 +51,8 @@ def parse_one(text: str) -> tuple[str, str, float]:
         name, rest = "", text
     path, weight = rest, 1.0
     head, colon, tail = rest.rpartition(":")
-    if colon and head and not tail.startswith("//"):
+    port = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/]*", head) and tail.isdigit()  # scheme://host:PORT
+    if colon and head and "/" not in tail and not port:  # (a weight has no "/": s3://b/x, host:9000/b/x)
         path, weight = head, _weight(tail, f"--mix {text}")
     if not path:
         raise ConfigError(f"--mix {text}: no dataset path (name=PATH:WEIGHT, e.g. web=s3://bucket/web:0.7)")
@@ -130,9 +132,10 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
             datasets[name] = FastDataset(opened, storage=storage, device=device)
     first = next(iter(datasets))
     for name, ds in datasets.items():
-        if getattr(ds, "classes", None) != getattr(datasets[first], "classes", None):
-            raise ConfigError(f"sources {first!r} and {name!r} have different classes ({datasets[first].classes[:3]}"
-                              f"... vs {ds.classes[:3]}...): a classifier needs one label space")
+        mine, theirs = getattr(datasets[first], "classes", None), getattr(ds, "classes", None)
+        if mine is not None and theirs is not None and mine != theirs:  # (tokens and images: Mixture says so)
+            raise ConfigError(f"sources {first!r} and {name!r} have different classes ({mine[:3]}... vs "
+                              f"{theirs[:3]}...): a classifier needs one label space")
     return Mixture(datasets, {n: w for n, (_, w) in spec.sources.items()}, seed=seed, mix=spec.mix, stop=spec.stop,
                    epoch_size=spec.epoch_size, shuffle_window=shuffle_window,
                    cache_limit=cache_limit if shares else None)

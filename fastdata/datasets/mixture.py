@@ -3,8 +3,10 @@
 NOTE [mixture]: the rules a `Mixture` served by FastLoader keeps (the order itself lives in
 fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
 
-1. One global stream of positions, the same for every world size; rank ``r`` of ``world`` serves the
-   stream's positions ``r, r + world, ...`` of each step, as for one dataset (NOTE [epoch plan]).
+1. One global stream of positions, the same for every world size, served a step of ``world * batch_size``
+   positions at a time; rank ``r`` serves the ``r``-th block of ``batch_size`` positions of each step, so
+   every rank's batch holds each source's share (with ``mix="batch"`` a position is a batch: position ``r``
+   of each step). Every position before a step's end is served when every rank has served its batch.
 2. Which source a position takes is a function of ``(seed, epoch, position)`` and the weights: a
    low-discrepancy schedule (NOTE [mixture schedule]), so every window of 10,000 positions holds each
    source's share within a few samples, not only on average.
@@ -16,7 +18,11 @@ fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
    ``stop="first"`` when the first source finishes the source epoch it was in when the mixture's epoch
    began, ``stop="all"`` when every source (of positive weight) has. It is served in whole steps of
    ``world * batch_size`` positions (rounded up; down with ``drop_last``): the extra positions are the
-   stream's next draws, never repeats, and the next epoch starts where this one stopped.
+   stream's next draws, never repeats, and the next epoch starts where this one stopped. An epoch of
+   ``stop="first"`` or ``"all"`` that ``drop_last`` would round down to no step (a source's rest after the
+   epoch before, sources smaller than a step) is never empty: a source whose rest its first step takes
+   runs on to the end of its next epoch. ``stop=None`` with ``drop_last`` refuses an ``epoch_size`` under
+   one step.
 5. ``mix="batch"``: the schedule deals whole batches instead of samples (a position is one batch of
    ``batch_size`` consecutive draws of one source); batches say their source (``(x, y, source)``, or a
    ``"source"`` entry), ``source`` being each row's number in `Mixture.names`.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -186,26 +193,29 @@ class Mixture:
         if weights is None:
             return [1.0 / len(self.names)] * len(self.names)
         if isinstance(weights, Mapping):
-            unknown = sorted(set(map(str, weights)) - set(self.names))
+            by_name = {str(k): w for k, w in weights.items()}  # (a list's sources are named "0", "1", ...)
+            unknown = sorted(set(by_name) - set(self.names))
             if unknown:
                 raise ConfigError(f"weights name source {unknown[0]!r}, which is not in the mixture "
                                   f"(sources: {self.names})")
-            missing = [n for n in self.names if n not in weights]
+            missing = [n for n in self.names if n not in by_name]
             if missing:
                 raise ConfigError(f"weights give no weight for source {missing[0]!r}: give every source one (0 "
                                   "to leave it out)")
-            values = [weights[n] for n in self.names]
+            values = [by_name[n] for n in self.names]
         else:
             values = list(weights)
             if len(values) != len(self.names):
                 raise ConfigError(f"weights has {len(values)} values for {len(self.names)} sources {self.names}")
-        for name, w in zip(self.names, values):
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+        for name, w in zip(self.names, values):  # (numpy's numbers too)
+            if not isinstance(w, numbers.Real) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
                 raise ConfigError(f"the weight of source {name!r} must be a finite number >= 0, got {w!r}")
-        total = float(sum(values))
-        if total <= 0:
+        top = max(float(w) for w in values)
+        if top <= 0:
             raise ConfigError(f"weights must not all be zero, got {dict(zip(self.names, values))}")
-        return [float(w) / total for w in values]
+        scaled = [float(w) / top for w in values]  # (first: a sum of huge weights would overflow)
+        total = sum(scaled)
+        return [w / total for w in scaled]
 
     # -- weights --------------------------------------------------------------------------------------
     @property

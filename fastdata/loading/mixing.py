@@ -27,7 +27,7 @@ from ..distributed import dist_rank_world
 from ..errors import ConfigError
 from .order import EpochOrder, group_by_shard
 from .sampler import DistributedBatchSampler
-from .schedule import Schedule, quantise
+from .schedule import Q, Schedule, quantise
 
 END = 1 << 62  # "num_samples" of a mixture state: past the end of any epoch (see state_dict)
 
@@ -86,6 +86,10 @@ class MixtureSampler:
         self._quantised: Optional[tuple[tuple[float, ...], list[int]]] = None
         self._previous_end = 0
         self.seg = self._first_segment(0, np.zeros(len(self.sizes), dtype=np.int64))
+        if mixture.stop is None and drop_last and pad and self.seg.length < self.world_size * self.per:
+            raise ConfigError(f"epoch_size={mixture.epoch_size} is less than one step of {self.world_size} ranks "
+                              f"x batch_size={batch_size} and drop_last=True drops it: every epoch would be "
+                              "empty; raise epoch_size or pass drop_last=False")
         self.start, self.served = 0, 0
 
     @staticmethod
@@ -123,7 +127,17 @@ class MixtureSampler:
     def _first_segment(self, epoch: int, cursors: np.ndarray) -> Segment:
         """Epoch ``epoch`` from its start, the sources at ``cursors``, under the mixture's weights."""
         targets = (cursors // self.sizes + 1) * self.sizes  # the end of each source's current epoch
-        return self._segment(epoch, 0, cursors, targets, self.mixture._weights)
+        seg = self._segment(epoch, 0, cursors, targets, self.mixture._weights)
+        step = self.world_size * self.per
+        if self.mixture.stop is not None and self.pad and self.drop_last and 0 < seg.length < step:
+            # Rounded down to no step, nothing would be served and nothing move: every epoch after it empty
+            # too (a source's rest after an epoch rounded down, or sources smaller than a step). A source
+            # whose rest the first step takes aims at the end of its epoch after the draws that step gives it.
+            took = np.array([seg.schedule.count(k, step) * self.unit for k in range(len(targets))], dtype=np.int64)
+            short = cursors + took >= targets
+            targets[short] = ((cursors + took) // self.sizes + 1)[short] * self.sizes[short]
+            seg = self._segment(epoch, 0, cursors, targets, self.mixture._weights)
+        return seg
 
     def _length(self, seg: Segment) -> int:
         """The epoch's nominal end (NOTE [mixture] 4)."""
@@ -247,17 +261,27 @@ class MixtureSampler:
                 out[sel[lo - draw:hi - draw]] = samples | code if k else samples
 
     def _rank_count(self, seg: Segment, start: int) -> int:
-        return len(range(self.rank, self._end(seg, start) - start, self.world_size))
+        """The positions this rank serves of ``seg`` resumed at ``start``: its block of each step (NOTE [mixture]
+        1), the last step's perhaps short or empty (``pad=False``)."""
+        per, step = self.per, self.world_size * self.per
+        steps, rest = divmod(self._end(seg, start) - start, step)
+        return steps * per + min(per, max(0, rest - self.rank * per))
 
     def _stream(self, seg: Segment, start: int, served: int, orders: Optional[list[dict[int, EpochOrder]]] = None
                 ) -> Iterator[np.ndarray]:
-        """This rank's batches of ``seg`` resumed at ``start``, from batch ``served`` on, a chunk at a time."""
-        count, per = self._rank_count(seg, start), self.per
+        """This rank's batches of ``seg`` resumed at ``start``, from batch ``served`` on, a chunk at a time: its
+        ``c``-th position is the ``c % per``-th of its block in step ``c // per`` (NOTE [mixture] 1)."""
+        count, per, world = self._rank_count(seg, start), self.per, self.world_size
         step = per * max(1, (1 << 16) // self.batch_size)
         for c0 in range(served * per, count, step):
-            positions = range(start + c0 * self.world_size + self.rank,
-                              start + min(count, c0 + step) * self.world_size + self.rank, self.world_size)
-            chunk = self.codes(seg, positions, orders)
+            c1 = min(count, c0 + step)
+            positions: Union[range, np.ndarray]
+            if world == 1 or per == 1:  # (one rank, or a position a batch: every world-th position from rank's)
+                positions = range(start + c0 * world + self.rank, start + c1 * world + self.rank, world)
+            else:
+                c = np.arange(c0, c1, dtype=np.int64)
+                positions = start + (c // per) * (world * per) + self.rank * per + c % per
+            chunk = self.codes(seg, positions, orders, ascending=True)
             for i in range(0, len(chunk), self.batch_size):
                 yield chunk[i:i + self.batch_size]
 
@@ -326,19 +350,29 @@ class MixtureSampler:
         if self._previous is not None:
             segments.insert(0, self._record(self._previous, self._previous_end))
         return {"mixture": {"sources": list(m.names), "sizes": [int(n) for n in m.sizes], "seed": m.seed,
-                            "mix": m.mix, "stop": m.stop, "epoch_size": m.epoch_size_given},
+                            "mix": m.mix, "stop": m.stop, "epoch_size": m.epoch_size_given,
+                            "draws_a_position": self.unit, **self._orders_and_versions()},
                 "epoch": self.epoch, "position": p, "num_samples": END,
                 "sources": {n: {"epoch": int(c // s), "position": int(c % s)}
                             for n, c, s in zip(m.names, cursors.tolist(), self.sizes.tolist())},
                 "weights": dict(zip(m.names, self.seg.shares)),
                 "segments": segments}
 
+    def _orders_and_versions(self) -> dict[str, dict[str, Any]]:
+        """Each source's order options and the version of its data (its manifest's digest, where it has one):
+        a state resumed on other orders or other data would repeat and skip samples."""
+        m = self.mixture
+        versions = {n: getattr(ds, "manifest_sha256", None) for n, ds in zip(m.names, m.sources)}
+        return {"shuffle": dict(zip(m.names, m.shuffle)), "shuffle_window": dict(zip(m.names, m.shuffle_window)),
+                "versions": {n: v for n, v in versions.items() if v is not None}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved stream (at any world size); the mixture's weights, if they differ from the saved
         ones, apply from the saved position on (NOTE [mixture] 6).
 
         Raises:
-            ConfigError: the state is from another mixture (other seed, sources, sizes or options: named).
+            ConfigError: the state is from another mixture (other seed, sources, sizes, options, orders or
+                versions of a source's data: named), or damaged.
         """
         self._check_state(state)
         epoch, position = int(state["epoch"]), int(state["position"])
@@ -379,7 +413,25 @@ class MixtureSampler:
             if saved.get(key) != value:
                 raise ConfigError(f"the state is from another mixture: it was saved with {key}={saved.get(key)!r}, "
                                   f"this mixture has {key}={value!r}")
+        _check_shape(state)
+        unit = saved.get("draws_a_position", self.unit)  # (states saved before it was recorded: unchecked)
+        if unit != self.unit:
+            raise ConfigError(f"the state was saved with mix='batch' and batch_size={unit} (a position is a batch "
+                              f"of {unit} draws), this loader has batch_size={self.batch_size}: resume with "
+                              f"batch_size={unit} (any number of ranks)")
         sizes = dict(zip(saved["sources"], saved["sizes"]))
+        mine_now = self._orders_and_versions()
+        for key, said in (("shuffle", "shuffle={} (now {})"), ("shuffle_window", "shuffle_window={} (now {})"),
+                          ("versions", "other data: its manifest's sha256 was {}, now {}")):
+            then = saved.get(key)
+            if not isinstance(then, dict):
+                continue  # (a state saved before these were recorded)
+            for name, value in then.items():
+                now = mine_now[key].get(name, value)
+                if name in sizes and now != value:
+                    raise ConfigError(f"source {name!r} was saved with " + said.format(_short(value), _short(now)) +
+                                      ": its order would repeat and skip samples; resume with the sources and "
+                                      "options the run started with, or start the run over")
         for name in sizes:
             if name not in m.names:
                 raise ConfigError(f"the state has source {name!r}, which this mixture lacks (sources: {m.names})")
@@ -390,6 +442,50 @@ class MixtureSampler:
             if name in sizes and sizes[name] != n:
                 raise ConfigError(f"source {name!r} has {n} samples but the state's had {sizes[name]}: it is "
                                   "another dataset")
+
+
+def _short(value: Any) -> str:
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else repr(value)
+
+
+def _check_shape(state: dict[str, Any]) -> None:
+    """Refuse a mixture state whose entries are not what `MixtureSampler.state_dict` writes (a damaged or
+    edited state would otherwise resume at a wrong place, or fail later with a bare Python error)."""
+    def count(value: Any, what: str) -> int:
+        if type(value) is not int or not 0 <= value <= END:
+            raise ConfigError(f"the mixture state is damaged: {what} is {value!r}, not an integer in [0, 2**62]; "
+                              "load the state the loader saved, unchanged")
+        return value
+
+    def by_source(value: Any, what: str) -> None:
+        if not isinstance(value, dict) or set(value) != set(names):
+            raise ConfigError(f"the mixture state is damaged: {what} must give each of its sources {names} a "
+                              f"value, got {value!r}; load the state the loader saved, unchanged")
+        for name in names:
+            count(value[name], f"{what}[{name!r}]")
+
+    saved = state["mixture"]
+    names, sizes = saved.get("sources"), saved.get("sizes")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(sizes, list)
+            and len(sizes) == len(names) and len(set(names)) == len(names)):
+        raise ConfigError(f"the mixture state is damaged: its sources {names!r} and sizes {sizes!r} do not match; "
+                          "load the state the loader saved, unchanged")
+    for k, n in enumerate(sizes):
+        count(n, f"sizes[{k}]")
+    count(state.get("epoch"), "epoch")
+    count(state.get("position"), "position")
+    segments = state["segments"]
+    if not isinstance(segments, list) or not 1 <= len(segments) <= 2 or not all(isinstance(r, dict) for r in segments):
+        raise ConfigError(f"the mixture state is damaged: 'segments' must be a list of one or two records, got "
+                          f"{segments!r}; load the state the loader saved, unchanged")
+    for i, rec in enumerate(segments):
+        for key in ("epoch", "start", "end"):
+            count(rec.get(key), f"segments[{i}][{key!r}]")
+        for key in ("cursors", "targets", "weights"):
+            by_source(rec.get(key), f"segments[{i}][{key!r}]")
+        if sum(rec["weights"].values()) != Q:
+            raise ConfigError(f"the mixture state is damaged: segments[{i}]'s weights {rec['weights']} do not sum "
+                              f"to {Q}; load the state the loader saved, unchanged")
 
 
 class Coming:

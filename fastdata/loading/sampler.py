@@ -262,6 +262,9 @@ class DistributedBatchSampler:
         Raises:
             ConfigError: The state belongs to another dataset, or to another seed, shuffle or shuffle window.
         """
+        if "mixture" in state:
+            raise ConfigError("the state is a Mixture's (it has a 'mixture' entry): load it into a loader over the "
+                              "same Mixture, not over one dataset")
         if state.get("num_samples") != self.num_samples:
             raise ConfigError(f"the state is for {state.get('num_samples')} samples but this dataset has "
                               f"{self.num_samples}: it belongs to another dataset")
