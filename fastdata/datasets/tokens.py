@@ -21,14 +21,14 @@ from .. import _limits
 from .._io import trim_heap
 from ..errors import ConfigError, FormatError
 from ..formats.manifest import TOKENS, manifest_digest
-from ..formats.rows import int_column, pairs
+from ..formats.rows import column_view, int_column, pairs
 from ..formats.token_shards import splitmix
 from ..formats.tokenizer import Tokenizer, load_tokenizer
 from ..storage.cache import ShardCache
 from ..storage.object_store import RETRY_SECONDS
 from ..storage.opening import OpenedPath, StreamedReads, open_path
 from ..storage.shards import Indices, ShardMaps, ShardSet, batch_rows, map_npy, open_shards
-from ..storage.streamed import token_streamed
+from ..storage.streamed import FileGroups, token_streamed
 from .window_copy import Segments, WindowCopy
 
 _TORCH_DTYPES = {np.dtype("<u2"): torch.uint16, np.dtype("<u4"): torch.uint32}
@@ -187,7 +187,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                 arr = map_npy(root, tokens.files[s][0], (tokens.files[s][1],), dtype)
                 return arr, windows(arr, length, void)
             closer = (lambda s, path: maps.drop(s)) if bounded else None  # (a map would keep an evicted file's disk)
-            self._cache = ShardCache(self._remote, tokens.names(), opener, limit=self._limit, closer=closer)
+            names = FileGroups([column_view(shards, "path")], len(shards))  # (a view: no name kept a shard)
+            self._cache = ShardCache(self._remote, names, opener, limit=self._limit, closer=closer)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, maps, None, []
             self._flat_rows = self._copy_table = None
             self._hold()
