@@ -206,7 +206,32 @@ def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputE
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         return DiskFullError(
             f"no space left while writing {path} ({os.strerror(exc.errno)}; {free / 2**20:.1f} MiB free): {advice}")
-    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
+    where = Path(exc.filename) if isinstance(exc.filename, str) else path
+    what = {errno.EISDIR: f"remove the folder {where}, which is in the way of a file",
+            errno.ENOTDIR: f"a file stands where a folder on the way to {where} should be: remove that file",
+            errno.ELOOP: f"{where} is a symbolic link, which fastdata never writes through: remove it",
+            errno.EACCES: "give this user write permission there, or write elsewhere",
+            errno.EPERM: "give this user write permission there, or write elsewhere",
+            errno.EROFS: "the file system is read-only: write elsewhere"}.get(exc.errno)
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}" + (f"; {what}" if what else ""))
+
+
+def read_regular(path: Path, limit: int = 64 << 20) -> bytes:
+    """The bytes of the small regular file at ``path`` (a record of a shared folder: a copy's stamp, a cache
+    folder's source), never through a link at its name, never blocking on a FIFO someone put there.
+
+    Raises:
+        OSError: There is none, it is not a regular file (a link, a FIFO, a folder) or it is over ``limit``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(errno.EINVAL, "not a regular file of a record's size", str(path))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()  # (its size checked above)
+    finally:
+        os.close(fd)
 
 
 def open_new(path: Path, mode: int = 0o644) -> Any:
@@ -342,8 +367,10 @@ def fsync_dir(path: Path) -> None:
 #    `contained_sizes`, which stats a plain file name beside the folder's descriptor and hands it the rest).
 def plain_relative(root: Path, rel: Any) -> None:
     """Refuse a manifest path that is not a plain relative path (NOTE [manifest paths] 1): no file is read."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
-        raise FormatError(f"manifest path {rel!r} is not a plain relative path inside {root}: refusing to use it")
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/") or "\0" in rel:
+        raise FormatError(f"manifest path {rel!r} is not a plain relative path inside {root}: refusing to use it; "
+                          "the manifest is damaged or was not written by fastdata: make the dataset again "
+                          "(`fastdata preprocess`) or restore its manifest")
 
 
 def contained_stat(root: Path, rel: str) -> Optional[os.stat_result]:

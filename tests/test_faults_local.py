@@ -571,6 +571,75 @@ def test_a_planted_copy_is_refused_and_a_removed_one_is_made_again(indexed_datas
             FastDataset(src, storage="shm", shm_dir=base)
 
 
+def test_a_fifo_or_folder_at_a_copys_names_neither_hangs_nor_breaks_the_advice(indexed_datasets, tmp_path):
+    """A FIFO at a copy's record (.json) hung the open (storage="shm") and `fastdata shm list` for ever; a
+    folder at the copy's name was refused with advice to `fastdata shm remove`, which then crashed with
+    IsADirectoryError; a folder at a leftover temporary name did too."""
+    from fastdata.cli.main import main
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import OutputError
+
+    src = indexed_datasets["npy"]
+    base = shared_folder(tmp_path)
+    target = copy_path(base, src)
+    good = FastDataset(src).get_batch([5])[0].numpy()
+    np.save(target, np.zeros((100, 8, 8, 3), np.uint8))
+    os.mkfifo(target.with_suffix(".json"))
+    code = ("import sys; from fastdata.datasets.images import FastDataset; from fastdata.cli.main import main\n"
+            "try:\n    FastDataset(sys.argv[1], storage='shm', shm_dir=sys.argv[2])\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "main(['shm', 'list', '--dir', sys.argv[2]])")
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(base)], capture_output=True, text=True, timeout=60)
+    assert "OutputError" in r.stdout and "is not the file its creator stamped" in r.stdout, r.stdout + r.stderr
+    target.unlink()
+    target.mkdir()  # a folder at the copy's name
+    (target / "inside").write_bytes(b"x")
+    with pytest.raises(OutputError, match=r"is not a regular file; remove it \(`fastdata shm remove"):
+        FastDataset(src, storage="shm", shm_dir=base)
+    assert main(["shm", "remove", target.stem[9:], "--dir", str(base)]) == 0  # the advice works
+    assert not os.path.lexists(target) and not os.path.lexists(target.with_suffix(".json"))
+    stale = target.with_name(target.name + ".tmp-1-planted")
+    stale.mkdir()  # a folder at a temporary name: removed as a leftover
+    assert np.array_equal(FastDataset(src, storage="shm", shm_dir=base).get_batch([5])[0].numpy(), good)
+    assert not os.path.lexists(stale)
+
+
+def test_a_nul_in_a_manifest_path_is_refused_as_a_path(indexed_datasets, tmp_path):
+    """It gave a bare ValueError (embedded null byte) from the first system call."""
+    import shutil
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+
+    shutil.copytree(indexed_datasets["npy"], tmp_path / "ds")
+    m = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    m["shards"][1]["images"] = "images-00001.npy\u0000x"
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match=r"is not a plain relative path .*make the dataset again"):
+        FastDataset(tmp_path / "ds")
+
+
+def test_a_write_refused_by_what_is_in_the_way_says_what_to_remove(tmp_path):
+    """'cannot write X: Is a directory' left the user to guess; the error now says what to do."""
+    import errno
+
+    from fastdata._io import disk_error, open_new
+
+    (tmp_path / "images-00000.npy").mkdir()
+    with pytest.raises(OSError) as caught:
+        open(tmp_path / "images-00000.npy", "wb")
+    said = str(disk_error(caught.value, tmp_path / "images-00000.npy"))
+    assert f"remove the folder {tmp_path / 'images-00000.npy'}, which is in the way of a file" in said, said
+    (tmp_path / "a-file").write_bytes(b"x")
+    with pytest.raises(OSError) as caught:
+        open(tmp_path / "a-file" / "inside.npy", "wb")
+    assert "should be: remove that file" in str(disk_error(caught.value, tmp_path / "a-file" / "inside.npy"))
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError) as caught:
+        open_new(tmp_path / "link")
+    assert caught.value.errno in (errno.EEXIST, errno.ELOOP)  # (O_EXCL | O_NOFOLLOW: never through the link)
+
+
 def test_planted_symlinks_are_never_followed(indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import OutputError

@@ -4,7 +4,9 @@ with a warm cache, private cache folders and files, and secrets scrubbed from ev
 moto's S3 server on 127.0.0.1 behind the loopback fault proxy (tests/s3_faults.py)."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -271,6 +273,7 @@ def open_umask():
 
 def test_the_node_cache_is_private_by_default_and_shared_with_a_group_on_request(s3, indexed_datasets, tmp_path,
                                                                                monkeypatch, open_umask):
+    from fastdata.datasets.images import FastDataset
     from fastdata.errors import ConfigError, OutputError
     from fastdata.storage.remote import RemoteDataset
 
@@ -298,6 +301,18 @@ def test_the_node_cache_is_private_by_default_and_shared_with_a_group_on_request
         RemoteDataset(url, cache_dir=tmp_path / "c3").prepare()
     monkeypatch.delenv("FASTDATA_CACHE_MODE")
 
+    if os.geteuid() == 0:  # this user's folder left open (0777) holding another user's file: refused, not served
+        loose = RemoteDataset(url, cache_dir=tmp_path / "loose")
+        loose.dir.mkdir(parents=True)
+        os.chmod(loose.dir, 0o777)
+        (loose.dir / "images-00000.npy").write_bytes((indexed_datasets["npy"] / "images-00001.npy").read_bytes())
+        os.chown(loose.dir / "images-00000.npy", 12345, 12345)
+        with pytest.raises(OutputError, match=r"was open to other users \(mode 777\) and holds 'images-00000.npy' "
+                                              r"of user 12345: .*remove the folder"):
+            FastDataset(url, cache_dir=tmp_path / "loose", cache_limit=10 * SHARD_BYTES)
+        os.chown(loose.dir / "images-00000.npy", os.geteuid(), os.getegid())  # (only this user's: made private)
+        FastDataset(url, cache_dir=tmp_path / "loose", cache_limit=10 * SHARD_BYTES)
+        assert stat.S_IMODE(loose.dir.stat().st_mode) == 0o700
     if os.geteuid() == 0:  # another user's folder at this dataset's name (its files could be planted): refused
         planted = RemoteDataset(url, cache_dir=tmp_path / "planted")
         planted.dir.mkdir(parents=True)
@@ -324,6 +339,129 @@ def test_a_symlink_planted_at_a_lock_or_temporary_name_is_not_followed(s3, index
     with pytest.raises(FileExistsError):
         open_new(tmp_path / "tmp-link", 0o600)
     assert target.read_bytes() == b"keep" and not (remote.dir / "images-00000.npy").exists()
+
+
+def _nested(indexed_datasets, root: Path) -> Path:
+    """The indexed npy dataset with its image shards in a folder ``sub/`` (a plain manifest path)."""
+    import shutil
+
+    src = indexed_datasets["npy"]
+    (root / "sub").mkdir(parents=True)
+    m = json.loads((src / "manifest.json").read_text())
+    for f in m["files"]:
+        if f["path"].startswith("images-"):
+            f["path"] = "sub/" + f["path"]
+        shutil.copy(src / f["path"].removeprefix("sub/"), root / f["path"])
+    for shard in m["shards"]:
+        shard["images"] = "sub/" + shard["images"]
+    (root / "manifest.json").write_text(json.dumps(m))
+    return root
+
+
+def test_a_folder_link_planted_in_the_cache_never_lets_an_eviction_delete_outside_it(s3, indexed_datasets,
+                                                                                     tmp_path):
+    """NOTE [shard cache] 20: with the shards in ``sub/`` and ``sub`` in the cache planted as a link to another
+    folder holding files of the shards' names, the cache counted them as cached and its evictions deleted
+    them (then refused the link when it fetched). Now nothing outside is touched, and the link is refused."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import OutputError
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    url = s3("nested") + "/ds"
+    push(_nested(indexed_datasets, tmp_path / "nested"), url)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for k in range(6):
+        (victim / f"images-{k:05d}.npy").write_text(f"precious {k}")
+    cache = RemoteDataset(url, cache_dir=tmp_path / "cache").dir
+    cache.mkdir(parents=True)
+    (cache / "sub").symlink_to(victim)
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES)
+    with pytest.raises(OutputError, match=r"sub is in the way of the node cache: .*remove it"):
+        for k in range(7):
+            ds.get_batch([16 * k])
+    assert sorted(p.name for p in victim.iterdir()) == [f"images-{k:05d}.npy" for k in range(6)]
+    assert all((victim / f"images-{k:05d}.npy").read_text() == f"precious {k}" for k in range(6))
+    (cache / "sub").unlink()
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES)
+    local = FastDataset(indexed_datasets["npy"])
+    for k in range(7):
+        assert np.array_equal(ds.get_batch([16 * k + 1])[0].numpy(), local.get_batch([16 * k + 1])[0].numpy())
+
+
+@pytest.mark.parametrize("limit", [None, 10 * SHARD_BYTES])
+def test_a_cached_shard_of_another_size_or_a_link_at_its_name_is_fetched_again(s3, indexed_datasets, tmp_path, limit):
+    """A truncated file at a streamed shard's name was refused for good ("re-run preprocess": wrong for a remote
+    dataset); a link at a shard's name to another shard of the same size was served. Both are fetched again
+    over the bad file, and the batches are the dataset's."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage.remote import RemoteDataset
+
+    url = _pushed(s3, indexed_datasets, "resized")
+    src = indexed_datasets["npy"]
+    cache = RemoteDataset(url, cache_dir=tmp_path / "cache").dir
+    cache.mkdir(parents=True)
+    (cache / "images-00000.npy").write_bytes((src / "images-00000.npy").read_bytes()[:2000])
+    (cache / "other.npy").write_bytes((src / "images-00002.npy").read_bytes())
+    (cache / "images-00001.npy").symlink_to(cache / "other.npy")  # same size, other samples
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=limit)
+    local = FastDataset(src)
+    idx = [0, 5, 17, 20, 33, 50]
+    assert np.array_equal(ds.get_batch(idx)[0].numpy(), local.get_batch(idx)[0].numpy())
+    assert ds.get_batch([16])[1].tolist() == local.get_batch([16])[1].tolist()
+    assert (cache / "images-00000.npy").stat().st_size == SHARD_BYTES and not (cache / "images-00001.npy").is_symlink()
+
+
+def test_a_manifest_naming_the_caches_own_files_is_refused_before_anything_is_fetched(s3, indexed_datasets,
+                                                                                     tmp_path):
+    """A remote manifest listing ``.locks/shards.pins`` or ``.source.json`` had its objects fetched over the
+    cache's own files (the pins every rank locks; what `fastdata cache list` says the folder mirrors)."""
+    from fastdata._io import new_hash
+    from fastdata.errors import FormatError
+    from fastdata.storage.remote import RemoteDataset
+
+    base = s3("reserved")
+    for k, name in enumerate((".locks/shards.pins", ".source.json", "manifest.json", "images-00000.npy.part-1-x")):
+        m = json.loads((indexed_datasets["npy"] / "manifest.json").read_text())
+        body = b"not the cache's\n"
+        m["files"].append({"path": name, "bytes": len(body), "sha256": new_hash(body).hexdigest()})
+        s3.client.put_object(Bucket="reserved", Key=f"d{k}/{name}", Body=body)
+        s3.client.put_object(Bucket="reserved", Key=f"d{k}/manifest.json", Body=json.dumps(m).encode())
+        with pytest.raises(FormatError, match=rf"lists '{re.escape(name)}', a name the node cache keeps for itself"):
+            RemoteDataset(f"{base}/d{k}", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.source.json"))
+
+
+def test_cache_list_and_remove_with_hostile_files_in_the_cache(s3, indexed_datasets, tmp_path):
+    """A FIFO at a folder's .source.json hung `fastdata cache list` and `cache remove`; a cached manifest
+    naming files outside counted their bytes; a link in the cache's top folder was reported removed and
+    stayed."""
+    import subprocess
+    import sys
+
+    from fastdata.storage.cache_folders import list_cached, remove_cached
+    from fastdata.storage.remote import RemoteDataset
+
+    url = _pushed(s3, indexed_datasets, "listing")
+    root = tmp_path / "cache"
+    RemoteDataset(url, cache_dir=root).prepare()
+    fifo = root / "0123456789abcdef0123"
+    fifo.mkdir(mode=0o700)
+    (fifo / "manifest.json").write_text(json.dumps({"files": [{"path": "/etc/hostname", "bytes": 1},
+                                                              {"path": "../../../../etc/passwd", "bytes": 1}]}))
+    os.mkfifo(fifo / ".source.json")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text(json.dumps({"files": []}))
+    (root / "linked").symlink_to(elsewhere)
+    code = "import sys; from fastdata.storage.cache_folders import list_cached; print(len(list_cached(sys.argv[1])))"
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "2", r.stdout + r.stderr  # (no wait on the FIFO; the link is not a folder of it)
+    listed = {info["id"]: info for info in list_cached(root)}
+    assert listed[fifo.name]["cached_bytes"] == 0 and listed[fifo.name]["url"] == "?"
+    assert sorted(remove_cached([], root)) == sorted(listed)
+    assert not fifo.exists() and (root / "linked").is_symlink() and (elsewhere / "manifest.json").is_file()
 
 
 SECRETS = [  # (text, the secret in it)

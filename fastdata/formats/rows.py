@@ -501,7 +501,7 @@ def column_view(rows: Sequence[dict[str, Any]], key: str, default: Any = _NO_DEF
 
 def suspect_paths(rows: Sequence[dict[str, Any]], key: str = "path") -> list[Any]:
     """The values of ``key`` that may not be plain relative paths (NOTE [manifest paths] in _io.py): every
-    value of a list; of `Rows`, the empty ones, those starting with ``/`` and those holding ``..``, found by
+    value of a list; of `Rows`, the empty ones, those starting with ``/``, holding ``..`` or a NUL, found by
     whole-buffer tests (a million paths are checked at every open). Digests are never suspect."""
     if not isinstance(rows, Rows):
         return column(rows, key)
@@ -515,6 +515,7 @@ def suspect_paths(rows: Sequence[dict[str, Any]], key: str = "path") -> list[Any
     dots = np.flatnonzero((data[:-1] == ord(".")) & (data[1:] == ord(".")))
     row = np.searchsorted(offsets, dots, side="right") - 1
     odd[row[offsets[row + 1] > dots + 1]] = True  # (a `..` inside a row, not a row ending and the next starting `.`)
+    odd[np.searchsorted(offsets, np.flatnonzero(data == 0), side="right") - 1] = True  # a NUL: no path has one
     return [r[key] for r in rows.take(np.flatnonzero(odd))]
 
 

@@ -46,6 +46,10 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
 18. Forked children keep neither pins nor download locks (NOTE [locks across fork] in fastdata/_io.py).
 19. A plain shuffle over more shards than the cache holds reads nearly every shard every few batches: a
     warning (once) says to use a ``shuffle_window``.
+20. The cache makes no links, so it never follows one: a file is cached only when it is a regular file of
+    its manifest's size reached through no link (a link, or a file of another size, is fetched again over
+    it); looks at the disk and evictions walk folders with O_NOFOLLOW, so a link planted in the cache
+    never leads them outside it (`cache_folders._folder_fd`).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ from .._io import scrub
 from ..errors import ConfigError, FastdataError, FormatError
 from . import evict
 from .plan import Plan, horizon
-from .cache_folders import ShardPins, on_disk
+from .cache_folders import ShardPins, cached_size, on_disk, remove_cached_file
 from .remote import RemoteDataset, download_bar
 from .streamed import FileGroups
 
@@ -113,7 +117,13 @@ class ShardCache:
         self._scanned, self._scan_cost, self._scanning = time.monotonic(), time.monotonic() - began, False
         if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
-                self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
+                try:
+                    self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
+                except FastdataError:
+                    if self._present(s):
+                        raise
+                    self._have[s] = False  # a file of another size (damaged, planted): fetched again when read
+                    continue
                 self._is_open[s] = True
         # the one download under way per shard in this process, demand or prefetch: it owns the shard's room
         # in the limit until it ends (_download), whoever waits for it
@@ -417,7 +427,10 @@ class ShardCache:
                 self._scanning, self._since = False, None
 
     def _present(self, s: int) -> bool:
-        return all((self.remote.dir / n).is_file() for n in self.groups[s])
+        """Shard ``s``'s files are in the cache, each of its manifest's size (another size: a damaged or
+        planted file, fetched again over it) and neither a link nor reached through one (NOTE 20)."""
+        names = list(self.groups[s])
+        return all(cached_size(self.remote.dir, n) == int(b) for n, b in zip(names, self.remote.sizes(names)))
 
     def _make_room(self, need: list[int], demand: bool) -> int:
         """(Under the lock.) Evict until the shards ``need`` fit under the limit, the shard needed last first
@@ -462,7 +475,7 @@ class ShardCache:
             if not free:
                 return False  # another process reads it
             for name in self.groups[c]:
-                (self.remote.dir / name).unlink(missing_ok=True)
+                remove_cached_file(self.remote.dir, name)  # (never through a link: NOTE 20)
             self._know(c, False)
             return True
 

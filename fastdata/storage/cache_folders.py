@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .._io import LockFile, disk_error
+from .._io import LockFile, disk_error, read_regular
 from ..errors import ConfigError, OutputError
 from ..formats.manifest import MANIFEST_NAME
 
@@ -70,8 +70,28 @@ def cache_folder(path: Path) -> Path:
                           "/ $FASTDATA_CACHE to a folder of your own (a cache shared on purpose: "
                           "$FASTDATA_CACHE_MODE=group)")
     if mine and stat.S_IMODE(info.st_mode) != mode:
+        _refuse_planted(path, stat.S_IMODE(info.st_mode), mode)
         os.chmod(path, mode)  # (a folder made before modes were set, or under the other mode)
     return path
+
+
+def _refuse_planted(path: Path, now: int, mode: int) -> None:
+    """A folder of this user that was open to writes the cache does not allow (a mode of 0777) may hold what
+    others put there while it was: refuse it when it holds anything of another user (their files would be
+    served as cached data once the folder is private)."""
+    if not now & ~mode & 0o022:  # (0755, 0775 of a folder made before modes were set: nobody else could write)
+        return
+    me = os.geteuid()
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                owner = entry.stat(follow_symlinks=False).st_uid
+                if owner != me:
+                    raise OutputError(f"{path} was open to other users (mode {now:o}) and holds {entry.name!r} of "
+                                      f"user {owner}: its files may have been planted; remove the folder (rm -r "
+                                      f"{path}) and run again (the node cache keeps its folders at {mode:o})")
+    except OSError as exc:
+        raise disk_error(exc, path, CACHE_FULL_ADVICE) from exc
 
 
 def lock_file(path: Path) -> Any:
@@ -90,9 +110,9 @@ def lock_file(path: Path) -> Any:
 
 
 def on_disk(folder: Path, files: Sequence[str], starts: np.ndarray, subfolders: Iterable[str]) -> np.ndarray:
-    """Which groups of ``files`` (paths relative to ``folder``) are all files in it now (a symbolic link to
-    one counts, as for `Path.is_file`): a listing of each of ``subfolders`` (those the paths are in), not a
-    stat per file (10^6 shards of two files: 0.4 s against 11 s).
+    """Which groups of ``files`` (paths relative to ``folder``) are all regular files in it now (not links,
+    nor reached through one): a listing of each of ``subfolders`` (those the paths are in), not a stat per
+    file (10^6 shards of two files: 0.4 s against 11 s).
 
     Args:
         folder: A dataset's folder in the cache.
@@ -105,12 +125,14 @@ def on_disk(folder: Path, files: Sequence[str], starts: np.ndarray, subfolders: 
     """
     present: set[str] = set()
     for sub in subfolders:
-        try:
-            entries = os.scandir(folder / sub)
-        except (FileNotFoundError, NotADirectoryError):
+        fd = _folder_fd(folder, sub)  # (never through a link: NOTE [shard cache] 20)
+        if fd is None:
             continue
-        with entries:
-            present.update(os.path.join(sub, e.name) for e in entries if _is_file(e))
+        try:
+            with os.scandir(fd) as entries:
+                present.update(os.path.join(sub, e.name) for e in entries if _is_file(e))
+        finally:
+            os.close(fd)
     hits = np.fromiter((n in present for n in files), dtype=bool, count=len(files))
     if len(hits) == len(starts):
         return hits
@@ -118,9 +140,9 @@ def on_disk(folder: Path, files: Sequence[str], starts: np.ndarray, subfolders: 
 
 
 def _is_file(entry: os.DirEntry) -> bool:
-    """`Path.is_file` of a listed entry: False for a link that loops or passes through a file."""
+    """A listed entry is a regular file (not a link to one: the cache makes none)."""
     try:
-        return entry.is_file()
+        return entry.is_file(follow_symlinks=False)
     except OSError:
         return False
 
@@ -250,27 +272,84 @@ def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, 
     """Every remote dataset in the node cache: id, URL, bytes cached of bytes in all, files cached."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out = []
-    for d in sorted(p for p in root.glob("*") if (p / MANIFEST_NAME).is_file()):
+    for d in sorted(p for p in root.glob("*") if not p.is_symlink() and p.is_dir()):  # (a link: not a folder of it)
         try:
-            info = json.loads((d / SOURCE_NAME).read_text())
-            files = json.loads((d / MANIFEST_NAME).read_text())["files"]
-        except (OSError, ValueError, KeyError):
+            manifest = read_regular(d / MANIFEST_NAME, limit=1 << 40)
+        except OSError:
+            continue  # (not a dataset's folder)
+        try:
+            info = json.loads(read_regular(d / SOURCE_NAME))  # (a FIFO put there: never waited on)
+            files = json.loads(manifest)["files"]
+            if not isinstance(info, dict) or not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+                raise ValueError("not a manifest")
+        except (OSError, ValueError, KeyError, TypeError):
             info, files = {"url": "?"}, []
-        sizes = [cached_size(d / f["path"]) for f in files]
+        sizes = [cached_size(d, f["path"]) for f in files]  # (never outside: a path that leaves is not there)
         out.append({"id": d.name, "url": info.get("url", "?"), "path": str(d), "files": len(files),
                     "cached_files": sum(x is not None for x in sizes), "cached_bytes": sum(x or 0 for x in sizes),
                     "bytes": sum(int(f.get("bytes", 0)) for f in files)})
     return out
 
 
-def cached_size(path: Path) -> Optional[int]:
-    """A cached file's size by one stat, None when there is none (another rank may evict it at any moment:
-    an `is_file` then a `stat` can fail between the two)."""
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _folder_fd(folder: Path, sub: str) -> Optional[int]:
+    """A descriptor of ``folder / sub`` reached through no link (None: missing, not a folder, or a link on
+    the way). The node cache makes no links: one in the way was put there by someone else, and a listing or
+    an unlink through it would reach outside the cache."""
     try:
-        info = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
+        fd = os.open(folder, _FOLDER_FLAGS)
+    except (OSError, ValueError):
         return None
-    return info.st_size if stat.S_ISREG(info.st_mode) else None
+    for part in sub.split("/"):
+        if part in ("", "."):
+            continue
+        try:
+            inner = os.open(part, _FOLDER_FLAGS, dir_fd=fd) if part != ".." else -1
+        except (OSError, ValueError):
+            inner = -1
+        os.close(fd)
+        if inner < 0:
+            return None
+        fd = inner
+    return fd
+
+
+def cached_size(folder: Path, rel: str) -> Optional[int]:
+    """The size of the cached file ``folder / rel`` (a manifest path), None when there is none: missing, not a
+    regular file, a link at its name or on its way (`_folder_fd`). One stat: another rank may evict it at
+    any moment (an `is_file` then a `stat` can fail between the two)."""
+    try:
+        sub, name = os.path.split(rel)
+        if not sub:  # (``folder`` is the cache's own: a name beside it needs no walk)
+            info = os.lstat(os.path.join(folder, name))
+        else:
+            fd = _folder_fd(folder, sub)
+            if fd is None:
+                return None
+            try:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
+    except (OSError, ValueError, TypeError):  # (a NUL or a number where a path should be: not a cached file)
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) and name not in ("", ".", "..") else None
+
+
+def remove_cached_file(folder: Path, rel: str) -> None:
+    """Delete the cached file ``folder / rel`` (a link at its name: the link itself), never through a link on
+    its way (`_folder_fd`: then nothing of the cache's is there to delete)."""
+    sub, name = os.path.split(rel)
+    fd = _folder_fd(folder, sub)
+    if fd is None:
+        return
+    try:
+        os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) -> list[str]:
@@ -279,6 +358,12 @@ def remove_cached(ids: list[str], cache_dir: Optional[Union[str, Path]] = None) 
     removed = []
     for info in list_cached(cache_dir):
         if not ids or info["id"] in ids:
-            shutil.rmtree(info["path"], ignore_errors=True)
+            try:
+                shutil.rmtree(info["path"])  # (follows no link)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise OutputError(f"cannot remove {exc.filename or info['path']}: {exc.strerror}; remove it by hand "
+                                  f"(rm -r {info['path']}); removed before it: {removed}") from exc
             removed.append(info["id"])
     return removed

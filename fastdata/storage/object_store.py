@@ -78,9 +78,9 @@ def object_version(info: dict[str, Any]) -> str:
     return str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or "")
 
 
-# a component "", "." or ".." of any name, or "\\" or "://" anywhere, in names joined by newlines (a newline
+# a component "", "." or ".." of any name, or "\\", "://" or a NUL anywhere, in names joined by newlines (a newline
 # inside a name only adds matches, each then checked by object_path)
-_SUSPECT = re.compile(r"(?:\A|[\n/])\.{0,2}(?:\Z|[\n/])|\\|://")
+_SUSPECT = re.compile(r"(?:\A|[\n/])\.{0,2}(?:\Z|[\n/])|\\|://|\x00")
 
 
 def check_object_names(names: list[Any]) -> None:
@@ -97,9 +97,10 @@ def check_object_names(names: list[Any]) -> None:
 def object_path(root: str, name: str) -> str:
     """``root/name`` for a name from a manifest, refused unless it stays inside the dataset's prefix."""
     if (not isinstance(name, str) or not name or name.startswith(("/", "\\")) or "://" in name or "\\" in name
-            or any(part in ("", ".", "..") for part in name.split("/"))):
+            or "\0" in name or any(part in ("", ".", "..") for part in name.split("/"))):
         raise FormatError(f"the manifest names {name!r}, which is not a plain relative path inside the dataset: "
-                          "refusing to read outside its prefix")
+                          "refusing to read outside its prefix; the manifest is damaged or was not written by "
+                          "fastdata: push the dataset again (`fastdata push`)")
     return posixpath.join(root.rstrip("/"), name)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import threading
 import time
@@ -77,8 +78,11 @@ class RemoteDataset:
             raise FormatError(f"{scrub(self.url)}/{MANIFEST_NAME} is not a fastdata manifest")
         # refuse escaping names before anything is fetched
         files = self.manifest["files"]
-        check_object_names(column(files, "path", "") if isinstance(files, Rows) else
-                           [e.get("path", "") if isinstance(e, dict) else e for e in files])
+        names = (column(files, "path", "") if isinstance(files, Rows) else
+                 [e.get("path", "") if isinstance(e, dict) else e for e in files])
+        check_object_names(names)
+        _refuse_cache_names(self.url, names)
+        del names
         self._manifest_bytes: Optional[bytes] = raw  # until the node cache holds it (`prepare`): 0.3 GB at 10^6 shards
         self._manifest_sha = new_hash(raw).hexdigest()
         digest = new_hash()
@@ -176,7 +180,7 @@ class RemoteDataset:
         another thread or process on the node fetched it meanwhile)."""
         name = entry["path"]
         final = self.dir / name
-        if cached_size(final) == entry.get("bytes"):
+        if cached_size(self.dir, name) == entry.get("bytes"):
             return False  # only verified bytes ever get a final name
         for parent in reversed(final.relative_to(self.dir).parents[:-1]):  # a name's folders, inside the cache
             cache_folder(self.dir / parent)
@@ -197,7 +201,7 @@ class RemoteDataset:
                 raise
         with lock_file(lock_path) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
-            if cached_size(final) == entry.get("bytes"):
+            if cached_size(self.dir, name) == entry.get("bytes"):
                 return False
             self.retry(f"{self.url}/{name}", download)
         return True
@@ -282,6 +286,8 @@ class RemoteDataset:
         """Remove ``.part-*`` files of killed downloads: those whose download lock is free. Judged by the lock,
         not by the pid in the name, which may be another PID namespace's (containers sharing a node cache)."""
         for part in self.dir.rglob("*.part-*"):
+            if part.is_dir() and not part.is_symlink():
+                continue  # (no download makes a folder: not a leftover of one)
             name = part.relative_to(self.dir).as_posix().rsplit(".part-", 1)[0]
             with lock_file(self._download_lock(name)) as lock:
                 try:
@@ -289,6 +295,22 @@ class RemoteDataset:
                 except BlockingIOError:
                     continue  # downloading now, in some process of this node
                 part.unlink(missing_ok=True)
+
+
+# names the node cache keeps for itself in a dataset's folder: its manifest, source, locks, partial downloads
+_CACHE_NAMES = re.compile(r"(?:\A|\n)(?:\.locks(?:/[^\n]*)?|" + re.escape(SOURCE_NAME) + "|" + re.escape(MANIFEST_NAME)
+                          + r")(?:\n|\Z)|\.part-[^\n/]*(?:\n|\Z)")
+
+
+def _refuse_cache_names(url: str, names: list[str]) -> None:
+    """Refuse a manifest that lists a file at a name the node cache keeps for itself: fetched, it would
+    replace the cache's own file (the pins every rank locks, the cached manifest, what `fastdata cache list`
+    reports). One search over the names joined (they are checked plain relative paths)."""
+    if _CACHE_NAMES.search("\n".join(names)) is not None:
+        name = next(n for n in names if _CACHE_NAMES.search(n))
+        raise FormatError(f"{scrub(url)}/{MANIFEST_NAME} lists {name!r}, a name the node cache "
+                          "keeps for itself (.locks/, .source.json, manifest.json, *.part-*): not a manifest "
+                          "fastdata wrote; push the dataset again (`fastdata push`)")
 
 
 def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]] = None) -> list[str]:

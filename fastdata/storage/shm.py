@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .._io import (HASH_NAME, HASH_WORKERS, LockFile, disk_error, fsync_dir, iter_blocks, map_threads, new_hash,
-                   open_new, safe_join)
+                   open_new, read_regular, safe_join)
 from ..errors import ChecksumError, OutputError
 from ..formats.base import body_offsets
 from ..formats.manifest import damaged_error, file_problem
@@ -126,7 +126,7 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
         if os.path.lexists(target):
             return _found(target, root, files, payload, header, needed, verify)
         for stale in d.glob(f"{PREFIX}{cid}.*.tmp-*"):  # left by a process that died mid-copy
-            stale.unlink(missing_ok=True)  # (a symlink is removed, never followed)
+            _remove(stale)
         free = shutil.disk_usage(d).free
         if needed > free:
             raise OutputError(f"{d} has {free / 2**20:,.0f} MiB free but this dataset needs {needed / 2**20:,.0f} MiB: "
@@ -173,7 +173,7 @@ def _found(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: 
     cid = target.stem[len(PREFIX):]
     st = os.lstat(target)
     try:
-        stamp = json.loads(target.with_suffix(".json").read_text()).get("stamp")
+        stamp = json.loads(read_regular(target.with_suffix(".json"))).get("stamp")  # (never a FIFO's wait)
     except (OSError, ValueError, AttributeError):
         stamp = None
     problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
@@ -270,7 +270,7 @@ def list_copies(directory: Optional[Path] = None) -> list[dict[str, Any]]:
     out = []
     for cid, paths in found.items():
         try:
-            info = json.loads((d / f"{PREFIX}{cid}.json").read_text())
+            info = json.loads(read_regular(d / f"{PREFIX}{cid}.json"))
         except (OSError, ValueError):
             info = {"id": cid, "dataset": "?"}
         try:
@@ -311,6 +311,20 @@ def remove_copies(ids: list[str], directory: Optional[Path] = None) -> list[str]
             cid = info["id"]
             for path in [*d.glob(f"{PREFIX}{cid}.*.tmp-*"), *(d / f"{PREFIX}{cid}{suffix}" for suffix in
                                                                 (".npy", ".json", ".lock"))]:
-                path.unlink(missing_ok=True)
+                _remove(path)
             removed.append(cid)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Delete what is at a copy's name in this user's folder: a file, a link (never followed) or a folder
+    someone put there (its tree: `shutil.rmtree` follows no link)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise OutputError(f"cannot remove {path}: {exc.strerror}; remove it by hand (rm -r {path})") from exc
