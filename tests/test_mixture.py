@@ -802,6 +802,11 @@ def test_sources_that_disagree_or_are_empty_are_refused_by_name(mixed_sets, tmp_
                  "--workers", "1"]) == 0
     with pytest.raises(ConfigError, match="'a' and 'big' differ"):
         Mixture({"a": FastDataset(mixed_sets["a"]), "big": FastDataset(tmp_path / "big")})
+    csv = tagged_source(tmp_path / "src2", 2, 0)  # labels 0 and 1 only: classes ['0', '1'], not ['0', '1', '2']
+    assert main(["preprocess", "images", str(csv), str(tmp_path / "two"), "--size", "8", "--quiet",
+                 "--workers", "1"]) == 0
+    with pytest.raises(ConfigError, match=r"'a' and 'two' have different classes .*one label space"):
+        Mixture({"a": FastDataset(mixed_sets["a"]), "two": FastDataset(tmp_path / "two")})  # (only open_mixture said)
 
     class Empty:
         sample_shape, sample_dtype = (8, 8, 3), torch.uint8

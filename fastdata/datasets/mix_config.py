@@ -130,12 +130,6 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
             from .images import FastDataset
 
             datasets[name] = FastDataset(opened, storage=storage, device=device)
-    first = next(iter(datasets))
-    for name, ds in datasets.items():
-        mine, theirs = getattr(datasets[first], "classes", None), getattr(ds, "classes", None)
-        if mine is not None and theirs is not None and mine != theirs:  # (tokens and images: Mixture says so)
-            raise ConfigError(f"sources {first!r} and {name!r} have different classes ({mine[:3]}... vs "
-                              f"{theirs[:3]}...): a classifier needs one label space")
     return Mixture(datasets, {n: w for n, (_, w) in spec.sources.items()}, seed=seed, mix=spec.mix, stop=spec.stop,
                    epoch_size=spec.epoch_size, shuffle_window=shuffle_window,
                    cache_limit=cache_limit if shares else None)
