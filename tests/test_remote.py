@@ -634,6 +634,32 @@ def test_labels_that_come_with_streamed_shards_are_held_while_their_shard_is_ope
     assert store.held == {} and np.array_equal(ds.get_batch([3, 97])[1], local.get_batch([3, 97])[1])
 
 
+def test_a_close_racing_a_streamed_read_says_closed_not_a_missing_shard(s3, indexed_datasets, tmp_path,
+                                                                       monkeypatch):
+    """A dataset closed on another thread while a batch is read lets go of the batch's shards, their held
+    labels with them: the read failed with a bare KeyError (the shard's number); it says the dataset was
+    closed, as any read after the close does."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import ConfigError
+    from fastdata.storage import streamed
+    from fastdata.storage.push import push
+
+    monkeypatch.setattr(streamed, "ALL_LABELS_AT_OPEN", 0)
+    url = s3("racing") + "/ds"
+    push(indexed_datasets["npy"], url)
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit="1MB")
+    assert ds.get_batch([1, 40])[1].tolist() == FastDataset(indexed_datasets["npy"]).get_batch([1, 40])[1].tolist()
+    images = ds._host_images
+
+    def closed_meanwhile(*args, **kw):  # (the close of another thread, between the images and the labels)
+        x = images(*args, **kw)
+        ds.close()
+        return x
+    monkeypatch.setattr(ds, "_host_images", closed_meanwhile)
+    with pytest.raises(ConfigError, match="was closed: open the dataset again"):
+        ds.get_batch([2, 70])
+
+
 def test_a_cache_limit_set_after_opening_is_the_one_a_spawned_worker_opens_with(s3, indexed_datasets, tmp_path):
     """A spawned or forkserver DataLoader worker opens the dataset again from its pickled state: a limit set
     after opening (as a Mixture sets its sources') must be the one it opens with; it opened with none, so its

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -303,12 +303,19 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
             return self._host_images(idx, buf, draw, maps=maps), torch.from_numpy(self._label_store.take(idx,
                                                                                                         self._where))
 
-    def _pinned(self, idx: np.ndarray) -> contextlib.AbstractContextManager[Optional[np.ndarray]]:
+    @contextlib.contextmanager
+    def _pinned(self, idx: np.ndarray) -> Iterator[Optional[np.ndarray]]:
         """Streamed: the shards of ``idx`` fetched (or waited for) and pinned while the block reads them (the
         opened shards, indexed by shard); else nothing to hold (None)."""
         if self._cache is None:
-            return contextlib.nullcontext(None)
-        return self._cache.reading(np.unique(self._where.shard_of(idx)))
+            yield None
+            return
+        try:
+            with self._cache.reading(np.unique(self._where.shard_of(idx))) as maps:
+                yield maps
+        except KeyError:  # a close on another thread let go of the batch's shards (their labels): say so
+            self._check_open()
+            raise
 
     def _host_images(self, idx: np.ndarray, buf: Optional[torch.Tensor],
                      draw: Optional[tuple[int, int, int, int]] = None, maps: Optional[Any] = None) -> torch.Tensor:
