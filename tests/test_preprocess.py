@@ -247,6 +247,32 @@ def test_runs_started_together_on_one_output_give_one_intact_dataset(tmp_path, k
     assert main(["verify", str(out), "--quiet"]) == 0
 
 
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_images_without_labels_make_a_dataset_that_opens(tmp_path, fmt):
+    """Records and Parquet rows of images alone (no label, no other field) were written as an (image, class)
+    dataset without labels: preprocess said OK and the dataset could not be opened (ValueError, KeyError)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    colours = [(200, 10, 10), (10, 200, 10), (10, 10, 200)]
+    blobs = []
+    for k, c in enumerate(colours):
+        Image.new("RGB", (16, 16), c).save(tmp_path / f"{k}.png")
+        blobs.append((tmp_path / f"{k}.png").read_bytes())
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"image": f"{k}.png"}) + "\n" for k in range(3)))
+    pq.write_table(pa.table({"image": pa.array(blobs, pa.binary())}), tmp_path / "p.parquet")
+    from fastdata.datasets.images import FastDataset
+
+    for name in ("r.jsonl", "p.parquet"):
+        out = tmp_path / f"out-{name}"
+        assert main(["preprocess", "images", str(tmp_path / name), str(out), "--size", "8", "--format", fmt,
+                     "--workers", "1", "--quiet"]) == 0
+        batch = FastDataset(out).get_batch(np.arange(3))
+        assert list(batch) == ["image"] and batch["image"].shape == (3, 8, 8, 3)
+        got = batch["image"].float().mean(dim=(1, 2)).numpy()
+        assert np.abs(got - np.array(colours, dtype=np.float32)).max() < 8, got  # (JPEG in LMDB: near)
+
+
 def test_on_error_fail_names_the_file_without_traceback(awkward_folder, tmp_path):
     r = run_cli("preprocess", "images", awkward_folder, tmp_path / "o", "--on-error", "fail", "--workers", "1",
                 "--quiet")

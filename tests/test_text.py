@@ -393,6 +393,71 @@ def test_zstd_and_json_gz_files_give_the_jsonl_files_tokens(tmp_path, name, fram
     same_shards(tmp_path / "want", tmp_path / "got")
 
 
+def test_hostile_json_lines_are_skipped_and_counted_not_the_end_of_the_run(tmp_path):
+    """A lone surrogate (a "\\ud800" escape), an integer of 5,000 digits and arrays nested 10^5 deep each
+    stopped the run with a traceback (UnicodeEncodeError, ValueError, RecursionError); each is one skipped
+    document, and the others are the tokens of the same file without them."""
+    docs = make_docs(30)
+    good = jsonl_bytes(docs)
+    bad = [b'{"text": "a\\ud800b"}\n', b'{"text": "x", "n": ' + b"7" * 5000 + b"}\n",
+           b'{"text": "y", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"]
+    lines = good.splitlines(keepends=True)
+    (tmp_path / "bad.jsonl").write_bytes(b"".join(lines[:10] + bad[:2] + lines[10:20] + bad[2:] + lines[20:]))
+    (tmp_path / "good.jsonl").write_bytes(good)
+    preprocess(tmp_path / "bad.jsonl", tmp_path / "got", "--val-fraction", "0")
+    preprocess(tmp_path / "good.jsonl", tmp_path / "want", "--val-fraction", "0")
+    assert np.array_equal(stream(tmp_path / "got", "train"), stream(tmp_path / "want", "train"))
+    m = json.loads((tmp_path / "got" / "manifest.json").read_text())
+    assert m["skipped_count"] == 3 and [e["line"] for e in m["skipped"]] == [11, 12, 23], m["skipped"]
+    assert "lone surrogate" in m["skipped"][0]["reason"] and "4300 digits" in m["skipped"][1]["reason"]
+    assert "RecursionError" in m["skipped"][2]["reason"]
+
+
+def test_a_damaged_zstd_frame_keeps_the_documents_of_the_frames_before_it(tmp_path):
+    """Frames one after another, the last one damaged: every document of the whole frames before it is kept
+    (as gzip keeps what it read before the damage), the damage counted once (before: none were kept)."""
+    zstandard = pytest.importorskip("zstandard")
+    docs = make_docs(40)
+    first, rest = jsonl_bytes(docs[:30]), jsonl_bytes(docs[30:])
+    damaged = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(rest))
+    for k in range(12, len(damaged) - 8):
+        damaged[k] ^= 0x5A
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(first) +
+                                           bytes(damaged))
+    (tmp_path / "want.jsonl").write_bytes(first)
+    preprocess(tmp_path / "d.jsonl.zst", tmp_path / "got", "--val-fraction", "0")
+    preprocess(tmp_path / "want.jsonl", tmp_path / "want", "--val-fraction", "0")
+    got = stream(tmp_path / "got", "train")
+    assert np.array_equal(got[:len(stream(tmp_path / "want", "train"))], stream(tmp_path / "want", "train"))
+    m = json.loads((tmp_path / "got" / "manifest.json").read_text())
+    assert any("unreadable" in e["reason"] for e in m["skipped"]), m["skipped"]
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "parts"])
+def test_a_damaged_parquet_row_group_costs_its_own_rows_only_and_is_counted(tmp_path, cut):
+    """The last of four row groups damaged: read whole, the batch spanning row groups lost the 30 good rows
+    with it; cut into parts, the part holding it dropped its rows without a word (an OSError taken for a file
+    part 0 had reported). Both keep the three good row groups' documents and count the damaged one."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = [f"document number {i} " + "lorem ipsum " * 5 for i in range(40)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "a.parquet", row_group_size=10, compression="snappy",
+                   use_dictionary=False)
+    start = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(3).column(0).data_page_offset
+    data = bytearray((tmp_path / "a.parquet").read_bytes())
+    for k in range(start + 40, start + 200):
+        data[k] ^= 0x5A
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.parquet").write_bytes(bytes(data))
+    pq.write_table(pa.table({"text": docs[:30]}), tmp_path / "want.parquet", row_group_size=10)
+    extra = ("--val-fraction", "0", *(("--shard-tokens", "1") if cut else ()))
+    preprocess(tmp_path / "src", tmp_path / "got", *extra)
+    preprocess(tmp_path / "want.parquet", tmp_path / "want", "--val-fraction", "0")
+    assert np.array_equal(stream(tmp_path / "got", "train"), stream(tmp_path / "want", "train"))
+    m = json.loads((tmp_path / "got" / "manifest.json").read_text())
+    assert m["skipped_count"] == 1 and "row group 3 (rows 31 to 40 lost" in m["skipped"][0]["reason"], m["skipped"]
+
+
 def test_a_folder_of_txt_zst_files_gives_the_txt_files_tokens(tmp_path):
     for kind in ("txt", "zst"):
         (tmp_path / kind).mkdir()

@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -32,6 +33,7 @@ TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst", *_JSON_LINES, ".parquet")
 _ZSTD_FEED = 1 << 16
 _ZSTD_FIRST = 512
 _ZSTD_STEP = 4 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
 
 
@@ -134,12 +136,15 @@ class _ZstdStream(io.RawIOBase):
         self._inside = False  # some of the current frame read, its end not yet
         self._out = memoryview(b"")
         self._feed = _ZSTD_FIRST
+        self._damaged: Optional[OSError] = None
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
         while not self._out:
+            if self._damaged is not None:
+                raise self._damaged
             data = self._raw.read(self._feed)
             if not data:
                 if self._inside:
@@ -162,7 +167,9 @@ class _ZstdStream(io.RawIOBase):
                 if not self._inside:  # the frame ended: what follows it starts the next one
                     data, self._frame = self._frame.unused_data, self._new()
         except self._error as exc:
-            raise OSError(str(exc)) from None
+            if not any(out):
+                raise OSError(str(exc)) from None
+            self._damaged = OSError(str(exc))  # (raised at the next read: what came before it is read first)
         return b"".join(out)
 
 
@@ -310,13 +317,18 @@ def _json_document(raw: bytes, field: str) -> tuple[Optional[str], str]:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         return None, f"invalid JSON ({exc.msg})"
+    except (ValueError, RecursionError) as exc:  # an integer of 5,000 digits, arrays nested 10^5 deep
+        return None, f"JSON this reader refuses ({type(exc).__name__}: {str(exc)[:80]})"
     if not isinstance(obj, dict) or field not in obj:
         return None, f"missing field {field!r}"
-    if not isinstance(obj[field], str):
+    text = obj[field]
+    if not isinstance(text, str):
         return None, f"field {field!r} is not a string"
-    if not obj[field]:
+    if not text:
         return None, "empty document"
-    return obj[field], ""
+    if "\\u" in line and _SURROGATE.search(text):  # (only a JSON escape makes one: UTF-8 cannot)
+        return None, "a lone surrogate (\\ud800-\\udfff escape): not Unicode text"
+    return text, ""
 
 
 def _decode_text(data: bytes) -> tuple[Optional[str], str]:
@@ -347,20 +359,23 @@ def _parquet(f: Any, rel: str, field: str, k: int, parts: int) -> Iterator[Doc]:
         return
     meta = pf.metadata
     groups = range(k * meta.num_row_groups // parts, (k + 1) * meta.num_row_groups // parts)
-    row = sum(meta.row_group(g).num_rows for g in range(groups.start))
-    if not groups:  # (more parts than row groups)
-        return
-    try:
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field], row_groups=list(groups)):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                if value is None:
-                    yield row - 1, row, None, f"missing field {field!r}"
-                elif not isinstance(value, str):
-                    yield row - 1, row, None, f"field {field!r} is not a string"
-                elif not value:
-                    yield row - 1, row, None, "empty document"
-                else:
-                    yield row - 1, row, value, ""
-    except ValueError as exc:  # a damaged page in this part's row groups
-        yield row, 0, None, f"unreadable ({type(exc).__name__}: {exc})"
+    start = sum(meta.row_group(g).num_rows for g in range(groups.start))
+    for g in groups:  # (a row group at a time: a damaged one costs its own rows, never its neighbours')
+        row = start
+        try:
+            for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field], row_groups=[g]):
+                for value in batch.column(0).to_pylist():
+                    row += 1
+                    if value is None:
+                        yield row - 1, row, None, f"missing field {field!r}"
+                    elif not isinstance(value, str):
+                        yield row - 1, row, None, f"field {field!r} is not a string"
+                    elif not value:
+                        yield row - 1, row, None, "empty document"
+                    else:
+                        yield row - 1, row, value, ""
+        except (ValueError, OSError) as exc:  # a damaged page (pyarrow's ArrowInvalid, ArrowIOError)
+            said = " ".join(str(exc).split())
+            yield row, row + 1, None, (f"unreadable row group {g} (rows {row + 1} to {start + meta.row_group(g).num_rows}"
+                                       f" lost: {type(exc).__name__}: {said})")
+        start += meta.row_group(g).num_rows

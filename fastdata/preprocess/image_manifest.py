@@ -24,8 +24,10 @@ Listed = Union[Source, Indexed]
 
 
 def sample_fields(config: Any, source: Listed) -> list[Field]:
-    """The fields a source's samples get (NOTE [fields] in fastdata/formats/schema.py); empty for (image, class) sources."""
-    if not source.kinds:
+    """The fields a source's samples get (NOTE [fields] in fastdata/formats/schema.py); empty for (image, class)
+    sources. Images alone (no label, no other field) are a dataset of one field: written as (image, class),
+    they had no labels to read and could not be opened."""
+    if not source.kinds and source.has_label:
         return []
     s = config.size
     fields = [Field("image", "image", image_shards.IMAGE_DTYPE.str, (s, s, 3))]
