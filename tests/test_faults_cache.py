@@ -291,10 +291,10 @@ def test_on_disk_agrees_with_a_stat_of_every_file_among_odd_things_in_the_folder
     want = [all(map(cached, g)) for g in groups]
     assert want == [True] * 50 + [False, False] + [True, False, True, False, False, False, False, True, False, False]
     subfolders = {os.path.dirname(n) for g in groups for n in g}
-    assert on_disk(tmp_path, *FileGroups.of(groups).flat(), subfolders).tolist() == want
-    singles = [g[:1] for g in groups]  # (one file a shard: no reduction)
-    assert on_disk(tmp_path, *FileGroups.of(singles).flat(), subfolders).tolist() == [cached(g[0]) for g in singles]
-    assert on_disk(tmp_path, *FileGroups.of([]).flat(), ()).tolist() == []
+    assert FileGroups.of(groups).present(on_disk(tmp_path, subfolders)).tolist() == want
+    singles = [g[:1] for g in groups]  # (one file a shard)
+    assert FileGroups.of(singles).present(on_disk(tmp_path, subfolders)).tolist() == [cached(g[0]) for g in singles]
+    assert FileGroups.of([]).present(on_disk(tmp_path, ())).tolist() == []
 
 
 def test_a_look_at_the_disk_sees_other_processes_and_keeps_what_this_one_learnt_meanwhile(s3, indexed_datasets,

@@ -310,6 +310,9 @@ def test_the_node_cache_is_private_by_default_and_shared_with_a_group_on_request
         with pytest.raises(OutputError, match=r"was open to other users \(mode 777\) and holds 'images-00000.npy' "
                                               r"of user 12345: .*remove the folder"):
             FastDataset(url, cache_dir=tmp_path / "loose", cache_limit=10 * SHARD_BYTES)
+        os.chmod(loose.dir, 0o2770)  # a group's cache (made with FASTDATA_CACHE_MODE=group), a member's file in it
+        with pytest.raises(OutputError, match=r"shared with its group \(mode 2770\) .*set FASTDATA_CACHE_MODE=group"):
+            FastDataset(url, cache_dir=tmp_path / "loose", cache_limit=10 * SHARD_BYTES)
         os.chown(loose.dir / "images-00000.npy", os.geteuid(), os.getegid())  # (only this user's: made private)
         FastDataset(url, cache_dir=tmp_path / "loose", cache_limit=10 * SHARD_BYTES)
         assert stat.S_IMODE(loose.dir.stat().st_mode) == 0o700
@@ -390,14 +393,20 @@ def test_a_folder_link_planted_in_the_cache_never_lets_an_eviction_delete_outsid
         assert np.array_equal(ds.get_batch([16 * k + 1])[0].numpy(), local.get_batch([16 * k + 1])[0].numpy())
 
 
-@pytest.mark.parametrize("limit", [None, 10 * SHARD_BYTES])
-def test_a_cached_shard_of_another_size_or_a_link_at_its_name_is_fetched_again(s3, indexed_datasets, tmp_path, limit):
+@pytest.mark.parametrize("limit, bounded", [(None, False), (None, True), (10 * SHARD_BYTES, False)],
+                         ids=["unlimited", "unlimited-mapped-as-read", "limited"])
+def test_a_cached_shard_of_another_size_or_a_link_at_its_name_is_fetched_again(s3, indexed_datasets, tmp_path, limit,
+                                                                             bounded, monkeypatch):
     """A truncated file at a streamed shard's name was refused for good ("re-run preprocess": wrong for a remote
     dataset); a link at a shard's name to another shard of the same size was served. Both are fetched again
-    over the bad file, and the batches are the dataset's."""
+    over the bad file, and the batches are the dataset's: with a limit, without (shards mapped at opening),
+    and without where shards are mapped as batches read them (more shards than maps a process may hold)."""
+    from fastdata import _limits
     from fastdata.datasets.images import FastDataset
     from fastdata.storage.remote import RemoteDataset
 
+    if bounded:
+        monkeypatch.setattr(_limits, "room_for_maps", lambda count: False)
     url = _pushed(s3, indexed_datasets, "resized")
     src = indexed_datasets["npy"]
     cache = RemoteDataset(url, cache_dir=tmp_path / "cache").dir
@@ -411,6 +420,38 @@ def test_a_cached_shard_of_another_size_or_a_link_at_its_name_is_fetched_again(s
     assert np.array_equal(ds.get_batch(idx)[0].numpy(), local.get_batch(idx)[0].numpy())
     assert ds.get_batch([16])[1].tolist() == local.get_batch([16])[1].tolist()
     assert (cache / "images-00000.npy").stat().st_size == SHARD_BYTES and not (cache / "images-00001.npy").is_symlink()
+
+
+@pytest.mark.parametrize("limit", [None, 1 << 30])
+def test_a_truncated_lmdb_store_or_labels_file_in_the_cache_is_fetched_again(s3, indexed_datasets, tmp_path, limit,
+                                                                             monkeypatch):
+    """The review's cases: a cached LMDB store or a shard's labels file cut short was refused at opening
+    (ChecksumError, "re-run fastdata preprocess"): the cache fetches them, so it fetches them again."""
+    import json as json_
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage import streamed
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    src = indexed_datasets["lmdb"]
+    url = s3("cutlmdb") + "/ds"
+    push(src, url)
+    first = json_.loads((src / "manifest.json").read_text())["lmdb_shards"][0]["path"]
+    cache = RemoteDataset(url, cache_dir=tmp_path / "cache").dir
+    (cache / first).parent.mkdir(parents=True, exist_ok=True)
+    (cache / first).write_bytes((src / first).read_bytes()[:4096])
+    idx = [0, 5, 40]
+    got = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=limit).get_batch(idx)
+    want = FastDataset(src).get_batch(idx)
+    assert np.array_equal(got[0].numpy(), want[0].numpy()) and got[1].tolist() == want[1].tolist()
+    monkeypatch.setattr(streamed, "ALL_LABELS_AT_OPEN", 0)  # (each shard's labels file comes with it)
+    npy = _pushed(s3, indexed_datasets, "cutlabels")
+    cache = RemoteDataset(npy, cache_dir=tmp_path / "c2").dir
+    cache.mkdir(parents=True)
+    (cache / "labels-00000.npy").write_bytes((indexed_datasets["npy"] / "labels-00000.npy").read_bytes()[:100])
+    got = FastDataset(npy, cache_dir=tmp_path / "c2", cache_limit=limit).get_batch([0, 3])[1]
+    assert got.tolist() == FastDataset(indexed_datasets["npy"]).get_batch([0, 3])[1].tolist()
 
 
 def test_a_manifest_naming_the_caches_own_files_is_refused_before_anything_is_fetched(s3, indexed_datasets,
@@ -455,13 +496,18 @@ def test_cache_list_and_remove_with_hostile_files_in_the_cache(s3, indexed_datas
     elsewhere.mkdir()
     (elsewhere / "manifest.json").write_text(json.dumps({"files": []}))
     (root / "linked").symlink_to(elsewhere)
+    damaged = root / "abcdefabcdefabcdefab"
+    damaged.mkdir(mode=0o700)
+    (damaged / "manifest.json").write_text(json.dumps({"files": [{"bytes": "many"}]}))  # (KeyError, ValueError)
     code = "import sys; from fastdata.storage.cache_folders import list_cached; print(len(list_cached(sys.argv[1])))"
     r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "2", r.stdout + r.stderr  # (no wait on the FIFO; the link is not a folder of it)
+    assert r.stdout.strip() == "3", r.stdout + r.stderr  # (no wait on the FIFO; the link is not a folder of it)
     listed = {info["id"]: info for info in list_cached(root)}
     assert listed[fifo.name]["cached_bytes"] == 0 and listed[fifo.name]["url"] == "?"
     assert sorted(remove_cached([], root)) == sorted(listed)
-    assert not fifo.exists() and (root / "linked").is_symlink() and (elsewhere / "manifest.json").is_file()
+    assert listed[damaged.name]["files"] == 0 and listed[damaged.name]["bytes"] == 0
+    assert not fifo.exists() and not damaged.exists()
+    assert (root / "linked").is_symlink() and (elsewhere / "manifest.json").is_file()
 
 
 SECRETS = [  # (text, the secret in it)

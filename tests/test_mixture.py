@@ -669,6 +669,18 @@ def test_drop_last_never_leaves_an_epoch_of_stop_first_or_all_empty(stop, world)
     for epoch in range(6):
         loader.set_epoch(epoch)
         assert len(loader) >= 1, epoch
+    mix = Mixture([Sized(40), Sized(41)], weights=[0.5, 0.5], seed=0, stop=stop)  # new weights between epochs
+    ranks = [MixtureSampler(mix, 8, drop_last=True, rank=r, world_size=world) for r in range(world)]
+    parts = []
+    for epoch in range(8):
+        if epoch in (2, 5):
+            mix.set_weights([0.2, 0.8] if epoch == 2 else [0.7, 0.3])
+        part, steps = served_in_order(ranks, None)
+        assert steps >= 1, epoch  # (the review's case: [5, 4, 0] batches)
+        parts.append(part)
+        for s in ranks:
+            s.end_epoch()
+    _each_source_in_its_orders(mix, (40, 41), np.concatenate(parts))
     with pytest.raises(ConfigError, match="epoch_size=20 is less than one step"):
         MixtureSampler(Mixture([Sized(50), Sized(50)], epoch_size=20), 8, drop_last=True, rank=0, world_size=3)
 
@@ -775,6 +787,8 @@ def test_a_mix_option_keeps_a_urls_port():
     assert parse_one("http://127.0.0.1:8080/data/web") == ("web", "http://127.0.0.1:8080/data/web", 1.0)
     assert parse_one("web=http://localhost:9000") == ("web", "http://localhost:9000", 1.0)
     assert parse_one("web=s3://bucket/web:2") == ("web", "s3://bucket/web", 2.0)
+    assert parse_one("web=s3://webdata:3") == ("web", "s3://webdata", 3.0)  # (a bucket's root: 3 is a weight)
+    assert parse_one("books=gs://books:2") == ("books", "gs://books", 2.0)
     assert parse_one("/data/web:0.25") == ("web", "/data/web", 0.25)
     with pytest.raises(ConfigError, match="must be a number"):
         parse_one("web=/data/web:lots")

@@ -754,6 +754,15 @@ def test_a_streamed_datasets_shard_groups_keep_no_object_a_shard_at_10_6_shards(
     files, starts = groups.flat()
     assert len(files) == 3 * shards and files[3 * 500_000 + 2] == "field.depth-500000.npy"
     assert np.array_equal(starts, np.arange(shards) * 3)
+    listed = {f"images-{k:07d}.npy" for k in range(0, shards, 1000)} | {f"labels-{k:07d}.npy" for k in range(0, shards, 500)}
+    listed |= {f"field.depth-{k:05d}.npy" for k in range(0, shards, 2000)} | {"field.depth-1.npy", "other.npy"}
+    tracemalloc.start()
+    try:
+        whole = groups.present(listed)  # (a look at the disk: no name made a shard)
+        made = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(np.flatnonzero(whole), np.arange(0, shards, 2000)) and made < 64 << 20, made
     assert shard_groups(manifest, at_open=True)[7] == ("images-0000007.npy", "field.depth-00007.npy")
     plain = dict(manifest, shards=rows[:5])  # (a manifest whose rows could not be columns)
     plain["shards"][2] = {"images": "images-odd.npy", "samples": 4}  # a shard without a labels file
@@ -762,6 +771,9 @@ def test_a_streamed_datasets_shard_groups_keep_no_object_a_shard_at_10_6_shards(
         ("images-odd.npy", "field.depth-00002.npy") for k in range(5)]
     mixed = FileGroups.of(["a.npy", ("b.npy", "c.npy"), ["d.npy"]])
     assert list(mixed) == [("a.npy",), ("b.npy", "c.npy"), ("d.npy",)] and mixed[1:] == list(mixed)[1:]
+    assert mixed.present({"a.npy", "b.npy", "d.npy"}).tolist() == [True, False, True]
+    assert shard_groups(plain, at_open=False).present({"images-odd.npy", "field.depth-00002.npy",
+                                                        "images-0000001.npy"}).tolist() == [False, False, True, False, False]
     assert mixed.flat()[0] == ["a.npy", "b.npy", "c.npy", "d.npy"] and mixed.flat()[1].tolist() == [0, 1, 3]
     assert FileGroups.of(mixed) is mixed and len(FileGroups.of([])) == 0
 

@@ -51,7 +51,7 @@ def parse_one(text: str) -> tuple[str, str, float]:
         name, rest = "", text
     path, weight = rest, 1.0
     head, colon, tail = rest.rpartition(":")
-    port = re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/]*", head) and tail.isdigit()  # scheme://host:PORT
+    port = re.fullmatch(r"https?://[^/]*", head) and tail.isdigit()  # http://host:PORT (s3://b:3: a weight)
     if colon and head and "/" not in tail and not port:  # (a weight has no "/": s3://b/x, host:9000/b/x)
         path, weight = head, _weight(tail, f"--mix {text}")
     if not path:

@@ -188,7 +188,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
                 return arr, windows(arr, length, void)
             closer = (lambda s, path: maps.drop(s)) if bounded else None  # (a map would keep an evicted file's disk)
             names = FileGroups([column_view(shards, "path")], len(shards))  # (a view: no name kept a shard)
-            self._cache = ShardCache(self._remote, names, opener, limit=self._limit, closer=closer)
+            self._cache = ShardCache(self._remote, names, opener, limit=self._limit, closer=closer, eager=not bounded)
             self._flat, self._shards, self._flat_windows, self._shard_windows = None, maps, None, []
             self._flat_rows = self._copy_table = None
             self._hold()

@@ -286,6 +286,10 @@ class Column(Sequence[Any]):
         for start in range(0, len(self), _CHUNK):
             yield from self._rows._values(self._k, start, min(start + _CHUNK, len(self)))
 
+    def find(self, values: Sequence[str]) -> np.ndarray:
+        """The row of each of ``values`` (-1 where none has it): `Rows.find_many`, no value made a row."""
+        return self._rows.find_many(self._rows.keys[self._k], values)
+
 
 class Pairs(Sequence[tuple[Any, Any]]):
     """Two columns of `Rows` read as ``(a, b)`` tuples (a shard's file and its rows), each made when asked."""

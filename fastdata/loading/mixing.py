@@ -168,8 +168,11 @@ class MixtureSampler:
         if self._quantise(self.mixture._weights) == self.seg.weights:
             return
         p = self.position()
-        self.seg = self._segment(self.epoch, p, self.seg.cursors_at(p, self.unit), self.seg.targets,
-                                 self.mixture._weights)
+        if p == 0 and self.seg.start == 0:  # the epoch's start: its first segment, under the new weights
+            self.seg = self._first_segment(self.epoch, self.seg.cursors)  # (never empty: NOTE [mixture] 4)
+        else:
+            self.seg = self._segment(self.epoch, p, self.seg.cursors_at(p, self.unit), self.seg.targets,
+                                     self.mixture._weights)
         self.start, self.served = p, 0
 
     # -- the stream -----------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     `RemoteDataset.fetch`).
 14. The limit is kept up to the bytes other processes have in flight. Other processes fetch and evict too:
     while a plan is read, the scheduler thread looks at the disk again (`cached`: a listing of the folders,
-    0.4 s at 10^6 shards of two files) outside the lock, at most once a second and a twentieth of the time
+    each listed file looked up in the manifest's columns: as long as what the cache holds, not the
+    dataset) outside the lock, at most once a second and a twentieth of the time
     (batches read without a plan look themselves; a new limit looks at once); what this process learnt
     meanwhile stands.
 15. Counted against the limit: shards on disk, arriving (each download owns its shard's room until it ends,
@@ -83,13 +84,15 @@ class ShardCache:
     (see NOTE [shard cache]); a shard may be several files read together (``("images-0.npy",
     "labels-0.npy")``), fetched and evicted as one and opened with the first one's path. ``opener(shard,
     path)`` makes what readers use (a memory map), kept while cached; ``closer(shard, path)`` lets go of it
-    before the shard may be evicted (an LMDB environment)."""
+    before the shard may be evicted (an LMDB environment). ``eager``: without a limit, a warm cache's shards
+    are opened up front (else each when first read, its files checked then: an opener that maps nothing)."""
 
     def __init__(self, remote: RemoteDataset, names: Sequence[Union[str, Sequence[str]]],
                  opener: Callable[[int, Path], Any], *,
                  limit: Optional[int] = None, in_flight: int = IN_FLIGHT, requests: int = REQUESTS,
-                 progress: bool = True, closer: Optional[Callable[[int, Path], None]] = None) -> None:
-        self.remote, self.opener, self.closer = remote, opener, closer
+                 progress: bool = True, closer: Optional[Callable[[int, Path], None]] = None,
+                 eager: bool = True) -> None:
+        self.remote, self.opener, self.closer, self.eager = remote, opener, closer, eager
         self.groups = FileGroups.of(names)  # the files read together (columns: no tuple a shard is kept)
         files, starts = self.groups.flat()
         self._folders = sorted(set(map(os.path.dirname, files)))  # (relative: "" the top)
@@ -115,7 +118,7 @@ class ShardCache:
         began = time.monotonic()
         self._have = self.cached()  # which shards are local, as far as this process knows
         self._scanned, self._scan_cost, self._scanning = time.monotonic(), time.monotonic() - began, False
-        if self.limit is None:  # a warm cache opens as a local folder does: every shard mapped up front
+        if self.limit is None and self.eager:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
                 try:
                     self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
@@ -393,7 +396,7 @@ class ShardCache:
     # -- room -------------------------------------------------------------------------------------------
     def cached(self) -> np.ndarray:
         """Which shards are in the cache folder now (any process may have fetched or evicted them)."""
-        return on_disk(self.remote.dir, *self.groups.flat(), self._folders)
+        return self.groups.present(on_disk(self.remote.dir, self._folders))
 
     def _rescan_due(self) -> bool:
         """(Under the lock.)"""

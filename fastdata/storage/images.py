@@ -49,10 +49,13 @@ def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb
 
 
 def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool,
-                      verify: bool) -> None:
+                      verify: bool, cached: bool = False) -> None:
     """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
-    (labels, LMDB stores); a streamed dataset's shards arrive later and are checked then."""
+    (labels, LMDB stores). ``cached``: the node cache fetches the shards' files (labels, LMDB stores too) and
+    checks them as they arrive, fetching again one of another size (NOTE [shard cache] 20): not checked here."""
     opened = image_files(manifest, fields, is_lmdb)
+    if cached:
+        opened.update(shard_groups(manifest, False).flat()[0])
     others = check_sizes(root, manifest, skip=opened, present_only=True)
     if verify:
         verify_hashes(root, manifest, others)
@@ -123,4 +126,5 @@ def _stream(out: OpenedImages, opened: OpenedPath, fields: Optional[list[Field]]
             out.maps.drop(s)  # type: ignore[attr-defined]
         if store is not None:
             store.close_shard(s)
-    out.cache = ShardCache(opened.remote, groups, opener, limit=opened.limit, closer=closer)
+    out.cache = ShardCache(opened.remote, groups, opener, limit=opened.limit, closer=closer,
+                           eager=not (bounded or images is None))  # (mapped as read: nothing to open up front)

@@ -3,8 +3,9 @@ in cache.py) rather than downloaded when it opens, which of them travel together
 an image dataset's labels, read at opening or held while their streamed shards are open."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from ..formats.rows import column, column_view, int_column, lookup, present
 from ..formats.schema import Field, fields_of
 from .shards import load_npy, take_rows
 
+_NUMBER = re.compile(r"-(\d+)\.npy\Z")  # a field file's shard number (formats/schema.py: Field.files)
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
 
 
@@ -64,6 +66,23 @@ class FileGroups(Sequence[tuple[str, ...]]):
         """Shard ``s``'s first file, which names it."""
         return self._cols[0][s]
 
+    def present(self, names: Iterable[str]) -> np.ndarray:
+        """Which groups have every file among ``names`` (a listing of the cache: as long as what it holds),
+        found by looking each name up, never by making every group's names (a million shards' cache looks
+        at its disk every few seconds)."""
+        names = list(names)
+        ok = np.ones(self._n, dtype=bool)
+        for c in self._cols:
+            if hasattr(c, "find"):  # (a shard's own file: one row has it)
+                at = c.find(names)
+                hit = np.zeros(self._n, dtype=bool)
+                hit[at[at >= 0]] = True
+            else:  # (a list: a manifest whose rows could not be columns, groups given by hand)
+                listed = set(names)
+                hit = np.fromiter((v is None or v in listed for v in c), dtype=bool, count=self._n)
+            ok &= hit
+        return ok
+
     def flat(self) -> tuple[list[str], np.ndarray]:
         """Every shard's files in order, and where each shard's first is among them (made for the call)."""
         cols = [list(c) for c in self._cols]
@@ -89,6 +108,16 @@ class _FieldFiles(Sequence[str]):
     def __getitem__(self, k: Any) -> Any:
         at = range(self._n)[k]  # (IndexError past the end; a range for a slice)
         return [self[j] for j in at] if isinstance(at, range) else self._field.files(at)[0]
+
+    def find(self, values: Sequence[str]) -> np.ndarray:
+        """The shard of each of ``values`` that is one of these files (-1 for any other name)."""
+        out = np.full(len(values), -1, dtype=np.int64)
+        for i, v in enumerate(values):
+            number = _NUMBER.search(v)
+            k = int(number.group(1)) if number is not None else -1
+            if 0 <= k < self._n and self._field.files(k)[0] == v:
+                out[i] = k
+        return out
 
 
 def shard_groups(manifest: dict[str, Any], at_open: bool) -> FileGroups:
