@@ -1,11 +1,29 @@
 """Finding the input images: ImageFolder order and labels, CSV lists, and their errors."""
 from __future__ import annotations
 
+import io
+import json
+import logging
+import os
+import threading
+
 import pytest
 from conftest import AWKWARD_BAD, AWKWARD_GOOD
+from PIL import Image
 
+from fastdata.cli.main import main
 from fastdata.errors import SourceError
-from fastdata.preprocess.sources import UrlReader, discover, inside, open_text, store_call
+from fastdata.preprocess.records import jsonl_records
+from fastdata.preprocess.sources import UrlReader, class_ids, discover, inside, open_text, store_call
+
+
+def _png(path, colour=(200, 10, 10)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (40, 30), colour).save(path, "PNG")
+
+
+def _preprocess(src, out, *extra: str) -> int:
+    return main(["preprocess", "images", str(src), str(out), "--size", "8", "--quiet", "--workers", "1", *extra])
 
 
 def test_image_folder_order_labels_and_filters(awkward_folder):
@@ -72,7 +90,9 @@ def test_a_csv_list_and_a_folder_at_a_file_url_are_the_local_sources(tmp_path, p
 
 
 @pytest.mark.parametrize("rel, ok", [("./a//b.png", "a/b.png"), ("a/../c.png", "c.png"), ("../x.png", None),
-                                     ("/etc/x.png", None), ("s3://other/x.png", None), ("a/../../x.png", None)])
+                                     ("/etc/x.png", None), ("s3://other/x.png", None), ("a/../../x.png", None),
+                                     ("%2e%2e/x.png", None), ("a/%2E%2e/%2e./x.png", None), ("%2e%2e%2fx.png", None),
+                                     ("%2fetc/x.png", None), ("100%25.png", "100%25.png")])
 def test_paths_in_records_at_a_url_stay_inside_its_folder(rel, ok):
     if ok is not None:
         assert inside("s3://b/data", rel, "recs.jsonl:1", "the folder") == ok
@@ -103,3 +123,178 @@ def test_a_refused_read_is_one_source_error_line_without_secrets():
     with pytest.raises(SourceError, match="access denied") as err:
         store_call(url, denied)
     assert "hunter" not in str(err.value) and "store.example" in str(err.value) and "\n" not in str(err.value)
+
+
+# -- hostile inputs: each is a clear error, a skipped file or a counted bad record, never a hang or a crash ------
+def test_a_superscript_label_is_a_class_name_not_an_id(tmp_path):
+    # "²".isdigit() is True but int("²") refuses it: only ASCII digits make an id (NOTE [class ids] rule 3)
+    assert class_ids(["1", "\u00b2", "1"]) == (["1", "\u00b2"], [0, 1, 0])
+    _png(tmp_path / "a.png")
+    (tmp_path / "list.csv").write_text("path,label\na.png,1\na.png,\u00b2\n", encoding="utf-8")
+    assert discover(tmp_path / "list.csv").classes == ["1", "\u00b2"]
+    (tmp_path / "r.jsonl").write_text('{"image": "a.png", "label": "1"}\n{"image": "a.png", "label": "\u00b2"}\n',
+                                      encoding="utf-8")
+    assert _preprocess(tmp_path / "r.jsonl", tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["classes"] == ["1", "\u00b2"]
+
+
+def test_class_ids_far_past_the_samples_are_refused_naming_the_id(tmp_path):
+    # one stray id of 10^10 built a list of 10^10 class names; 3,000,000 a 53 MB manifest for 2 samples
+    _png(tmp_path / "a.png")
+    assert class_ids(["0", "65535"], 2)[0][-1] == "65535"  # under 65536: always accepted
+    assert len(class_ids(["0", "99999"], 50_000)[0]) == 100_000  # under twice the samples
+    (tmp_path / "list.csv").write_text("a.png,0\na.png,10000000000\n")
+    with pytest.raises(SourceError, match=r"list.csv: class id 10000000000 is too large for 2 samples: .*below 65536.*"
+                                          r"number the classes 0..K-1, or give them as names"):
+        discover(tmp_path / "list.csv")
+    (tmp_path / "r.jsonl").write_text('{"image": "a.png", "labels": [0]}\n{"image": "a.png", "labels": [1, 3000000]}\n')
+    with pytest.raises(SourceError, match=r"r.jsonl, the labels of a.png \(record 2\): class id 3000000 is too large"):
+        jsonl_records(tmp_path / "r.jsonl")
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"image": "a.png", "label": ' + "1" * 5000 + "}", "a number of over 4300 digits"),
+    ('{"image": "a.png", "n": ' + "[" * 200_000 + "]" * 200_000 + "}", "JSON nested deeper than a JSON parser"),
+], ids=["5000-digits", "200000-deep"])
+def test_hostile_json_in_records_is_an_error_naming_the_line(tmp_path, line, needle):
+    (tmp_path / "r.jsonl").write_text('{"image": "a.png"}\n' + line + "\n")
+    with pytest.raises(SourceError, match=f"r.jsonl:2: {needle}"):
+        jsonl_records(tmp_path / "r.jsonl")
+
+
+def test_a_number_past_a_float_in_records_names_its_record(tmp_path):
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    (tmp_path / "r.jsonl").write_text('{"image": "a.png", "score": [1, 1]}\n{"image": "b.png", "score": [2, 1'
+                                      + "0" * 400 + "]}\n")
+    with pytest.raises(SourceError, match=r"r.jsonl: 'score' of record 2 \(b.png\) is \[2, 10+.*too large for a float"):
+        jsonl_records(tmp_path / "r.jsonl")
+    (tmp_path / "r.csv").write_text("image,score\na.png,1\nb.png,1" + "0" * 400 + "\n")  # a CSV cell: an int too
+    assert _preprocess(tmp_path / "r.csv", tmp_path / "out") == 1
+
+
+def test_boxes_and_captions_no_float_or_text_holds_are_bad_records(tmp_path, capsys):
+    for i in range(3):
+        _png(tmp_path / f"{i}.png", (40 * i, 0, 0))
+    recs = [{"image": "0.png", "caption": "ok", "boxes": [[1, 1, 5, 5]], "box_labels": [0]},
+            {"image": "1.png", "caption": "x\udc80y", "boxes": [[1, 1, 5, 5]], "box_labels": [0]},
+            {"image": "2.png", "caption": "ok", "boxes": [[1, 1, 10 ** 400, 5]], "box_labels": [1]}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))  # "\udc80": a lone surrogate
+    assert _preprocess(tmp_path / "r.jsonl", tmp_path / "out", "--tokenizer", "bytes") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 1 and [s["path"] for s in manifest["skipped"]] == ["1.png", "2.png"]
+    assert "lone surrogate '\\udc80' at character 1" in manifest["skipped"][0]["reason"]
+    assert "are not [[x1, y1, x2, y2], ...]" in manifest["skipped"][1]["reason"]
+    capsys.readouterr()
+    assert _preprocess(tmp_path / "r.jsonl", tmp_path / "fail", "--tokenizer", "bytes", "--on-error", "fail") == 1
+    assert "1.png: the caption holds a lone surrogate" in capsys.readouterr().err
+
+
+def _in_thread(fn, timeout: float):
+    """``fn()``'s result, or a failure after ``timeout`` seconds (a FIFO read blocks: the test must not hang)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            out.append((False, exc))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert out, f"still running after {timeout} s"
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_fifo_or_a_device_named_like_an_image_is_skipped_with_a_warning(tmp_path, caplog):
+    _png(tmp_path / "src" / "a" / "ok.png")
+    os.mkfifo(tmp_path / "src" / "a" / "x.jpg")  # a read of it waits for a writer forever
+    os.symlink("/dev/zero", tmp_path / "src" / "a" / "y.jpg")  # a read of it never ends
+    os.symlink(tmp_path / "nowhere.png", tmp_path / "src" / "a" / "z.png")  # dangling: a bad record, as before
+    with caplog.at_level(logging.WARNING, "fastdata.preprocess.sources"):
+        src = _in_thread(lambda: discover(tmp_path / "src"), 30)
+    assert src.paths == ["a/ok.png", "a/z.png"]
+    assert "skipped 2 image name(s) that are not regular files" in caplog.text and "a/x.jpg, a/y.jpg" in caplog.text
+    assert _in_thread(lambda: _preprocess(tmp_path / "src", tmp_path / "out"), 120) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 1 and [s["path"] for s in manifest["skipped"]] == ["a/z.png"]
+
+
+def test_a_fifo_or_a_device_named_in_a_list_or_as_a_mask_is_a_bad_record_not_a_hang(tmp_path):
+    """A list (CSV, JSON Lines) names its files itself, so no folder walk screens them: a FIFO named as an
+    image or a mask hung the worker, a link to /dev/zero read without end. Each is a bad record now."""
+    _png(tmp_path / "src" / "ok.png")
+    _png(tmp_path / "src" / "two.png", (10, 200, 10))
+    os.mkfifo(tmp_path / "src" / "fifo.png")
+    (tmp_path / "src" / "sub.png").mkdir()
+    (tmp_path / "src" / "list.csv").write_text("ok.png,0\nfifo.png,1\nsub.png,1\ntwo.png,1\n")  # (a link to
+    assert _in_thread(lambda: _preprocess(tmp_path / "src" / "list.csv", tmp_path / "out"), 120) == 0  # /dev/zero:
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())  # refused as outside the list's folder)
+    assert m["num_samples"] == 2 and [e["path"] for e in m["skipped"]] == ["fifo.png", "sub.png"], m["skipped"]
+    assert all("not a regular file" in e["reason"] for e in m["skipped"])
+    (tmp_path / "src" / "masks").mkdir()
+    Image.new("L", (40, 30), 1).save(tmp_path / "src" / "masks" / "m0.png")
+    os.mkfifo(tmp_path / "src" / "masks" / "m1.png")
+    (tmp_path / "src" / "r.jsonl").write_text('{"image": "ok.png", "mask": "masks/m0.png"}\n'
+                                              '{"image": "two.png", "mask": "masks/m1.png"}\n')
+    assert _in_thread(lambda: _preprocess(tmp_path / "src" / "r.jsonl", tmp_path / "out2"), 120) == 0
+    m = json.loads((tmp_path / "out2" / "manifest.json").read_text())
+    assert m["num_samples"] == 1 and "not a regular file" in m["skipped"][0]["reason"], m["skipped"]
+
+
+def test_symlink_loops_in_a_class_folder_are_walked_once(tmp_path, caplog):
+    cat = tmp_path / "src" / "cat"
+    _png(cat / "x.png")
+    _png(cat / "real" / "y.png")
+    os.symlink(".", cat / "loop")  # one loop listed x.png 41 times; two never ended
+    os.symlink(".", cat / "loop2")
+    os.symlink("..", cat / "real" / "up")
+    os.symlink(tmp_path / "src" / "dog", cat / "zdog")  # another class's folder: listed here too, as before
+    _png(tmp_path / "src" / "dog" / "d.png")
+    with caplog.at_level(logging.WARNING, "fastdata.preprocess.sources"):
+        src = _in_thread(lambda: discover(tmp_path / "src"), 30)
+    assert src.paths == ["cat/x.png", "cat/real/y.png", "cat/zdog/d.png", "dog/d.png"] and src.labels == [0, 0, 0, 1]
+    assert "skipped 3 folder(s) already listed" in caplog.text and "cat/loop, cat/loop2, cat/real/up" in caplog.text
+
+
+def test_a_percent_encoded_dot_dot_never_leaves_the_folder_at_an_http_url(tmp_path):
+    import functools
+    import http.server
+
+    (tmp_path / "www" / "data").mkdir(parents=True)
+    _png(tmp_path / "www" / "secret.png", (1, 2, 3))  # outside the records' folder
+    _png(tmp_path / "www" / "data" / "a.png")
+    (tmp_path / "www" / "data" / "r.jsonl").write_text('{"image": "a.png"}\n{"image": "%2e%2e/secret.png"}\n')
+    asked: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            asked.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Handler, directory=str(tmp_path / "www")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # the server decodes %2e%2e to .. and served /secret.png as a sample
+        url = f"http://127.0.0.1:{server.server_address[1]}/data/r.jsonl"
+        assert _preprocess(url, tmp_path / "out") == 1
+    finally:
+        server.shutdown()
+    assert "/secret.png" not in asked and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_parquet_class_id_far_past_the_samples_is_refused_naming_the_file(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    def png(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (40, 30), (40 * i, 0, 0)).save(buf, "PNG")
+        return buf.getvalue()
+    # a uint64 label of 2**63 + 5: each file's summary and then the merged schema built range(max id + 1)
+    pq.write_table(pa.table({"image": pa.array([png(i) for i in range(3)], pa.binary()),
+                             "label": pa.array([0, 1, 2 ** 63 + 5], pa.uint64())}), tmp_path / "a.parquet")
+    assert _preprocess(tmp_path / "a.parquet", tmp_path / "out") == 1
+    assert "a.parquet: class id 9223372036854775813 is too large for 3 samples" in capsys.readouterr().err

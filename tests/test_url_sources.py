@@ -114,6 +114,29 @@ def test_a_record_leaving_its_folder_at_a_url_is_refused_with_the_line(s3, tmp_p
         discover_source(f"{url}/a/recs.jsonl")
 
 
+def test_a_percent_encoded_dot_dot_in_a_record_at_a_url_is_refused_with_the_line(s3, tmp_path):
+    # an http:// server decodes %2e%2e to .. after the check: /secret.png was served as a sample
+    url = s3("escape-pct")
+    for rel in ("%2e%2e/b/y.png", "x/%2E%2E/%2e%2e/y.png", "%2e%2e%2fy.png"):
+        s3.client.put_object(Bucket="escape-pct", Key="a/recs.jsonl",
+                             Body=f'{{"image": "x.png"}}\n{{"image": "{rel}"}}\n'.encode())
+        with pytest.raises(SourceError, match=f"recs.jsonl:2: '{rel}' is outside the folder"):
+            discover_source(f"{url}/a/recs.jsonl")
+
+
+def test_a_folder_named_like_a_tar_at_a_url_is_no_tar(s3, tmp_path):
+    from test_wds_source import make_tars
+
+    src = make_tars(tmp_path / "src", count=2)
+    url = s3("tar-folder")
+    for p in sorted(src.iterdir()):
+        s3.client.put_object(Bucket="tar-folder", Key=f"wds/{p.name}", Body=p.read_bytes())
+    s3.client.put_object(Bucket="tar-folder", Key="wds/more.tar/notes.txt", Body=b"hi")  # a folder "more.tar/"
+    local = preprocess(src, tmp_path / "local")
+    for i, where in enumerate((f"{url}/wds", f"{url}/wds/")):  # "cannot read .../more.tar as a tar file"
+        assert_same_output(local, preprocess(where, tmp_path / f"remote{i}"), where)
+
+
 def test_parquet_at_a_url_is_read_by_row_group_and_gives_the_local_bytes(s3, tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -334,3 +334,62 @@ def test_a_brace_pattern_over_http_without_folder_listings(tmp_path):
     local, served = tree_bytes(tmp_path / "local"), tree_bytes(tmp_path / "http")
     assert {k: v for k, v in served.items() if k != "manifest.json"} == {
         k: v for k, v in local.items() if k != "manifest.json"}
+
+
+# -- hostile metadata: a bad record (skipped, listed) or one clear line naming the sample, never a crash ----------
+def test_metadata_no_parser_float_or_text_holds_is_a_listed_bad_record(tmp_path, capsys):
+    big = "1" + "0" * 400  # an integer past a float's range (1.8e308)
+    metas = [b'{"score": 1}',
+             b'{"score": 2, "deep": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",  # RecursionError stopped the run
+             b'{"score": ' + big.encode() + b"}",  # OverflowError at listing
+             b'{"score": 4, "boxes": [[1, 1, ' + big.encode() + b', 5]], "box_labels": [0]}',  # in the worker
+             b'{"score": 5, "caption": "bad \\ud800"}',  # a lone surrogate: UnicodeEncodeError in the tokenizer
+             b'{"score": 6, "n": ' + b"7" * 5000 + b"}",  # past Python's 4300 digits
+             b'{"score": 7}']
+    src = tmp_path / "src"
+    src.mkdir()
+    write_tar(src / "00000.tar", [m for i, meta in enumerate(metas) for m in (
+        (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.cls", str(i % 2).encode()), (f"{i:03d}.json", meta))])
+    assert preprocess(src, tmp_path / "w1", "--workers", "1", "--tokenizer", "bytes") == 0
+    assert preprocess(src, tmp_path / "w2", "--workers", "2", "--tokenizer", "bytes") == 0
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")
+    manifest = json.loads((tmp_path / "w1" / "manifest.json").read_text())
+    reasons = {s["path"]: s["reason"] for s in manifest["skipped"]}
+    assert manifest["num_samples"] == 2 and sorted(reasons) == [f"00000.tar/{i:03d}.png" for i in range(1, 6)]
+    assert "sample 001 has bad metadata (ValueError: .json nests deeper" in reasons["00000.tar/001.png"]
+    assert "'score' is <an integer of 401 digits>, past a float's range" in reasons["00000.tar/002.png"]
+    assert "are not [[x1, y1, x2, y2], ...]" in reasons["00000.tar/003.png"]
+    assert "the caption holds a lone surrogate '\\ud800'" in reasons["00000.tar/004.png"]
+    assert "sample 005 has bad metadata (ValueError: Exceeds the limit (4300 digits)" in reasons["00000.tar/005.png"]
+    assert FastDataset(tmp_path / "w1").get_batch(np.arange(2))["score"].tolist() == [1.0, 7.0]
+    capsys.readouterr()
+    assert preprocess(src, tmp_path / "fail", "--on-error", "fail", "--tokenizer", "bytes") == 1
+    assert "00000.tar/001.png" in capsys.readouterr().err
+
+
+def _cls_tars(root: Path, labels: list[bytes]) -> Path:
+    root.mkdir(parents=True)
+    write_tar(root / "00000.tar", [m for i, cls in enumerate(labels) for m in (
+        (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.cls", cls))])
+    return root
+
+
+@pytest.mark.parametrize("odd", [b"", b"1.0", b"-1", b" x", "\u00b2".encode()], ids=["empty", "1.0", "-1", "x", "sup2"])
+def test_an_odd_cls_among_ids_is_named_with_its_sample(tmp_path, capsys, odd):
+    # "²": str.isdigit() says True and int() refuses it; the others stopped the run naming the first label, "0"
+    src = _cls_tars(tmp_path / "src", [b"0", odd, b"1"])
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert f"class labels mix ids and names: {odd.decode().strip()!r} is the label of 00000.tar/001.png" in err, err
+    assert "but 0, the label of 00000.tar/000.png (record 1), is an id" in err
+
+
+def test_cls_ids_far_past_the_samples_are_refused_and_a_bom_is_no_part_of_one(tmp_path, capsys):
+    # one .cls of 10^10 built a list of 10^10 class names (MemoryError); 3,000,000 a 53 MB manifest
+    for big in (b"3000000", b"10000000000"):
+        capsys.readouterr()
+        assert preprocess(_cls_tars(tmp_path / big.decode(), [b"0", big]), tmp_path / f"o-{big.decode()}") == 1
+        err = capsys.readouterr().err
+        assert f"00000.tar: class id {big.decode()} is too large for 2 samples" in err and "below 65536" in err, err
+    assert preprocess(_cls_tars(tmp_path / "bom", [b"0", "\ufeff2".encode()]), tmp_path / "o-bom") == 0
+    assert FastDataset(tmp_path / "o-bom").targets.tolist() == [0, 2]

@@ -23,6 +23,7 @@ import io
 import math
 import multiprocessing
 import os
+import stat
 from pathlib import Path
 from typing import BinaryIO, Optional, Union
 
@@ -82,7 +83,7 @@ def _decode(path: Path | str | BinaryIO, size: int,
             mode: str) -> tuple[Union[Image.Image, np.ndarray], tuple[int, int]]:
     """`open_rgb_sized`, where libjpeg-turbo's pixels stay the uint8 HWC array it wrote (one copy fewer)."""
     try:
-        data = path.read() if hasattr(path, "read") else Path(path).read_bytes()  # type: ignore[union-attr]
+        data = path.read() if hasattr(path, "read") else read_image_file(path)  # type: ignore[union-attr,arg-type]
         try:
             img = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:  # name the file, not the in-memory buffer (messages stay reproducible)
@@ -105,6 +106,19 @@ def _decode(path: Path | str | BinaryIO, size: int,
     except (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError, EOFError) as exc:
         # Pillow reports damage through many types: truncated data (OSError), bad headers (SyntaxError)...
         raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_image_file(path: Path | str) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one too); a FIFO, a device or a folder named like
+    an image is refused without waiting on it or reading it without end (``/dev/zero``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageDecodeError(f"{path} is not a regular file (a FIFO, a device or a folder): not an image")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def _turbo_rgb(data: bytes, img: Image.Image, need: tuple[int, int] | None) -> np.ndarray | None:

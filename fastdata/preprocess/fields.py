@@ -25,7 +25,7 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.object_store import is_url
-from .sources import UrlBlobs
+from .sources import UrlBlobs, shown
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -129,7 +129,7 @@ class RecordDecoder:
         else:
             path = self.root / rel
         try:
-            with Image.open(path) as m:
+            with Image.open(path if isinstance(path, Blob) else io.BytesIO(decode.read_image_file(path))) as m:
                 m.load()
                 if m.mode not in ("L", "P", "I", "I;16", "I;16L", "1"):
                     raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids "
@@ -150,8 +150,9 @@ class RecordDecoder:
                ) -> tuple[np.ndarray, np.ndarray]:
         try:
             arr = np.asarray(boxes, np.float64).reshape(-1, 4)
-        except ValueError as exc:
-            raise ImageDecodeError(f"boxes {boxes!r} are not [[x1, y1, x2, y2], ...]") from exc
+        except (ValueError, TypeError, OverflowError) as exc:  # Overflow: an integer past 1.8e308
+            raise ImageDecodeError(f"boxes {shown(boxes, 80)} are not [[x1, y1, x2, y2], ...] of numbers a float "
+                                   "holds") from exc
         ids = self._ids(labels, "box_labels")
         if len(ids) != len(arr):
             raise ImageDecodeError(f"{len(arr)} boxes but {len(ids)} box_labels: give one class per box")
@@ -166,7 +167,16 @@ class RecordDecoder:
     def _tokens(self, text: Any) -> np.ndarray:
         if not isinstance(text, str):
             raise ImageDecodeError(f"expected text for a caption, got {text!r}")
-        return cached_tokenizer(self.tokenizer).encode_batch([text])[0]
+        try:
+            return cached_tokenizer(self.tokenizer).encode_batch([text])[0]
+        except (UnicodeEncodeError, TypeError):  # what the tokenizers raise for text that is no UTF-8
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" without its pair
+                raise ImageDecodeError(f"the caption holds a lone surrogate {text[exc.start]!r} at character "
+                                       f"{exc.start}, which is not text (a JSON \\u escape without its pair): fix or "
+                                       "drop that record") from None
+            raise
 
 
 def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[str, UrlBlobs]:

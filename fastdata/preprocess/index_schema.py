@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ..errors import SourceError
 from ..formats.schema import valid_name
 from .records import CLASS_KEYS, from_records, kind_of, split_labels
-from .sources import class_ids
+from .sources import class_ids, id_classes
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,9 @@ class Merge:
         self.first: dict[str, str] = {}
         self.labelled: dict[bool, str] = {}  # has 'label' -> a file that says so
         self.ids = -1
+        self.ids_in = ""  # the file with the largest id
         self.names: set[str] = set()
-        self.modes: set[str] = set()
+        self.modes: dict[str, str] = {}  # "ids" | "names" -> the first file that gives them
         self.class_names: Optional[list[str]] = None  # a Hugging Face ClassLabel's, from the first file with them
         self.common: dict[str, tuple[Any, str]] = {}  # key -> (value, the first file that gave it)
 
@@ -201,10 +202,10 @@ class Merge:
                                            "length for every record")
         self.labelled.setdefault(s["has_label"], label)
         for mode, value in s["classes"].items():
-            self.modes.add(mode)
-            if mode == "ids":
-                self.ids = max(self.ids, value)
-            else:
+            self.modes.setdefault(mode, label)
+            if mode == "ids" and value > self.ids:
+                self.ids, self.ids_in = value, label
+            elif mode == "names":
                 self.names.update(value)
         if self.strict:  # every key is kept: a disagreement is final now, hours before the last file's summary
             self._check(frozenset(self.keep or ()))
@@ -227,7 +228,8 @@ class Merge:
             raise SourceError(f"{self.labelled[False]}: its samples have no 'label' while other files' have "
                               f"({self.labelled[True]}): give every sample one")
         if len(self.modes) > 1:
-            raise SourceError("class labels mix ids and names across the files: use one or the other")
+            raise SourceError(f"class labels mix ids and names across the files: {self.modes['ids']} gives ids, "
+                              f"{self.modes['names']} names: use one or the other")
         return kinds
 
     def schema(self) -> Schema:
@@ -244,11 +246,12 @@ class Merge:
         kinds = self._check(keep)
         if ("boxes" in kinds) != ("box_labels" in kinds):
             raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
-        classes: list[str] = [str(i) for i in range(self.ids + 1)]
+        samples = sum(self.counts)
+        classes = id_classes(self.ids, samples, self.ids_in) if self.ids >= 0 else []
         ids: Optional[dict[str, int]] = None
-        if self.modes == {"names"}:
+        if set(self.modes) == {"names"}:
             names = sorted(self.names)
-            classes, numbers = class_ids(names)
+            classes, numbers = class_ids(names, samples, "the class names")
             ids = dict(zip(names, numbers))
         elif self.class_names and True in self.labelled and len(self.class_names) >= len(classes):
             classes = list(self.class_names)  # Hugging Face ClassLabel: ids keep their names

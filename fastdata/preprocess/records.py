@@ -24,7 +24,8 @@ from typing import Any, Iterator, Optional, Union
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .sources import Source, UrlBlobs, class_ids, discover, inside, is_image_name, open_text, parent
+from .sources import (Source, UrlBlobs, class_ids, discover, id_classes, id_limit, inside, is_image_name, open_text,
+                      parent, shown)
 
 Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/sources.py)
 
@@ -61,8 +62,9 @@ def kind_of(key: str, value: Any) -> Optional[str]:
 def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, root: Where, kind: str,
                  paths: Optional[list[str]] = None) -> Source:
     """A Source from ``(where, record)`` pairs (``where`` names the file and line for messages); ``paths``
-    given (Parquet, tars: the images are in the rows) replace the records' ``image`` paths. A URL ``root`` gives
-    a Source that reads its images (and masks) there."""
+    given (Parquet, tars: the images are in the rows) replace the records' ``image`` paths, and integer class
+    ids are left to the merged schema (NOTE [class ids] rule 4 in sources.py: ``classes`` is then ``[]``). A
+    URL ``root`` gives a Source that reads its images (and masks) there."""
     given = paths is not None
     paths = list(paths) if given else []
     raw: dict[str, list[Any]] = {}
@@ -94,8 +96,8 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
         raise SourceError(f"{location}: records give 'boxes' and 'box_labels' together (one class per box)")
     extras: dict[str, list[Any]] = {}
     for key, col in raw.items():
-        extras[key] = _column(key, kinds[key], col, location, root)
-    classes, extras = _classes(extras, location)
+        extras[key] = _column(key, kinds[key], col, location, root, paths)
+    classes, extras = _classes(extras, location, None if given else n, paths)
     has_label = "label" in extras
     labels = extras.pop("label") if has_label else [0] * n
     kinds.pop("label", None)
@@ -105,7 +107,7 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
     return Source(kind, location, root, paths, labels, classes, kinds, extras, has_label)
 
 
-def _column(key: str, kind: str, col: list[Any], location: Where, root: Where) -> list[Any]:
+def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, paths: list[str]) -> list[Any]:
     """One field's values, checked for what the source alone can tell; None stays where a record lacks it.
     Masks at a URL become full URLs (the worker reads them: fastdata/preprocess/fields.py)."""
     if kind == "mask":
@@ -119,7 +121,12 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where) -
         if any(v is None for v in col):
             raise SourceError(f"{location}: {key!r} is missing from some records (record {col.index(None)}); "
                               "a float field needs a value in every record")
-        return [[float(x) for x in v] if isinstance(v, list) else float(v) for v in col]
+        try:
+            return [[float(x) for x in v] if isinstance(v, list) else float(v) for v in col]
+        except OverflowError:  # an integer past float's 1.8e308: JSON and int() read any number of digits
+            i, v = next((i, v) for i, v in enumerate(col) if not _fits_float(v))
+            raise SourceError(f"{location}: {key!r} of record {i + 1} ({paths[i]}) is {shown(v)}, too large for a "
+                              "float field (at most 1.8e308): fix or drop that record") from None
     if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
         col = [None if v is None else split_labels(v) for v in col]  # CSV: "cat dog"
     if kind in ("labels", "boxes", "box_labels"):
@@ -129,26 +136,59 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where) -
     return col
 
 
-def _classes(extras: dict[str, list[Any]], location: Where) -> tuple[list[str], dict[str, list[Any]]]:
-    """One class list for label/labels/box_labels: integer ids keep their ids, names are sorted."""
+def _fits_float(v: Any) -> bool:
+    try:
+        [float(x) for x in v] if isinstance(v, list) else float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[int], paths: list[str]
+             ) -> tuple[list[str], dict[str, list[Any]]]:
+    """One class list for label/labels/box_labels: integer ids keep their ids (below `id_limit` of ``samples``;
+    None: a file of an indexed source, NOTE [class ids] in sources.py), names are sorted."""
     names = [v for key in CLASS_KEYS if key in extras for rec in extras[key]
              for v in (rec if isinstance(rec, list) else [rec])]
     if not names:
         return [], extras
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in names):
-        if min(names) < 0:
-            raise SourceError(f"{location}: class ids must be >= 0, got {min(names)} (Hugging Face writes -1 in an "
-                              "unlabelled split: drop its label column, or preprocess a labelled split)")
-        return [str(i) for i in range(max(names) + 1)], extras
+    if all(_is_id(v) for v in names):
+        low, top = min(names), max(names)
+        if low < 0:
+            raise SourceError(f"{location}: class ids must be >= 0, got {low} (the {_sample_of(extras, low, paths)}; "
+                              "Hugging Face writes -1 in an unlabelled split: drop its label column, or preprocess a "
+                              "labelled split)")
+        if samples is not None and top >= id_limit(samples):
+            location = f"{location}, the {_sample_of(extras, top, paths)}"
+        return id_classes(top, samples, str(location)), extras
     if not all(isinstance(v, str) for v in names):
-        raise SourceError(f"{location}: class labels mix ids and names ({names[0]!r}, ...): use one or the other")
-    classes, numbers = class_ids(names)
+        ids = _is_id(names[0])  # the first value says which kind the others should be
+        bad = next(v for v in names if (not _is_id(v) if ids else not isinstance(v, str)))
+        raise SourceError(f"{location}: class labels mix ids and names: {shown(bad)} is the "
+                          f"{_sample_of(extras, bad, paths)}, but {shown(names[0])}, the "
+                          f"{_sample_of(extras, names[0], paths)}, is {'an id' if ids else 'a name'}: give every "
+                          "label as an integer id >= 0, or every one as a name")
+    classes, numbers = class_ids(names, samples, str(location))
     ids = dict(zip(names, numbers))
     out = dict(extras)
     for key in CLASS_KEYS:
         if key in extras:
             out[key] = [[ids[v] for v in rec] if isinstance(rec, list) else ids[rec] for rec in extras[key]]
     return classes, out
+
+
+def _sample_of(extras: dict[str, list[Any]], value: Any, paths: list[str]) -> str:
+    """Which sample holds the class value ``value``: ``"label of PATH (record N)"``, for a message (only ever on
+    the error path: a scan of every record)."""
+    for key in CLASS_KEYS:
+        for i, rec in enumerate(extras.get(key, ())):
+            if any(type(v) is type(value) and v == value for v in (rec if isinstance(rec, list) else [rec])):
+                return f"{key} of " + (f"{paths[i]} (record {i + 1})" if i < len(paths) else f"record {i + 1}")
+    return "?"
 
 
 # -- the source kinds ---------------------------------------------------------------------------------------
@@ -161,6 +201,11 @@ def jsonl_records(path: Where) -> Source:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise SourceError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from exc
+            except ValueError:  # Python reads no integer of over 4300 digits (CVE-2020-10735)
+                raise SourceError(f"{path}:{lineno}: a number of over 4300 digits: fix or drop that line") from None
+            except RecursionError:
+                raise SourceError(f"{path}:{lineno}: JSON nested deeper than a JSON parser reads: fix or drop that "
+                                  "line") from None
             if not isinstance(rec, dict):
                 raise SourceError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
             yield f"{path}:{lineno}", rec
@@ -245,7 +290,7 @@ def coco(root: Where, annotations: Path) -> Source:
         names = {int(c["id"]): str(c["name"]) for c in cats}
         index = {cid: i for i, cid in enumerate(order)}
         files = {int(im["id"]): str(im["file_name"]) for im in images}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as exc:
         raise SourceError(f"{annotations} is not a COCO instances file ({type(exc).__name__}: {exc})") from exc
     boxes: dict[int, list[list[float]]] = {i: [] for i in files}
     labels: dict[int, list[int]] = {i: [] for i in files}

@@ -15,6 +15,16 @@ NOTE [url source]:
    source that is missing or refused is one SourceError line, its URL scrubbed of secrets.
 4. A sample whose object is missing is a bad record, as a missing local file is; a store still failing
    when the budget is spent stops the run (a rerun resumes).
+
+NOTE [class ids]:
+1. Integer class labels keep their ids, so the classes are "0".."max id": the manifest names (and counts)
+   every one of them, used or not.
+2. So an id must be below ``max(65536, 2 x the source's samples)`` (`id_limit`): past that most of the list
+   is unused, and one stray id (a ``.cls`` of 10^10) would build a list of 10^10 names. A larger id is
+   refused, named: number the classes 0..K-1, or give them as names (numbered in sorted order).
+3. Only ASCII digits make an id ("3"; not "²", which ``str.isdigit`` accepts and ``int`` refuses).
+4. A file of an indexed source (a tar, a Parquet file) is checked with the whole source, by its merged
+   schema (index_schema.Merge), never against its own sample count.
 """
 from __future__ import annotations
 
@@ -22,18 +32,22 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO, Union
+from urllib.parse import unquote
 
 import numpy as np
 
 from .._io import scrub
 from ..errors import FormatError, ImageDecodeError, SourceError
 from ..storage.object_store import Retry, filesystem, is_url
+
+log = logging.getLogger(__name__)
 
 # torchvision's IMG_EXTENSIONS plus .gif and .jfif; matched case-insensitively.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jfif", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",
@@ -139,12 +153,53 @@ def discover(src: Path | str) -> Source:
     return source
 
 
-def class_ids(names: list[str]) -> tuple[list[str], list[int]]:
+MIN_ID_LIMIT = 1 << 16  # class ids below this are always accepted (NOTE [class ids] rule 2)
+
+
+def id_limit(samples: int) -> int:
+    """Integer class ids must be below this for a source of ``samples`` samples (NOTE [class ids] rule 2)."""
+    return max(MIN_ID_LIMIT, 2 * samples)
+
+
+def shown(value: Any, width: int = 40) -> str:
+    """``repr(value)`` cut to about ``width`` characters: a message may echo a 4000-digit number."""
+    big = isinstance(value, int) and abs(value) >= 10 ** width
+    text = f"<an integer of {len(str(abs(value)))} digits>" if big else repr(value)
+    return text if len(text) <= width else text[:width] + "..."
+
+
+def id_classes(top: int, samples: Optional[int], where: str) -> list[str]:
+    """The classes ``"0".."top"`` of integer ids up to ``top``; ``[]`` where ``samples`` is None (a file of an
+    indexed source: its merged schema checks and names them, NOTE [class ids] rule 4).
+
+    Raises:
+        SourceError: ``top`` is not below `id_limit` (``where`` says where it is).
+    """
+    if samples is None:
+        return []
+    if top >= id_limit(samples):
+        raise SourceError(f"{where}: class id {shown(top)} is too large for {samples} samples: classes run from 0 "
+                          f"to the largest id, so an id must be below {id_limit(samples)} (the larger of 65536 and "
+                          "twice the samples); number the classes 0..K-1, or give them as names")
+    return [str(i) for i in range(top + 1)]
+
+
+def is_id(name: str) -> bool:
+    """Whether a class name is an id: ASCII digits only (NOTE [class ids] rule 3)."""
+    return name.isascii() and name.isdigit()
+
+
+def class_ids(names: list[str], samples: Optional[int] = None, where: str = "the source"
+              ) -> tuple[list[str], list[int]]:
     """``(classes, id of each name)``: integer names keep their ids (classes are "0".."max", so ids and names
-    agree); other names are numbered in sorted order."""
-    if names and all(n.isdigit() for n in names):
+    agree; checked against ``samples``: `id_classes`); other names are numbered in sorted order.
+
+    Raises:
+        SourceError: An integer name is too large an id for ``samples`` samples (NOTE [class ids]).
+    """
+    if names and all(is_id(n) for n in names):
         ids = [int(n) for n in names]
-        return [str(i) for i in range(max(ids) + 1)], ids
+        return id_classes(max(ids), samples, where), ids
     classes = sorted(set(names))
     index = {c: i for i, c in enumerate(classes)}
     return classes, [index[n] for n in names]
@@ -152,10 +207,11 @@ def class_ids(names: list[str]) -> tuple[list[str], list[int]]:
 
 def inside(root: Union[Path, str], rel: str, where: str, folder: str) -> str:
     """``rel`` as a POSIX path relative to ``root`` (a folder, or a folder's URL); refuses absolute paths,
-    URLs and ``..`` that leave it."""
+    URLs and ``..`` that leave it (at a URL also ``%2e%2e``: a web server decodes it to ``..``)."""
     if isinstance(root, str):
         norm = posixpath.normpath(rel)
-        if rel.startswith("/") or is_url(rel) or norm == ".." or norm.startswith("../"):
+        plain = posixpath.normpath(unquote(rel))  # what an http:// server resolves, after our check
+        if is_url(rel) or any(p == ".." or p.startswith(("../", "/")) for p in (norm, plain)):
             raise SourceError(f"{where}: {rel!r} is outside {folder} {scrub(root)}; paths must be relative to it")
         return norm
     full = (root / rel).resolve()
@@ -172,15 +228,69 @@ def _from_folder(root: Path) -> Source:
     if not classes:
         raise SourceError(f"source folder {root} has no class sub-folders: put each class's images in its own folder")
     paths, labels = [], []
+    odd: list[str] = []  # image names that are not files: FIFOs (a read waits forever), devices (/dev/zero: endless)
+    again: list[str] = []  # folders reached a second time through a link: a loop would never end
     for label, name in enumerate(classes):
-        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            rel = Path(dirpath).relative_to(root)
-            for fname in sorted(filenames):
-                if is_image_name(fname):
-                    paths.append((rel / fname).as_posix())
-                    labels.append(label)
+        found = _walk(root, name, odd, again)
+        paths += found
+        labels += [label] * len(found)
+    if odd:
+        log.warning("skipped %d image name(s) that are not regular files (a FIFO, a device, a socket): %s",
+                    len(odd), ", ".join(odd[:5]) + (" ..." if len(odd) > 5 else ""))
+    if again:
+        log.warning("skipped %d folder(s) already listed through another link (a symlink loop?): %s",
+                    len(again), ", ".join(again[:5]) + (" ..." if len(again) > 5 else ""))
     return Source("folder", root, root, paths, labels, classes)
+
+
+def _walk(root: Path, name: str, odd: list[str], again: list[str]) -> list[str]:
+    """The image files under class folder ``root/name``, relative to ``root``, in ``os.walk(followlinks=True)``'s
+    order (a folder's files sorted, then its sorted sub-folders); links are followed, but each folder is listed
+    once (by ``(st_dev, st_ino)``) and only regular files are kept (the others named in ``odd``, the folders
+    seen before in ``again``)."""
+    out: list[str] = []
+    try:
+        st = os.stat(root / name)
+    except OSError:
+        return out
+    seen: set[tuple[int, int]] = set()
+    stack = [(name, (st.st_dev, st.st_ino))]
+    while stack:
+        rel, key = stack.pop()
+        if key in seen:  # marked when walked, not when found: the first in walk order is the one listed
+            again.append(rel)
+            continue
+        seen.add(key)
+        try:
+            entries = sorted(os.scandir(root / rel), key=lambda e: e.name)
+        except OSError:  # unreadable: os.walk's default, as before
+            continue
+        subs = []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                if not e.name.startswith("."):
+                    subs.append(e)
+            elif is_image_name(e.name):
+                (out if _regular(e) else odd).append(f"{rel}/{e.name}")
+        for e in reversed(subs):  # a stack: the first sub-folder is walked next
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            stack.append((f"{rel}/{e.name}", (st.st_dev, st.st_ino)))
+    return out
+
+
+def _regular(e: os.DirEntry) -> bool:
+    """A regular file, or a name that is no file at all (a dangling link: a bad record when read, as before)."""
+    try:
+        return e.is_file() or not os.path.exists(e.path)
+    except OSError:
+        return True
 
 
 def _from_csv(path: Union[Path, str]) -> Source:
@@ -202,7 +312,7 @@ def _from_csv(path: Union[Path, str]) -> Source:
         raise SourceError(f"{path}: malformed CSV ({exc})") from exc
     except OSError as exc:
         raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
-    classes, ids = class_ids([label for _, label in rows])
+    classes, ids = class_ids([label for _, label in rows], len(rows), str(path))
     kept = [(p, i) for (p, _), i in zip(rows, ids) if is_image_name(os.path.basename(p))]
     paths = [p for p, _ in kept]
     if isinstance(root, str):

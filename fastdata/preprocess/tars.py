@@ -29,13 +29,14 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .sources import IMAGE_EXTENSIONS, store_call
+from .sources import IMAGE_EXTENSIONS, is_id, shown, store_call
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _GAP = 256 << 10  # samples this close after each other in a tar are read in one request (their .json/.cls between)
 _SPAN = 64 << 20  # but no request longer than this
+_LONG_INT = re.compile(rb"\d{309}")  # a JSON integer this long is past a float's range (1.8e308)
 Where = Union[tuple[int, int, int], str]  # (tar, offset, size) of a sample's image, or why it is a bad record
 
 
@@ -69,7 +70,7 @@ def is_tar_source(src: Union[str, Path]) -> bool:
             return False  # a records file: no listing needed to tell
         try:  # an outage is ridden out under the retry budget (NOTE [url source] rule 3)
             fs, root = filesystem(text)
-            return any(p.endswith(".tar") for p in store_call(text, lambda: fs.ls(root, detail=False), "list"))
+            return bool(_url_tars(text, fs, root))
         except SourceError:  # down past the budget, or refused: said once, here
             raise
         except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
@@ -90,8 +91,7 @@ def tar_files(src: Union[str, Path]) -> list[str]:
     elif is_url(text) and not text.endswith(".tar"):
         fs, root = filesystem(text)
         try:
-            names = [fs.unstrip_protocol(p) for p in store_call(text, lambda: fs.ls(root, detail=False), "list")
-                     if p.endswith(".tar")]
+            names = [fs.unstrip_protocol(p) for p in _url_tars(text, fs, root)]
         except SourceError:
             raise
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
@@ -103,6 +103,12 @@ def tar_files(src: Union[str, Path]) -> list[str]:
     if not names:
         raise SourceError(f"{scrub(text)} holds no .tar files")
     return sorted(names)
+
+
+def _url_tars(url: str, fs: Any, root: str) -> list[str]:
+    """The ``*.tar`` objects of the folder ``url`` (fsspec paths); a folder named ``x.tar/`` is not one."""
+    listing = store_call(url, lambda: fs.ls(root, detail=True), "list")
+    return [e["name"] for e in listing if e["name"].endswith(".tar") and e.get("type") != "directory"]
 
 
 def _open(tar: str) -> Any:
@@ -178,11 +184,15 @@ class _Seen:
 
 
 def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
-    """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata."""
+    """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata
+    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack)."""
     image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
-        meta = json.loads(group["json"].decode("utf-8"))
+        try:
+            meta = json.loads(group["json"].decode("utf-8"))
+        except RecursionError:
+            raise ValueError(".json nests deeper than a JSON parser reads") from None
         if not isinstance(meta, dict):
             raise ValueError(f".json holds {type(meta).__name__}, not an object")
         for k, v in meta.items():
@@ -190,12 +200,24 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
                 isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))
             if k in ("label", "labels", "boxes", "box_labels") or (k == "caption" and isinstance(v, str)) or numeric:
                 rec[k] = v
+        if _LONG_INT.search(group["json"]):  # rare: only then look for a number no float field can hold
+            _floats(rec)
     if "cls" in group:
-        text = group["cls"].decode("utf-8").strip()
-        rec["label"] = int(text) if text.isdigit() else text
+        text = group["cls"].decode("utf-8-sig").strip()  # a BOM, as Windows editors write, is no part of the id
+        rec["label"] = int(text) if is_id(text) else text
     if "txt" in group:
         rec["caption"] = group["txt"].decode("utf-8")
     return image, rec
+
+
+def _floats(rec: dict[str, Any]) -> None:
+    """Raise ValueError for a record's number (or list of them) past a float's range: a vector field's values."""
+    for k, v in rec.items():
+        if k not in ("label", "labels", "boxes", "box_labels", "caption"):
+            try:
+                [float(x) for x in v] if isinstance(v, list) else float(v)
+            except OverflowError:
+                raise ValueError(f"{k!r} is {shown(v)}, past a float's range (1.8e308)") from None
 
 
 class TarBlobs:
