@@ -499,9 +499,12 @@ def test_cache_list_and_remove_with_hostile_files_in_the_cache(s3, indexed_datas
     damaged = root / "abcdefabcdefabcdefab"
     damaged.mkdir(mode=0o700)
     (damaged / "manifest.json").write_text(json.dumps({"files": [{"bytes": "many"}]}))  # (KeyError, ValueError)
+    for k, text in enumerate(('{"files": [{"path": "x", "bytes": 1e400}]}', "[" * 100_000 + "]" * 100_000)):
+        (root / f"{k}bcdefabcdefabcdefab").mkdir(mode=0o700)  # (OverflowError, RecursionError)
+        (root / f"{k}bcdefabcdefabcdefab" / "manifest.json").write_text(text)
     code = "import sys; from fastdata.storage.cache_folders import list_cached; print(len(list_cached(sys.argv[1])))"
     r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
-    assert r.stdout.strip() == "3", r.stdout + r.stderr  # (no wait on the FIFO; the link is not a folder of it)
+    assert r.stdout.strip() == "5", r.stdout + r.stderr  # (no wait on the FIFO; the link is not a folder of it)
     listed = {info["id"]: info for info in list_cached(root)}
     assert listed[fifo.name]["cached_bytes"] == 0 and listed[fifo.name]["url"] == "?"
     assert sorted(remove_cached([], root)) == sorted(listed)

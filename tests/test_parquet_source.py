@@ -245,6 +245,22 @@ def test_another_image_column_is_refused_and_a_row_without_bytes_is_a_bad_record
     assert "x.parquet#1" in capsys.readouterr().err
 
 
+def test_a_class_label_naming_100000_classes_keeps_its_names_past_the_id_bound(tmp_path):
+    """A landmarks-like split: a ClassLabel of 100,000 names, six rows labelled up to 99,999. The class-id
+    bound (NOTE [class ids]) refused it, though every id is named."""
+    names = [f"landmark_{i}" for i in range(100_000)]
+    meta = {b"huggingface": json.dumps({"info": {"features": {"label": {"_type": "ClassLabel",
+                                                                         "names": names}}}}).encode()}
+    labels = [5, 70000, 99999, 12, 3, 80000]
+    src = write_parts(tmp_path / "src", [6], columns=lambda i: {"label": labels[i]}, meta=meta)
+    assert preprocess(src, tmp_path / "out", "--workers", "1") == 0
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["classes"] == names
+    from fastdata.datasets.images import FastDataset
+
+    assert FastDataset(tmp_path / "out").get_batch(np.arange(6))[1].tolist() == labels
+
+
 def test_max_side_and_shuffle_are_refused_before_any_file_is_read(tmp_path, capsys):
     src = write_parts(tmp_path / "src", [4])
     assert preprocess(src, tmp_path / "out", "--shuffle", "1") == 1

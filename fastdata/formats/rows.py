@@ -286,9 +286,11 @@ class Column(Sequence[Any]):
         for start in range(0, len(self), _CHUNK):
             yield from self._rows._values(self._k, start, min(start + _CHUNK, len(self)))
 
-    def find(self, values: Sequence[str]) -> np.ndarray:
-        """The row of each of ``values`` (-1 where none has it): `Rows.find_many`, no value made a row."""
-        return self._rows.find_many(self._rows.keys[self._k], values)
+    def rows_among(self, values: Sequence[str]) -> np.ndarray:
+        """The rows whose value is one of ``values`` (the first row, for a value held twice): `Rows.find_many`,
+        no value made a row."""
+        at = self._rows.find_many(self._rows.keys[self._k], values)
+        return at[at >= 0]
 
 
 class Pairs(Sequence[tuple[Any, Any]]):

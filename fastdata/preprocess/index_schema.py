@@ -247,7 +247,9 @@ class Merge:
         if ("boxes" in kinds) != ("box_labels" in kinds):
             raise SourceError("records give 'boxes' and 'box_labels' together (one class per box)")
         samples = sum(self.counts)
-        classes = id_classes(self.ids, samples, self.ids_in) if self.ids >= 0 else []
+        named = bool(self.class_names) and len(self.class_names) > self.ids  # (a ClassLabel names every id)
+        classes = ([str(i) for i in range(self.ids + 1)] if named else id_classes(self.ids, samples, self.ids_in)
+                   ) if self.ids >= 0 else []
         ids: Optional[dict[str, int]] = None
         if set(self.modes) == {"names"}:
             names = sorted(self.names)

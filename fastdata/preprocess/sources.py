@@ -229,38 +229,39 @@ def _from_folder(root: Path) -> Source:
         raise SourceError(f"source folder {root} has no class sub-folders: put each class's images in its own folder")
     paths, labels = [], []
     odd: list[str] = []  # image names that are not files: FIFOs (a read waits forever), devices (/dev/zero: endless)
-    again: list[str] = []  # folders reached a second time through a link: a loop would never end
+    loops: list[str] = []  # folder links back into a folder above them: walked, a loop would never end
     for label, name in enumerate(classes):
-        found = _walk(root, name, odd, again)
+        found = _walk(root, name, odd, loops)
         paths += found
         labels += [label] * len(found)
     if odd:
         log.warning("skipped %d image name(s) that are not regular files (a FIFO, a device, a socket): %s",
                     len(odd), ", ".join(odd[:5]) + (" ..." if len(odd) > 5 else ""))
-    if again:
-        log.warning("skipped %d folder(s) already listed through another link (a symlink loop?): %s",
-                    len(again), ", ".join(again[:5]) + (" ..." if len(again) > 5 else ""))
+    if loops:
+        log.warning("skipped %d folder link(s) that lead back into a folder above them (a loop): %s",
+                    len(loops), ", ".join(loops[:5]) + (" ..." if len(loops) > 5 else ""))
     return Source("folder", root, root, paths, labels, classes)
 
 
-def _walk(root: Path, name: str, odd: list[str], again: list[str]) -> list[str]:
+def _walk(root: Path, name: str, odd: list[str], loops: list[str]) -> list[str]:
     """The image files under class folder ``root/name``, relative to ``root``, in ``os.walk(followlinks=True)``'s
-    order (a folder's files sorted, then its sorted sub-folders); links are followed, but each folder is listed
-    once (by ``(st_dev, st_ino)``) and only regular files are kept (the others named in ``odd``, the folders
-    seen before in ``again``)."""
+    order (a folder's files sorted, then its sorted sub-folders); links are followed as os.walk does, but a
+    folder that is one of its own ancestors (by ``(st_dev, st_ino)``: a loop, which os.walk followed until the
+    path grew too long) is not entered again (named in ``loops``, as ``find -L`` does), and only regular
+    files are kept (the others named in ``odd``)."""
     out: list[str] = []
     try:
         st = os.stat(root / name)
     except OSError:
         return out
-    seen: set[tuple[int, int]] = set()
-    stack = [(name, (st.st_dev, st.st_ino))]
+    stack: list[tuple[str, tuple[int, int], frozenset[tuple[int, int]]]] = [(name, (st.st_dev, st.st_ino),
+                                                                             frozenset())]
     while stack:
-        rel, key = stack.pop()
-        if key in seen:  # marked when walked, not when found: the first in walk order is the one listed
-            again.append(rel)
+        rel, key, above = stack.pop()
+        if key in above:
+            loops.append(rel)
             continue
-        seen.add(key)
+        path = above | {key}
         try:
             entries = sorted(os.scandir(root / rel), key=lambda e: e.name)
         except OSError:  # unreadable: os.walk's default, as before
@@ -281,7 +282,7 @@ def _walk(root: Path, name: str, odd: list[str], again: list[str]) -> list[str]:
                 st = e.stat()
             except OSError:
                 continue
-            stack.append((f"{rel}/{e.name}", (st.st_dev, st.st_ino)))
+            stack.append((f"{rel}/{e.name}", (st.st_dev, st.st_ino), path))
     return out
 
 

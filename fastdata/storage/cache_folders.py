@@ -277,13 +277,13 @@ def list_cached(cache_dir: Optional[Union[str, Path]] = None) -> list[dict[str, 
             continue  # (not a dataset's folder)
         try:
             info = json.loads(read_regular(d / SOURCE_NAME))  # (a FIFO put there: never waited on)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             info = {}
         try:
             files = json.loads(manifest)["files"]
             total = sum(int(f["bytes"]) for f in files)
             sizes = [cached_size(d, f["path"]) for f in files]  # (never outside: a path that leaves is not there)
-        except (ValueError, KeyError, TypeError):  # (a damaged copy: listed, so that it can be removed)
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # (damaged: listed, to be removed)
             files, total, sizes = [], 0, []
         out.append({"id": d.name, "url": info.get("url", "?") if isinstance(info, dict) else "?", "path": str(d),
                     "files": len(files), "cached_files": sum(x is not None for x in sizes),

@@ -16,7 +16,6 @@ from ..formats.rows import column, column_view, int_column, lookup, present
 from ..formats.schema import Field, fields_of
 from .shards import load_npy, take_rows
 
-_NUMBER = re.compile(r"-(\d+)\.npy\Z")  # a field file's shard number (formats/schema.py: Field.files)
 ALL_LABELS_AT_OPEN = 64 << 20  # a streamed dataset reads all_labels at opening up to this size (8M samples)
 
 
@@ -72,13 +71,14 @@ class FileGroups(Sequence[tuple[str, ...]]):
         at its disk every few seconds)."""
         names = list(names)
         ok = np.ones(self._n, dtype=bool)
+        few = len(names) * 8 < self._n  # (a cache holding most shards: one pass over a column costs less)
+        listed: Optional[set[str]] = None
         for c in self._cols:
-            if hasattr(c, "find"):  # (a shard's own file: one row has it)
-                at = c.find(names)
+            if hasattr(c, "rows_among") and (few or isinstance(c, _FieldFiles)):  # (a shard's own file: one row)
                 hit = np.zeros(self._n, dtype=bool)
-                hit[at[at >= 0]] = True
-            else:  # (a list: a manifest whose rows could not be columns, groups given by hand)
-                listed = set(names)
+                hit[c.rows_among(names)] = True
+            else:  # (also a list: a manifest whose rows could not be columns, groups given by hand)
+                listed = set(names) if listed is None else listed
                 hit = np.fromiter((v is None or v in listed for v in c), dtype=bool, count=self._n)
             ok &= hit
         return ok
@@ -109,15 +109,12 @@ class _FieldFiles(Sequence[str]):
         at = range(self._n)[k]  # (IndexError past the end; a range for a slice)
         return [self[j] for j in at] if isinstance(at, range) else self._field.files(at)[0]
 
-    def find(self, values: Sequence[str]) -> np.ndarray:
-        """The shard of each of ``values`` that is one of these files (-1 for any other name)."""
-        out = np.full(len(values), -1, dtype=np.int64)
-        for i, v in enumerate(values):
-            number = _NUMBER.search(v)
-            k = int(number.group(1)) if number is not None else -1
-            if 0 <= k < self._n and self._field.files(k)[0] == v:
-                out[i] = k
-        return out
+    def rows_among(self, values: Sequence[str]) -> np.ndarray:
+        """The shards whose file is one of ``values``: one search of them joined, not a look at each."""
+        head = self._field.files(0)[0].rsplit("-", 1)[0] + "-"  # "field.NAME-"
+        numbers = re.findall(rf"^{re.escape(head)}(\d+)\.npy$", "\n".join(values), re.M)
+        ks = [(int(d), d) for d in numbers]  # (k's file is head + f"{k:05d}.npy": Field.files)
+        return np.array([k for k, d in ks if k < self._n and d == f"{k:05d}"], dtype=np.int64)
 
 
 def shard_groups(manifest: dict[str, Any], at_open: bool) -> FileGroups:
