@@ -191,9 +191,10 @@ class Mixture:
         labels = [getattr(ds, "classes", None) for ds in self.sources]
         for name, theirs in zip(self.names[1:], labels[1:]):
             if labels[0] is not None and theirs is not None and list(theirs) != list(labels[0]):
-                raise ConfigError(f"sources {self.names[0]!r} and {name!r} have different classes ({list(labels[0])[:3]}"
-                                  f"... vs {list(theirs)[:3]}...): label k would mean another class in each; a "
-                                  "classifier needs one label space (preprocess them with the same class list)")
+                raise ConfigError(f"sources {self.names[0]!r} and {name!r} have different classes "
+                                  f"({list(labels[0])[:3]}... vs {list(theirs)[:3]}...): label k would mean another "
+                                  "class in each; a classifier needs one label space (preprocess them with the same "
+                                  "class list)")
 
     def _check_weights(self, weights: Union[Mapping[str, float], Sequence[float], None]) -> list[float]:
         if weights is None:

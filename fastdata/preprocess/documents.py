@@ -376,6 +376,7 @@ def _parquet(f: Any, rel: str, field: str, k: int, parts: int) -> Iterator[Doc]:
                         yield row - 1, row, value, ""
         except (ValueError, OSError) as exc:  # a damaged page (pyarrow's ArrowInvalid, ArrowIOError)
             said = " ".join(str(exc).split())
-            yield row, row + 1, None, (f"unreadable row group {g} (rows {row + 1} to {start + meta.row_group(g).num_rows}"
-                                       f" lost: {type(exc).__name__}: {said})")
+            end = start + meta.row_group(g).num_rows
+            lost = f"rows {row + 1} to {end} lost: {type(exc).__name__}: {said}"
+            yield row, row + 1, None, f"unreadable row group {g} ({lost})"
         start += meta.row_group(g).num_rows
