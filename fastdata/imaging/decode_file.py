@@ -109,12 +109,14 @@ def _decode(path: Path | str | BinaryIO, size: int,
 
 
 def read_image_file(path: Path | str) -> bytes:
-    """The bytes of the regular file at ``path`` (a link to one too); a FIFO, a device or a folder named like
-    an image is refused without waiting on it or reading it without end (``/dev/zero``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    """The bytes of the file at ``path`` (a link to one too): a regular file, or a FIFO (a stream a process
+    writes, read to its end as before); a device (``/dev/zero`` never ends), a socket or a folder named like an
+    image is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ImageDecodeError(f"{path} is not a regular file (a FIFO, a device or a folder): not an image")
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ImageDecodeError(f"{path} is not a file (a device, a socket or a folder): not an image")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read()
     finally:

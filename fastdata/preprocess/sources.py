@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import posixpath
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -228,14 +229,14 @@ def _from_folder(root: Path) -> Source:
     if not classes:
         raise SourceError(f"source folder {root} has no class sub-folders: put each class's images in its own folder")
     paths, labels = [], []
-    odd: list[str] = []  # image names that are not files: FIFOs (a read waits forever), devices (/dev/zero: endless)
+    odd: list[str] = []  # image names that are devices (/dev/zero: a read never ends) or sockets
     loops: list[str] = []  # folder links back into a folder above them: walked, a loop would never end
     for label, name in enumerate(classes):
         found = _walk(root, name, odd, loops)
         paths += found
         labels += [label] * len(found)
     if odd:
-        log.warning("skipped %d image name(s) that are not regular files (a FIFO, a device, a socket): %s",
+        log.warning("skipped %d image name(s) that are not files (a device, a socket): %s",
                     len(odd), ", ".join(odd[:5]) + (" ..." if len(odd) > 5 else ""))
     if loops:
         log.warning("skipped %d folder link(s) that lead back into a folder above them (a loop): %s",
@@ -287,9 +288,11 @@ def _walk(root: Path, name: str, odd: list[str], loops: list[str]) -> list[str]:
 
 
 def _regular(e: os.DirEntry) -> bool:
-    """A regular file, or a name that is no file at all (a dangling link: a bad record when read, as before)."""
+    """A regular file, a FIFO (a stream a process writes: read as a file, as before), or a name that is no
+    file at all (a dangling link: a bad record when read, as before); not a device (``/dev/zero`` never ends)
+    nor a socket."""
     try:
-        return e.is_file() or not os.path.exists(e.path)
+        return e.is_file() or not os.path.exists(e.path) or stat.S_ISFIFO(os.stat(e.path).st_mode)
     except OSError:
         return True
 
