@@ -454,11 +454,10 @@ def _short(value: Any) -> str:
 def _check_shape(state: dict[str, Any]) -> None:
     """Refuse a mixture state whose entries are not what `MixtureSampler.state_dict` writes (a damaged or
     edited state would otherwise resume at a wrong place, or fail later with a bare Python error)."""
-    def count(value: Any, what: str) -> int:
+    def count(value: Any, what: str) -> None:
         if type(value) is not int or not 0 <= value <= END:
             raise ConfigError(f"the mixture state is damaged: {what} is {value!r}, not an integer in [0, 2**62]; "
                               "load the state the loader saved, unchanged")
-        return value
 
     def by_source(value: Any, what: str) -> None:
         if not isinstance(value, dict) or set(value) != set(names):

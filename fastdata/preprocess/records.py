@@ -24,8 +24,8 @@ from typing import Any, Iterator, Optional, Union
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .sources import (Source, UrlBlobs, class_ids, discover, id_classes, id_limit, inside, is_image_name, open_text,
-                      parent, shown)
+from .sources import (Source, UrlBlobs, class_ids, discover, fits_float, id_classes, id_limit, inside, is_image_name,
+                      open_text, parent, shown)
 
 Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/sources.py)
 
@@ -124,7 +124,7 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
         try:
             return [[float(x) for x in v] if isinstance(v, list) else float(v) for v in col]
         except OverflowError:  # an integer past float's 1.8e308: JSON and int() read any number of digits
-            i, v = next((i, v) for i, v in enumerate(col) if not _fits_float(v))
+            i, v = next((i, v) for i, v in enumerate(col) if not fits_float(v))
             raise SourceError(f"{location}: {key!r} of record {i + 1} ({paths[i]}) is {shown(v)}, too large for a "
                               "float field (at most 1.8e308): fix or drop that record") from None
     if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
@@ -134,14 +134,6 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
     if kind == "label" and any(v is None for v in col):
         raise SourceError(f"{location}: 'label' is missing from record {col.index(None)}; give every record one")
     return col
-
-
-def _fits_float(v: Any) -> bool:
-    try:
-        [float(x) for x in v] if isinstance(v, list) else float(v)
-    except OverflowError:
-        return False
-    return True
 
 
 def _is_id(v: Any) -> bool:

@@ -169,6 +169,16 @@ def shown(value: Any, width: int = 40) -> str:
     return text if len(text) <= width else text[:width] + "..."
 
 
+def fits_float(value: Any) -> bool:
+    """Whether a float field's value (a number or a list of them) is within a float's range: JSON and ``int``
+    read an integer of any number of digits, ``float`` refuses one past 1.8e308."""
+    try:
+        [float(x) for x in value] if isinstance(value, list) else float(value)
+    except OverflowError:
+        return False
+    return True
+
+
 def id_classes(top: int, samples: Optional[int], where: str) -> list[str]:
     """The classes ``"0".."top"`` of integer ids up to ``top``; ``[]`` where ``samples`` is None (a file of an
     indexed source: its merged schema checks and names them, NOTE [class ids] rule 4).
@@ -248,8 +258,8 @@ def _walk(root: Path, name: str, odd: list[str], loops: list[str]) -> list[str]:
     """The image files under class folder ``root/name``, relative to ``root``, in ``os.walk(followlinks=True)``'s
     order (a folder's files sorted, then its sorted sub-folders); links are followed as os.walk does, but a
     folder that is one of its own ancestors (by ``(st_dev, st_ino)``: a loop, which os.walk followed until the
-    path grew too long) is not entered again (named in ``loops``, as ``find -L`` does), and only regular
-    files are kept (the others named in ``odd``)."""
+    path grew too long) is not entered again (named in ``loops``, as ``find -L`` does), and only files are
+    kept (regular files and FIFOs: `_regular`; devices and sockets named in ``odd``)."""
     out: list[str] = []
     try:
         st = os.stat(root / name)

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .sources import IMAGE_EXTENSIONS, is_id, shown, store_call
+from .sources import IMAGE_EXTENSIONS, fits_float, is_id, shown, store_call
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
@@ -213,11 +213,8 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
 def _floats(rec: dict[str, Any]) -> None:
     """Raise ValueError for a record's number (or list of them) past a float's range: a vector field's values."""
     for k, v in rec.items():
-        if k not in ("label", "labels", "boxes", "box_labels", "caption"):
-            try:
-                [float(x) for x in v] if isinstance(v, list) else float(v)
-            except OverflowError:
-                raise ValueError(f"{k!r} is {shown(v)}, past a float's range (1.8e308)") from None
+        if k not in ("label", "labels", "boxes", "box_labels", "caption") and not fits_float(v):
+            raise ValueError(f"{k!r} is {shown(v)}, past a float's range (1.8e308)")
 
 
 class TarBlobs:

@@ -53,6 +53,8 @@ def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[lis
     """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
     (labels, LMDB stores). ``cached``: the node cache fetches the shards' files (labels, LMDB stores too) and
     checks them as they arrive, fetching again one of another size (NOTE [shard cache] 20): not checked here."""
+    if cached and not verify:  # (the files fetched at opening were sized as they came: `RemoteDataset.get`)
+        return
     opened = image_files(manifest, fields, is_lmdb)
     if cached:
         opened.update(shard_groups(manifest, False).flat()[0])
