@@ -67,9 +67,10 @@ class FileGroups(Sequence[tuple[str, ...]]):
 
     def present(self, names: Iterable[str]) -> np.ndarray:
         """Which groups have every file among ``names`` (a listing of the cache: as long as what it holds). A
-        small listing's names are looked up in the columns (a million shards' cache looks at its disk every
-        few seconds: 1.4 ms for 400 files); one over an eighth of the shards is matched in one pass over
-        each column (what a look at the whole dataset costs anyway)."""
+        small listing's names are looked up in the columns' sorted index (a million shards' cache looks at its
+        disk every few seconds, so a look costs what the cache holds, not what the dataset names); one over an
+        eighth of the shards is matched in one pass over each column (what a look at the whole dataset costs
+        anyway)."""
         names = list(names)
         ok = np.ones(self._n, dtype=bool)
         few = len(names) * 8 < self._n  # (a cache holding most shards: one pass over a column costs less)
