@@ -14,8 +14,8 @@ import pytest
 
 from fastdata.formats.manifest import (IMAGES_NPY, load_manifest, manifest_digest, new_manifest, total_bytes,
                                        write_manifest)
-from fastdata.formats.rows import (Rows, canonical_pieces, column, compact_rows, has_columns, lookup, pairs,
-                                   present, rows_by)
+from fastdata.formats.rows import Rows, column, compact_rows, has_columns, lookup, pairs, present, rows_by
+from fastdata.formats.rows_json import canonical_pieces
 
 
 def canonical(obj) -> str:
@@ -223,10 +223,10 @@ def test_a_manifest_compacted_while_it_is_parsed_is_the_manifest_compacted_whole
     row's end (``}, {``), quotes, escapes and non-ASCII text, nested lists of objects, values no column holds
     in some pieces only (ints past int64, bools, a non-dict row, a missing key), keys in another order, text
     and digests in different pieces, any JSON layout; and JSON that json.loads refuses is refused."""
-    from fastdata.formats import rows as rows_mod
+    from fastdata.formats import rows_json
     from fastdata.formats.manifest import compact, parse_manifest
 
-    monkeypatch.setattr(rows_mod, "_PIECE", piece)
+    monkeypatch.setattr(rows_json, "_PIECE", piece)
     rng = random.Random(piece)
     nasty = ['}, {"', "}]", '"}, {', "\\", "\n", "é", "\u2028", "}{", "],[{", 'a"b', "\ud800", "x}\t,\n{y"]
 

@@ -17,8 +17,8 @@ from .._io import (HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threa
                    write_json_atomic)
 from .._version import __version__
 from ..errors import ChecksumError, ConfigError, FormatError, VersionError
-from .rows import (ROWS, EachKey, Rows, canonical_pieces, column, compact_rows, has_columns, int_column, is_rows,
-                   loads_with_rows, suspect_paths)
+from .rows import Rows, column, compact_rows, has_columns, int_column, is_rows, suspect_paths
+from .rows_json import ROWS, EachKey, canonical_pieces, loads_with_rows
 from .schema import fields_of
 
 MANIFEST_NAME = "manifest.json"
