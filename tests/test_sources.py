@@ -14,7 +14,8 @@ from PIL import Image
 from fastdata.cli.main import main
 from fastdata.errors import SourceError
 from fastdata.preprocess.records import jsonl_records
-from fastdata.preprocess.sources import UrlReader, class_ids, discover, inside, open_text, store_call
+from fastdata.preprocess.sources import class_ids, discover, inside
+from fastdata.preprocess.url_reads import UrlReader, open_text, store_call
 
 
 def _png(path, colour=(200, 10, 10)) -> None:

@@ -562,7 +562,7 @@ def test_a_jsonl_zst_is_decompressed_as_it_is_read(tmp_path):
 
 
 def test_jsonl_zst_and_json_gz_at_a_url_give_the_local_runs_bytes(s3, tmp_path, monkeypatch):
-    from fastdata.preprocess import sources
+    from fastdata.preprocess import url_reads
     from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
 
     root = tmp_path / "pile"
@@ -574,7 +574,7 @@ def test_jsonl_zst_and_json_gz_at_a_url_give_the_local_runs_bytes(s3, tmp_path, 
     for p in sorted(root.rglob("*")):
         if p.is_file():
             s3.client.put_object(Bucket="pile", Key=f"p/{p.relative_to(root).as_posix()}", Body=p.read_bytes())
-    monkeypatch.setattr(sources, "_READ_BLOCK", 4096)  # the .zst comes in many ranged reads
+    monkeypatch.setattr(url_reads, "_READ_BLOCK", 4096)  # the .zst comes in many ranged reads
 
     def run(src, out: str) -> dict:
         return preprocess_text(TextPreprocessConfig(src=src, out=tmp_path / out, shard_tokens=2000, val_fraction=0.2,

@@ -1,4 +1,4 @@
-"""Preprocess sources at a URL (NOTE [url source] in fastdata/preprocess/sources.py): an image folder, records
+"""Preprocess sources at a URL (NOTE [url source] in fastdata/preprocess/url_reads.py): an image folder, records
 with masks, a segmentation pair, Parquet and text, on the loopback moto S3 server (and ``file://``), each
 byte-identical to the run over the same files on local disk."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from test_fields import coco_json, make_scenes
 
 from fastdata.cli.main import main
 from fastdata.errors import SourceError
-from fastdata.preprocess import sources
+from fastdata.preprocess import url_reads
 from fastdata.preprocess.sources import discover
 from fastdata.preprocess.discover import discover_source
 from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
@@ -214,7 +214,7 @@ def test_an_unreadable_url_is_one_line_without_secrets(s3, tmp_path, monkeypatch
         r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "images", src, str(tmp_path / "o"),
                             "--quiet"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and "s3://no-such-bucket" in r.stderr, r.stderr
-    monkeypatch.setattr(sources, "_RETRY", Retry(0))  # nothing listens on port 9: refused at once
+    monkeypatch.setattr(url_reads, "_RETRY", Retry(0))  # nothing listens on port 9: refused at once
     for src in ("https://user:hunter2@127.0.0.1:9/recs.jsonl?sig=hunter3", "https://user:hunter2@127.0.0.1:9/x/"):
         with pytest.raises(SourceError) as err:
             discover_source(src)

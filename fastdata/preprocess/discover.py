@@ -12,16 +12,17 @@ from ..storage.object_store import is_url
 from .indexed import FileSource
 from .parquet import ParquetSource, is_parquet
 from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, segmentation_pair
-from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder, url_listing
+from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder
 from .tar_index import TarSource
 from .tars import is_tar_source, tar_files
+from .url_reads import url_listing
 
 
 def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Union[Source, FileSource]:
     """The source behind ``fastdata preprocess images SRC``: WebDataset tars (a ``.tar``, a brace pattern, a
     folder of them) or Parquet files (a ``.parquet``, a folder of them), summarised later by tasks (NOTE
     [indexed source] in fastdata/preprocess/indexed.py), else what `discover_any` finds; local or at a URL
-    (NOTE [url source] in fastdata/preprocess/sources.py).
+    (NOTE [url source] in fastdata/preprocess/url_reads.py).
 
     Raises:
         SourceError: The source is missing, unreadable (at a URL: one line, scrubbed), empty or malformed.

@@ -4,7 +4,7 @@ task each: NOTE [text pieces] in text.py), and each part's documents in order.
 A ``.txt`` file is one document. A JSON Lines file (``.jsonl``, and ``.json.gz`` / ``.json.zst``: C4's and
 Dolma's naming) is one a line, in ``--field``; a ``.parquet`` file one a row, in the column ``--field``.
 Text and JSON Lines may be gzipped or zstd-compressed; every file is streamed, locally or through ranged
-reads at a URL (NOTE [url source] in fastdata/preprocess/sources.py), never held whole. An unusable document
+reads at a URL (NOTE [url source] in fastdata/preprocess/url_reads.py), never held whole. An unusable document
 or file is yielded with the reason, for the run's ``--on-error`` policy.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import MissingDependencyError, SourceError
 from ..storage.object_store import filesystem, is_url, object_version
-from .sources import open_binary, store_call, url_listing
+from .url_reads import open_binary, store_call, url_listing
 
 # C4 and Dolma name their JSON Lines files .json.gz, so compressed .json is JSON Lines too; plain .json is not
 # a source: Hugging Face repos keep dataset_info.json and the like beside the data.

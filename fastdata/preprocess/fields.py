@@ -25,7 +25,8 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.object_store import is_url
-from .sources import UrlBlobs, shown
+from .sources import shown
+from .url_reads import UrlBlobs
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
 
@@ -181,7 +182,7 @@ class RecordDecoder:
 
 def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[str, UrlBlobs]:
     """A read-ahead reader for each mask field of a chunk whose masks are objects at URLs: they are requested
-    ahead as the chunk's images are (NOTE [url source] in fastdata/preprocess/sources.py), not one round trip
+    ahead as the chunk's images are (NOTE [url source] in fastdata/preprocess/url_reads.py), not one round trip
     a sample after each image.
 
     Args:

@@ -38,7 +38,8 @@ from ..errors import SourceError
 from ..formats.manifest import PARTIAL_DIR
 from ..storage.object_store import filesystem, is_url, object_version
 from .index_schema import Merge, Schema
-from .sources import store_call, where_of
+from .sources import where_of
+from .url_reads import store_call
 
 _AHEAD = 64  # summaries read ahead on a rerun: a store answers each small read in a round trip
 _schemas: dict[str, Schema] = {}  # by sha256: one per run, read once per process

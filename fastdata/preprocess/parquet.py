@@ -40,7 +40,8 @@ from ..storage.object_store import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records
-from .sources import Source, UrlReader, parent, url_listing
+from .sources import Source
+from .url_reads import UrlReader, parent, url_listing
 
 log = logging.getLogger(__name__)
 RESERVED = ("image", "label", "labels", "boxes", "box_labels")  # fields of their own kinds (formats/schema.py)

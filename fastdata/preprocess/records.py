@@ -24,10 +24,11 @@ from typing import Any, Iterator, Optional, Union
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .sources import (Source, UrlBlobs, class_ids, discover, fits_float, id_classes, id_limit, inside, is_image_name,
-                      open_text, parent, shown)
+from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_image_name,
+                      shown)
+from .url_reads import UrlBlobs, open_text, parent
 
-Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/sources.py)
+Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/url_reads.py)
 
 CLASS_KEYS = ("label", "labels", "box_labels")  # keys whose values are class ids or names, one class list
 _SPLIT = re.compile(r"[;\s]+")

@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .sources import IMAGE_EXTENSIONS, fits_float, is_id, shown, store_call
+from .sources import IMAGE_EXTENSIONS, fits_float, is_id, shown
+from .url_reads import store_call
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
