@@ -25,11 +25,10 @@ import numpy as np
 from ..datasets.mixture import SHIFT
 from ..distributed import dist_rank_world
 from ..errors import ConfigError
+from .mixture_state import END, check_state
 from .order import EpochOrder, group_by_shard
 from .sampler import DistributedBatchSampler
-from .schedule import Q, Schedule, quantise
-
-END = 1 << 62  # "num_samples" of a mixture state: past the end of any epoch (see state_dict)
+from .schedule import Schedule, quantise
 
 
 @dataclass
@@ -354,14 +353,14 @@ class MixtureSampler:
             segments.insert(0, self._record(self._previous, self._previous_end))
         return {"mixture": {"sources": list(m.names), "sizes": [int(n) for n in m.sizes], "seed": m.seed,
                             "mix": m.mix, "stop": m.stop, "epoch_size": m.epoch_size_given,
-                            "draws_a_position": self.unit, **self._orders_and_versions()},
+                            "draws_a_position": self.unit, **self.orders_and_versions()},
                 "epoch": self.epoch, "position": p, "num_samples": END,
                 "sources": {n: {"epoch": int(c // s), "position": int(c % s)}
                             for n, c, s in zip(m.names, cursors.tolist(), self.sizes.tolist())},
                 "weights": dict(zip(m.names, self.seg.shares)),
                 "segments": segments}
 
-    def _orders_and_versions(self) -> dict[str, dict[str, Any]]:
+    def orders_and_versions(self) -> dict[str, dict[str, Any]]:
         """Each source's order options and the version of its data (its manifest's digest, where it has one):
         a state resumed on other orders or other data would repeat and skip samples."""
         m = self.mixture
@@ -377,7 +376,7 @@ class MixtureSampler:
             ConfigError: the state is from another mixture (other seed, sources, sizes, options, orders or
                 versions of a source's data: named), or damaged.
         """
-        self._check_state(state)
+        check_state(self, state)
         epoch, position = int(state["epoch"]), int(state["position"])
         records = [r for r in state["segments"] if int(r["epoch"]) == epoch and int(r["start"]) <= position]
         if not records:
@@ -405,89 +404,6 @@ class MixtureSampler:
     def _by_name(self, values: dict[str, Any], default: np.ndarray) -> np.ndarray:
         """Per source of this mixture, ``values[name]``, or ``default``'s entry for a source not in them."""
         return np.array([int(values.get(n, d)) for n, d in zip(self.mixture.names, default.tolist())], dtype=np.int64)
-
-    def _check_state(self, state: dict[str, Any]) -> None:
-        m, saved = self.mixture, state.get("mixture") if isinstance(state, dict) else None
-        if not isinstance(saved, dict) or "segments" not in state:
-            raise ConfigError("the state is not a Mixture's (it has no 'mixture' entry): it was saved by a loader "
-                              "over one dataset")
-        mine = {"seed": m.seed, "mix": m.mix, "stop": m.stop, "epoch_size": m.epoch_size_given}
-        for key, value in mine.items():
-            if saved.get(key) != value:
-                raise ConfigError(f"the state is from another mixture: it was saved with {key}={saved.get(key)!r}, "
-                                  f"this mixture has {key}={value!r}")
-        _check_shape(state)
-        unit = saved.get("draws_a_position", self.unit)  # (states saved before it was recorded: unchecked)
-        if unit != self.unit:
-            raise ConfigError(f"the state was saved with mix='batch' and batch_size={unit} (a position is a batch "
-                              f"of {unit} draws), this loader has batch_size={self.batch_size}: resume with "
-                              f"batch_size={unit} (any number of ranks)")
-        sizes = dict(zip(saved["sources"], saved["sizes"]))
-        mine_now = self._orders_and_versions()
-        for key, said in (("shuffle", "shuffle={} (now {})"), ("shuffle_window", "shuffle_window={} (now {})"),
-                          ("versions", "other data: its manifest's sha256 was {}, now {}")):
-            then = saved.get(key)
-            if not isinstance(then, dict):
-                continue  # (a state saved before these were recorded)
-            for name, value in then.items():
-                now = mine_now[key].get(name, value)
-                if name in sizes and now != value:
-                    raise ConfigError(f"source {name!r} was saved with " + said.format(_short(value), _short(now)) +
-                                      ": its order would repeat and skip samples; resume with the sources and "
-                                      "options the run started with, or start the run over")
-        for name in sizes:
-            if name not in m.names:
-                raise ConfigError(f"the state has source {name!r}, which this mixture lacks (sources: {m.names})")
-        for name, n in zip(m.names, m.sizes):
-            if name not in sizes and not m.allow_new_sources:
-                raise ConfigError(f"source {name!r} is not in the saved state: pass allow_new_sources=True to start "
-                                  "it at its epoch 0")
-            if name in sizes and sizes[name] != n:
-                raise ConfigError(f"source {name!r} has {n} samples but the state's had {sizes[name]}: it is "
-                                  "another dataset")
-
-
-def _short(value: Any) -> str:
-    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else repr(value)
-
-
-def _check_shape(state: dict[str, Any]) -> None:
-    """Refuse a mixture state whose entries are not what `MixtureSampler.state_dict` writes (a damaged or
-    edited state would otherwise resume at a wrong place, or fail later with a bare Python error)."""
-    def count(value: Any, what: str) -> None:
-        if type(value) is not int or not 0 <= value <= END:
-            raise ConfigError(f"the mixture state is damaged: {what} is {value!r}, not an integer in [0, 2**62]; "
-                              "load the state the loader saved, unchanged")
-
-    def by_source(value: Any, what: str) -> None:
-        if not isinstance(value, dict) or set(value) != set(names):
-            raise ConfigError(f"the mixture state is damaged: {what} must give each of its sources {names} a "
-                              f"value, got {value!r}; load the state the loader saved, unchanged")
-        for name in names:
-            count(value[name], f"{what}[{name!r}]")
-
-    saved = state["mixture"]
-    names, sizes = saved.get("sources"), saved.get("sizes")
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(sizes, list)
-            and len(sizes) == len(names) and len(set(names)) == len(names)):
-        raise ConfigError(f"the mixture state is damaged: its sources {names!r} and sizes {sizes!r} do not match; "
-                          "load the state the loader saved, unchanged")
-    for k, n in enumerate(sizes):
-        count(n, f"sizes[{k}]")
-    count(state.get("epoch"), "epoch")
-    count(state.get("position"), "position")
-    segments = state["segments"]
-    if not isinstance(segments, list) or not 1 <= len(segments) <= 2 or not all(isinstance(r, dict) for r in segments):
-        raise ConfigError(f"the mixture state is damaged: 'segments' must be a list of one or two records, got "
-                          f"{segments!r}; load the state the loader saved, unchanged")
-    for i, rec in enumerate(segments):
-        for key in ("epoch", "start", "end"):
-            count(rec.get(key), f"segments[{i}][{key!r}]")
-        for key in ("cursors", "targets", "weights"):
-            by_source(rec.get(key), f"segments[{i}][{key!r}]")
-        if sum(rec["weights"].values()) != Q:
-            raise ConfigError(f"the mixture state is damaged: segments[{i}]'s weights {rec['weights']} do not sum "
-                              f"to {Q}; load the state the loader saved, unchanged")
 
 
 class Coming:
