@@ -112,14 +112,33 @@ def test_breaking_early_or_raising_leaks_no_threads(ds):
     assert loader_threads() == before
 
 
-def test_a_new_iterator_closes_the_previous_one(ds):
-    loader = FastLoader(ds, 10, shuffle=False, num_threads=2)
-    it1 = iter(loader)
-    next(it1)
-    it2 = iter(loader)
-    assert sample_ids(next(it2)[0]).tolist() == list(range(10, 20))  # continues where the epoch got to
-    with pytest.raises(StopIteration):
+@pytest.mark.parametrize("storage", ["mmap", "cuda"])
+def test_a_new_iterator_closes_the_previous_one(indexed_datasets, storage):
+    """Also for a dataset in device memory (storage="cuda"): its iteration was not the live one, so two
+    iterators shared one sampler (samples served twice, the epoch ended twice)."""
+    def served(lo):
+        for x, _ in lo:
+            yield sample_ids(x.cpu()).tolist()
+
+    def served_manually(lo):
+        for (x, _), release in lo.iter_batches():
+            ids = sample_ids(x.cpu()).tolist()
+            release()
+            yield ids
+
+    loader = FastLoader(FastDataset(indexed_datasets["npy"], storage=storage, device="cpu"), 10, shuffle=False,
+                        num_threads=2)
+    loader.on_device = storage == "cuda"  # (the device path, its gathers on the CPU device)
+    for start in (served, served_manually):
+        loader.set_epoch(0)
+        it1 = start(loader)
         next(it1)
+        it2 = start(loader)
+        rest = list(it2)
+        assert rest[0] == list(range(10, 20))  # continues where the epoch got to
+        assert sum(rest, []) == list(range(10, 100)) and loader.sampler.epoch == 1
+        with pytest.raises(StopIteration):
+            next(it1)
 
 
 def _rss() -> int:

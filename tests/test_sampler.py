@@ -113,6 +113,55 @@ def test_state_from_another_dataset_is_refused():
         s.load_state_dict(DistributedBatchSampler(10, 2, seed=3, rank=0, world_size=1).state_dict())
 
 
+@pytest.mark.parametrize("change, needle", [
+    ({"position": -8}, "position is -8"),  # (wrapped around the order: 8 samples served twice)
+    ({"position": -40}, "position is -40"), ({"position": None}, "position is None"),
+    ({"position": 3.7}, "position is 3.7"), ({"position": True}, "position is True"),
+    ({"epoch": -1}, "epoch is -1"), ({"epoch": "1"}, "epoch is '1'"),
+    ({"nodes": [0, 2]}, "nodes are"), ({"nodes": "2x2"}, "nodes are")])
+def test_a_damaged_state_is_refused_by_name(change, needle):
+    s = DistributedBatchSampler(20, 4, rank=0, world_size=1, shuffle_window=2, shard_bounds=[0, 10, 20])
+    state = {**s.state_dict(), **change}
+    with pytest.raises(ConfigError, match=f"damaged: its {needle}"):
+        DistributedBatchSampler(20, 4, rank=0, world_size=1, shuffle_window=2, shard_bounds=[0, 10, 20]
+                                ).load_state_dict(state)
+    without = {k: v for k, v in s.state_dict().items() if k != "position"}
+    with pytest.raises(ConfigError, match="damaged: its position is None"):
+        s.load_state_dict(without)
+    with pytest.raises(ConfigError, match="a loader state is a dict"):
+        s.load_state_dict([("epoch", 0)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_with_workers_resumes_at_the_batches_received(workers):
+    """A DataLoader with worker processes takes index batches ahead of its consumer: the sampler alone
+    counted them as served (a state after 2 batches said 6, and the resume skipped 16 samples).
+    ``state_dict(batches=k)`` counts the k received in this pass, also after the sampler's epoch ended."""
+    import torch
+
+    ds = torch.utils.data.TensorDataset(torch.arange(64))
+    for stop in (2, 15):  # (at 15 of 16 the workers have taken the whole epoch: the sampler is in the next)
+        s = DistributedBatchSampler(64, 4, seed=0, rank=0, world_size=1)
+        seen = []
+        for k, (batch,) in enumerate(torch.utils.data.DataLoader(ds, batch_sampler=s, num_workers=workers), 1):
+            seen += batch.tolist()
+            if k == stop:
+                state = s.state_dict(batches=k)
+                break
+        assert state["epoch"] == 0 and state["position"] == 4 * stop
+        again = DistributedBatchSampler(64, 4, seed=0, rank=0, world_size=1)
+        again.load_state_dict(state)
+        rest = [i for b in again for i in b]
+        assert sorted(seen + rest) == list(range(64))
+    out = 15 if workers == 0 else 16  # (without workers nothing is taken ahead)
+    with pytest.raises(ConfigError, match=f"handed out {out} batches"):
+        s.state_dict(batches=out + 1)
+    s.set_epoch(1)  # the next epoch: nothing of it received yet
+    assert s.state_dict(batches=0)["epoch"] == 1 and s.state_dict(batches=0)["position"] == 0
+    with pytest.raises(ConfigError, match="handed out 0 batches"):
+        s.state_dict(batches=1)
+
+
 @pytest.mark.parametrize("kwargs, needle", [({"batch_size": 0}, "batch_size=0"),
                                             ({"rank": 2, "world_size": 2}, "rank=2"),
                                             ({"num_samples": 0}, "num_samples=0")])

@@ -171,7 +171,7 @@ class FastLoader(SamplerBacked):
     # -- iteration ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         if self.on_device:
-            return self._iter_device()
+            return self._track(self._iter_device())
         return self._iter_auto()
 
     @property
@@ -191,7 +191,7 @@ class FastLoader(SamplerBacked):
         # storage="cuda": the gather runs on the device (one index_select); no host buffers, no threads. The
         # order crosses to the device once per DEVICE_INDEX_CHUNK samples, so a step makes no host-to-device
         # copy and no sync; a dataset with sample fields gathers its variable fields by host index instead.
-        self._close_active()
+        # (its caller tracks it, as the host path: a new iteration closes this one, `LiveIteration`)
         on_host = self.dict_batches
         group: list[np.ndarray] = []
         queued = 0
@@ -223,7 +223,7 @@ class FastLoader(SamplerBacked):
         refilled only after ``release()`` is called (NOTE [ring])."""
         self._close_active()
         if self.on_device:  # device batches are fresh tensors from index_select: nothing to hand back
-            return ((batch, _noop) for batch in self._iter_device())
+            return ((batch, _noop) for batch in self._track(self._iter_device()))
         return self._track(self._produce())
 
     def iter_manual(self) -> Iterator[Any]:

@@ -70,6 +70,8 @@ class DistributedBatchSampler:
         >>> sampler = DistributedBatchSampler(len(ds), 256, seed=0)
         >>> loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=8)
         >>> sampler.set_epoch(epoch)
+        >>> for k, batch in enumerate(loader, 1):
+        ...     state = sampler.state_dict(batches=k)  # (the workers took batches ahead of k)
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
@@ -110,6 +112,8 @@ class DistributedBatchSampler:
         self.epoch = 0
         self.start = 0  # global position this epoch (re)starts from
         self.served = 0  # batches handed out since `start` (kept up to date by the consumer, see advance())
+        self._pass: Optional[tuple[int, int, int]] = None  # (epoch, start, served) where the last __iter__ began
+        self._pass_out = 0  # batches that pass has handed out
 
     def _layout(self, node_size: Optional[int]) -> tuple[int, int]:
         """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given."""
@@ -195,8 +199,12 @@ class DistributedBatchSampler:
         yield from self._stream(epoch + 1, 0, 0, self._new_order(epoch + 1))
 
     def __iter__(self) -> Iterator[list[int]]:
+        # (a DataLoader with worker processes takes batches ahead of its consumer: `state_dict(batches=k)`
+        # counts from where this pass began)
+        self._pass, self._pass_out = (self.epoch, self.start, self.served), 0
         for batch in self.batches():
             self.advance()
+            self._pass_out += 1
             yield batch.tolist()
         self.end_epoch()
 
@@ -227,6 +235,8 @@ class DistributedBatchSampler:
         """Select the epoch (as ``DistributedSampler.set_epoch``); a resumed position is kept for its epoch."""
         if epoch != self.epoch:
             self.epoch, self.start, self.served = epoch, 0, 0
+        if self._pass is not None and self._pass[0] != epoch:  # (a pass over another epoch: done with)
+            self._pass = None
 
     def batch_position(self, k: int) -> int:
         """Global position of this epoch's ``k``-th batch since ``start`` (the same on every rank): the key
@@ -237,18 +247,36 @@ class DistributedBatchSampler:
         """Global position reached: every sample of ``perm[:position]`` has been served by some rank."""
         return min(self.num_samples, self.batch_position(self.served))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, batches: Optional[int] = None) -> dict[str, Any]:
         """Where the epoch got to: a JSON-ready dict of the epoch, the global position and the order's settings.
+
+        Args:
+            batches: The batches your loop has received in its current pass over the sampler (the ``for``
+                over a DataLoader). Needed where the sampler runs ahead of you: a DataLoader with worker
+                processes takes ``prefetch_factor x num_workers`` batches early, and the sampler counts what it
+                handed out. Default: every batch handed out (exact when nothing takes them early: FastLoader,
+                a DataLoader with ``num_workers=0``).
 
         Returns:
             ``{"epoch", "position", "seed", "shuffle", "num_samples"}``, and the shuffle window (with the nodes
             it is dealt to) when there is one.
+
+        Raises:
+            ConfigError: ``batches`` is more than this pass handed out, or not an integer >= 0.
         """
-        state = {"epoch": self.epoch, "position": self.position(), "seed": self.seed, "shuffle": self.shuffle,
+        epoch, position = self.epoch, self.position()
+        if batches is not None:
+            epoch, start, served = self._pass or (self.epoch, self.start, self.served)
+            out = self._pass_out if self._pass else 0
+            if not isinstance(batches, (int, np.integer)) or isinstance(batches, bool) or not 0 <= batches <= out:
+                raise ConfigError(f"state_dict(batches={batches!r}): this pass over the sampler (epoch {epoch}) "
+                                  f"handed out {out} batches; pass how many of them your loop received")
+            position = min(self.num_samples, start + (served + int(batches)) * self.batch_size * self.world_size)
+        state = {"epoch": epoch, "position": position, "seed": self.seed, "shuffle": self.shuffle,
                  "num_samples": self.num_samples}
         if self.shuffle_window is not None:  # (absent otherwise: states saved before windows still load)
             state["shuffle_window"] = self.shuffle_window
-            layout = self.order().layout
+            layout = self.order(epoch).layout
             if layout != (1, 1):  # windows dealt to nodes: the epoch's order depends on the layout
                 state["nodes"] = list(layout)
         return state
@@ -260,8 +288,11 @@ class DistributedBatchSampler:
             state: A `state_dict` of a sampler over the same dataset and order.
 
         Raises:
-            ConfigError: The state belongs to another dataset, or to another seed, shuffle or shuffle window.
+            ConfigError: The state belongs to another dataset, or to another seed, shuffle or shuffle window, or
+                is damaged (an epoch or position that is not an integer >= 0).
         """
+        if not isinstance(state, dict):
+            raise ConfigError(f"a loader state is a dict (what state_dict() returns), got {type(state).__name__}")
         if "mixture" in state:
             raise ConfigError("the state is a Mixture's (it has a 'mixture' entry): load it into a loader over the "
                               "same Mixture, not over one dataset")
@@ -273,9 +304,19 @@ class DistributedBatchSampler:
             raise ConfigError(f"the state was saved with seed={state.get('seed')}, shuffle={state.get('shuffle')}, "
                               f"shuffle_window={state.get('shuffle_window')}; this sampler has seed={self.seed}, "
                               f"shuffle={self.shuffle}, shuffle_window={self.shuffle_window}: the order would differ")
+        for key in ("epoch", "position"):  # (a negative position wrapped around the order: samples served twice)
+            value = state.get(key)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"the loader state is damaged: its {key} is {value!r}, not an integer >= 0; "
+                                  "load the state the loader saved, unchanged")
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
-        layout = tuple(int(v) for v in state.get("nodes", (1, 1)))
-        self._resumed = (self.epoch, (layout[0], layout[1])) if self.shuffle_window is not None else None
+        self._pass = None
+        layout = state.get("nodes", [1, 1])
+        if (not isinstance(layout, (list, tuple)) or len(layout) != 2
+                or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in layout)):
+            raise ConfigError(f"the loader state is damaged: its nodes are {layout!r}, not [nodes, ranks a node]; "
+                              "load the state the loader saved, unchanged")
+        self._resumed = (self.epoch, (int(layout[0]), int(layout[1]))) if self.shuffle_window is not None else None
         # Saved after an epoch's last batch but before its iteration ended: the state stays in that epoch, with
         # nothing left to serve. Moving on to the next epoch here made the caller's set_epoch(epoch) (the
         # Trainer's, a torch-style loop's) restart the finished epoch and serve it twice.
