@@ -325,6 +325,43 @@ def test_early_stopping_on_validation_loss(small_images, tmp_path):
     assert len(vals) == 3 and events[-1]["reason"] == "early_stop" and events[-1]["epoch"] == 3
 
 
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3 * 32 * 32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.float().flatten(1) / 255)
+
+
+def test_a_periodic_checkpoint_holds_its_steps_validation(small_images, tmp_path):
+    """checkpoint_every was saved before the same step's validation: the checkpoint of step 2 held no best
+    loss, and a run resumed from it trained 2 steps more than the uninterrupted one before early stopping."""
+    val_loss = {2: 1.0, 4: 2.0, 6: 3.0}  # by step: only step 2's is an improvement
+    ds = FastDataset(small_images)
+
+    def run(max_steps, resume: bool) -> Trainer:
+        def loss_fn(out, y):
+            if trainer.model.training:
+                return torch.nn.functional.cross_entropy(out, y)
+            return out.sum() * 0 + val_loss[trainer.step]
+
+        cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2,
+                          early_stop_patience=1, checkpoint_every=2, checkpoint_dir=str(tmp_path / "ck"),
+                          resume=resume, max_steps=max_steps)
+        model = Linear()
+        trainer = Trainer(model, FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                          loss_fn=loss_fn, config=cfg)
+        trainer.fit()
+        return trainer
+
+    run(2, False)  # (as a preemption right after step 2's checkpoint)
+    ck = load_ckpt(tmp_path / "ck")
+    assert (ck["step"], ck["best"], ck["bad_evals"]) == (2, 1.0, 0)
+    resumed = run(None, True)
+    assert (resumed.step, resumed.history[-1]["reason"]) == (4, "early_stop")
+
+
 def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
     log = tmp_path / "log.jsonl"
     assert main(train_args(small_images, "--amp", "bf16", "--epochs", "2", "--log-every", "2",

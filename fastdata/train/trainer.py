@@ -321,11 +321,11 @@ class Trainer:
         stop = self._stops.due()
         if stop:
             return stop
-        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-            self.save_checkpoint(wait=False)
         if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
             if self._validate_and_check():
-                return "early_stop"
+                return "early_stop"  # (saved by the caller, with this validation)
+        if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:  # after the step's validation: a
+            self.save_checkpoint(wait=False)  # resumed run's early stopping starts from its best and bad_evals
         if cfg.max_steps and self.step >= cfg.max_steps:
             return "max_steps"
         return None
