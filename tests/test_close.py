@@ -129,6 +129,40 @@ def test_a_state_names_its_dataset_version_and_another_version_is_refused(indexe
     assert set(state) >= {"dataset_sha256", "epoch", "position"}
 
 
+def test_a_state_on_other_samples_of_the_same_data_is_refused(indexed_datasets, tmp_path):
+    """A split or token windows other than the saved ones (same manifest, same length) loaded silently: the
+    resumed epoch repeated samples, skipped others and trained on the first split's validation samples."""
+    import json
+
+    from fastdata.cli.main import main
+    from fastdata.datasets.splits import split
+
+    def state_after_one_batch(ds) -> dict:
+        loader = FastLoader(ds, 8, seed=1)
+        next(iter(loader))
+        return json.loads(json.dumps(loader.state_dict()))  # (as a checkpoint keeps it)
+
+    base = FastDataset(indexed_datasets["npy"])
+    state = state_after_one_batch(split(base, 0.25, seed=0)[0])
+    FastLoader(split(base, 0.25, seed=0)[0], 8, seed=1).load_state_dict(state)  # the same split: resumes
+    for other in (split(base, 0.25, seed=1)[0], split(base, 0.75, seed=0)[1]):
+        assert len(other) == len(split(base, 0.25, seed=0)[0])
+        with pytest.raises(ConfigError, match="saved on other samples of the dataset"):
+            FastLoader(other, 8, seed=1).load_state_dict(state)
+
+    (tmp_path / "a.txt").write_text("".join(f"document {i} " * 40 + "\n\n" for i in range(40)) + "!")
+    assert main(["preprocess", "text", str(tmp_path / "a.txt"), str(tmp_path / "tok"), "--tokenizer", "bytes",
+                 "--quiet"]) == 0
+    saved = dict(seq_len=16, random_windows=True, seed=5)
+    state = state_after_one_batch(TokenDataset(tmp_path / "tok", "train", **saved))
+    FastLoader(TokenDataset(tmp_path / "tok", "train", **saved), 8, seed=1).load_state_dict(state)
+    for change in ({"seed": 6}, {"random_windows": False}, {"seq_len": 17, "stride": 16}):
+        other = TokenDataset(tmp_path / "tok", "train", **{**saved, **change})
+        assert len(other) == len(TokenDataset(tmp_path / "tok", "train", **saved))
+        with pytest.raises(ConfigError, match="saved on other samples of the dataset"):
+            FastLoader(other, 8, seed=1).load_state_dict(state)
+
+
 @pytest.mark.parametrize("fmt", ["npy", "lmdb"])
 def test_the_mapped_labels_file_is_let_go_by_close_and_mapped_anew_by_a_worker(indexed_datasets, fmt):
     import pickle

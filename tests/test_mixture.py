@@ -705,13 +705,15 @@ def test_a_state_with_other_orders_data_or_batch_positions_is_refused_by_name():
     manifest's digest), or with mix="batch" at another batch_size (a position is a batch: positions counted
     in the old one) was accepted and repeated and skipped samples; now each is refused, by name."""
     class Versioned(WindowedSized):
-        def __init__(self, n: int, version: str) -> None:
+        def __init__(self, n: int, version: str, key: dict | None = None) -> None:
             super().__init__(n, 10)
             self.manifest_sha256 = version
+            if key is not None:
+                self.state_key = key  # (a split's, token windows)
 
     def state_of(**kw):
-        s = MixtureSampler(Mixture({"a": Versioned(50, "1" * 64), "b": Versioned(30, "2" * 64)}, seed=1, **kw), 4,
-                           rank=0, world_size=1)
+        sources = kw.pop("sources", {"a": Versioned(50, "1" * 64), "b": Versioned(30, "2" * 64)})
+        s = MixtureSampler(Mixture(sources, seed=1, **kw), 4, rank=0, world_size=1)
         s.advance(3)
         return json.loads(json.dumps(s.state_dict()))
 
@@ -726,12 +728,18 @@ def test_a_state_with_other_orders_data_or_batch_positions_is_refused_by_name():
         resume(state_of(), shuffle={"a": True, "b": False})
     with pytest.raises(ConfigError, match="source 'b' was saved with other data: its manifest's sha256 was 2222"):
         resume(state_of(), sources={"a": Versioned(50, "1" * 64), "b": Versioned(30, "3" * 64)})
+    keyed = {"a": Versioned(50, "1" * 64, {"split": "train", "seed": 0}), "b": Versioned(30, "2" * 64)}
+    state = state_of(sources=keyed)
+    resume(state, sources={"a": Versioned(50, "1" * 64, {"split": "train", "seed": 0}), "b": Versioned(30, "2" * 64)})
+    with pytest.raises(ConfigError, match="source 'a' was saved with other samples of its data: .*'seed': 0"):
+        resume(state, sources={"a": Versioned(50, "1" * 64, {"split": "train", "seed": 1}),
+                               "b": Versioned(30, "2" * 64)})
     with pytest.raises(ConfigError, match="mix='batch' and batch_size=4 .* resume with batch_size=4"):
         resume(state_of(mix="batch"), batch=8, mix="batch")
     resume(state_of(mix="batch"), batch=4, mix="batch")
     resume(state_of(), batch=8)  # (mix="sample": a position is a sample, at any batch size)
     old = state_of()
-    for key in ("shuffle", "shuffle_window", "versions", "draws_a_position"):  # a state saved before these
+    for key in ("shuffle", "shuffle_window", "versions", "keys", "draws_a_position"):  # saved before these
         del old["mixture"][key]
     resume(old, shuffle={"a": True, "b": False})
 

@@ -2,6 +2,7 @@
 that FastLoader reads like the dataset itself (batches, shards for ``shuffle_window``, streamed reads)."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -15,9 +16,10 @@ from .images import FastDataset
 class DatasetView:
     """Some samples of a dataset (a train/validation split), served by FastLoader like the dataset itself."""
 
-    def __init__(self, base: FastDataset, indices: np.ndarray) -> None:
+    def __init__(self, base: FastDataset, indices: np.ndarray, key: Optional[dict[str, Any]] = None) -> None:
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
+        self._key = key  # what `split` made it from; else its indices' digest, made when first asked for
         self.sample_shape, self.sample_dtype, self.device = base.sample_shape, base.sample_dtype, base.device
         self.fields = getattr(base, "fields", None)  # dict batches when the base has sample fields
 
@@ -27,6 +29,15 @@ class DatasetView:
     @property
     def manifest_sha256(self) -> Optional[str]:
         return getattr(self.base, "manifest_sha256", None)
+
+    @property
+    def state_key(self) -> dict[str, Any]:
+        """Which samples of the base a position means, as a loader's state names it: a state saved on another
+        split would repeat some samples and skip others (and train on the first split's validation set)."""
+        if self._key is None:
+            self._key = {"indices_sha256": hashlib.sha256(np.ascontiguousarray(self.indices).tobytes()).hexdigest()}
+        base = getattr(self.base, "state_key", None)
+        return {**self._key, "of": base} if base is not None else dict(self._key)
 
     @property
     def classes(self) -> list[str]:
@@ -76,4 +87,5 @@ def split_indices(n: int, val_fraction: float, seed: int = 0) -> tuple[np.ndarra
 def split(ds: FastDataset, val_fraction: float, seed: int = 0) -> tuple[DatasetView, DatasetView]:
     """``(train, val)`` views of ``ds`` (see `split_indices`)."""
     train, val = split_indices(len(ds), val_fraction, seed)
-    return DatasetView(ds, train), DatasetView(ds, val)
+    key = {"val_fraction": float(val_fraction), "seed": int(seed)}
+    return DatasetView(ds, train, {"split": "train", **key}), DatasetView(ds, val, {"split": "val", **key})

@@ -232,6 +232,14 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         since it serialises the whole manifest (seconds at a million shards)."""
         return manifest_digest(self.manifest)
 
+    @property
+    def state_key(self) -> dict[str, Any]:
+        """Which windows a position means, as a loader's state names it: a state saved with another
+        ``seq_len``, ``stride``, window seed or split would serve other windows from the same positions."""
+        key = {"split": self.split, "seq_len": self.seq_len, "stride": self.stride,
+               "random_windows": self.random_windows}
+        return {**key, "seed": self.seed} if self.random_windows else key
+
     def __len__(self) -> int:
         return self._count
 

@@ -361,12 +361,15 @@ class MixtureSampler:
                 "segments": segments}
 
     def orders_and_versions(self) -> dict[str, dict[str, Any]]:
-        """Each source's order options and the version of its data (its manifest's digest, where it has one):
-        a state resumed on other orders or other data would repeat and skip samples."""
+        """Each source's order options, the version of its data (its manifest's digest, where it has one) and
+        which of its samples a position means (a split's, token windows: `state_key`): a state resumed on other
+        orders or other data would repeat and skip samples."""
         m = self.mixture
         versions = {n: getattr(ds, "manifest_sha256", None) for n, ds in zip(m.names, m.sources)}
+        keys = {n: getattr(ds, "state_key", None) for n, ds in zip(m.names, m.sources)}  # (a split, token windows)
         return {"shuffle": dict(zip(m.names, m.shuffle)), "shuffle_window": dict(zip(m.names, m.shuffle_window)),
-                "versions": {n: v for n, v in versions.items() if v is not None}}
+                "versions": {n: v for n, v in versions.items() if v is not None},
+                "keys": {n: k for n, k in keys.items() if k is not None}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a saved stream (at any world size); the mixture's weights, if they differ from the saved

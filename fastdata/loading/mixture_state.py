@@ -36,7 +36,8 @@ def check_state(sampler: Any, state: dict[str, Any]) -> None:
     sizes = dict(zip(saved["sources"], saved["sizes"]))
     mine_now = sampler.orders_and_versions()
     for key, said in (("shuffle", "shuffle={} (now {})"), ("shuffle_window", "shuffle_window={} (now {})"),
-                      ("versions", "other data: its manifest's sha256 was {}, now {}")):
+                      ("versions", "other data: its manifest's sha256 was {}, now {}"),
+                      ("keys", "other samples of its data: {} (now {})")):
         then = saved.get(key)
         if not isinstance(then, dict):
             continue  # (a state saved before these were recorded)

@@ -357,18 +357,25 @@ class SamplerBacked(LiveIteration):
         self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the epoch got to, counting only batches already handed to the consumer, and the version of
-        the dataset it got there in (``dataset_sha256``: its manifest's digest)."""
+        """Where the epoch got to, counting only batches already handed to the consumer, the version of the
+        dataset it got there in (``dataset_sha256``: its manifest's digest) and which of its samples a position
+        means (``dataset_key``: a split's, a token dataset's windows)."""
         state = self.sampler.state_dict()
         version = getattr(self.dataset, "manifest_sha256", None)
-        return state if version is None else {**state, "dataset_sha256": version}
+        key = getattr(self.dataset, "state_key", None)
+        if version is not None:
+            state["dataset_sha256"] = version
+        if key is not None:
+            state["dataset_key"] = key
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a `state_dict`'s position; an iteration under way is closed first.
 
         Raises:
             ConfigError: The state was saved on another version of the dataset (its manifest changed: a new
-                ``fastdata preprocess --overwrite`` or ``push``), or belongs to another order.
+                ``fastdata preprocess --overwrite`` or ``push``), on other samples of it (another split,
+                other token windows), or belongs to another order.
         """
         saved, version = state.get("dataset_sha256"), getattr(self.dataset, "manifest_sha256", None)
         if saved is not None and version is not None and saved != version:
@@ -376,5 +383,10 @@ class SamplerBacked(LiveIteration):
             raise ConfigError(f"the state was saved on another version of {where} (manifest sha256 {saved[:12]}..., "
                               f"this one {version[:12]}...): resume on the version the run started with, or "
                               "start the run over")
+        saved, key = state.get("dataset_key"), getattr(self.dataset, "state_key", None)
+        if saved is not None and key is not None and saved != key:  # (states saved before keys: unchecked)
+            raise ConfigError(f"the state was saved on other samples of the dataset ({saved}; this loader reads "
+                              f"{key}): its positions would repeat some samples and skip others; resume with the "
+                              "split and windows the run started with, or start the run over")
         self._close_active()  # an iterator still running would serve the old position
-        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "dataset_sha256"})
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k not in ("dataset_sha256", "dataset_key")})
