@@ -207,6 +207,8 @@ def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputE
         return DiskFullError(
             f"no space left while writing {path} ({os.strerror(exc.errno)}; {free / 2**20:.1f} MiB free): {advice}")
     where = Path(exc.filename) if isinstance(exc.filename, str) else path
+    if exc.errno == errno.EISDIR and isinstance(exc.filename2, str):  # a rename: the folder is at its target
+        where = Path(exc.filename2)
     what = {errno.EISDIR: f"remove the folder {where}, which is in the way of a file",
             errno.ENOTDIR: f"a file stands where a folder on the way to {where} should be: remove that file",
             errno.ELOOP: f"{where} is a symbolic link, which fastdata never writes through: remove it",
@@ -251,8 +253,8 @@ class HashingWriter:
 
     Until ``commit()`` nothing carries the final name, so an interrupted run leaves only ``.tmp`` files.
     Large writes are hashed on a helper thread while the write runs (both release the GIL): the
-    preprocessing parent's time per shard is then the longer of the two, not their sum. ``mode``: the new
-    file's exact permissions (created exclusively, never through a link); None: the umask's.
+    preprocessing parent's time per shard is then the longer of the two, not their sum. The ``.tmp`` is
+    created anew, never through a link; ``mode``: its exact permissions (None: the umask's).
     """
 
     def __init__(self, path: Path, advice: str = RESUME_ADVICE, mode: Optional[int] = None) -> None:
@@ -263,10 +265,13 @@ class HashingWriter:
         self.size = 0
         self._hasher: Optional[ThreadPoolExecutor] = None
         try:
-            if mode is None:
-                self._f = open(self.tmp, "wb")
-            else:  # exactly this mode: a leftover .tmp (a killed writer's) goes first
-                self.tmp.unlink(missing_ok=True)
+            # a leftover .tmp (a killed writer's) goes first: created anew, never written through a link
+            # planted at its name (which would overwrite the file it points to)
+            self.tmp.unlink(missing_ok=True)
+            if mode is None:  # (the umask's permissions)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                self._f = os.fdopen(os.open(self.tmp, flags, 0o666), "wb")
+            else:
                 self._f = open_new(self.tmp, mode)
         except OSError as exc:
             raise disk_error(exc, self.tmp, self.advice) from exc

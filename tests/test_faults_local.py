@@ -644,6 +644,33 @@ def test_a_write_refused_by_what_is_in_the_way_says_what_to_remove(tmp_path):
     assert caught.value.errno in (errno.EEXIST, errno.ELOOP)  # (O_EXCL | O_NOFOLLOW: never through the link)
 
 
+def test_preprocess_never_writes_through_a_link_in_out_and_names_what_is_in_the_way(tmp_path, capsys):
+    """A link planted at a shard's temporary name in OUT was written through (the file it pointed to, outside
+    OUT, overwritten with shard bytes); a folder in the way of a shard's name was reported at the temporary
+    name (a path that does not exist: doing what the message said changed nothing)."""
+    from fastdata.cli.main import main
+    from fastdata.cli.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "src", num_classes=2, per_class=6, sizes=((40, 32),))
+    victim = tmp_path / "precious.txt"
+    victim.write_text("not fastdata's file")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "images-00000.npy.tmp").symlink_to(victim)
+    args = ["preprocess", "images", str(tmp_path / "src"), str(out), "--size", "16", "--shard-size", "4",
+            "--workers", "1", "--quiet"]
+    assert main(args) == 0
+    assert victim.read_text() == "not fastdata's file"
+    assert not (out / "images-00000.npy").is_symlink() and not os.path.lexists(out / "images-00000.npy.tmp")
+    other = tmp_path / "other"
+    (other / "images-00001.npy").mkdir(parents=True)
+    assert main(args[:3] + [str(other)] + args[4:]) != 0
+    said = capsys.readouterr().err
+    assert f"remove the folder {other / 'images-00001.npy'}, which is in the way of a file" in said, said
+    (other / "images-00001.npy").rmdir()  # doing what it says
+    assert main(args[:3] + [str(other)] + args[4:]) == 0
+
+
 def test_planted_symlinks_are_never_followed(indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import OutputError

@@ -178,6 +178,7 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
     # a URL's image shards stream through the node cache: only the shown samples' shards are fetched
     grid, _ = render(FastDataset(data, storage="mmap", **open_kwargs), n)
     tmp = out.with_name(out.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # (a leftover, or a link at its name: never written through)
     grid.save(tmp, "PNG")
     tmp.replace(out)
     return out

@@ -89,8 +89,9 @@ class Journal:
     def _write(self, entry: dict[str, Any], partial: Path) -> None:
         """Make one unit's entry durable: a line appended to ``partial/journal.jsonl`` and fsynced."""
         path = partial / JOURNAL_NAME
-        try:
-            with open(path, "ab") as f:
+        try:  # (never appended through a link planted at its name)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(path, flags, 0o666), "ab") as f:
                 f.write(_line(entry))
                 f.flush()
                 os.fsync(f.fileno())
