@@ -328,18 +328,21 @@ def test_invalid_option_values(photo_folder, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path):
+@pytest.mark.parametrize("fmt", ["npy", "lmdb"])
+def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path, fmt):
+    """LMDB reports a write that came up short as an I/O error: it too says the disk is full, and what to do."""
     out, ref = tmp_path / "out", tmp_path / "ref"
 
     def args(dest: Path) -> list[str]:
         return ["preprocess", "images", str(photo_folder), str(dest), "--size", "32", "--shard-size", "8",
-                "--workers", "1", "--quiet"]
+                "--workers", "1", "--quiet", "--format", fmt]
 
     small_disk = disk_of(20_000)  # no file may grow past 20 kB; a shard is 8 x 32 x 32 x 3 = 24.6 kB
     r = subprocess.run([sys.executable, "-m", "fastdata", *args(out)], capture_output=True, text=True,
                        preexec_fn=small_disk, timeout=300)
     assert r.returncode == 1 and "no space left" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert not (out / "manifest.json").exists() and not list(out.glob("images-*.npy*"))  # nothing looks finished
+    assert "rerun the same command" in r.stderr, r.stderr
+    assert not (out / "manifest.json").exists() and not list(out.glob("images-*"))  # nothing looks finished
     assert main(args(out)) == 0 and main(args(ref)) == 0
     assert tree_bytes(out) == tree_bytes(ref)
 

@@ -114,16 +114,35 @@ def build_shard(path: Path, blobs: Sequence[Any]) -> dict[str, Any]:
             break
         except lmdb.MapFullError:
             map_size *= 2  # deterministic: the same data always takes the same retries
-        except lmdb.Error as exc:  # py-lmdb reports a full disk as a plain lmdb.Error with the OS message
+        except lmdb.Error as exc:
+            code = _write_errno(exc, tmp, map_size)
             tmp.unlink(missing_ok=True)
-            code = errno.ENOSPC if "space" in str(exc).lower() else errno.EIO
-            raise disk_error(OSError(code, str(exc)), tmp) from exc
+            raise disk_error(OSError(code, os.strerror(code) + f" ({exc})"), tmp) from exc
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise disk_error(exc, tmp) from exc
     entry = {"path": path.name, "bytes": tmp.stat().st_size, HASH_NAME: hash_file(tmp)}
     os.replace(tmp, path)
     return entry
+
+
+def _write_errno(exc: Exception, tmp: Path, need: int) -> int:
+    """What a write's ``lmdb.Error`` means: py-lmdb gives no errno, and LMDB reports a full disk as the OS's
+    words ("No space left") or, where a write came up short (the disk filled, or the file size limit
+    reached), as EIO. Judged by the room left for the ``need`` bytes the store may take (its map size)."""
+    if "space" in str(exc).lower():
+        return errno.ENOSPC
+    import resource
+    import shutil
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < need:
+        return errno.EFBIG
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        return errno.EIO
+    return errno.ENOSPC if free < need else errno.EIO
 
 
 def _write_lmdb(lmdb: Any, tmp: Path, map_size: int, blobs: Sequence[Any]) -> None:
