@@ -131,6 +131,67 @@ def test_without_an_atomic_exchange_the_overwrite_still_replaces_the_dataset(pho
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "photos", "ref"]
 
 
+_DIE_AFTER_MANIFEST = """
+import os, signal, sys
+import fastdata.preprocess.{module} as m
+from fastdata.preprocess.store_out import StoreOut
+real = m.write_manifest if {local} else StoreOut.put
+
+def then_die(*args, **kwargs):
+    real(*args, **kwargs)
+    if {local} or args[-1] == "manifest.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if {local}:
+    m.write_manifest = then_die
+else:
+    StoreOut.put = then_die
+from fastdata.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "npy", "text"])
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_a_run_killed_after_its_manifest_leaves_what_an_uninterrupted_one_does(tmp_path, kind, where, request):
+    """Killed after the manifest, before its clean-up (the journal; an LMDB run's per-shard labels files): a
+    rerun found the dataset complete and left both for good."""
+    import signal
+    import subprocess
+
+    if kind == "text":
+        (tmp_path / "src").mkdir()
+        for i in range(6):
+            (tmp_path / "src" / f"{i}.txt").write_text(f"document {i} " * 300)
+        args = ["preprocess", "text", str(tmp_path / "src"), "--shard-tokens", "2000", "--quiet"]
+    else:
+        from fastdata.cli.synthetic import make_image_folder
+
+        make_image_folder(tmp_path / "src", num_classes=2, per_class=6, sizes=((40, 32),))
+        args = ["preprocess", "images", str(tmp_path / "src"), "--size", "16", "--shard-size", "4", "--format", kind,
+                "--workers", "1", "--quiet"]
+    if where == "url":
+        url = request.getfixturevalue("s3")(f"made-{kind}")  # (one server for the module: a bucket each)
+        out, ref = url + "/out", url + "/ref"
+    else:
+        out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
+    assert main(_with_out(args, ref)) == 0
+    code = _DIE_AFTER_MANIFEST.format(module="text" if kind == "text" else "image_manifest", local=where == "local")
+    killed = subprocess.run([sys.executable, "-c", code, *_with_out(args, out)], capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert main(_with_out(args, out)) == 0  # complete: its clean-up done now
+
+    def names(at: str) -> set[str]:
+        if where == "local":
+            return {p.relative_to(at).as_posix() for p in Path(at).rglob("*")}
+        from fastdata.storage.object_store import StoreFolder
+
+        return set(StoreFolder(at).listing())
+
+    assert names(out) == names(ref) and not any(journal.PARTIAL_DIR in n for n in names(out))
+
+
 def test_a_run_killed_while_indexing_tars_resumes_without_listing_them_again(tmp_path):
     import os
     import signal

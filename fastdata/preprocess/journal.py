@@ -59,6 +59,16 @@ OWNED = re.compile(r"^(manifest\.json|images-\d{5,}\.npy|labels-\d{5,}\.npy|imag
                     r"(train|val)-\d{5,}(-\d{6,})?\.npy|(train|val)-docs(-\d{5,}-\d{6,})?\.npy|"
                     + re.escape(PARTIAL_DIR) + r")(\.tmp|\.tmp\.body)?$")
 
+_UNIT_LABELS = re.compile(r"^labels-\d{5,}\.npy$")  # an LMDB run's per-shard labels: only its journal needs them
+
+
+def left_after_manifest(names: list[str], manifest: dict[str, Any]) -> list[str]:
+    """Of ``names`` (OUT's), what a run killed after writing its manifest, before its clean-up, left: the
+    journal and the per-shard labels files the manifest does not name. An uninterrupted run leaves neither."""
+    kept = {f.get("path") for f in manifest.get("files", []) if isinstance(f, dict)}
+    return [n for n in names if n == PARTIAL_DIR or n.startswith(PARTIAL_DIR + "/")
+            or (_UNIT_LABELS.match(n) and n not in kept)]
+
 
 @dataclass
 class Journal:
@@ -242,7 +252,12 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dic
                           "choose a new or empty folder")
     if MANIFEST_NAME in names and not overwrite:
         if read_fingerprint(out) == fingerprint:
-            return json.loads((out / MANIFEST_NAME).read_text())
+            manifest = json.loads((out / MANIFEST_NAME).read_text())
+            if PARTIAL_DIR in names:  # killed after its manifest: the clean-up it did not get to
+                for name in left_after_manifest(names, manifest):
+                    shutil.rmtree(out / name) if name == PARTIAL_DIR else (out / name).unlink(missing_ok=True)
+                fsync_dir(out)
+            return manifest
         raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
                           "pass --overwrite to replace it, or choose another output folder")
     pending = load(partial_dir(out))

@@ -34,7 +34,7 @@ from .._io import fsync_dir, scrub
 from ..errors import OutputError
 from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR
 from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
-from .journal import OWNED, Journal
+from .journal import OWNED, Journal, left_after_manifest
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class StoreOut(StoreFolder):
         manifest = self.read_json(MANIFEST_NAME) if MANIFEST_NAME in names else None
         if manifest is not None and not overwrite:
             if manifest.get("fingerprint") == fingerprint:
+                self.delete(left_after_manifest(list(names), manifest))  # (a run killed before its clean-up)
                 return manifest
             raise OutputError(f"{scrub(self.url)} already holds a dataset made from another source or with other "
                               "parameters: pass --overwrite to replace it, or choose another output URL")
