@@ -60,6 +60,8 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     if protocol in ("s3", "s3a"):
         # botocore's own retry loop off (a dict of our own each time: botocore adds to it)
         options["config_kwargs"] = {"retries": {"total_max_attempts": 1}, **options.get("config_kwargs", {})}
+    if protocol in ("file", "local"):  # folders made as objects are put in them, as a store's prefixes are
+        options.setdefault("auto_mkdir", True)
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
