@@ -273,13 +273,24 @@ def test_images_without_labels_make_a_dataset_that_opens(tmp_path, fmt):
         assert np.abs(got - np.array(colours, dtype=np.float32)).max() < 8, got  # (JPEG in LMDB: near)
 
 
-def test_on_error_fail_names_the_file_without_traceback(awkward_folder, tmp_path):
-    r = run_cli("preprocess", "images", awkward_folder, tmp_path / "o", "--on-error", "fail", "--workers", "1",
-                "--quiet")
+def test_on_error_fail_names_the_file_without_traceback_and_skip_takes_the_run_over(awkward_folder, tmp_path):
+    """The error says to rerun with --on-error skip; that rerun was refused as a run with other arguments
+    (only --overwrite went on, making the finished shards again): it takes them over."""
+    args = ["--workers", "1", "--shard-size", "4", "--quiet"]
+    r = run_cli("preprocess", "images", awkward_folder, tmp_path / "o", "--on-error", "fail", *args)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fastdata: error:")]
-    assert len(lines) == 1 and "empty.png" in lines[0]
+    assert len(lines) == 1 and "empty.png" in lines[0] and "rerun with --on-error skip" in lines[0]
     assert not (tmp_path / "o" / "manifest.json").exists()
+    from fastdata.preprocess import journal
+
+    done = [f["path"] for u in journal.load(journal.partial_dir(tmp_path / "o")).units for f in u["files"]]
+    assert done  # (the shards before the class holding the empty file)
+    stamps = {name: (tmp_path / "o" / name).stat().st_ino for name in done}
+    assert main(["preprocess", "images", str(awkward_folder), str(tmp_path / "o"), *args]) == 0
+    assert {name: (tmp_path / "o" / name).stat().st_ino for name in done} == stamps  # kept, not made again
+    assert main(["preprocess", "images", str(awkward_folder), str(tmp_path / "ref"), *args]) == 0
+    assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
 
 
 def _file(p: Path) -> Path:

@@ -71,6 +71,28 @@ def test_a_dataset_written_to_a_url_is_the_local_runs_bytes_and_loads(s3, awkwar
     assert preprocess(awkward_folder, f"{url}/ds", "--format", fmt) == 0 and puts == []  # complete: nothing to do
 
 
+def test_a_run_at_a_url_stopped_by_on_error_fail_is_taken_over_by_skip(s3, tmp_path, puts):
+    """The error's advice (rerun with --on-error skip) was refused at a URL too: it takes the stopped run
+    over, the shards it journaled kept, not put again."""
+    from fastdata.cli.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "src", num_classes=2, per_class=16, sizes=((40, 32),))
+    (tmp_path / "src" / "z").mkdir()
+    (tmp_path / "src" / "z" / "bad.png").write_bytes(b"")  # the last sample, past two tasks of 16 files
+    fresh_fs()
+    url = s3("fail-then-skip")
+    assert preprocess(tmp_path / "src", f"{url}/ds", "--on-error", "fail", "--workers", "1") == 1
+    # (the units journaled before the failure stopped the run: those whose upload had ended by then)
+    journaled = [int(n[-13:-5]) for n in store_bytes(s3, "fail-then-skip", "ds")
+                 if n.startswith(".fastdata-partial/unit-")]
+    assert "manifest.json" not in puts
+    puts.clear()
+    assert preprocess(tmp_path / "src", f"{url}/ds", "--workers", "1") == 0  # (refused before)
+    assert not {f"images-{k:05d}.npy" for k in journaled} & set(puts)  # kept where the first run put them
+    assert preprocess(tmp_path / "src", tmp_path / "local", "--workers", "1") == 0
+    assert store_bytes(s3, "fail-then-skip", "ds") == tree_bytes(tmp_path / "local")
+
+
 def test_a_file_url_is_written_and_read_as_any_store(awkward_folder, tmp_path):
     """docs/object-storage.md names file:// among the URLs that work; as OUT it failed before any work (its
     probe put into a folder fsspec's local file system did not make)."""

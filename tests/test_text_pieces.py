@@ -18,7 +18,7 @@ from test_text import docs_of, jsonl_bytes, make_docs, stream
 from fastdata.cli.main import main
 from fastdata.errors import ConfigError
 from fastdata.formats.tokenizer import load_tokenizer
-from fastdata.preprocess import documents
+from fastdata.preprocess import documents, journal
 from fastdata.preprocess.documents import Part, PartDocuments, TextFile, piece_bytes, plan_pieces, text_files
 from fastdata.preprocess.text_tasks import TextPlan, piece_task
 
@@ -138,9 +138,17 @@ def test_a_cut_file_names_bad_lines_as_a_whole_read_does(tmp_path, capsys):
     capsys.readouterr()
     assert main(["preprocess", "text", str(tmp_path / "one.jsonl"), str(tmp_path / "fail"), "--on-error", "fail",
                  *args]) == 1
-    assert capsys.readouterr().err.strip() == ("fastdata: error: one.jsonl:451: field 'text' is not a string (use "
-                                               "--on-error skip to leave such documents out)")
+    assert capsys.readouterr().err.strip() == (
+        "fastdata: error: one.jsonl:451: field 'text' is not a string (rerun with --on-error skip to leave such "
+        "documents out: it keeps the shards made so far)")
     assert not (tmp_path / "fail" / "manifest.json").exists()
+    kept = journal.load(journal.partial_dir(tmp_path / "fail")).units
+    assert kept  # (the pieces before the bad line's)
+    # doing what it says takes the failed run over (it was refused as a run with other arguments)
+    assert main(["preprocess", "text", str(tmp_path / "one.jsonl"), str(tmp_path / "fail"), *args]) == 0
+    assert main(["preprocess", "text", str(tmp_path / "one.jsonl"), str(tmp_path / "skip"), *args]) == 0
+    assert all((tmp_path / "fail" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "skip").iterdir())
+    assert sorted(p.name for p in (tmp_path / "fail").iterdir()) == sorted(p.name for p in (tmp_path / "skip").iterdir())
 
 
 def test_a_piece_task_sends_back_a_few_hundred_bytes(tmp_path):

@@ -197,17 +197,19 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
         fields = source.first_fields() if config.resize == MAX_SIDE else None
         if fields:  # refused before hours of indexing
             raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=fields))
-        fingerprint = _fingerprint({**params, "resize": config.resize}, source)
+        hashed = {**params, "resize": config.resize}
     else:
         source = _ready(config, source)
-        params = _params(config, source)
-        fingerprint = _fingerprint(params, source)
+        params = hashed = _params(config, source)
+    fingerprint = _fingerprint(hashed, source)
+    # a run stopped by --on-error fail finished its units without a skip: a skip run takes them over
+    continues = (_fingerprint({**hashed, "on_error": "fail"}, source),) if config.on_error == "skip" else ()
     if store is not None:
-        done = store.prepare(fingerprint, config.overwrite)
+        done = store.prepare(fingerprint, config.overwrite, continues)
         if done is not None:
             log.info("%s is already complete with these arguments", scrub(config.out))
             return done
-        jr = store.resume(fingerprint)
+        jr = store.resume(fingerprint, continues)
         pool = _pool(config, source, store)
         if isinstance(source, FileSource):
             source, params = _indexed(config, source, source.area(store), pool, store.abandon)
@@ -217,12 +219,12 @@ def preprocess_images(config: ImagePreprocessConfig) -> dict[str, Any]:
             _run(config, source, jr, Path(staging), store, pool)
             return finish(config, source, jr, Path(staging), params, fingerprint, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
-    with journal.output(config.out, fingerprint, config.overwrite) as target:
+    with journal.output(config.out, fingerprint, config.overwrite, continues) as target:
         if target.done is not None:
             log.info("%s is already complete with these arguments", config.out)
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
-        jr, partial = journal.resume(config.out, fingerprint)
+        jr, partial = journal.resume(config.out, fingerprint, continues)
         pool = _pool(config, source, config.out)
         if isinstance(source, FileSource):
             source, params = _indexed(config, source, source.area(partial), pool,
@@ -339,8 +341,8 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
     def failed(failures: list[tuple[int, str, str]]) -> None:
         for idx, reason, path in failures:
             if config.on_error == "fail":
-                raise ImageDecodeError(f"cannot decode {_named(source, path)}: {reason} "
-                                       "(use --on-error skip to leave such files out)")
+                raise ImageDecodeError(f"cannot decode {_named(source, path)}: {reason} (rerun with --on-error skip "
+                                       "to leave such files out: it keeps the shards made so far)")
             skipped.append({"index": idx, "path": path, "reason": reason})
 
     def record(unit: dict[str, Any]) -> None:

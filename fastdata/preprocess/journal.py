@@ -222,11 +222,14 @@ def _is_at(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
-def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
-    """The journal of OUT's unfinished run with this fingerprint, its units checked (a fresh one otherwise),
-    and the partial folder, made."""
+def resume(out: Path, fingerprint: str, continues: tuple[str, ...] = ()) -> tuple[Journal, Path]:
+    """The journal of OUT's unfinished run with this fingerprint (or one of ``continues``: a run whose
+    finished units are this one's, taken over), its units checked (a fresh one otherwise), and the partial
+    folder, made."""
     partial = partial_dir(out)
     jr = load(partial)
+    if jr is not None and jr.fingerprint in continues:
+        jr.fingerprint = fingerprint  # (saved below: this run's from now on)
     if jr is None or jr.fingerprint != fingerprint:
         remove_partial(out)
         jr = Journal(fingerprint)
@@ -239,9 +242,10 @@ def resume(out: Path, fingerprint: str) -> tuple[Journal, Path]:
     return jr, partial
 
 
-def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+def prepare_output(out: Path, fingerprint: str, overwrite: bool, continues: tuple[str, ...] = ()
+                   ) -> Optional[dict[str, Any]]:
     """Make OUT (made and held by `exclusive`) usable; returns the existing manifest when OUT is already
-    finished with these arguments."""
+    finished with these arguments. An unfinished run of one of ``continues`` is taken over (`resume`)."""
     names = [p.name for p in out.iterdir()]
     if not names:
         return None
@@ -261,7 +265,7 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Optional[dic
         raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
                           "pass --overwrite to replace it, or choose another output folder")
     pending = load(partial_dir(out))
-    if pending is not None and pending.fingerprint != fingerprint and not overwrite:
+    if pending is not None and pending.fingerprint not in (fingerprint, *continues) and not overwrite:
         raise OutputError(f"{out} holds an unfinished run with another source or other parameters: rerun that "
                           "command to finish it, or pass --overwrite to start this one")
     if overwrite:
@@ -316,7 +320,7 @@ def _trash_dir(out: Path) -> Path:
 
 
 @contextlib.contextmanager
-def output(out: Path, fingerprint: str, overwrite: bool) -> Iterator[Target]:
+def output(out: Path, fingerprint: str, overwrite: bool, continues: tuple[str, ...] = ()) -> Iterator[Target]:
     """Hold OUT (NOTE [one writer]) and say where to write; a staged dataset whose manifest exists when the
     block ends without an error replaces OUT (NOTE [overwrite]).
 
@@ -324,6 +328,8 @@ def output(out: Path, fingerprint: str, overwrite: bool) -> Iterator[Target]:
         out: the dataset folder.
         fingerprint: the run's arguments and source, as the manifest records them.
         overwrite: replace a dataset made with other arguments.
+        continues: the fingerprints of unfinished runs this one may take over (their finished units are the
+            ones it writes: ``--on-error fail``'s, for ``skip``).
 
     Yields:
         The `Target`: a run with ``done`` set returns it; otherwise it resumes the journal in
@@ -340,11 +346,11 @@ def output(out: Path, fingerprint: str, overwrite: bool) -> Iterator[Target]:
             if overwrite and (out / MANIFEST_NAME).exists():
                 log.warning("cannot build beside %s (its parent is not writable, or it is a mount point): deleting "
                             "the old dataset before the new one exists", out)
-            yield Target(out, prepare_output(out, fingerprint, overwrite))
+            yield Target(out, prepare_output(out, fingerprint, overwrite, continues))
             return
         with exclusive(staging):
             try:
-                done = prepare_output(staging, fingerprint, overwrite=False)
+                done = prepare_output(staging, fingerprint, overwrite=False, continues=continues)
             except OutputError:  # work towards another dataset, or an old one left by a kill (rule 2): ours to drop
                 done = prepare_output(staging, fingerprint, overwrite=True)
             yield Target(staging, done)

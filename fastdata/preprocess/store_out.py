@@ -77,10 +77,11 @@ class StoreOut(StoreFolder):
     def put_json(self, name: str, obj: dict[str, Any]) -> None:
         self.put_bytes(name, json.dumps(obj, sort_keys=True, indent=None, separators=(",", ":")).encode())
 
-    def prepare(self, fingerprint: str, overwrite: bool) -> Optional[dict[str, Any]]:
+    def prepare(self, fingerprint: str, overwrite: bool, continues: tuple[str, ...] = ()
+                ) -> Optional[dict[str, Any]]:
         """The store's side of `journal.prepare_output`: the manifest when OUT is complete with these
         arguments, else None once OUT may be written (with ``overwrite``, another run's objects deleted, and
-        an old dataset named for `drop_old`)."""
+        an old dataset named for `drop_old`; an unfinished run of one of ``continues`` is taken over)."""
         names = self.listing()
         if not names:
             return None
@@ -97,7 +98,7 @@ class StoreOut(StoreFolder):
             raise OutputError(f"{scrub(self.url)} already holds a dataset made from another source or with other "
                               "parameters: pass --overwrite to replace it, or choose another output URL")
         run = self.read_json(f"{PARTIAL_DIR}/{RUN_NAME}")
-        if run is not None and run.get("fingerprint") != fingerprint and not overwrite:
+        if run is not None and run.get("fingerprint") not in (fingerprint, *continues) and not overwrite:
             raise OutputError(f"{scrub(self.url)} holds an unfinished run with another source or other parameters: "
                               "rerun that command to finish it, or pass --overwrite to start this one")
         if overwrite and ours:
@@ -122,11 +123,14 @@ class StoreOut(StoreFolder):
                         scrub(self.url))
             self.delete(old)
 
-    def resume(self, fingerprint: str) -> "StoreJournal":
-        """The journal of OUT's unfinished run with this fingerprint, its units checked against one listing
-        (NOTE [output at a URL] rule 3); a fresh one otherwise."""
+    def resume(self, fingerprint: str, continues: tuple[str, ...] = ()) -> "StoreJournal":
+        """The journal of OUT's unfinished run with this fingerprint (or one of ``continues``, taken over), its
+        units checked against one listing (NOTE [output at a URL] rule 3); a fresh one otherwise."""
         jr = StoreJournal(fingerprint, store=self)
         run = self.read_json(f"{PARTIAL_DIR}/{RUN_NAME}")
+        if run is not None and run.get("fingerprint") in continues:
+            self.put_json(f"{PARTIAL_DIR}/{RUN_NAME}", {"fingerprint": fingerprint})
+            run = {"fingerprint": fingerprint}
         names = self.listing()
         if run is None or run.get("fingerprint") != fingerprint:
             self.delete([n for n in names if n.startswith(PARTIAL_DIR + "/")])

@@ -148,16 +148,15 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
     files = text_files(config.src)
     if any(f.rel.endswith(".zst") for f in files):
         zstandard_module()  # missing: said now, before any output
-    h = hashlib.sha256(json.dumps([_params(config, tok, files), _where(config.src)], sort_keys=True).encode())
-    for f in files:
-        h.update(f"{f.rel}:{f.size}:{f.stamp}\n".encode())
-    fingerprint = h.hexdigest()
+    fingerprint = _fingerprint(config, tok, files, config.on_error)
+    # a run stopped by --on-error fail finished its pieces without a skip: a skip run takes them over
+    continues = (_fingerprint(config, tok, files, "fail"),) if config.on_error == "skip" else ()
     if store is not None:  # each piece put by its task (NOTE [output at a URL])
-        done = store.prepare(fingerprint, config.overwrite)
+        done = store.prepare(fingerprint, config.overwrite, continues)
         if done is not None:
             return done
         store.drop_old()
-        jr = store.resume(fingerprint)
+        jr = store.resume(fingerprint, continues)
         pool = _pool(config, None)
         with tempfile.TemporaryDirectory(prefix="fastdata-out-") as staging:
             partial = journal.partial_dir(Path(staging))
@@ -165,11 +164,11 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
             _run(config, tok, files, jr, partial, store, pool)
             return _finish(replace(config, out=Path(staging)), tok, files, jr, fingerprint, store)
     # NOTE [one writer] and NOTE [overwrite] in fastdata/preprocess/journal.py
-    with journal.output(config.out, fingerprint, config.overwrite) as target:
+    with journal.output(config.out, fingerprint, config.overwrite, continues) as target:
         if target.done is not None:
             return target.done
         config = replace(config, out=target.folder)  # OUT, or the new dataset's folder beside it
-        jr, partial = journal.resume(config.out, fingerprint)
+        jr, partial = journal.resume(config.out, fingerprint, continues)
         _run(config, tok, files, jr, partial, config.out, _pool(config, config.out))
         return _finish(config, tok, files, jr, fingerprint, None)
 
@@ -177,6 +176,15 @@ def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
 def _where(src: Union[Path, str]) -> str:
     """The source as the manifest names it: a local path resolved, a URL as given (without secrets)."""
     return scrub(src) if isinstance(src, str) else str(src.resolve())
+
+
+def _fingerprint(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], on_error: str) -> str:
+    """The run's arguments and source (its files' names, sizes and versions), with ``on_error``."""
+    params = {**_params(config, tok, files), "on_error": on_error}
+    h = hashlib.sha256(json.dumps([params, _where(config.src)], sort_keys=True).encode())
+    for f in files:
+        h.update(f"{f.rel}:{f.size}:{f.stamp}\n".encode())
+    return h.hexdigest()
 
 
 def _params(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile]) -> dict[str, Any]:
@@ -244,8 +252,8 @@ def _run(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile], jr
 
 
 def _unusable(e: dict[str, Any]) -> TextInputError:
-    return TextInputError(f"{e['file']}{':' + str(e['line']) if e['line'] else ''}: {e['reason']} (use --on-error "
-                          "skip to leave such documents out)")
+    return TextInputError(f"{e['file']}{':' + str(e['line']) if e['line'] else ''}: {e['reason']} (rerun with "
+                          "--on-error skip to leave such documents out: it keeps the shards made so far)")
 
 
 def _count_parts(parts: list[list[int]], lines: dict[int, int], found: dict[int, int]) -> list[int]:
