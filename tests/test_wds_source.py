@@ -306,16 +306,18 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
         if not os.path.isfile(path):
             self.send_error(404)
             return None
-        data = Path(path).read_bytes()
+        n = os.path.getsize(path)
         m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        a, b = (int(m.group(1)), min(int(m.group(2) or len(data) - 1), len(data) - 1)) if m else (0, len(data) - 1)
+        a, b = (int(m.group(1)), min(int(m.group(2) or n - 1), n - 1)) if m else (0, n - 1)
         self.send_response(206 if m else 200)
         if m:
-            self.send_header("Content-Range", f"bytes {a}-{b}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {a}-{b}/{n}")
         self.send_header("Content-Length", str(b - a + 1))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
-        return io.BytesIO(data[a:b + 1])
+        with open(path, "rb") as f:  # the range only: a tar of 100 MB is read in many ranges
+            f.seek(a)
+            return io.BytesIO(f.read(b - a + 1))
 
 
 def test_a_brace_pattern_over_http_without_folder_listings(tmp_path):
@@ -393,3 +395,143 @@ def test_cls_ids_far_past_the_samples_are_refused_and_a_bom_is_no_part_of_one(tm
         assert f"00000.tar: class id {big.decode()} is too large for 2 samples" in err and "below 65536" in err, err
     assert preprocess(_cls_tars(tmp_path / "bom", [b"0", "\ufeff2".encode()]), tmp_path / "o-bom") == 0
     assert FastDataset(tmp_path / "o-bom").targets.tolist() == [0, 2]
+
+
+# -- members a listing reads, steps over, or refuses (NOTE [tar source] rule 5) ------------------------------------
+class _Zeros(io.RawIOBase):
+    """``n`` zero bytes as a stream: a big member goes into a tar without this process holding it."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        k = min(len(b), self.left)
+        b[:k] = bytes(k)
+        self.left -= k
+        return k
+
+
+_LISTING = """
+import json, sys, tracemalloc
+import fsspec.implementations.http  # imported before: only what the listing allocates is counted
+from fastdata.preprocess.tars import members
+tracemalloc.start()
+got = [[key, sorted(group), reason] for key, group, reason in members(sys.argv[1], "big.tar")]
+print(json.dumps({"peak": tracemalloc.get_traced_memory()[1], "samples": got}))
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_listing_steps_over_members_it_does_not_use_and_refuses_huge_metadata(tmp_path, where):
+    # an 80 MB .bin beside an image was read whole (160 MiB allocated at the peak), and so was a huge .json
+    big, src = 80 << 20, tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(src / "big.tar", "w") as tf:
+        for i in range(4):
+            for name, data in [(f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.cls", str(i % 3).encode())]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            if i in (1, 2):  # sample 1: a member the schema does not use; sample 2: a .json past 16 MiB
+                info = tarfile.TarInfo(f"{i:03d}.bin" if i == 1 else f"{i:03d}.json")
+                info.size = big if i == 1 else (17 << 20)
+                tf.addfile(info, io.BufferedReader(_Zeros(info.size)))
+    url = str(src / "big.tar")
+    if where == "http":
+        import functools
+        import threading
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                 functools.partial(_RangeHandler, directory=str(src)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/big.tar"
+    try:
+        r = subprocess.run([sys.executable, "-c", _LISTING, url], capture_output=True, text=True, timeout=300)
+    finally:
+        if where == "http":
+            server.shutdown()
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    limit = (8 if where == "local" else 40) << 20  # http: fsspec's cache of 5 MiB blocks, ~30 MiB at any tar size
+    assert out["peak"] < limit, f"listing allocated {out['peak'] >> 20} MiB at its peak"  # 160 MiB and more before
+    assert [s[:2] for s in out["samples"]] == [["000", ["cls", "png"]], ["001", ["bin", "cls", "png"]],
+                                               ["002", ["cls", "json", "png"]], ["003", ["cls", "png"]]]
+    assert [s[2] for s in out["samples"]] == [None, None, "big.tar: sample 002's .json is 17825792 bytes, past the "
+                                              "16 MiB a metadata member may hold: repack the tar without it", None]
+    if where == "local":
+        assert preprocess(src, tmp_path / "out") == 0
+        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert [s["path"] for s in manifest["skipped"]] == ["big.tar/002.png"]
+        images, labels = FastDataset(tmp_path / "out").get_batch(np.arange(3))  # (image, label): no fields
+        assert sample_ids(images).tolist() == [0, 1, 3] and labels.tolist() == [0, 1, 0]
+
+
+def test_a_sparse_image_member_is_a_bad_record_and_the_samples_after_it_are_kept(tmp_path):
+    # its bytes in the archive are the file less its holes: read by offset, they decoded to other pixels
+    import shutil
+
+    if shutil.which("tar") is None:
+        pytest.skip("needs GNU tar to write a sparse member (tar -S)")
+    files, src = tmp_path / "files", tmp_path / "src"
+    files.mkdir()
+    src.mkdir()
+    buf = io.BytesIO()
+    Image.new("RGB", (256, 256)).save(buf, "BMP")  # 192 KB of zero pixels after a 54-byte header
+    with open(files / "001.bmp", "wb") as f:  # written with a hole, as a sparse file on disk
+        f.write(buf.getvalue()[:54])
+        f.truncate(len(buf.getvalue()))
+    for i in (0, 2):
+        (files / f"{i:03d}.png").write_bytes(_image(i, "PNG"))
+    for i in range(3):
+        (files / f"{i:03d}.cls").write_text(str(i % 3))
+    names = ["000.png", "000.cls", "001.bmp", "001.cls", "002.png", "002.cls"]
+    r = subprocess.run(["tar", "-S", "--format=gnu", "-cf", str(src / "00000.tar"), "-C", str(files), *names],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"this tar cannot write sparse members: {r.stderr.strip()}")
+    with tarfile.open(src / "00000.tar") as tf:
+        if not tf.getmember("001.bmp").issparse():
+            pytest.skip(f"{tmp_path}'s file system keeps no holes: tar -S stored the file whole")
+        assert tf.extractfile("001.bmp").read() == buf.getvalue()  # the tar itself is sound
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skipped"] == [{"path": "00000.tar/001.bmp", "reason": "00000.tar: sample 001's .bmp is stored "
+                                    "sparse (tar -S): repack the tar without -S"}]
+    images, labels = FastDataset(tmp_path / "out").get_batch(np.arange(2))
+    assert sample_ids(images).tolist() == [0, 2] and labels.tolist() == [0, 2]
+
+
+def test_a_hard_link_member_takes_its_targets_bytes_and_one_to_no_earlier_member_is_a_bad_record(tmp_path):
+    # tar stores a file's second name as a link (cp -l, rdfind -makehardlinks): its samples were dropped as
+    # having "no image member"
+    import os
+
+    files, src = tmp_path / "files", tmp_path / "src"
+    files.mkdir()
+    src.mkdir()
+    (files / "000.png").write_bytes(_image(0, "PNG"))
+    (files / "000.cls").write_text("0")
+    os.link(files / "000.png", files / "001.png")  # the same picture under two names
+    os.link(files / "000.cls", files / "002.cls")  # and the same class
+    (files / "001.cls").write_text("1")
+    (files / "002.png").write_bytes(_image(2, "PNG"))
+    (files / "003.cls").write_text("1")
+    with tarfile.open(src / "00000.tar", "w") as tf:  # tarfile, like tar, stores a file's later names as links
+        for name in ["000.png", "000.cls", "001.png", "001.cls", "002.png", "002.cls"]:
+            tf.add(files / name, arcname=name)
+        link = tarfile.TarInfo("003.png")  # a link to a member of another tar
+        link.type, link.linkname = tarfile.LNKTYPE, "elsewhere/000.png"
+        tf.addfile(link)
+        tf.add(files / "003.cls", arcname="003.cls")
+    with tarfile.open(src / "00000.tar") as tf:
+        assert [m.name for m in tf if m.islnk()] == ["001.png", "002.cls", "003.png"]
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skipped"] == [{"path": "00000.tar/003.png", "reason": "00000.tar: sample 003's .png is a hard "
+                                    "link to 'elsewhere/000.png', which is no image member before it in this tar: "
+                                    "repack the tar with tar --hard-dereference"}]
+    images, labels = FastDataset(tmp_path / "out").get_batch(np.arange(3))
+    assert sample_ids(images).tolist() == [0, 0, 2] and labels.tolist() == [0, 1, 0]

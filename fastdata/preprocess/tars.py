@@ -14,6 +14,11 @@ NOTE [tar source]:
    read per run of consecutive samples.
 4. A tar cut short (mid-member or mid-header) makes the sample it cuts a bad record: skipped and listed in
    the manifest, or ``--on-error fail``; the samples before it are kept.
+5. Listing reads only the ``cls``, ``txt`` and ``json`` members, each up to 16 MiB (past it: a bad record);
+   tarfile steps over the others, images included, so memory does not grow with a member's size. A sparse
+   image (``tar -S``) is a bad record: its bytes in the archive are not the file's. A hard link (a second
+   name of a file, as ``tar -cf`` stores files linked with ``cp -l``) takes the value of the member it
+   names, which must come before it in the same tar; else its sample is a bad record naming the link.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _GAP = 256 << 10  # samples this close after each other in a tar are read in one request (their .json/.cls between)
 _SPAN = 64 << 20  # but no request longer than this
+_META = ("cls", "json", "txt")  # the members record() reads: the only ones read whole
+_META_MAX = 16 << 20  # a metadata member past this is a bad record (img2dataset writes ~1 KB of .json)
+_KEEP = 32 << 20  # metadata bytes a listing keeps for hard links to them (img2dataset: ~1.5 KB a sample, 10^4 a tar)
 _LONG_INT = re.compile(rb"\d{309}")  # a JSON integer this long is past a float's range (1.8e308)
 Where = Union[tuple[int, int, int], str]  # (tar, offset, size) of a sample's image, or why it is a bad record
 
@@ -128,29 +136,40 @@ def _split(name: str) -> tuple[str, str]:
 
 
 def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optional[str]]]:
-    """Yield ``(key, {ext: (offset, size) for images, bytes otherwise}, reason or None)`` per sample of one tar,
-    streamed; a cut-short tar ends with its cut sample and the reason."""
+    """Yield ``(key, group, reason or None)`` per sample of one tar, streamed (NOTE [tar source] rule 5).
+
+    Args:
+        tar: A local path or a URL.
+        label: How messages name the tar.
+
+    Yields:
+        The sample's key; its members by extension: ``(offset, size)`` for an image, the bytes of a ``cls``,
+        ``txt`` or ``json``, None for any other; and why the sample is a bad record, or None. A cut-short
+        tar ends with its cut sample and the reason.
+
+    Raises:
+        SourceError: The tar cannot be opened, or its first member is not a tar header.
+    """
     key, group = None, {}
     try:
         f = _open(tar)
     except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused read
         raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
-    seen = _Seen(f)
+    seen, kept = _Seen(f), _Kept()
     try:
         with f, tarfile.open(fileobj=seen, mode="r|") as t:
             for m in t:
-                if not m.isfile() or posixpath.basename(m.name).startswith("."):
+                if not (m.isfile() or m.islnk()) or posixpath.basename(m.name).startswith("."):
                     continue
                 k, ext = _split(m.name)
                 if k != key and key is not None:
-                    yield key, group, None
+                    yield key, group, _flaw(group)
                     group = {}
                 key = k
                 group[ext] = None  # named even if its data is cut short: the listing names the cut member
-                data = t.extractfile(m).read()  # the stream must pass over it anyway; images are not kept
-                if len(data) != m.size:
-                    raise tarfile.ReadError("unexpected end of data")
-                group[ext] = (m.offset_data, m.size) if ext in IMAGE_EXTS else data
+                group[ext] = value = kept.value(m, ext, t)
+                if isinstance(value, str):
+                    group[ext] = f"{label}: sample {key}'s .{ext} {value}"
             # tarfile ends quietly at a header cut short or missing: only a zero block is the archive's end
             if seen.block(t.offset) != bytes(tarfile.BLOCKSIZE):
                 raise tarfile.ReadError("the archive ends without its end-of-archive block")
@@ -161,7 +180,66 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
         yield key, group, f"{label} is cut short in sample {key} ({type(exc).__name__}: {scrub(str(exc))})"
         return
     if key is not None:
-        yield key, group, None
+        yield key, group, _flaw(group)
+
+
+def _flaw(group: dict[str, Any]) -> Optional[str]:
+    """Why a sample's own members make it a bad record (its first image, or a metadata member), or None."""
+    image = next((e for e in group if e in IMAGE_EXTS), None)
+    return next((group[e] for e in (image, *_META) if isinstance(group.get(e), str)), None)
+
+
+class _Kept:
+    """Reads one tar's members for its listing, and keeps their values for the hard links after them.
+
+    A member's value is ``(offset, size)`` for an image, bytes for metadata, None for any other member, or
+    why it cannot be used (a phrase that follows "sample KEY's .EXT"). Only metadata is read: tarfile steps
+    over the rest of the stream, holding a record (10 KB) at a time.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}  # image and metadata members' values, by name
+        self.held = 0  # bytes of metadata in self.values
+
+    def value(self, m: tarfile.TarInfo, ext: str, t: tarfile.TarFile) -> Any:
+        """Member ``m``'s value, read from ``t`` if it is metadata, or its hard link target's."""
+        if ext not in IMAGE_EXTS and ext not in _META:
+            return None
+        value = self._link(m, ext) if m.islnk() else self._read(m, ext, t)
+        name = posixpath.normpath(m.name)
+        if isinstance(value, bytes) and self.held + len(value) > _KEEP:
+            self.values[name] = f"is past the first {_KEEP >> 20} MiB of metadata a listing keeps for hard " \
+                                "links: repack the tar with tar --hard-dereference"
+        else:
+            self.held += len(value) if isinstance(value, bytes) else 0
+            self.values[name] = value
+        return value
+
+    def _read(self, m: tarfile.TarInfo, ext: str, t: tarfile.TarFile) -> Any:
+        """A file member's value: an image is read later by offset (TarBlobs), metadata here."""
+        if ext in IMAGE_EXTS:
+            if m.issparse():  # its bytes in the archive are the file less its holes: not the image TarBlobs reads
+                return "is stored sparse (tar -S): repack the tar without -S"
+            return m.offset_data, m.size
+        if m.size > _META_MAX:
+            return f"is {m.size} bytes, past the {_META_MAX >> 20} MiB a metadata member may hold: repack the tar " \
+                   "without it"
+        data = t.extractfile(m).read()
+        if len(data) != m.size:
+            raise tarfile.ReadError("unexpected end of data")
+        return data
+
+    def _link(self, m: tarfile.TarInfo, ext: str) -> Any:
+        """The value of the member a hard link names: one listed before it (tar stores a file's first name as
+        the file, its later names as links to it)."""
+        image = ext in IMAGE_EXTS
+        value = self.values.get(posixpath.normpath(m.linkname))
+        if isinstance(value, tuple if image else bytes):
+            return value
+        if isinstance(value, str):  # the target's own flaw
+            return f"is a hard link to {m.linkname!r}, which {value}"
+        return f"is a hard link to {m.linkname!r}, which is no {'image' if image else 'metadata'} member before " \
+               "it in this tar: repack the tar with tar --hard-dereference"
 
 
 class _Seen:
