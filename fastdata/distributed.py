@@ -13,6 +13,7 @@ import gc
 import importlib
 import os
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -31,10 +32,22 @@ def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
+    if world_size is None and _torchrun_world() > 1:
+        warnings.warn(f"torchrun started {_torchrun_world()} processes but none has joined a process group yet: "
+                      "this order serves the whole dataset on every rank; call fastdata.init_distributed() before "
+                      "making loaders (or pass rank and world_size)", UserWarning, stacklevel=3)
     rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
         raise ConfigError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
     return rank, world_size
+
+
+def _torchrun_world() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 when unset or not a number)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def _joined() -> Any:

@@ -447,6 +447,25 @@ def test_images_too_small_for_the_model_are_refused_before_training(indexed_data
     assert main([*args, "--model", "resnet18", "--batch-size", "8"]) == 0  # its padded convs take any size
 
 
+def test_loaders_made_for_another_number_of_ranks_are_refused_and_torchrun_without_a_group_warns(
+        small_images, monkeypatch):
+    """A loader made before init_distributed under torchrun was dealt to 1 rank: every rank trained on the
+    whole epoch, silently. The Trainer refuses a loader dealt to other ranks than its run has."""
+    from fastdata.loading.sampler import DistributedBatchSampler
+
+    ds = FastDataset(small_images)
+    cfg = TrainConfig(epochs=1, device="cpu", progress=False)
+    for train, val in ((FastLoader(ds, 8, rank=1, world_size=2), None),
+                       (FastLoader(ds, 8), FastLoader(ds, 8, rank=0, world_size=2, pad=False)),
+                       (torch.utils.data.DataLoader(ds, batch_sampler=DistributedBatchSampler(48, 8, rank=0,
+                                                                                           world_size=4)), None)):
+        with pytest.raises(ConfigError, match=r"loader deals its data to [24] rank\(s\), this run has 1"):
+            Trainer(Linear(), train, val, config=cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # (torchrun's, without a process group joined)
+    with pytest.warns(UserWarning, match="torchrun started 4 processes but none has joined a process group"):
+        FastLoader(ds, 8)
+
+
 def test_a_training_loader_without_batches_is_refused(small_images):
     """drop_last with a batch larger than the data: before, every epoch ended at once and fit() 'finished'."""
     loader = FastLoader(FastDataset(small_images), 64, drop_last=True)

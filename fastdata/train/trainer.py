@@ -118,6 +118,12 @@ class Trainer:
             checkpoint.prepare_folder(cfg.checkpoint_dir, cfg.retry_seconds)
         check_device(cfg, self.device)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
+        for name, loader in (("training", train_loader), ("validation", val_loader)):
+            made_for = _ranks_of(loader)
+            if made_for is not None and made_for != self.dist.world_size:
+                raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has "
+                                  f"{self.dist.world_size}: make loaders after fastdata.init_distributed() (the "
+                                  "Trainer joins the group then), or pass rank and world_size")
         self.train_loader, self.val_loader = train_loader, val_loader
         self.channels_last = cfg.channels_last and is_convnet(model)
         layout = torch.channels_last if self.channels_last else torch.preserve_format
@@ -494,3 +500,18 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _ranks_of(loader: Any) -> Optional[int]:
+    """The ranks ``loader``'s order was dealt to: its sampler's (FastLoader, DALILoader, a DataLoader with a
+    DistributedSampler or a DistributedBatchSampler), through a prefetcher's loader; None when it does not say."""
+    for _ in range(3):
+        for attr in ("sampler", "batch_sampler"):
+            sampler = getattr(loader, attr, None)
+            ranks = getattr(sampler, "world_size", getattr(sampler, "num_replicas", None))
+            if isinstance(ranks, int):
+                return ranks
+        loader = getattr(loader, "loader", None)
+        if loader is None:
+            return None
+    return None
