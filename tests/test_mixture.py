@@ -240,6 +240,23 @@ def test_set_weights_between_iterations_applies_from_the_next_one(mixed_sets):
         assert np.array_equal(seq, per_source(unchanged, k)[:len(seq)])
 
 
+@pytest.mark.parametrize("stop", ["first", "all"])
+def test_len_after_set_weights_counts_the_batches_the_next_iteration_serves(stop):
+    """len() right after set_weights counted the old weights' segment (the new one is made when the next
+    iteration starts): a loop sized by it, or a schedule, was off."""
+    mix = Mixture({"a": Sized(400), "b": Sized(100)}, weights={"a": 0.5, "b": 0.5}, seed=3, stop=stop)
+    s = MixtureSampler(mix, 8, rank=0, world_size=1)
+    for at_start in (True, False):
+        if not at_start:
+            s.set_epoch(1)
+            s.advance(3)
+        mix.set_weights({"a": 0.9, "b": 0.1})
+        told, whole = len(s), s.epoch_batches()
+        assert told == len(list(s.batches())) and whole == s.epoch_batches()
+        assert told == whole - (0 if at_start else 3)  # (the 3 served before the new weights)
+        mix.set_weights({"a": 0.5, "b": 0.5})
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_trainer_resumes_a_mixture_with_new_weights(mixed_sets, tmp_path, device):
     # on a GPU, CUDAPrefetcher holds batches fetched ahead: the state it saves names the first one not trained

@@ -164,15 +164,18 @@ class MixtureSampler:
     def _sync(self) -> None:
         """When the mixture's weights changed: a new segment from the position reached (NOTE [mixture order]
         3). Run where no iteration is live: at the start of one (`batches`) and at a resume."""
+        self.seg, self.start, self.served = self._synced()
+
+    def _synced(self) -> tuple[Segment, int, int]:
+        """The segment, start and batches served that `_sync` makes now (the current ones while the weights
+        are the segment's): what the next iteration serves, so ``len`` counts it too."""
         if self._quantise(self.mixture._weights) == self.seg.weights:
-            return
+            return self.seg, self.start, self.served
         p = self.position()
         if p == 0 and self.seg.start == 0:  # the epoch's start: its first segment, under the new weights
-            self.seg = self._first_segment(self.epoch, self.seg.cursors)  # (never empty: NOTE [mixture] 4)
-        else:
-            self.seg = self._segment(self.epoch, p, self.seg.cursors_at(p, self.unit), self.seg.targets,
-                                     self.mixture._weights)
-        self.start, self.served = p, 0
+            return self._first_segment(self.epoch, self.seg.cursors), p, 0  # (never empty: NOTE [mixture] 4)
+        return self._segment(self.epoch, p, self.seg.cursors_at(p, self.unit), self.seg.targets,
+                             self.mixture._weights), p, 0
 
     # -- the stream -----------------------------------------------------------------------------------
     def _order(self, k: int, epoch: int, cache: dict[int, EpochOrder]) -> EpochOrder:
@@ -300,12 +303,14 @@ class MixtureSampler:
     __iter__ = DistributedBatchSampler.__iter__  # batches(), each advancing the state, then end_epoch()
 
     def epoch_batches(self) -> int:
-        """Batches this rank serves in the current epoch from its start."""
-        return -(-self._rank_count(self.seg, 0) // self.per)
+        """Batches this rank serves in the current epoch from its start (under weights set since: the next
+        iteration's)."""
+        return -(-self._rank_count(self._synced()[0], 0) // self.per)
 
     def __len__(self) -> int:
-        """Batches this rank serves in the rest of the current epoch."""
-        return -(-self._rank_count(self.seg, self.start) // self.per) - self.served
+        """Batches this rank serves in the rest of the current epoch (under weights set since)."""
+        seg, start, served = self._synced()
+        return -(-self._rank_count(seg, start) // self.per) - served
 
     # -- progress and resumption ----------------------------------------------------------------------
     def advance(self, batches: int = 1) -> None:
