@@ -74,7 +74,7 @@ def preprocess(src, out, **kw):
 
 
 # -- sources and round trips ------------------------------------------------------------------------------
-def test_an_exact_size_segmentation_pair_round_trips_bit_exactly(tmp_path):
+def test_an_exact_size_segmentation_pair_round_trips_bit_exactly_and_16_bit_masks_flip(tmp_path):
     rng = np.random.default_rng(0)
     (tmp_path / "src" / "images").mkdir(parents=True)
     (tmp_path / "src" / "masks").mkdir()
@@ -96,6 +96,12 @@ def test_an_exact_size_segmentation_pair_round_trips_bit_exactly(tmp_path):
         assert np.array_equal(b["mask"][i].numpy().astype(np.int64), mask)
     with pytest.raises(Exception, match="no 'label' field"):
         ds.targets
+    # the flip mirrors 16-bit masks too (torch's CPU flip has no uint16 kernel: it raised)
+    b = ds.get_batch(range(7))
+    flipped = RandomHorizontalFlip(p=1.0)({**b, "image": b["image"].permute(0, 3, 1, 2)})  # (NCHW, as on a device)
+    assert flipped["mask"].dtype == torch.uint16
+    for i, (img, mask) in enumerate(want):
+        assert np.array_equal(flipped["mask"][i].numpy().astype(np.int64), mask[:, ::-1])
 
 
 @pytest.mark.parametrize("shuffle", [None, 3])

@@ -145,6 +145,14 @@ def crop_and_flip(crop: Crop, p: float, x: torch.Tensor, generator: Rng) -> torc
     return crop.apply(x, crop.params_from(x, own), flip=flip_u < p)
 
 
+def _mirrored(masks: torch.Tensor) -> torch.Tensor:
+    """``(N, H, W)`` masks mirrored left to right; uint16 ones through int16 (the same bits: torch's CPU flip
+    has no uint16 kernel)."""
+    if masks.dtype == torch.uint16:
+        return masks.view(torch.int16).flip(2).view(torch.uint16)
+    return masks.flip(2)
+
+
 class RandomHorizontalFlip(Transform):
     """Mirror each sample left-right with probability ``p``.
 
@@ -175,7 +183,7 @@ class RandomHorizontalFlip(Transform):
         out = dict(batch)
         out["image"] = self.apply(batch["image"], flip)
         for k in masks_of(batch):
-            out[k] = torch.where(flip.view(-1, 1, 1), batch[k].flip(2), batch[k])
+            out[k] = torch.where(flip.view(-1, 1, 1), _mirrored(batch[k]), batch[k])
         size = tuple(batch["image"].shape[-2:])
         one = torch.ones(len(flip), device=flip.device)
         move_boxes(out, (torch.where(flip, -one, one), one), (flip.float() * size[1], one * 0), size)
