@@ -154,6 +154,29 @@ def test_csv_records_and_a_path_label_csv_are_told_apart(tmp_path):
     assert x.shape == (2, 32, 32, 3) and y.tolist() == [0, 1]
 
 
+def test_a_csv_gives_boxes_and_types_each_column_as_a_whole(tmp_path):
+    """CSV boxes never parsed (every record refused); one caption spelling a number ("1984") made the whole
+    file fail (that record's caption a vector); an id label beside id labels was refused as ids mixed with
+    names."""
+    records = make_scenes(tmp_path, 4, sizes=((64, 64),), jpeg_big=False)
+    with open(tmp_path / "recs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "boxes", "box_labels", "caption", "label", "labels"])
+        for i, r in enumerate(records):
+            w.writerow([r["image"], json.dumps(r["boxes"]), json.dumps([2, 1]), ["a dog", "1984"][i % 2],
+                        i % 3, " ".join(str(j) for j in range(i))])
+    m = preprocess(tmp_path / "recs.csv", tmp_path / "out", size=64, tokenizer="bytes")
+    kinds = {f["name"]: f["kind"] for f in m["fields"]}
+    assert kinds == {"image": "image", "boxes": "boxes", "box_labels": "box_labels", "caption": "tokens",
+                     "label": "label", "labels": "labels"}, kinds
+    assert not m["skipped"] and m["classes"] == ["0", "1", "2"]  # (ids keep their ids)
+    b = FastDataset(tmp_path / "out").get_batch([0, 1, 2, 3])
+    assert b["boxes"].tolist() == [[float(v) for v in box] for r in records for box in r["boxes"]]
+    assert b["label"].tolist() == [0, 1, 2, 0] and b["labels"].tolist() == [0, 0, 1, 0, 1, 2]
+    assert b["box_labels"].tolist() == [2, 1] * 4
+    assert bytes(b["caption"][b["caption_offsets"][1]:b["caption_offsets"][2]].tolist()) == b"1984"
+
+
 def coco_json(records, path: Path, extra_ann=()):
     images = [{"id": 10 + i, "file_name": r["image"], "width": 0, "height": 0} for i, r in enumerate(records)]
     anns = [{"id": k, "image_id": 10 + i, "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "category_id": 7 if c else 3,

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, Union
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_image_name,
+from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_id, is_image_name,
                       shown)
 from .url_reads import UrlBlobs, open_text, parent
 
@@ -129,7 +129,8 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
             raise SourceError(f"{location}: {key!r} of record {i + 1} ({paths[i]}) is {shown(v)}, too large for a "
                               "float field (at most 1.8e308): fix or drop that record") from None
     if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
-        col = [None if v is None else split_labels(v) for v in col]  # CSV: "cat dog"
+        col = [None if v is None else [int(t) if is_id(t) else t for t in split_labels(v)]  # CSV: "cat dog", "0 3"
+               for v in col]
     if kind in ("labels", "boxes", "box_labels"):
         return [[] if v is None else v for v in col]
     if kind == "label" and any(v is None for v in col):
@@ -216,36 +217,56 @@ def is_record_csv(path: Where) -> bool:
 
 
 def csv_records(path: Where) -> Source:
-    def rows() -> Iterator[tuple[str, dict[str, Any]]]:
+    """The records of a CSV with an ``image`` column. A column is numbers only when every cell of it is one
+    (read once before the records: a caption "1984" among text ones stays text); ``boxes`` cells are JSON
+    (``[[x1, y1, x2, y2], ...]``), as ``box_labels`` cells starting with ``[``."""
+    def cells() -> Iterator[tuple[int, dict[str, str]]]:
         try:
             with open_text(path) as f:
-                reader = csv.DictReader(f)
-                for lineno, row in enumerate(reader, start=2):
+                for lineno, row in enumerate(csv.DictReader(f), start=2):
                     if None in row:
                         raise SourceError(f"{path}:{lineno}: more cells than header columns")
-                    yield f"{path}:{lineno}", {k.strip().lower(): _cell(k.strip().lower(), v) for k, v in row.items()
-                                               if v is not None and v.strip() != ""}
+                    yield lineno, {k.strip().lower(): v.strip() for k, v in row.items()
+                                   if v is not None and v.strip() != ""}
         except UnicodeDecodeError as exc:
             raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save it as UTF-8 CSV") from exc
         except csv.Error as exc:
             raise SourceError(f"{path}: malformed CSV ({exc})") from exc
+
+    text: set[str] = set()  # columns with a cell that is not a number
+    for _, row in cells():
+        text.update(k for k, v in row.items() if k not in text and _number(v) is None)
+
+    def rows() -> Iterator[tuple[str, dict[str, Any]]]:
+        for lineno, row in cells():
+            yield f"{path}:{lineno}", {k: _cell(k, v, k not in text) for k, v in row.items()}
     return from_records(rows(), path, parent(path), "csv-records")
 
 
-def _cell(key: str, text: str) -> Any:
-    """A CSV cell as JSON would give it: numbers for numbers, text otherwise (paths, names, captions)."""
-    text = text.strip()
-    if key in ("image", "mask", "labels"):
-        return text
+def _number(text: str) -> Union[int, float, None]:
+    """The number a CSV cell spells, or None."""
     try:
         return int(text)
     except ValueError:
         pass
     try:
         value = float(text)
-        return value if math.isfinite(value) else text
     except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _cell(key: str, text: str, numbers: bool) -> Any:
+    """A CSV cell as JSON would give it: numbers for a column of numbers only, text otherwise (paths, names,
+    captions); ``boxes`` (and ``box_labels`` as a list) parsed as JSON."""
+    if key == "boxes" or (key == "box_labels" and text.startswith("[")):
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            return text  # (refused with the record named, as any malformed box)
+    if key in ("image", "mask", "labels") or not numbers:
         return text
+    return _number(text)
 
 
 def segmentation_pair(root: Where, listing: Optional[dict[str, dict[str, Any]]] = None) -> Source:
