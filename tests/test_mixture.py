@@ -240,6 +240,20 @@ def test_set_weights_between_iterations_applies_from_the_next_one(mixed_sets):
         assert np.array_equal(seq, per_source(unchanged, k)[:len(seq)])
 
 
+def test_a_source_with_a_field_named_source_is_refused():
+    """A dict batch's "source" entry (each row's source) was written over a field of that name, silently."""
+    from types import SimpleNamespace
+
+    class WithFields(Sized):
+        def __init__(self, n: int, names: tuple[str, ...]) -> None:
+            super().__init__(n)
+            self.fields = [SimpleNamespace(name=name) for name in names]
+
+    Mixture({"a": WithFields(10, ("image", "caption")), "b": WithFields(10, ("image", "caption"))})
+    with pytest.raises(ConfigError, match="source 'a' has a field named 'source'"):
+        Mixture({"a": WithFields(10, ("image", "source")), "b": WithFields(10, ("image", "source"))})
+
+
 @pytest.mark.parametrize("stop", ["first", "all"])
 def test_len_after_set_weights_counts_the_batches_the_next_iteration_serves(stop):
     """len() right after set_weights counted the old weights' segment (the new one is made when the next

@@ -188,6 +188,10 @@ class Mixture:
                 raise ConfigError(f"sources {self.names[0]!r} and {name!r} differ: {self.names[0]!r} is a "
                                   f"{_describe(self.sources[0])}, {name!r} a {_describe(ds)} (or another tokenizer)"
                                   ": a mixture's sources must give the same kind of sample")
+        fields = [getattr(f, "name", f) for f in getattr(self.sources[0], "fields", None) or ()]
+        if "source" in fields:  # (a dict batch's "source" entry is each row's source: NOTE [mixture])
+            raise ConfigError(f"source {self.names[0]!r} has a field named 'source', which a mixture's batches use "
+                              "for each row's source: preprocess it with the field under another name")
         labels = [getattr(ds, "classes", None) for ds in self.sources]
         for name, theirs in zip(self.names[1:], labels[1:]):
             if labels[0] is not None and theirs is not None and list(theirs) != list(labels[0]):
