@@ -226,6 +226,37 @@ def test_masks_keep_the_image_geometry_through_preprocessing(tmp_path, mode):
     assert agree.mean() >= 0.99, agree.mean(axis=(1, 2))
 
 
+@pytest.mark.parametrize("mode, w, h, size, edge", [("center-crop", 1032, 768, 96, 504),
+                                                     ("squash", 1025, 1025, 128, 1000), ("pad", 129, 96, 64, 129)])
+def test_masks_and_boxes_stay_on_a_jpeg_decoded_at_a_reduced_scale(tmp_path, mode, w, h, size, edge):
+    """A JPEG decoded at 1/2-1/8 (DCT scaling) has ceil(w / d) pixels covering d times that many source
+    pixels; its masks and boxes were mapped from the full size: half a pixel off (center-crop, cut at the
+    decoded integer offset), 0.86 px (squash), a letterbox row labelled (pad). Now as a PNG's are."""
+    img = np.zeros((h, w, 3), np.uint8)  # white left of a vertical edge (pad: all white)
+    img[:, :edge] = 255
+    mask = np.zeros((h, w), np.uint8)
+    mask[:, :edge] = 1
+    Image.fromarray(img).save(tmp_path / "a.jpg", quality=100, subsampling=0)
+    Image.fromarray(img).save(tmp_path / "a.png")
+    Image.fromarray(mask).save(tmp_path / "m.png")
+    recs = [{"image": n, "mask": "m.png", "boxes": [[0, 0, edge, h]], "box_labels": [0]} for n in ("a.jpg", "a.png")]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=size, resize=mode)
+    b = FastDataset(tmp_path / "out").get_batch([0, 1])
+    for i in (0, 1):  # (the JPEG, then the PNG)
+        picture = b["image"][i].numpy()[..., 0].astype(float) / 255
+        if mode == "pad":  # the picture's rows are the mask's and the box's
+            rows = np.flatnonzero(picture[:, size // 2] > 0.5)
+            assert np.array_equal(rows, np.flatnonzero(b["mask"][i].numpy()[:, size // 2] == 1)), i
+            assert b["boxes"][i].tolist()[1::2] == [float(rows[0]), float(rows[-1] + 1)], i
+            continue
+        x = picture[size // 2].sum()  # the edge, to a fraction of a pixel
+        assert abs(b["boxes"][i].tolist()[2] - x) < 0.2, (i, b["boxes"][i].tolist(), x)
+        labelled, row = b["mask"][i].numpy()[size // 2] == 1, picture[size // 2]
+        clear = (row > 0.75) | (row < 0.25)  # (a column the edge halves may go either way)
+        assert np.array_equal(labelled[clear], row[clear] > 0.5), i
+
+
 def test_a_hugging_face_style_parquet_file_is_read_by_row_group(tmp_path):
     pa = pytest.importorskip("pyarrow")  # the test extra installs it; the core never needs it
     import pyarrow.parquet as pq

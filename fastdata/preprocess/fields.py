@@ -4,9 +4,10 @@ by the same geometry, its ids, numbers and caption checked and converted. Runs i
 NOTE [record geometry]: ``resize`` maps the upright image of ``W x H`` pixels to ``S x S`` by an axis-aligned
 affine map, out = (x - left) * scale + pad, per axis (``center-crop``: the centre square, scaled;
 ``squash``: each axis scaled; ``pad``: scaled to fit, then centred on a black canvas). Masks and boxes are
-given at the full size, while a large JPEG may be decoded at 1/2-1/8 scale first (DCT scaling): the map
-is expressed in full-size pixels, and the image's own resize covers the same fractions of its decoded
-size, so the three stay aligned to well under one output pixel. A mask is resampled by nearest
+given at the full size, while a large JPEG may be decoded at 1/2-1/8 scale first (DCT scaling): ``ceil(W /
+d)`` pixels, the last one padded, so they cover ``d x`` that many source pixels, not ``W``. The map is the
+one ``resize`` applies to the decoded pixels (its integer cut, its rounding), expressed in full-size pixels
+through ``d``, so the three stay aligned as a PNG of the same picture is. A mask is resampled by nearest
 neighbour (a label is never interpolated; padding is 0); boxes are mapped, clipped to the picture and
 dropped (with their class ids) when nothing of them is left.
 """
@@ -41,8 +42,14 @@ class Geometry:
     extent: tuple[int, int]
 
 
-def geometry(w: int, h: int, size: int, mode: str) -> Geometry:
-    """The map `fastdata.imaging.decode_file.resize` applies to a ``w x h`` image (NOTE [record geometry])."""
+def geometry(w: int, h: int, size: int, mode: str, decoded: Optional[tuple[int, int]] = None) -> Geometry:
+    """The map, in full-size pixels, that `fastdata.imaging.decode_file.resize` applies to a ``w x h`` image
+    decoded at ``decoded`` (its width and height: DCT scaling, NOTE [record geometry]; default: full size)."""
+    if decoded is not None and tuple(decoded) != (w, h):
+        d = _denominator(w, h, *decoded)
+        g = geometry(decoded[0], decoded[1], size, mode)  # what resize does to the decoded pixels
+        return Geometry((g.left[0] * d[0], g.left[1] * d[1]), (g.scale[0] / d[0], g.scale[1] / d[1]), g.pad,
+                        g.extent)
     if mode == "center-crop":
         m = min(w, h)
         if m == size:  # resize() cuts without resampling, at integer offsets
@@ -55,6 +62,15 @@ def geometry(w: int, h: int, size: int, mode: str) -> Geometry:
         nw, nh = min(size, max(1, round(w * s))), min(size, max(1, round(h * s)))
         return Geometry((0.0, 0.0), (nw / w, nh / h), ((size - nw) // 2, (size - nh) // 2), (nw, nh))
     raise ValueError(f"unknown resize mode {mode!r}")
+
+
+def _denominator(w: int, h: int, dw: int, dh: int) -> tuple[float, float]:
+    """Full-size pixels per decoded pixel, per axis: libjpeg's scaled decode gives ``ceil(w / d)`` pixels
+    (d = 2, 4, 8), its last one padded, so the decoded pixels cover ``d * dw`` source pixels, not ``w``."""
+    for d in (2, 4, 8):
+        if -(-w // d) == dw and -(-h // d) == dh:
+            return float(d), float(d)
+    return w / dw, h / dh  # (another decoder's scaling: its own ratio)
 
 
 def resample_mask(mask: np.ndarray, g: Geometry, size: int) -> np.ndarray:
@@ -95,7 +111,7 @@ class RecordDecoder:
         """Write the image into ``out``; return the fields. Raises ImageDecodeError naming what is wrong."""
         img, (w, h) = decode.open_rgb_sized(src, self.size, self.mode)
         out[...] = np.asarray(decode.resize(img, self.size, self.mode, self.resample))
-        g = geometry(w, h, self.size, self.mode)
+        g = geometry(w, h, self.size, self.mode, img.size)
         if label is not None:
             self._ids([label], "label")
         fields: dict[str, Any] = {}
