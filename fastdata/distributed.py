@@ -66,11 +66,20 @@ def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def resolve_device(device: str = "auto") -> "torch.device":
-    """``"auto"`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as it is."""
+def resolve_device(device: Any = "auto") -> "torch.device":
+    """``"auto"`` is CUDA when torch sees a GPU, else the CPU; any other name is taken as it is.
+
+    Raises:
+        ConfigError: ``device`` names no device torch knows.
+    """
     import torch
 
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device={device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,9 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [(["--batch-size", "0"], "batch_size=0"),
                                            (["--seconds", "-1"], "seconds=-1.0"),
-                                           (["--autotune", "--batch-size", "-2"], "batch_size=-2")])
+                                           (["--autotune", "--batch-size", "-2"], "batch_size=-2"),
+                                           (["--device", "nosuch"], "device='nosuch' is not a device"),
+                                           (["--json", "/no/such/folder/x.json"], "/no/such/folder does not exist")])
 def test_bad_settings_are_refused_before_anything_is_measured(indexed_datasets, capsys, extra, needle):
     t0 = time.monotonic()
     assert main(["bench", str(indexed_datasets["npy"]), "--device", "cpu", "--quiet", *extra]) == 1

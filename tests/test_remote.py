@@ -235,7 +235,11 @@ def test_cli_push_and_verify_a_url(s3, indexed_datasets, tmp_path, capsys, monke
     cid = listed[0].split()[0]
     assert main(["cache", "remove"]) == 2 and main(["cache", "remove", "nope"]) == 1
     capsys.readouterr()
-    assert main(["cache", "remove", cid]) == 0 and capsys.readouterr().out == f"removed {cid}\n"
+    from fastdata.storage.cache_folders import default_cache_dir
+
+    # the folder given before the id (argparse took no id before an option: "unrecognized arguments")
+    assert main(["cache", "remove", "--dir", str(default_cache_dir()), cid]) == 0
+    assert capsys.readouterr().out == f"removed {cid}\n"
     assert main(["cache", "list"]) == 0 and capsys.readouterr().out == ""
 
 

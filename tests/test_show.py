@@ -80,8 +80,33 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert main(["show", str(data), "-n", "0", "-o", str(tmp_path / "g.png")]) == 1
     assert main(["show", str(data), "-o", str(tmp_path / "g.jpg")]) == 1
     assert main(["show", str(tmp_path / "nothing"), "-o", str(tmp_path / "g.png")]) == 1
+    assert main(["show", str(data), "-o", str(tmp_path / "no-such-folder" / "g.png")]) == 1  # (a traceback)
+    with pytest.raises(SystemExit) as caught:  # (an unset variable: the current folder)
+        main(["show", "", "-o", str(tmp_path / "g.png")])
+    assert caught.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("fastdata: error:") == 3 and "Traceback" not in err and not (tmp_path / "g.png").exists()
+    assert err.count("fastdata: error:") == 4 and "Traceback" not in err and not (tmp_path / "g.png").exists()
+    assert "no-such-folder does not exist: make it" in err and "argument data: an empty path" in err
+
+
+def test_a_url_with_a_password_is_shown_without_it(tmp_path, capsys):
+    """The success line printed the URL as given, its password included."""
+    import functools
+    import http.server
+    import threading
+
+    from test_wds_source import _RangeHandler
+
+    data = _detection(tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://alice:S3CRETPW@127.0.0.1:{server.server_address[1]}/{data.name}"
+        assert main(["show", url, "-n", "4", "-o", str(tmp_path / "g.png"), "--cache-dir", str(tmp_path / "c")]) == 0
+    finally:
+        server.shutdown()
+    said = capsys.readouterr()
+    assert "S3CRETPW" not in said.out + said.err and "alice:***@" in said.out, said
 
 
 @pytest.mark.remote

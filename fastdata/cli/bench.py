@@ -61,7 +61,7 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
         ConfigError: A bad setting, found before anything is measured.
     """
     from ..datasets.images import FastDataset
-    from ..distributed import resolve_device
+    from ..distributed import check_cuda, resolve_device
     from ..gpu.prefetch import CUDAPrefetcher
     from ..imaging.transforms import RandomHorizontalFlip
     from ..loading.loader import FastLoader
@@ -74,6 +74,7 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     require(num_threads is None or (isinstance(num_threads, int) and num_threads > 0), "num_threads", num_threads,
             "a positive integer")
     dev = resolve_device(device)
+    check_cuda(dev, "use --device cpu")
     ds = FastDataset(data, storage=storage)
     pinned = dev.type == "cuda" and not pageable
     sample_bytes = int(np.prod(ds.sample_shape))
@@ -299,12 +300,13 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     seconds, not a 19 GB ResNet-50 step. Batches that are not images are timed without a model step,
     and the report says why.
     """
-    from ..distributed import resolve_device
+    from ..distributed import check_cuda, resolve_device
 
     _check(batch_size, seconds)
     require(image_size is None or (isinstance(image_size, int) and image_size > 0), "image_size", image_size,
             "a positive integer")
     dev = resolve_device(device)
+    check_cuda(dev, "use --device cpu")
     factory = load_factory(spec)
     try:
         loader = factory()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .._io import scrub
+from .._io import disk_error, scrub
 from ..errors import ConfigError, FastdataError
 from .data import add_data_commands, add_retry_seconds, retry_seconds
 
@@ -59,6 +59,8 @@ def _path_or_url(text: str) -> str | Path:
     """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
     from ..storage.object_store import is_url
 
+    if not text.strip():  # (an unset shell variable: Path("") is the current folder)
+        raise argparse.ArgumentTypeError("an empty path: give a folder, a file or a URL")
     return text if is_url(text) else Path(text)
 
 
@@ -146,6 +148,10 @@ def _bench(args: argparse.Namespace) -> int:
     given = {k: v for k, v in (("model", args.model), ("batch_size", args.batch_size), ("seconds", args.seconds))
              if v is not None}
     pipeline = {"storage": args.storage, "num_threads": args.threads, "pageable": args.pageable}
+    for option, path in (("--json", args.json), ("--plot", args.plot)):  # (refused before the measurement)
+        if path is not None and not Path(path).parent.is_dir():
+            raise ConfigError(f"{option} {path}: the folder {Path(path).parent} does not exist: make it, or write "
+                              "elsewhere")
     if args.loader:
         report = bench.diagnose_loader(args.loader, image_size=args.image_size, device=args.device, **given)
         if report["model"] is None:
@@ -171,7 +177,10 @@ def _bench(args: argparse.Namespace) -> int:
             bench.plot(report, args.plot)
             print(f"stage chart written to {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
+        try:
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        except OSError as exc:
+            raise disk_error(exc, args.json) from exc
         print(f"figures written to {args.json}")
     return 0
 
@@ -180,7 +189,7 @@ def _show(args: argparse.Namespace) -> int:
     from .show import show
 
     opts = {"cache_dir": args.cache_dir} if args.cache_dir else {}
-    print(f"{args.data}: {args.n} samples drawn in {show(args.data, args.n, args.out, **opts)}")
+    print(f"{scrub(str(args.data))}: {args.n} samples drawn in {show(args.data, args.n, args.out, **opts)}")
     return 0
 
 
@@ -381,7 +390,12 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "ids") and not any(e.startswith("-") for e in extra):
+        args.ids += extra  # ids after an option (`cache remove --dir D ID`): argparse took none before it
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(getattr(args, "quiet", False))
     try:
         return int(args.func(args) or 0)

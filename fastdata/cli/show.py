@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from .._io import disk_error
 from ..errors import ConfigError, MissingDependencyError
 
 MIN_CELL = 160  # pixels: an image is scaled up by an integer factor to at least this
@@ -165,8 +166,9 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
         The PNG's path.
 
     Raises:
-        ConfigError: ``n`` out of range, or ``out`` not a ``.png``.
+        ConfigError: ``n`` out of range, or ``out`` not a ``.png`` in a folder that exists.
         FormatError: ``data`` is not an image dataset.
+        OutputError: ``out`` cannot be written.
     """
     from ..datasets.images import FastDataset
 
@@ -175,10 +177,15 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"out must be a .png file, got out={str(out)!r}")
+    if not out.parent.is_dir():  # (said before any shard is read)
+        raise ConfigError(f"out={str(out)!r}: the folder {out.parent} does not exist: make it, or write elsewhere")
     # a URL's image shards stream through the node cache: only the shown samples' shards are fetched
     grid, _ = render(FastDataset(data, storage="mmap", **open_kwargs), n)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # (a leftover, or a link at its name: never written through)
-    grid.save(tmp, "PNG")
-    tmp.replace(out)
+    try:
+        tmp.unlink(missing_ok=True)  # (a leftover, or a link at its name: never written through)
+        grid.save(tmp, "PNG")
+        tmp.replace(out)
+    except OSError as exc:
+        raise disk_error(exc, out) from exc
     return out

@@ -104,6 +104,8 @@ class ImagePreprocessConfig:
     ray_address: Optional[str] = None  # HOST:PORT; None: the cluster on this machine, or a new local one
 
     def __post_init__(self) -> None:
+        for name in ("src", "out"):  # (an unset shell variable: Path("") is the current folder)
+            require(str(getattr(self, name)).strip() != "", name, getattr(self, name), "a path or URL")
         object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # tars at a URL
         object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))  # a URL: NOTE [output at a URL]
         require(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
