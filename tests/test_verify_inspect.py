@@ -128,14 +128,56 @@ def test_paths_are_refused_by_their_text_not_by_a_look_alike():
                 plain_relative(Path("."), p)  # (raises for a path that escapes)
 
 
-@pytest.mark.parametrize("entry", [{"path": "x.npy"}, {"path": "x.npy", "bytes": "12"}, {"path": 3, "bytes": 1},
-                                   {"path": "x.npy", "bytes": -1}, {"path": "x.npy", "bytes": 2 ** 63}, "x.npy"])
-def test_a_file_listed_without_its_path_and_size_is_refused(dataset, entry):
+_SHA = "0" * 64
+
+
+@pytest.mark.parametrize("entry", [
+    {"path": "x.npy", "sha256": _SHA}, {"path": "x.npy", "bytes": "12", "sha256": _SHA},
+    {"path": 3, "bytes": 1, "sha256": _SHA}, {"path": "x.npy", "bytes": -1, "sha256": _SHA},
+    {"path": "x.npy", "bytes": 2 ** 63, "sha256": _SHA}, "x.npy", {"path": "x.npy", "bytes": 1},
+    {"path": "x.npy", "bytes": 1, "sha256": 5}])
+def test_a_file_listed_without_its_path_size_and_checksum_is_refused(dataset, entry, capsys):
+    """(Without its sha256: verify and push raised a bare KeyError.)"""
     m = json.loads((dataset / "manifest.json").read_text())
     m["files"].append(entry)
     (dataset / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(FormatError, match="as a file, not a path and its size in bytes"):
+    with pytest.raises(FormatError, match="as a file, not a path, its size in bytes and its sha256"):
         load_manifest(dataset)
+    assert main(["verify", str(dataset), "--quiet"]) == 1 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_manifest_of_another_shape_is_one_line(dataset, tmp_path, capsys):
+    """A format given as a list (TypeError: unhashable) or JSON nested 10^5 deep (RecursionError)."""
+    m = json.loads((dataset / "manifest.json").read_text())
+    (dataset / "manifest.json").write_text(json.dumps({**m, "format": [m["format"]]}))
+    with pytest.raises(FormatError, match="unknown format"):
+        load_manifest(dataset)
+    (dataset / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(FormatError, match="is not valid JSON .*nested too deeply"):
+        load_manifest(dataset)
+    assert main(["verify", str(dataset), "--quiet"]) == 1 and "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.pop("tokenizer"), "its tokenizer None is not"),
+    (lambda m: m["tokenizer"].update(eos_id="x"), "is not a spec, kind, definition_sha256, vocab_size and an end"),
+    (lambda m: m["tokenizer"].update(eos_id=300), "end-of-document id below it"),
+    (lambda m: m["splits"]["train"]["shards"][0].update(path="gone.npy"), "names 'gone.npy' as a shard, but its "
+                                                                            "files do not list it")])
+def test_a_token_manifest_with_a_damaged_tokenizer_or_an_unlisted_shard_is_refused(tmp_path, edit, needle, capsys):
+    """A missing tokenizer block or a non-numeric id raised KeyError/ValueError in train and inspect; a shard
+    the files do not list was opened unchecked (a bare FileNotFoundError when absent)."""
+    from fastdata.datasets.tokens import TokenDataset
+
+    (tmp_path / "a.txt").write_text("".join(f"document {i} " * 30 + "\n\n" for i in range(20)))
+    assert main(["preprocess", "text", str(tmp_path / "a.txt"), str(tmp_path / "tok"), "--tokenizer", "bytes",
+                 "--quiet"]) == 0
+    m = json.loads((tmp_path / "tok" / "manifest.json").read_text())
+    edit(m)
+    (tmp_path / "tok" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match=needle):
+        TokenDataset(tmp_path / "tok", "train", 16)
+    assert main(["inspect", str(tmp_path / "tok")]) in (0, 1) and "Traceback" not in capsys.readouterr().err
 
 
 def test_sizes_by_one_stat_a_file_agree_with_a_walk_of_each_path(tmp_path):

@@ -136,13 +136,16 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"field:     {name}: {desc}")
     print(f"on disk:   {info['bytes'] / 2**20:.1f} MiB in {info['files']} files")
     print(f"params:    {json.dumps(info['params'])}")
-    print(f"source:    {info['source'].get('kind', 'text')} {info['source']['path']}")
+    source = info.get("source") if isinstance(info.get("source"), dict) else {}
+    print(f"source:    {source.get('kind', 'text')} {source.get('path', '?')}")
     if "splits" in info:
         t = info["tokenizer"]
         print(f"tokenizer: {t['spec']} ({t['kind']}, vocab {t['vocab_size']}, end-of-document id {t['eos_id']})")
         for name, sp in info["splits"].items():
-            print(f"{name + ':':<10} {sp['tokens']:,} tokens, {sp['documents']:,} documents, {sp['shards']} shards")
-        print(f"bytes/token: {info['bytes_per_token']:.2f}")
+            docs = f", {sp['documents']:,} documents" if isinstance(sp.get("documents"), int) else ""
+            print(f"{name + ':':<10} {sp['tokens']:,} tokens{docs}, {sp['shards']} shards")
+        if isinstance(info.get("bytes_per_token"), (int, float)):
+            print(f"bytes/token: {info['bytes_per_token']:.2f}")
     if "classes" in info:
         print(f"classes:   {len(info['classes'])}")
         for name, count in info["classes"].items():

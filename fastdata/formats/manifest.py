@@ -97,9 +97,12 @@ def parse_manifest(text: str, columns: bool = False) -> Any:
     Raises:
         json.JSONDecodeError: ``text`` is not JSON.
     """
-    if not columns:
-        return json.loads(text)
-    manifest = loads_with_rows(text, _LONG_LISTS)
+    try:
+        if not columns:
+            return json.loads(text)
+        manifest = loads_with_rows(text, _LONG_LISTS)
+    except RecursionError:  # (nested deeper than the parser's stack: never a manifest fastdata wrote)
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
     splits = manifest.get("splits") if isinstance(manifest, dict) and manifest.get("format") != TOKENS else None
     if isinstance(splits, dict) and any(isinstance(s, dict) and isinstance(s.get("shards"), Rows)
                                         for s in splits.values()):
@@ -133,7 +136,7 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
     if not isinstance(manifest, dict) or "format" not in manifest or "format_version" not in manifest:
         raise FormatError(f"{where} lacks 'format'/'format_version': not a fastdata manifest")
     fmt, version = manifest["format"], manifest["format_version"]
-    if fmt not in FORMAT_VERSIONS:
+    if not isinstance(fmt, str) or fmt not in FORMAT_VERSIONS:
         raise FormatError(f"{where}: unknown format {fmt!r}; this fastdata reads {sorted(FORMAT_VERSIONS)}")
     if not isinstance(version, int) or version > FORMAT_VERSIONS[fmt] or version < 1:
         raise VersionError(
@@ -147,10 +150,10 @@ def check_manifest(manifest: Any, root: Path, formats: Optional[tuple[str, ...]]
     files = manifest.get("files")
     if not is_rows(files):
         raise FormatError(f"{where} has no 'files' list: the manifest is damaged")
-    if not has_columns(files, ints=("bytes",), texts=("path",)):
-        bad = next((e for e in files if not has_columns([e], ints=("bytes",), texts=("path",))), None)
-        raise FormatError(f"{where} lists {bad!r} as a file, not a path and its size in bytes: the manifest is "
-                          "damaged")
+    if not has_columns(files, ints=("bytes",), texts=("path", HASH_NAME)):
+        bad = next((e for e in files if not has_columns([e], ints=("bytes",), texts=("path", HASH_NAME))), None)
+        raise FormatError(f"{where} lists {bad!r} as a file, not a path, its size in bytes and its {HASH_NAME}: "
+                          "the manifest is damaged")
     for path in suspect_paths(files):
         plain_relative(root, path)  # refuse paths that escape the folder before any use (NOTE [manifest paths])
     if (fmt == IMAGES_NPY and version >= 2) or (fmt == IMAGES_LMDB and version >= 3):
@@ -190,6 +193,13 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     if fmt == TOKENS:
         if manifest.get("dtype") not in ("<u2", "<u4"):
             refuse(f"token dtype {manifest.get('dtype')!r} is not '<u2' or '<u4'")
+        tok = manifest.get("tokenizer")
+        named = isinstance(tok, dict) and all(isinstance(tok.get(k), str)
+                                              for k in ("spec", "kind", "definition_sha256"))
+        if not (named and _count(tok.get("vocab_size")) and _count(tok.get("eos_id"))
+                and tok["eos_id"] < tok["vocab_size"]):
+            refuse(f"its tokenizer {tok!r} is not a spec, kind, definition_sha256, vocab_size and an end-of-document "
+                   "id below it")
         splits = manifest.get("splits")
         if not isinstance(splits, dict) or not splits:
             refuse("it has no 'splits'")
@@ -397,9 +407,9 @@ def describe(root: Path | str) -> dict[str, Any]:
     if m["format"] == TOKENS:
         out["tokenizer"] = m["tokenizer"]
         out["dtype"] = m["dtype"]
-        out["splits"] = {k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["shards"])}
+        out["splits"] = {k: {"tokens": v["tokens"], "documents": v.get("documents"), "shards": len(v["shards"])}
                          for k, v in m["splits"].items()}
-        out["bytes_per_token"] = m["bytes_per_token"]
+        out["bytes_per_token"] = m.get("bytes_per_token")
         out["skipped"] = m.get("skipped_count", 0)
     if "fields" in m:
         out["fields"] = {f["name"]: f"{f['kind']} {f['dtype']} {tuple(f['shape'])}" for f in m["fields"]}

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import _limits
-from .._io import HASH_WORKERS, contained_sizes, contained_stat, map_threads, new_hash, safe_join
+from .._io import HASH_WORKERS, contained_sizes, contained_stat, map_threads, new_hash, plain_relative, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
 from ..formats.manifest import damaged_error, file_error, file_problem, require_intact
@@ -241,6 +241,12 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
         keep = np.fromiter(map(listed.__contains__, names), bool, len(names))
         keep = np.flatnonzero(keep if paths is not None else ~keep)
         names, expected = [names[i] for i in keep.tolist()], expected[keep]
+        if paths is not None and len(names) < len(listed):  # (a shard the files do not list: nothing to check by)
+            unlisted = sorted(listed - set(names))[0]
+            plain_relative(root, unlisted)  # (a path that escapes, or holds a NUL: said as such first)
+            raise FormatError(f"{root}: its manifest names {unlisted!r} as a shard, but its "
+                              "files do not list it: the manifest is damaged; re-run `fastdata preprocess` (or "
+                              "restore the dataset's own manifest.json)")
     # most may be absent (a streamed dataset's cache folder): a listing first, a stat for what it holds
     here = _listed(root) if present_only and len(names) > 1000 else None
     if here is not None:
