@@ -616,3 +616,142 @@ def test_a_degenerate_zst_is_read_in_small_steps(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert [d[3] for d in docs] == ["empty file"] and peak < 64 << 20, peak
+
+
+def byte_bpe(path: Path, special: list[str], plain: list[str] = ()) -> Path:
+    """A GPT-2-like tokenizer.json made here: byte-level BPE without merges (one token a byte), with ``special``
+    tokens and ``plain`` (not special) added tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                          []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(special)
+    tok.add_tokens(list(plain))
+    tok.save(str(path))
+    return path
+
+
+def test_a_document_quoting_the_end_of_document_token_keeps_it_as_text(tmp_path):
+    docs = ["a doc that quotes <|endoftext|> in its text", "and <|pad|> too", "second"]
+    spec = str(byte_bpe(tmp_path / "tokenizer.json", ["<|endoftext|>", "<|pad|>"]))
+    out = tmp_path / "out"
+    preprocess(write_jsonl(tmp_path / "d.jsonl", docs), out, "--tokenizer", spec, "--val-fraction", "0")
+    ours = load_tokenizer(spec)
+    got = docs_of(stream(out, "train"), ours.eos_id)  # before: 4 end-of-document ids for 3 documents
+    assert [ours.decode(d[:-1]) for d in got] == docs
+    assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["documents"] == len(got) == 3
+
+
+def test_an_end_of_document_token_added_as_plain_text_is_never_made_from_text(tmp_path):
+    ours = load_tokenizer(str(byte_bpe(tmp_path / "tokenizer.json", [], plain=["</s>"])))
+    ids = ours.encode_batch(["quoting </s> here"])[0]
+    assert ours.eos_id not in ids and ours.decode(ids) == "quoting </s> here"
+
+
+def test_a_tokenizer_whose_model_spells_the_end_of_document_token_is_refused(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "</s>": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "</s>" is one word of the model's vocabulary
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert ours.encode_batch(["a a"])[0].tolist() == [1, 1]
+    with pytest.raises(ConfigError, match="end-of-document token '</s>' \\(id 2\\)"):
+        ours.encode_batch(["a </s> a"])
+
+
+def test_tokenizers_without_encode_special_tokens_are_refused_by_name(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    from fastdata.errors import MissingDependencyError
+
+    spec = str(byte_bpe(tmp_path / "tokenizer.json", ["<|endoftext|>"]))
+    real = tokenizers.Tokenizer
+
+    class Old:  # tokenizers 0.15.0: no encode_special_tokens
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            if name == "encode_special_tokens":
+                raise AttributeError(name)
+            return getattr(self._tok, name)
+
+        @staticmethod
+        def from_str(s):
+            return Old(real.from_str(s))
+    monkeypatch.setattr(tokenizers, "Tokenizer", Old)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'tokenizers>=0.15.1'"):
+        load_tokenizer(spec)
+
+
+def test_a_vocabulary_with_a_gap_sizes_the_dtype_by_its_highest_id(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 100)}, "</s>": 70000}  # 101 entries
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(str(tmp_path / "tokenizer.json")).vocab_size == 70001  # before: 101, so uint16
+    out = tmp_path / "out"
+    preprocess(write_jsonl(tmp_path / "d.jsonl", ["w1 w2 w3", "w99"]), out, "--tokenizer",
+               str(tmp_path / "tokenizer.json"), "--val-fraction", "0")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dtype"] == "<u4" and m["tokenizer"]["vocab_size"] == 70001
+    assert stream(out, "train").tolist() == [1, 2, 3, 70000, 99, 70000]
+
+
+def test_a_byte_order_mark_opening_a_file_is_no_text(tmp_path):
+    body = "".join(json.dumps({"text": d}) + "\r\n" for d in ["first", "second"]).encode()
+    for name, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_bytes(bom + body)
+        (tmp_path / name / "b.jsonl.gz").write_bytes(gzip.compress(bom + body, mtime=0))
+        (tmp_path / name / "c.txt").write_bytes(bom + b"plain text")
+        (tmp_path / name / "d.txt").write_bytes(bom + b"\n")  # a mark and a blank line: an empty document
+        preprocess(tmp_path / name, tmp_path / f"{name}-out", "--val-fraction", "0")
+    ms = [json.loads((tmp_path / f"{n}-out" / "manifest.json").read_text()) for n in ("plain", "bom")]
+    assert [m["skipped_count"] for m in ms] == [1, 1]  # d.txt alone (before: a.jsonl:1 and b.jsonl.gz:1 too)
+    # the same tokens (before: EF BB BF in c.txt's); keys after the mark are 3 bytes later, so val may differ
+    assert np.array_equal(stream(tmp_path / "plain-out", "train"), stream(tmp_path / "bom-out", "train"))
+
+
+def test_a_train_split_left_empty_by_val_fraction_says_so(tmp_path, capsys):
+    (tmp_path / "one.txt").write_text("hello world")
+    argv = ["preprocess", "text", str(tmp_path / "one.txt"), str(tmp_path / "out"), "--quiet", "--workers", "1"]
+    assert main([*argv, "--val-fraction", "0.5", "--seed", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "train split" in err and "went to the validation split" in err and "lower --val-fraction" in err
+    assert "no usable documents" not in err  # before: "... (first problem: ?: no text)"
+    assert main([*argv, "--val-fraction", "0", "--overwrite"]) == 0  # what it says to do works
+
+
+@pytest.mark.parametrize("stride", [-1, 0, 2.5, True, "8"])
+def test_a_bad_stride_is_refused_by_name(token_folder, stride):
+    # before: -1 a bare ValueError from len(), 2.5 a TypeError at the first batch, 0 silently seq_len
+    with pytest.raises(ConfigError, match=f"stride must be .*got stride={stride!r}"):
+        TokenDataset(token_folder, seq_len=32, stride=stride)
+
+
+def test_a_numpy_integer_stride_is_a_stride(token_folder):
+    ds = TokenDataset(token_folder, seq_len=32, stride=np.int64(8))
+    assert ds.stride == 8 and type(ds.stride) is int and len(ds) == TokenDataset(token_folder, seq_len=32,
+                                                                                  stride=8).__len__()
+
+
+@pytest.mark.parametrize("which", ["src", "out"])
+def test_an_empty_src_or_out_is_refused_not_the_current_folder(tmp_path, monkeypatch, capsys, which):
+    from fastdata.preprocess.text import TextPreprocessConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("private notes")  # what an unset $SRC read before
+    args = {"src": str(tmp_path / "notes.txt"), "out": str(tmp_path / "out"), which: ""}
+    with pytest.raises(ConfigError, match=f"{which} must be a non-empty path"):
+        TextPreprocessConfig(**args)
+    assert main(["preprocess", "text", args["src"], args["out"], "--quiet", "--workers", "1"]) != 0
+    assert f"{which} must be a non-empty path" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -53,6 +53,17 @@ def test_parts_of_a_jsonl_file_hold_every_line_once(tmp_path):
     assert [k for k, *_ in whole] == [int(keys[i]) for i in range(200) if i not in (10, 11)]
 
 
+def test_a_byte_order_mark_is_dropped_once_whatever_the_parts(tmp_path):
+    lines = [json.dumps({"text": d}, ensure_ascii=False).encode() + b"\n" for d in ["a", "bb", "ccc"] * 5]
+    data = b"\xef\xbb\xbf" + b"".join(lines)
+    (tmp_path / "d.jsonl").write_bytes(data)
+    for parts in (1, 2, 3, 7, 50, len(data)):  # parts that start inside the mark, and many that hold nothing
+        whole, joined = whole_and_parts(tmp_path / "d.jsonl", parts)
+        assert joined == whole, parts
+    assert whole[0] == (0, 1, "a", "")  # before: (0, 1, None, "invalid JSON (Unexpected UTF-8 BOM ...)")
+    assert [text for _, _, text, _ in whole] == ["a", "bb", "ccc"] * 5
+
+
 def test_a_part_boundary_on_a_newline_and_one_inside_a_line(tmp_path):
     first = json.dumps({"text": "a" * 40}).encode() + b"\n"
     second = json.dumps({"text": "b" * 40}).encode() + b"\n"
@@ -147,8 +158,9 @@ def test_a_cut_file_names_bad_lines_as_a_whole_read_does(tmp_path, capsys):
     # doing what it says takes the failed run over (it was refused as a run with other arguments)
     assert main(["preprocess", "text", str(tmp_path / "one.jsonl"), str(tmp_path / "fail"), *args]) == 0
     assert main(["preprocess", "text", str(tmp_path / "one.jsonl"), str(tmp_path / "skip"), *args]) == 0
-    assert all((tmp_path / "fail" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "skip").iterdir())
-    assert sorted(p.name for p in (tmp_path / "fail").iterdir()) == sorted(p.name for p in (tmp_path / "skip").iterdir())
+    made = sorted(p.name for p in (tmp_path / "skip").iterdir())
+    assert sorted(p.name for p in (tmp_path / "fail").iterdir()) == made
+    assert all((tmp_path / "fail" / name).read_bytes() == (tmp_path / "skip" / name).read_bytes() for name in made)
 
 
 def test_a_piece_task_sends_back_a_few_hundred_bytes(tmp_path):

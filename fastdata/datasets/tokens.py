@@ -107,8 +107,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             opening or mid-epoch, is ridden out). Retried with exponential backoff and jitter.
 
     Raises:
-        ConfigError: ``split``, ``storage``, ``seq_len`` or a URL option is bad, or the split has fewer than
-            ``seq_len + 1`` tokens.
+        ConfigError: ``split``, ``storage``, ``seq_len``, ``stride`` or a URL option is bad, or the split has
+            fewer than ``seq_len + 1`` tokens.
         FormatError: The folder is not a token dataset, a file's size is not the manifest's, ``tokenizer`` is
             not the one the dataset was made with, or the store stayed unreachable for ``retry_seconds``.
         VersionError: The manifest was written by a format version this fastdata cannot read.
@@ -141,8 +141,12 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             raise ConfigError(f"storage must be 'mmap', 'ram' or 'shm' for tokens, got storage={storage!r}")
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ConfigError(f"seq_len must be a positive integer, got seq_len={seq_len!r}")
+        # (0 once meant seq_len silently, -1 failed in len() and 2.5 at the first batch; True is no stride)
+        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, (int, np.integer))
+                                   or stride < 1):
+            raise ConfigError(f"stride must be None (seq_len) or a positive integer, got stride={stride!r}")
         self.split, self.seq_len, self.storage = split, seq_len, storage
-        self.stride = stride or seq_len
+        self.stride = seq_len if stride is None else int(stride)
         self.random_windows, self.seed = random_windows, seed
         self._shm_dir = shm_dir
         info = self.manifest["tokenizer"]

@@ -72,17 +72,24 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # noqa: BLE001 - the tokenizers package raises a bare Exception
             raise ConfigError(f"{path} is not a valid Hugging Face tokenizer.json: {exc}") from exc
         self.spec, self.definition_hash = str(path), hashlib.sha256(data).hexdigest()
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eos = next((vocab[t] for t in EOS_CANDIDATES if t in vocab), None)
+        # ids may have gaps ('</s>' = 70000 among 101 entries): the dtype must hold the highest, not the count
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        eos = next((t for t in EOS_CANDIDATES if t in vocab), None)
         if eos is None:
             raise ConfigError(f"{path} has none of the end-of-document tokens {EOS_CANDIDATES}: add one to the "
                               "tokenizer (e.g. as a special token) so documents can be separated")
-        self.eos_id = eos
+        self.eos_id, self._eos = vocab[eos], eos
+        _text_stays_text(self._tok, eos)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+        if any((i == self.eos_id).any() for i in ids):  # the model itself spelled it (a WordLevel word, say)
+            raise ConfigError(f"tokenizer {self.spec} turns a document's text into its end-of-document token "
+                              f"{self._eos!r} (id {self.eos_id}), which would cut the document in two: use a "
+                              "tokenizer whose model cannot make that token from text")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -92,6 +99,29 @@ class HFTokenizer(Tokenizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(Path(state["path"]))  # type: ignore[misc]
+
+
+def _text_stays_text(tok: Any, eos: str) -> None:
+    """Make ``tok`` encode the text of special tokens as text, as tiktoken's ``encode_ordinary`` does.
+
+    A document quoting ``<|endoftext|>`` must not yield the end-of-document id in its middle: the stream would
+    no longer match the manifest's document offsets. The end-of-document token is made special if it is not.
+
+    Raises:
+        MissingDependencyError: ``tokenizers`` is older than 0.15.1 (no ``encode_special_tokens``).
+    """
+    if not hasattr(tok, "encode_special_tokens"):
+        import tokenizers
+
+        raise MissingDependencyError(
+            f"tokenizers {getattr(tokenizers, '__version__', '?')} cannot keep special tokens quoted in a document "
+            "as text (no encode_special_tokens): pip install 'tokenizers>=0.15.1'")
+    tok.encode_special_tokens = True
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
+    if eos not in added or not added[eos].special:  # (a plain added token is still matched in text)
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(eos, special=True)])  # (it keeps its id)
 
 
 class TiktokenTokenizer(Tokenizer):

@@ -5,7 +5,8 @@ A ``.txt`` file is one document. A JSON Lines file (``.jsonl``, and ``.json.gz``
 Dolma's naming) is one a line, in ``--field``; a ``.parquet`` file one a row, in the column ``--field``.
 Text and JSON Lines may be gzipped or zstd-compressed; every file is streamed, locally or through ranged
 reads at a URL (NOTE [url source] in fastdata/preprocess/url_reads.py), never held whole. An unusable document
-or file is yielded with the reason, for the run's ``--on-error`` policy.
+or file is yielded with the reason, for the run's ``--on-error`` policy. A UTF-8 byte order mark opening a file
+is dropped.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ _ZSTD_FIRST = 512
 _ZSTD_STEP = 4 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
+# a UTF-8 byte order mark (Windows editors, some exports) opens a file, never a document: dropped at byte 0 only,
+# so a file's parts (NOTE [text pieces] 3) drop it once, from the part that reads the file's first line
+_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,8 @@ class PartDocuments:
                 break
             self.lines += 1
             key, pos = pos, pos + len(raw)
+            if not key and raw.startswith(_BOM):  # (its key stays 0: train or val as without the mark)
+                raw = raw[len(_BOM):]
             if raw.strip():
                 yield (key, self.lines, *_json_document(raw, self.field))
 
@@ -332,6 +338,8 @@ def _json_document(raw: bytes, field: str) -> tuple[Optional[str], str]:
 
 
 def _decode_text(data: bytes) -> tuple[Optional[str], str]:
+    if data.startswith(_BOM):  # (a .txt file is read whole: its data starts at byte 0)
+        data = data[len(_BOM):]
     if not data.strip():
         return None, "empty document"
     try:

@@ -97,6 +97,9 @@ class TextPreprocessConfig:
     ray_address: Optional[str] = None  # HOST:PORT; None: the cluster on this machine, or a new local one
 
     def __post_init__(self) -> None:
+        # Path("") is ".": an unset $SRC would read the current folder, an unset $OUT write into it
+        require(str(self.src) != "", "src", self.src, "a non-empty path or URL (an empty one is the current folder)")
+        require(str(self.out) != "", "out", self.out, "a non-empty path or URL (an empty one is the current folder)")
         object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # Path folds s3:// to s3:/
         object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))
         require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction, "in [0, 1)")
@@ -279,9 +282,7 @@ def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile],
         splits[split] = {"tokens": sum(sh["tokens"] for sh in shards),
                          "documents": sum(sh["documents"] for sh in shards), "shards": shards}
     if splits["train"]["tokens"] == 0:
-        first = jr.skipped[0] if jr.skipped else {"file": "?", "reason": "no text"}
-        raise SourceError(f"no usable documents in {_where(config.src)} (first problem: {first['file']}: "
-                          f"{first['reason']})")
+        raise _no_train(config, splits["val"]["documents"], jr.skipped)
     tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     total_bytes = sum(f.size for f in files)
     manifest = new_manifest(
@@ -297,6 +298,18 @@ def _finish(config: TextPreprocessConfig, tok: Tokenizer, files: list[TextFile],
     journal.remove_partial(out)
     fsync_dir(out)
     return manifest
+
+
+def _no_train(config: TextPreprocessConfig, val_documents: int, skipped: list[dict[str, Any]]) -> SourceError:
+    """The error of a run whose train split is empty: its usable documents all went to val, or there were none."""
+    if val_documents:  # (a tiny source: one document drawn into val at --val-fraction 0.5)
+        return SourceError(f"the train split of {_where(config.src)} is empty: all {val_documents} usable "
+                           f"document(s) went to the validation split (val_fraction={config.val_fraction}): "
+                           "rerun with a lower --val-fraction (0 keeps every document in train) and --overwrite, "
+                           "or with more documents")
+    first = skipped[0] if skipped else {"file": "?", "reason": "no text"}
+    return SourceError(f"no usable documents in {_where(config.src)} (first problem: {first['file']}: "
+                       f"{first['reason']})")
 
 
 def summary(manifest: dict[str, Any], limit: int = 5) -> str:
