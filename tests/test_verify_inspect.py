@@ -66,6 +66,43 @@ def test_verify_a_node_cache_counts_absent_files_but_catches_damaged_ones(datase
     assert f"{f.name}: missing" in capsys.readouterr().err
 
 
+def test_a_file_evicted_between_its_stat_and_its_hash_is_absent_not_a_traceback(dataset, capsys, monkeypatch):
+    """A node cache evicts while verify runs: the file was there at the stat, gone at the open
+    (a bare FileNotFoundError)."""
+    import fastdata.formats.manifest as manifest_module
+
+    (dataset / ".source.json").write_text(json.dumps({"url": "s3://bucket/ds", "id": "x", "created": 0}))
+    victim, real = _data_file(dataset), manifest_module.hash_file
+
+    def evicted_first(path, *args, **kwargs):
+        if path.name == victim.name:
+            path.unlink()  # (the cache of a job reading it, right after verify's stat)
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(manifest_module, "hash_file", evicted_first)
+    assert main(["verify", str(dataset), "--quiet", "--workers", "1"]) == 0  # (absent: fetched when read)
+    assert not victim.exists() and capsys.readouterr().err == ""
+
+
+def test_a_dataset_replaced_while_it_is_verified_is_said_so_not_damaged(dataset, photo_folder, capsys, monkeypatch):
+    """An overwrite swapped the folder under a verify: every file of two intact datasets was reported
+    "truncated or replaced"."""
+    import fastdata.formats.manifest as manifest_module
+
+    real, fmt = manifest_module.check_file, "lmdb" if (dataset / "images-00000.lmdb").exists() else "npy"
+    swapped = []
+
+    def overwritten_first(root, entry, **kwargs):
+        if not swapped:  # (another terminal remakes it with other parameters meanwhile)
+            swapped.append(main(["preprocess", "images", str(photo_folder), str(dataset), "--size", "24",
+                                 "--shard-size", "16", "--format", fmt, "--workers", "1", "--quiet", "--overwrite"]))
+        return real(root, entry, **kwargs)
+    monkeypatch.setattr(manifest_module, "check_file", overwritten_first)
+    assert main(["verify", str(dataset), "--quiet", "--workers", "1"]) == 1 and swapped == [0]
+    assert "was replaced while it was verified" in capsys.readouterr().err
+    monkeypatch.setattr(manifest_module, "check_file", real)
+    assert main(["verify", str(dataset), "--quiet"]) == 0
+
+
 def test_files_hashed_at_once_give_the_same_problems_in_the_manifests_order(dataset, capsys):
     from fastdata.formats.manifest import verify
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import stat
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -302,7 +303,12 @@ def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
     """`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
     st = contained_stat(root, entry["path"])
     size = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
-    digest = hash_file(Path(root) / entry["path"], progress) if hashed and size == entry["bytes"] else None
+    digest = None
+    if hashed and size == entry["bytes"]:
+        try:
+            digest = hash_file(Path(root) / entry["path"], progress)
+        except FileNotFoundError:  # gone since its stat (a node cache evicted it): missing
+            size = None
     if progress is not None and size is not None and digest is None and hashed:
         progress(int(entry["bytes"]))  # a file refused on its size still counts as done for the bar
     return file_problem(entry, size, digest)
@@ -365,6 +371,7 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got workers={workers!r}")
     root = Path(root)
+    before = _identity(root)
     manifest = load_manifest(root)
 
     def problem_of(entry: dict[str, Any]) -> Optional[str]:
@@ -372,12 +379,28 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
         if problem == "missing":
             return None if partial else f"{entry['path']}: missing"
         if problem == "size":
-            size = safe_join(root, entry["path"]).stat().st_size
+            try:
+                size = safe_join(root, entry["path"]).stat().st_size
+            except FileNotFoundError:  # (evicted since: missing)
+                return None if partial else f"{entry['path']}: missing"
             return f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} (truncated or replaced)"
         if problem == "hash":
             return f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)"
         return None
-    return [p for p in map_threads(problem_of, manifest["files"], workers, "fastdata-verify") if p is not None]
+    problems = [p for p in map_threads(problem_of, manifest["files"], workers, "fastdata-verify") if p is not None]
+    if problems and _identity(root) != before:  # its files are another dataset's now: none of them is damage
+        raise FormatError(f"{root} was replaced while it was verified (a `fastdata preprocess --overwrite` or a new "
+                          "copy): run `fastdata verify` again")
+    return problems
+
+
+def _identity(root: Path) -> Optional[tuple[int, ...]]:
+    """The folder and its manifest as they are now (an overwrite swaps the folder, a rewrite the manifest)."""
+    try:
+        folder, m = os.stat(root), os.stat(root / MANIFEST_NAME)
+    except OSError:
+        return None
+    return folder.st_dev, folder.st_ino, m.st_ino, m.st_size, m.st_mtime_ns
 
 
 def total_bytes(manifest: dict[str, Any]) -> int:
