@@ -735,6 +735,8 @@ def test_a_bad_stride_is_refused_by_name(token_folder, stride):
     # before: -1 a bare ValueError from len(), 2.5 a TypeError at the first batch, 0 silently seq_len
     with pytest.raises(ConfigError, match=f"stride must be .*got stride={stride!r}"):
         TokenDataset(token_folder, seq_len=32, stride=stride)
+    with pytest.raises(ConfigError, match="seq_len must be a positive integer, got seq_len=True"):
+        TokenDataset(token_folder, seq_len=True)  # (a bool is no length: it read as 1)
 
 
 def test_a_numpy_integer_stride_is_a_stride(token_folder):

@@ -139,7 +139,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             raise ConfigError(f"split must be one of {sorted(self.manifest['splits'])}, got split={split!r}")
         if storage not in ("mmap", "ram", "shm"):
             raise ConfigError(f"storage must be 'mmap', 'ram' or 'shm' for tokens, got storage={storage!r}")
-        if not isinstance(seq_len, int) or seq_len < 1:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ConfigError(f"seq_len must be a positive integer, got seq_len={seq_len!r}")
         # (0 once meant seq_len silently, -1 failed in len() and 2.5 at the first batch; True is no stride)
         if stride is not None and (isinstance(stride, bool) or not isinstance(stride, (int, np.integer))
