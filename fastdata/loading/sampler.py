@@ -208,6 +208,12 @@ class DistributedBatchSampler:
             yield batch.tolist()
         self.end_epoch()
 
+    @property
+    def pass_start(self) -> Optional[tuple[int, int, int]]:
+        """``(epoch, start, served)`` where the last pass over the sampler (``iter``, a DataLoader's) began, or
+        None: a consumer that counts the batches it received maps its count to a position from there."""
+        return self._pass
+
     def epoch_batches(self) -> int:
         """Batches this rank serves in a whole epoch (the same on every rank unless ``pad=False``)."""
         n, w, b = self.num_samples, self.world_size, self.batch_size
@@ -377,6 +383,8 @@ class SamplerBacked(LiveIteration):
                 ``fastdata preprocess --overwrite`` or ``push``), on other samples of it (another split,
                 other token windows), or belongs to another order.
         """
+        if not isinstance(state, dict):
+            raise ConfigError(f"a loader state is a dict (what state_dict() returns), got {type(state).__name__}")
         saved, version = state.get("dataset_sha256"), getattr(self.dataset, "manifest_sha256", None)
         if saved is not None and version is not None and saved != version:
             where = getattr(getattr(self.dataset, "base", self.dataset), "root", "the dataset")
