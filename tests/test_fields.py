@@ -175,6 +175,13 @@ def test_a_csv_gives_boxes_and_types_each_column_as_a_whole(tmp_path):
     assert b["label"].tolist() == [0, 1, 2, 0] and b["labels"].tolist() == [0, 0, 1, 0, 1, 2]
     assert b["box_labels"].tolist() == [2, 1] * 4
     assert bytes(b["caption"][b["caption_offsets"][1]:b["caption_offsets"][2]].tolist()) == b"1984"
+    with open(tmp_path / "tags.csv", "w", newline="") as f:  # a numeric tag among words: names, as in JSONL
+        w = csv.writer(f)
+        w.writerow(["image", "labels"])
+        for i, r in enumerate(records):
+            w.writerow([r["image"], ["cat 3", "dog"][i % 2]])
+    m = preprocess(tmp_path / "tags.csv", tmp_path / "tags", size=64)
+    assert m["classes"] == ["3", "cat", "dog"] and not m["skipped"]
 
 
 def coco_json(records, path: Path, extra_ann=()):

@@ -129,8 +129,9 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
             raise SourceError(f"{location}: {key!r} of record {i + 1} ({paths[i]}) is {shown(v)}, too large for a "
                               "float field (at most 1.8e308): fix or drop that record") from None
     if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
-        col = [None if v is None else [int(t) if is_id(t) else t for t in split_labels(v)]  # CSV: "cat dog", "0 3"
-               for v in col]
+        col = [None if v is None else split_labels(v) for v in col]  # CSV: "cat dog", "0 3"
+        if all(is_id(t) for v in col if v is not None for t in v):  # ids only when every tag is one (as `label`)
+            col = [None if v is None else [int(t) for t in v] for v in col]
     if kind in ("labels", "boxes", "box_labels"):
         return [[] if v is None else v for v in col]
     if kind == "label" and any(v is None for v in col):
