@@ -238,19 +238,26 @@ def test_masks_keep_the_image_geometry_through_preprocessing(tmp_path, mode):
 def test_masks_and_boxes_stay_on_a_jpeg_decoded_at_a_reduced_scale(tmp_path, mode, w, h, size, edge):
     """A JPEG decoded at 1/2-1/8 (DCT scaling) has ceil(w / d) pixels covering d times that many source
     pixels; its masks and boxes were mapped from the full size: half a pixel off (center-crop, cut at the
-    decoded integer offset), 0.86 px (squash), a letterbox row labelled (pad). Now as a PNG's are."""
+    decoded integer offset), 0.86 px (squash), a letterbox row labelled (pad). Now as a PNG's are, also
+    for JPEGs stored turned (EXIF 3 and 6: the padded pixel comes first along a reversed axis)."""
     img = np.zeros((h, w, 3), np.uint8)  # white left of a vertical edge (pad: all white)
     img[:, :edge] = 255
     mask = np.zeros((h, w), np.uint8)
     mask[:, :edge] = 1
     Image.fromarray(img).save(tmp_path / "a.jpg", quality=100, subsampling=0)
+    for orientation, stored in ((3, img[::-1, ::-1]), (6, np.rot90(img))):  # (shown upright by the viewer)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(np.ascontiguousarray(stored)).save(tmp_path / f"o{orientation}.jpg", quality=100,
+                                                           subsampling=0, exif=exif)
     Image.fromarray(img).save(tmp_path / "a.png")
     Image.fromarray(mask).save(tmp_path / "m.png")
-    recs = [{"image": n, "mask": "m.png", "boxes": [[0, 0, edge, h]], "box_labels": [0]} for n in ("a.jpg", "a.png")]
+    names = ("a.jpg", "o3.jpg", "o6.jpg", "a.png")
+    recs = [{"image": n, "mask": "m.png", "boxes": [[0, 0, edge, h]], "box_labels": [0]} for n in names]
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=size, resize=mode)
-    b = FastDataset(tmp_path / "out").get_batch([0, 1])
-    for i in (0, 1):  # (the JPEG, then the PNG)
+    b = FastDataset(tmp_path / "out").get_batch(list(range(len(names))))
+    for i in range(len(names)):
         picture = b["image"][i].numpy()[..., 0].astype(float) / 255
         if mode == "pad":  # the picture's rows are the mask's and the box's
             rows = np.flatnonzero(picture[:, size // 2] > 0.5)

@@ -64,15 +64,18 @@ def open_rgb(path: Path | str | BinaryIO, size: int, mode: str) -> Image.Image:
     return open_rgb_sized(path, size, mode)[0]
 
 
-def open_rgb_sized(path: Path | str | BinaryIO, size: int, mode: str) -> tuple[Image.Image, tuple[int, int]]:
-    """`open_rgb`, and the upright image's full ``(width, height)`` (the decoded image may be smaller:
-    masks and boxes, given at full size, are mapped by fractions of it; see preprocess/fields.py).
+def open_rgb_sized(path: Path | str | BinaryIO, size: int,
+                   mode: str) -> tuple[Image.Image, tuple[int, int], tuple[bool, bool]]:
+    """`open_rgb`, the upright image's full ``(width, height)`` (the decoded image may be smaller: masks and
+    boxes, given at full size, are mapped by fractions of it; see preprocess/fields.py), and whether its x
+    and y axes run against the stored image's (an EXIF turn or mirror: a reduced-scale decode's padded
+    last pixel is then first).
 
     Plain RGB JPEGs (no EXIF rotation) are decoded by libjpeg-turbo through simplejpeg at the scale Pillow's
     ``draft`` would pick: the same library and settings, so the same pixels, in less time.
     Everything else goes through Pillow."""
-    pixels, full = _decode(path, size, mode)
-    return _image(pixels), full
+    pixels, full, orientation = _decode(path, size, mode)
+    return _image(pixels), full, (orientation in (2, 3, 6, 7), orientation in (3, 4, 7, 8))
 
 
 def _image(pixels: Union[Image.Image, np.ndarray]) -> Image.Image:
@@ -80,8 +83,9 @@ def _image(pixels: Union[Image.Image, np.ndarray]) -> Image.Image:
 
 
 def _decode(path: Path | str | BinaryIO, size: int,
-            mode: str) -> tuple[Union[Image.Image, np.ndarray], tuple[int, int]]:
-    """`open_rgb_sized`, where libjpeg-turbo's pixels stay the uint8 HWC array it wrote (one copy fewer)."""
+            mode: str) -> tuple[Union[Image.Image, np.ndarray], tuple[int, int], int]:
+    """`open_rgb_sized`, where libjpeg-turbo's pixels stay the uint8 HWC array it wrote (one copy fewer);
+    the EXIF orientation last."""
     try:
         data = path.read() if hasattr(path, "read") else read_image_file(path)  # type: ignore[union-attr,arg-type]
         try:
@@ -89,18 +93,19 @@ def _decode(path: Path | str | BinaryIO, size: int,
         except UnidentifiedImageError:  # name the file, not the in-memory buffer (messages stay reproducible)
             raise ImageDecodeError(f"UnidentifiedImageError: cannot identify image file {str(path)!r}") from None
         w, h = img.size
-        full = (h, w) if _exif_orientation(img) in (5, 6, 7, 8) else (w, h)  # those orientations turn 90 degrees
+        orientation = _exif_orientation(img)
+        full = (h, w) if orientation in (5, 6, 7, 8) else (w, h)  # those orientations turn 90 degrees
         s = _scale(w, h, size, mode)
         need = (max(1, math.ceil(w * s)), max(1, math.ceil(h * s)))
         if img.format == "JPEG":
             fast = _turbo_rgb(data, img, need if s < 1 else None)
             if fast is not None:
-                return fast, full
+                return fast, full, orientation
             if s < 1:
                 img.draft(img.mode, need)
         img.load()
         img = _upright(img)
-        return to_rgb(img), full
+        return to_rgb(img), full, orientation
     except ImageDecodeError:
         raise
     except (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError, EOFError) as exc:
@@ -298,7 +303,7 @@ def load_jpeg(path: Path | str | BinaryIO, size: int, quality: int, resample: in
     if fit == "max-side":
         # the output size comes from the upright image's full size, so a JPEG decoded at a reduced DCT
         # scale gets the same geometry
-        img, (w, h) = _decode(path, size, fit)
+        img, (w, h), _ = _decode(path, size, fit)
         if max(w, h) > size:
             s = size / max(w, h)
             img = resample_image(img, (max(1, round(w * s)), max(1, round(h * s))), resample)

@@ -5,9 +5,10 @@ NOTE [record geometry]: ``resize`` maps the upright image of ``W x H`` pixels to
 affine map, out = (x - left) * scale + pad, per axis (``center-crop``: the centre square, scaled;
 ``squash``: each axis scaled; ``pad``: scaled to fit, then centred on a black canvas). Masks and boxes are
 given at the full size, while a large JPEG may be decoded at 1/2-1/8 scale first (DCT scaling): ``ceil(W /
-d)`` pixels, the last one padded, so they cover ``d x`` that many source pixels, not ``W``. The map is the
-one ``resize`` applies to the decoded pixels (its integer cut, its rounding), expressed in full-size pixels
-through ``d``, so the three stay aligned as a PNG of the same picture is. A mask is resampled by nearest
+d)`` pixels, the last one padded, so they cover ``d x`` that many source pixels, not ``W`` (the first one
+padded, along an axis an EXIF turn or mirror reversed). The map is the one ``resize`` applies to the decoded
+pixels (its integer cut, its rounding), expressed in full-size pixels through ``d``, so the three stay
+aligned as a PNG of the same picture is. A mask is resampled by nearest
 neighbour (a label is never interpolated; padding is 0); boxes are mapped, clipped to the picture and
 dropped (with their class ids) when nothing of them is left.
 """
@@ -42,14 +43,18 @@ class Geometry:
     extent: tuple[int, int]
 
 
-def geometry(w: int, h: int, size: int, mode: str, decoded: Optional[tuple[int, int]] = None) -> Geometry:
+def geometry(w: int, h: int, size: int, mode: str, decoded: Optional[tuple[int, int]] = None,
+             mirrored: tuple[bool, bool] = (False, False)) -> Geometry:
     """The map, in full-size pixels, that `fastdata.imaging.decode_file.resize` applies to a ``w x h`` image
-    decoded at ``decoded`` (its width and height: DCT scaling, NOTE [record geometry]; default: full size)."""
+    decoded at ``decoded`` (its width and height: DCT scaling, NOTE [record geometry]; default: full size),
+    whose x and y axes run against the stored image's where ``mirrored`` (an EXIF turn: the decoded padded
+    last pixel comes first)."""
     if decoded is not None and tuple(decoded) != (w, h):
         d = _denominator(w, h, *decoded)
         g = geometry(decoded[0], decoded[1], size, mode)  # what resize does to the decoded pixels
-        return Geometry((g.left[0] * d[0], g.left[1] * d[1]), (g.scale[0] / d[0], g.scale[1] / d[1]), g.pad,
-                        g.extent)
+        over = [d[0] * decoded[0] - w if mirrored[0] else 0, d[1] * decoded[1] - h if mirrored[1] else 0]
+        return Geometry((g.left[0] * d[0] - over[0], g.left[1] * d[1] - over[1]),
+                        (g.scale[0] / d[0], g.scale[1] / d[1]), g.pad, g.extent)
     if mode == "center-crop":
         m = min(w, h)
         if m == size:  # resize() cuts without resampling, at integer offsets
@@ -109,9 +114,9 @@ class RecordDecoder:
 
     def decode(self, src: Any, values: dict[str, Any], label: Optional[int], out: np.ndarray) -> dict[str, Any]:
         """Write the image into ``out``; return the fields. Raises ImageDecodeError naming what is wrong."""
-        img, (w, h) = decode.open_rgb_sized(src, self.size, self.mode)
+        img, (w, h), mirrored = decode.open_rgb_sized(src, self.size, self.mode)
         out[...] = np.asarray(decode.resize(img, self.size, self.mode, self.resample))
-        g = geometry(w, h, self.size, self.mode, img.size)
+        g = geometry(w, h, self.size, self.mode, img.size, mirrored)
         if label is not None:
             self._ids([label], "label")
         fields: dict[str, Any] = {}
