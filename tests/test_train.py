@@ -455,6 +455,7 @@ def test_loaders_made_for_another_number_of_ranks_are_refused_and_torchrun_witho
 
     ds = FastDataset(small_images)
     cfg = TrainConfig(epochs=1, device="cpu", progress=False)
+    Trainer(Linear(), FastLoader(ds, 8), FastLoader(ds, 8, rank=0, world_size=1, pad=False), config=cfg)
     for train, val in ((FastLoader(ds, 8, rank=1, world_size=2), None),
                        (FastLoader(ds, 8), FastLoader(ds, 8, rank=0, world_size=2, pad=False)),
                        (torch.utils.data.DataLoader(ds, batch_sampler=DistributedBatchSampler(48, 8, rank=0,

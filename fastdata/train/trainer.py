@@ -120,7 +120,8 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
         for name, loader in (("training", train_loader), ("validation", val_loader)):
             made_for = _ranks_of(loader)
-            if made_for is not None and made_for != self.dist.world_size:
+            whole = name == "validation" and made_for == 1  # (each rank the whole set: evaluate's sums agree)
+            if made_for is not None and made_for != self.dist.world_size and not whole:
                 raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has "
                                   f"{self.dist.world_size}: make loaders after fastdata.init_distributed() (the "
                                   "Trainer joins the group then), or pass rank and world_size")
@@ -505,7 +506,7 @@ class Trainer:
 def _ranks_of(loader: Any) -> Optional[int]:
     """The ranks ``loader``'s order was dealt to: its sampler's (FastLoader, DALILoader, a DataLoader with a
     DistributedSampler or a DistributedBatchSampler), through a prefetcher's loader; None when it does not say."""
-    for _ in range(3):
+    for _ in range(3):  # (a loader, a prefetcher's, one wrapped once more: no deeper nesting is made here)
         for attr in ("sampler", "batch_sampler"):
             sampler = getattr(loader, attr, None)
             ranks = getattr(sampler, "world_size", getattr(sampler, "num_replicas", None))
