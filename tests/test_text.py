@@ -658,10 +658,9 @@ def test_a_tokenizer_whose_model_spells_the_end_of_document_token_is_refused(tmp
     tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "</s>": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "</s>" is one word of the model's vocabulary
     tok.save(str(tmp_path / "tokenizer.json"))
-    ours = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert ours.encode_batch(["a a"])[0].tolist() == [1, 1]
+    # refused at loading, before any work (a run of hours died at the first document quoting it)
     with pytest.raises(ConfigError, match="end-of-document token '</s>' \\(id 2\\)"):
-        ours.encode_batch(["a </s> a"])
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
 def test_tokenizers_without_encode_special_tokens_are_refused_by_name(tmp_path, monkeypatch):

@@ -81,14 +81,19 @@ class HFTokenizer(Tokenizer):
                               "tokenizer (e.g. as a special token) so documents can be separated")
         self.eos_id, self._eos = vocab[eos], eos
         _text_stays_text(self._tok, eos)
+        if self.eos_id in self._tok.encode(eos, add_special_tokens=False).ids:  # (T5's '</s>': a model piece)
+            raise ConfigError(self._spelled())
+
+    def _spelled(self) -> str:
+        return (f"tokenizer {self.spec} turns text into its end-of-document token {self._eos!r} (id {self.eos_id}), "
+                "which would cut a document quoting it in two: use a tokenizer whose model cannot make that token "
+                "from text")
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
         ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
-        if any((i == self.eos_id).any() for i in ids):  # the model itself spelled it (a WordLevel word, say)
-            raise ConfigError(f"tokenizer {self.spec} turns a document's text into its end-of-document token "
-                              f"{self._eos!r} (id {self.eos_id}), which would cut the document in two: use a "
-                              "tokenizer whose model cannot make that token from text")
+        if any((i == self.eos_id).any() for i in ids):  # the model spelled it from other text (a merge)
+            raise ConfigError(self._spelled())
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
