@@ -236,12 +236,14 @@ def read_regular(path: Path, limit: int = 64 << 20) -> bytes:
         os.close(fd)
 
 
-def open_new(path: Path, mode: int = 0o644) -> Any:
-    """A new file opened for binary writing with exactly ``mode`` (not the umask's), refusing one that exists
+def open_new(path: Path, mode: Optional[int] = 0o644) -> Any:
+    """A new file opened for binary writing with exactly ``mode`` (None: the umask's), refusing one that exists
     or a symbolic link at ``path`` (a name another user could have planted)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o666 if mode is None else mode)
     try:
-        os.fchmod(fd, mode)
+        if mode is not None:
+            os.fchmod(fd, mode)
     except OSError:
         os.close(fd)
         raise
@@ -268,11 +270,7 @@ class HashingWriter:
             # a leftover .tmp (a killed writer's) goes first: created anew, never written through a link
             # planted at its name (which would overwrite the file it points to)
             self.tmp.unlink(missing_ok=True)
-            if mode is None:  # (the umask's permissions)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                self._f = os.fdopen(os.open(self.tmp, flags, 0o666), "wb")
-            else:
-                self._f = open_new(self.tmp, mode)
+            self._f = open_new(self.tmp, mode)
         except OSError as exc:
             raise disk_error(exc, self.tmp, self.advice) from exc
 
@@ -328,6 +326,20 @@ def write_bytes_atomic(path: Path, data: bytes, advice: str = RESUME_ADVICE,
     w = HashingWriter(path, advice, mode)
     w.write(data)
     return w.commit()
+
+
+def copy_file_atomic(src: Path, dst: Path) -> None:
+    """``src``'s bytes at ``dst``, by `HashingWriter` (a new ``.tmp``, renamed): never through a link at
+    ``dst`` (an object put into a ``file://`` store: fsspec's copy follows one)."""
+    w = HashingWriter(dst)
+    try:
+        with open(src, "rb") as f:
+            for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+                w.write(block)
+    except BaseException:
+        w.abort()
+        raise
+    w.commit()
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -104,7 +104,17 @@ def test_a_file_url_is_written_and_read_as_any_store(awkward_folder, tmp_path):
         assert tree_bytes(out) == tree_bytes(tmp_path / "local")
         remote = FastDataset(f"file://{out}", cache_dir=tmp_path / "cache" / out.name)
         assert np.array_equal(remote.get_batch([3, 7])[0].numpy(), FastDataset(out).get_batch([3, 7])[0].numpy())
+    victim = tmp_path / "precious.txt"  # links planted at names a store writes: never written through
+    victim.write_text("not fastdata's file")
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / "images-00000.npy").symlink_to(victim)
+    (tmp_path / "pushed" / "ds").mkdir(parents=True)
+    (tmp_path / "pushed" / "ds" / "labels-00000.npy").symlink_to(victim)
+    assert preprocess(awkward_folder, f"file://{tmp_path / 'planted'}") == 0
+    assert tree_bytes(tmp_path / "planted") == tree_bytes(tmp_path / "local")
+    assert not (tmp_path / "planted" / "images-00000.npy").is_symlink()
     assert main(["push", str(tmp_path / "local"), f"file://{tmp_path / 'pushed' / 'ds'}"]) == 0
+    assert victim.read_text() == "not fastdata's file"
     pushed = tree_bytes(tmp_path / "pushed" / "ds")
     assert {k: v for k, v in pushed.items() if not k.startswith(".fastdata-push/")} == tree_bytes(tmp_path / "local")
 

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from .._io import scrub
+from .._io import copy_file_atomic, scrub, write_bytes_atomic
 from ..errors import ConfigError, FastdataError, FormatError, MissingDependencyError, OutputError, require
 
 REMOTE_EXTRA = "pip install 'fastdata[remote]'"
@@ -233,7 +233,7 @@ class StoreFolder:
 
     def put(self, local: Path, name: str) -> None:
         fs, _, _ = self._client()
-        self._call(name, lambda: fs.put_file(str(local), self._key(name)), "upload")
+        self._call(name, lambda: put_file(fs, local, self._key(name)), "upload")
 
     def get(self, name: str, local: Path) -> None:
         fs, _, _ = self._client()
@@ -242,11 +242,14 @@ class StoreFolder:
     def copy(self, name: str, to: str) -> None:
         """Copy an object within the store (no bytes through this machine), replacing ``to`` whole."""
         fs, _, _ = self._client()
+        if _local(fs):  # (as `put_file`: never through a link at ``to``)
+            self._call(to, lambda: put_file(fs, Path(self._key(name)), self._key(to)), "copy to")
+            return
         self._call(to, lambda: fs.cp_file(self._key(name), self._key(to)), "copy to")
 
     def put_bytes(self, name: str, data: bytes) -> None:
         fs, _, _ = self._client()
-        self._call(name, lambda: fs.pipe_file(self._key(name), data), "upload")
+        self._call(name, lambda: pipe_file(fs, self._key(name), data), "upload")
 
     def read_bytes(self, name: str) -> Optional[bytes]:
         """An object's bytes; None when it does not exist."""
@@ -266,6 +269,30 @@ class StoreFolder:
         for i in range(0, len(names), 1000):
             batch = [self._key(n) for n in names[i:i + 1000]]
             self._call(names[i], lambda batch=batch: fs.rm(batch), "delete")
+
+
+def put_file(fs: Any, local: Path, key: str) -> None:
+    """``fs.put_file``; into a local folder (``file://``) a new file renamed over the name, as fastdata writes
+    its own files: fsspec's copy writes through a link planted at the name (into the file it points to)."""
+    if not _local(fs):
+        fs.put_file(str(local), key)
+        return
+    Path(key).parent.mkdir(parents=True, exist_ok=True)
+    copy_file_atomic(Path(local), Path(key))
+
+
+def pipe_file(fs: Any, key: str, data: bytes) -> None:
+    """``fs.pipe_file``; into a local folder, as `put_file`."""
+    if not _local(fs):
+        fs.pipe_file(key, data)
+        return
+    Path(key).parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(Path(key), data)
+
+
+def _local(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"file", "local"} & set(protocol))
 
 
 def _said(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Union
 
 from .._io import HASH_NAME, disk_error, map_threads
 from ..formats.manifest import MANIFEST_NAME
-from .object_store import RETRY_SECONDS, Retry, filesystem, object_path
+from .object_store import RETRY_SECONDS, Retry, filesystem, object_path, pipe_file, put_file
 
 PUSH_MARKERS = ".fastdata-push"
 
@@ -52,15 +52,15 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
                 progress(int(entry["bytes"]))
             return
         require_intact(local, entry)  # never upload a file that differs from its own manifest
-        retry(f"{url}/{name}", lambda: fs.put_file(str(local / name), target), "upload")
-        retry(f"{url}/{name}", lambda: fs.pipe_file(marker, entry[HASH_NAME].encode()), "upload")
+        retry(f"{url}/{name}", lambda: put_file(fs, local / name, target), "upload")
+        retry(f"{url}/{name}", lambda: pipe_file(fs, marker, entry[HASH_NAME].encode()), "upload")
         counts["uploaded"] += 1
         if progress is not None:
             progress(int(entry["bytes"]))
 
     map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
     data = (local / MANIFEST_NAME).read_bytes()
-    retry(f"{url}/{MANIFEST_NAME}", lambda: fs.pipe_file(object_path(root, MANIFEST_NAME), data), "upload")
+    retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, object_path(root, MANIFEST_NAME), data), "upload")
     return counts
 
 
