@@ -662,6 +662,14 @@ def test_preprocess_never_writes_through_a_link_in_out_and_names_what_is_in_the_
     assert main(args) == 0
     assert victim.read_text() == "not fastdata's file"
     assert not (out / "images-00000.npy").is_symlink() and not os.path.lexists(out / "images-00000.npy.tmp")
+    elsewhere = tmp_path / "elsewhere"  # a link at the journal's folder: the journal never written there
+    elsewhere.mkdir()
+    (elsewhere / "journal.jsonl").write_text("their own file")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / ".fastdata-partial").symlink_to(elsewhere)
+    assert main(args[:3] + [str(tmp_path / "linked")] + args[4:]) == 0
+    assert (elsewhere / "journal.jsonl").read_text() == "their own file"
+    assert not os.path.lexists(tmp_path / "linked" / ".fastdata-partial")
     other = tmp_path / "other"
     (other / "images-00001.npy").mkdir(parents=True)
     assert main(args[:3] + [str(other)] + args[4:]) != 0

@@ -167,7 +167,10 @@ def partial_dir(out: Path) -> Path:
 
 
 def remove_partial(out: Path) -> None:
-    shutil.rmtree(partial_dir(out), ignore_errors=True)
+    partial = partial_dir(out)
+    if partial.is_symlink():  # (never followed: rmtree refuses a link, and the journal would be written there)
+        partial.unlink()
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def read_fingerprint(out: Path) -> str | None:
@@ -227,6 +230,8 @@ def resume(out: Path, fingerprint: str, continues: tuple[str, ...] = ()) -> tupl
     finished units are this one's, taken over), its units checked (a fresh one otherwise), and the partial
     folder, made."""
     partial = partial_dir(out)
+    if partial.is_symlink():  # a link at the journal's own name is never this run's journal
+        remove_partial(out)
     jr = load(partial)
     if jr is not None and jr.fingerprint in continues:
         jr.fingerprint = fingerprint  # (saved below: this run's from now on)
@@ -259,7 +264,7 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool, continues: tupl
             manifest = json.loads((out / MANIFEST_NAME).read_text())
             if PARTIAL_DIR in names:  # killed after its manifest: the clean-up it did not get to
                 for name in left_after_manifest(names, manifest):
-                    shutil.rmtree(out / name) if name == PARTIAL_DIR else (out / name).unlink(missing_ok=True)
+                    remove_partial(out) if name == PARTIAL_DIR else (out / name).unlink(missing_ok=True)
                 fsync_dir(out)
             return manifest
         raise OutputError(f"{out} already holds a dataset made from another source or with other parameters: "
