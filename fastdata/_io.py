@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -197,6 +198,16 @@ def make_folder(folder: Path, what: str, not_a_folder: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {what} {folder}: {exc.strerror or exc}") from exc
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by its caller point at the first frame outside fastdata
+    (the user's line, however deep in the library the warning is raised)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def disk_error(exc: OSError, path: Path, advice: str = RESUME_ADVICE) -> OutputError:

@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from ._io import user_stacklevel
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def dist_rank_world(rank: Optional[int] = None, world_size: Optional[int] = None
     if world_size is None and _torchrun_world() > 1:
         warnings.warn(f"torchrun started {_torchrun_world()} processes but none has joined a process group yet: "
                       "this order serves the whole dataset on every rank; call fastdata.init_distributed() before "
-                      "making loaders (or pass rank and world_size)", UserWarning, stacklevel=3)
+                      "making loaders (or pass rank and world_size)", UserWarning, stacklevel=user_stacklevel())
     rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
         raise ConfigError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")

@@ -463,8 +463,9 @@ def test_loaders_made_for_another_number_of_ranks_are_refused_and_torchrun_witho
         with pytest.raises(ConfigError, match=r"loader deals its data to [24] rank\(s\), this run has 1"):
             Trainer(Linear(), train, val, config=cfg)
     monkeypatch.setenv("WORLD_SIZE", "4")  # (torchrun's, without a process group joined)
-    with pytest.warns(UserWarning, match="torchrun started 4 processes but none has joined a process group"):
+    with pytest.warns(UserWarning, match="torchrun started 4 processes but none has joined a process group") as w:
         FastLoader(ds, 8)
+    assert w[0].filename == __file__  # (the user's line, not fastdata's)
 
 
 def test_a_training_loader_without_batches_is_refused(small_images):

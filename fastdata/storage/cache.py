@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 import warnings
@@ -67,7 +66,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from .._io import scrub
+from .._io import scrub, user_stacklevel
 from ..errors import ConfigError, FastdataError, FormatError
 from . import evict
 from .plan import Plan, horizon
@@ -175,7 +174,7 @@ class ShardCache:
                       f"{scrub(self.remote.url)}, and the loader's order reads every shard again every few "
                       "batches (a plain shuffle): most batches will download shards again. Give the loader a "
                       "shuffle_window (FastLoader(..., shuffle_window=W), `--shuffle-window W`): it reads W "
-                      "shards at a time, each once an epoch", UserWarning, stacklevel=_user_level())
+                      "shards at a time, each once an epoch", UserWarning, stacklevel=user_stacklevel())
 
     @contextlib.contextmanager
     def reading(self, shards: np.ndarray) -> Iterator[np.ndarray]:
@@ -280,7 +279,7 @@ class ShardCache:
             self._warned = True
             warnings.warn(f"cache_limit={self.limit} bytes cannot hold the shards in use: fetching beyond it; "
                           "raise cache_limit to at least a few batches' shards", ResourceWarning,
-                          stacklevel=_user_level())
+                          stacklevel=user_stacklevel())
         for s in need:
             self._fetch(s, plan, at, prefetch=False)
         return [self._fetching[s] for s in missing if s in self._fetching]
@@ -571,12 +570,3 @@ class ShardCache:
         self._side.shutdown(wait=True, cancel_futures=True)
         with self._cond:
             self._pinned.close()
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of a warning raised here that points at the first caller outside fastdata."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
