@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .errors import DiskFullError, FormatError, OutputError
+from .errors import ConfigError, DiskFullError, FormatError, OutputError
 
 HASH_NAME = "sha256"  # CPUs with SHA extensions hash it faster than blake2b (benchmarks/RESULTS.md)
 _COPY_BLOCK = 16 << 20
@@ -198,6 +198,18 @@ def make_folder(folder: Path, what: str, not_a_folder: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {what} {folder}: {exc.strerror or exc}") from exc
+
+
+def require_folder_of(path: Path, name: str) -> None:
+    """Refuse an output file whose folder does not exist (said before the work that makes the file, not
+    after it, as a traceback).
+
+    Raises:
+        ConfigError: naming the option ``name``, the path and what to do.
+    """
+    if not Path(path).parent.is_dir():
+        raise ConfigError(f"{name} {path}: the folder {Path(path).parent} does not exist: make it, or write "
+                          "elsewhere")
 
 
 def user_stacklevel() -> int:

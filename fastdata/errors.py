@@ -5,6 +5,8 @@ and exits non-zero, so messages say what went wrong, where, and what to do about
 """
 from __future__ import annotations
 
+import numbers
+
 
 class FastdataError(Exception):
     """Base class of every error fastdata raises on purpose.
@@ -76,3 +78,8 @@ def require(ok: bool, name: str, value: object, expected: str) -> None:
     """Raise ``ConfigError("NAME must be EXPECTED, got NAME=VALUE")`` unless ``ok``: the config checks' one form."""
     if not ok:
         raise ConfigError(f"{name} must be {expected}, got {name}={value!r}")
+
+
+def is_whole(value: object) -> bool:
+    """An integer (a numpy one too), not a bool: what a count, a position or a size must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

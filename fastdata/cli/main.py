@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .._io import disk_error, scrub
+from .._io import disk_error, require_folder_of, scrub
 from ..errors import ConfigError, FastdataError
 from .data import add_data_commands, add_retry_seconds, retry_seconds
 
@@ -149,9 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
              if v is not None}
     pipeline = {"storage": args.storage, "num_threads": args.threads, "pageable": args.pageable}
     for option, path in (("--json", args.json), ("--plot", args.plot)):  # (refused before the measurement)
-        if path is not None and not Path(path).parent.is_dir():
-            raise ConfigError(f"{option} {path}: the folder {Path(path).parent} does not exist: make it, or write "
-                              "elsewhere")
+        if path is not None:
+            require_folder_of(path, option)
     if args.loader:
         report = bench.diagnose_loader(args.loader, image_size=args.image_size, device=args.device, **given)
         if report["model"] is None:

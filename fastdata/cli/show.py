@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .._io import disk_error
+from .._io import disk_error, require_folder_of
 from ..errors import ConfigError, MissingDependencyError
 
 MIN_CELL = 160  # pixels: an image is scaled up by an integer factor to at least this
@@ -177,8 +177,7 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"out must be a .png file, got out={str(out)!r}")
-    if not out.parent.is_dir():  # (said before any shard is read)
-        raise ConfigError(f"out={str(out)!r}: the folder {out.parent} does not exist: make it, or write elsewhere")
+    require_folder_of(out, "out")  # (said before any shard is read)
     # a URL's image shards stream through the node cache: only the shown samples' shards are fetched
     grid, _ = render(FastDataset(data, storage="mmap", **open_kwargs), n)
     tmp = out.with_name(out.name + ".tmp")

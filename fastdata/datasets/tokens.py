@@ -19,7 +19,7 @@ import torch
 
 from .. import _limits
 from .._io import trim_heap
-from ..errors import ConfigError, FormatError
+from ..errors import ConfigError, FormatError, is_whole
 from ..formats.manifest import TOKENS, manifest_digest
 from ..formats.rows import column_view, int_column, pairs
 from ..formats.token_shards import splitmix
@@ -142,8 +142,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ConfigError(f"seq_len must be a positive integer, got seq_len={seq_len!r}")
         # (0 once meant seq_len silently, -1 failed in len() and 2.5 at the first batch; True is no stride)
-        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, (int, np.integer))
-                                   or stride < 1):
+        if stride is not None and (not is_whole(stride) or stride < 1):
             raise ConfigError(f"stride must be None (seq_len) or a positive integer, got stride={stride!r}")
         self.split, self.seq_len, self.storage = split, seq_len, storage
         self.stride = seq_len if stride is None else int(stride)

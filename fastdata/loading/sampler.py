@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..distributed import dist_rank_world
-from ..errors import ConfigError
+from ..errors import ConfigError, is_whole
 from .order import EpochOrder, group_by_shard
 
 
@@ -274,7 +274,7 @@ class DistributedBatchSampler:
         if batches is not None:
             epoch, start, served = self._pass or (self.epoch, self.start, self.served)
             out = self._pass_out if self._pass else 0
-            if not isinstance(batches, (int, np.integer)) or isinstance(batches, bool) or not 0 <= batches <= out:
+            if not is_whole(batches) or not 0 <= batches <= out:
                 raise ConfigError(f"state_dict(batches={batches!r}): this pass over the sampler (epoch {epoch}) "
                                   f"handed out {out} batches; pass how many of them your loop received")
             position = min(self.num_samples, start + (served + int(batches)) * self.batch_size * self.world_size)
@@ -312,14 +312,14 @@ class DistributedBatchSampler:
                               f"shuffle={self.shuffle}, shuffle_window={self.shuffle_window}: the order would differ")
         for key in ("epoch", "position"):  # (a negative position wrapped around the order: samples served twice)
             value = state.get(key)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            if not is_whole(value) or value < 0:
                 raise ConfigError(f"the loader state is damaged: its {key} is {value!r}, not an integer >= 0; "
                                   "load the state the loader saved, unchanged")
         self.epoch, self.start, self.served = int(state["epoch"]), int(state["position"]), 0
         self._pass = None
         layout = state.get("nodes", [1, 1])
         if (not isinstance(layout, (list, tuple)) or len(layout) != 2
-                or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in layout)):
+                or not all(is_whole(v) and v >= 1 for v in layout)):
             raise ConfigError(f"the loader state is damaged: its nodes are {layout!r}, not [nodes, ranks a node]; "
                               "load the state the loader saved, unchanged")
         self._resumed = (self.epoch, (int(layout[0]), int(layout[1]))) if self.shuffle_window is not None else None

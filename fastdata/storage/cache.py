@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import scrub, user_stacklevel
-from ..errors import ConfigError, FastdataError, FormatError
+from ..errors import ConfigError, FastdataError, FormatError, is_whole
 from . import evict
 from .plan import Plan, horizon
 from .cache_folders import ShardPins, cached_size, on_disk, remove_cached_file
@@ -374,7 +374,7 @@ class ShardCache:
         Raises:
             ConfigError: ``limit`` is not a positive number of bytes.
         """
-        if not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 1:
+        if not is_whole(limit) or limit < 1:
             raise ConfigError(f"a cache limit must be a positive number of bytes, got limit={limit!r}")
         self._check_pid()
         self._rescan(now=True)  # (other processes' shards count against the new bound at once)
