@@ -127,6 +127,15 @@ def test_normalize_values_and_dtypes():
     assert torch.allclose(Normalize(None, None)(x), x.float() / 255)
 
 
+def test_normalize_without_mean_takes_any_channel_count():
+    x = batch()
+    gray, n = x[:, :1], Normalize(None, None)
+    for images in (gray, x, gray):  # x / 255: the coefficients of each channel count, cached apart
+        assert torch.allclose(n(images), images.float() / 255)
+    with pytest.raises(ConfigError, match="mean/std have 3 channels, the images 1"):
+        Normalize()(gray)
+
+
 def test_compose_is_reproducible_with_the_same_generator():
     x = batch()
     t = Compose([RandomResizedCrop(12), RandomHorizontalFlip()])
@@ -230,7 +239,8 @@ def test_normalize_writes_the_asked_layout_with_the_same_values():
 @pytest.mark.parametrize("make, needle", [
     (lambda: RandomHorizontalFlip(2), "p must be"), (lambda: RandomCrop(0), "size must be"),
     (lambda: RandomCrop(8, padding=-1), "padding"), (lambda: RandomResizedCrop(8, scale=(0.5, 0.1)), "scale"),
-    (lambda: Normalize((0.5,), None), "both mean and std"), (lambda: Normalize(dtype=torch.int32), "floating")])
+    (lambda: Normalize((0.5,), None), "both mean and std"), (lambda: Normalize(dtype=torch.int32), "floating"),
+    (lambda: Normalize((0.5, 0.4, 0.3), (0.2,)), "one value per channel")])
 def test_bad_arguments(make, needle):
     with pytest.raises(ConfigError, match=needle):
         make()
@@ -245,3 +255,28 @@ def test_deterministic_parts_are_bit_equal_on_the_gpu():
     f, o = flip.params(x, gen()), crop.params(x, gen())
     assert torch.equal(flip.apply(x.cuda(), f.cuda()).cpu(), flip.apply(x, f))
     assert torch.equal(crop.apply(x.cuda(), o.cuda()).cpu(), crop.apply(x, o))
+
+
+TRANSFORMS = [RandomHorizontalFlip(), CenterCrop(4), RandomCrop(4, padding=1), RandomResizedCrop(4),
+              Compose([RandomResizedCrop(4), RandomHorizontalFlip()]), Compose([RandomCrop(4), RandomHorizontalFlip()])]
+
+
+@pytest.mark.parametrize("t", TRANSFORMS, ids=repr)
+def test_an_empty_batch_gives_an_empty_batch(t):
+    x = batch(b=0, h=6, w=6)
+    side = 6 if isinstance(t, RandomHorizontalFlip) else 4
+    assert t(x, gen()).shape == (0, 3, side, side)
+    out = t({"image": x, "mask": torch.zeros(0, 6, 6, dtype=torch.uint8)}, gen())
+    assert out["image"].shape[0] == 0 and out["mask"].shape[0] == 0
+
+
+@pytest.mark.parametrize("t", [*TRANSFORMS, Normalize()], ids=repr)
+def test_fields_that_are_no_tensors_pass_through_every_transform(t):
+    """NOTE [spatial fields]: fields other than the image, its masks and boxes pass through, tensors or not
+    (a DataLoader's default_collate gives a list of file names, a dict of metadata)."""
+    x = batch(b=2, h=6, w=6)
+    meta = {"id": torch.arange(2)}
+    out = t({"image": x, "mask": torch.ones(2, 6, 6, dtype=torch.uint8), "path": ["a.png", "b.png"], "meta": meta},
+            gen())
+    assert out["path"] == ["a.png", "b.png"] and out["meta"] is meta and out["image"].shape[0] == 2
+    assert out["mask"].shape == (2, *out["image"].shape[-2:])

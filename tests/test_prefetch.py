@@ -8,7 +8,8 @@ import torch
 from conftest import INDEXED_N, sample_ids
 
 from fastdata.datasets.images import FastDataset
-from fastdata.gpu.prefetch import CUDAPrefetcher, move
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.gpu.transfer import move
 from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
 from fastdata.loading.loader import FastLoader
 
@@ -36,6 +37,9 @@ def test_normalize_false_gives_unit_floats():
     x = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
     (out,), = list(CUDAPrefetcher([(x,)], device="cpu", normalize=False))
     assert torch.allclose(out, x.permute(0, 3, 1, 2).float() / 255)
+    gray = x[..., :1].contiguous()  # x / 255 fits any channel count, in one batch and across batches
+    (g, c), (g2,) = list(CUDAPrefetcher([(gray, x), (gray,)], device="cpu", normalize=False))
+    assert torch.allclose(g, gray.permute(0, 3, 1, 2).float() / 255) and torch.equal(c, out) and torch.equal(g2, g)
 
 
 def test_nested_batches_and_non_images():
@@ -66,6 +70,16 @@ def test_views_of_one_buffer_cross_once_and_never_alias_it():
     window.zero_()
     assert mx[0, 1] == 1 and my[-1, -1] == 35  # copies, not aliases of the loader's buffer
     assert len(host) == 3
+
+
+def test_a_contiguous_view_outside_the_views_span_crosses_on_its_own():
+    buf = torch.arange(5 * 9, dtype=torch.int32).view(5, 9)  # 4 token windows and one more row
+    batch = (buf[:4, :-1], buf[:4, 1:], buf[4], buf[1])  # the last row lies outside x's and y's span
+    moved, _ = move(batch, torch.device("cpu"), pin=False)
+    assert all(torch.equal(m, t) for m, t in zip(moved, batch))
+    assert moved[3].untyped_storage().data_ptr() == moved[0].untyped_storage().data_ptr()  # inside: a view
+    (_, _, z, _), = list(CUDAPrefetcher([batch], device="cpu"))
+    assert torch.equal(z, buf[4].long())
 
 
 def test_empty_loader_yields_nothing():
@@ -156,17 +170,57 @@ def test_a_loop_that_breaks_resumes_at_the_first_batch_it_did_not_see(indexed_da
 
 
 class Failing(RandomHorizontalFlip):
-    """A flip that raises on its ``at``-th batch."""
+    """A flip that raises ``error`` on its ``at``-th batch."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, error: type[BaseException] = ValueError) -> None:
         super().__init__()
-        self.at, self.calls = at, 0
+        self.at, self.calls, self.error = at, 0, error
 
     def __call__(self, x, generator=None):
         self.calls += 1
         if self.calls == self.at:
-            raise ValueError(f"batch {self.at} is bad")
+            raise self.error(f"batch {self.at} is bad")
         return super().__call__(x, generator)
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])  # a bad transform, a Ctrl-C landing in it
+def test_a_batch_whose_conversion_raised_is_served_again(indexed_datasets, run_ahead, error):
+    """NOTE [prefetch] 11: the consumer never saw the batch whose transforms raised; the state, and the same
+    prefetcher iterated again, start at it, with the same draws."""
+    ds = FastDataset(indexed_datasets["npy"])
+
+    def prefetcher(at: int) -> CUDAPrefetcher:
+        return CUDAPrefetcher(FastLoader(ds, 16, seed=2), device="cpu", normalize=False, depth=2,
+                              run_ahead=run_ahead, transforms=Failing(at, error))
+
+    whole = served(prefetcher(at=0), range(1))
+    pf = prefetcher(at=3)
+    seen = []
+    with pytest.raises(error, match="batch 3 is bad"):
+        for x, y in pf:
+            seen.append((x, y))
+    assert len(seen) == 2 and pf.state_dict()["position"] == 2 * 16
+    got = seen + served(pf, range(1))
+    assert len(got) == len(whole) == 7
+    assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, whole))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_loaders_error_comes_after_the_batches_fetched_before_it(depth):
+    """The look-ahead hands out every batch the loader gave before it raised, then the error, as the
+    synchronous path does (and a job's error, at its batch's turn)."""
+    def loader():
+        for i in range(5):
+            yield torch.full((2, 4, 4, 3), i, dtype=torch.uint8), torch.tensor([i, i])
+        raise OSError("the shard of batch 5 is unreadable")
+
+    for run_ahead in (False, True):
+        seen = []
+        with pytest.raises(OSError, match="unreadable"):
+            for _, y in CUDAPrefetcher(loader(), device="cpu", depth=depth, run_ahead=run_ahead):
+                seen.append(int(y[0]))
+        assert seen == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -377,6 +431,65 @@ def test_each_rank_draws_its_own_augmentation(indexed_datasets):
         return pf._seeded().seed  # the draws of the batch just served
 
     assert seed_after_one_batch(0) == seed_after_one_batch(0) != seed_after_one_batch(1)
+
+
+class InMemory(torch.utils.data.Dataset):
+    """40 random 9x9 RGB samples and their ids, for a torch DataLoader."""
+
+    def __init__(self) -> None:
+        self.x = torch.randint(0, 256, (40, 9, 9, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_over_a_fastdata_sampler_resumes_with_the_same_draws(workers):
+    """docs/gpu.md: a resumed run draws the same, also for a DataLoader(batch_sampler=DistributedBatchSampler),
+    whose workers take batches ahead (at the resumed epoch's end, the sampler is in the next epoch already)."""
+    from torch.utils.data import DataLoader
+
+    from fastdata.loading.sampler import DistributedBatchSampler
+
+    def prefetcher(state=None):
+        sampler = DistributedBatchSampler(40, 8, seed=4)
+        if state is not None:
+            sampler.load_state_dict(state)
+        loader = DataLoader(InMemory(), batch_sampler=sampler, num_workers=workers,
+                            **({"prefetch_factor": 2} if workers else {}))
+        return sampler, CUDAPrefetcher(loader, device="cpu",
+                                       transforms=Compose([RandomResizedCrop(5), RandomHorizontalFlip()]))
+
+    whole = [(x, y) for x, y in prefetcher()[1]]
+    sampler, pf = prefetcher()
+    it = iter(pf)
+    first = [next(it) for _ in range(2)]
+    state = sampler.state_dict(batches=2)
+    del it
+    got = first + [(x, y) for x, y in prefetcher(state)[1]]
+    assert len(got) == len(whole) == 5
+    assert all(torch.equal(x, xw) and torch.equal(y, yw) for (x, y), (xw, yw) in zip(got, whole))
+
+
+def test_a_rewound_mixture_state_names_no_source_cursors_of_the_look_ahead(indexed_datasets):
+    """A look-ahead's state is the consumer's position; the loader's per-source cursors are the look-ahead's,
+    so they are left out (the synchronous path's are the position's)."""
+    from fastdata import Mixture
+
+    def states(**kw) -> list[dict]:
+        mix = Mixture({"a": FastDataset(indexed_datasets["npy"]), "b": FastDataset(indexed_datasets["lmdb"])},
+                      weights={"a": 0.6, "b": 0.4}, seed=1)
+        pf = CUDAPrefetcher(FastLoader(mix, 8, num_threads=1), device="cpu", **kw)
+        return [pf.state_dict() for _ in pf]
+
+    sync, ahead = states(), states(run_ahead=True, depth=3)
+    assert len(sync) == len(ahead) > 3 and all("sources" in s for s in sync)
+    for s, a in zip(sync[:-1], ahead[:-1]):  # (after the last batch, both are at the epoch's end)
+        assert (a["epoch"], a["position"]) == (s["epoch"], s["position"])
+        assert a.get("sources", s["sources"]) == s["sources"]
 
 
 def test_a_training_batch_is_read_and_written_whole_five_times():

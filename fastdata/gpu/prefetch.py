@@ -4,7 +4,7 @@ NOTE [prefetch]: the rules of a batch's way to the GPU.
 
 1. Every batch goes through one side stream, created once per prefetcher (a new stream per epoch leaks).
 2. Host tensors are pinned (FastLoader's ring buffers already are; others are pinned first) and copied with
-   ``non_blocking=True``; views of one buffer, such as a token batch's x and y, cross once (`move`).
+   ``non_blocking=True``; views of one buffer, such as a token batch's x and y, cross once (`transfer.move`).
 3. An event marks the end of the copies.
 4. uint8 NHWC images become NCHW ``channels_last`` views: the permute of NHWC is channels_last, no copy.
 5. The transforms run, then `Normalize` casts and normalises (a multiply that casts, then an add),
@@ -37,72 +37,9 @@ from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Tr
 from ..loading.sampler import LiveIteration
 from .cuda_graphs import GraphedConvert, capturable, enabled as cuda_graphs_enabled
 from .side_thread import Job, SideThread
+from .transfer import move, walk
 
 Release = Optional[Callable[[], None]]
-
-
-def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in a nested tuple/list/dict; other leaves pass through."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _walk(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_walk(v, fn) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """``[lo, hi)``: the storage elements a (non-negatively strided, non-empty) tensor reads."""
-    lo = t.storage_offset()
-    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes(), t.dtype
-
-
-def move(batch: Any, device: torch.device, pin: bool) -> tuple[Any, list[torch.Tensor]]:
-    """Copy every CPU tensor of ``batch`` to ``device`` (always a copy, never an alias of a loader buffer).
-
-    CPU tensors that view one storage, such as a token batch's ``x`` and ``y`` (one window buffer shifted by
-    one), cross once as the span of storage they cover and become the same views on ``device``: half the
-    bytes, and no host-side ``.contiguous()`` into pageable memory. With ``pin``, host memory is pinned first
-    (buffers that already are, such as FastLoader's, are used as they are) and copies are non-blocking.
-    Returns the moved batch and the host tensors read, which must stay alive until the copies complete.
-    """
-    leaves: list[torch.Tensor] = []
-    _walk(batch, leaves.append)
-    spans: dict[tuple[int, int, torch.dtype], list[int]] = {}  # storage, dtype -> [lo, hi, elements used]
-    for t in leaves:
-        if t.device.type == "cpu" and t.numel() and not t.is_contiguous() and min(t.stride()) >= 0:
-            lo, hi = _extent(t)
-            span = spans.setdefault(_storage_key(t), [lo, hi, 0])
-            span[0], span[1], span[2] = min(span[0], lo), max(span[1], hi), span[2] + t.numel()
-    host: list[torch.Tensor] = []
-    moved_spans: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, int]] = {}
-
-    def copy(src: torch.Tensor) -> torch.Tensor:
-        if pin and not src.is_pinned():
-            src = src.pin_memory()
-        host.append(src)
-        return src.to(device, non_blocking=pin, copy=True)
-
-    def one(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cpu":
-            return t.to(device, copy=True)
-        key = _storage_key(t)
-        span = spans.get(key)
-        if span is not None and span[1] - span[0] <= span[2]:  # the span is no bigger than its views
-            if key not in moved_spans:
-                moved_spans[key] = (copy(t.as_strided((span[1] - span[0],), (1,), span[0])), span[0])
-            flat, lo = moved_spans[key]
-            return flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
-        return copy(t if t.is_contiguous() else t.contiguous())
-
-    return _walk(batch, one), host
 
 
 def _target(t: torch.Tensor) -> torch.Tensor:
@@ -209,10 +146,12 @@ class CUDAPrefetcher(LiveIteration):
     def state_dict(self) -> dict[str, Any]:
         """The loader's state as the consumer sees it: batches fetched ahead but not yet handed out
         (``depth`` of them on a GPU) are not counted, so a resume serves them again; also after a ``break``
-        (NOTE [prefetch] 11)."""
+        (NOTE [prefetch] 11). A Mixture's per-source cursors (``"sources"``) are left out of such a rewound
+        state: they are the look-ahead's (its segments still resume exactly)."""
         state = dict(self.loader.state_dict())
         if self._unserved and "position" in state:
             state["epoch"], state["position"] = self._unserved[0]
+            state.pop("sources", None)
         elif self._fetched_all is not None and "position" in state and "num_samples" in state:
             # every batch handed out, and the loader moved on to the next epoch when the look-ahead found none
             # left: the state stays in that epoch with nothing to serve, else the caller's set_epoch(epoch)
@@ -227,10 +166,17 @@ class CUDAPrefetcher(LiveIteration):
 
     # -- per-batch randomness -------------------------------------------------------------------------
     def _position(self) -> tuple[int, int]:
-        """(epoch, global position) of the batch just fetched, from a FastLoader's sampler when there is one."""
+        """(epoch, global position) of the batch just fetched, from a FastLoader's sampler, or a DataLoader's
+        fastdata batch sampler, when there is one."""
         s = getattr(self.loader, "sampler", None)
         if s is not None and hasattr(s, "batch_position"):
             return s.epoch, s.batch_position(s.served - 1)
+        s = getattr(self.loader, "batch_sampler", None)
+        if getattr(s, "pass_start", None) is not None:
+            # counted from where the sampler's pass began: DataLoader workers take batches ahead, and may have
+            # moved the sampler on to the next epoch already
+            epoch, start, served = s.pass_start
+            return epoch, start + s.batch_position(served + self._batch_in_epoch) - s.batch_position(0)
         return self._epoch_counter, self._batch_in_epoch
 
     def _seeded(self) -> Draws:
@@ -238,7 +184,8 @@ class CUDAPrefetcher(LiveIteration):
         draws after a resume and on every device, different ones on each rank (ranks serve different samples);
         NOTE [crop draws] in fastdata/imaging/draws.py."""
         epoch, pos = self._position()
-        rank = getattr(getattr(self.loader, "sampler", None), "rank", None)
+        samplers = (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None))
+        rank = next((s.rank for s in samplers if getattr(s, "rank", None) is not None), None)
         rank = dist_rank_world()[0] if rank is None else rank
         return Draws(batch_seed(self.seed, epoch, pos, rank))
 
@@ -267,9 +214,9 @@ class CUDAPrefetcher(LiveIteration):
             if self.transforms is not None:
                 fields = self.transforms(fields, generator)
             image = self.normalize(fields["image"])  # written channels_last by Normalize itself
-            return {**_walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
+            return {**walk({k: v for k, v in fields.items() if k != "image"}, _target), "image": image}
 
-        return _walk(batch, lambda t: self._image(t, generator) if is_image(t) else _target(t))
+        return walk(batch, lambda t: self._image(t, generator) if is_image(t) else _target(t))
 
     # -- iteration ------------------------------------------------------------------------------------
     def _source(self) -> Iterator[tuple[Any, Release]]:
@@ -290,11 +237,20 @@ class CUDAPrefetcher(LiveIteration):
         self._epoch_counter += 1
 
     def _iter_sync(self) -> Iterator[Any]:
-        for batch, _ in self._source():
-            gen = self._seeded() if self.transforms is not None else None
-            self._batch_in_epoch += 1
-            moved, _ = move(batch, self.device, pin=False)
-            yield self.convert(moved, gen)
+        try:
+            for batch, _ in self._source():
+                self._unserved.append(self._position())  # until converted: a failure rewinds to it
+                gen = self._seeded() if self.transforms is not None else None
+                self._batch_in_epoch += 1
+                moved, _ = move(batch, self.device, pin=False)
+                out = self.convert(moved, gen)
+                self._unserved.popleft()
+                yield out
+        finally:
+            view = self._rewind_state()  # NOTE [prefetch] 11
+            self._unserved.clear()
+            if view is not None:
+                self.loader.load_state_dict(view)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:  # one stream for the prefetcher's lifetime (a new one per epoch leaks)
@@ -335,6 +291,7 @@ class CUDAPrefetcher(LiveIteration):
         ready: deque[Job] = deque()  # launched or submitted, not yet handed out
         held: deque[Job] = deque()  # host buffers maybe still being read, in the loader's order
         slots = getattr(self.loader, "slots", None)
+        failed = False  # the loader raised: its error waits in `ready` for its turn
 
         def reclaim(force_one: bool = False) -> None:
             while held:
@@ -353,23 +310,32 @@ class CUDAPrefetcher(LiveIteration):
                     job.release()
 
         def enqueue() -> bool:
+            nonlocal failed
+            if failed:
+                return False
             reclaim()
             if slots is not None and len(held) >= slots - 1:
                 reclaim(force_one=True)  # the loader needs a buffer back to keep producing
-            item = next(source, None)
+            try:
+                item = next(source, None)
+            except Exception as exc:  # raised after the batches fetched before it, as a job's error is
+                failed, job = True, Job(None, None, None, False)
+                job.error = exc
+                ready.append(job)
+                return False
             if item is None:
                 if self._unserved:  # (called before the batch it follows is handed out: that one is still here)
                     self._fetched_all = self._unserved[-1][0]
                 return False
             batch, release = item
             if side is not None and release is None:  # valid until the next next(): the side thread reads it later
-                batch = _walk(batch, self._owned)
+                batch = walk(batch, self._owned)
             self._unserved.append(self._position())
             job = Job(batch, release, self._seeded() if self.transforms is not None else None, side is not None)
             self._batch_in_epoch += 1
             if stream is not None:
                 on_gpu: list[torch.Tensor] = []
-                _walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
+                walk(batch, lambda t: on_gpu.append(t) if t.device.type == "cuda" else None)
                 if on_gpu:  # storage="cuda": written on the loader's (this thread's) stream
                     job.after = torch.cuda.Event()
                     job.after.record(torch.cuda.current_stream(self.device))
@@ -402,7 +368,7 @@ class CUDAPrefetcher(LiveIteration):
                 if stream is not None:
                     current = torch.cuda.current_stream(self.device)
                     current.wait_event(job.done)
-                    _walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
+                    walk(out, lambda t: t.record_stream(current) if t.device.type == "cuda" else None)
                 self._unserved.popleft()
                 yield out
             finished = True

@@ -45,10 +45,12 @@ Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
 
 
 def masks_of(batch: dict[str, torch.Tensor]) -> list[str]:
-    """The keys of a dict batch's masks: ``(B, H, W)`` tensors with the image's batch and size."""
+    """The keys of a dict batch's masks: ``(B, H, W)`` tensors with the image's batch and size (fields that are
+    no tensor, such as a list of paths, pass through)."""
     image = batch["image"]
     shape = (image.shape[0], *image.shape[-2:])
-    return [k for k, v in batch.items() if k != "image" and v.ndim == 3 and v.shape == shape]
+    return [k for k, v in batch.items()
+            if k != "image" and isinstance(v, torch.Tensor) and v.ndim == 3 and v.shape == shape]
 
 
 def move_boxes(batch: dict[str, torch.Tensor], scale: tuple[torch.Tensor, torch.Tensor],
@@ -333,7 +335,8 @@ class RandomResizedCrop(Crop):
     def params_from(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """``(B, 4)`` float boxes (top, left, height, width) from ``u``, ``(B, 40)`` uniforms (10 tries of 4)."""
         (H, W) = x.shape[-2:]
-        return rrc_boxes(H, W, u.view(x.shape[0], -1, 4), self.scale, self.ratio)  # one size: host constants
+        tries = u.view(len(u), u.shape[1] // 4, 4)  # (not -1: ambiguous for an empty batch)
+        return rrc_boxes(H, W, tries, self.scale, self.ratio)  # one size: host constants
 
     def _grid(self, x: torch.Tensor, boxes: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``grid_sample``'s sampling points, (B, oh, ow, 2): each output pixel centre mapped into its box
@@ -401,8 +404,8 @@ class Normalize(Transform):
             than by a copy afterwards (default None: the input's).
 
     Raises:
-        ConfigError: Only one of ``mean`` and ``std`` is given, ``std`` is not positive, ``dtype`` is not
-            floating, or (on call) the images' channels differ from ``mean``'s.
+        ConfigError: Only one of ``mean`` and ``std`` is given, their lengths differ, ``std`` is not positive,
+            ``dtype`` is not floating, or (on call) the images' channels differ from ``mean``'s.
     """
 
     def __init__(self, mean: Optional[Sequence[float]] = IMAGENET_MEAN, std: Optional[Sequence[float]] = IMAGENET_STD,
@@ -411,19 +414,26 @@ class Normalize(Transform):
             raise ConfigError(f"give both mean and std, or neither; got mean={mean!r}, std={std!r}")
         if std is not None and any(s <= 0 for s in std):
             raise ConfigError(f"std must be positive, got std={std!r}")
+        if mean is not None and len(mean) != len(std):
+            raise ConfigError(f"mean and std need one value per channel each, got {len(mean)} and {len(std)}: "
+                              f"mean={mean!r}, std={std!r}")
         if not dtype.is_floating_point:
             raise ConfigError(f"dtype must be a floating type, got dtype={dtype}")
         self.mean, self.std, self.dtype, self.memory_format = mean, std, dtype, memory_format
-        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per (device, channels): without mean and std, x / 255 fits images of any channel count
+        self._cache: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _coefficients(self, device: torch.device, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._cache:
+        if self.mean is not None and len(self.mean) != channels:
+            raise ConfigError(f"mean/std have {len(self.mean)} channels, the images {channels}: give one value "
+                              "per channel of the images")
+        if (device, channels) not in self._cache:
             mean = torch.tensor(self.mean if self.mean is not None else [0.0] * channels, dtype=torch.float64)
             std = torch.tensor(self.std if self.std is not None else [1.0] * channels, dtype=torch.float64)
             scale, shift = 1.0 / (255.0 * std), -mean / std
             scale, shift = (t.float().view(1, -1, 1, 1).to(device) for t in (scale, shift))
-            self._cache[device] = (scale, shift)
-        return self._cache[device]
+            self._cache[device, channels] = (scale, shift)
+        return self._cache[device, channels]
 
     def __call__(self, x: Batch, generator: Rng = None) -> Batch:
         if isinstance(x, dict):
@@ -437,8 +447,6 @@ class Normalize(Transform):
     def float32(self, x: torch.Tensor) -> torch.Tensor:
         """The normalised image tensor in float32, before the cast to ``dtype``."""
         scale, shift = self._coefficients(x.device, x.shape[1])
-        if scale.shape[1] != x.shape[1]:
-            raise ConfigError(f"mean/std have {scale.shape[1]} channels, the images {x.shape[1]}")
         # A multiply, then an add, as two kernels: no device may fuse them into one FMA (CUDA's addcmul does,
         # the CPU's does not), so the GPU gives the CPU's bits. Same passes as float() + addcmul.
         if self.memory_format is None or x.ndim != 4 or x.is_contiguous(memory_format=self.memory_format):
