@@ -358,6 +358,24 @@ def test_full_disk_is_a_clear_error_and_the_rerun_resumes(photo_folder, tmp_path
     assert tree_bytes(out) == tree_bytes(ref)
 
 
+def test_an_lmdb_write_error_is_judged_by_the_room_left(tmp_path, monkeypatch):
+    """LMDB gives no errno: its OS words ("No space left"), or EIO for a write that came up short. The test
+    above covers the file size limit; a full disk (free space under the store's map) and a real I/O error
+    are told apart by the room left."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from fastdata.formats import lmdb_store
+
+    usage = namedtuple("usage", "total used free")
+    short = Exception("mdb_txn_commit: Input/output error")
+    for free, want in ((1 << 10, errno.ENOSPC), (1 << 40, errno.EIO)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(1 << 41, 0, free))
+        assert lmdb_store._write_errno(short, tmp_path / "x.lmdb.tmp", 1 << 20) == want
+    assert lmdb_store._write_errno(Exception("No space left on device"), tmp_path / "x", 1) == errno.ENOSPC
+
+
 def _fill_slot(task: tuple[int, float], k: int | None) -> bytes | None:
     """A task that writes its index into its shared slot (or returns it where there is none)."""
     i, delay = task
