@@ -20,7 +20,8 @@ import numpy as np
 
 from fastdata.formats.base import npy_bytes, npy_header
 from fastdata.formats.image_shards import images_name, labels_name
-from fastdata.formats.manifest import IMAGES_NPY, load_manifest, new_manifest, verify, write_manifest
+from fastdata.formats.manifest import IMAGES_NPY, load_manifest, new_manifest, write_manifest
+from fastdata.formats.integrity import verify
 from fastdata.storage import shm
 from fastdata.storage.shards import ShardSet, load_bodies
 

@@ -45,7 +45,7 @@ _EXPORTS = {
     "preprocess_images": "fastdata.preprocess.images",
     "preprocess_text": "fastdata.preprocess.text",
     "shutdown_distributed": "fastdata.distributed",
-    "verify": "fastdata.formats.manifest",
+    "verify": "fastdata.formats.integrity",
 }
 __all__ = sorted(_EXPORTS)
 

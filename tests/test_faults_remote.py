@@ -36,7 +36,7 @@ def _image_gets(proxy) -> dict[str, int]:
 
 def _finals_are_whole(folder: Path, manifest: dict) -> list[str]:
     """The names in a cache folder that are not verified files of ``manifest`` (partial files, bad bytes)."""
-    from fastdata.formats.manifest import check_file
+    from fastdata.formats.integrity import check_file
 
     entries = {e["path"]: e for e in manifest["files"]}
     bad = []

@@ -593,7 +593,7 @@ def test_a_resume_reads_only_the_newest_units_files_and_checks_every_size(tmp_pa
     """A resume of a run that wrote terabytes must not hash them all first: sizes for every unit, sha256 for
     the newest two; a unit of the wrong size or (among the newest) the wrong bytes is redone with all after it."""
     from fastdata._io import write_bytes_atomic
-    from fastdata.formats import manifest
+    from fastdata.formats import integrity
     from fastdata.preprocess import journal
 
     out = tmp_path / "out"
@@ -607,8 +607,8 @@ def test_a_resume_reads_only_the_newest_units_files_and_checks_every_size(tmp_pa
         return jr
     run_of(10)
     hashed = []
-    real = manifest.hash_file
-    monkeypatch.setattr(manifest, "hash_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    real = integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
     assert len(journal.resume(out, "fp")[0].units) == 10
     assert sorted(hashed) == ["images-00008.npy", "images-00009.npy"]  # only the newest two read
     flip = bytearray((out / "images-00009.npy").read_bytes())

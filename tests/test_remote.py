@@ -268,7 +268,7 @@ def test_a_full_cache_disk_is_one_clear_line_not_retried_and_a_rerun_completes(s
     assert r.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "no space left while writing" in err and str(remote.dir) in err and "cache_limit" in err, err
     assert "tries" not in err and time.monotonic() - t0 < 60, err  # a full disk is not a network fault
-    from fastdata.formats.manifest import check_file
+    from fastdata.formats.integrity import check_file
 
     present = [e for e in remote.manifest["files"] if (remote.dir / e["path"]).exists()]
     assert all(check_file(remote.dir, e) is None for e in present)  # what has a final name is whole
@@ -468,7 +468,7 @@ def test_faults_are_survived_and_the_same_batches_delivered(s3, proxy, indexed_d
     assert _same(got, _epoch(FastLoader(FastDataset(indexed_datasets["npy"]), 16, seed=2, num_threads=2)))
     assert proxy.faults == {"reset": 1, "truncate": 1, "corrupt": 2, "503": 2}
     assert not list(ds.root.rglob("*.part-*"))
-    from fastdata.formats.manifest import verify
+    from fastdata.formats.integrity import verify
     problems = verify(ds.root)  # only verified bytes were ever given a final name (the shards' label files
     assert all(p.startswith("labels-") and p.endswith(": missing") for p in problems), problems  # are never read)
 

@@ -69,16 +69,16 @@ def test_verify_a_node_cache_counts_absent_files_but_catches_damaged_ones(datase
 def test_a_file_evicted_between_its_stat_and_its_hash_is_absent_not_a_traceback(dataset, capsys, monkeypatch):
     """A node cache evicts while verify runs: the file was there at the stat, gone at the open
     (a bare FileNotFoundError)."""
-    import fastdata.formats.manifest as manifest_module
+    import fastdata.formats.integrity as integrity
 
     (dataset / ".source.json").write_text(json.dumps({"url": "s3://bucket/ds", "id": "x", "created": 0}))
-    victim, real = _data_file(dataset), manifest_module.hash_file
+    victim, real = _data_file(dataset), integrity.hash_file
 
     def evicted_first(path, *args, **kwargs):
         if path.name == victim.name:
             path.unlink()  # (the cache of a job reading it, right after verify's stat)
         return real(path, *args, **kwargs)
-    monkeypatch.setattr(manifest_module, "hash_file", evicted_first)
+    monkeypatch.setattr(integrity, "hash_file", evicted_first)
     assert main(["verify", str(dataset), "--quiet", "--workers", "1"]) == 0  # (absent: fetched when read)
     assert not victim.exists() and capsys.readouterr().err == ""
 
@@ -86,9 +86,9 @@ def test_a_file_evicted_between_its_stat_and_its_hash_is_absent_not_a_traceback(
 def test_a_dataset_replaced_while_it_is_verified_is_said_so_not_damaged(dataset, photo_folder, capsys, monkeypatch):
     """An overwrite swapped the folder under a verify: every file of two intact datasets was reported
     "truncated or replaced"."""
-    import fastdata.formats.manifest as manifest_module
+    import fastdata.formats.integrity as integrity
 
-    real, fmt = manifest_module.check_file, "lmdb" if (dataset / "images-00000.lmdb").exists() else "npy"
+    real, fmt = integrity.check_file, "lmdb" if (dataset / "images-00000.lmdb").exists() else "npy"
     swapped = []
 
     def overwritten_first(root, entry, **kwargs):
@@ -96,15 +96,15 @@ def test_a_dataset_replaced_while_it_is_verified_is_said_so_not_damaged(dataset,
             swapped.append(main(["preprocess", "images", str(photo_folder), str(dataset), "--size", "24",
                                  "--shard-size", "16", "--format", fmt, "--workers", "1", "--quiet", "--overwrite"]))
         return real(root, entry, **kwargs)
-    monkeypatch.setattr(manifest_module, "check_file", overwritten_first)
+    monkeypatch.setattr(integrity, "check_file", overwritten_first)
     assert main(["verify", str(dataset), "--quiet", "--workers", "1"]) == 1 and swapped == [0]
     assert "was replaced while it was verified" in capsys.readouterr().err
-    monkeypatch.setattr(manifest_module, "check_file", real)
+    monkeypatch.setattr(integrity, "check_file", real)
     assert main(["verify", str(dataset), "--quiet"]) == 0
 
 
 def test_files_hashed_at_once_give_the_same_problems_in_the_manifests_order(dataset, capsys):
-    from fastdata.formats.manifest import verify
+    from fastdata.formats.integrity import verify
 
     files = [e["path"] for e in load_manifest(dataset)["files"]]
     flipped, cut, gone = (dataset / files[i] for i in (0, 2, 3))

@@ -23,7 +23,8 @@ def add_retry_seconds(cmd: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..formats.manifest import load_manifest, total_bytes, verify
+    from ..formats.manifest import load_manifest, total_bytes
+    from ..formats.integrity import verify
     from ..progress import progress_bar
     from ..storage.cache_folders import SOURCE_NAME
     from ..storage.object_store import is_url
@@ -60,7 +61,8 @@ def _problems(head: str, problems: list[str]) -> None:
 def _verify_url(args: argparse.Namespace) -> int:
     """``fastdata verify URL``: the objects in the store, hashed as they stream (the cache is not their
     source), then this version's node cache folder, if any, reported apart. Exit 0 only if both are intact."""
-    from ..formats.manifest import MANIFEST_NAME, total_bytes, verify
+    from ..formats.manifest import MANIFEST_NAME, total_bytes
+    from ..formats.integrity import verify
     from ..progress import progress_bar
     from .._io import scrub
     from ..storage.remote import RemoteDataset, verify_store

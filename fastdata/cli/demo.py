@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..formats.manifest import verify
+from ..formats.integrity import verify
 from ..imaging.decode_file import load_array
 from ..preprocess.images import ImagePreprocessConfig, preprocess_images
 from .synthetic import make_image_folder

@@ -46,7 +46,8 @@ from typing import Any, Iterator, Optional
 
 from .._io import LOCKS_HELD, disk_error, fsync_dir, make_folder, write_bytes_atomic
 from ..errors import OutputError
-from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR, check_file
+from ..formats.manifest import MANIFEST_NAME, PARTIAL_DIR
+from ..formats.integrity import check_file
 
 log = logging.getLogger(__name__)
 _held = LOCKS_HELD  # folder descriptors locked by this process, let go in forked children (NOTE [locks across fork])

@@ -33,7 +33,8 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
     Returns:
         Counts of objects ``uploaded`` and ``skipped`` (already there with the same size and checksum).
     """
-    from ..formats.manifest import load_manifest, require_intact
+    from ..formats.manifest import load_manifest
+    from ..formats.integrity import require_intact
 
     local = Path(local)
     manifest = load_manifest(local)

@@ -32,7 +32,8 @@ import numpy as np
 
 from .._io import HASH_NAME, disk_error, fsync_dir, map_threads, new_hash, open_new, scrub, write_bytes_atomic
 from ..errors import ChecksumError, FormatError
-from ..formats.manifest import MANIFEST_NAME, file_problem, parse_manifest
+from ..formats.manifest import MANIFEST_NAME, parse_manifest
+from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
 from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size,
                             default_cache_dir, lock_file)

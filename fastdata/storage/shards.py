@@ -3,7 +3,7 @@ shard files into memory maps, one contiguous RAM copy, the node's ``/dev/shm`` c
 
 FastDataset (image shards) and TokenDataset (token streams) both open their data here, so every mode
 checks files the same way (sizes on every open, sha256 when asked or when the bytes are read anyway;
-see NOTE [file check] in fastdata/formats/manifest.py) and hands back the same `OpenedShards`.
+see NOTE [file check] in fastdata/formats/integrity.py) and hands back the same `OpenedShards`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from .. import _limits
 from .._io import HASH_WORKERS, contained_sizes, contained_stat, map_threads, new_hash, plain_relative, safe_join
 from ..errors import ConfigError, FormatError, OutputError
 from ..formats.base import body_offsets, npy_header
-from ..formats.manifest import damaged_error, file_error, file_problem, require_intact
+from ..formats.integrity import damaged_error, file_error, file_problem, require_intact
 from ..formats.rows import column, int_column, rows_by, unzipped
 from . import shm
 

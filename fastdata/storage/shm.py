@@ -35,7 +35,7 @@ from .._io import (HASH_NAME, HASH_WORKERS, LockFile, disk_error, fsync_dir, ite
                    open_new, read_regular, safe_join)
 from ..errors import ChecksumError, OutputError
 from ..formats.base import body_offsets
-from ..formats.manifest import damaged_error, file_problem
+from ..formats.integrity import damaged_error, file_problem
 from ..formats.rows import column, rows_by
 
 PREFIX = "fastdata-"

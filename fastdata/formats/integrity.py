@@ -1,0 +1,132 @@
+"""A dataset's files checked against its manifest: sizes always, sha256 digests where asked (readers,
+`verify`, the shm copy, the preprocess journal)."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .._io import HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threads, safe_join
+from ..errors import ChecksumError, ConfigError, FormatError
+from .manifest import MANIFEST_NAME, load_manifest
+
+
+# NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file
+# with its manifest entry through `file_problem`; callers that already stream the bytes (a load into RAM,
+# the shm copy) pass the digest they computed on the way, so no file is read twice to be checked.
+def file_problem(entry: dict[str, Any], size: Optional[int], digest: Optional[str] = None) -> Optional[str]:
+    """What is wrong with a file of ``size`` bytes (None: absent) hashing to ``digest`` (None: not hashed)
+    against its manifest ``entry``: ``"missing"``, ``"size"``, ``"hash"``, or None when it matches."""
+    if size is None:
+        return "missing"
+    if size != int(entry["bytes"]):
+        return "size"
+    if digest is not None and digest != entry[HASH_NAME]:
+        return "hash"
+    return None
+
+
+def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
+               progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
+    """`file_problem` for ``root / entry["path"]``: its size, and its sha256 when ``hashed``."""
+    st = contained_stat(root, entry["path"])
+    size = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+    digest = None
+    if hashed and size == entry["bytes"]:
+        try:
+            digest = hash_file(Path(root) / entry["path"], progress)
+        except FileNotFoundError:  # gone since its stat (a node cache evicted it): missing
+            size = None
+    if progress is not None and size is not None and digest is None and hashed:
+        progress(int(entry["bytes"]))  # a file refused on its size still counts as done for the bar
+    return file_problem(entry, size, digest)
+
+
+def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optional[int] = None,
+                  advice: str = "re-run `fastdata preprocess`") -> FormatError:
+    """The error a reader raises for a `file_problem` (the message says what to do)."""
+    if problem == "missing":
+        return FormatError(f"{path} is missing: the dataset is incomplete; {advice}")
+    if problem == "size":
+        return ChecksumError(f"{path} has {size} bytes but the manifest says {entry['bytes']}: truncated or "
+                             f"replaced; {advice}")
+    return ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): run "
+                         f"`fastdata verify` and {advice}")
+
+
+def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:
+    """Raise `damaged_error` unless ``root / entry["path"]`` matches its entry."""
+    problem = check_file(root, entry, hashed=hashed)
+    if problem is not None:
+        raise file_error(root, entry, problem)
+
+
+def file_error(root: Path, entry: dict[str, Any], problem: str) -> FormatError:
+    """`damaged_error` for the `check_file` problem of ``root / entry["path"]``, with its size on disk."""
+    path = safe_join(root, entry["path"])
+    return damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
+
+
+def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False,
+           workers: Optional[int] = None) -> list[str]:
+    """Re-hash every file a dataset's manifest lists, as ``fastdata verify`` does.
+
+    Args:
+        root: The dataset folder.
+        progress: Called with the bytes of each block hashed, from the worker threads, for a progress bar
+            (default None).
+        partial: The folder is a node cache of a remote dataset (default False).
+            A file not (or no longer) cached there is fetched and checked when read, so absent files are not
+            problems.
+        workers: Files hashed at once (default: this machine's cores, at most 8): sha256 takes a core per
+            file, and a disk array or NVMe drive reads faster than one core hashes.
+
+    Returns:
+        One line per problem (a file missing, of the wrong size, or whose checksum differs), in the
+        manifest's order; empty when the dataset is intact.
+
+    Raises:
+        ConfigError: ``workers`` is not a positive integer.
+        FormatError: ``root`` is not a dataset folder, or its manifest is damaged.
+        VersionError: The manifest was written by a format version this fastdata cannot read.
+
+    Examples:
+        >>> problems = verify("data/train")
+        >>> problems  # e.g. ["images-00003.npy: sha256 mismatch (file was modified or damaged)"]
+        []
+    """
+    workers = HASH_WORKERS if workers is None else workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got workers={workers!r}")
+    root = Path(root)
+    before = _identity(root)
+    manifest = load_manifest(root)
+
+    def problem_of(entry: dict[str, Any]) -> Optional[str]:
+        problem = check_file(root, entry, progress=progress)
+        if problem == "missing":
+            return None if partial else f"{entry['path']}: missing"
+        if problem == "size":
+            try:
+                size = safe_join(root, entry["path"]).stat().st_size
+            except FileNotFoundError:  # (evicted since: missing)
+                return None if partial else f"{entry['path']}: missing"
+            return f"{entry['path']}: {size} bytes on disk, manifest says {entry['bytes']} (truncated or replaced)"
+        if problem == "hash":
+            return f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)"
+        return None
+    problems = [p for p in map_threads(problem_of, manifest["files"], workers, "fastdata-verify") if p is not None]
+    if problems and _identity(root) != before:  # its files are another dataset's now: none of them is damage
+        raise FormatError(f"{root} was replaced while it was verified (a `fastdata preprocess --overwrite` or a new "
+                          "copy): run `fastdata verify` again")
+    return problems
+
+
+def _identity(root: Path) -> Optional[tuple[int, ...]]:
+    """The folder and its manifest as they are now (an overwrite swaps the folder, a rewrite the manifest)."""
+    try:
+        folder, m = os.stat(root), os.stat(root / MANIFEST_NAME)
+    except OSError:
+        return None
+    return folder.st_dev, folder.st_ino, m.st_ino, m.st_size, m.st_mtime_ns
