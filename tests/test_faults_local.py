@@ -670,6 +670,10 @@ def test_preprocess_never_writes_through_a_link_in_out_and_names_what_is_in_the_
     assert main(args[:3] + [str(tmp_path / "linked")] + args[4:]) == 0
     assert (elsewhere / "journal.jsonl").read_text() == "their own file"
     assert not os.path.lexists(tmp_path / "linked" / ".fastdata-partial")
+    (tmp_path / "linked2").mkdir()  # and with --overwrite (rmtree refused the link: a traceback)
+    (tmp_path / "linked2" / ".fastdata-partial").symlink_to(elsewhere)
+    assert main(args[:3] + [str(tmp_path / "linked2")] + args[4:] + ["--overwrite"]) == 0
+    assert (elsewhere / "journal.jsonl").read_text() == "their own file"
     other = tmp_path / "other"
     (other / "images-00001.npy").mkdir(parents=True)
     assert main(args[:3] + [str(other)] + args[4:]) != 0

@@ -223,6 +223,29 @@ def test_a_loaders_error_comes_after_the_batches_fetched_before_it(depth):
         assert seen == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_conversion_error_launched_inline_comes_at_its_turn(depth):
+    """On a GPU without run_ahead the look-ahead launches each batch inline: a batch's conversion error was
+    raised from the launch, before the batches fetched ahead of it were handed out (the CUDA path, run here
+    on the CPU: the same code without its stream)."""
+    class FailsAt4(RandomHorizontalFlip):
+        calls = 0
+
+        def __call__(self, x, generator=None):
+            self.calls += 1
+            if self.calls == 4:
+                raise ValueError("batch 3 is bad")
+            return super().__call__(x, generator)
+
+    batches = [(torch.full((2, 4, 4, 3), i, dtype=torch.uint8), torch.tensor([i, i])) for i in range(6)]
+    pf = CUDAPrefetcher(batches, device="cpu", depth=depth, transforms=FailsAt4(), run_ahead=False)
+    pf._batch_in_epoch, seen = 0, []  # (as an iteration sets it)
+    with pytest.raises(ValueError, match="batch 3 is bad"):
+        for _, y in pf._iter_ahead():  # (the path device="cuda" takes)
+            seen.append(int(y[0]))
+    assert seen == [0, 1, 2]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_side_thread_serves_the_loaders_order_with_buffers_in_heavy_reuse(indexed_datasets, device):
     """NOTE [prefetch thread]: batches in order, each equal to the synchronous path's, with a loader of two

@@ -344,7 +344,10 @@ class CUDAPrefetcher(LiveIteration):
             held.append(job)
             ready.append(job)
             if side is None:
-                self._launch(job, stream)
+                try:
+                    self._launch(job, stream)
+                except Exception as exc:  # raised at its turn, after the batches before it (as the side thread's)
+                    job.error = exc
             else:
                 side.submit(job)
             return True

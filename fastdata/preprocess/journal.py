@@ -278,7 +278,10 @@ def prepare_output(out: Path, fingerprint: str, overwrite: bool, continues: tupl
         for name in names:
             if OWNED.match(name):
                 p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                if name == PARTIAL_DIR:
+                    remove_partial(out)  # (a link there unlinked, never followed)
+                else:
+                    p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
     return None
 
 
