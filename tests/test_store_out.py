@@ -108,6 +108,9 @@ def test_a_file_url_is_written_and_read_as_any_store(awkward_folder, tmp_path):
     victim.write_text("not fastdata's file")
     (tmp_path / "planted").mkdir()
     (tmp_path / "planted" / "images-00000.npy").symlink_to(victim)
+    (tmp_path / "theirs").mkdir()  # (OUT at a file:// URL is a folder: its journal never follows a link either)
+    (tmp_path / "theirs" / "run.json").write_text("their run")
+    (tmp_path / "planted" / ".fastdata-partial").symlink_to(tmp_path / "theirs")
     (tmp_path / "pushed" / "ds").mkdir(parents=True)
     (tmp_path / "pushed" / "ds" / "labels-00000.npy").symlink_to(victim)
     assert preprocess(awkward_folder, f"file://{tmp_path / 'planted'}") == 0
@@ -115,6 +118,8 @@ def test_a_file_url_is_written_and_read_as_any_store(awkward_folder, tmp_path):
     assert not (tmp_path / "planted" / "images-00000.npy").is_symlink()
     assert main(["push", str(tmp_path / "local"), f"file://{tmp_path / 'pushed' / 'ds'}"]) == 0
     assert victim.read_text() == "not fastdata's file"
+    assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["run.json"]
+    assert (tmp_path / "theirs" / "run.json").read_text() == "their run"
     pushed = tree_bytes(tmp_path / "pushed" / "ds")
     assert {k: v for k, v in pushed.items() if not k.startswith(".fastdata-push/")} == tree_bytes(tmp_path / "local")
 

@@ -23,7 +23,7 @@ from .._io import scrub
 from ..errors import ConfigError, ImageDecodeError, require
 from ..formats.base import LABEL_DTYPE
 from ..imaging import decode_file as decode
-from ..storage.object_store import is_url
+from ..storage.object_store import is_url, output_location
 from . import journal, parallel, ray_pool, store_out
 from .discover import discover_source
 from .image_manifest import Listed, finish, sample_fields
@@ -107,7 +107,7 @@ class ImagePreprocessConfig:
         for name in ("src", "out"):  # (an unset shell variable: Path("") is the current folder)
             require(str(getattr(self, name)).strip() != "", name, getattr(self, name), "a path or URL")
         object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # tars at a URL
-        object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))  # a URL: NOTE [output at a URL]
+        object.__setattr__(self, "out", output_location(self.out))  # a URL: NOTE [output at a URL]
         require(isinstance(self.size, int) and 8 <= self.size <= 8192, "size", self.size, "an integer in 8..8192")
         require(self.resize in RESIZE_MODES, "resize", self.resize, f"one of {RESIZE_MODES}")
         require(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")

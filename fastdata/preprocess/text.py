@@ -40,7 +40,7 @@ from ..errors import SourceError, TextInputError, require
 from ..formats import token_shards as ts
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
 from ..formats.tokenizer import Tokenizer, load_tokenizer, token_dtype
-from ..storage.object_store import is_url
+from ..storage.object_store import is_url, output_location
 from . import journal, parallel, ray_pool, store_out
 from .documents import Part, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
 from .text_tasks import MAX_EXAMPLES, TextPlan, piece_task
@@ -101,7 +101,7 @@ class TextPreprocessConfig:
         require(str(self.src) != "", "src", self.src, "a non-empty path or URL (an empty one is the current folder)")
         require(str(self.out) != "", "out", self.out, "a non-empty path or URL (an empty one is the current folder)")
         object.__setattr__(self, "src", self.src if is_url(self.src) else Path(self.src))  # Path folds s3:// to s3:/
-        object.__setattr__(self, "out", self.out if is_url(self.out) else Path(self.out))
+        object.__setattr__(self, "out", output_location(self.out))  # a URL: NOTE [output at a URL]
         require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction, "in [0, 1)")
         require(self.on_error in ("skip", "fail"), "on_error", self.on_error, "'skip' or 'fail'")
         require(isinstance(self.shard_tokens, int) and self.shard_tokens >= 1, "shard_tokens", self.shard_tokens,

@@ -25,6 +25,7 @@ import posixpath
 import random
 import re
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -43,6 +44,17 @@ _FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, 
 def is_url(path: Union[str, Path]) -> bool:
     """True for ``protocol://...`` (``file://`` included); plain paths are read in place, as before."""
     return isinstance(path, str) and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
+
+
+def output_location(out: Union[str, Path]) -> Union[str, Path]:
+    """Where a run writes: a URL as given, a path as a Path; a ``file://`` URL as the local folder it names,
+    so that it gets a folder's journal, locks and never-through-a-link writes, not a store's."""
+    if not is_url(out):
+        return Path(out)
+    parsed = urllib.parse.urlparse(str(out))
+    if parsed.scheme.lower() == "file" and parsed.netloc in ("", "localhost"):
+        return Path(urllib.parse.unquote(parsed.path))
+    return out
 
 
 def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
