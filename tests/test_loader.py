@@ -141,6 +141,13 @@ def test_a_new_iterator_closes_the_previous_one(indexed_datasets, storage):
             next(it1)
 
 
+def test_a_state_that_is_no_dict_is_refused_by_the_loader(ds):
+    """FastLoader read state.get before the sampler's check: a list gave AttributeError."""
+    for state in ([("epoch", 0)], None, "epoch 0"):
+        with pytest.raises(ConfigError, match="a loader state is a dict"):
+            FastLoader(ds, 10).load_state_dict(state)
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

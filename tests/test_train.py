@@ -455,7 +455,13 @@ def test_loaders_made_for_another_number_of_ranks_are_refused_and_torchrun_witho
 
     ds = FastDataset(small_images)
     cfg = TrainConfig(epochs=1, device="cpu", progress=False)
-    Trainer(Linear(), FastLoader(ds, 8), FastLoader(ds, 8, rank=0, world_size=1, pad=False), config=cfg)
+    from fastdata.train.trainer import check_ranks
+
+    mine = [FastLoader(ds, 8, rank=r, world_size=2) for r in (0, 1)]
+    check_ranks(mine[0], FastLoader(ds, 8, rank=0, world_size=1, pad=False), 2)  # each rank the whole val set
+    check_ranks(mine[1], FastLoader(ds, 8, rank=1, world_size=2, pad=False), 2)
+    with pytest.raises(ConfigError, match=r"training loader deals its data to 1 rank\(s\), this run has 2"):
+        check_ranks(FastLoader(ds, 8, rank=0, world_size=1), None, 2)  # (made before init_distributed)
     for train, val in ((FastLoader(ds, 8, rank=1, world_size=2), None),
                        (FastLoader(ds, 8), FastLoader(ds, 8, rank=0, world_size=2, pad=False)),
                        (torch.utils.data.DataLoader(ds, batch_sampler=DistributedBatchSampler(48, 8, rank=0,

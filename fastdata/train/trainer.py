@@ -118,13 +118,7 @@ class Trainer:
             checkpoint.prepare_folder(cfg.checkpoint_dir, cfg.retry_seconds)
         check_device(cfg, self.device)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # pick the fastest conv kernels for fixed shapes
-        for name, loader in (("training", train_loader), ("validation", val_loader)):
-            made_for = _ranks_of(loader)
-            whole = name == "validation" and made_for == 1  # (each rank the whole set: evaluate's sums agree)
-            if made_for is not None and made_for != self.dist.world_size and not whole:
-                raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has "
-                                  f"{self.dist.world_size}: make loaders after fastdata.init_distributed() (the "
-                                  "Trainer joins the group then), or pass rank and world_size")
+        check_ranks(train_loader, val_loader, self.dist.world_size)
         self.train_loader, self.val_loader = train_loader, val_loader
         self.channels_last = cfg.channels_last and is_convnet(model)
         layout = torch.channels_last if self.channels_last else torch.preserve_format
@@ -501,6 +495,23 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def check_ranks(train_loader: Any, val_loader: Any, world_size: int) -> None:
+    """Refuse loaders dealt to other ranks than the run has (made before `init_distributed`: every rank would
+    train on the whole epoch). A validation loader on one rank's order is the whole set on each rank: valid,
+    `Trainer.evaluate` sums over ranks.
+
+    Raises:
+        ConfigError: naming the loader, its ranks and the run's.
+    """
+    for name, loader in (("training", train_loader), ("validation", val_loader)):
+        made_for = _ranks_of(loader)
+        whole = name == "validation" and made_for == 1
+        if made_for is not None and made_for != world_size and not whole:
+            raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has {world_size}: "
+                              "make loaders after fastdata.init_distributed() (the Trainer joins the group then), "
+                              "or pass rank and world_size")
 
 
 def _ranks_of(loader: Any) -> Optional[int]:
