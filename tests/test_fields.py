@@ -233,42 +233,48 @@ def test_masks_keep_the_image_geometry_through_preprocessing(tmp_path, mode):
     assert agree.mean() >= 0.99, agree.mean(axis=(1, 2))
 
 
-@pytest.mark.parametrize("mode, w, h, size, edge", [("center-crop", 1032, 768, 96, 504),
-                                                     ("squash", 1025, 1025, 128, 1000), ("pad", 129, 96, 64, 129)])
-def test_masks_and_boxes_stay_on_a_jpeg_decoded_at_a_reduced_scale(tmp_path, mode, w, h, size, edge):
+@pytest.mark.parametrize("mode, w, h, size, edges", [("center-crop", 1032, 768, 96, (504, 384)),
+                                                      ("squash", 1025, 1025, 128, (1000, 1000)),
+                                                      ("pad", 129, 96, 64, (129, 96))])
+def test_masks_and_boxes_stay_on_a_jpeg_decoded_at_a_reduced_scale(tmp_path, mode, w, h, size, edges):
     """A JPEG decoded at 1/2-1/8 (DCT scaling) has ceil(w / d) pixels covering d times that many source
     pixels; its masks and boxes were mapped from the full size: half a pixel off (center-crop, cut at the
     decoded integer offset), 0.86 px (squash), a letterbox row labelled (pad). Now as a PNG's are, also
-    for JPEGs stored turned (EXIF 3 and 6: the padded pixel comes first along a reversed axis)."""
-    img = np.zeros((h, w, 3), np.uint8)  # white left of a vertical edge (pad: all white)
-    img[:, :edge] = 255
-    mask = np.zeros((h, w), np.uint8)
-    mask[:, :edge] = 1
+    for JPEGs stored turned or mirrored (EXIF 2-8: the padded pixel comes first along a reversed axis),
+    along x and y."""
+    ex, ey = edges
+    img = np.zeros((h, w, 3), np.uint8)  # white above and left of two edges (pad: all white)
+    img[:ey, :ex] = 255
+    mask = (img[..., 0] > 0).astype(np.uint8)
     Image.fromarray(img).save(tmp_path / "a.jpg", quality=100, subsampling=0)
-    for orientation, stored in ((3, img[::-1, ::-1]), (6, np.rot90(img))):  # (shown upright by the viewer)
+    T = Image.Transpose  # what a viewer undoes for each orientation (exif_transpose's inverse)
+    stored = {2: T.FLIP_LEFT_RIGHT, 3: T.ROTATE_180, 4: T.FLIP_TOP_BOTTOM, 5: T.TRANSPOSE, 6: T.ROTATE_90,
+              7: T.TRANSVERSE, 8: T.ROTATE_270}
+    for orientation, turn in stored.items():
         exif = Image.Exif()
         exif[0x0112] = orientation
-        Image.fromarray(np.ascontiguousarray(stored)).save(tmp_path / f"o{orientation}.jpg", quality=100,
-                                                           subsampling=0, exif=exif)
+        Image.fromarray(img).transpose(turn).save(tmp_path / f"o{orientation}.jpg", quality=100, subsampling=0,
+                                                  exif=exif)
     Image.fromarray(img).save(tmp_path / "a.png")
     Image.fromarray(mask).save(tmp_path / "m.png")
-    names = ("a.jpg", "o3.jpg", "o6.jpg", "a.png")
-    recs = [{"image": n, "mask": "m.png", "boxes": [[0, 0, edge, h]], "box_labels": [0]} for n in names]
+    names = ("a.jpg", *(f"o{o}.jpg" for o in stored), "a.png")
+    recs = [{"image": n, "mask": "m.png", "boxes": [[0, 0, ex, ey]], "box_labels": [0]} for n in names]
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=size, resize=mode)
     b = FastDataset(tmp_path / "out").get_batch(list(range(len(names))))
-    for i in range(len(names)):
-        picture = b["image"][i].numpy()[..., 0].astype(float) / 255
+    for i, name in enumerate(names):
+        picture, labelled = b["image"][i].numpy()[..., 0].astype(float) / 255, b["mask"][i].numpy() == 1
         if mode == "pad":  # the picture's rows are the mask's and the box's
             rows = np.flatnonzero(picture[:, size // 2] > 0.5)
-            assert np.array_equal(rows, np.flatnonzero(b["mask"][i].numpy()[:, size // 2] == 1)), i
-            assert b["boxes"][i].tolist()[1::2] == [float(rows[0]), float(rows[-1] + 1)], i
+            assert np.array_equal(rows, np.flatnonzero(labelled[:, size // 2])), name
+            assert b["boxes"][i].tolist()[1::2] == [float(rows[0]), float(rows[-1] + 1)], name
             continue
-        x = picture[size // 2].sum()  # the edge, to a fraction of a pixel
-        assert abs(b["boxes"][i].tolist()[2] - x) < 0.2, (i, b["boxes"][i].tolist(), x)
-        labelled, row = b["mask"][i].numpy()[size // 2] == 1, picture[size // 2]
-        clear = (row > 0.75) | (row < 0.25)  # (a column the edge halves may go either way)
-        assert np.array_equal(labelled[clear], row[clear] > 0.5), i
+        box = b["boxes"][i].tolist()
+        for line, edge in ((picture[10], box[2]), (picture[:, 10], box[3])):  # (x along a row, y down a column)
+            assert abs(line.sum() - edge) < 0.2, (name, box, line.sum())
+        for got, line in ((labelled[10], picture[10]), (labelled[:, 10], picture[:, 10])):
+            clear = (line > 0.75) | (line < 0.25)  # (a pixel the edge halves may go either way)
+            assert np.array_equal(got[clear], line[clear] > 0.5), name
 
 
 def test_a_hugging_face_style_parquet_file_is_read_by_row_group(tmp_path):
