@@ -98,7 +98,8 @@ def test_a_url_with_a_password_is_shown_without_it(tmp_path, capsys):
     from test_wds_source import _RangeHandler
 
     data = _detection(tmp_path)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(tmp_path)))
+    handler = functools.partial(_RangeHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://alice:S3CRETPW@127.0.0.1:{server.server_address[1]}/{data.name}"
