@@ -14,7 +14,7 @@ import numpy as np
 
 from .._io import HASH_NAME, plain_relative, write_json_atomic
 from .._version import __version__
-from ..errors import FormatError, VersionError
+from ..errors import FormatError, VersionError, is_whole
 from .rows import Rows, column, compact_rows, has_columns, int_column, is_rows, suspect_paths
 from .rows_json import ROWS, EachKey, canonical_pieces, loads_with_rows
 from .schema import fields_of
@@ -175,7 +175,7 @@ def compact(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_whole(value) and value >= 0
 
 
 def check_layout(manifest: dict[str, Any], where: str) -> None:

@@ -10,6 +10,7 @@ is dropped.
 """
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import io
@@ -38,7 +39,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _PARQUET_BATCH = 4096  # rows a Parquet read hands over at a time: a row group can hold hundreds of MB of text
 # a UTF-8 byte order mark (Windows editors, some exports) opens a file, never a document: dropped at byte 0 only,
 # so a file's parts (NOTE [text pieces] 3) drop it once, from the part that reads the file's first line
-_BOM = b"\xef\xbb\xbf"
+_BOM = codecs.BOM_UTF8
 
 
 @dataclass(frozen=True)

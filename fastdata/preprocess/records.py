@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from ..errors import SourceError
+from ..errors import SourceError, is_whole
 from ..formats.schema import valid_name
 from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_id, is_image_name,
                       shown)
@@ -139,10 +139,6 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
     return col
 
 
-def _is_id(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[int], paths: list[str]
              ) -> tuple[list[str], dict[str, list[Any]]]:
     """One class list for label/labels/box_labels: integer ids keep their ids (below `id_limit` of ``samples``;
@@ -151,7 +147,7 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
              for v in (rec if isinstance(rec, list) else [rec])]
     if not names:
         return [], extras
-    if all(_is_id(v) for v in names):
+    if all(is_whole(v) for v in names):
         low, top = min(names), max(names)
         if low < 0:
             raise SourceError(f"{location}: class ids must be >= 0, got {low} (the {_sample_of(extras, low, paths)}; "
@@ -161,8 +157,8 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
             location = f"{location}, the {_sample_of(extras, top, paths)}"
         return id_classes(top, samples, str(location)), extras
     if not all(isinstance(v, str) for v in names):
-        ids = _is_id(names[0])  # the first value says which kind the others should be
-        bad = next(v for v in names if (not _is_id(v) if ids else not isinstance(v, str)))
+        ids = is_whole(names[0])  # the first value says which kind the others should be
+        bad = next(v for v in names if (not is_whole(v) if ids else not isinstance(v, str)))
         raise SourceError(f"{location}: class labels mix ids and names: {shown(bad)} is the "
                           f"{_sample_of(extras, bad, paths)}, but {shown(names[0])}, the "
                           f"{_sample_of(extras, names[0], paths)}, is {'an id' if ids else 'a name'}: give every "
