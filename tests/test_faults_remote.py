@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from conftest import sample_ids
 from test_remote import _downloads, _epoch, _same
 
@@ -223,6 +224,44 @@ def test_a_push_rides_out_an_outage_and_the_manifest_lands_last(s3, proxy, index
     keys = {o["Key"] for o in s3.client.list_objects_v2(Bucket="push-outage")["Contents"]}
     assert "ds/manifest.json" in keys and len([k for k in keys if not k.startswith("ds/.fastdata-push/")]) == 16
     assert push(indexed_datasets["npy"], url, retry_seconds=20)["skipped"] == 15
+
+
+@pytest.mark.parametrize("times", [1, 10 ** 6])
+def test_an_upload_the_store_keeps_part_of_is_put_again_or_stops_the_run(s3, proxy, indexed_datasets, tmp_path,
+                                                                          monkeypatch, times):
+    """A store (or a gateway) that keeps half of a PUT and answers 200: a preprocess run to the URL ended
+    'complete' with a manifest naming the whole shard, a rerun kept it, and a push likewise. Each upload is
+    checked by the size the store then holds: put again within the budget, past it one clear error and no
+    manifest."""
+    from fastdata.cli.main import main
+    from fastdata.errors import FastdataError
+    from fastdata.storage.push import push
+
+    bucket = f"short-{times}"
+    url = s3(bucket)
+    src = tmp_path / "src"
+    for k in range(6):
+        (src / f"c{k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (20, 18), (40 * k, 9, 200)).save(src / f"c{k % 2}" / f"{k}.png")
+    proxy.inject("short", r"/ds/images-00001\.npy$", times=times)
+    proxy.inject("short", r"/pushed/images-00001\.npy$", times=times)
+    from fastdata.preprocess import store_out
+
+    monkeypatch.setattr(store_out.StoreOut.__init__, "__defaults__", (1.0,))  # a budget of 1 s (not 120)
+    args = ["preprocess", "images", str(src), f"{url}/ds", "--size", "8", "--shard-size", "2", "--quiet"]
+    pushed = lambda: push(indexed_datasets["npy"], f"{url}/pushed", retry_seconds=1)  # noqa: E731
+    keys = lambda: {o["Key"] for o in s3.client.list_objects_v2(Bucket=bucket).get("Contents", [])}  # noqa: E731
+    if times == 1:  # put again: whole
+        assert main(args) == 0 and main(["verify", f"{url}/ds"]) == 0
+        assert pushed()["uploaded"] == 15 and main(["verify", f"{url}/pushed"]) == 0
+        return
+    assert main(args) == 1
+    with pytest.raises(FastdataError, match=r"cannot upload .*images-00001\.npy after \d+ tr.*the store holds \d+ "
+                                          r"bytes of \d+ after the upload"):
+        pushed()
+    assert not {"ds/manifest.json", "pushed/manifest.json"} & keys()
+    proxy.clear()
+    assert main(args) == 0 and main(["verify", f"{url}/ds"]) == 0  # the rerun puts it whole
 
 
 def test_verify_checks_the_store_and_finds_a_replaced_object_with_a_warm_cache(s3, proxy, indexed_datasets,
@@ -657,11 +696,16 @@ def test_checkpoints_at_a_url_keep_generations_ride_out_an_outage_and_never_lose
         time.sleep(0.1)
     assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 4
 
-    proxy.inject("short", r"/run/checkpoint\.pt\.uploading$")  # the store keeps half of it and answers 200
+    proxy.inject("short", r"/run/checkpoint\.pt\.uploading$", times=1)  # half kept, 200 answered: tried again
+    save(6, keep=1)
+    assert newest_i() == 6 and _store_bytes(s3, "ckpt", "run/checkpoint.pt") != last
+    last = _store_bytes(s3, "ckpt", "run/checkpoint.pt")
+    proxy.inject("short", r"/run/checkpoint\.pt\.uploading$", times=10 ** 6)  # every try: a clear error
     with pytest.raises(OutputError, match=r"checkpoint not saved: cannot upload s3://ckpt/run/checkpoint\.pt"
-                                          r"\.uploading: the store holds \d+ bytes of \d+"):
-        save(6, keep=1)  # (the only generation kept: it must not be touched)
-    assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 4
+                                          r"\.uploading after \d+ tr.*the store holds \d+ bytes of \d+"):
+        save(7, keep=1, retry_seconds=1)  # (the only generation kept: it must not be touched)
+    proxy.clear()
+    assert _store_bytes(s3, "ckpt", "run/checkpoint.pt") == last and newest_i() == 6
     assert sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt")["Contents"]) == keys  # no upload left
 
     # a newest generation the store lost the tail of: the resume falls back and says so

@@ -284,10 +284,17 @@ class StoreFolder:
 
 
 def put_file(fs: Any, local: Path, key: str) -> None:
-    """``fs.put_file``; into a local folder (``file://``) a new file renamed over the name, as fastdata writes
-    its own files: fsspec's copy writes through a link planted at the name (into the file it points to)."""
+    """``fs.put_file``, then the size the store holds checked (an OSError when it is not the file's: called
+    under a `Retry`, the upload is tried again); into a local folder (``file://``) a new file renamed over the
+    name, as fastdata writes its own files: fsspec's copy writes through a link planted at the name (into the
+    file it points to)."""
     if not _local(fs):
+        size = Path(local).stat().st_size
         fs.put_file(str(local), key)
+        fs.invalidate_cache(key)
+        held = fs.info(key).get("size")
+        if held != size:  # a store or a gateway that kept part of the body and answered 200
+            raise OSError(f"the store holds {held} bytes of {size} after the upload (a proxy that loses bytes?)")
         return
     Path(key).parent.mkdir(parents=True, exist_ok=True)
     copy_file_atomic(Path(local), Path(key))
