@@ -282,3 +282,18 @@ def test_parquet_and_zst_at_a_url_ride_out_faults_and_an_outage_to_the_local_byt
     got = preprocess_text(TextPreprocessConfig(src=text_url, out=tmp_path / "remote-text", **text_args))
     assert {f["path"]: f["sha256"] for f in got["files"]} == {f["path"]: f["sha256"] for f in local_text["files"]}
     assert sum(proxy.faults.values()) >= 9
+
+
+def test_tars_at_a_url_are_listed_through_faults_to_the_local_bytes(s3, proxy, tmp_path):
+    # each tar is streamed once for its listing: a plain fsspec stream outside the retry budget stopped the
+    # run at one SlowDown, reset or cut body (one of ~41,000 streams of a LAION-sized source)
+    from test_wds_source import make_tars
+
+    src = make_tars(tmp_path / "src", count=2)
+    url = upload(s3, "tar-faults", src, "wds")
+    local = preprocess(src, tmp_path / "local")
+    for kind in ("503", "reset", "truncate"):
+        proxy.inject(kind, r"/wds/0000[01]\.tar$", times=2)
+    remote = preprocess(url, tmp_path / "remote", "--workers", "2")
+    assert_same_output(local, remote, url)
+    assert sum(proxy.faults.values()) == 6

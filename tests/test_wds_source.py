@@ -535,3 +535,28 @@ def test_a_hard_link_member_takes_its_targets_bytes_and_one_to_no_earlier_member
                                     "repack the tar with tar --hard-dereference"}]
     images, labels = FastDataset(tmp_path / "out").get_batch(np.arange(3))
     assert sample_ids(images).tolist() == [0, 0, 2] and labels.tolist() == [0, 1, 0]
+
+
+def test_a_member_name_a_sample_repeats_is_a_bad_record_never_a_merged_sample(tmp_path):
+    # `tar -r` appending a re-downloaded sample: its image and caption were paired with the first one's class,
+    # the first sample lost, nothing listed
+    src = tmp_path / "src"
+    src.mkdir()
+    first, again = sample_members(1), [m for m in sample_members(3) if not m[0].endswith(".cls")]
+    again = [(f"{1:09d}" + name[9:], data) for name, data in again]  # sample 3's image and caption, named 1
+    write_tar(src / "00000.tar", [*sample_members(0), *first, *again, *sample_members(2)])
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 2 and [s["path"] for s in manifest["skipped"]] == [f"00000.tar/{1:09d}.jpg"]
+    assert "has two .jpg members" in manifest["skipped"][0]["reason"]
+    batch = FastDataset(tmp_path / "out").get_batch(np.arange(2))
+    assert sample_ids(batch["image"]).tolist() == [0, 2] and batch["label"].tolist() == [0, 2]
+
+
+def test_hidden_files_in_a_tar_folder_are_not_tars(tmp_path):
+    # macOS leaves ._NAME files beside each file it copies to SMB or exFAT: "cannot read ._00000.tar"
+    src = make_tars(tmp_path / "src", count=2)
+    (src / "._00000.tar").write_bytes(b"\x00\x05\x16\x07 AppleDouble" + bytes(100))
+    (src / ".00001.tar").mkdir()
+    assert preprocess(src, tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_samples"] == 2 * PER_TAR

@@ -13,7 +13,8 @@ NOTE [tar source]:
    fastdata/preprocess/tar_index.py); workers then read their samples' image bytes by offset, one ranged
    read per run of consecutive samples.
 4. A tar cut short (mid-member or mid-header) makes the sample it cuts a bad record: skipped and listed in
-   the manifest, or ``--on-error fail``; the samples before it are kept.
+   the manifest, or ``--on-error fail``; the samples before it are kept. So does a member name a sample
+   repeats (``tar -r`` appending a sample again): never one sample of two samples' members.
 5. Listing reads only the ``cls``, ``txt`` and ``json`` members, each up to 16 MiB (past it: a bad record);
    tarfile steps over the others, images included, so memory does not grow with a member's size. A sparse
    image (``tar -S``) is a bad record: its bytes in the archive are not the file's. A hard link (a second
@@ -35,7 +36,7 @@ from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
 from .sources import IMAGE_EXTENSIONS, fits_float, is_id, shown
-from .url_reads import store_call
+from .url_reads import open_binary, store_call
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
@@ -85,7 +86,7 @@ def is_tar_source(src: Union[str, Path]) -> bool:
         except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
             return True
     p = Path(text)
-    return p.is_dir() and any(c.suffix == ".tar" and c.is_file() for c in p.iterdir())
+    return p.is_dir() and any(_listed(c.name) and c.is_file() for c in p.iterdir())
 
 
 def tar_files(src: Union[str, Path]) -> list[str]:
@@ -106,7 +107,7 @@ def tar_files(src: Union[str, Path]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
             raise SourceError(f"cannot list {scrub(text)}: {type(exc).__name__}: {scrub(str(exc))}") from exc
     elif Path(text).is_dir():
-        names = [str(p) for p in Path(text).iterdir() if p.suffix == ".tar" and p.is_file()]
+        names = [str(p) for p in Path(text).iterdir() if _listed(p.name) and p.is_file()]
     else:
         names = [text]
     if not names:
@@ -117,15 +118,18 @@ def tar_files(src: Union[str, Path]) -> list[str]:
 def _url_tars(url: str, fs: Any, root: str) -> list[str]:
     """The ``*.tar`` objects of the folder ``url`` (fsspec paths); a folder named ``x.tar/`` is not one."""
     listing = store_call(url, lambda: fs.ls(root, detail=True), "list")
-    return [e["name"] for e in listing if e["name"].endswith(".tar") and e.get("type") != "directory"]
+    return [e["name"] for e in listing if _listed(posixpath.basename(e["name"])) and e.get("type") != "directory"]
+
+
+def _listed(name: str) -> bool:
+    """Whether a folder's entry ``name`` is one of its tars: hidden files (macOS's ``._x.tar``) are not."""
+    return name.endswith(".tar") and not name.startswith(".")
 
 
 def _open(tar: str) -> Any:
-    """A binary file object on ``tar`` (streamed from the store for a URL)."""
-    if not is_url(tar):
-        return open(tar, "rb")
-    fs, path = filesystem(tar)
-    return fs.open(path, "rb")
+    """A binary file object on ``tar``: at a URL streamed in ranged reads under the retry budget (NOTE [url
+    source] rule 3: a request that fails mid-tar is tried again)."""
+    return open_binary(tar)
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -150,9 +154,11 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
     Raises:
         SourceError: The tar cannot be opened, or its first member is not a tar header.
     """
-    key, group = None, {}
+    key, group, twice = None, {}, None
     try:
         f = _open(tar)
+    except SourceError:
+        raise
     except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused read
         raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
     seen, kept = _Seen(f), _Kept()
@@ -163,8 +169,10 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
                     continue
                 k, ext = _split(m.name)
                 if k != key and key is not None:
-                    yield key, group, _flaw(group)
-                    group = {}
+                    yield key, group, twice or _flaw(group)
+                    group, twice = {}, None
+                if k == key and ext in group and twice is None:  # (`tar -r` appended a sample again): not merged
+                    twice = f"{label}: sample {key} has two .{ext} members (a sample's members are named once)"
                 key = k
                 group[ext] = None  # named even if its data is cut short: the listing names the cut member
                 group[ext] = value = kept.value(m, ext, t)
@@ -180,7 +188,7 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
         yield key, group, f"{label} is cut short in sample {key} ({type(exc).__name__}: {scrub(str(exc))})"
         return
     if key is not None:
-        yield key, group, _flaw(group)
+        yield key, group, twice or _flaw(group)
 
 
 def _flaw(group: dict[str, Any]) -> Optional[str]:
