@@ -319,3 +319,27 @@ def test_a_run_killed_mid_way_resumes_from_its_summaries_to_the_same_bytes(tmp_p
     assert preprocess(src, out, "--workers", "1", "--shard-size", "2") == 0
     assert summarised == [1]  # the others were written before the kill: no file is read for its summary again
     assert tree_bytes(out) == tree_bytes(tmp_path / "whole")
+
+
+def test_hidden_files_in_a_parquet_folder_are_not_its_files(tmp_path):
+    # macOS's ._NAME beside each copied file: "._a.parquet is not a readable Parquet file"
+    src = write_parts(tmp_path / "src", [3], meta=None)
+    (src / "._part-00.parquet").write_bytes(b"\x00\x05\x16\x07 AppleDouble" + bytes(100))
+    (src / "nested.parquet").mkdir()  # (a Spark output folder is no file of this one)
+    assert preprocess(src, tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_samples"] == 3
+
+
+@pytest.mark.parametrize("label, message", [
+    (lambda i: [i, 1], r"part-00\.parquet#0: 'label' holds \[0, 1\]: a sample's class is one id or name; give "
+                       r"several classes as 'labels'"),
+    (float, r"0\.0 \(float\) is the label of part-00\.parquet#0 \(record 1\): class labels are integer ids >= 0 "
+            r"or names"),
+], ids=["list", "float"])
+def test_a_label_that_is_no_id_or_name_is_one_line_naming_its_record(tmp_path, capsys, label, message):
+    # a list crashed the run with a numpy traceback; a float (pandas makes an int column with a gap one) was
+    # said to be "a name" beside itself
+    src = write_parts(tmp_path / "src", [3], lambda i: {"label": label(i)}, meta=None)
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err

@@ -77,16 +77,24 @@ def parquet_files(src: Where) -> list[str]:
         if src.lower().endswith(".parquet"):
             return [src]
         base = src.rstrip("/")
-        return [f"{base}/{n}" for n in sorted(url_listing(src)) if "/" not in n and n.endswith(".parquet")]
+        listing = url_listing(src)
+        return [f"{base}/{n}" for n in sorted(listing) if "/" not in n and _listed(n)
+                and listing[n].get("type", "file") == "file"]
     src = Path(src)
     if not src.exists():
         raise SourceError(f"source {src} does not exist: pass a .parquet file or a folder of them")
-    return [str(src)] if src.is_file() else sorted(str(p) for p in src.iterdir() if p.suffix == ".parquet")
+    return [str(src)] if src.is_file() else sorted(str(p) for p in src.iterdir() if _listed(p.name) and p.is_file())
 
 
 def is_parquet(src: Path) -> bool:
     """A local ``.parquet`` file, or a folder holding some."""
-    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(p.suffix == ".parquet" for p in src.iterdir()))
+    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(_listed(p.name) for p in src.iterdir()))
+
+
+def _listed(name: str) -> bool:
+    """Whether a folder's entry ``name`` is one of its Parquet files: hidden files (macOS's ``._x.parquet``)
+    are not."""
+    return name.endswith(".parquet") and not name.startswith(".")
 
 
 def _open(path: str, fresh: bool = False) -> tuple[Any, str]:

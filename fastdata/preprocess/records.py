@@ -80,6 +80,9 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
             if key == "image" or value is None:
                 continue
             k = kind_of(key, value)
+            if key == "label" and isinstance(value, (list, tuple, dict)):
+                raise SourceError(f"{where}: 'label' holds {shown(value)}: a sample's class is one id or name; "
+                                  "give several classes as 'labels' (a list)")
             if k is None or not valid_name(key):
                 raise SourceError(f"{where}: cannot store {key!r} = {value!r}: use a lower-case name and a number, "
                                   "a list of numbers, a class id/name, a path ('mask') or text")
@@ -156,6 +159,10 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
         if samples is not None and top >= id_limit(samples):
             location = f"{location}, the {_sample_of(extras, top, paths)}"
         return id_classes(top, samples, str(location)), extras
+    odd = next((v for v in names if not (is_whole(v) or isinstance(v, str))), None)
+    if odd is not None or any(v is None for v in names):  # (a float: pandas makes an int column with a gap one)
+        raise SourceError(f"{location}: {shown(odd)} ({type(odd).__name__}) is the {_sample_of(extras, odd, paths)}: "
+                          "class labels are integer ids >= 0 or names; convert that column (or JSON key)")
     if not all(isinstance(v, str) for v in names):
         ids = is_whole(names[0])  # the first value says which kind the others should be
         bad = next(v for v in names if (not is_whole(v) if ids else not isinstance(v, str)))
