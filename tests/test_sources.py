@@ -13,7 +13,7 @@ from PIL import Image
 
 from fastdata.cli.main import main
 from fastdata.errors import SourceError
-from fastdata.preprocess.records import jsonl_records
+from fastdata.preprocess.records import discover_any, jsonl_records
 from fastdata.preprocess.sources import class_ids, discover, inside
 from fastdata.preprocess.url_reads import UrlReader, open_text, store_call
 
@@ -46,6 +46,26 @@ def test_csv_integer_labels_keep_their_ids(tmp_path, photo_folder):
     (tmp_path / "l.csv").write_text("photos/class_1/img_0000.jpg,3\nphotos/class_0/img_0001.jpg,0\n")
     src = discover(tmp_path / "l.csv")
     assert src.labels == [3, 0] and src.classes == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("kind", ["list", "records", "jsonl"])
+def test_ids_and_names_mixed_in_one_source_are_refused_naming_a_sample_of_each(tmp_path, photo_folder, kind):
+    # "unknown" among 0..10 made every label a name, sorted: 2 stored as 3, 10 as 2, and nothing said (a mix of
+    # JSON ids and names, or of .cls files, was refused already)
+    labels = [*map(str, range(11)), "unknown"]
+    image = "photos/class_0/img_0000.jpg"
+    if kind == "list":
+        (tmp_path / "s.csv").write_text("".join(f"{image},{v}\n" for v in labels))
+    elif kind == "records":
+        (tmp_path / "s.csv").write_text("image,label\n" + "".join(f"{image},{v}\n" for v in labels))
+    else:
+        (tmp_path / "s.jsonl").write_text("".join(json.dumps({"image": image, "label": v}) + "\n" for v in labels))
+    with pytest.raises(SourceError, match=r"class labels mix ids and names: '0' \(the label of .*\) is an id, "
+                                          r"'unknown' \(the label of .*\) a name") as err:
+        discover_any(tmp_path / ("s.jsonl" if kind == "jsonl" else "s.csv"))
+    assert "record 12" in str(err.value) or kind == "list"
+    (tmp_path / "t.csv").write_text("image,labels\n" + f"{image},cat 2024\n{image},7\n")  # tags may mix
+    assert discover_any(tmp_path / "t.csv").classes == ["2024", "7", "cat"]
 
 
 @pytest.mark.parametrize("row, needle", [
@@ -132,11 +152,12 @@ def test_a_superscript_label_is_a_class_name_not_an_id(tmp_path):
     assert class_ids(["1", "\u00b2", "1"]) == (["1", "\u00b2"], [0, 1, 0])
     _png(tmp_path / "a.png")
     (tmp_path / "list.csv").write_text("path,label\na.png,1\na.png,\u00b2\n", encoding="utf-8")
-    assert discover(tmp_path / "list.csv").classes == ["1", "\u00b2"]
-    (tmp_path / "r.jsonl").write_text('{"image": "a.png", "label": "1"}\n{"image": "a.png", "label": "\u00b2"}\n',
+    with pytest.raises(SourceError, match="'1' .* is an id, '\u00b2' .* a name"):  # (NOTE [class ids] rule 5)
+        discover(tmp_path / "list.csv")
+    (tmp_path / "r.jsonl").write_text('{"image": "a.png", "label": "x"}\n{"image": "a.png", "label": "\u00b2"}\n',
                                       encoding="utf-8")
     assert _preprocess(tmp_path / "r.jsonl", tmp_path / "out") == 0
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["classes"] == ["1", "\u00b2"]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["classes"] == ["x", "\u00b2"]
 
 
 def test_class_ids_far_past_the_samples_are_refused_naming_the_id(tmp_path):

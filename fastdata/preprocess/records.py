@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Union
 from ..errors import SourceError, is_whole
 from ..formats.schema import valid_name
 from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_id, is_image_name,
-                      shown)
+                      mixed_ids, mixing_message, shown)
 from .url_reads import UrlBlobs, open_text, parent
 
 Where = Union[Path, str]  # a local path, or a URL (NOTE [url source] in fastdata/preprocess/url_reads.py)
@@ -170,6 +170,11 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
                           f"{_sample_of(extras, bad, paths)}, but {shown(names[0])}, the "
                           f"{_sample_of(extras, names[0], paths)}, is {'an id' if ids else 'a name'}: give every "
                           "label as an integer id >= 0, or every one as a name")
+    single = [*extras.get("label", ()), *(v for rec in extras.get("box_labels", ()) for v in rec)]
+    mixed = mixed_ids(single)  # (the tags of `labels` may mix: "cat 2024")
+    if mixed is not None:
+        an_id, name = (f"{single[i]!r} (the {_sample_of(extras, single[i], paths)})" for i in mixed)
+        raise SourceError(mixing_message(str(location), an_id, name))
     classes, numbers = class_ids(names, samples, str(location))
     ids = dict(zip(names, numbers))
     out = dict(extras)

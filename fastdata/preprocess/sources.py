@@ -11,6 +11,9 @@ NOTE [class ids]:
 3. Only ASCII digits make an id ("3"; not "²", which ``str.isdigit`` accepts and ``int`` refuses).
 4. A file of an indexed source (a tar, a Parquet file) is checked with the whole source, by its merged
    schema (index_schema.Merge), never against its own sample count.
+5. A sample's class given as text (a CSV cell, a ``.cls``) is an id when every one is digits and a name when
+   none is; a mix is refused, named (as names, "10" would sort before "2": every id moved, silently). The
+   tags of a ``labels`` cell are names when any one is not digits ("cat 2024").
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import posixpath
 import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 from urllib.parse import unquote
 
 import numpy as np
@@ -185,6 +188,20 @@ def is_id(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
+def mixed_ids(labels: Sequence[Any]) -> Optional[tuple[int, int]]:
+    """Where class labels given as text mix ids and names (NOTE [class ids] rule 5): the index of the first id
+    and of the first name, or None."""
+    first_id = next((i for i, v in enumerate(labels) if isinstance(v, str) and is_id(v)), None)
+    first_name = next((i for i, v in enumerate(labels) if isinstance(v, str) and not is_id(v)), None)
+    return None if first_id is None or first_name is None else (first_id, first_name)
+
+
+def mixing_message(where: str, an_id: str, name: str) -> str:
+    """The refusal of rule 5, ``an_id`` and ``name`` saying which samples hold the two kinds."""
+    return (f"{where}: class labels mix ids and names: {an_id} is an id, {name} a name: give every label as an "
+            "integer id >= 0, or every one as a name (names are numbered in sorted order, '10' before '2')")
+
+
 def class_ids(names: list[str], samples: Optional[int] = None, where: str = "the source"
               ) -> tuple[list[str], list[int]]:
     """``(classes, id of each name)``: integer names keep their ids (classes are "0".."max", so ids and names
@@ -311,6 +328,10 @@ def _from_csv(path: Union[Path, str]) -> Source:
         raise SourceError(f"{path}: malformed CSV ({exc})") from exc
     except OSError as exc:
         raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
+    mixed = mixed_ids([label for _, label in rows])
+    if mixed is not None:
+        an_id, name = (f"{rows[i][1]!r} (the label of {rows[i][0]})" for i in mixed)
+        raise SourceError(mixing_message(str(path), an_id, name))
     classes, ids = class_ids([label for _, label in rows], len(rows), str(path))
     kept = [(p, i) for (p, _), i in zip(rows, ids) if is_image_name(os.path.basename(p))]
     paths = [p for p, _ in kept]
