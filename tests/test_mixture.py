@@ -334,6 +334,58 @@ def test_fastdata_train_mix_logs_each_source_and_resumes_with_new_weights(tmp_pa
     assert main(["train", "--mix", f"web={web}:0.5", str(web)]) != 0  # DATA and --mix: one or the other
 
 
+def token_folders(root: Path, **val_fractions: str) -> dict[str, Path]:
+    """``{name: token folder}``, one for each name, of 200 documents, with that share held out for its val split."""
+    from test_text import make_docs, preprocess, write_jsonl
+
+    out = {}
+    for seed, (name, val) in enumerate(val_fractions.items()):
+        out[name] = root / name
+        preprocess(write_jsonl(root / f"{name}.jsonl", make_docs(200, seed)), out[name], "--val-fraction", val)
+    return out
+
+
+def test_fastdata_train_mix_of_tokens_validates_on_val(tmp_path, capsys):
+    from fastdata.cli.main import main
+
+    sets = token_folders(tmp_path, web="0", held="0.3")
+    log = tmp_path / "log.jsonl"
+    common = ["train", "--mix", f"web={sets['web']}:0.7", "--mix", f"held={sets['held']}:0.3", "--seq-len", "16",
+              "--batch-size", "8", "--max-steps", "2", "--val-every-steps", "2", "--device", "cpu", "--quiet"]
+    assert main([*common, "--val", str(sets["held"]), "--log-file", str(log)]) == 0
+    vals = [r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "val"]
+    assert len(vals) == 1 and vals[0]["val_perplexity"] > 1  # held's val split, in windows of --seq-len
+    capsys.readouterr()
+    assert main([*common, "--val", str(sets["web"])]) == 1  # web holds no val split: said, not ignored
+    err = capsys.readouterr().err
+    assert f"--val {sets['web']} has 0 tokens in its val split" in err
+
+
+def test_fastdata_train_allow_new_sources_resumes_a_mix_with_another_source(tmp_path, capsys):
+    from fastdata.cli.main import main
+    from fastdata.datasets.mix_config import open_mixture as open_spec, parse_mix
+
+    sets = token_folders(tmp_path, web="0", code="0", books="0")
+    ck = tmp_path / "ck"
+    common = ["train", "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--checkpoint", str(ck), "--quiet"]
+    two = [f"--mix={name}={sets[name]}:1" for name in ("web", "code")]
+    three = [*two, f"--mix=books={sets['books']}:1"]
+    assert main([*common, *two, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*common, *three, "--max-steps", "4", "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "source 'books' is not in the saved state" in err
+    assert "allow_new_sources=True" in err and "--allow-new-sources" in err  # (Python's and the CLI's spellings)
+    assert main([*common, *three, "--max-steps", "4", "--resume", "--allow-new-sources"]) == 0
+    state = torch.load(ck / "checkpoint.pt", weights_only=True)["loader"]
+    assert set(state["sources"]) == {"web", "code", "books"} and state["position"] == 4 * 8
+    (tmp_path / "mix.toml").write_text("allow_new_sources = true\n" + "".join(
+        f'[sources.{name}]\npath = "{path}"\n' for name, path in sets.items()))
+    assert open_spec(parse_mix([str(tmp_path / "mix.toml")]), seq_len=16).allow_new_sources
+    assert main(["train", str(sets["web"]), "--allow-new-sources", "--device", "cpu"]) == 1  # one dataset: no sources
+    assert "--allow-new-sources applies to --mix" in capsys.readouterr().err
+
+
 def test_stop_first_and_all_end_the_epoch_with_the_sources(mixed_sets):
     for stop in ("first", "all"):
         s = MixtureSampler(open_mixture(mixed_sets, seed=1, stop=stop), 4, rank=0, world_size=1)
@@ -568,6 +620,26 @@ def test_mix_options_and_files(tmp_path):
                            ([str(tmp_path / "bad.json")], "unknown key 'weights'")):
         with pytest.raises(ConfigError, match=needle):
             parse_mix(values)
+
+
+def test_a_mix_file_refuses_unknown_keys_of_a_source_and_bad_option_values(tmp_path):
+    from fastdata.datasets.mix_config import parse_mix
+
+    (tmp_path / "typo.toml").write_text('[sources.web]\npath = "data/web"\nweight = 0.95\n'
+                                        '[sources.books]\npath = "data/books"\nwieght = 0.05\n')
+    (tmp_path / "nested.toml").write_text('[sources.web]\npath = "data/web"\n[sources.web.extra]\nx = 1\n')
+    web = {"sources": {"web": {"path": "data/web"}}}
+    for name, options in (("size.json", {"epoch_size": True}), ("allow.json", {"allow_new_sources": "yes"}),
+                          ("good.json", {"epoch_size": 50, "allow_new_sources": True})):
+        (tmp_path / name).write_text(json.dumps({**web, **options}))
+    for name, needle in (("typo.toml", r"source 'books': unknown key 'wieght' \(keys: path, weight\)"),
+                         ("nested.toml", r"source 'web': unknown key 'extra' \(keys: path, weight\)"),
+                         ("size.json", "epoch_size must be a positive integer .*got True"),
+                         ("allow.json", "allow_new_sources must be true or false, got 'yes'")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_mix([str(tmp_path / name)])
+    good = parse_mix([str(tmp_path / "good.json")])
+    assert good.epoch_size == 50 and good.allow_new_sources and not parse_mix(["web=data/web"]).allow_new_sources
 
 
 class Sized:
@@ -818,6 +890,41 @@ def test_weights_of_numpy_numbers_int_keys_and_huge_values_are_taken():
     assert mix.weights == {"0": 0.5, "1": 0.5}
 
 
+def test_shuffle_by_name_keeps_the_default_and_a_list_is_per_source():
+    """A source that a ``{name: ...}`` does not name keeps the default (shuffled, no windows); a list gives each
+    source its own value in source order, as for weights; anything else is refused by name."""
+    def mixture(**kw) -> Mixture:
+        return Mixture({n: WindowedSized(50, 10) for n in "abc"}, **kw)
+
+    def in_order(mix: Mixture) -> list[bool]:  # each source's first epoch drawn 0, 1, 2...: unshuffled
+        codes = stream(mix, 300)
+        return [np.array_equal(per_source(codes, k)[:50], np.arange(50)) for k in range(3)]
+
+    mix = mixture(shuffle={"c": False})
+    assert mix.shuffle == [True, True, False] and in_order(mix) == [False, False, True]
+    mix = mixture(shuffle=[False, True, False])
+    assert mix.shuffle == [False, True, False] and in_order(mix) == [True, False, True]
+    assert mixture(shuffle=[False] * 3).shuffle == [False] * 3
+    assert mixture(shuffle=np.array([True, False, True])).shuffle == [True, False, True]
+    assert mixture(shuffle_window={"a": 2}).shuffle_window == [2, None, None]
+    assert mixture(shuffle_window=(None, np.int64(3), None)).shuffle_window == [None, 3, None]
+    for kw, needle in (({"shuffle": [False, False]}, r"shuffle has 2 values for 3 sources"),
+                       ({"shuffle": "no"}, "shuffle of source 'a' must be True or False, got 'no'"),
+                       ({"shuffle": {"b": None}}, "shuffle of source 'b' must be True or False, got None"),
+                       ({"shuffle": {"d": False}}, "shuffle names source 'd'"),
+                       ({"shuffle_window": [2]}, "shuffle_window has 1 values for 3 sources"),
+                       ({"shuffle_window": True}, "shuffle_window of source 'a' must be a positive number")):
+        with pytest.raises(ConfigError, match=needle):
+            mixture(**kw)
+
+
+def test_an_epoch_size_of_a_bool_is_refused():
+    for size in (True, False, 0, 2.5):
+        with pytest.raises(ConfigError, match=f"epoch_size must be a positive integer.*epoch_size={size!r}"):
+            Mixture([Sized(10), Sized(10)], epoch_size=size)
+    assert len(Mixture([Sized(10), Sized(10)], epoch_size=7)) == 7
+
+
 def test_a_mix_option_keeps_a_urls_port():
     from fastdata.datasets.mix_config import parse_one
 
@@ -985,6 +1092,30 @@ def test_open_mixture_passes_retry_seconds_to_url_sources(mixed_sets, tmp_path, 
         open_spec(spec, cache_dir=tmp_path / "cache2", retry_seconds=1)
 
 
+def test_open_mixture_splits_cache_limit_among_url_sources_all_of_weight_0(mixed_sets, tmp_path, s3):
+    from fastdata.datasets.mix_config import open_mixture as open_spec, parse_mix
+    from fastdata.storage.push import push
+
+    base = s3("mixture-zero")
+    for name in ("b", "c"):
+        push(mixed_sets[name], f"{base}/{name}")
+    spec = parse_mix([f"a={mixed_sets['a']}:1", f"b={base}/b:0", f"c={base}/c:0"])
+    mix = open_spec(spec, cache_dir=tmp_path / "cache", cache_limit=40_000)
+    assert mix.cache_limits() == {"b": 20_000, "c": 20_000}  # (not unbounded: weights may rise later)
+    mix.set_weights({"a": 0.5, "b": 0.3, "c": 0.2})
+    assert mix.cache_limits() == {"b": 24_000, "c": 16_000}
+
+
+def test_dali_loader_refuses_a_mixture_by_name_before_importing_dali(mixed_sets, monkeypatch):
+    import sys
+
+    from fastdata.gpu.dali import DALILoader
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # (importing DALI fails: the refusal comes before it)
+    with pytest.raises(ConfigError, match=r"DALILoader does not serve mixtures.*FastLoader.*CUDAPrefetcher"):
+        DALILoader(open_mixture(mixed_sets), 8, device="cpu")
+
+
 # -- real torchrun on gloo ----------------------------------------------------------------------------------
 def run_ranks(nproc: int, out: Path, cfg: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
@@ -1122,8 +1253,15 @@ def test_the_samplers_runs_give_the_codes_of_the_general_path():
         weights[0] += 0.01
         window = (None, 2)[trial % 3 == 0]
         sources = [WindowedSized(n, 100) for n in sizes] if window else [Sized(n) for n in sizes]
+        shuffle = [bool(b) for b in rng.random(len(sizes)) > 0.2]
         mix = Mixture(sources, weights=weights, seed=trial, mix=("sample", "batch")[trial % 2],
-                      shuffle=[bool(b) for b in rng.random(len(sizes)) > 0.2], shuffle_window=window)
+                      shuffle=shuffle, shuffle_window=window)
+        assert mix.shuffle == shuffle  # (a list: each source's own, in source order)
+        served = stream(mix, 3000)
+        for k, n in enumerate(sizes):  # an unshuffled source's first epoch is drawn 0, 1, 2...; a shuffled one's not
+            draws = per_source(served, k)[:n]
+            if n >= 10 and len(draws) >= 5:
+                assert np.array_equal(draws, np.arange(len(draws))) != shuffle[k]
         for world in (1, 2, 5):
             rank = int(rng.integers(world))
             s = MixtureSampler(mix, int(rng.integers(1, 50)), rank=rank, world_size=world)

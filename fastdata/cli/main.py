@@ -109,16 +109,23 @@ def _train(args: argparse.Namespace) -> int:
                crop=args.crop, seed=args.seed, backend=args.backend, shuffle_window=args.shuffle_window,
                hw_decoder_load=args.hw_decoder_load, **cache)
     if args.mix:  # several datasets by weight (docs/mixtures.md)
+        from dataclasses import replace
+
         from ..datasets.mix_config import parse_mix
         from ..train.assemble import build_mix
 
         if args.data is not None:
             raise ConfigError(f"give DATA or --mix, not both (got {args.data} and --mix {' '.join(args.mix)})")
         spec = parse_mix(args.mix)
+        if args.allow_new_sources:
+            spec = replace(spec, allow_new_sources=True)  # (or the mix file's allow_new_sources)
         pipe = ImageRun(data=next(iter(spec.sources.values()))[0], **run)
         model, train, val = build_mix(spec, pipe, info.device, args.seq_len, args.model)
     elif args.data is None:
         raise ConfigError("give a dataset folder or URL (fastdata train DATA), or --mix NAME=PATH:WEIGHT")
+    elif args.allow_new_sources:
+        raise ConfigError("--allow-new-sources applies to --mix (sources a resumed mixture did not have): drop it "
+                          f"for one dataset ({scrub(str(args.data))})")
     else:
         # the dataset's manifest is read once for the whole run, and its kind decides the run
         opened = open_path(args.data, (IMAGES_NPY, IMAGES_LMDB, TOKENS), **cache,
@@ -273,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mix", action="append", default=None, metavar="NAME=PATH:WEIGHT",
                     help="train on a mixture instead of DATA: repeat for each source (or give one JSON/TOML file); "
                          "--resume with other weights goes on where every source stopped (docs/mixtures.md)")
+    tr.add_argument("--allow-new-sources", action="store_true",
+                    help="--mix --resume: start sources the checkpoint does not have at their epoch 0")
     tr.add_argument("--val-fraction", type=float, default=0.0, help="hold out this share of DATA instead")
     tr.add_argument("--model", default=None, help="cnn-small, resnet18 (default for images), resnet50, "
                                                   "gpt-tiny (default for tokens)")

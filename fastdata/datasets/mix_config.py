@@ -2,8 +2,8 @@
 its sources opened as the datasets their manifests say they are.
 
 A file holds ``{"sources": {name: {"path": ..., "weight": ...}}, "mix": "sample", "stop": null,
-"epoch_size": null}`` (JSON), or the same as TOML (``[sources.web]``, ``path = "s3://b/web"``,
-``weight = 0.7``); only ``sources`` is required.
+"epoch_size": null, "allow_new_sources": false}`` (JSON), or the same as TOML (``[sources.web]``,
+``path = "s3://b/web"``, ``weight = 0.7``); only ``sources`` is required, and a source's ``path``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from ..storage.opening import open_path
 from ..storage.streamed import streamed_files
 from .mixture import Mixture, cache_shares
 
+FILE_KEYS = ("sources", "mix", "stop", "epoch_size", "allow_new_sources")  # a mixture file's keys
+SOURCE_KEYS = ("path", "weight")  # a source entry's keys
+
 
 @dataclass(frozen=True)
 class MixSpec:
@@ -30,6 +33,7 @@ class MixSpec:
     mix: str = "sample"
     stop: Optional[str] = None
     epoch_size: Optional[int] = None
+    allow_new_sources: bool = False  # resume a state that lacks some sources (``--allow-new-sources``)
     where: str = "--mix"  # what the user wrote it in, for messages
 
 
@@ -90,15 +94,24 @@ def _from_file(path: Path) -> MixSpec:
         raise ConfigError(f"cannot read the mixture file {path}: {exc}") from exc
     if not isinstance(raw, dict) or not isinstance(raw.get("sources"), dict) or not raw["sources"]:
         raise ConfigError(f"{path} must hold a 'sources' table: {{name: {{path, weight}}}}")
-    unknown = sorted(set(raw) - {"sources", "mix", "stop", "epoch_size"})
+    unknown = sorted(set(raw) - set(FILE_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: sources, mix, stop, epoch_size)")
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: {', '.join(FILE_KEYS)})")
     sources = {}
     for name, entry in raw["sources"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
             raise ConfigError(f"{path}: source {name!r} needs a 'path' (and a 'weight')")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))  # (a misspelt weight would otherwise weigh 1)
+        if unknown:
+            raise ConfigError(f"{path}: source {name!r}: unknown key {unknown[0]!r} (keys: {', '.join(SOURCE_KEYS)})")
         sources[str(name)] = (entry["path"], _weight(str(entry.get("weight", 1.0)), f"{path}: source {name!r}"))
-    return MixSpec(sources, raw.get("mix", "sample"), raw.get("stop"), raw.get("epoch_size"), str(path))
+    epoch_size, allow = raw.get("epoch_size"), raw.get("allow_new_sources", False)
+    if epoch_size is not None and (type(epoch_size) is not int or epoch_size < 1):  # (JSON's true is no size)
+        raise ConfigError(f"{path}: epoch_size must be a positive integer (positions a mixture epoch takes), got "
+                          f"{epoch_size!r}")
+    if type(allow) is not bool:
+        raise ConfigError(f"{path}: allow_new_sources must be true or false, got {allow!r}")
+    return MixSpec(sources, raw.get("mix", "sample"), raw.get("stop"), epoch_size, allow, str(path))
 
 
 def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, seed: int = 0,
@@ -107,15 +120,17 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
                  retry_seconds: float = RETRY_SECONDS) -> Mixture:
     """Open every source of ``spec`` (image folders as FastDataset, token folders' train split as TokenDataset;
     URLs through the node cache, ``cache_limit`` split among them by weight, again whenever the weights change:
-    `Mixture`'s ``cache_limit``) as one `Mixture`. A URL's reads are retried over ``retry_seconds``, as for
-    one dataset (NOTE [retry budget] in fastdata/storage/object_store.py).
+    `Mixture`'s ``cache_limit``) as one `Mixture`, with ``spec``'s options. A URL's reads are retried over
+    ``retry_seconds``, as for one dataset (NOTE [retry budget] in fastdata/storage/object_store.py).
 
     Raises:
         ConfigError: sources of different kinds or classes (the two are named), bad weights or options.
         FormatError: a source is not a dataset, or its store stayed unreachable for ``retry_seconds``.
     """
     urls = {n: w for n, (p, w) in spec.sources.items() if is_url(p)}
-    shares = cache_shares(cache_limit, urls) if cache_limit is not None and urls and sum(urls.values()) else {}
+    if urls and not sum(urls.values()):  # URL sources all of weight 0 share the budget equally, as Mixture does
+        urls = dict.fromkeys(urls, 1.0)
+    shares = cache_shares(cache_limit, urls) if cache_limit is not None and urls else {}
     datasets: dict[str, Any] = {}
     for name, (path, _) in spec.sources.items():
         remote = {"cache_dir": cache_dir, "cache_limit": shares.get(name), "retry_seconds": retry_seconds} \
@@ -132,4 +147,4 @@ def open_mixture(spec: MixSpec, *, storage: str = "mmap", seq_len: int = 256, se
             datasets[name] = FastDataset(opened, storage=storage, device=device)
     return Mixture(datasets, {n: w for n, (_, w) in spec.sources.items()}, seed=seed, mix=spec.mix, stop=spec.stop,
                    epoch_size=spec.epoch_size, shuffle_window=shuffle_window,
-                   cache_limit=cache_limit if shares else None)
+                   allow_new_sources=spec.allow_new_sources, cache_limit=cache_limit if shares else None)

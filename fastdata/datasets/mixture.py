@@ -56,14 +56,21 @@ Sources = Union[Mapping[str, Any], Sequence[Any]]
 PerSource = Union[Any, Mapping[str, Any]]
 
 
-def _per_source(value: PerSource, names: list[str], arg: str) -> list[Any]:
-    """``value`` for every source: one value, or a mapping by name (unknown names refused)."""
-    if not isinstance(value, Mapping):
-        return [value] * len(names)
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ConfigError(f"{arg} names source {unknown[0]!r}, which is not in the mixture (sources: {names})")
-    return [value.get(n) for n in names]
+def _per_source(value: PerSource, names: list[str], arg: str, default: Any) -> list[Any]:
+    """``value`` for every source: one value, a sequence in source order (as `weights` takes), or a mapping by
+    name, whose unknown names are refused and whose missing ones keep ``default``."""
+    if isinstance(value, Mapping):
+        by_name = {str(k): v for k, v in value.items()}  # (a list's sources are named "0", "1", ...)
+        unknown = sorted(set(by_name) - set(names))
+        if unknown:
+            raise ConfigError(f"{arg} names source {unknown[0]!r}, which is not in the mixture (sources: {names})")
+        return [by_name.get(n, default) for n in names]
+    if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes)):
+        if len(value) != len(names):
+            raise ConfigError(f"{arg} has {len(value)} values for {len(names)} sources {names}: give one value, "
+                              f"one per source in their order, or {{name: value}}")
+        return list(value)
+    return [value] * len(names)
 
 
 def _signature(ds: Any) -> tuple[Any, ...]:
@@ -99,9 +106,12 @@ class Mixture:
             says: ``(x, y, source)`` or a ``"source"`` entry).
         stop: None (a mixture epoch is ``epoch_size`` positions), ``"first"`` or ``"all"`` (NOTE [mixture] 4).
         epoch_size: positions a mixture epoch takes with ``stop=None`` (default: the sources' total).
-        shuffle: each source's order shuffled (one value, or ``{name: bool}``).
-        shuffle_window: windows of shards for a source's order (NOTE [windowed shuffle]); one value or by name.
-        allow_new_sources: accept a resumed state without some of these sources (they start at their epoch 0).
+        shuffle: each source's order shuffled: one bool, a list of bools in source order, or ``{name: bool}``
+            (a source it does not name is shuffled).
+        shuffle_window: windows of shards for a source's order (NOTE [windowed shuffle]): one value, a list in
+            source order, or ``{name: shards}`` (a source it does not name: None, no windows).
+        allow_new_sources: accept a resumed state without some of these sources (they start at their epoch 0);
+            ``fastdata train --allow-new-sources``.
         cache_limit: one node cache budget (bytes, or a size such as ``"200GB"``) for the streamed sources,
             split among them by weight (`cache_shares`) and split again when the weights change; it replaces
             their own ``cache_limit``. Default None: each keeps the limit it was opened with.
@@ -132,16 +142,22 @@ class Mixture:
         self.seed, self.mix, self.stop, self.allow_new_sources = seed, mix, stop, bool(allow_new_sources)
         self._check_sources()
         self.sizes = [len(ds) for ds in self.sources]
-        if epoch_size is not None and (stop is not None or not isinstance(epoch_size, int) or epoch_size < 1):
+        if epoch_size is not None and (stop is not None or not isinstance(epoch_size, int) or
+                                       isinstance(epoch_size, bool) or epoch_size < 1):
             raise ConfigError(f"epoch_size must be a positive integer, and only with stop=None; got "
                               f"epoch_size={epoch_size!r}, stop={stop!r}")
         self.epoch_size = epoch_size or sum(self.sizes)
         self.epoch_size_given = epoch_size  # (a state records this: the default follows the set of sources)
-        self.shuffle = [bool(v) for v in _per_source(shuffle, self.names, "shuffle")]
-        self.shuffle_window = _per_source(shuffle_window, self.names, "shuffle_window")
+        self.shuffle = _per_source(shuffle, self.names, "shuffle", True)
+        for name, value in zip(self.names, self.shuffle):
+            if not isinstance(value, (bool, np.bool_)):  # (bool("no") would shuffle, bool(None) would not)
+                raise ConfigError(f"shuffle of source {name!r} must be True or False, got {value!r}")
+        self.shuffle = [bool(value) for value in self.shuffle]
+        self.shuffle_window = _per_source(shuffle_window, self.names, "shuffle_window", None)
         for name, w in zip(self.names, self.shuffle_window):
-            if w is not None and (not isinstance(w, int) or w < 1):
+            if w is not None and (not isinstance(w, numbers.Integral) or isinstance(w, (bool, np.bool_)) or w < 1):
                 raise ConfigError(f"shuffle_window of source {name!r} must be a positive number of shards, got {w!r}")
+        self.shuffle_window = [None if w is None else int(w) for w in self.shuffle_window]  # (a state is JSON)
         self._weights = self._check_weights(weights)
         self.cache_limit = parse_size(cache_limit)
         self._split_cache()

@@ -65,6 +65,9 @@ def _lmdb_samples(data: Union[str, Path, OpenedPath, FastDataset, DatasetView]
                   ) -> tuple[FastDataset, Optional[np.ndarray]]:
     """The local LMDB dataset under ``data`` and the samples of it to serve (None: all), its manifest read
     once: a folder or an opened path is opened here, a dataset or a view of one is used as it is."""
+    if getattr(data, "is_mixture", False):  # (before DALI is imported: the answer does not depend on it)
+        raise ConfigError(f"DALILoader does not serve mixtures, got {data!r}: serve it with FastLoader(mixture, "
+                          "batch_size) and CUDAPrefetcher(loader), which augments on the GPU (docs/mixtures.md)")
     indices = None
     if isinstance(data, DatasetView):
         data, indices = data.base, data.indices

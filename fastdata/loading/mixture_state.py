@@ -52,8 +52,8 @@ def check_state(sampler: Any, state: dict[str, Any]) -> None:
             raise ConfigError(f"the state has source {name!r}, which this mixture lacks (sources: {m.names})")
     for name, n in zip(m.names, m.sizes):
         if name not in sizes and not m.allow_new_sources:
-            raise ConfigError(f"source {name!r} is not in the saved state: pass allow_new_sources=True to start "
-                              "it at its epoch 0")
+            raise ConfigError(f"source {name!r} is not in the saved state: pass allow_new_sources=True to Mixture "
+                              "(fastdata train: --allow-new-sources) to start it at its epoch 0")
         if name in sizes and sizes[name] != n:
             raise ConfigError(f"source {name!r} has {n} samples but the state's had {sizes[name]}: it is "
                               "another dataset")

@@ -203,8 +203,9 @@ def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_siz
 def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model: Optional[str] = None
               ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """Model and loaders of a run on a Mixture (``fastdata train --mix``; docs/mixtures.md): image sources train
-    ``p.model``, validated on ``p.val`` when given; token sources gpt-tiny, without validation. The Mixture
-    takes ``p.seed``, ``p.shuffle_window`` and ``p.cache_limit`` (split among URL sources by weight)."""
+    ``p.model``, token sources gpt-tiny; either validated on ``p.val`` when given (a token folder's val split,
+    as `build_lm` validates one dataset). The Mixture takes ``p.seed``, ``p.shuffle_window`` and
+    ``p.cache_limit`` (split among URL sources by weight), and ``spec``'s options (``allow_new_sources``...)."""
     from ..datasets.mix_config import open_mixture
 
     if p.backend != "native" or p.val_fraction:
@@ -213,9 +214,29 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
     mix = open_mixture(spec, storage=p.storage, seq_len=seq_len, seed=p.seed, shuffle_window=p.shuffle_window,
                        cache_dir=p.cache_dir, cache_limit=p.cache_limit, retry_seconds=p.retry_seconds, device=device)
     first = mix.sources[0]
+    val_cache = {"cache_dir": p.cache_dir, "retry_seconds": p.retry_seconds}  # (cache_limit: the sources' budget)
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
-        train, _ = loaders(mix, None, p.batch_size, p.seed, p.threads, device)
-        return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, None
-    val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}")
+        val_ds = None if p.val is None else _token_val(p, first, seq_len, **val_cache)
+        train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device)
+        return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, val
+    val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}", **val_cache)
     return _image_run(p, device, mix, val_ds, first.sample_shape[0], len(first.classes), None)
+
+
+def _token_val(p: ImageRun, first: Any, seq_len: int, **cache: Any) -> Any:
+    """``--val`` of a token mixture: its val split in windows of ``seq_len``, refused unless it holds a window
+    and was tokenised as ``first`` (the mixture's first source) was."""
+    from ..datasets.tokens import TokenDataset
+
+    where = f"--val {scrub(str(p.val))}"
+    opened = open_path(p.val, (TOKENS,), streamed=lambda m: streamed_files(m, p.storage), **cache)
+    tokens = opened.manifest["splits"].get("val", {}).get("tokens", 0)
+    if tokens < seq_len + 1:
+        raise ConfigError(f"{where} has {tokens} tokens in its val split, fewer than --seq-len + 1 = {seq_len + 1}: "
+                          "preprocess it with a larger --val-fraction, or drop --val")
+    mine, theirs = opened.manifest["tokenizer"], first.manifest["tokenizer"]
+    if mine.get("definition_sha256") != theirs.get("definition_sha256"):
+        raise ConfigError(f"{where} was tokenised with {mine.get('spec')}, the --mix sources with "
+                          f"{theirs.get('spec')}: validate on text preprocessed with the same tokenizer")
+    return TokenDataset(opened, "val", seq_len, storage=p.storage)
