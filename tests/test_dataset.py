@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,6 +152,17 @@ def test_every_file_is_checked_by_its_size_at_opening(npy_copy):
     labels.write_bytes(labels.read_bytes() + b"\0")  # a file the shards do not list: its size all the same
     with pytest.raises(ChecksumError, match=r"labels\.npy has \d+ bytes but the manifest says"):
         FastDataset(npy_copy)
+
+
+@pytest.mark.parametrize("kind, name", [("npy", "labels.npy"), ("lmdb", "labels.npy"), ("lmdb", "images-00001.lmdb")])
+def test_a_missing_labels_file_or_lmdb_store_is_named_at_opening(indexed_datasets, tmp_path, kind, name):
+    # only present files were sized: numpy's FileNotFoundError at the open, lmdb.Error at the first batch
+    import shutil
+
+    ds = Path(shutil.copytree(indexed_datasets[kind], tmp_path / "ds"))
+    shutil.rmtree(ds / name) if (ds / name).is_dir() else (ds / name).unlink()
+    with pytest.raises(FormatError, match=rf"{re.escape(name)} is missing: the dataset is incomplete"):
+        FastDataset(ds)
 
 
 def test_a_labels_file_of_other_values_at_the_same_size_is_refused_at_opening(npy_copy):

@@ -655,3 +655,13 @@ def test_records_with_fields_resume_after_kill_9_and_are_byte_identical_for_any_
     assert main(["preprocess", "images", str(tmp_path / "r.jsonl"), str(out), *args, "--workers", "1"]) == 0
     assert tree(out) == tree(tmp_path / "w1")
     assert subprocess.run([sys.executable, "-m", "fastdata", "verify", str(out)]).returncode == 0
+
+
+def test_a_missing_offsets_file_is_named_at_opening(indexed_fields, tmp_path):
+    # numpy's FileNotFoundError at the first batch before
+    import shutil
+
+    ds = Path(shutil.copytree(indexed_fields, tmp_path / "ds"))
+    (ds / "field.labels.offsets-00001.npy").unlink()
+    with pytest.raises(FormatError, match=r"field\.labels\.offsets-00001\.npy is missing: the dataset is incomplete"):
+        FastDataset(ds).get_batch([0])

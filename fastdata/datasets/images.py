@@ -147,7 +147,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         self._verify = verify if verify is not None else storage in ("ram", "cuda")
         # the image shards are checked (and hashed: ram/cuda while loading, one read) by open_images
         cached = self._remote is not None and (self.streams or self.is_lmdb and "lmdb_shards" in self.manifest)
-        check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify, cached)
+        check_other_files(self.root, self.manifest, self.fields, self.is_lmdb, self._verify, cached,
+                          remote=self._remote is not None)
         self._label_store = Labels(self.root, self.manifest, has_labels=self.has_labels, streams=self.streams,
                                    at_open=self._labels_at_open, mapped=self._remote is None)
         self._open(self._verify)

@@ -29,7 +29,8 @@ from .._io import safe_join
 from ..errors import FormatError
 from ..formats.rows import column
 from ..formats.schema import OFFSETS, Field, offsets_file
-from .shards import OpenedShards, ShardMaps, ShardSet, load_npy, map_npy, open_shards, take_rows, verify_hashes
+from .shards import (OpenedShards, ShardMaps, ShardSet, check_sizes, load_npy, map_npy, open_shards, take_rows,
+                     verify_hashes)
 
 # ``out(key, shape, dtype)`` -> a CPU tensor of exactly that shape to fill (FastLoader's ring slot)
 Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -111,6 +112,8 @@ class FieldStore:
         names = [offsets_file(f.name, k) for k in range(len(counts))]
         if verify:
             verify_hashes(root, manifest, names)
+        else:  # (a missing or cut file named, not numpy's error; one stat a file)
+            check_sizes(root, manifest, names)
         parts, base = [np.zeros(1, np.int64)], 0
         for name, n in zip(names, counts):
             off = load_npy(safe_join(root, name))

@@ -49,16 +49,17 @@ def image_files(manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb
 
 
 def check_other_files(root: Path, manifest: dict[str, Any], fields: Optional[list[Field]], is_lmdb: bool,
-                      verify: bool, cached: bool = False) -> None:
-    """Size (and with ``verify`` hash) every present file that `open_images` does not open itself
-    (labels, LMDB stores). ``cached``: the node cache fetches the shards' files (labels, LMDB stores too) and
+                      verify: bool, cached: bool = False, remote: bool = False) -> None:
+    """Size (and with ``verify`` hash) every file that `open_images` does not open itself (labels, LMDB
+    stores, offsets), refusing a missing one by name; of a ``remote`` dataset only those present (its cache
+    fetches the others). ``cached``: the node cache fetches the shards' files (labels, LMDB stores too) and
     checks them as they arrive, fetching again one of another size (NOTE [shard cache] 20): not checked here."""
     if cached and not verify:  # (the files fetched at opening were sized as they came: `RemoteDataset.get`)
         return
     opened = image_files(manifest, fields, is_lmdb)
     if cached:
         opened.update(shard_groups(manifest, False).flat()[0])
-    others = check_sizes(root, manifest, skip=opened, present_only=True)
+    others = check_sizes(root, manifest, skip=opened, present_only=remote)
     if verify:
         verify_hashes(root, manifest, others)
 
