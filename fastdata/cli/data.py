@@ -272,6 +272,7 @@ def add_data_commands(sub: Any) -> None:
     cache = _add_list_remove(sub, "cache", "list, fetch (warm a node before a job) or remove the node cache of "
                              "remote datasets (private to this user; $FASTDATA_CACHE_MODE=group shares it with "
                              "the cache folder's group)", "datasets", "every dataset (run it between jobs)",
-                             "cache folder (default $FASTDATA_CACHE or ~/.cache/fastdata)", _cache, fetch=True)
+                             "cache folder (default $FASTDATA_CACHE, $XDG_CACHE_HOME/fastdata or ~/.cache/fastdata)",
+                             _cache, fetch=True)
     cache.add_argument("--quiet", action="store_true", help="fetch: no progress bar")
     add_retry_seconds(cache)

@@ -99,7 +99,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             /dev/shm).
         storage_options: URLs only: options passed to fsspec (default None).
         cache_dir: URLs only: the node-local cache folder (default: ``$FASTDATA_CACHE``, else
-            ``~/.cache/fastdata``).
+            ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``).
         cache_limit: URLs only: the most bytes of this dataset kept in the cache, as a number or a size such as
             ``"200GB"`` (default None: no bound).
         retry_seconds: URLs only: how long the store may fail (refused connections, timeouts, 5xx) before a

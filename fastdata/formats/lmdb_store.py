@@ -12,8 +12,9 @@ records; every other field is the npy datasets' files (``mask-00000.npy``, ...),
 Format version 4 (what `fastdata preprocess` writes now) keys each shard's records by their row in that
 shard (``b"%012d" % row``), so a shard is a function of its own samples and a Ray task can write it alone;
 its shards may hold fewer than ``shard_size`` samples (shard ``k`` holds what decoded of source positions
-``[k * shard_size, (k + 1) * shard_size)``, fastdata/formats/base.py), and each has a ``labels-K.npy``
-beside the one ``labels.npy``. Readers find a sample's shard from the shards' counts (`manifest.shard_starts`).
+``[k * shard_size, (k + 1) * shard_size)``, fastdata/formats/base.py); each shard's ``labels-K.npy`` is the
+run's own (the journal's), merged into the one ``labels.npy`` and removed when the run ends. Readers find a
+sample's shard from the shards' counts (`manifest.shard_starts`).
 
 Each shard is built in one append-only pass with a fixed commit pattern: LMDB page contents depend on the
 write history, so this is what makes the output byte-identical for any worker count and after resume.
