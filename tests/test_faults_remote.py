@@ -569,6 +569,8 @@ SECRETS = [  # (text, the secret in it)
     ('{"secret": "s3cr3t", "region": "us-east-1"}', "s3cr3t"),
     ("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=abc123==;EndpointSuffix=x", "abc123"),
     ("gs://b/ds?key=AIzaKEY", "AIzaKEY"),
+    ('Invalid bucket name "AKIAEXAMPLE:hunter2secret@bucket": Bucket name must match', "hunter2secret"),
+    ("ParamValidationError: AKIAEXAMPLE:hunter2secret@bucket/ds", "hunter2secret"),
 ]
 
 
@@ -588,8 +590,20 @@ def test_the_scrubber_keeps_what_is_not_secret():
 
     for text in ("cannot read s3://bucket/ds/images-00002.npy after 3 tries over 2.0 s",
                  "abfs://container@account.dfs.core.windows.net/ds", "eos_token=50256 tokenizer: gpt2",
-                 "KeyError: 'files'", "https://h/ds?sv=2022&se=2024-01-01", "s3://b/year=2024/part"):
+                 "KeyError: 'files'", "https://h/ds?sv=2022&se=2024-01-01", "s3://b/year=2024/part",
+                 "git@github.com:org/repo", "at 12:30 on host", "ratio 3:1 @ 2x"):
         assert scrub(text) == text
+
+
+def test_an_invalid_bucket_name_is_said_at_once_without_the_secret_in_it(s3, tmp_path):
+    # botocore echoed "key:secret@bucket" in its own text, and the request it never sent was retried for the
+    # whole budget (2 minutes by default)
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+
+    with pytest.raises(FormatError, match=r"the request is invalid \(ParamValidationError") as err:
+        FastDataset("s3://AKIAEXAMPLE:hunter2secret@bucket/ds", cache_dir=tmp_path / "cache", retry_seconds=600)
+    assert "hunter2secret" not in str(err.value) and "tries" not in str(err.value)
 
 
 def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed_datasets, tmp_path, capsys,

@@ -16,7 +16,7 @@ budget, ``retry_seconds`` (default 120):
 5. The client's own retry loops would multiply the wait (s3fs tries 5 times, botocore 5 times each): an
    ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
 6. Not retried: an answer that trying again does not change (no such object, access denied, the same
-   wrong bytes twice, a full cache disk).
+   wrong bytes twice, a full cache disk, a request the client refuses to send: an invalid bucket name).
 """
 from __future__ import annotations
 
@@ -148,6 +148,9 @@ class Retry:
                 raise FormatError(f"cannot {doing} {scrub(what)}: access denied ({_said(exc)}): check the "
                                   "credentials (AWS_* variables, profile or storage_options)") from None
             except Exception as exc:  # noqa: BLE001 - network stacks raise anything: retried, then reported
+                if type(exc).__name__ == "ParamValidationError":  # (botocore's: never sent, so never mended)
+                    raise FormatError(f"cannot {doing} {scrub(what)}: the request is invalid ({_said(exc)}): "
+                                      "check the URL") from None
                 now = time.monotonic()
                 self.failing_since = self.failing_since or now
                 deadline = min(start, self.failing_since) + self.seconds
