@@ -206,6 +206,23 @@ def test_one_outage_is_given_up_on_once_not_once_per_read():
             Retry(bad)
 
 
+def test_a_long_try_cut_once_at_its_end_has_the_whole_budget():
+    # the budget ran from the call's first try: a download longer than retry_seconds that failed once at its
+    # end was given up on at once ("after 1 try"), though the store had failed for no time at all
+    from fastdata.storage.object_store import Retry
+
+    tries: list[int] = []
+
+    def long_download() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            time.sleep(1.5)  # (longer than the budget of 1 s)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return "whole"
+
+    assert Retry(1.0)("s3://b/big", long_download) == "whole" and len(tries) == 2
+
+
 def test_the_s3_clients_own_retry_loops_are_off_unless_asked_for(s3):
     from fastdata.storage.object_store import filesystem
 
@@ -262,6 +279,53 @@ def test_an_upload_the_store_keeps_part_of_is_put_again_or_stops_the_run(s3, pro
     assert not {"ds/manifest.json", "pushed/manifest.json"} & keys()
     proxy.clear()
     assert main(args) == 0 and main(["verify", f"{url}/ds"]) == 0  # the rerun puts it whole
+
+
+def test_a_push_killed_between_an_object_and_its_marker_is_mended_by_the_next_push(s3, proxy, npy_copy, tmp_path):
+    """A push of a new version killed after an object's PUT, before its marker's, left the old version's marker
+    beside the new bytes: a push of the old version skipped that object as there already, and `verify` (and
+    every read) said it was replaced. A push deletes an object's marker before putting the object."""
+    import hashlib
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from fastdata.cli.main import main
+    from fastdata.storage.push import push
+
+    url = s3("pushmarker") + "/ds"
+    old = Path(shutil.copytree(npy_copy, tmp_path / "v1"))
+    new, name = npy_copy, "images-00003.npy"  # v2: one shard's pixels changed, same size
+    data = bytearray((new / name).read_bytes())
+    data[-10:] = bytes(255 - b for b in data[-10:])
+    (new / name).write_bytes(bytes(data))
+    manifest = json.loads((new / "manifest.json").read_text())
+    next(f for f in manifest["files"] if f["path"] == name)["sha256"] = hashlib.sha256(data).hexdigest()
+    (new / "manifest.json").write_text(json.dumps(manifest))
+    push(old, url)
+    proxy.inject("stall", rf"/\.fastdata-push/{re.escape(name)}\.sha256$", times=1)
+    code = f"from fastdata.storage.push import push; push({str(new)!r}, {url!r}, workers=1)"
+    p = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
+    try:
+        assert proxy.stalled.wait(120), "the v2 push never reached the marker"
+        p.send_signal(signal.SIGKILL)  # killed with the v2 object in the store and its marker not
+    finally:
+        p.wait()
+        proxy.unstall.set()
+    assert s3.client.get_object(Bucket="pushmarker", Key=f"ds/{name}")["Body"].read() == bytes(data)
+    push(old, url)  # the old version back
+    assert s3.client.get_object(Bucket="pushmarker", Key=f"ds/{name}")["Body"].read() == (old / name).read_bytes()
+    assert main(["verify", url, "--quiet"]) == 0
+
+
+def test_a_push_to_a_bucket_that_does_not_exist_is_one_line(s3, npy_copy, capsys):
+    from fastdata.cli.main import main
+
+    s3("pushbucket")  # (the server up; another bucket)
+    assert main(["push", str(npy_copy), "s3://no-such-bucket-here/ds", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3://no-such-bucket-here/ds" in err and "check that the bucket exists" in err, err
 
 
 def test_verify_checks_the_store_and_finds_a_replaced_object_with_a_warm_cache(s3, proxy, indexed_datasets,

@@ -7,9 +7,10 @@ object ``verify`` hashes, each upload of ``push``) is retried by one `Retry` per
 budget, ``retry_seconds`` (default 120):
 1. A failed try waits a random time between 0 and 0.2 s x 2^(tries - 1), at most 10 s (exponential back-off with
    full jitter: many ranks coming back after an outage do not knock together), then tries again.
-2. The budget runs from the earlier of this call's first try and the dataset's first failure since its
-   last success, so a read that waited for a failed prefetch's download lock gets no budget of its own: an
-   outage is given up on once, ``retry_seconds`` after it began (plus one try), not once per shard.
+2. The budget runs from the dataset's first failure since its last success (never from a call's first try:
+   a 10-minute download cut once at its end has the whole budget), so a read that waited for a failed
+   prefetch's download lock gets no budget of its own: an outage is given up on once, ``retry_seconds``
+   after it began (plus one try), not once per shard.
 3. The last try is made at the deadline: an outage shorter than the budget is survived.
 4. After it, one FormatError names the (scrubbed) URL, the tries and seconds, the last error and what to
    do. Nothing partial has a final name, so a rerun resumes from the files cached.
@@ -123,8 +124,8 @@ class Retry:
     (or push), shared by its threads.
 
     Args:
-        seconds: How long the store may fail before a read gives up: the time since this call's first try,
-            or since the dataset's reads began failing, whichever is earlier. 0 tries once.
+        seconds: How long the store may fail before a read gives up: the time since the dataset's reads
+            began failing. 0 tries once.
         advice: What the message of a spent budget ends with: what a rerun does.
     """
 
@@ -152,8 +153,8 @@ class Retry:
                     raise FormatError(f"cannot {doing} {scrub(what)}: the request is invalid ({_said(exc)}): "
                                       "check the URL") from None
                 now = time.monotonic()
-                self.failing_since = self.failing_since or now
-                deadline = min(start, self.failing_since) + self.seconds
+                since = self.failing_since = self.failing_since or now  # (a local: another thread may reset it)
+                deadline = since + self.seconds  # (rule 2: a long try that failed once at its end is retried)
                 if now >= deadline:
                     raise FormatError(
                         f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "

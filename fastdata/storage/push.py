@@ -1,8 +1,10 @@
 """``fastdata push``: a finished dataset folder copied into object storage, manifest last.
 
 NOTE [push]: data files go up first, each followed by a small marker ``.fastdata-push/<name>.sha256``
-(object stores write whole objects: a marker exists only after its object is complete); the manifest goes
-last, so a reader never sees a half-uploaded dataset. A rerun skips objects whose size and marker match.
+(object stores write whole objects: a marker exists only after its object is complete; an object's old
+marker is deleted before the object is put, so a push killed between the two never leaves a marker naming
+other bytes); the manifest goes last, so a reader never sees a half-uploaded dataset. A rerun skips objects
+whose size and marker match.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import posixpath
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from .._io import HASH_NAME, disk_error, map_threads
+from .._io import HASH_NAME, disk_error, map_threads, scrub
+from ..errors import OutputError
 from ..formats.manifest import MANIFEST_NAME
 from .object_store import RETRY_SECONDS, Retry, filesystem, object_path, pipe_file, put_file
 
@@ -53,15 +56,20 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
                 progress(int(entry["bytes"]))
             return
         require_intact(local, entry)  # never upload a file that differs from its own manifest
+        retry(f"{url}/{name}", lambda: _drop(fs, marker), "upload")  # (before the object: NOTE [push])
         retry(f"{url}/{name}", lambda: put_file(fs, local / name, target), "upload")
         retry(f"{url}/{name}", lambda: pipe_file(fs, marker, entry[HASH_NAME].encode()), "upload")
         counts["uploaded"] += 1
         if progress is not None:
             progress(int(entry["bytes"]))
 
-    map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
     data = (local / MANIFEST_NAME).read_bytes()
-    retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, object_path(root, MANIFEST_NAME), data), "upload")
+    try:
+        map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
+        retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, object_path(root, MANIFEST_NAME), data), "upload")
+    except FileNotFoundError as exc:  # s3fs: no such bucket (a local file missing is refused by require_intact)
+        raise OutputError(f"cannot push to {scrub(url)}: {scrub(str(exc)) or 'not found'}; check that the bucket "
+                          "exists and the URL is right") from None
     return counts
 
 
@@ -79,6 +87,13 @@ def _folders(fs: Any) -> Callable[..., None]:
             except OSError as exc:
                 raise disk_error(exc, Path(path)) from exc
     return make
+
+
+def _drop(fs: Any, key: str) -> None:
+    try:
+        fs.rm_file(key)
+    except FileNotFoundError:
+        pass
 
 
 def _already_there(fs: Any, target: str, marker: str, entry: dict[str, Any]) -> bool:
