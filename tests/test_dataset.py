@@ -71,6 +71,10 @@ def test_bad_indices_and_arguments(indexed_datasets):
         FastDataset(indexed_datasets["npy"], size=32)
     with pytest.raises(ConfigError, match="needs an npy dataset"):
         FastDataset(indexed_datasets["lmdb"], storage="ram")
+    for kind in ("npy", "lmdb"):  # (ignored before: the crops were center ones, or the pixels fixed)
+        with pytest.raises(ConfigError, match=r"scale=\(0\.5, 1\.0\) and ratio=.* not crop='center'"):
+            FastDataset(indexed_datasets[kind], scale=(0.5, 1.0))
+    assert FastDataset(indexed_datasets["lmdb"], crop="random", scale=(0.5, 1.0)).random_crops
     with pytest.raises(FormatError, match="not a fastdata dataset"):
         FastDataset(indexed_datasets["npy"].parent / "src")
     assert not ds.streamed and ds.cache_limit is None

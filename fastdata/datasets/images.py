@@ -156,6 +156,10 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
         decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them
+        if crop != "random" and (tuple(scale), tuple(ratio)) != (tuple(SCALE), tuple(RATIO)):  # (else unused)
+            raise ConfigError(f"scale={scale!r} and ratio={ratio!r} shape the random crops of crop='random' (LMDB "
+                              f"datasets), not crop={crop!r}: pass crop='random', or crop on the GPU with "
+                              "fastdata.RandomResizedCrop(scale=..., ratio=...) in CUDAPrefetcher(transforms=...)")
         if (crop != "center" or fraction != 1.0) and not self.is_lmdb:
             raise ConfigError(f"crop={crop!r}, crop_fraction={fraction!r} apply to LMDB datasets (decode-time crops); "
                               f"{self.root} holds fixed-size pixels: crop them on the GPU with "
