@@ -344,6 +344,75 @@ def test_a_look_at_the_disk_sees_other_processes_and_keeps_what_this_one_learnt_
     cache.close()
 
 
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_cache_without_a_limit_pins_a_shard_while_it_opens_it(s3, indexed_datasets, tmp_path, warm):
+    """A cache without a limit took no pins, so another job with one, sharing the folder, evicted a shard between
+    its look at the disk and its map: a raw FileNotFoundError from FastDataset() (a warm cache maps every shard up
+    front) or from a batch. It pins a shard while it opens it now; one evicted before its pin is fetched again."""
+    from fastdata.storage.cache import ShardCache
+
+    url = _pushed(s3, indexed_datasets, f"unpinned-{'warm' if warm else 'cold'}")
+    other, remote, size = _cache(url, tmp_path, limit_shards=len(SHARDS))  # the other job, with a limit
+    if warm:
+        for s in range(len(SHARDS)):
+            with other.reading(np.array([s])):
+                pass
+    opened_while = []
+
+    def opener(s, path):  # the other job evicts all it may just before each map: the worst moment
+        other.set_limit(1)
+        opened_while.append(_on_disk(remote))
+        return np.load(path, mmap_mode="r")
+    cache = ShardCache(remote, SHARDS, opener, progress=False)
+    for s in range(len(SHARDS)):
+        with cache.reading(np.array([s])) as opened:
+            assert np.array_equal(opened[s], np.load(indexed_datasets["npy"] / SHARDS[s]))
+    assert opened_while and all(len(names) <= 1 for names in opened_while)  # (it evicted all but the one opening)
+    cache.close()
+    other.close()
+
+
+@pytest.mark.parametrize("limit", [None, 20_000])
+def test_a_shard_damaged_in_the_cache_is_fetched_anew_not_blamed_on_the_dataset(s3, indexed_datasets, tmp_path,
+                                                                                limit):
+    """A flipped byte in a cached shard, opened with verify=True, said "run `fastdata verify` and re-run `fastdata
+    preprocess`": wrong, the store is intact. The shard is fetched anew once; damaged while another job reads it
+    (so not removed), the error says to remove the dataset from the node cache."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import ChecksumError
+    from fastdata.storage.cache_folders import ShardPins
+
+    url = _pushed(s3, indexed_datasets, f"damaged-{limit}")
+    local = FastDataset(indexed_datasets["npy"])
+    every = np.arange(len(local))
+    with FastDataset(url, cache_dir=tmp_path / "cache") as ds:
+        ds.get_batch(every)
+        shard = ds.root / SHARDS[2]
+    good = shard.read_bytes()
+
+    def damage() -> None:
+        body = bytearray(good)
+        body[-1] ^= 0xFF  # bit rot on the node's disk
+        shard.write_bytes(bytes(body))
+    damage()
+    with FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=limit, verify=True) as ds:
+        for got, want in zip(ds.get_batch(every), local.get_batch(every)):
+            assert np.array_equal(got.numpy(), want.numpy())
+    assert shard.read_bytes() == good
+    damage()
+    pins = ShardPins(shard.parent / ".locks")
+    pins.pin(SHARDS[2])  # another job reads it: not removed under it
+    try:
+        with pytest.raises(ChecksumError) as err:
+            with FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=limit, verify=True) as ds:
+                ds.get_batch(every)
+    finally:
+        pins.close()
+    msg = str(err.value)
+    assert SHARDS[2] in msg and "node cache" in msg and "fastdata cache remove" in msg, msg
+    assert "preprocess" not in msg and "fastdata verify" not in msg and "\n" not in msg, msg
+
+
 def test_a_lower_limit_counts_what_other_processes_fetched(s3, indexed_datasets, tmp_path):
     """A cache opened without a limit gets one (a Mixture re-splitting its node budget) after other ranks
     fetched shards into the shared folder: they count at once, and the folder comes down to the limit

@@ -494,6 +494,35 @@ def test_after_the_retries_one_line_names_the_object_and_the_cause(s3, proxy, in
     assert ds.get_batch([33])[1].tolist() == FastDataset(indexed_datasets["npy"]).get_batch([33])[1].tolist()
 
 
+@pytest.mark.parametrize("change", ["shorter", "longer"])
+def test_an_object_of_another_size_in_the_store_is_named_replaced_not_retried(s3, proxy, indexed_datasets, tmp_path,
+                                                                               change):
+    """An object replaced by a shorter one (a body that ends cleanly, short) was retried for the whole budget and
+    blamed on the network; the store's own size tells it from a body cut on its way, which is still retried."""
+    from fastdata.errors import ChecksumError
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    bucket = f"resized-{change}"
+    url = s3(bucket) + "/ds"
+    push(indexed_datasets["npy"], url)
+    body = (indexed_datasets["npy"] / "images-00002.npy").read_bytes()
+    s3.client.put_object(Bucket=bucket, Key="ds/images-00002.npy",
+                         Body=body[:-100] if change == "shorter" else body + b"\0" * 100)
+    proxy.clear()
+    proxy.inject("norange", r"images-00002")  # the whole longer object comes back, whatever range was asked
+    proxy.inject("truncate", r"images-00003")  # a body cut on its way: retried, the object is intact
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", retry_seconds=30)
+    remote.prepare(frozenset({"images-00002.npy"}))
+    assert (remote.dir / "images-00003.npy").stat().st_size == (indexed_datasets["npy"] / "images-00003.npy").stat(
+    ).st_size and proxy.faults.get("truncate") == 1
+    with pytest.raises(ChecksumError, match=r"images-00002\.npy: the store's object has \d+ bytes, not the "
+                       r"manifest's \d+: it was replaced or damaged after `fastdata push`") as err:
+        remote.fetch(remote.entry("images-00002.npy"))
+    assert "\n" not in str(err.value) and "tries" not in str(err.value)
+    assert not (remote.dir / "images-00002.npy").exists() and not list(remote.dir.rglob("*.part-*"))
+
+
 def test_a_dataset_changed_under_a_running_job_is_refused_not_mixed(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError
@@ -687,6 +716,37 @@ def test_a_cache_limit_set_after_opening_is_the_one_a_spawned_worker_opens_with(
         assert worker.cache_limit == 123_456, type(ds).__name__
         worker.close()
     assert opened.limit is None and FastDataset(opened).cache_limit is None
+
+
+def test_a_limit_set_later_is_parsed_as_at_opening_and_none_lifts_it(s3, indexed_datasets, tmp_path):
+    """set_cache_limit(None), documented as unbounded, raised; "200GB" was refused though cache_limit takes it;
+    cache_limit=0.5 or "0.4b" became 0 bytes, and inf an OverflowError traceback."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage.opening import parse_size
+    from fastdata.storage.push import push
+
+    for bad in (0.5, "0.4b", float("inf"), float("nan"), "inf GB", 0, -3, True, "lots"):
+        with pytest.raises(ConfigError, match=r"cache_limit must be .*got cache_limit="):
+            parse_size(bad)
+    assert (parse_size(1), parse_size("1.5 kB"), parse_size(2.5e3), parse_size("1 KiB")) == (1, 1500, 2500, 1024)
+    url = s3("limit-later") + "/ds"
+    push(indexed_datasets["npy"], url)
+    with pytest.raises(ConfigError, match=r"cache_limit=0\.5"):
+        FastDataset(url, cache_dir=tmp_path / "c", cache_limit=0.5)
+    local = FastDataset(indexed_datasets["npy"])
+    every = np.arange(len(local))
+    with FastDataset(url, cache_dir=tmp_path / "c", cache_limit=20_000) as ds:
+        ds.get_batch(every[:40])
+        ds.set_cache_limit("200GB")
+        assert ds.cache_limit == 200 * 10**9
+        with pytest.raises(ConfigError, match=r"limit=0\.5"):
+            ds.set_cache_limit(0.5)
+        ds.set_cache_limit(None)
+        assert ds.cache_limit is None
+        assert np.array_equal(ds.get_batch(every)[0].numpy(), local.get_batch(every)[0].numpy())
+        assert not ds._cache._held.any()  # unbounded: its maps hold the bytes, no pin is kept
+        ds.set_cache_limit(20_000)  # and bounded again: the shards not in use are evicted down to it
+        assert ds.cache_limit == 20_000 and sum(f.stat().st_size for f in ds.root.glob("images-*.npy")) <= 20_000
 
 
 def test_labels_held_with_their_shards_cost_the_shards_open_at_10_9_samples(tmp_path):

@@ -44,15 +44,18 @@ def check_file(root: Path, entry: dict[str, Any], *, hashed: bool = True,
 
 
 def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optional[int] = None,
-                  advice: str = "re-run `fastdata preprocess`") -> FormatError:
-    """The error a reader raises for a `file_problem` (the message says what to do)."""
+                  advice: Optional[str] = None) -> FormatError:
+    """The error a reader raises for a `file_problem`; it ends with what to do: ``advice`` (default: re-run
+    `fastdata preprocess`, a damaged file checked with `fastdata verify` first; a node cache says its own)."""
+    local = advice is None
+    advice = "re-run `fastdata preprocess`" if advice is None else advice
     if problem == "missing":
         return FormatError(f"{path} is missing: the dataset is incomplete; {advice}")
     if problem == "size":
         return ChecksumError(f"{path} has {size} bytes but the manifest says {entry['bytes']}: truncated or "
                              f"replaced; {advice}")
-    return ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): run "
-                         f"`fastdata verify` and {advice}")
+    return ChecksumError(f"{path} does not match its checksum in the manifest (modified or damaged): "
+                         f"{'run `fastdata verify` and ' if local else ''}{advice}")
 
 
 def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:

@@ -27,8 +27,11 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     too small for the shards in use.
 11. Shards in use are never evicted, across processes too: a cache holds a shard pinned while it has it open
     (`ShardPins`: a shared lock on the shard's byte of one file per dataset, so a batch over 10,000 shards
-    needs no descriptor per shard), and an eviction needs that byte exclusively. (Pins until 2026-11-27
-    were a file per shard: a job of an older fastdata sharing a cache folder does not see these.)
+    needs no descriptor per shard), and an eviction needs that byte exclusively. A cache without a limit
+    pins a shard only while it opens it (the look at its files, then their maps): a map keeps the bytes of
+    a file evicted since, so it holds no pin per shard of the dataset; one whose shards are mapped as read
+    (bounded maps, LMDB) keeps each pinned while open, as with a limit. (Pins until 2026-11-27 were a file
+    per shard: a job of an older fastdata sharing a cache folder does not see these.)
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).
@@ -51,6 +54,10 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     its manifest's size reached through no link (a link, or a file of another size, is fetched again over
     it); looks at the disk and evictions walk folders with O_NOFOLLOW, so a link planted in the cache
     never leads them outside it (`cache_folders._folder_fd`).
+21. A shard whose cached bytes fail their sha256 when opened (``verify``) is damaged on this node, not in the
+    store (a download checks the bytes as they come): its files are removed and fetched anew, once per shard
+    and cache; failing again, or read by another process meanwhile, it is an error that says to remove the
+    dataset from the cache (`fastdata cache remove ID`), not to push or preprocess it again.
 """
 from __future__ import annotations
 
@@ -67,7 +74,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import scrub, user_stacklevel
-from ..errors import ConfigError, FastdataError, FormatError, is_whole
+from ..errors import ChecksumError, ConfigError, FastdataError, FormatError, is_whole
+from ..formats.integrity import check_file, damaged_error
 from . import evict
 from .plan import Plan, horizon
 from .cache_folders import ShardPins, cached_size, on_disk, remove_cached_file
@@ -110,8 +118,9 @@ class ShardCache:
         self._is_open = np.zeros(len(self.groups), dtype=bool)
         if getattr(self, "_pinned", None) is not None:  # a forked child: the parent's pins stay the parent's
             self._pinned.close()
-        self._pinned = ShardPins(self.remote.dir / ".locks")  # shards opened with a limit (NOTE 11)
+        self._pinned = ShardPins(self.remote.dir / ".locks")  # shards in use or being opened (NOTE 11)
         self._held = np.zeros(len(self.groups), dtype=bool)  # which of them this cache holds pinned
+        self._damaged: set[int] = set()  # shards whose cached bytes failed their sha256 once, fetched anew (21)
         self._pins = np.zeros(len(self.groups), dtype=np.int64)
         self._since: Optional[list[int]] = None  # shards this process learnt about while a scan of the disk ran
         began = time.monotonic()
@@ -119,12 +128,20 @@ class ShardCache:
         self._scanned, self._scan_cost, self._scanning = time.monotonic(), time.monotonic() - began, False
         if self.limit is None and self.eager:  # a warm cache opens as a local folder does: every shard mapped up front
             for s in np.flatnonzero(self._have).tolist():
+                self._pinned.pin(self.groups.first(s))  # (no eviction between its listing and its map: NOTE 11)
+                self._held[s] = True
                 try:
-                    self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
-                except FastdataError:
+                    try:
+                        self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
+                    finally:
+                        self._unpin(s)  # (its map holds the bytes now)
+                except ChecksumError as exc:
+                    self._drop_damaged(s, exc)  # (fetched anew when read)
+                    continue
+                except (FastdataError, FileNotFoundError):
                     if self._present(s):
                         raise
-                    self._have[s] = False  # a file of another size (damaged, planted): fetched again when read
+                    self._have[s] = False  # evicted since the listing, or of another size: fetched again when read
                     continue
                 self._is_open[s] = True
         # the one download under way per shard in this process, demand or prefetch: it owns the shard's room
@@ -286,23 +303,53 @@ class ShardCache:
 
     def _open(self, s: int) -> None:
         """(Under the lock.) Shard ``s`` opened in this process if it is on disk, its pin taken first (against
-        other processes' evictions); else left closed, to be fetched again."""
+        other processes' evictions: kept while open with a limit, until it is open without one); else left
+        closed, to be fetched again (its cached bytes damaged: removed first, once, NOTE 21)."""
         if self._is_open[s] or s in self._fetching:
             return
-        if self.limit is not None:
-            self._pinned.pin(self.groups.first(s))
-            self._held[s] = True
+        self._pinned.pin(self.groups.first(s))
+        self._held[s] = True
         try:
             if not self._present(s):  # evicted by another process since it arrived
                 self._know(s, False)
                 self._unpin(s)
                 return
             self._objs[s] = self.opener(s, self.remote.dir / self.groups.first(s))
+        except ChecksumError as exc:
+            self._unpin(s)
+            self._drop_damaged(s, exc)
+            return
         except BaseException:
             self._unpin(s)
             raise
         self._is_open[s] = True
         self._know(s, True)
+        if self.limit is None and self.eager:  # its maps hold the bytes, evicted or not (NOTE 11)
+            self._unpin(s)
+
+    def _drop_damaged(self, s: int, exc: ChecksumError) -> None:
+        """(Under the lock or before any thread, ``s`` not pinned here.) Shard ``s``'s cached bytes failed their
+        sha256 (``exc``): damaged on this node, since a download checks them as they come; its files are
+        removed so that it is fetched anew, once (NOTE 21).
+
+        Raises:
+            ChecksumError: It failed again after that, or another process reads it now; the message says to
+                remove the dataset's cache folder, not to push or preprocess again.
+        """
+        self._know(s, False)
+        if s not in self._damaged:
+            self._damaged.add(s)
+            with self._pinned.evicting(self.groups.first(s)) as free:
+                if free:
+                    for name in self.groups[s]:
+                        remove_cached_file(self.remote.dir, name)
+                    return
+        for name in self.groups[s]:  # (the file at fault, named with the cache's advice)
+            entry = self.remote.entry(name)
+            if check_file(self.remote.dir, entry) == "hash":
+                raise damaged_error(self.remote.dir / name, entry, "hash", advice=self.remote.damaged_advice) from None
+        raise ChecksumError(f"the files of {self.remote.dir / self.groups.first(s)} failed their sha256 check when "
+                            f"opened; {self.remote.damaged_advice}") from exc  # (mended meanwhile: still said)
 
     def _close(self, s: int) -> None:
         if self._is_open[s] and self.closer is not None:
@@ -365,26 +412,36 @@ class ShardCache:
                               f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
                               "the store (`fastdata verify URL`)") from exc
 
-    def set_limit(self, limit: int) -> None:
+    def set_limit(self, limit: Optional[int]) -> None:
         """A new bound, in bytes, from now on (a Mixture re-splitting one node budget when its weights change):
         a lower one evicts shards not in use, the farthest next use first, down to it at once; a higher one is
         room for the prefetches. A cache opened without a limit takes the shard pins a limit needs (NOTE
-        [shard cache] 11): its open shards not in use are closed (reopened, pinned, when read).
+        [shard cache] 11): its open shards not in use are closed (reopened, pinned, when read). None: no
+        bound from now on; nothing is evicted, open shards stay open, and those mapped let go of their pins.
 
         Raises:
-            ConfigError: ``limit`` is not a positive number of bytes.
+            ConfigError: ``limit`` is neither None nor a positive number of bytes.
         """
-        if not is_whole(limit) or limit < 1:
-            raise ConfigError(f"a cache limit must be a positive number of bytes, got limit={limit!r}")
+        if limit is not None and (not is_whole(limit) or limit < 1):
+            raise ConfigError(f"a cache limit must be a positive number of bytes or None (no bound), got "
+                              f"limit={limit!r}")
         self._check_pid()
+        if limit is None:
+            with self._cond:
+                if self.limit is not None and self.eager:  # (maps hold the bytes: as if opened without a limit)
+                    for s in np.flatnonzero(self._is_open & self._held).tolist():
+                        self._unpin(s)
+                self.limit, self.horizon, self._stalled = None, horizon(None, self.sizes), None
+                self._cond.notify_all()
+            return
         self._rescan(now=True)  # (other processes' shards count against the new bound at once)
         with self._cond:
             if self.limit is None:  # shards opened without pins: pin the ones in use, close the others
                 for s in np.flatnonzero(self._is_open).tolist():
-                    if self._pins[s] > 0:
+                    if self._pins[s] > 0 and not self._held[s]:
                         self._pinned.pin(self.groups.first(s))
                         self._held[s] = True
-                    else:
+                    elif self._pins[s] == 0:
                         self._close(s)
             self.limit = int(limit)
             self.horizon = horizon(self.limit, self.sizes)

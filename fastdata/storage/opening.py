@@ -3,6 +3,8 @@ streamed downloaded; the cache bound parsed; what every streamed dataset offers 
 cache.py runs the streaming itself)."""
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import weakref
 from dataclasses import dataclass
@@ -28,16 +30,24 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "p
 
 
 def parse_size(value: Union[int, float, str, None], name: str = "cache_limit") -> Optional[int]:
-    """Bytes from ``10**9``, ``"200GB"``, ``"1.5 TiB"`` (``None`` stays ``None``: no bound)."""
+    """Bytes from ``10**9``, ``"200GB"``, ``"1.5 TiB"`` (``None`` stays ``None``: no bound).
+
+    Raises:
+        ConfigError: ``value`` is not a size, not finite, or under one byte (``0.5``, ``"0.4b"``).
+    """
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
+    size: Optional[float] = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's too)
+        size = value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"{name} must be a positive number of bytes or a size such as '200GB' or '1.5TiB', "
-                          f"got {name}={value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if m is not None and m.group(2).lower() in _UNITS:
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    finite = size is not None and (isinstance(size, int) or math.isfinite(size))  # (int(inf) overflows)
+    if not finite or size < 1:  # (0.5 bytes would be 0)
+        raise ConfigError(f"{name} must be a finite number of bytes, at least 1, or a size such as '200GB' or "
+                          f"'1.5TiB', got {name}={value!r}")
+    return int(size)
 
 
 @dataclass(frozen=True)
@@ -186,17 +196,19 @@ class StreamedReads:
         """The node cache's limit in bytes (None: unbounded, or not streamed)."""
         return self._cache.limit if self._cache is not None else None
 
-    def set_cache_limit(self, limit: Optional[int]) -> None:
-        """Give the node cache a new limit in bytes (None: unbounded); a lower one evicts at once the shards
-        not in use, farthest next use first (`ShardCache.set_limit`).
+    def set_cache_limit(self, limit: Union[int, str, None]) -> None:
+        """Give the node cache a new limit, in bytes or as ``cache_limit`` takes it (``"200GB"``; None:
+        unbounded); a lower one evicts at once the shards not in use, farthest next use first
+        (`ShardCache.set_limit`).
 
         Raises:
-            ConfigError: The dataset is not streamed (it has no cache).
+            ConfigError: The dataset is not streamed (it has no cache), or ``limit`` is not a size.
         """
         if self._cache is None:
             raise ConfigError(f"{self!r} reads local files: it has no cache to limit")
-        self._cache.set_limit(limit)
-        self._keep_limit(limit)
+        size = parse_size(limit, "limit")
+        self._cache.set_limit(size)
+        self._keep_limit(size)
 
     def _keep_limit(self, limit: Optional[int]) -> None:
         """Remember a limit given after opening for the dataset's next opening (a spawned or forkserver

@@ -11,6 +11,9 @@ start (its id is that manifest's hash) and the files as they arrive: FastDataset
 batches need them (storage/cache.py), any other reader waits for every file, and then it is an ordinary dataset
 folder. The next job on the same data reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download
 whose bytes do not match while the remote manifest changed is refused: a job never mixes two versions of a dataset.
+An object replaced after `fastdata push` is named at once, not retried: a body of the wrong sha256 twice, or one
+of the wrong size while the store says the object has that size too (a body cut on its way, the object still of
+the manifest's size, is a network fault).
 A network fault is retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not
 free space): the partial file is removed and one line says what to do (DiskFullError; a rerun keeps what is cached).
 The cache is private: folders 0700, files 0600, an existing folder of another user refused (its files could be
@@ -146,6 +149,14 @@ class RemoteDataset:
         """Download (once per node) and verify every file; the local folder, an ordinary dataset folder."""
         return self.prepare(frozenset(), progress)
 
+    @property
+    def damaged_advice(self) -> str:
+        """What an error about a file damaged in this node cache says to do (`integrity.damaged_error`'s
+        ``advice``): the store's copy is intact (a download checks the bytes as they come), so neither `fastdata
+        verify URL` nor a new push or preprocess mends it."""
+        return (f"the node cache's copy is damaged, not the store's (a download checks its bytes); remove it "
+                f"(`fastdata cache remove {self.id}`) and check this node's disk")
+
     def entry(self, name: str) -> dict[str, Any]:
         """The manifest's entry for file ``name``."""
         if not hasattr(self, "_entries"):
@@ -238,14 +249,29 @@ class RemoteDataset:
                                   "the job to read the new one") from None
             if problem == "hash":  # a corrupted body: retried by the caller, never renamed
                 raise _WrongBytes(digest.hexdigest())
-            if problem is not None:  # a truncated body
-                raise IOError(f"the downloaded bytes' {problem} differs from the manifest's (truncated or corrupted)")
+            if problem is not None:  # a body cut on its way (retried), or the store's object is of another size
+                stored = self._stored_size(entry["path"])
+                if stored is not None and stored != int(entry["bytes"]):
+                    raise ChecksumError(f"cannot read {scrub(self.url)}/{entry['path']}: the store's object has "
+                                        f"{stored} bytes, not the manifest's {entry['bytes']}: it was replaced or "
+                                        "damaged after `fastdata push`; push the dataset again (`fastdata verify "
+                                        "URL` lists every such object)") from None
+                raise IOError(f"the downloaded bytes' {problem} differs from the manifest's (truncated on the way)")
             local(lambda: os.replace(tmp, final))
             with self._count:
                 self.fetched["files"] += 1
                 self.fetched["bytes"] += size
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _stored_size(self, name: str) -> Optional[int]:
+        """The size of object ``name`` as the store says now (asked afresh: a HEAD on s3), so that a body that
+        ended short is told from an object that is short; None where the store does not say (an HTTP server
+        without Content-Length). A network error here is retried as the read's."""
+        path = object_path(self.root, name)
+        self.fs.invalidate_cache(path)
+        size = self.fs.info(path).get("size")
+        return None if size is None else int(size)
 
     def _blocks(self, path: str, size: int) -> Iterator[bytes]:
         """The object's ``size`` bytes (the manifest's size) in ranged GETs: one for files up to ``_WHOLE``,
