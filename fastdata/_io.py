@@ -173,6 +173,20 @@ def hash_file(path: Path, on_block: Optional[Callable[[int], None]] = None) -> s
 HASH_WORKERS = min(8, os.cpu_count() or 1)  # files hashed at once by default: sha256 takes a core per file
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine exists (another user's counts: not ours to judge; a reused pid
+    counts too, so what it names is kept, never lost)."""
+    if pid <= 0:  # (os.kill(0, ...) signals the process group)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def map_threads(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, name: str) -> list[Any]:
     """``[fn(item) for item in items]`` on ``workers`` threads, in order, the first failure raised; at most
     4 x ``workers`` submitted ahead (a million files must not queue a million futures)."""

@@ -250,3 +250,46 @@ def test_overwrite_keeps_the_old_dataset_until_the_new_arguments_hold_for_every_
     assert store_bytes(s3, "keep-old", "ds") == old  # the refused run's journal (its tar indexes) is gone too
     assert preprocess(src, url, "--format", "lmdb", "--overwrite") == 0  # and a right one replaces it
     assert len(FastDataset(url, cache_dir=tmp_path / "cache")) == 4
+
+
+def test_a_store_journal_of_many_units_resumes_to_its_first_gap_and_finishes_in_one_pass(tmp_path):
+    """A resume at a URL read its units' objects one round trip at a time (10^6 units: hours), its prepare
+    and finish compared every listed name with lists (10^6 objects: hours more). Units up to the first gap
+    are taken, the ones after it deleted; the transient files are one set."""
+    from fastdata.formats.manifest import MANIFEST_NAME, PARTIAL_DIR
+
+    class Counted(list):
+        passes = 0
+
+        def __iter__(self):
+            type(self).passes += 1
+            return super().__iter__()
+
+    folder, n, gap = tmp_path / "out", 1500, 1200
+    url = f"file://{folder}"
+    first = store_out.StoreOut(url, retry_seconds=0)
+    assert first.prepare("fp", overwrite=False) is None
+    jr = first.resume("fp")
+    run_skipped: list = []
+    for k in range(n):
+        name = f"images-{k:05d}.npy"
+        (folder / name).write_bytes(b"abcd")
+        run_skipped.append({"index": 2 * k, "path": f"{k}.jpg", "reason": "bad"})
+        jr.add({"index": k, "source_end": 2 * k + 2, "samples": 1, "files": [{"path": name, "bytes": 4}]},
+               run_skipped, None)
+    (folder / PARTIAL_DIR / store_out.unit_name(gap)).unlink()  # (a unit lost: the ones after it are redone)
+    again = store_out.StoreOut(url, retry_seconds=0)
+    assert again.prepare("fp", overwrite=False) is None
+    resumed = again.resume("fp")
+    assert resumed.units == jr.units[:gap] and resumed.skipped == run_skipped[:gap]
+    units = sorted(p.name for p in (folder / PARTIAL_DIR).iterdir() if p.name.startswith("unit-"))
+    assert units == [store_out.unit_name(k) for k in range(gap)]  # (later ones deleted)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / MANIFEST_NAME).write_text(json.dumps({"fingerprint": "fp"}))
+    transient = Counted(f"images-{k:05d}.npy" for k in range(0, n, 2))
+    Counted.passes = 0
+    again.finish(staging, [], transient)
+    assert Counted.passes == 1
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == sorted(
+        [MANIFEST_NAME, *(f"images-{k:05d}.npy" for k in range(1, n, 2))])  # (no journal object left)
