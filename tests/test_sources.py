@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 
 import pytest
@@ -66,6 +67,35 @@ def test_ids_and_names_mixed_in_one_source_are_refused_naming_a_sample_of_each(t
     assert "record 12" in str(err.value) or kind == "list"
     (tmp_path / "t.csv").write_text("image,labels\n" + f"{image},cat 2024\n{image},7\n")  # tags may mix
     assert discover_any(tmp_path / "t.csv").classes == ["2024", "7", "cat"]
+
+
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_list_row_through_a_link_is_resolved_and_one_leaving_the_folder_refused(tmp_path, photo_folder, link,
+                                                                                  monkeypatch):
+    # each row's folder is resolved once for the whole list (a realpath per row: minutes at 14M rows); links
+    # are still followed as a realpath would, a link out of the list's folder refused by name
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    _png(outside / "o.png")
+    (tmp_path / "l").mkdir()
+    if link == "file":
+        os.symlink(photo_folder / "class_0" / "img_0001.jpg", tmp_path / "l" / "in.jpg")
+        os.symlink(outside / "o.png", tmp_path / "l" / "out.png")
+    else:
+        os.symlink(photo_folder / "class_0", tmp_path / "l" / "in")
+        os.symlink(outside, tmp_path / "l" / "out")
+    inner, outer = ("l/in.jpg", "l/out.png") if link == "file" else ("l/in/img_0001.jpg", "l/out/o.png")
+    rows = "".join(f"photos/class_1/img_000{i % 3}.jpg,{i % 2}\n" for i in range(50))
+    (tmp_path / "ok.csv").write_text(rows + f"{inner},0\n")
+    realpaths = []
+    real = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda *a, **k: realpaths.append(a[0]) or real(*a, **k))
+    assert discover(tmp_path / "ok.csv").paths[-1] == "photos/class_0/img_0001.jpg"
+    assert len(realpaths) <= 5, realpaths  # (a folder each, the link itself: not one a row)
+    monkeypatch.undo()
+    (tmp_path / "bad.csv").write_text(rows + f"{inner},0\n{outer},1\n")
+    with pytest.raises(SourceError, match=rf"bad\.csv:52: '{re.escape(outer)}' is outside the list's folder"):
+        discover(tmp_path / "bad.csv")
 
 
 @pytest.mark.parametrize("row, needle", [

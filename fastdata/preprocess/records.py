@@ -39,11 +39,11 @@ def split_labels(text: str) -> list[str]:
     return [t for t in _SPLIT.split(text) if t]
 
 
-def _rel(root: Where, rel: Any, where: str) -> str:
-    """A record's path, relative to ``root`` and never outside it."""
+def _rel(root: Where, rel: Any, where: str, folders: Optional[dict[str, Path]] = None) -> str:
+    """A record's path, relative to ``root`` and never outside it (``folders``: `inside`'s, for a source)."""
     if not isinstance(rel, str) or not rel.strip():
         raise SourceError(f"{where}: expected a relative file path, got {rel!r}")
-    return inside(root, rel.strip(), where, "the folder")
+    return inside(root, rel.strip(), where, "the folder", folders)
 
 
 def kind_of(key: str, value: Any) -> Optional[str]:
@@ -70,12 +70,13 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
     paths = list(paths) if given else []
     raw: dict[str, list[Any]] = {}
     kinds: dict[str, str] = {}
+    folders: dict[str, Path] = {}  # (`inside`'s resolved folders, kept across the rows)
     n = 0
     for where, rec in rows:
         if not given and "image" not in rec:
             raise SourceError(f"{where}: the record has no 'image' path (keys: {sorted(rec)})")
         if not given:
-            paths.append(_rel(root, rec["image"], where))
+            paths.append(_rel(root, rec["image"], where, folders))
         for key, value in rec.items():
             if key == "image" or value is None:
                 continue
@@ -116,7 +117,8 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
     Masks at a URL become full URLs (the worker reads them: fastdata/preprocess/fields.py)."""
     if kind == "mask":
         full = (lambda rel: posixpath.join(root, rel)) if isinstance(root, str) else (lambda rel: rel)
-        return [None if v is None else full(_rel(root, v, f"{location}: {key}")) for v in col]
+        folders: dict[str, Path] = {}
+        return [None if v is None else full(_rel(root, v, f"{location}: {key}", folders)) for v in col]
     if kind == "vector":
         shapes = {(len(v) if isinstance(v, list) else -1) for v in col if v is not None}
         if len(shapes) > 1:
@@ -331,7 +333,8 @@ def coco(root: Where, annotations: Path) -> Source:
         labels[image_id].append(index.get(int(a["category_id"]), -1))  # -1: unknown, refused by the worker
     ids = [i for i in files]  # the file's order
     base = root.rstrip("/") if isinstance(root, str) else root.resolve()
-    paths = [_rel(base, files[i], f"{annotations}: image {i}") for i in ids]
+    folders: dict[str, Path] = {}
+    paths = [_rel(base, files[i], f"{annotations}: image {i}", folders) for i in ids]
     url = isinstance(base, str)  # then the location names the images' URL (the annotations are a local file)
     return Source("coco", root if url else Path(annotations), Path(".") if url else base, paths, [0] * len(ids),
                   [names[c] for c in order], {"boxes": "boxes", "box_labels": "box_labels"},
