@@ -12,6 +12,7 @@ import pytest
 
 from fastdata.cli.main import main
 from fastdata.datasets.images import FastDataset
+from fastdata.errors import ConfigError
 from fastdata.loading.loader import FastLoader
 
 LOADERS = textwrap.dedent('''
@@ -126,6 +127,15 @@ def test_bad_loader_factories_are_one_line_errors(user_loaders, spec, needle):
     assert r.returncode == 1 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
 
 
+def test_a_loader_whose_images_the_model_cannot_take_is_refused_before_timing(user_loaders):
+    from fastdata.cli.bench import diagnose_loader
+
+    with pytest.raises(ConfigError, match="cnn-small needs images of at least 16x16, and this run feeds it 8x8"):
+        diagnose_loader("myloaders:fast", model="cnn-small", image_size=8, device="cpu", seconds=2)
+    with pytest.raises(ConfigError, match="model='gpt-tiny'"):
+        diagnose_loader("myloaders:fast", model="gpt-tiny", device="cpu", seconds=2)
+
+
 def test_missing_dataset_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fastdata", "bench", str(tmp_path / "nope"), "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)
@@ -136,7 +146,12 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
                                            (["--seconds", "-1"], "seconds=-1.0"),
                                            (["--autotune", "--batch-size", "-2"], "batch_size=-2"),
                                            (["--device", "nosuch"], "device='nosuch' is not a device"),
-                                           (["--json", "/no/such/folder/x.json"], "/no/such/folder does not exist")])
+                                           (["--json", "/no/such/folder/x.json"], "/no/such/folder does not exist"),
+                                           # these two failed after measuring (gpt-tiny has no num_classes; 8x8
+                                           # images pool down to nothing in cnn-small)
+                                           (["--model", "gpt-tiny", "--seconds", "2"], "model='gpt-tiny'"),
+                                           (["--model", "cnn-small", "--seconds", "2"],
+                                            "cnn-small needs images of at least 16x16")])
 def test_bad_settings_are_refused_before_anything_is_measured(indexed_datasets, capsys, extra, needle):
     t0 = time.monotonic()
     assert main(["bench", str(indexed_datasets["npy"]), "--device", "cpu", "--quiet", *extra]) == 1

@@ -427,6 +427,11 @@ BAD_TRAIN_ARGS = {  # name: (flags after the dataset's, a function of tmp_path g
     "empty checkpoint": (lambda t: ["--checkpoint", ""], "checkpoint_dir must be a folder or a URL"),
     "checkpoint at an HTTP URL": (lambda t: ["--checkpoint", "https://host/run"], "an HTTP server cannot hold"),
     "checkpoint URL with a pattern": (lambda t: ["--checkpoint", "s3://bucket/lr*0.1"], "patterns to fsspec"),
+    # these two were ignored without a word: no --val or --val-fraction, so nothing to validate on
+    "validation steps without validation data": (lambda t: ["--val-every-steps", "2"],
+                                                 "--val-every-steps 2 (val_every_steps) needs validation data"),
+    "early stopping without validation data": (lambda t: ["--early-stop-patience", "3"],
+                                               "--early-stop-patience 3 (early_stop_patience) needs validation data"),
 }
 
 
@@ -946,6 +951,8 @@ def test_max_steps_without_epochs_trains_past_the_first_epoch(small_images):
     bounded = Trainer(create_model("cnn-small", num_classes=3), loader,
                       config=TrainConfig(epochs=1, max_steps=2 * len(loader) + 1, progress=False, device="cpu"))
     assert bounded.fit()[-1]["reason"] == "epochs" and bounded.step == len(loader)
+    # the schedule spans the run, which its one epoch ends first: annealed to 0 (was over max_steps: not annealed)
+    assert bounded.total_steps == len(loader) and bounded.scheduler.get_last_lr()[0] == pytest.approx(0, abs=1e-12)
 
 
 def test_ctrl_c_says_resume_only_when_a_checkpoint_exists(tmp_path):
@@ -1005,3 +1012,175 @@ def test_fastdata_train_hands_hw_decoder_load_to_both_dali_loaders(indexed_datas
     assert type(train).__name__ == type(val).__name__ == "DALILoader"
     assert train.hw_decoder_load == val.hw_decoder_load == want  # no flag: DALILoader's own default (None)
     assert train.hw_decoder_load_chosen == (None if want == "auto" else want)  # "auto" on the CPU: DALI's default
+
+
+def test_the_step_that_ends_an_epoch_mid_accumulation_is_a_step_as_any_other(small_images, tmp_path):
+    """36 training images at batch 8 and --accum 4: each epoch steps after 4 micro-batches, then after its last
+    one (a partial step). That step skipped the per-step work: --max-steps 2 trained 3 steps and --val-every-steps 2
+    never validated; a checkpoint there resumes to the uninterrupted run's weights."""
+    common = ["--accum", "4", "--epochs", "50", "--schedule", "constant", "--augment", "crop-flip", "--val-fraction",
+              "0.25", "--val-every", "0", "--val-every-steps", "2"]
+    cut, ref = tmp_path / "cut", tmp_path / "ref"
+    assert main(train_args(small_images, *common, "--max-steps", "2", "--checkpoint", str(cut),
+                           "--log-file", str(tmp_path / "cut.jsonl"))) == 0
+    records = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in records if r["event"] != "train"] == [("val", 2), ("end", 2)]
+    assert load_ckpt(cut)["step"] == 2
+    assert main(train_args(small_images, *common, "--max-steps", "5", "--checkpoint", str(cut), "--resume")) == 0
+    assert main(train_args(small_images, *common, "--max-steps", "5", "--checkpoint", str(ref))) == 0
+    a, b = load_ckpt(ref), load_ckpt(cut)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 5)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_resuming_a_run_that_had_ended_trains_nothing_and_says_so(small_images, tmp_path, capsys):
+    """A requeued job passes --resume every time (docs/training.md): a run that had reached --max-steps, or
+    stopped early, trained one step or epoch more on each rerun."""
+    steps = ["--epochs", "50", "--max-steps", "3", "--checkpoint", str(tmp_path / "steps")]
+    early = ["--val-fraction", "0.25", "--epochs", "20", "--early-stop-patience", "2", "--early-stop-min-delta", "1e9",
+             "--checkpoint", str(tmp_path / "early")]
+    for args, reason in ((steps, "max_steps"), (early, "early_stop")):
+        assert main(train_args(small_images, *args)) == 0
+        before = load_ckpt(Path(args[-1]))
+        log = tmp_path / f"{reason}.jsonl"
+        capsys.readouterr()
+        assert main(train_args(small_images, *args, "--resume", "--log-file", str(log))) == 0
+        after = load_ckpt(Path(args[-1]))
+        assert (after["step"], after["epoch"]) == (before["step"], before["epoch"]), reason
+        assert [json.loads(line)["reason"] for line in log.read_text().splitlines()] == [reason]
+        assert f"had already ended at step {before['step']}" in capsys.readouterr().out
+
+
+def test_a_step_validated_is_not_validated_again_at_its_epochs_end(small_images):
+    """--val-every-steps 3 over 6-step epochs validated step 6 twice (its own, then the epoch end's): the same
+    weights, whose second loss counted as no improvement, so early stopping fired after one validation."""
+    ds = FastDataset(small_images)
+
+    def loss_fn(out, y):  # the validation loss falls at every validation: never a reason to stop
+        if trainer.model.training:
+            return torch.nn.functional.cross_entropy(out, y)
+        return out.sum() * 0 + 100.0 - trainer.step
+
+    cfg = TrainConfig(epochs=2, device="cpu", progress=False, val_every_steps=3, early_stop_patience=1)
+    trainer = Trainer(Linear(), FastLoader(ds, 8, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                      loss_fn=loss_fn, config=cfg)
+    history = trainer.fit()
+    assert [r["step"] for r in history if r["event"] == "val"] == [3, 6, 9, 12]
+    assert history[-1]["reason"] == "epochs"
+
+
+def test_profile_n_profiles_n_steps_from_where_the_run_starts(tmp_path):
+    """--profile 2 stopped only at step == 2: a run resumed past it profiled every step to its end."""
+    from fastdata.train.meter import StepProfiler
+
+    profiler = StepProfiler(2, torch.device("cpu"), tmp_path, False, 0.0)
+    profiler.step(41, 0.0)  # (a run resumed at step 40)
+    assert not profiler.done
+    profiler.step(42, 0.0)
+    assert profiler.done and profiler.profiled == 2
+
+
+def test_a_checkpoint_save_killed_mid_write_leaves_no_file_behind_on_the_next_run(tmp_path):
+    """kill -9 while writing (a grace period that ran out mid-save) left a checkpoint-sized temporary file for
+    good, one more per kill. The next run deletes those of this machine's dead writers, and no other."""
+    from fastdata.train import checkpoint
+
+    killed = ("import os, sys, torch\nfrom pathlib import Path\nfrom fastdata.train import checkpoint\n"
+              "os.fsync = lambda fd: os._exit(9)  # killed once its bytes are written\n"
+              "checkpoint.write(Path(sys.argv[1]) / 'checkpoint.pt', {'w': torch.zeros(1000)})\n")
+    assert subprocess.run([sys.executable, "-c", killed, str(tmp_path)], timeout=120).returncode == 9
+    (left,) = tmp_path.glob("checkpoint.pt.*.tmp")
+    _, _, tag, writer, _ = left.name.split(".")  # checkpoint.pt.<machine>.<pid>-<hex>.tmp
+    alive = tmp_path / f"checkpoint.pt.{tag}.{os.getpid()}-0123abcd.tmp"  # a live writer's (this process)
+    elsewhere = tmp_path / f"checkpoint.pt.otherhost-1.{writer}.tmp"  # another machine's: its pid means nothing
+    for f in (alive, elsewhere):
+        f.write_bytes(b"x")
+    checkpoint.prepare_folder(tmp_path)
+    assert sorted(tmp_path.iterdir()) == sorted([alive, elsewhere])
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_dataloaders_distributed_sampler_gets_each_epoch(wrapped):
+    """set_epoch was called on the loader only: a DataLoader's DistributedSampler replayed one order each epoch."""
+    seen: list[int] = []
+
+    class Numbers(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int):
+            seen.append(i)
+            return torch.randn(4), i % 2
+
+    ds = Numbers()
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=torch.utils.data.DistributedSampler(
+        ds, num_replicas=1, rank=0, seed=0))
+    Trainer(torch.nn.Linear(4, 2), CUDAPrefetcher(loader, device="cpu") if wrapped else loader,
+            config=TrainConfig(epochs=3, progress=False, device="cpu")).fit()
+    orders = [seen[16 * e:16 * e + 16] for e in range(3)]
+    assert sorted(orders[0]) == list(range(16)) and orders[0] != orders[1] != orders[2]
+
+
+def test_resuming_with_another_optimizer_is_refused_in_one_line(small_images, tmp_path, capsys):
+    ck = ["--max-steps", "1", "--checkpoint", str(tmp_path)]
+    assert main(train_args(small_images, *ck)) == 0
+    capsys.readouterr()
+    assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2", "--optimizer", "adamw")) == 1
+    err = capsys.readouterr().err  # before: a KeyError traceback from inside AdamW's step
+    assert "was trained with --optimizer sgd, this run asks for adamw: resume with --optimizer sgd" in err, err
+
+
+def test_validation_data_of_another_size_is_refused_before_training(small_images, tmp_path, capsys):
+    """--val was checked for its classes only: 8x8 images failed an epoch in, 64x64 ones validated silently at
+    another size than the model trained on."""
+    small = tmp_path / "val16"
+    assert main(["preprocess", "images", str(small_images.parent / "src"), str(small), "--size", "16", "--workers",
+                 "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(train_args(small_images, "--val", str(small), "--epochs", "1")) == 1
+    assert f"--val {small} holds 16x16x3 samples, {small_images} 32x32x3" in capsys.readouterr().err
+
+
+def test_image_flags_on_a_token_dataset_are_refused_by_name(tmp_path, capsys):
+    """A token dataset validates on its own val split: --val, --val-fraction and --backend dali were ignored."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    tokens = tmp_path / "tok"
+    assert main(["preprocess", "text", str(src), str(tokens), "--val-fraction", "0.2", "--workers", "1",
+                 "--quiet"]) == 0
+    run = ["train", str(tokens), "--seq-len", "16", "--batch-size", "4", "--max-steps", "1", "--device", "cpu",
+           "--quiet"]
+    for flags in (["--val", str(tokens)], ["--val-fraction", "0.5"], ["--backend", "dali"]):
+        capsys.readouterr()
+        assert main([*run, *flags]) == 1, flags
+        err = capsys.readouterr().err
+        assert f"holds tokens: drop {flags[0]}" in err and "for image datasets only" in err, err
+
+
+def test_autotuned_prefetch_and_pin_memory_reach_the_loaders(small_images, tmp_path, monkeypatch):
+    """`fastdata train --config best.json` took the storage and threads of an autotune, not its prefetch depth or
+    pinned buffers (docs/bench.md says train reads it)."""
+    from fastdata.train import assemble
+
+    built: list[tuple[int, bool]] = []
+
+    class Spy(FastLoader):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append((self.prefetch, kwargs.get("pin_memory")))
+
+    monkeypatch.setattr(assemble, "FastLoader", Spy)
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps({"storage": "ram", "loader": {"num_threads": 1, "prefetch": 5, "pin_memory": False}}))
+    assert main(train_args(small_images, "--max-steps", "1", "--val-fraction", "0.25", "--config", str(best))) == 0
+    assert built == [(5, False), (5, False)]  # train and validation
+
+
+def test_a_broken_pipe_ends_the_command_quietly(small_images):
+    """`fastdata inspect DATA | head -1`: the reader leaves early, and a BrokenPipeError traceback followed."""
+    p = subprocess.Popen([sys.executable, "-m", "fastdata", "inspect", str(small_images)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # (before the command writes: it imports for a second or more)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

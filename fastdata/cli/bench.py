@@ -34,6 +34,22 @@ def _check(batch_size: Optional[int], seconds: float) -> None:
     require(isinstance(seconds, (int, float)) and seconds >= 0, "seconds", seconds, "a number of seconds >= 0")
 
 
+def _image_models() -> list[str]:
+    """The models a bench step can train on image batches (gpt-tiny reads tokens)."""
+    from ..train.models import MODELS
+
+    return sorted(m for m in MODELS if m != "gpt-tiny")
+
+
+def _check_fits(model: str, height: int, width: int) -> None:
+    """Refuse, before anything is measured, images smaller than ``model`` takes (as `fastdata train` does):
+    else its first step fails once the stages' budget is spent."""
+    from ..train.assemble import image_model
+
+    with torch.device("meta"):  # (built without memory or work: only its size limit is read)
+        image_model(model, 2, min(height, width))
+
+
 LOADER, PINNED, PAGEABLE = "FastLoader", "host-to-device copy (pinned)", "host-to-device copy (pageable)"
 CEILING, FULL = "model step, synthetic data on the device (ceiling)", "full pipeline"
 
@@ -66,16 +82,17 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     from ..imaging.transforms import RandomHorizontalFlip
     from ..loading.loader import FastLoader
     from ..progress import progress_bar
-    from ..train.models import MODELS
 
     _check(batch_size, seconds)
-    require(model == "none" or model in MODELS, "model", model, f"one of {sorted(MODELS)} or 'none'")
+    require(model == "none" or model in _image_models(), "model", model, f"one of {_image_models()} or 'none'")
     require(storage in ("mmap", "ram", "shm"), "storage", storage, "'mmap', 'ram' or 'shm'")
     require(num_threads is None or (isinstance(num_threads, int) and num_threads > 0), "num_threads", num_threads,
             "a positive integer")
     dev = resolve_device(device)
     check_cuda(dev, "use --device cpu")
     ds = FastDataset(data, storage=storage)
+    if model != "none":
+        _check_fits(model, *ds.sample_shape[:2])
     pinned = dev.type == "cuda" and not pageable
     sample_bytes = int(np.prod(ds.sample_shape))
     n_stages = 5 + 2 * (dev.type == "cuda") + (model != "none")  # the record() calls below, the full pipeline too
@@ -307,6 +324,8 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
             "a positive integer")
     dev = resolve_device(device)
     check_cuda(dev, "use --device cpu")
+    name = model or ("resnet50" if dev.type == "cuda" else "cnn-small")
+    require(name in _image_models(), "model", name, f"one of {_image_models()}")
     factory = load_factory(spec)
     try:
         loader = factory()
@@ -324,7 +343,6 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     first_s = time.perf_counter() - t_first  # worker start-up and the first batch: reported, not averaged
     x0 = first_tensor(first)
     geometry = image_geometry(x0)
-    name = model or ("resnet50" if dev.type == "cuda" else "cnn-small")
     net = x = y = None
     skipped = None
     if geometry is None and (batch_size is None or image_size is None):
@@ -333,6 +351,7 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     else:
         b = batch_size or geometry[0]
         h, w = (image_size, image_size) if image_size else geometry[1:]
+        _check_fits(name, h, w)
         net = ModelStep(name, num_classes, dev, max_chunk=step_chunk(name, b, h, w, dev))
         x = torch.randn(b, 3, h, w, device=dev).contiguous(memory_format=net.fmt)
         y = torch.randint(0, num_classes, (b,), device=dev)

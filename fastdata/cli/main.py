@@ -5,8 +5,10 @@ A `FastdataError` becomes one line on stderr and exit status 1, never a tracebac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -94,12 +96,14 @@ def _train(args: argparse.Namespace) -> int:
         log_every=args.log_every, log_file=str(args.log_file) if args.log_file else None,
         profile_steps=args.profile, device=args.device, seed=args.seed, progress=not args.quiet, **retry_seconds(args))
     info = init_distributed(cfg.device)  # before the loaders, so each serves its rank's shard
+    tuned: dict[str, Any] = {}  # FastLoader's autotuned prefetch and pin_memory
     if args.config is not None:  # autotuned loader settings; explicit --storage / --threads still win
         from ..loading.loader import load_config
 
-        tuned = load_config(args.config)
-        args.storage = args.storage or tuned["storage"]
-        args.threads = args.threads or tuned["loader"]["num_threads"]
+        config = load_config(args.config)
+        args.storage = args.storage or config["storage"]
+        args.threads = args.threads or config["loader"].get("num_threads")
+        tuned = {k: v for k, v in config["loader"].items() if k in ("prefetch", "pin_memory")}
     check_device(cfg, info.device)  # before the data is opened
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"
@@ -107,7 +111,7 @@ def _train(args: argparse.Namespace) -> int:
     run = dict(model=args.model or "resnet18", batch_size=args.batch_size, val=args.val,
                val_fraction=args.val_fraction, storage=args.storage, threads=args.threads, augment=args.augment,
                crop=args.crop, seed=args.seed, backend=args.backend, shuffle_window=args.shuffle_window,
-               hw_decoder_load=args.hw_decoder_load, **cache)
+               hw_decoder_load=args.hw_decoder_load, **tuned, **cache)
     if args.mix:  # several datasets by weight (docs/mixtures.md)
         from dataclasses import replace
 
@@ -131,8 +135,9 @@ def _train(args: argparse.Namespace) -> int:
         opened = open_path(args.data, (IMAGES_NPY, IMAGES_LMDB, TOKENS), **cache,
                            streamed=lambda m: streamed_files(m, args.storage))
         if opened.manifest["format"] == TOKENS:
+            _refuse_image_flags(args)
             model, train, val = build_lm(opened, args.model, args.batch_size, args.seq_len, args.storage,
-                                         args.threads, args.seed, info.device, args.shuffle_window)
+                                         args.threads, args.seed, info.device, args.shuffle_window, **tuned)
         else:
             model, train, val = build(ImageRun(data=args.data, **run), info.device, opened)
     trainer = Trainer(model, train, val, config=cfg)
@@ -146,6 +151,17 @@ def _train(args: argparse.Namespace) -> int:
         print(f"fastdata: stopped by {signal_name(trainer.stop_signal)} at step {trainer.step}, checkpoint saved in "
               f"{scrub(str(args.checkpoint))}: rerun with --resume to continue", file=sys.stderr)
     return 128 + trainer.stop_signal  # what a shell reports for a process the signal ended
+
+
+def _refuse_image_flags(args: argparse.Namespace) -> None:
+    """Flags that a token dataset's run would ignore, refused by name: it validates on its own val split."""
+    given = [flag for flag, on in (("--val", args.val is not None), ("--val-fraction", bool(args.val_fraction)),
+                                   ("--backend dali", args.backend == "dali"), ("--crop", args.crop is not None),
+                                   ("--hw-decoder-load", args.hw_decoder_load is not None)) if on]
+    if given:
+        raise ConfigError(f"{scrub(str(args.data))} holds tokens: drop {', '.join(given)}, for image datasets only "
+                          "(a token dataset validates on its own val split, made by `fastdata preprocess text "
+                          "--val-fraction`, and trains on the native backend)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -406,7 +422,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(getattr(args, "quiet", False))
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # (here, not at exit: a reader that left is caught below)
+        return code
+    except BrokenPipeError:  # `fastdata inspect DATA | head -1`: the reader left, as it may
+        if not _reader_left():  # (another pipe broke: a worker's, a socket's; that is an error)
+            raise
+        _stdout_to_devnull()
+        return 1
     except FastdataError as exc:
         print(f"fastdata: error: {scrub(str(exc))}", file=sys.stderr)
         return 1
@@ -414,6 +437,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hint = _after_interrupt(args)
         print("fastdata: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader closed it (poll reports POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # (no poll, or a stdout without a descriptor)
+        return False
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at os.devnull, so that the flush at exit raises no second BrokenPipeError
+    (the recipe of Python's `signal` docs, "Note on SIGPIPE")."""
+    with contextlib.suppress(OSError, ValueError):  # (a stdout without a descriptor: nothing left to flush)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _after_interrupt(args: argparse.Namespace) -> Optional[str]:

@@ -49,6 +49,8 @@ class ImageRun:
     retry_seconds: float = RETRY_SECONDS  # URL datasets: how long the store may fail before a read gives up
     # dali: the share of JPEGs for the GPU's hardware decoder, in [0, 1], or "auto"; None: DALILoader's default
     hw_decoder_load: Union[float, str, None] = None
+    prefetch: Optional[int] = None  # FastLoader's prefetch and pin_memory (`--config`'s autotuned); None: its own
+    pin_memory: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.augment not in AUGMENT:
@@ -112,7 +114,8 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
-        val_ds = _val_dataset(p, device, ds.classes, scrub(str(p.data)), **cache)
+        shape = ds.sample_shape if p.backend == "native" else None  # (DALI crops both to one size)
+        val_ds = _val_dataset(p, device, ds.classes, scrub(str(p.data)), shape, **cache)
     elif p.val_fraction:
         train_ds, val_ds = split(ds, p.val_fraction, p.seed)
     side = ds.sample_shape[0]
@@ -129,11 +132,18 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
     return _image_run(p, device, train_ds, val_ds, side, len(ds.classes), p.shuffle_window)
 
 
-def _val_dataset(p: ImageRun, device: torch.device, classes: list[str], of: str, **cache: Any) -> FastDataset:
-    """``--val`` opened, refused unless it has the classes of the training data (``of`` names it)."""
+def _val_dataset(p: ImageRun, device: torch.device, classes: list[str], of: str,
+                 shape: Optional[tuple[int, ...]] = None, **cache: Any) -> FastDataset:
+    """``--val`` opened, refused unless it has the classes of the training data (``of`` names it) and, when
+    given, its sample ``shape`` (else an epoch in, a model-size error, or validation at another resolution)."""
     val = FastDataset(p.val, storage=p.storage, device=device, **cache)
     if val.classes != classes:
         raise ConfigError(f"--val {scrub(str(p.val))} has classes {val.classes[:5]}..., not those of {of}")
+    if shape is not None and tuple(val.sample_shape) != tuple(shape):
+        size = lambda s: "x".join(map(str, s))  # noqa: E731
+        raise ConfigError(f"--val {scrub(str(p.val))} holds {size(val.sample_shape)} samples, {of} "
+                          f"{size(shape)}: the model would be validated at another size than it trains on; "
+                          "preprocess the validation images with the same --size")
     return val
 
 
@@ -143,7 +153,7 @@ def _image_run(p: ImageRun, device: torch.device, train_ds: Any, val_ds: Any, si
     train_tf, eval_tf = transforms(p, side)
     model = image_model(p.model, num_classes, crop_side(p, side) if p.augment == "rrc-flip" else side)
     train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf,
-                         shuffle_window)
+                         shuffle_window, prefetch=p.prefetch, pin_memory=p.pin_memory)
     return model, train, val
 
 
@@ -167,16 +177,18 @@ def image_model(name: str, num_classes: int, side: int) -> torch.nn.Module:
 def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Optional[int], device: torch.device,
             train_tf: Optional[Transform] = None,
             eval_tf: Optional[Transform] = None,
-            shuffle_window: Optional[int] = None) -> tuple[CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+            shuffle_window: Optional[int] = None, *, prefetch: Optional[int] = None,
+            pin_memory: Optional[bool] = None) -> tuple[CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """The prefetched train loader (shuffled, within windows of ``shuffle_window`` shards if given; padded for
     DDP) and validation loader (in order, ``pad=False``: every sample once across ranks; None without
-    ``val_ds``)."""
+    ``val_ds``). ``prefetch`` and ``pin_memory`` go to both FastLoaders when given (an autotuned ``--config``)."""
+    tuned = {k: v for k, v in (("prefetch", prefetch), ("pin_memory", pin_memory)) if v is not None}
     train = CUDAPrefetcher(FastLoader(train_ds, batch_size, shuffle=True, seed=seed, num_threads=threads,
-                                      shuffle_window=shuffle_window),
+                                      shuffle_window=shuffle_window, **tuned),
                            device=device, transforms=train_tf, seed=seed)
     val = None
     if val_ds is not None:
-        val = CUDAPrefetcher(FastLoader(val_ds, batch_size, shuffle=False, pad=False, num_threads=threads),
+        val = CUDAPrefetcher(FastLoader(val_ds, batch_size, shuffle=False, pad=False, num_threads=threads, **tuned),
                              device=device, transforms=eval_tf)
     return train, val
 
@@ -184,8 +196,10 @@ def loaders(train_ds: Any, val_ds: Any, batch_size: int, seed: int, threads: Opt
 def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_size: int, seq_len: int, storage: str,
              threads: Optional[int], seed: int, device: torch.device, shuffle_window: Optional[int] = None,
              cache_dir: Optional[str] = None, cache_limit: Union[int, str, None] = None,
-             retry_seconds: float = RETRY_SECONDS) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
-    """A language-model run on a token folder or URL: gpt-tiny over train windows, validated on the val split."""
+             retry_seconds: float = RETRY_SECONDS, **tuned: Any
+             ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
+    """A language-model run on a token folder or URL: gpt-tiny over train windows, validated on the val split.
+    ``tuned``: `loaders`' ``prefetch`` and ``pin_memory``."""
     from ..datasets.tokens import TokenDataset
 
     _check_lm_model(scrub(str(data)), model)
@@ -196,7 +210,7 @@ def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_siz
     val_ds = None
     if train_ds.manifest["splits"]["val"]["tokens"] >= seq_len + 1:
         val_ds = TokenDataset(data, "val", seq_len, storage=storage)
-    train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device, shuffle_window=shuffle_window)
+    train, val = loaders(train_ds, val_ds, batch_size, seed, threads, device, shuffle_window=shuffle_window, **tuned)
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 
@@ -218,9 +232,11 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
         val_ds = None if p.val is None else _token_val(p, first, seq_len, **val_cache)
-        train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device)
+        train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device, prefetch=p.prefetch,
+                             pin_memory=p.pin_memory)
         return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, val
-    val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}", **val_cache)
+    val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}",
+                                                     first.sample_shape, **val_cache)
     return _image_run(p, device, mix, val_ds, first.sample_shape[0], len(first.classes), None)
 
 

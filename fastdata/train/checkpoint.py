@@ -5,7 +5,8 @@ A checkpoint holds tensors, numbers and strings only (no pickled code), so it lo
 
 1. Each save writes a temporary name of its own (pid + random), flushed to disk, then renamed: two writers in
    one folder never write the same file, and a crash or a full disk mid-write leaves the checkpoints intact
-   (a full disk is one clear error).
+   (a full disk is one clear error). The name carries the machine's tag and the writer's pid, so that a new
+   run deletes what writers on this machine killed mid-save (kill -9) left, and nothing else (`_tmp_name`).
 2. ``keep`` generations are kept: ``checkpoint.pt`` (newest), ``checkpoint.prev.pt``, ``checkpoint.prev2.pt``...
    Before the rename, the newest is hard-linked to ``checkpoint.prev.pt`` (older ones shift by one), so a
    final name only ever holds a complete file and ``checkpoint.pt`` never goes missing.
@@ -35,8 +36,10 @@ import io
 import logging
 import os
 import random
+import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import zipfile
@@ -47,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .._io import FILES_HELD, disk_error, fsync_dir, make_folder, scrub
+from .._io import FILES_HELD, disk_error, fsync_dir, make_folder, process_alive, scrub
 from ..distributed import broadcast_bytes
 from ..errors import ConfigError, FormatError, OutputError
 from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
@@ -108,6 +111,35 @@ def prepare_folder(folder: Union[str, Path], retry_seconds: float = RETRY_SECOND
     make_folder(folder, "checkpoint folder", f"checkpoint folder {folder} is a file: give --checkpoint a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in checkpoint folder {folder}: give --checkpoint a writable folder")
+    _remove_dead_writers(path)
+
+
+def _machine_tag() -> str:
+    """Where a pid means one process: this host and its PID namespace (a container's ids are its own), as a
+    name part. A folder may be shared by machines, whose pids say nothing here."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # (no /proc: the host alone)
+        namespace = 0
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', socket.gethostname())}-{namespace}"
+
+
+def _tmp_name(path: Path) -> Path:
+    """This writer's own temporary file beside ``path`` (rule 1): ``checkpoint.pt.<machine>.<pid>-<hex>.tmp``."""
+    return path.with_name(f"{path.name}.{_machine_tag()}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def _remove_dead_writers(path: Path) -> None:
+    """Delete the temporary files (and their ``.prev.tmp`` links) of this machine's writers of ``path`` that are
+    no longer alive: a save killed mid-write left a checkpoint-sized file there for good. Another machine's
+    files, a live process's and names of any other form are left alone."""
+    ours = re.compile(rf"{re.escape(path.name)}\.{re.escape(_machine_tag())}\.(\d+)-[0-9a-f]+(\.prev)?\.tmp")
+    for file in path.parent.iterdir():
+        found = ours.fullmatch(file.name)
+        if found and not process_alive(int(found.group(1))):
+            with contextlib.suppress(OSError):  # (another run removing it too)
+                file.unlink()
+                log.info("removed %s, left by a checkpoint save that was killed", file)
 
 
 def generations(path: Location, keep: int = KEEP) -> list[Any]:
@@ -142,7 +174,7 @@ def write(path: Location, state: dict[str, Any], keep: int = KEEP, retry_seconds
     if isinstance(path, str):
         _write_url(path, state, keep, retry_seconds)
         return
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # this writer's own
+    tmp = _tmp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(tmp, "xb")

@@ -100,12 +100,15 @@ class StepProfiler:
         self.prof: Any = torch.profiler.profile(activities=acts)
         self.prof.__enter__()
         self.done = False
+        self.profiled = 0  # steps since the start: a resumed run starts past step N
         self.waited0, self.t0 = waited, time.perf_counter()
 
     def step(self, step: int, waited: float) -> None:
+        """One optimizer step done (``step``: the run's count, kept for callers); stops after ``steps`` of them."""
         if not self.done:
             self.prof.step()
-            if step == self.steps:
+            self.profiled += 1
+            if self.profiled >= self.steps:
                 self.stop(waited)
 
     def stop(self, waited: float) -> None:
@@ -120,5 +123,5 @@ class StepProfiler:
             self.prof.export_chrome_trace(str(trace))
             key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             log.info("%s", self.prof.key_averages().table(sort_by=key, row_limit=10))
-            log.info("profiled %d steps: trace in %s; waiting for data %.1f%% of the time", self.steps, trace,
+            log.info("profiled %d steps: trace in %s; waiting for data %.1f%% of the time", self.profiled, trace,
                      100 * (waited - self.waited0) / max(wall, 1e-9))

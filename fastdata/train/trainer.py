@@ -112,6 +112,7 @@ class Trainer:
         if batches is None and not cfg.max_steps:
             raise ConfigError("the training loader has no len() (an iterable dataset): pass max_steps (--max-steps) "
                               "so that the run, and its learning-rate schedule, have a length")
+        _check_validation(cfg, val_loader)
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
@@ -140,7 +141,9 @@ class Trainer:
                                              momentum=cfg.momentum, nesterov=cfg.momentum > 0)
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
-        self.total_steps = cfg.max_steps or cfg.num_epochs * max(1, math.ceil(batches / cfg.accum))
+        # the schedule spans the run: max_steps, or the epochs' steps where they end first
+        by_epochs = cfg.num_epochs * max(1, math.ceil(batches / cfg.accum)) if batches is not None else None
+        self.total_steps = min(n for n in (cfg.max_steps, by_epochs) if n)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
@@ -148,6 +151,7 @@ class Trainer:
         self.epoch = self.step = 0
         self.best: Optional[float] = None
         self.bad_evals = 0
+        self._val_step: Optional[int] = None  # the step last validated: never twice at one step (same weights)
         self.history: list[dict[str, Any]] = []
         self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
@@ -221,11 +225,12 @@ class Trainer:
         bar = self._progress()
         traces = self._checkpoint_path()  # beside the checkpoints, or here when they go to a URL
         traces = traces.parent if isinstance(traces, Path) else Path(".")
+        ended = self._ended()  # a resumed run that had finished (a requeued job always passes --resume)
         profiler = StepProfiler(cfg.profile_steps, self.device, traces, self.dist.main,
-                                self._waited) if cfg.profile_steps else None
+                                self._waited) if cfg.profile_steps and not ended else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
             try:
-                stop = self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+                stop = ended or self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
             except BaseException:  # an error, Ctrl-C: the save on its way still lands (rank 0 alone, no collective)
                 if self.dist.main:
                     self._saves.finish(quiet=True)
@@ -250,8 +255,7 @@ class Trainer:
         cfg, model = self.cfg, self.forward
         stop: Optional[str] = None
         while self.epoch < cfg.num_epochs and stop is None:
-            if hasattr(self.train_loader, "set_epoch"):
-                self.train_loader.set_epoch(self.epoch)
+            _set_epoch(self.train_loader, self.epoch)
             model.train()
             meter = Meter(self.device)
             micro = 0
@@ -275,23 +279,57 @@ class Trainer:
                 meter.add(loss.detach(), out.detach(), y)
                 if last_micro:
                     self._optimizer_step()
-                    stop = self._after_step(meter, bar, profiler)
-                    if stop:  # saved while the iteration is live: a look-ahead's batches are not counted as served
-                        if self._saved_at != (self.epoch, self.step):  # (NOTE [stop signals]: a repeated
-                            self.save_checkpoint(wait=False)  # signal meanwhile is ignored; fit waits for it)
+                    stop = self._stepped(meter, bar, profiler)  # (saved while the iteration is live: a
+                    if stop:  # look-ahead's batches are not counted as served)
                         break
-            if micro % cfg.accum and stop is None:  # an epoch that ends mid-accumulation still steps
-                self._partial_accumulation(micro % cfg.accum)
-                self._optimizer_step()
-            if meter.has_data():
-                self._log_interval(meter, bar)  # the epoch's last, partial interval
-            if stop is None:
-                self.epoch += 1
-                if self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0:
-                    stop = self._validate_and_check()
-                self.save_checkpoint(wait=False)
-                stop = stop or self._stops.due()
+            if stop is None:  # the batches ran out
+                stop = self._epoch_end(meter, bar, profiler, micro % cfg.accum)
+            elif meter.has_data():
+                self._log_interval(meter, bar)  # the stopped epoch's last, partial interval
         return stop
+
+    def _epoch_end(self, meter: Meter, bar: Any, profiler: Any, micros: int) -> Optional[str]:
+        """The epoch's batches ran out (its loader moved on to the next epoch): the step of an accumulation they
+        left unfinished (``micros`` micro-batches), then the epoch's validation and checkpoint; a stop at that
+        step skips them, as a stop at any step does."""
+        cfg = self.cfg
+        self.epoch += 1  # (first: a checkpoint at the step below resumes past this epoch's batches, as its loader)
+        stop = None
+        if micros:  # an epoch that ends mid-accumulation still steps, as any step
+            self._partial_accumulation(micros)
+            self._optimizer_step()
+            stop = self._stepped(meter, bar, profiler)
+        if meter.has_data():
+            self._log_interval(meter, bar)  # the epoch's last, partial interval
+        if stop:
+            return stop
+        due = self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0
+        if due and self._val_step != self.step:  # (validated at this step already: the same weights, whose second
+            stop = self._validate_and_check()  # loss would count as no improvement)
+        self.save_checkpoint(wait=False)
+        return stop or self._stops.due()
+
+    def _stepped(self, meter: Meter, bar: Any, profiler: Any) -> Optional[str]:
+        """What follows every optimizer step (`_after_step`); a stop is saved at its step."""
+        stop = self._after_step(meter, bar, profiler)
+        if stop and self._saved_at != (self.epoch, self.step):  # (NOTE [stop signals]: a repeated signal
+            self.save_checkpoint(wait=False)  # meanwhile is ignored; fit waits for it)
+        return stop
+
+    def _ended(self) -> Optional[str]:
+        """Why a resumed run has nothing left to train (said on rank 0), or None: it reached ``max_steps``, or
+        its early stopping had fired (its ``bad_evals`` reached ``early_stop_patience``)."""
+        cfg = self.cfg
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            reason, why = "max_steps", f"reached --max-steps {cfg.max_steps}: give a larger one to train on"
+        elif cfg.early_stop_patience and self.bad_evals >= cfg.early_stop_patience:
+            reason, why = "early_stop", (f"stopped early ({self.bad_evals} validations without improvement): "
+                                         "raise --early-stop-patience to train on")
+        else:
+            return None
+        if self.dist.main:
+            log.warning("the resumed run had already ended at step %d: it %s; nothing to train", self.step, why)
+        return reason
 
     def _partial_accumulation(self, micros: int) -> None:
         """An epoch ended after ``micros`` of ``accum`` micro-batches: their gradients, as one batch of them, and
@@ -387,6 +425,7 @@ class Trainer:
 
     def _validate_and_check(self) -> Optional[str]:
         metrics = self.evaluate()
+        self._val_step = self.step
         self._log({"event": "val", "epoch": self.epoch, "step": self.step, **metrics})
         if self.dist.main and self.cfg.progress:
             ppl = f", perplexity {metrics['val_perplexity']:.2f}" if "val_perplexity" in metrics else ""
@@ -428,7 +467,7 @@ class Trainer:
                                      "optimizer": self.optimizer.state_dict(),
                                      "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                                      "loader": loader_state, "epoch": self.epoch, "step": self.step,
-                                     "best": self.best, "bad_evals": self.bad_evals,
+                                     "best": self.best, "bad_evals": self.bad_evals, "val_step": self._val_step,
                                      "config": self._config_saved(), "rng": checkpoint.rng_state()})
             except Exception as exc:  # noqa: BLE001 - told to the other ranks below, then raised here
                 failed = exc
@@ -474,6 +513,11 @@ class Trainer:
         if (grouped and data is None) or (not grouped and chosen is None):
             return False
         state = checkpoint.read(chosen or path, self.device, self.model, data)
+        saved = (state.get("config") or {}).get("optimizer")
+        if saved is not None and saved != self.cfg.optimizer:  # (torch loads another's state, then fails mid-step)
+            raise ConfigError(f"checkpoint {scrub(str(chosen or path))} was trained with --optimizer {saved}, this "
+                              f"run asks for {self.cfg.optimizer}: resume with --optimizer {saved} "
+                              f"(optimizer={saved!r}), or use another --checkpoint folder")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -483,6 +527,7 @@ class Trainer:
             log.warning("the training loader has no state_dict(): the resumed run reads its data from the start")
         self.epoch, self.step = state["epoch"], state["step"]
         self.best, self.bad_evals = state["best"], state["bad_evals"]
+        self._val_step = state.get("val_step")  # (absent from checkpoints saved before it)
         checkpoint.set_rng_state(state["rng"])
         if self.dist.main and self.cfg.progress:
             log.info("resumed from %s: epoch %d, step %d", scrub(str(chosen)), self.epoch, self.step)
@@ -512,6 +557,35 @@ def check_ranks(train_loader: Any, val_loader: Any, world_size: int) -> None:
             raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has {world_size}: "
                               "make loaders after fastdata.init_distributed() (the Trainer joins the group then), "
                               "or pass rank and world_size")
+
+
+def _check_validation(cfg: TrainConfig, val_loader: Any) -> None:
+    """Refuse validation settings a run without a validation loader would silently ignore."""
+    if val_loader is not None:
+        return
+    for name, flag in (("val_every_steps", "--val-every-steps"), ("early_stop_patience", "--early-stop-patience")):
+        if getattr(cfg, name):
+            raise ConfigError(f"{flag} {getattr(cfg, name)} ({name}) needs validation data, and this run has none: "
+                              "give --val DATA or --val-fraction (a val_loader in Python), or drop it")
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    """Select ``epoch`` on ``loader``, and on the samplers of a torch DataLoader beneath it (itself, or a
+    prefetcher's): its DistributedSampler replays one order every epoch unless told. A fastdata loader
+    selects its own sampler's epoch, so that sampler is told once."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    for _ in range(3):  # (as _ranks_of: a loader, a prefetcher's, one wrapped once more)
+        if not hasattr(loader, "set_epoch"):  # a DataLoader: its sampler and batch sampler (one object, maybe)
+            told: list[Any] = []
+            for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+                if hasattr(sampler, "set_epoch") and not any(sampler is s for s in told):
+                    sampler.set_epoch(epoch)
+                    told.append(sampler)
+            return
+        loader = getattr(loader, "loader", None)
+        if loader is None:
+            return
 
 
 def _ranks_of(loader: Any) -> Optional[int]:
