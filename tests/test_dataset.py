@@ -268,6 +268,33 @@ def test_a_validation_split_is_disjoint_deterministic_and_leaves_samples_to_trai
         split_indices(1, 0.5)
 
 
+def test_a_split_is_the_same_as_ever_and_its_windows_need_no_number_a_sample(indexed_datasets):
+    """A split kept 24 bytes a sample in every rank (its indices, and each sample's shard for shuffle_window:
+    48 GB at the peak for 2x10^9 samples). Its shard bounds are made from the base's, and give the order the
+    per-sample shards gave; the split itself is the one a saved state names (permutation's order)."""
+    from fastdata.datasets.splits import DatasetView, split, split_indices
+    from fastdata.loading.loader import FastLoader
+    from fastdata.loading.order import group_by_shard
+    from fastdata.loading.sampler import DistributedBatchSampler
+
+    n_val = round(1000 * 0.1)
+    perm = np.random.default_rng((3, 0x5E1)).permutation(1000)  # (what every split was made of)
+    train, val = split_indices(1000, 0.1, seed=3)
+    assert np.array_equal(train, np.sort(perm[n_val:])) and np.array_equal(val, np.sort(perm[:n_val]))
+    assert train.dtype == val.dtype == np.int64
+    ds = FastDataset(indexed_datasets["npy"])
+    shards = ds.sample_shards()
+    for view in (*split(ds, 0.3, seed=1), DatasetView(ds, np.flatnonzero(shards < 3)),  # (the last shards: none)
+                 DatasetView(ds, np.flatnonzero(shards != 1)), DatasetView(ds, np.arange(0))):
+        assert np.array_equal(view.shard_bounds(), group_by_shard(view.sample_shards())[0])
+        if len(view):  # the order the loader made of each sample's shard before
+            before = DistributedBatchSampler(len(view), 4, seed=2, shuffle_window=2, shards=view.sample_shards())
+            now = FastLoader(view, 4, seed=2, shuffle_window=2).sampler
+            assert now.num_samples == len(view) and all(
+                np.array_equal(a, b) for a, b in zip(now.batches(), before.batches(), strict=True))
+    assert DatasetView(ds, np.arange(10)[::-1]).shard_bounds() is None  # (unsorted: each sample's shard)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
 def test_cuda_storage_without_a_gpu_says_what_to_pass_instead(indexed_datasets):
     with pytest.raises(ConfigError, match=r"torch sees no CUDA device: pass storage='ram' or 'shm'"):
