@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from .._io import HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threads, safe_join
 from ..errors import ChecksumError, ConfigError, FormatError
-from .manifest import MANIFEST_NAME, load_manifest
+from .manifest import MANIFEST_NAME, load_columns
 
 
 # NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file
@@ -104,7 +104,7 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
         raise ConfigError(f"workers must be a positive integer, got workers={workers!r}")
     root = Path(root)
     before = _identity(root)
-    manifest = load_manifest(root)
+    manifest = load_columns(root)  # (its files as columns: a million entries are not a million dicts at once)
 
     def problem_of(entry: dict[str, Any]) -> Optional[str]:
         problem = check_file(root, entry, progress=progress)
