@@ -668,6 +668,13 @@ def test_an_invalid_bucket_name_is_said_at_once_without_the_secret_in_it(s3, tmp
     with pytest.raises(FormatError, match=r"the request is invalid \(ParamValidationError") as err:
         FastDataset("s3://AKIAEXAMPLE:hunter2secret@bucket/ds", cache_dir=tmp_path / "cache", retry_seconds=600)
     assert "hunter2secret" not in str(err.value) and "tries" not in str(err.value)
+    # the command: one line (botocore's own INFO lines, "Found endpoint for s3 via...", were printed too)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fastdata", "inspect", "s3://AKIAEXAMPLE:hunter2secret@bucket/ds"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "hunter2secret" not in r.stderr + r.stdout, r.stderr
 
 
 def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed_datasets, tmp_path, capsys,

@@ -404,8 +404,9 @@ def _setup_logging(quiet: bool) -> None:
     from ..progress import set_quiet
 
     set_quiet(quiet)  # (the bars no command draws itself too: a URL dataset's downloads)
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="fastdata: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="fastdata: %(message)s", stream=sys.stderr)
+    # fastdata's own lines at INFO; other libraries' (botocore's "Found endpoint for s3 via...", Ray's) at WARNING
+    logging.getLogger("fastdata").setLevel(logging.WARNING if quiet else logging.INFO)
     report = logging.getLogger("fastdata.train")  # validation lines, the end summary, --profile's table
     if not any(isinstance(h, _StdoutHandler) for h in report.handlers):
         report.addHandler(_StdoutHandler())
