@@ -411,6 +411,11 @@ def test_a_shard_damaged_in_the_cache_is_fetched_anew_not_blamed_on_the_dataset(
     msg = str(err.value)
     assert SHARDS[2] in msg and "node cache" in msg and "fastdata cache remove" in msg, msg
     assert "preprocess" not in msg and "fastdata verify" not in msg and "\n" not in msg, msg
+    if limit is None:  # read whole into memory (storage="ram"): the same advice
+        with pytest.raises(ChecksumError) as err:
+            FastDataset(url, cache_dir=tmp_path / "cache", storage="ram")
+        msg = str(err.value)
+        assert SHARDS[2] in msg and "fastdata cache remove" in msg and "preprocess" not in msg, msg
 
 
 def test_a_lower_limit_counts_what_other_processes_fetched(s3, indexed_datasets, tmp_path):

@@ -58,17 +58,17 @@ def damaged_error(path: Path, entry: dict[str, Any], problem: str, size: Optiona
                          f"{'run `fastdata verify` and ' if local else ''}{advice}")
 
 
-def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True) -> None:
-    """Raise `damaged_error` unless ``root / entry["path"]`` matches its entry."""
+def require_intact(root: Path, entry: dict[str, Any], *, hashed: bool = True, advice: Optional[str] = None) -> None:
+    """Raise `damaged_error` (with ``advice``) unless ``root / entry["path"]`` matches its entry."""
     problem = check_file(root, entry, hashed=hashed)
     if problem is not None:
-        raise file_error(root, entry, problem)
+        raise file_error(root, entry, problem, advice)
 
 
-def file_error(root: Path, entry: dict[str, Any], problem: str) -> FormatError:
+def file_error(root: Path, entry: dict[str, Any], problem: str, advice: Optional[str] = None) -> FormatError:
     """`damaged_error` for the `check_file` problem of ``root / entry["path"]``, with its size on disk."""
     path = safe_join(root, entry["path"])
-    return damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None)
+    return damaged_error(path, entry, problem, path.stat().st_size if problem == "size" else None, advice)
 
 
 def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *, partial: bool = False,

@@ -25,6 +25,16 @@ CACHE_FULL_ADVICE = ("give the dataset a cache_limit below the free space (`--ca
 CACHE_MODES = {"private": (0o700, 0o600), "group": (0o2770, 0o660)}  # $FASTDATA_CACHE_MODE: folders, files
 
 
+def cache_advice(folder: Path) -> Optional[str]:
+    """What an error about a damaged file of ``folder`` says to do when the folder is a dataset's node cache
+    (`integrity.damaged_error`'s ``advice``), else None: the store's copy is intact (a download checks the
+    bytes as they come), so neither `fastdata verify URL` nor a new push or preprocess mends it."""
+    if not (Path(folder) / SOURCE_NAME).is_file():
+        return None
+    return (f"the node cache's copy is damaged, not the store's (a download checks its bytes); remove it "
+            f"(`fastdata cache remove {Path(folder).name}`) and check this node's disk")
+
+
 def default_cache_dir() -> Path:
     """``$FASTDATA_CACHE``, else ``$XDG_CACHE_HOME/fastdata``, else ``~/.cache/fastdata``."""
     if os.environ.get("FASTDATA_CACHE"):

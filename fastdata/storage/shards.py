@@ -30,6 +30,7 @@ from ..formats.base import body_offsets, npy_header
 from ..formats.integrity import damaged_error, file_error, file_problem, require_intact
 from ..formats.rows import column, int_column, rows_by, unzipped
 from . import shm
+from .cache_folders import cache_advice
 
 STORAGE = ("mmap", "ram", "shm", "cuda")
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor, slice]
@@ -280,7 +281,7 @@ def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) ->
     """Re-hash ``paths`` against the manifest; the first mismatch raises ChecksumError."""
     entries = rows_by(manifest["files"], paths)
     for rel in paths:
-        require_intact(root, entries[rel])
+        require_intact(root, entries[rel], advice=cache_advice(root))
 
 
 def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
@@ -315,8 +316,8 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
             h.update(view[start:start + got])
             digest = h.hexdigest()
         problem = file_problem(entries[rel], len(head) + got, digest)
-        if problem is not None:
-            raise damaged_error(root / rel, entries[rel], problem, len(head) + got)
+        if problem is not None:  # (in a node cache, its copy: said so)
+            raise damaged_error(root / rel, entries[rel], problem, len(head) + got, cache_advice(root))
     map_threads(load, range(len(bodies)), workers or HASH_WORKERS, "fastdata-load")
     return flat
 
