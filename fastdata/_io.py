@@ -39,7 +39,10 @@ _SECRETS = (  # (pattern, replacement), applied in order
     (re.compile(rf"(?<![A-Za-z0-9_-])((?:{_SECRET_NAME})[\"']?\s*[:=]\s*[\"']?)"  # name: value, name='value'
                 r"(?!(?:Bearer|Basic)\s)[^&\s'\";]+", re.I), r"\1***"),
     (re.compile(r"(?<![A-Za-z0-9_-])((?:key|token|sig|pwd|credentials?)=)[^&\s'\";]+", re.I), r"\1***"),  # query forms
-    (re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s@:'\"]*):[^/\s'\"]+@"), r"\1:***@"),  # user:secret@host
+    # user:secret@host, the secret holding any '/' or '@' (an AWS secret key often has a '/'): up to the '@'
+    # after which the host has none
+    (re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s@:'\"]*):[^\s'\"]+?@(?=[^\s'\"@/]*(?:[/\s'\"]|$))"),
+     r"\1:***@"),
     (re.compile(r"\b((?:https?|ftp|wss?)://)[^/\s@:'\"]+@"), r"\1***@"),  # a token as the user name
     # a URL's netloc a library echoes without its scheme (botocore: Invalid bucket name "key:secret@bucket")
     (re.compile(r"((?:^|[\s\"'(=])[^/\s@:'\"()=]+):(?!\*\*\*@)[^/\s'\"@]+@(?=\w)"), r"\1:***@"),

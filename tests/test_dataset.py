@@ -225,6 +225,7 @@ def test_shm_full_disk_is_a_clear_error(indexed_datasets, tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(indexed_datasets["npy"]), str(d)], capture_output=True,
                        text=True, timeout=120)
     assert "no space left" in r.stdout and r.returncode == 0, r.stdout + r.stderr
+    assert "fastdata shm remove" in r.stdout and "resumes" not in r.stdout  # (said "rerun ... resumes")
     assert list(d.glob("*.npy*")) == []  # nothing half-written that looks finished
 
 

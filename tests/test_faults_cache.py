@@ -372,6 +372,27 @@ def test_a_cache_without_a_limit_pins_a_shard_while_it_opens_it(s3, indexed_data
     other.close()
 
 
+def test_a_cache_without_a_limit_mapping_as_read_pins_a_batchs_shards_only_while_it_reads(s3, indexed_datasets,
+                                                                                          tmp_path):
+    """Shards mapped as read (LMDB, bounded maps) by a job without a limit: evicted by another job between their
+    look and their read (a raw FileNotFoundError), or, pinned for as long as they were open, a lock held for
+    every shard of the dataset (10^5 of them: minutes of locking). A batch's shards are pinned while it reads
+    them; one evicted since it was opened is fetched again."""
+    from fastdata.storage.cache import ShardCache
+
+    url = _pushed(s3, indexed_datasets, "unpinned-lazy")
+    other, remote, size = _cache(url, tmp_path, limit_shards=len(SHARDS))  # the other job, with a limit
+    cache = ShardCache(remote, SHARDS, lambda s, path: path, progress=False, eager=False)  # (maps nothing)
+    for _ in range(2):  # (the second time every shard is open, and every file evicted meanwhile)
+        for s in range(len(SHARDS)):
+            with cache.reading(np.array([s])) as opened:
+                other.set_limit(1)  # the other job evicts all it may while this batch reads
+                assert np.array_equal(np.load(opened[s]), np.load(indexed_datasets["npy"] / SHARDS[s]))
+            assert not cache._held.any()  # (no pin kept between batches)
+    cache.close()
+    other.close()
+
+
 @pytest.mark.parametrize("limit", [None, 20_000])
 def test_a_shard_damaged_in_the_cache_is_fetched_anew_not_blamed_on_the_dataset(s3, indexed_datasets, tmp_path,
                                                                                 limit):

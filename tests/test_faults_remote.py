@@ -209,6 +209,7 @@ def test_one_outage_is_given_up_on_once_not_once_per_read():
 def test_a_long_try_cut_once_at_its_end_has_the_whole_budget():
     # the budget ran from the call's first try: a download longer than retry_seconds that failed once at its
     # end was given up on at once ("after 1 try"), though the store had failed for no time at all
+    from fastdata.errors import FormatError
     from fastdata.storage.object_store import Retry
 
     tries: list[int] = []
@@ -221,6 +222,30 @@ def test_a_long_try_cut_once_at_its_end_has_the_whole_budget():
         return "whole"
 
     assert Retry(1.0)("s3://b/big", long_download) == "whole" and len(tries) == 2
+
+    # and one object that keeps failing beside reads that succeed (each success ends "the outage") is still
+    # given up on a budget after its own first failure, not when the others stop
+    import threading
+
+    retry, done = Retry(1.0), threading.Event()
+
+    def others() -> None:
+        end = time.monotonic() + 12
+        while not done.is_set() and time.monotonic() < end:
+            retry("s3://b/ok", lambda: time.sleep(0.05) or "ok")
+
+    def always() -> None:
+        raise ConnectionResetError(104, "this one object always fails")
+    thread = threading.Thread(target=others)
+    thread.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(FormatError, match="cannot read s3://b/bad after"):
+            retry("s3://b/bad", always)
+        assert time.monotonic() - began < 8  # (1 s and its last try; the others went on for 12)
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_the_s3_clients_own_retry_loops_are_off_unless_asked_for(s3):
@@ -618,6 +643,8 @@ def test_cache_list_and_remove_with_hostile_files_in_the_cache(s3, indexed_datas
 
 SECRETS = [  # (text, the secret in it)
     ("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/ds", "wJalrXUtnFEMI"),
+    ("s3://AKIAEXAMPLE:wJalr/XUtnFEMI@bucket/ds", "XUtnFEMI"),  # (a '/' in the secret: s3fs split it there)
+    ("https://u:pw@host/a/x@y", "pw"),
     ("https://alice:p@ss:w0rd@host/ds", "w0rd"),
     ("https://ghp_tok3n@github.com/x/y", "ghp_tok3n"),
     ("https://h/ds?X-Amz-Algorithm=A&X-Amz-Signature=5ig&X-Amz-Credential=AKIA%2F1", "5ig"),
@@ -659,22 +686,28 @@ def test_the_scrubber_keeps_what_is_not_secret():
         assert scrub(text) == text
 
 
-def test_an_invalid_bucket_name_is_said_at_once_without_the_secret_in_it(s3, tmp_path):
-    # botocore echoed "key:secret@bucket" in its own text, and the request it never sent was retried for the
-    # whole budget (2 minutes by default)
-    from fastdata.datasets.images import FastDataset
-    from fastdata.errors import FormatError
-
-    with pytest.raises(FormatError, match=r"the request is invalid \(ParamValidationError") as err:
-        FastDataset("s3://AKIAEXAMPLE:hunter2secret@bucket/ds", cache_dir=tmp_path / "cache", retry_seconds=600)
-    assert "hunter2secret" not in str(err.value) and "tries" not in str(err.value)
-    # the command: one line (botocore's own INFO lines, "Found endpoint for s3 via...", were printed too)
+@pytest.mark.parametrize("secret", ["hunter2secret", "hunter2/secretpart"])
+def test_credentials_in_an_s3_url_are_refused_without_the_secret_and_a_bad_bucket_at_once(s3, tmp_path, secret):
+    # botocore echoed "key:secret@bucket" in its own text (or, for a secret with a '/', "key:secret-head" with no
+    # '@' to scrub by), and the request it never sent was retried for the whole budget (2 minutes by default)
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "fastdata", "inspect", "s3://AKIAEXAMPLE:hunter2secret@bucket/ds"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "hunter2secret" not in r.stderr + r.stdout, r.stderr
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import ConfigError, FormatError
+
+    url = f"s3://AKIAEXAMPLE:{secret}@bucket/ds"
+    with pytest.raises(ConfigError, match=r"s3:// does not read credentials from the URL") as err:
+        FastDataset(url, cache_dir=tmp_path / "cache")
+    assert "hunter2" not in str(err.value) and "secretpart" not in str(err.value)
+    with pytest.raises(FormatError, match=r"the request is invalid \(ParamValidationError") as err:
+        FastDataset("s3://not:a-bucket/ds", cache_dir=tmp_path / "cache", retry_seconds=600)
+    assert "tries" not in str(err.value)
+    # the command: one line (botocore's own INFO lines, "Found endpoint for s3 via...", were printed too)
+    r = subprocess.run([sys.executable, "-m", "fastdata", "inspect", url], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "hunter2" not in r.stderr + r.stdout and "secretpart" not in r.stderr + r.stdout, r.stderr
 
 
 def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed_datasets, tmp_path, capsys,

@@ -1174,7 +1174,15 @@ def test_autotuned_prefetch_and_pin_memory_reach_the_loaders(small_images, tmp_p
     best = tmp_path / "best.json"
     best.write_text(json.dumps({"storage": "ram", "loader": {"num_threads": 1, "prefetch": 5, "pin_memory": False}}))
     assert main(train_args(small_images, "--max-steps", "1", "--val-fraction", "0.25", "--config", str(best))) == 0
-    assert built == [(5, False), (5, False)]  # train and validation
+    pinned = False if torch.cuda.is_available() else None  # (without a GPU the loader pins nothing anyway)
+    assert built == [(5, pinned), (5, pinned)]  # train and validation
+    if not torch.cuda.is_available():  # a config tuned on a GPU machine, run on this one: no pinned buffers
+        best.write_text(json.dumps({"storage": "ram", "loader": {"num_threads": 1, "prefetch": 5, "pin_memory": True}}))
+        built.clear()
+        assert main(train_args(small_images, "--max-steps", "1", "--config", str(best))) == 0 and built == [(5, None)]
+        assert not FastLoader.from_config(FastDataset(small_images), 4, str(best)).pin_memory
+        with pytest.raises(ConfigError, match="pin_memory=True pins host buffers for copies to a GPU"):
+            FastLoader(FastDataset(small_images), 4, pin_memory=True)  # (torch's error came at the first batch)
 
 
 def test_a_broken_pipe_ends_the_command_quietly(small_images):

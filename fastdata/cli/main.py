@@ -104,6 +104,8 @@ def _train(args: argparse.Namespace) -> int:
         args.storage = args.storage or config["storage"]
         args.threads = args.threads or config["loader"].get("num_threads")
         tuned = {k: v for k, v in config["loader"].items() if k in ("prefetch", "pin_memory")}
+        if info.device.type != "cuda":  # (tuned on a GPU machine: pinned memory is for copies to a GPU)
+            tuned.pop("pin_memory", None)
     check_device(cfg, info.device)  # before the data is opened
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     args.storage = args.storage or "mmap"

@@ -151,6 +151,9 @@ class FastLoader(SamplerBacked):
                                                    shuffle_window=shuffle_window, shards=shards, shard_bounds=bounds)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
+        if pin_memory and not torch.cuda.is_available():  # (torch's own error came at the first batch)
+            raise ConfigError("pin_memory=True pins host buffers for copies to a GPU, and torch sees no CUDA "
+                              "device here: pass pin_memory=False, or leave it None (pinned when CUDA is there)")
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.copy = copy
         self.on_device = getattr(dataset, "device", torch.device("cpu")).type != "cpu"
@@ -161,7 +164,10 @@ class FastLoader(SamplerBacked):
         """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
         The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
         cfg = config if isinstance(config, dict) else load_config(config)
-        return cls(dataset, batch_size, **{**cfg["loader"], **kwargs})
+        tuned = dict(cfg["loader"])
+        if not torch.cuda.is_available():  # (tuned on a GPU machine: pinned memory is for copies to a GPU)
+            tuned.pop("pin_memory", None)
+        return cls(dataset, batch_size, **{**tuned, **kwargs})
 
     @property
     def slots(self) -> int:

@@ -30,8 +30,10 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     needs no descriptor per shard), and an eviction needs that byte exclusively. A cache without a limit
     pins a shard only while it opens it (the look at its files, then their maps): a map keeps the bytes of
     a file evicted since, so it holds no pin per shard of the dataset; one whose shards are mapped as read
-    (bounded maps, LMDB) keeps each pinned while open, as with a limit. (Pins until 2026-11-27 were a file
-    per shard: a job of an older fastdata sharing a cache folder does not see these.)
+    (bounded maps) pins a batch's shards while the batch is read, finding one evicted since it was opened
+    and fetching it again (pins held for every open shard cost a lock each: 10^5 of them, minutes). (Pins
+    until 2026-11-27 were a file per shard: a job of an older fastdata sharing a cache folder does not see
+    these.)
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).
@@ -247,8 +249,10 @@ class ShardCache:
             while True:
                 with self._cond:
                     missing = shards[~self._is_open[shards]].tolist()
-                    if not missing:
+                    if not missing and (self.limit is not None or self.eager or self._pin_open(shards)):
                         return self._objs
+                    if not missing:
+                        continue  # (one was evicted since it was opened: fetched again)
                     arriving = self._demand(missing, plan, at)
                 for fut in arriving:  # a prefetch of the same shard included: waited for, never fetched twice
                     failed = fut.exception()
@@ -269,6 +273,9 @@ class ShardCache:
         shards = np.asarray(shards, dtype=np.int64)
         with self._cond:
             self._pins[shards] -= 1
+            if self.limit is None and not self.eager:  # (NOTE 11: pinned while a batch reads them)
+                for s in shards[(self._pins[shards] == 0) & self._held[shards]].tolist():
+                    self._unpin(s)
             if self.limit is not None:
                 plan = self._active()
                 for s in shards[self._pins[shards] == 0].tolist():
@@ -324,8 +331,22 @@ class ShardCache:
             raise
         self._is_open[s] = True
         self._know(s, True)
-        if self.limit is None and self.eager:  # its maps hold the bytes, evicted or not (NOTE 11)
+        if self.limit is None:  # its maps hold the bytes, evicted or not; mapped as read: pinned per batch (11)
             self._unpin(s)
+
+    def _pin_open(self, shards: np.ndarray) -> bool:
+        """(Under the lock; a cache without a limit whose shards are mapped as read.) Pin the batch's open
+        ``shards`` while it reads them (NOTE 11); False when one was evicted since it was opened: it is closed,
+        to be fetched again."""
+        whole = True
+        for s in np.unique(shards[~self._held[shards]]).tolist():
+            self._pinned.pin(self.groups.first(s))
+            self._held[s] = True
+            if not self._present(s):
+                self._know(s, False)
+                self._close(s)
+                whole = False
+        return whole
 
     def _drop_damaged(self, s: int, exc: ChecksumError) -> None:
         """(Under the lock or before any thread, ``s`` not pinned here.) Shard ``s``'s cached bytes failed their
@@ -428,9 +449,10 @@ class ShardCache:
         self._check_pid()
         if limit is None:
             with self._cond:
-                if self.limit is not None and self.eager:  # (maps hold the bytes: as if opened without a limit)
+                if self.limit is not None:  # (as if opened without one: NOTE 11)
                     for s in np.flatnonzero(self._is_open & self._held).tolist():
-                        self._unpin(s)
+                        if self.eager or self._pins[s] == 0:
+                            self._unpin(s)
                 self.limit, self.horizon, self._stalled = None, horizon(None, self.sizes), None
                 self._cond.notify_all()
             return

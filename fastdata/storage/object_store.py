@@ -7,10 +7,11 @@ object ``verify`` hashes, each upload of ``push``) is retried by one `Retry` per
 budget, ``retry_seconds`` (default 120):
 1. A failed try waits a random time between 0 and 0.2 s x 2^(tries - 1), at most 10 s (exponential back-off with
    full jitter: many ranks coming back after an outage do not knock together), then tries again.
-2. The budget runs from the dataset's first failure since its last success (never from a call's first try:
-   a 10-minute download cut once at its end has the whole budget), so a read that waited for a failed
-   prefetch's download lock gets no budget of its own: an outage is given up on once, ``retry_seconds``
-   after it began (plus one try), not once per shard.
+2. The budget runs from the earlier of this call's first failure and the dataset's first failure since its
+   last success (never from a call's first try: a 10-minute download cut once at its end has the whole
+   budget), so a read that waited for a failed prefetch's download lock gets no budget of its own: an
+   outage is given up on once, ``retry_seconds`` after it began (plus one try), not once per shard; and one
+   object that keeps failing beside reads that succeed is given up on ``retry_seconds`` after its first failure.
 3. The last try is made at the deadline: an outage shorter than the budget is survived.
 4. After it, one FormatError names the (scrubbed) URL, the tries and seconds, the last error and what to
    do. Nothing partial has a final name, so a rerun resumes from the files cached.
@@ -58,6 +59,9 @@ def output_location(out: Union[str, Path]) -> Union[str, Path]:
     return out
 
 
+_BUCKETS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")  # object stores: the netloc is a bucket
+
+
 def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for ``url``; names the extra to install when it is missing.
     Credentials and endpoints come from the usual places (AWS_* variables such as ``AWS_ENDPOINT_URL``,
@@ -65,6 +69,11 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     own retry loops off, unless ``storage_options`` sets them): `Retry` is the one budget
     (NOTE [retry budget])."""
     protocol = url.split("://", 1)[0].lower()
+    if protocol in _BUCKETS and re.match(r"[^/@]*:[^@]*@", url.split("://", 1)[-1]):  # (key:secret@bucket)
+        raise ConfigError(f"{scrub(url)}: {protocol}:// does not read credentials from the URL (its bucket would be "
+                          "'key:secret', and the secret would reach the store's error messages): give them as "
+                          "the usual variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY...), a profile or "
+                          "storage_options")
     try:
         import fsspec
     except ImportError as exc:
@@ -124,8 +133,8 @@ class Retry:
     (or push), shared by its threads.
 
     Args:
-        seconds: How long the store may fail before a read gives up: the time since the dataset's reads
-            began failing. 0 tries once.
+        seconds: How long the store may fail before a read gives up: the time since this call's first failure,
+            or since the dataset's reads began failing, whichever is earlier. 0 tries once.
         advice: What the message of a spent budget ends with: what a rerun does.
     """
 
@@ -138,7 +147,7 @@ class Retry:
 
     def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
         """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``."""
-        start, tries = time.monotonic(), 0
+        start, tries, failed = time.monotonic(), 0, None
         while True:
             tries += 1
             try:
@@ -154,7 +163,8 @@ class Retry:
                                       "check the URL") from None
                 now = time.monotonic()
                 since = self.failing_since = self.failing_since or now  # (a local: another thread may reset it)
-                deadline = since + self.seconds  # (rule 2: a long try that failed once at its end is retried)
+                failed = failed or now  # (rule 2: a long try that failed once at its end has the whole budget)
+                deadline = min(failed, since) + self.seconds
                 if now >= deadline:
                     raise FormatError(
                         f"cannot {doing} {scrub(what)} after {tries} tr{'y' if tries == 1 else 'ies'} over "

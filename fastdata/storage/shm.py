@@ -37,9 +37,13 @@ from ..errors import ChecksumError, OutputError
 from ..formats.base import body_offsets
 from ..formats.integrity import damaged_error, file_problem
 from ..formats.rows import column, rows_by
+from .cache_folders import cache_advice
 
 PREFIX = "fastdata-"
 COPY_WORKERS = HASH_WORKERS  # source files copied (and hashed) at once
+
+FULL_ADVICE = ("free space there (`fastdata shm list` / `fastdata shm remove`), enlarge it, or use storage='mmap' "
+               "(a copy does not resume: it is made anew)")
 
 
 def shm_dir(override: Optional[Path | str] = None) -> Path:
@@ -130,8 +134,7 @@ def ensure_copy(root: Path, manifest: dict[str, Any], payload: list[tuple[str, i
         free = shutil.disk_usage(d).free
         if needed > free:
             raise OutputError(f"{d} has {free / 2**20:,.0f} MiB free but this dataset needs {needed / 2**20:,.0f} MiB: "
-                              f"free space there (`fastdata shm list` / `fastdata shm remove`), enlarge it, or use "
-                              f"storage='mmap'")
+                              f"{FULL_ADVICE}")
         info = {"id": cid, "dataset": str(Path(root).resolve()), "bytes": needed, "created": time.time(),
                 "format": manifest["format"]}
         _write_info(d, cid, info)  # before the copy: `fastdata shm list` names a partial one's dataset
@@ -164,7 +167,7 @@ def _write_info(d: Path, cid: str, info: dict[str, Any]) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise disk_error(exc, path) from exc
+        raise disk_error(exc, path, FULL_ADVICE) from exc
 
 
 def _found(target: Path, root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str, int]],
@@ -233,7 +236,7 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
         raise OutputError(f"{tmp} appeared before this process created it (planted?): refusing to write through "
                           f"it; remove it and retry") from exc
     except OSError as exc:
-        raise disk_error(exc, tmp) from exc
+        raise disk_error(exc, tmp, FULL_ADVICE) from exc
     slots = body_offsets(files, payload, len(header))
     try:
         with out:  # the close() flush can fail on a full disk too: keep it inside the try
@@ -252,12 +255,12 @@ def _copy(root: Path, files: dict[str, dict[str, Any]], payload: list[tuple[str,
                         body, at = body[n:], at + n
                     pos += len(block)
                 problem = file_problem(files[rel], pos, h.hexdigest())
-                if problem is not None:
-                    raise damaged_error(root / rel, files[rel], problem, pos)
+                if problem is not None:  # (in a node cache, its copy: said so)
+                    raise damaged_error(root / rel, files[rel], problem, pos, cache_advice(root))
             _each(payload, copy)
             return os.fstat(fd)
     except OSError as exc:
-        raise disk_error(exc, tmp) from exc
+        raise disk_error(exc, tmp, FULL_ADVICE) from exc
 
 
 def list_copies(directory: Optional[Path] = None) -> list[dict[str, Any]]:
