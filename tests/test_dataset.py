@@ -75,6 +75,13 @@ def test_bad_indices_and_arguments(indexed_datasets):
         with pytest.raises(ConfigError, match=r"scale=\(0\.5, 1\.0\) and ratio=.* not crop='center'"):
             FastDataset(indexed_datasets[kind], scale=(0.5, 1.0))
     assert FastDataset(indexed_datasets["lmdb"], crop="random", scale=(0.5, 1.0)).random_crops
+    for size in (-3, 0, 2.5, True):  # (-3 failed at the first batch, 0 meant the stored size, 2.5 was 2)
+        with pytest.raises(ConfigError, match=rf"size must be a positive whole number of pixels.*size={size!r}"):
+            FastDataset(indexed_datasets["lmdb"], size=size)
+    with pytest.raises(ConfigError, match=r"crop_fraction=0.5 sizes the centre square of crop='center'"):
+        FastDataset(indexed_datasets["lmdb"], crop="random", crop_fraction=0.5)  # (ignored before)
+    with pytest.raises(ConfigError, match=r"scale must be a \(min, max\) pair, got scale=\(0.1,\)"):
+        FastDataset(indexed_datasets["lmdb"], crop="random", scale=(0.1,))  # (an IndexError before)
     with pytest.raises(FormatError, match="not a fastdata dataset"):
         FastDataset(indexed_datasets["npy"].parent / "src")
     assert not ds.streamed and ds.cache_limit is None
@@ -98,6 +105,45 @@ def test_lmdb_record_that_does_not_decode_is_a_clear_error(indexed_datasets, tmp
     assert sample_ids(ds.get_batch([6, 8])[0]).tolist() == [6, 8]
     with pytest.raises(ImageDecodeError, match="sample 7 is not a decodable JPEG.*fastdata verify"):
         ds.get_batch([6, 7])
+
+
+@pytest.mark.parametrize("where", ["key", "meta"])
+def test_an_lmdb_store_damaged_in_place_is_a_clear_error(indexed_datasets, tmp_path, where):
+    # one flipped bit at the same size (the open's size check passes): a TypeError from the decoder (a key gone)
+    # or py-lmdb's own MDB_PAGE_NOTFOUND, naming nothing
+    import shutil
+
+    ds = Path(shutil.copytree(indexed_datasets["lmdb"], tmp_path / "lm"))
+    store = ds / "images-00000.lmdb"
+    data = bytearray(store.read_bytes())
+    at = data.find(b"000000000007") + 11 if where == "key" else 4096 + 130  # a key's last digit; the meta page
+    data[at] ^= 0x5A if where == "key" else 0x10
+    store.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"images-00000\.lmdb .*the store is damaged; run `fastdata verify`"):
+        FastDataset(ds).get_batch(np.arange(16))
+
+
+def test_an_lmdb_dataset_remade_while_the_old_one_is_open_is_read_from_its_new_files(indexed_datasets, tmp_path):
+    """An LMDB environment was kept per path: a dataset opened after `preprocess --overwrite` (the old one still
+    open in the process: a notebook, a long job) read the old stores' images beside the new labels."""
+    import gc
+
+    from fastdata.cli.main import main
+
+    src, out = indexed_datasets["npy"].parent / "src" / "list.csv", tmp_path / "ds"
+    args = ["preprocess", "images", str(src), str(out), "--format", "lmdb", "--size", "16", "--shard-size", "30",
+            "--quiet"]
+    assert main(args) == 0
+    old = FastDataset(out)
+    every = np.arange(len(old))
+    before = old.get_batch(every)[0]
+    assert main([*args, "--overwrite", "--shuffle", "5"]) == 0  # the same files by name, other samples in them
+    images, labels = FastDataset(out).get_batch(every)
+    assert not torch.equal(images, before)  # (the old stores' images, before)
+    del old
+    gc.collect()
+    fresh = FastDataset(out).get_batch(every)  # (no environment of the old files left in the process)
+    assert torch.equal(images, fresh[0]) and torch.equal(labels, fresh[1])
 
 
 @pytest.mark.parametrize("fmt, context", [("npy", None), ("lmdb", None),

@@ -291,3 +291,34 @@ def test_a_loop_numba_cannot_compile_leaves_the_python_loop_in_place(monkeypatch
     finally:
         turbo_loop.log.removeHandler(handler)
         turbo_loop._compiled.cache_clear()
+
+
+def test_a_record_simplejpeg_cannot_read_the_header_of_falls_back_to_pillow():
+    # 4:4:1 subsampling (libjpeg-turbo 3's TJSAMP_441): simplejpeg's header raises KeyError(6), which escaped the
+    # whole-image decode (every record without libturbojpeg 3, any record the partial decoder refuses)
+    import ctypes
+
+    lib = turbo.library()
+    if lib is None:
+        pytest.skip("needs libturbojpeg 3 (the jpeg extra) to write a 4:4:1 JPEG")
+    tj = ctypes.CDLL(lib.path)
+    tj.tj3Init.restype, tj.tj3Init.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    tj.tj3Set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    tj.tj3Compress8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    tj.tj3Free.argtypes, tj.tj3Destroy.argtypes = [ctypes.c_void_p], [ctypes.c_void_p]
+    pixels = np.ascontiguousarray(_photo(160, 120))
+    handle = tj.tj3Init(0)  # (TJINIT_COMPRESS)
+    tj.tj3Set(handle, 3, 95)  # TJPARAM_QUALITY
+    tj.tj3Set(handle, 4, 6)  # TJPARAM_SUBSAMP: TJSAMP_441
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t(0)
+    assert tj.tj3Compress8(handle, pixels.ctypes.data, 160, 160 * 3, 120, 0, ctypes.byref(buf), ctypes.byref(size)) == 0
+    record = ctypes.string_at(buf, size.value)
+    tj.tj3Free(buf)
+    tj.tj3Destroy(handle)
+    with pytest.raises(KeyError):
+        simplejpeg.decode_jpeg_header(record)  # (what this test is about; else it tests nothing)
+    assert jpeg_read.turbo_decode(record) is None  # (Pillow's turn)
+    got = jpeg_read.decode_jpeg(record, 32)
+    want = jpeg_read.decode_jpeg(_jpeg(pixels), 32)  # (the same picture, subsampled as Pillow does)
+    assert got.shape == (32, 32, 3) and np.abs(got.astype(int) - want.astype(int)).mean() < 4  # (2.1; other: ~50)

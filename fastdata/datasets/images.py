@@ -23,7 +23,7 @@ import torch
 
 from .._io import trim_heap
 from ..distributed import check_cuda
-from ..errors import ConfigError, ImageDecodeError
+from ..errors import ConfigError, ImageDecodeError, is_whole
 from ..formats.lmdb_store import LmdbReader
 from ..formats.manifest import IMAGES_LMDB, IMAGES_NPY, ShardIndex, manifest_digest, shard_starts
 from ..formats.schema import Field, fields_of
@@ -134,6 +134,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         if size is not None and not self.is_lmdb:
             raise ConfigError(f"size={size!r} only applies to LMDB datasets; {self.root} holds "
                               f"{self.manifest['sample_shape']} samples already")
+        if size is not None and (not is_whole(size) or size < 1):  # (0 meant the stored size; 2.5 was 2)
+            raise ConfigError(f"size must be a positive whole number of pixels (or None: the stored short side), got "
+                              f"size={size!r}")
         self.size = int(size or self.manifest.get("max_short_side", 0)) if self.is_lmdb else None
         if self.is_lmdb and self.fields is not None and (self.size != self.manifest["max_short_side"] or
                                                          crop != "center" or crop_fraction != 1.0):
@@ -156,6 +159,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
         decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them
+        if crop == "random" and fraction != 1.0:  # (else unused: the random box is its own fraction)
+            raise ConfigError(f"crop_fraction={fraction!r} sizes the centre square of crop='center'; crop='random' "
+                              "draws its box by scale and ratio: pass those instead")
         if crop != "random" and (tuple(scale), tuple(ratio)) != (tuple(SCALE), tuple(RATIO)):  # (else unused)
             raise ConfigError(f"scale={scale!r} and ratio={ratio!r} shape the random crops of crop='random' (LMDB "
                               f"datasets), not crop={crop!r}: pass crop='random', or crop on the GPU with "

@@ -22,11 +22,24 @@ from .._io import resolved_inside
 # 4. A fork waits until no thread is inside a py-lmdb call (`CALLS`), and holds `_ENVS_LOCK` across it: a
 #    child that inherits a call in flight waits for ever in its first close (py-lmdb waits for the calls it
 #    counts to end), and one that inherits the lock held waits for ever in its first open.
-_ENVS: dict[str, list[Any]] = {}  # resolved path -> [env, readers holding it]
+# 5. An environment is a file's, not a name's: a store replaced at its path (`fastdata preprocess --overwrite`
+#    while a dataset of the old one is still open in the process) is a new environment, the old file's staying
+#    with its holders (keyed by the path alone, a new dataset read the old images beside the new labels).
+_ENVS: dict[str, list[Any]] = {}  # `_key` (resolved path, file identity) -> [env, readers holding it]
 _ENVS_PID = -1
 # Loader threads reach a new store at once: only one may open it. Re-entrant: the collector may run a dropped
 # reader's finalizer (a release) inside the locked region, on the same thread.
 _ENVS_LOCK = threading.RLock()
+
+
+def _key(real: str) -> str:
+    """The key of the store file at the resolved path ``real``: the path and the file's identity (rule 5); a
+    missing file keeps its path alone (lmdb.open says so)."""
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real
+    return f"{real}\0{st.st_dev}:{st.st_ino}"
 
 
 class _Calls:
@@ -170,13 +183,14 @@ class Holds:
 
     def _open(self, path: str) -> str:
         # (resolving stats each component: once a store is opened, not once a batch)
-        key = os.path.realpath(path) if self.inside is None else resolved_inside(path, self.inside, path)
+        real = os.path.realpath(path) if self.inside is None else resolved_inside(path, self.inside, path)
+        key = _key(real)
         while key not in self.envs:
             entry = _ENVS.get(key)
             if entry is None:
                 import lmdb
 
-                entry = _ENVS[key] = [lmdb.open(key, subdir=False, readonly=True, lock=False, readahead=False,
+                entry = _ENVS[key] = [lmdb.open(real, subdir=False, readonly=True, lock=False, readahead=False,
                                                 meminit=False, max_readers=1024), 0]
             entry[1] += 1
             if _ENVS.get(key) is entry:  # (else a finalizer closed it meanwhile: open it again)
@@ -200,7 +214,8 @@ class Holds:
         with _ENVS_LOCK:
             if self.pid != os.getpid():  # held in the parent process: not ours to count down
                 return
-            for key in list(self.envs) if path is None else [os.path.realpath(path)]:
+            real = None if path is None else os.path.realpath(path)
+            for key in [k for k in self.envs if real is None or k.split("\0", 1)[0] == real]:
                 self._let_go(key)
 
     def _let_go(self, key: str) -> None:

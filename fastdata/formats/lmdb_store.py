@@ -280,17 +280,26 @@ class LmdbReader:
               txns: contextlib.ExitStack) -> None:
         """``out[r]`` for the rows of each ``(store, rows)`` group: one read transaction a store, ended (and the
         store let go of, bounded) when ``txns`` closes."""
+        import lmdb
+
         for s, rows in groups:
             with CALLS:  # (a fork waits for this, and for the transaction's end below)
-                env, held = self._holds.env(self.paths[s])
-                if self.bound is not None:  # (registered first: it runs after the transaction's end)
-                    txns.callback(self._holds.done, held, os.getpid())
-                if self.local_keys and s not in self._counted:
-                    self._count(s, env)
-                txn = env.begin(buffers=not copy)
-                txns.callback(ended, txn)
-                for r in rows:
-                    out[r] = txn.get(key(keys[r]))
+                try:
+                    env, held = self._holds.env(self.paths[s])
+                    if self.bound is not None:  # (registered first: it runs after the transaction's end)
+                        txns.callback(self._holds.done, held, os.getpid())
+                    if self.local_keys and s not in self._counted:
+                        self._count(s, env)
+                    txn = env.begin(buffers=not copy)
+                    txns.callback(ended, txn)
+                    for r in rows:
+                        out[r] = txn.get(key(keys[r]))
+                        if out[r] is None:  # (a page damaged in place: the key is gone)
+                            raise FormatError(f"{self.paths[s]} has no record {key(keys[r]).decode()}: the store "
+                                              "is damaged; run `fastdata verify` on the dataset")
+                except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError) as exc:  # damaged in place
+                    raise FormatError(f"cannot read {self.paths[s]} ({type(exc).__name__}: {exc}): the store is "
+                                      "damaged; run `fastdata verify` on the dataset") from None
 
 
 def open_lmdb(root: Path, manifest: dict[str, Any]) -> LmdbReader:

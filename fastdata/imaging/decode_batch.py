@@ -157,8 +157,8 @@ def turbo_decode(data: bytes, denominator: int = 1) -> np.ndarray | None:
             return simplejpeg.decode_jpeg(data, "RGB", **FAST_DECODE)
         return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-h // denominator), min_width=-(-w // denominator),
                                       **FAST_DECODE)
-    except (ValueError, OSError):  # damaged or unsupported data: let Pillow try, and report it if it cannot
-        return None
+    except (ValueError, OSError, KeyError):  # damaged or unsupported (a KeyError: simplejpeg's header of 4:4:1
+        return None                         # subsampling): let Pillow try, and report it if it cannot
 
 
 def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: Box | None = None,

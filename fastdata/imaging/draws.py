@@ -34,6 +34,9 @@ RATIO = (3 / 4, 4 / 3)
 
 def check_scale_ratio(scale: tuple[float, float], ratio: tuple[float, float]) -> None:
     """Refuse random-resized-crop parameters torchvision would refuse (one rule for every backend)."""
+    for name, pair in (("scale", scale), ("ratio", ratio)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ConfigError(f"{name} must be a (min, max) pair, got {name}={pair!r}")
     if not (0 < scale[0] <= scale[1] <= 1):
         raise ConfigError(f"scale must satisfy 0 < min <= max <= 1, got scale={scale!r}")
     if not (0 < ratio[0] <= ratio[1]):
