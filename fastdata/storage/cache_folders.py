@@ -29,10 +29,13 @@ def cache_advice(folder: Path) -> Optional[str]:
     """What an error about a damaged file of ``folder`` says to do when the folder is a dataset's node cache
     (`integrity.damaged_error`'s ``advice``), else None: the store's copy is intact (a download checks the
     bytes as they come), so neither `fastdata verify URL` nor a new push or preprocess mends it."""
-    if not (Path(folder) / SOURCE_NAME).is_file():
-        return None
+    return copy_advice(Path(folder).name) if (Path(folder) / SOURCE_NAME).is_file() else None
+
+
+def copy_advice(cache_id: str) -> str:
+    """`cache_advice` of the dataset cached as ``cache_id``."""
     return (f"the node cache's copy is damaged, not the store's (a download checks its bytes); remove it "
-            f"(`fastdata cache remove {Path(folder).name}`) and check this node's disk")
+            f"(`fastdata cache remove {cache_id}`) and check this node's disk")
 
 
 def default_cache_dir() -> Path:

@@ -38,8 +38,8 @@ from ..errors import ChecksumError, FormatError
 from ..formats.manifest import MANIFEST_NAME, parse_manifest
 from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
-from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_advice, cache_folder, cache_modes, cached_size,
-                            default_cache_dir, lock_file)
+from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size,
+                            copy_advice, default_cache_dir, lock_file)
 from .object_store import RETRY_SECONDS, Retry, check_object_names, filesystem, object_path
 
 _BLOCK = 8 << 20
@@ -154,8 +154,7 @@ class RemoteDataset:
         """What an error about a file damaged in this node cache says to do (`integrity.damaged_error`'s
         ``advice``): the store's copy is intact (a download checks the bytes as they come), so neither `fastdata
         verify URL` nor a new push or preprocess mends it."""
-        return cache_advice(self.dir) or (f"the node cache's copy is damaged, not the store's; remove it (`fastdata "
-                                          f"cache remove {self.id}`) and check this node's disk")
+        return copy_advice(self.id)
 
     def entry(self, name: str) -> dict[str, Any]:
         """The manifest's entry for file ``name``."""
