@@ -929,4 +929,5 @@ def test_streamed_shards_mapped_as_read_hold_no_evicted_file_and_bound_their_fie
     r = run_child(BOUNDED_STREAM, kind, url, str(tmp_path / "cache"))
     fds, deleted = map(int, r.stdout.split()[1:])
     assert deleted == 0, f"{deleted} evicted files still mapped"
-    assert fds <= (16 * 3 if kind == "fields" else 16), fds
+    # (fields: no cache_limit, so the pins' one file is opened as a batch's shards are pinned while read)
+    assert fds <= (16 * 3 + 1 if kind == "fields" else 16), fds
