@@ -42,7 +42,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_whole
 from ..formats.schema import OFFSETS
 from ..storage.opening import parse_size
 from .tokens import TokenDataset, WindowGather
@@ -155,7 +155,7 @@ class Mixture:
         self.shuffle = [bool(value) for value in self.shuffle]
         self.shuffle_window = _per_source(shuffle_window, self.names, "shuffle_window", None)
         for name, w in zip(self.names, self.shuffle_window):
-            if w is not None and (not isinstance(w, numbers.Integral) or isinstance(w, (bool, np.bool_)) or w < 1):
+            if w is not None and (not is_whole(w) or w < 1):
                 raise ConfigError(f"shuffle_window of source {name!r} must be a positive number of shards, got {w!r}")
         self.shuffle_window = [None if w is None else int(w) for w in self.shuffle_window]  # (a state is JSON)
         self._weights = self._check_weights(weights)

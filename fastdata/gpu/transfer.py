@@ -27,7 +27,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 def _within(t: torch.Tensor, span: list[int]) -> bool:
     """Whether ``t`` is non-empty and reads only storage elements of ``span`` (``[lo, hi, ...]``)."""
-    return t.numel() > 0 and span[0] <= _extent(t)[0] and _extent(t)[1] <= span[1]
+    if t.numel() == 0:
+        return False
+    lo, hi = _extent(t)
+    return span[0] <= lo and hi <= span[1]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:

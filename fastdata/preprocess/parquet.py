@@ -40,7 +40,7 @@ from ..storage.object_store import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
 from .records import from_records
-from .sources import Source
+from .sources import Source, listed
 from .url_reads import UrlReader, parent, url_listing
 
 log = logging.getLogger(__name__)
@@ -78,23 +78,20 @@ def parquet_files(src: Where) -> list[str]:
             return [src]
         base = src.rstrip("/")
         listing = url_listing(src)
-        return [f"{base}/{n}" for n in sorted(listing) if "/" not in n and _listed(n)
+        return [f"{base}/{n}" for n in sorted(listing) if "/" not in n and listed(n, ".parquet")
                 and listing[n].get("type", "file") == "file"]
     src = Path(src)
     if not src.exists():
         raise SourceError(f"source {src} does not exist: pass a .parquet file or a folder of them")
-    return [str(src)] if src.is_file() else sorted(str(p) for p in src.iterdir() if _listed(p.name) and p.is_file())
+    if src.is_file():
+        return [str(src)]
+    return sorted(str(p) for p in src.iterdir() if listed(p.name, ".parquet") and p.is_file())
 
 
 def is_parquet(src: Path) -> bool:
     """A local ``.parquet`` file, or a folder holding some."""
-    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(_listed(p.name) for p in src.iterdir()))
+    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(listed(p.name, ".parquet") for p in src.iterdir()))
 
-
-def _listed(name: str) -> bool:
-    """Whether a folder's entry ``name`` is one of its Parquet files: hidden files (macOS's ``._x.parquet``)
-    are not."""
-    return name.endswith(".parquet") and not name.startswith(".")
 
 
 def _open(path: str, fresh: bool = False) -> tuple[Any, str]:

@@ -161,8 +161,9 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
         if samples is not None and top >= id_limit(samples):
             location = f"{location}, the {_sample_of(extras, top, paths)}"
         return id_classes(top, samples, str(location)), extras
-    odd = next((v for v in names if not (is_whole(v) or isinstance(v, str))), None)
-    if odd is not None or any(v is None for v in names):  # (a float: pandas makes an int column with a gap one)
+    at = next((i for i, v in enumerate(names) if not (is_whole(v) or isinstance(v, str))), None)
+    if at is not None:  # (a float: pandas makes an int column with a gap one)
+        odd = names[at]
         raise SourceError(f"{location}: {shown(odd)} ({type(odd).__name__}) is the {_sample_of(extras, odd, paths)}: "
                           "class labels are integer ids >= 0 or names; convert that column (or JSON key)")
     if not all(isinstance(v, str) for v in names):

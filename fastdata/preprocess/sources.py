@@ -188,6 +188,12 @@ def is_id(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
+def listed(name: str, suffix: str) -> bool:
+    """Whether a folder's entry ``name`` is one of its ``suffix`` files (tars, Parquet files): hidden files
+    (macOS's ``._x.tar`` beside each file it copies to SMB or exFAT) are not."""
+    return name.endswith(suffix) and not name.startswith(".")
+
+
 def mixed_ids(labels: Sequence[Any]) -> Optional[tuple[int, int]]:
     """Where class labels given as text mix ids and names (NOTE [class ids] rule 5): the index of the first id
     and of the first name, or None."""

@@ -89,8 +89,10 @@ class StoreOut(StoreFolder):
         names = self.listing()
         if not names:
             return None
-        ours = [n for n in names if OWNED.match(n.split("/", 1)[0])]
-        foreign = [n for n in names if not OWNED.match(n.split("/", 1)[0])]  # (one pass: 10^6 objects)
+        ours: list[str] = []
+        foreign: list[str] = []
+        for n in names:  # (one pass: 10^6 objects)
+            (ours if OWNED.match(n.split("/", 1)[0]) else foreign).append(n)
         if foreign and MANIFEST_NAME not in names and not any(n.startswith(PARTIAL_DIR + "/") for n in names):
             raise OutputError(f"output {scrub(self.url)} is not empty and is not a fastdata dataset (it holds "
                               f"{foreign[:3]}): choose a new or empty prefix")

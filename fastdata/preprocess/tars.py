@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .sources import IMAGE_EXTENSIONS, fits_float, is_id, shown
+from .sources import IMAGE_EXTENSIONS, fits_float, is_id, listed, shown
 from .url_reads import open_binary, store_call
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def is_tar_source(src: Union[str, Path]) -> bool:
         except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
             return True
     p = Path(text)
-    return p.is_dir() and any(_listed(c.name) and c.is_file() for c in p.iterdir())
+    return p.is_dir() and any(listed(c.name, ".tar") and c.is_file() for c in p.iterdir())
 
 
 def tar_files(src: Union[str, Path]) -> list[str]:
@@ -107,7 +107,7 @@ def tar_files(src: Union[str, Path]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused listing
             raise SourceError(f"cannot list {scrub(text)}: {type(exc).__name__}: {scrub(str(exc))}") from exc
     elif Path(text).is_dir():
-        names = [str(p) for p in Path(text).iterdir() if _listed(p.name) and p.is_file()]
+        names = [str(p) for p in Path(text).iterdir() if listed(p.name, ".tar") and p.is_file()]
     else:
         names = [text]
     if not names:
@@ -118,18 +118,9 @@ def tar_files(src: Union[str, Path]) -> list[str]:
 def _url_tars(url: str, fs: Any, root: str) -> list[str]:
     """The ``*.tar`` objects of the folder ``url`` (fsspec paths); a folder named ``x.tar/`` is not one."""
     listing = store_call(url, lambda: fs.ls(root, detail=True), "list")
-    return [e["name"] for e in listing if _listed(posixpath.basename(e["name"])) and e.get("type") != "directory"]
+    return [e["name"] for e in listing
+            if listed(posixpath.basename(e["name"]), ".tar") and e.get("type") != "directory"]
 
-
-def _listed(name: str) -> bool:
-    """Whether a folder's entry ``name`` is one of its tars: hidden files (macOS's ``._x.tar``) are not."""
-    return name.endswith(".tar") and not name.startswith(".")
-
-
-def _open(tar: str) -> Any:
-    """A binary file object on ``tar``: at a URL streamed in ranged reads under the retry budget (NOTE [url
-    source] rule 3: a request that fails mid-tar is tried again)."""
-    return open_binary(tar)
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -156,7 +147,7 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
     """
     key, group, twice = None, {}, None
     try:
-        f = _open(tar)
+        f = open_binary(tar)  # (at a URL, ranged reads under the retry budget: NOTE [url source] rule 3)
     except SourceError:
         raise
     except Exception as exc:  # noqa: BLE001 - each backend raises its own types for a refused read

@@ -217,8 +217,7 @@ class StoreFolder:
         except FormatError as exc:  # the budget is spent, or access was denied: the output's problem
             raise OutputError(str(exc)) from None
         except FileNotFoundError as exc:  # s3fs: no such bucket
-            raise OutputError(f"cannot {doing} {scrub(self.url)}/{name}: {scrub(str(exc)) or 'not found'}; check "
-                              "that the bucket exists and the URL is right") from None
+            raise no_bucket(f"{doing} {scrub(self.url)}/{name}", exc) from None
 
     def check_writable(self, folder: str = "") -> None:
         """Put and delete a probe object (in ``folder``), so a store that refuses writes is named before any
@@ -248,13 +247,10 @@ class StoreFolder:
         fs, _, _ = self._client()
 
         def info() -> Optional[int]:
-            key = self._key(name)
-            fs.invalidate_cache(key)
             try:
-                found = fs.info(key)
+                return stored_size(fs, self._key(name))
             except FileNotFoundError:
                 return None
-            return int(found["size"]) if found.get("type", "file") == "file" else None  # (a "folder": none)
         return self._call(name, info, "read")
 
     def put(self, local: Path, name: str) -> None:
@@ -305,13 +301,32 @@ def put_file(fs: Any, local: Path, key: str) -> None:
     if not _local(fs):
         size = Path(local).stat().st_size
         fs.put_file(str(local), key)
-        fs.invalidate_cache(key)
-        held = fs.info(key).get("size")
+        held = stored_size(fs, key)
         if held != size:  # a store or a gateway that kept part of the body and answered 200
             raise OSError(f"the store holds {held} bytes of {size} after the upload (a proxy that loses bytes?)")
         return
     Path(key).parent.mkdir(parents=True, exist_ok=True)
     copy_file_atomic(Path(local), Path(key))
+
+
+def stored_size(fs: Any, key: str) -> Optional[int]:
+    """The size object ``key`` has in the store now, asked afresh (not from the client's cached listings: a
+    HEAD on s3); None for a folder, or where the store gives no size.
+
+    Raises:
+        FileNotFoundError: There is no such object.
+    """
+    fs.invalidate_cache(key)
+    found = fs.info(key)
+    size = found.get("size")
+    return None if size is None or found.get("type", "file") != "file" else int(size)
+
+
+def no_bucket(doing: str, exc: FileNotFoundError) -> OutputError:
+    """The error of a FileNotFoundError from a write or a listing at a URL (s3fs: no such bucket): ``cannot
+    DOING: ...`` (``doing`` names the scrubbed URL) and what to check."""
+    return OutputError(f"cannot {doing}: {scrub(str(exc)) or 'not found'}; check that the bucket exists and the URL "
+                       "is right")
 
 
 def pipe_file(fs: Any, key: str, data: bytes) -> None:

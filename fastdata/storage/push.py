@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from .._io import HASH_NAME, disk_error, map_threads, scrub
-from ..errors import OutputError
 from ..formats.manifest import MANIFEST_NAME
-from .object_store import RETRY_SECONDS, Retry, filesystem, object_path, pipe_file, put_file
+from .object_store import RETRY_SECONDS, Retry, filesystem, no_bucket, object_path, pipe_file, put_file
 
 PUSH_MARKERS = ".fastdata-push"
 
@@ -68,8 +67,7 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
         map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
         retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, object_path(root, MANIFEST_NAME), data), "upload")
     except FileNotFoundError as exc:  # s3fs: no such bucket (a local file missing is refused by require_intact)
-        raise OutputError(f"cannot push to {scrub(url)}: {scrub(str(exc)) or 'not found'}; check that the bucket "
-                          "exists and the URL is right") from None
+        raise no_bucket(f"push to {scrub(url)}", exc) from None
     return counts
 
 

@@ -40,7 +40,7 @@ from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
 from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size,
                             copy_advice, default_cache_dir, lock_file)
-from .object_store import RETRY_SECONDS, Retry, check_object_names, filesystem, object_path
+from .object_store import RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, stored_size
 
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
@@ -249,7 +249,7 @@ class RemoteDataset:
             if problem == "hash":  # a corrupted body: retried by the caller, never renamed
                 raise _WrongBytes(digest.hexdigest())
             if problem is not None:  # a body cut on its way (retried), or the store's object is of another size
-                stored = self._stored_size(entry["path"])
+                stored = stored_size(self.fs, object_path(self.root, entry["path"]))  # (a HEAD, asked afresh)
                 if stored is not None and stored != int(entry["bytes"]):
                     raise ChecksumError(f"cannot read {scrub(self.url)}/{entry['path']}: the store's object has "
                                         f"{stored} bytes, not the manifest's {entry['bytes']}: it was replaced or "
@@ -262,15 +262,6 @@ class RemoteDataset:
                 self.fetched["bytes"] += size
         finally:
             tmp.unlink(missing_ok=True)
-
-    def _stored_size(self, name: str) -> Optional[int]:
-        """The size of object ``name`` as the store says now (asked afresh: a HEAD on s3), so that a body that
-        ended short is told from an object that is short; None where the store does not say (an HTTP server
-        without Content-Length). A network error here is retried as the read's."""
-        path = object_path(self.root, name)
-        self.fs.invalidate_cache(path)
-        size = self.fs.info(path).get("size")
-        return None if size is None else int(size)
 
     def _blocks(self, path: str, size: int) -> Iterator[bytes]:
         """The object's ``size`` bytes (the manifest's size) in ranged GETs: one for files up to ``_WHOLE``,

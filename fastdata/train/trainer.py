@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -569,35 +569,39 @@ def _check_validation(cfg: TrainConfig, val_loader: Any) -> None:
                               "give --val DATA or --val-fraction (a val_loader in Python), or drop it")
 
 
+def _layers(loader: Any) -> Iterator[Any]:
+    """``loader``, then the loader it wraps (a prefetcher's), then one wrapped once more: no deeper nesting is
+    made here."""
+    for _ in range(3):
+        if loader is None:
+            return
+        yield loader
+        loader = getattr(loader, "loader", None)
+
+
 def _set_epoch(loader: Any, epoch: int) -> None:
     """Select ``epoch`` on ``loader``, and on the samplers of a torch DataLoader beneath it (itself, or a
     prefetcher's): its DistributedSampler replays one order every epoch unless told. A fastdata loader
     selects its own sampler's epoch, so that sampler is told once."""
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
-    for _ in range(3):  # (as _ranks_of: a loader, a prefetcher's, one wrapped once more)
-        if not hasattr(loader, "set_epoch"):  # a DataLoader: its sampler and batch sampler (one object, maybe)
-            told: list[Any] = []
-            for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-                if hasattr(sampler, "set_epoch") and not any(sampler is s for s in told):
-                    sampler.set_epoch(epoch)
-                    told.append(sampler)
-            return
-        loader = getattr(loader, "loader", None)
-        if loader is None:
-            return
+    layer = next((layer for layer in _layers(loader) if not hasattr(layer, "set_epoch")), None)
+    if layer is None:  # (fastdata loaders all the way down)
+        return
+    told: list[Any] = []  # a DataLoader: its sampler and batch sampler (one object, maybe)
+    for sampler in (getattr(layer, "sampler", None), getattr(layer, "batch_sampler", None)):
+        if hasattr(sampler, "set_epoch") and not any(sampler is s for s in told):
+            sampler.set_epoch(epoch)
+            told.append(sampler)
 
 
 def _ranks_of(loader: Any) -> Optional[int]:
     """The ranks ``loader``'s order was dealt to: its sampler's (FastLoader, DALILoader, a DataLoader with a
     DistributedSampler or a DistributedBatchSampler), through a prefetcher's loader; None when it does not say."""
-    for _ in range(3):  # (a loader, a prefetcher's, one wrapped once more: no deeper nesting is made here)
+    for layer in _layers(loader):
         for attr in ("sampler", "batch_sampler"):
-            sampler = getattr(loader, attr, None)
+            sampler = getattr(layer, attr, None)
             ranks = getattr(sampler, "world_size", getattr(sampler, "num_replicas", None))
             if isinstance(ranks, int):
                 return ranks
-        loader = getattr(loader, "loader", None)
-        if loader is None:
-            return None
     return None
