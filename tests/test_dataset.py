@@ -342,6 +342,45 @@ def test_a_split_is_the_same_as_ever_and_its_windows_need_no_number_a_sample(ind
     assert DatasetView(ds, np.arange(10)[::-1]).shard_bounds() is None  # (unsorted: each sample's shard)
 
 
+def test_a_train_split_holds_its_validation_set_not_its_own_indices(indexed_datasets):
+    """A split's train view held its own indices, 8 bytes a sample in every rank (16 GB at 2x10^9 samples).
+    It now holds the validation set it leaves out, and serves what the indices served: the same rows, batches,
+    shards, single samples (negative positions too) and read plans."""
+    from fastdata.datasets.splits import DatasetView, split, split_indices
+
+    ds = FastDataset(indexed_datasets["npy"])
+    train, val = split(ds, 0.1, seed=4)
+    want, want_val = split_indices(len(ds), 0.1, seed=4)
+    held = sum(a.nbytes for a in vars(train).values() if isinstance(a, np.ndarray))
+    assert held <= 2 * want_val.nbytes < want.nbytes  # (the excluded set and its gaps)
+    assert np.array_equal(val.indices, want_val) and np.array_equal(train.indices, want) and len(train) == len(want)
+    old = DatasetView(ds, want)
+    at = np.array([0, 5, len(want) - 1, 17, -1, -len(want)])
+    assert np.array_equal(train.rows(at), want[at]) and np.array_equal(train.rows(torch.from_numpy(at)), want[at])
+    for a, b in zip(train.get_batch(at), old.get_batch(at), strict=True):
+        assert torch.equal(a, b)
+    assert np.array_equal(train.sample_shards(), old.sample_shards())
+    assert np.array_equal(train.shard_bounds(), old.shard_bounds())
+    assert torch.equal(train[-3][0], old[-3][0]) and train[-3][1] == old[-3][1]
+    with pytest.raises(IndexError):
+        train.rows(np.array([len(want)]))
+    with pytest.raises(ConfigError, match="either indices= .* or excluded="):
+        DatasetView(ds)
+
+    class Huge:  # (a base of 2x10^9 samples, on paper: the view's arithmetic, never its samples)
+        sample_shape, sample_dtype, device = (3, 8, 8), torch.uint8, torch.device("cpu")
+
+        def __len__(self):
+            return 2 * 10 ** 9
+
+    out = np.array([0, 7, 10 ** 9, 2 * 10 ** 9 - 1])
+    view = DatasetView(Huge(), excluded=out)
+    assert len(view) == 2 * 10 ** 9 - 4
+    assert view.rows(np.array([0, 6, 7, 10 ** 9 - 3, 10 ** 9 - 2, len(view) - 1])).tolist() == [
+        1, 8, 9, 10 ** 9 - 1, 10 ** 9 + 1, 2 * 10 ** 9 - 2]
+    assert sum(a.nbytes for a in vars(view).values() if isinstance(a, np.ndarray)) == 2 * out.nbytes
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
 def test_cuda_storage_without_a_gpu_says_what_to_pass_instead(indexed_datasets):
     with pytest.raises(ConfigError, match=r"torch sees no CUDA device: pass storage='ram' or 'shm'"):

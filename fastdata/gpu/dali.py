@@ -62,15 +62,15 @@ def _dali() -> Any:
 
 
 def _lmdb_samples(data: Union[str, Path, OpenedPath, FastDataset, DatasetView]
-                  ) -> tuple[FastDataset, Optional[np.ndarray]]:
+                  ) -> tuple[FastDataset, Optional[DatasetView]]:
     """The local LMDB dataset under ``data`` and the samples of it to serve (None: all), its manifest read
     once: a folder or an opened path is opened here, a dataset or a view of one is used as it is."""
     if getattr(data, "is_mixture", False):  # (before DALI is imported: the answer does not depend on it)
         raise ConfigError(f"DALILoader does not serve mixtures, got {data!r}: serve it with FastLoader(mixture, "
                           "batch_size) and CUDAPrefetcher(loader), which augments on the GPU (docs/mixtures.md)")
-    indices = None
+    view = None
     if isinstance(data, DatasetView):
-        data, indices = data.base, data.indices
+        data, view = data.base, data
     if not isinstance(data, FastDataset):
         data = FastDataset(data)
     if not data.is_lmdb or data.lmdb_reader is None:
@@ -79,7 +79,7 @@ def _lmdb_samples(data: Union[str, Path, OpenedPath, FastDataset, DatasetView]
     if data._remote is not None:  # noqa: SLF001 - the dataset this package opened or was handed
         raise ConfigError(f"DALILoader reads a local LMDB folder, and {data.root} came from object storage: read "
                           "it with FastDataset and FastLoader (they stream it through the node cache)")
-    return data, indices
+    return data, view
 
 
 def _stream_outputs(pipe: Any) -> bool:
@@ -162,7 +162,7 @@ class DALILoader(SamplerBacked):
                  world_size: Optional[int] = None, prefetch: int = 2,
                  hw_decoder_load: Union[float, str, None] = None, stream_outputs: bool = True,
                  run_ahead: Optional[bool] = None) -> None:
-        base, self.indices = _lmdb_samples(path)
+        base, self.view = _lmdb_samples(path)
         self.root, self.manifest = base.root, base.manifest
         self.manifest_sha256 = base.manifest_sha256
         if base.fields is not None:
@@ -191,7 +191,7 @@ class DALILoader(SamplerBacked):
         self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.reader = base.lmdb_reader
         self.labels = base.targets
-        n = len(self.labels) if self.indices is None else len(self.indices)
+        n = len(self.labels) if self.view is None else len(self.view)
         self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
         self.mean, self.std = tuple(mean), tuple(std)
         self.sampler = DistributedBatchSampler(n, batch_size, shuffle=train if shuffle is None else shuffle,
@@ -322,7 +322,7 @@ class DALILoader(SamplerBacked):
         first = s.served
         for k, idx in enumerate(s.batches(), 1):
             idx = np.sort(idx)  # the same per-batch order as FastLoader
-            rows = idx if self.indices is None else self.indices[idx]
+            rows = idx if self.view is None else self.view.rows(idx)
             # Views of the memory-mapped store, not copies (py-lmdb copies a record into bytes under the GIL,
             # on the thread that runs the training step, a cost bench_dali's profile shows): DALI copies
             # each batch when it is fed, within the call that pulled it, and the read transaction stays open
