@@ -553,6 +553,23 @@ def test_a_member_name_a_sample_repeats_is_a_bad_record_never_a_merged_sample(tm
     assert sample_ids(batch["image"]).tolist() == [0, 2] and batch["label"].tolist() == [0, 2]
 
 
+def test_a_sample_appended_again_after_others_is_a_bad_record_wherever_it_appears(tmp_path):
+    # `tar -r` appends at the end: the key came back after sample 2 and both were kept, two samples of one
+    # key with two classes (sample 3's picture under sample 1's name); which one is sample 1 is unknown
+    src = tmp_path / "src"
+    src.mkdir()
+    again = [(f"{1:09d}" + name[9:], data) for name, data in sample_members(3)]
+    write_tar(src / "00000.tar", [*sample_members(0), *sample_members(1), *sample_members(2), *again])
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 2
+    assert [s["path"] for s in manifest["skipped"]] == [f"00000.tar/{1:09d}.jpg"] * 2
+    assert all("appears 2 times, apart" in s["reason"] for s in manifest["skipped"])
+    batch = FastDataset(tmp_path / "out").get_batch(np.arange(2))
+    assert sample_ids(batch["image"]).tolist() == [0, 2] and batch["label"].tolist() == [0, 2]
+    assert preprocess(src, tmp_path / "fail", "--on-error", "fail") != 0
+
+
 def test_hidden_files_in_a_tar_folder_are_not_tars(tmp_path):
     # macOS leaves ._NAME files beside each file it copies to SMB or exFAT: "cannot read ._00000.tar"
     src = make_tars(tmp_path / "src", count=2)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -61,6 +61,7 @@ def _listing(tar: str) -> dict[str, list[Any]]:
     metadata record (None for a bad one)."""
     label, name = label_of(tar), posixpath.basename(tar.rstrip("/"))
     keys: list[str] = []
+    raw: list[str] = []  # (the samples' keys)
     where: list[Any] = []
     recs: list[Optional[dict[str, Any]]] = []
     try:
@@ -73,6 +74,7 @@ def _listing(tar: str) -> dict[str, list[Any]]:
                     reason = f"{label}: sample {key} has bad metadata ({type(exc).__name__}: {exc})"
             if reason is None and image is None:
                 reason = f"{label}: sample {key} has no image member (members: {sorted(group)})"
+            raw.append(key)
             keys.append(f"{name}/{key}.{image or 'jpg'}")
             where.append(list(group[image]) if reason is None else reason)
             recs.append(rec if reason is None else None)
@@ -80,6 +82,14 @@ def _listing(tar: str) -> dict[str, list[Any]]:
         raise
     except Exception as exc:  # noqa: BLE001 - a store refusing the read: one line naming it
         raise SourceError(f"cannot read {label}: {type(exc).__name__}: {scrub(str(exc))}") from exc
+    # a key apart from itself (`tar -r` appending a sample again at the end): which is the sample is unknown,
+    # so neither is kept (NOTE [tar source] rule 4)
+    counts = Counter(raw)
+    for i, key in enumerate(raw):
+        if counts[key] > 1:
+            where[i] = f"{label}: sample {key} appears {counts[key]} times, apart (a sample's members are " \
+                       "consecutive): repack the tar with each sample once"
+            recs[i] = None
     return {"paths": keys, "where": where, "records": recs}
 
 

@@ -14,7 +14,8 @@ NOTE [tar source]:
    read per run of consecutive samples.
 4. A tar cut short (mid-member or mid-header) makes the sample it cuts a bad record: skipped and listed in
    the manifest, or ``--on-error fail``; the samples before it are kept. So does a member name a sample
-   repeats (``tar -r`` appending a sample again): never one sample of two samples' members.
+   repeats (``tar -r`` appending a sample again): never one sample of two samples' members. A key that comes
+   again after other samples makes each of its samples a bad record: never two samples of one key.
 5. Listing reads only the ``cls``, ``txt`` and ``json`` members, each up to 16 MiB (past it: a bad record);
    tarfile steps over the others, images included, so memory does not grow with a member's size. A sparse
    image (``tar -S``) is a bad record: its bytes in the archive are not the file's. A hard link (a second
