@@ -330,6 +330,24 @@ def test_hidden_files_in_a_parquet_folder_are_not_its_files(tmp_path):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_samples"] == 3
 
 
+def test_a_spark_table_folder_inside_a_source_is_named_and_an_image_folder_stays_one(tmp_path, capsys):
+    # a folder holding `x.parquet/` was taken for a Parquet folder: an image tree with such a subfolder
+    # failed with "holds no .parquet files", and so did a folder holding a Spark table, without naming it
+    src = tmp_path / "src"
+    write_parts(src / "table.parquet", [3], meta=None)  # (Spark: part files in a folder named x.parquet)
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert f"{src / 'table.parquet'} is a Parquet table folder (as Spark writes one): pass it as the source" in err
+    assert preprocess(src / "table.parquet", tmp_path / "out") == 0
+    images = tmp_path / "images"
+    for c in ("cat", "dog"):
+        (images / c).mkdir(parents=True)
+        (images / c / "0.png").write_bytes(_image(0))
+    (images / "stray.parquet").mkdir()
+    assert preprocess(images, tmp_path / "out2") == 0
+    assert json.loads((tmp_path / "out2" / "manifest.json").read_text())["num_samples"] == 2
+
+
 @pytest.mark.parametrize("label, message", [
     (lambda i: [i, 1], r"part-00\.parquet#0: 'label' holds \[0, 1\]: a sample's class is one id or name; give "
                        r"several classes as 'labels'"),

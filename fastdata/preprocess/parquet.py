@@ -89,8 +89,10 @@ def parquet_files(src: Where) -> list[str]:
 
 
 def is_parquet(src: Path) -> bool:
-    """A local ``.parquet`` file, or a folder holding some."""
-    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(listed(p.name, ".parquet") for p in src.iterdir()))
+    """A local ``.parquet`` file or folder (Spark writes a table as a folder ``x.parquet/``), or a folder
+    holding ``.parquet`` files (a folder of images beside a subfolder ``x.parquet/`` is a folder of images)."""
+    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(
+        listed(p.name, ".parquet") and p.is_file() for p in src.iterdir()))
 
 
 

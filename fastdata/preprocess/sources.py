@@ -138,7 +138,12 @@ def discover(src: Path | str) -> Source:
     else:
         raise SourceError(f"source {src} is a file but not a .csv list: pass an image folder or a path,label .csv")
     if not source.paths:
-        raise SourceError(f"source {src} holds no image files (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+        tables = sorted(p.name for p in src.iterdir() if p.is_dir() and listed(p.name, ".parquet")) \
+            if src.is_dir() else []
+        hint = f": {src / tables[0]} is a Parquet table folder (as Spark writes one): pass it as the " \
+               "source" if tables else ""
+        raise SourceError(f"source {src} holds no image files (extensions: "
+                          f"{', '.join(sorted(IMAGE_EXTENSIONS))}){hint}")
     return source
 
 
