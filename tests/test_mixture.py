@@ -271,6 +271,16 @@ def test_len_after_set_weights_counts_the_batches_the_next_iteration_serves(stop
         mix.set_weights({"a": 0.5, "b": 0.5})
 
 
+@pytest.mark.parametrize("epoch", [-1, 1.0, 10 ** 12 + 0.5])
+def test_a_mixture_epoch_that_is_no_whole_number_is_refused_by_name(epoch):
+    # -1 replayed from epoch 0 silently; a float was stepped to, one epoch at a time
+    s = MixtureSampler(Mixture({"a": Sized(40), "b": Sized(10)}, seed=3), 8, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match=f"set_epoch takes an epoch number >= 0, got {epoch!r}"):
+        s.set_epoch(epoch)
+    s.set_epoch(np.int64(2))
+    assert s.epoch == 2
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_trainer_resumes_a_mixture_with_new_weights(mixed_sets, tmp_path, device):
     # on a GPU, CUDAPrefetcher holds batches fetched ahead: the state it saves names the first one not trained

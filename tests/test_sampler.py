@@ -1,8 +1,10 @@
 """The epoch plan: exactly-once coverage across ranks, padding / drop_last, determinism, resumption."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from fastdata.errors import ConfigError
@@ -267,7 +269,7 @@ def test_streamed_batches_are_the_epoch_order_split_across_ranks(nodes, node_siz
     perm = ranks[0].permutation()
     assert sorted(perm.tolist()) == list(range(n))  # a permutation, however the windows are dealt
     due = ranks[0]._due(0)
-    rest = np.resize(perm, due) if due > n else perm[:due]  # NOTE [epoch plan]: padded or cut
+    rest = np.r_[perm, perm[::-1][:due - n]] if due > n else perm[:due]  # NOTE [epoch plan]: padded or cut
     for r, s in enumerate(ranks):
         streamed = np.concatenate(list(s.batches()))
         assert np.array_equal(streamed, rest[r::world]) and np.array_equal(streamed, s.rank_indices())
@@ -276,7 +278,7 @@ def test_streamed_batches_are_the_epoch_order_split_across_ranks(nodes, node_siz
         order, where = ranks[0].order(), np.arange(due)  # (the position each sample of rest comes from)
         assert n - order.interleaved <= nodes * shard
         foreign = [set() for _ in range(nodes)]
-        for r in range(world):  # (the padding, at most world - 1 repeats, comes from the start of the epoch)
+        for r in range(world):  # (the padding, at most world - 1 repeats, comes from the end of the epoch)
             other = ~np.isin(rest[r::world] // shard, order.stream_shards[r // node_size])
             assert not other[where[r::world] < order.interleaved].any()
             foreign[r // node_size] |= set((rest[r::world][other & (where[r::world] < n)] // shard).tolist())
@@ -339,3 +341,81 @@ def test_an_epoch_over_two_billion_samples_is_streamed_in_little_time_and_memory
         assert seen == 5000 * 256 and tracemalloc.get_traced_memory()[1] < 200e6
     finally:
         tracemalloc.stop()
+
+
+def test_an_unwindowed_order_is_held_once_by_the_sampler_and_its_planner():
+    """The sampler kept the previous epoch's whole permutation beside the current one (16 bytes a sample,
+    32 GB a rank at 2x10^9), and a streamed dataset's read plan made two more of its own (up to 32 bytes)."""
+    import tracemalloc
+
+    n = 2_000_000
+    s = DistributedBatchSampler(n, 64, seed=1, rank=0, world_size=4)
+    tracemalloc.start()
+    try:
+        for epoch in range(3):
+            s.set_epoch(epoch)
+            next(iter(s.batches()))
+            planned = s.coming_batches()  # (a cache's planner: the rest of this epoch, then the next one's)
+            next(planned)
+            assert tracemalloc.get_traced_memory()[0] < 1.2 * 8 * n, epoch  # one permutation of int64
+            del planned
+    finally:
+        tracemalloc.stop()
+    plain = DistributedBatchSampler(n, 64, seed=1, rank=0, world_size=4)
+    plain.set_epoch(2)
+    assert all(np.array_equal(a, b) for a, b in zip(s.coming_batches(), plain.batches(), strict=False))
+
+
+def test_nodes_of_different_sizes_share_one_stream_and_serve_every_sample_once(monkeypatch):
+    """torchrun allows nodes of different sizes: each rank took its own node's LOCAL_WORLD_SIZE for the
+    layout, so a node of 4 and a node of 2 drew different orders and lost about a quarter of the samples."""
+    n, shard, world = 960, 40, 6
+    seen = Counter()
+    for rank in range(world):
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4" if rank < 4 else "2")
+        s = DistributedBatchSampler(n, 8, seed=4, rank=rank, world_size=world, shuffle_window=3,
+                                    shard_bounds=_bounds(n, shard))
+        assert s.layout == (1, 1)
+        for batch in s:
+            seen.update(batch)
+    assert set(seen) == set(range(n)) and sum(seen.values()) == n
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # (2 nodes of 3: dealt to nodes, as before)
+    assert DistributedBatchSampler(n, 8, rank=0, world_size=6, shuffle_window=3,
+                                   shard_bounds=_bounds(n, shard)).layout == (2, 3)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("n, b, world, k", [(203, 16, 3, 1), (203, 7, 5, 2), (10, 1, 4, 2)])
+def test_an_epoch_resumed_at_the_same_world_size_serves_what_the_uninterrupted_one_does(n, b, world, k, window):
+    """The padding repeated the first samples of the resumed rest, not of the epoch: the padded last batch of
+    a resumed epoch differed from the uninterrupted run's."""
+    kw = {"shuffle_window": window, "shard_bounds": _bounds(n, 20)} if window else {}
+    for rank in range(world):
+        whole = [b_.tolist() for b_ in DistributedBatchSampler(n, b, seed=2, rank=rank, world_size=world,
+                                                               **kw).batches()]
+        first = DistributedBatchSampler(n, b, seed=2, rank=rank, world_size=world, **kw)
+        head = [batch for _, batch in zip(range(k), first)]
+        again = DistributedBatchSampler(n, b, seed=2, rank=rank, world_size=world, **kw)
+        again.load_state_dict(first.state_dict())
+        assert head + [b_.tolist() for b_ in again.batches()] == whole, rank
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda s: s.set_epoch(-1), "got -1"), (lambda s: s.set_epoch(1.0), "got 1.0"),
+    (lambda s: s.set_epoch(True), "got True"),
+    (lambda s: DistributedBatchSampler(10, 2, seed=-1, rank=0, world_size=1), "seed=-1"),
+])
+def test_an_epoch_or_seed_that_is_no_whole_number_is_refused_by_name(call, needle):
+    # numpy's errors came at the first batch ("expected non-negative integer"), or none at all
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        call(DistributedBatchSampler(10, 2, rank=0, world_size=1))
+
+
+def test_a_numpy_epoch_gives_a_state_json_can_write():
+    import json
+
+    s = DistributedBatchSampler(10, 2, rank=0, world_size=1, seed=np.int64(3))
+    for epoch in np.arange(2):  # (a loop over np.arange: the state held a numpy integer)
+        s.set_epoch(epoch)
+    assert json.loads(json.dumps(s.state_dict())) == {**s.state_dict(), "epoch": 1, "seed": 3}

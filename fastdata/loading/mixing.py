@@ -24,7 +24,7 @@ import numpy as np
 
 from ..datasets.mixture import SHIFT
 from ..distributed import dist_rank_world
-from ..errors import ConfigError
+from ..errors import ConfigError, is_whole
 from .mixture_state import END, check_state
 from .order import EpochOrder, group_by_shard
 from .sampler import DistributedBatchSampler
@@ -326,6 +326,8 @@ class MixtureSampler:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch: the current one stays where it is; a later one follows the epochs between (their
         rest counted as served); an earlier one is replayed from epoch 0 under the current weights."""
+        if not is_whole(epoch) or epoch < 0:
+            raise ConfigError(f"set_epoch takes an epoch number >= 0, got {epoch!r}")
         if epoch < self.epoch:
             self.seg, self.start, self.served = self._first_segment(0, np.zeros_like(self.sizes)), 0, 0
             self._previous = None

@@ -24,6 +24,7 @@ recorded layout) still serves every sample exactly once; it only loses the node 
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Optional
 
@@ -58,6 +59,7 @@ class EpochOrder:
                  members: Optional[np.ndarray] = None, layout: tuple[int, int] = (1, 1)) -> None:
         self.num_samples, self.seed, self.epoch, self.shuffle = num_samples, seed, epoch, shuffle
         self._full: Optional[np.ndarray] = None
+        self._full_lock = threading.Lock()  # (a cache's planning thread reads the permutation too)
         self.layout = (1, 1)  # (streams, positions a block) in effect
         self.windowed = bool(shuffle and window is not None and bounds is not None and window < len(bounds) - 1)
         if not self.windowed:
@@ -161,9 +163,10 @@ class EpochOrder:
 
     def _whole(self) -> np.ndarray:
         """The permutation made whole (no window), int64."""
-        if self._full is None:
-            self._full = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_samples).astype(
-                np.int64, copy=False)
+        with self._full_lock:
+            if self._full is None:
+                self._full = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_samples).astype(
+                    np.int64, copy=False)
         return self._full
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

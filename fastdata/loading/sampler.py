@@ -3,13 +3,15 @@ resumable mid-epoch, even with another world size.
 
 NOTE [epoch plan]: an epoch is the permutation ``perm`` of ``range(N)`` drawn from ``(seed, epoch)``.
 A resumed epoch starts at a global position ``start``: the samples still due are ``rest = perm[start:]``.
-Without ``drop_last``, ``rest`` is padded with its own first samples up to a multiple of the world size
-(at most ``world - 1`` repeats, as ``DistributedSampler`` does); with ``drop_last`` it is cut to a
-multiple of ``world * batch_size`` (nothing repeats, every batch is full); with ``pad=False`` (for
-evaluation) it is neither, so every sample is served exactly once and ranks may serve one sample, and
-so one batch, fewer. Rank ``r`` takes
-``rest[r::world]``, so after every rank has served ``k`` samples the served set is exactly the prefix
-``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever the new world size.
+Without ``drop_last``, ``rest`` is padded with the epoch's last samples (``perm[N - 1], perm[N - 2], ...``) up
+to a multiple of the world size (at most ``world - 1`` repeats, as ``DistributedSampler`` does): they are
+``rest``'s own (while it holds that many), so nothing is served twice across a resume, and they do not
+depend on ``start``, so an epoch resumed at the same world size serves exactly what the uninterrupted one
+would. With ``drop_last`` it is cut to a multiple of ``world * batch_size`` (nothing repeats, every batch is
+full); with ``pad=False`` (for evaluation) it is neither, so every sample is served exactly once and ranks
+may serve one sample, and so one batch, fewer. Rank ``r`` takes ``rest[r::world]``, so after every rank
+has served ``k`` samples the served set is exactly the prefix ``rest[:k * world]``: the position to resume
+from is ``start + k * world``, whatever the new world size.
 
 NOTE [windowed shuffle]: with ``shuffle_window=K`` and the samples each shard holds, ``perm`` is drawn
 in two steps from ``(seed, epoch)``: the shards in a random order, then the samples of each window of K
@@ -25,6 +27,7 @@ are dealt to nodes, so that a node reads (and its cache fetches) only its own sh
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -83,8 +86,8 @@ class DistributedBatchSampler:
             raise ConfigError(f"num_samples must be a positive integer, got num_samples={num_samples!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got batch_size={batch_size!r}")
-        if not isinstance(seed, int):
-            raise ConfigError(f"seed must be an integer, got seed={seed!r}")
+        if not is_whole(seed) or seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got seed={seed!r}")
         bounds = members = None
         if shuffle_window is not None:
             if not isinstance(shuffle_window, int) or shuffle_window < 1:
@@ -103,12 +106,13 @@ class DistributedBatchSampler:
         self.shuffle_window = shuffle_window
         self._bounds, self._members = bounds, members
         self._n_shards = len(bounds) - 1 if bounds is not None else 0
-        self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, seed
+        self.num_samples, self.batch_size, self.shuffle, self.seed = num_samples, batch_size, shuffle, int(seed)
         self.drop_last, self.pad = drop_last, pad
         self.rank, self.world_size = dist_rank_world(rank, world_size)
         self.layout = self._layout(node_size)
         self._resumed: Optional[tuple[int, tuple[int, int]]] = None  # (epoch, layout) of a loaded state
         self._orders: dict[tuple[int, tuple[int, int]], EpochOrder] = {}
+        self._orders_lock = threading.Lock()  # (a cache's planning thread asks for orders too)
         self.epoch = 0
         self.start = 0  # global position this epoch (re)starts from
         self.served = 0  # batches handed out since `start` (kept up to date by the consumer, see advance())
@@ -116,11 +120,16 @@ class DistributedBatchSampler:
         self._pass_out = 0  # batches that pass has handed out
 
     def _layout(self, node_size: Optional[int]) -> tuple[int, int]:
-        """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given."""
+        """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given.
+        Every rank must reach the same layout: nodes of different sizes (torchrun allows them) each see their
+        own ``LOCAL_WORLD_SIZE``, so torchrun's node count ``GROUP_WORLD_SIZE`` must agree with it."""
         if self.shuffle_window is None:
             return (1, 1)
         if node_size is None:
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            groups = os.environ.get("GROUP_WORLD_SIZE")
+            if groups is not None and int(groups) * node_size != self.world_size:
+                return (1, 1)
         if not isinstance(node_size, int) or node_size < 1:
             raise ConfigError(f"node_size must be a positive number of ranks, got node_size={node_size!r}")
         nodes = self.world_size // node_size
@@ -131,11 +140,16 @@ class DistributedBatchSampler:
         """Epoch ``epoch``'s order (NOTE [streamed order] in fastdata/loading/order.py), computed as it is read."""
         epoch = self.epoch if epoch is None else epoch
         key = (epoch, self._layout_of(epoch))
-        if key not in self._orders:
-            while len(self._orders) >= 2:  # this epoch's and the next one's
-                self._orders.pop(next(iter(self._orders)))
-            self._orders[key] = self._new_order(epoch)
-        return self._orders[key]
+        with self._orders_lock:
+            got = self._orders.get(key)
+            if got is None:
+                # an epoch before the sampler's is done with: without a window its order holds 8 bytes a sample
+                for done in [k for k in self._orders if k[0] < self.epoch]:
+                    del self._orders[done]
+                while len(self._orders) >= 2:  # this epoch's and the next one's
+                    self._orders.pop(next(iter(self._orders)))
+                got = self._orders[key] = self._new_order(epoch)
+        return got
 
     def _layout_of(self, epoch: int) -> tuple[int, int]:
         return self._resumed[1] if self._resumed is not None and self._resumed[0] == epoch else self.layout
@@ -161,9 +175,10 @@ class DistributedBatchSampler:
 
     def _positions(self, start: int, i0: int, i1: int) -> np.ndarray:
         """Positions in ``perm`` of this rank's samples ``i0 .. i1 - 1`` of the epoch resumed at ``start``
-        (padding repeats ``rest``'s first samples)."""
-        i = np.arange(i0, i1, dtype=np.int64) * self.world_size + self.rank
-        return start + i % (self.num_samples - start)
+        (padding repeats the epoch's last samples: NOTE [epoch plan])."""
+        p = start + np.arange(i0, i1, dtype=np.int64) * self.world_size + self.rank
+        n = self.num_samples
+        return np.where(p < n, p, n - 1 - (p - n) % n)
 
     def _stream(self, epoch: int, start: int, served: int, order: Optional[EpochOrder] = None
                 ) -> Iterator[np.ndarray]:
@@ -193,10 +208,16 @@ class DistributedBatchSampler:
 
     def coming_batches(self) -> Iterator[np.ndarray]:
         """`batches`, then the next epoch's from its start: the reads a cache can plan for (the
-        next epoch's order is known already). Its orders are its own: another thread may run it."""
+        next epoch's order is known already). Another thread may run it."""
         epoch, start, served = self.epoch, self.start, self.served
-        yield from self._stream(epoch, start, served, self._new_order(epoch))
-        yield from self._stream(epoch + 1, 0, 0, self._new_order(epoch + 1))
+        yield from self._stream(epoch, start, served, self._shared_order(epoch))
+        yield from self._stream(epoch + 1, 0, 0, self._shared_order(epoch + 1))
+
+    def _shared_order(self, epoch: int) -> EpochOrder:
+        """Epoch ``epoch``'s order for another thread: the sampler's own where it is a whole permutation (read
+        only; a copy would be 8 bytes a sample more), a new one where it makes windows as it is read."""
+        order = self.order(epoch)
+        return self._new_order(epoch) if order.windowed else order
 
     def __iter__(self) -> Iterator[list[int]]:
         # (a DataLoader with worker processes takes batches ahead of its consumer: `state_dict(batches=k)`
@@ -238,7 +259,14 @@ class DistributedBatchSampler:
         self.start = self.served = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (as ``DistributedSampler.set_epoch``); a resumed position is kept for its epoch."""
+        """Select the epoch (as ``DistributedSampler.set_epoch``); a resumed position is kept for its epoch.
+
+        Raises:
+            ConfigError: ``epoch`` is not an integer >= 0.
+        """
+        if not is_whole(epoch) or epoch < 0:
+            raise ConfigError(f"set_epoch takes an epoch number >= 0, got {epoch!r}")
+        epoch = int(epoch)
         if epoch != self.epoch:
             self.epoch, self.start, self.served = epoch, 0, 0
         if self._pass is not None and self._pass[0] != epoch:  # (a pass over another epoch: done with)
