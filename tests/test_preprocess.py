@@ -293,6 +293,32 @@ def test_on_error_fail_names_the_file_without_traceback_and_skip_takes_the_run_o
     assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
 
 
+def test_a_failed_run_keeps_the_shards_its_commit_thread_was_writing(awkward_folder, tmp_path, monkeypatch):
+    """A unit handed to the commit thread before a file failed to decode was written, then dropped from the
+    journal (made again by the rerun, though the error says the shards made so far are kept): on a busy
+    machine every unit. A slow disk, here a commit that takes a while, shows it each time."""
+    import time
+
+    from fastdata.formats import base
+    from fastdata.preprocess import journal
+
+    committed = base._committed
+
+    def slow(commit, then):
+        time.sleep(0.3)
+        return committed(commit, then)
+
+    monkeypatch.setattr(base, "_committed", slow)
+    args = [str(awkward_folder), str(tmp_path / "o"), "--workers", "1", "--shard-size", "4", "--quiet"]
+    assert main(["preprocess", "images", *args, "--on-error", "fail"]) == 1
+    done = journal.load(journal.partial_dir(tmp_path / "o")).units
+    assert [u["index"] for u in done] == [0, 1] and [u["source_end"] for u in done] == [4, 8]
+    assert all((tmp_path / "o" / f["path"]).is_file() for u in done for f in u["files"])
+    assert main(["preprocess", "images", *args]) == 0  # (the unit holding the bad files: made by the rerun)
+    assert main(["preprocess", "images", str(awkward_folder), str(tmp_path / "ref"), *args[2:]]) == 0
+    assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
+
+
 def _file(p: Path) -> Path:
     p.write_text("x")
     return p

@@ -63,6 +63,7 @@ class UnitWriter:
         self._labels: list[np.ndarray] = []
         self._committer: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[dict[str, Any], Future]] = deque()
+        self._broken = False  # a commit failed: the units after it are not the journal's next
         # called on the commit thread with a unit's files once they are durable (a store's put: it overlaps
         # the next unit's decoding instead of holding up the caller)
         self.on_commit: Optional[Callable[[list[dict[str, Any]]], None]] = None
@@ -116,7 +117,11 @@ class UnitWriter:
         done = []
         while self._pending and (wait or self._pending[0][1].done()):
             record, future = self._pending.popleft()
-            record["files"] = future.result()  # a failed commit (a full disk) raises here, in the caller
+            try:
+                record["files"] = future.result()  # a failed commit (a full disk) raises here, in the caller
+            except BaseException:
+                self._broken = True
+                raise
             done.append(record)
         if wait:
             self._stop()
@@ -126,6 +131,20 @@ class UnitWriter:
         if self._committer is not None:
             self._committer.shutdown(wait=True)
             self._committer = None
+
+    def settle(self) -> list[dict[str, Any]]:
+        """On errors and interrupts, before `abort`: wait for the units handed to the commit thread and return
+        those complete, in order up to the first that failed (none after a failed commit), so that the run
+        keeps them instead of making them again."""
+        done: list[dict[str, Any]] = []
+        while self._pending and not self._broken:
+            record, future = self._pending[0]
+            if future.exception() is not None:  # (waits; its error is the rerun's to meet again)
+                break
+            self._pending.popleft()
+            record["files"] = future.result()
+            done.append(record)
+        return done
 
     def abort(self) -> None:
         """On errors and interrupts: let commits under way end (each leaves a complete unit or nothing), then
