@@ -704,6 +704,52 @@ def test_a_vocabulary_with_a_gap_sizes_the_dtype_by_its_highest_id(tmp_path):
     assert stream(out, "train").tolist() == [1, 2, 3, 70000, 99, 70000]
 
 
+def word_level(path: Path, words: list[str]) -> Path:
+    """A tokenizer.json made here: one id a whitespace-separated word (in ``words``' order), then
+    ``<|endoftext|>`` as a special token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("pad", ["<pad>", "<|endoftext|>"])
+def test_truncation_and_padding_saved_in_a_tokenizer_json_are_not_applied(tmp_path, pad):
+    tokenizers = pytest.importorskip("tokenizers")
+    spec = word_level(tmp_path / "tokenizer.json", ["hello", "world", "foo", "bar", "[UNK]", "<pad>"])
+    tok = tokenizers.Tokenizer.from_file(str(spec))  # as a pipeline with max_length saves it (common on the Hub)
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=tok.token_to_id(pad), pad_token=pad)
+    tok.save(str(spec))
+    out = tmp_path / "out"
+    # before: the first document cut to 8 ids, the others padded with id 5; with pad = eos a ConfigError
+    preprocess(write_jsonl(tmp_path / "d.jsonl", ["hello world " * 10, "foo", "bar bar"]), out, "--tokenizer",
+               str(spec), "--val-fraction", "0")
+    assert stream(out, "train").tolist() == [0, 1] * 10 + [6, 2, 6, 3, 3, 6]
+
+
+def test_a_tokenizer_json_edited_between_runs_of_one_process_is_loaded_afresh(tmp_path):
+    import hashlib
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+    spec = tmp_path / "tokenizer.json"
+    word_level(spec, ["[UNK]", "hello", "world"])
+    preprocess(tmp_path / "d.jsonl", tmp_path / "first", "--tokenizer", str(spec), "--val-fraction", "0")
+    assert stream(tmp_path / "first", "train").tolist() == [1, 2, 3]
+    word_level(spec, ["[UNK]", "world", "hello", "extra"])  # edited: eos is 4 now
+    for workers in ("1", "2"):  # in this process, and in workers forked from it
+        out = tmp_path / f"second-{workers}"
+        # before: ConfigError "... is not the one this run started with ... give every node the same tokenizer"
+        preprocess(tmp_path / "d.jsonl", out, "--tokenizer", str(spec), "--val-fraction", "0", "--workers", workers)
+        assert stream(out, "train").tolist() == [2, 1, 4]
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["tokenizer"]["definition_sha256"] == hashlib.sha256(spec.read_bytes()).hexdigest()
+
+
 def test_a_byte_order_mark_opening_a_file_is_no_text(tmp_path):
     body = "".join(json.dumps({"text": d}) + "\r\n" for d in ["first", "second"]).encode()
     for name, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
@@ -756,3 +802,58 @@ def test_an_empty_src_or_out_is_refused_not_the_current_folder(tmp_path, monkeyp
     assert main(["preprocess", "text", args["src"], args["out"], "--quiet", "--workers", "1"]) != 0
     assert f"{which} must be a non-empty path" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_tokenizer_path_may_be_a_pathlib_path(tmp_path):
+    from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+    spec = word_level(tmp_path / "tokenizer.json", ["[UNK]", "hello", "world"])
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello world world"}) + "\n")
+    config = TextPreprocessConfig(src=tmp_path / "d.jsonl", out=tmp_path / "out", tokenizer=spec, val_fraction=0,
+                                  workers=1, progress=False)
+    assert config.tokenizer == str(spec)  # before: kept as a Path, an AttributeError in preprocess_text
+    assert preprocess_text(config)["tokenizer"]["spec"] == str(spec)
+    assert stream(tmp_path / "out", "train").tolist() == [1, 2, 2, 3]
+    assert TokenDataset(tmp_path / "out", seq_len=2, tokenizer=spec).eos_id == 3  # before: AttributeError
+    with pytest.raises(FormatError, match="tokenised with"):
+        TokenDataset(tmp_path / "out", seq_len=2, tokenizer=byte_bpe(tmp_path / "other.json", ["<|endoftext|>"]))
+    said = ("tokenizer must be 'bytes', a tokenizer.json path (a str or an os.PathLike) or 'tiktoken:NAME', "
+            "got tokenizer=7")
+    with pytest.raises(ConfigError) as err:
+        TokenDataset(tmp_path / "out", seq_len=2, tokenizer=7)
+    assert str(err.value) == said
+    with pytest.raises(ConfigError) as err:
+        TextPreprocessConfig(src=tmp_path / "d.jsonl", out=tmp_path / "out", tokenizer=7)
+    assert str(err.value) == said
+
+
+@pytest.mark.parametrize("seed", [None, 1.5, "7", -1, True])
+def test_a_bad_window_or_split_seed_is_refused_by_name(token_folder, tmp_path, seed):
+    from fastdata.preprocess.text import TextPreprocessConfig
+
+    said = f"seed must be a non-negative integer, got seed={seed!r}"
+    # before: accepted, then a TypeError at the first batch (-1 and True were taken as seeds)
+    with pytest.raises(ConfigError) as err:
+        TokenDataset(token_folder, seq_len=32, random_windows=True, seed=seed)
+    assert str(err.value) == said
+    with pytest.raises(ConfigError) as err:
+        TextPreprocessConfig(src=tmp_path / "d.jsonl", out=tmp_path / "out", seed=seed)
+    assert str(err.value) == said
+
+
+def test_a_numpy_integer_seed_is_a_seed(token_folder, tmp_path):
+    from fastdata.preprocess.text import TextPreprocessConfig, preprocess_text
+
+    ds = TokenDataset(token_folder, seq_len=32, random_windows=True, seed=np.int64(3))
+    plain = TokenDataset(token_folder, seq_len=32, random_windows=True, seed=3)
+    assert ds.seed == 3 and type(ds.seed) is int
+    assert np.array_equal(ds.starts(np.arange(10)), plain.starts(np.arange(10)))  # before: OverflowError
+    assert np.array_equal(splitmix(np.int64(3), np.arange(5)), splitmix(3, np.arange(5)))
+    docs = make_docs(50)
+    config = TextPreprocessConfig(src=write_jsonl(tmp_path / "d.jsonl", docs), out=tmp_path / "np",
+                                  seed=np.int64(3), val_fraction=0.3, workers=1, progress=False)
+    assert config.seed == 3 and type(config.seed) is int
+    preprocess_text(config)  # before: TypeError, an np.int64 is no JSON
+    preprocess(tmp_path / "d.jsonl", tmp_path / "int", "--seed", "3", "--val-fraction", "0.3")
+    for split in ("train", "val"):  # the split an int seed makes
+        assert np.array_equal(stream(tmp_path / "np", split), stream(tmp_path / "int", split))

@@ -9,6 +9,7 @@ starts at a pseudo-random offset fixed by ``(seed, i)``, as nanoGPT samples, but
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 import weakref
 from pathlib import Path
@@ -90,10 +91,11 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         stride: Window ``i`` starts at ``i * stride`` (default None: ``seq_len``, windows side by side).
         random_windows: Start window ``i`` at a pseudo-random offset fixed by ``(seed, i)`` instead, as nanoGPT
             samples, but reproducible and resumable (default False).
-        seed: The seed of ``random_windows`` (default 0).
+        seed: The seed of ``random_windows``, a non-negative integer (default 0).
         storage: ``"mmap"`` (default), ``"ram"`` or ``"shm"``, as for FastDataset.
-        tokenizer: A tokenizer (or its spec: ``"bytes"``, a ``tokenizer.json`` path, ``"tiktoken:NAME"``) that
-            must be the one the dataset was made with (default None: not checked).
+        tokenizer: A tokenizer (or its spec: ``"bytes"``, a ``tokenizer.json`` path as a str or an
+            ``os.PathLike``, ``"tiktoken:NAME"``) that must be the one the dataset was made with (default None: not
+            checked).
         verify: Hash the token shards against the manifest while opening (default None: with ``storage="ram"``).
         shm_dir: The folder of the shared copy for ``storage="shm"`` (default: ``$FASTDATA_SHM_DIR``, else
             /dev/shm).
@@ -107,8 +109,8 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
             opening or mid-epoch, is ridden out). Retried with exponential backoff and jitter.
 
     Raises:
-        ConfigError: ``split``, ``storage``, ``seq_len``, ``stride`` or a URL option is bad, or the split has
-            fewer than ``seq_len + 1`` tokens.
+        ConfigError: ``split``, ``storage``, ``seq_len``, ``stride``, ``seed``, ``tokenizer`` or a URL option is
+            bad, or the split has fewer than ``seq_len + 1`` tokens.
         FormatError: The folder is not a token dataset, a file's size is not the manifest's, ``tokenizer`` is
             not the one the dataset was made with, or the store stayed unreachable for ``retry_seconds``.
         VersionError: The manifest was written by a format version this fastdata cannot read.
@@ -125,7 +127,7 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
 
     def __init__(self, path: Union[str, Path, OpenedPath], split: str = "train", seq_len: int = 1024, *,
                  stride: Optional[int] = None, random_windows: bool = False, seed: int = 0, storage: str = "mmap",
-                 tokenizer: Union[str, Tokenizer, None] = None, verify: Optional[bool] = None,
+                 tokenizer: Union[str, os.PathLike, Tokenizer, None] = None, verify: Optional[bool] = None,
                  shm_dir: Optional[Union[str, Path]] = None, storage_options: Optional[dict[str, Any]] = None,
                  cache_dir: Optional[Union[str, Path]] = None, cache_limit: Union[int, str, None] = None,
                  retry_seconds: float = RETRY_SECONDS) -> None:
@@ -144,13 +146,16 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         # (0 once meant seq_len silently, -1 failed in len() and 2.5 at the first batch; True is no stride)
         if stride is not None and (not is_whole(stride) or stride < 1):
             raise ConfigError(f"stride must be None (seq_len) or a positive integer, got stride={stride!r}")
+        # (None, 1.5 and "7" failed at the first batch with a TypeError, np.int64 overflowed in splitmix)
+        if not is_whole(seed) or seed < 0:
+            raise ConfigError(f"seed must be a non-negative integer, got seed={seed!r}")
         self.split, self.seq_len, self.storage = split, seq_len, storage
         self.stride = seq_len if stride is None else int(stride)
-        self.random_windows, self.seed = random_windows, seed
+        self.random_windows, self.seed = random_windows, int(seed)
         self._shm_dir = shm_dir
         info = self.manifest["tokenizer"]
         if tokenizer is not None:
-            tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)  # (a str or a Path)
             if (tok.kind, tok.vocab_size, tok.eos_id, tok.definition_hash) != (
                     info["kind"], info["vocab_size"], info["eos_id"], info["definition_sha256"]):
                 raise FormatError(f"{self.root} was tokenised with {info['spec']} ({info['kind']}, vocab "

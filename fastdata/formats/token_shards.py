@@ -28,7 +28,8 @@ def splitmix(seed: int, i: np.ndarray | int) -> np.ndarray:
     """A 64-bit hash of ``(seed, i)``, vectorised (splitmix64): the train/val split of documents and the
     offsets of random windows."""
     with np.errstate(over="ignore"):
-        x = np.asarray(i, dtype=np.uint64) + np.uint64(seed & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
+        # int(): a numpy seed's & with 2**64 - 1 overflows (np.int64(3) raised an OverflowError)
+        x = np.asarray(i, dtype=np.uint64) + np.uint64(int(seed) & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
         x = x + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

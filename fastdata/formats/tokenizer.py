@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..errors import ConfigError, MissingDependencyError
+from ..errors import ConfigError, MissingDependencyError, require
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|end_of_text|>")
 
@@ -71,6 +72,9 @@ class HFTokenizer(Tokenizer):
             self._tok = HF.from_str(data.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - the tokenizers package raises a bare Exception
             raise ConfigError(f"{path} is not a valid Hugging Face tokenizer.json: {exc}") from exc
+        # a file saved from a pipeline keeps its max_length and padding: each document would be cut and padded
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.spec, self.definition_hash = str(path), hashlib.sha256(data).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # ids may have gaps ('</s>' = 70000 among 101 entries): the dtype must hold the highest, not the count
@@ -174,14 +178,49 @@ class TiktokenTokenizer(Tokenizer):
         self.__init__(state["name"])  # type: ignore[misc]
 
 
+def cached_tokenizer(spec: Union[str, os.PathLike]) -> Tokenizer:
+    """`load_tokenizer`, built once per process for each version of a tokenizer.json (worker processes tokenise
+    many chunks): a file edited since, in a notebook's process or its forked workers, is loaded afresh."""
+    spec = tokenizer_spec(spec)
+    return _cached(spec, _file_version(spec) if spec.endswith(".json") else None)
+
+
+def _file_version(path: str) -> Optional[tuple[int, ...]]:
+    """What changes when the file is rewritten: its size, times and inode (None: no such file, which
+    `load_tokenizer` reports). A stat, not a sha256: a caption field calls `cached_tokenizer` for each record,
+    and hashing a 2 MB tokenizer.json takes about a millisecond."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
 @functools.lru_cache(maxsize=8)
-def cached_tokenizer(spec: str) -> Tokenizer:
-    """`load_tokenizer`, built once per process (worker processes tokenise many chunks)."""
+def _cached(spec: str, version: Optional[tuple[int, ...]]) -> Tokenizer:
     return load_tokenizer(spec)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """``bytes``, ``PATH/tokenizer.json`` or ``tiktoken:NAME``."""
+def tokenizer_spec(spec: Any) -> str:
+    """``spec`` as a str: an ``os.PathLike`` (a ``pathlib.Path``) is its path.
+
+    Raises:
+        ConfigError: ``spec`` is neither a str nor an ``os.PathLike`` of a str.
+    """
+    spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+    require(isinstance(spec, str), "tokenizer", spec,
+            "'bytes', a tokenizer.json path (a str or an os.PathLike) or 'tiktoken:NAME'")
+    return spec
+
+
+def load_tokenizer(spec: Union[str, os.PathLike]) -> Tokenizer:
+    """``bytes``, ``PATH/tokenizer.json`` (a str or an ``os.PathLike``) or ``tiktoken:NAME``.
+
+    Raises:
+        ConfigError: ``spec`` is none of these, or its tokenizer cannot be used.
+        MissingDependencyError: The tokenizer needs ``tokenizers`` or ``tiktoken``, not installed.
+    """
+    spec = tokenizer_spec(spec)
     if spec == "bytes":
         return ByteTokenizer()
     if spec.startswith("tiktoken:"):

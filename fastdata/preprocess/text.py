@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from .._io import fsync_dir, scrub
-from ..errors import SourceError, TextInputError, require
+from ..errors import SourceError, TextInputError, is_whole, require
 from ..formats import token_shards as ts
 from ..formats.manifest import TOKENS, new_manifest, write_manifest
-from ..formats.tokenizer import Tokenizer, load_tokenizer, token_dtype
+from ..formats.tokenizer import Tokenizer, load_tokenizer, token_dtype, tokenizer_spec
 from ..storage.object_store import is_url, output_location
 from . import journal, parallel, ray_pool, store_out
 from .documents import Part, TextFile, piece_bytes, plan_pieces, text_files, zstandard_module
@@ -60,8 +60,8 @@ class TextPreprocessConfig:
             read where it lives). A .txt file is one document; a JSON Lines line is one, and so is a Parquet row
             (named by its row number from 1).
         out: The dataset folder to write.
-        tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path (needs ``tokenizers``) or
-            ``"tiktoken:NAME"`` (needs ``tiktoken``).
+        tokenizer: ``"bytes"`` (default), a ``tokenizer.json`` path, a str or an ``os.PathLike`` (needs
+            ``tokenizers``) or ``"tiktoken:NAME"`` (needs ``tiktoken``).
         field: The .jsonl key or Parquet column that holds a document's text (default ``"text"``).
         val_fraction: The share of documents that go to the ``val`` split, in [0, 1) (default 0.001).
         workers: Processes that read and tokenise pieces of the source (default None: every core this process
@@ -69,8 +69,8 @@ class TextPreprocessConfig:
         on_error: ``"skip"`` leaves an unusable document out and counts it in the manifest; ``"fail"`` stops
             (default ``"skip"``).
         shard_tokens: Tokens per shard (default ``1 << 26``: 64 Mi tokens, 128 MiB of uint16).
-        seed: The seed of the train/val split, drawn per document from its file's place in the source and its
-            place in the file (default 0).
+        seed: The seed of the train/val split, a non-negative integer, drawn per document from its file's place in
+            the source and its place in the file (default 0).
         overwrite: Replace a dataset in ``out`` made from another source or with other parameters
             (default False).
         progress: Show a progress bar (default True).
@@ -108,6 +108,10 @@ class TextPreprocessConfig:
                 "a positive integer")
         require(self.workers is None or self.workers >= 1, "workers", self.workers, "a positive integer")
         require(self.engine in ray_pool.ENGINES, "engine", self.engine, f"one of {ray_pool.ENGINES}")
+        object.__setattr__(self, "tokenizer", tokenizer_spec(self.tokenizer))  # a Path: its str, as tasks get it
+        # (np.int64 is no JSON: the run's fingerprint failed with a TypeError)
+        require(is_whole(self.seed) and self.seed >= 0, "seed", self.seed, "a non-negative integer")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 def preprocess_text(config: TextPreprocessConfig) -> dict[str, Any]:
