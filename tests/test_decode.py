@@ -51,6 +51,87 @@ def test_bad_files_raise_decode_error(awkward_folder, name):
         decode.load_array(awkward_folder / "ñandú" / name, 16, "center-crop")
 
 
+def _damaged(kind):
+    """Bytes Pillow rejects with an exception outside its usual OSError/SyntaxError/ValueError (found by fuzzing)."""
+    import io
+
+    buf = io.BytesIO()
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 20, 3), np.uint8))
+    if kind == "OverflowError":  # a TIFF whose StripOffsets entry claims type LONG8 (16), not LONG (4)
+        img.save(buf, "TIFF")
+        d = bytearray(buf.getvalue())
+        ifd = int.from_bytes(d[4:8], "little")
+        entries = [ifd + 2 + 12 * k for k in range(int.from_bytes(d[ifd:ifd + 2], "little"))]
+        (e,) = [e for e in entries if int.from_bytes(d[e:e + 2], "little") == 273]
+        d[e + 2] = 16
+    else:  # NotImplementedError: a DDS with unknown pixel-format flags
+        img.convert("RGBA").save(buf, "DDS")
+        d = bytearray(buf.getvalue())
+        assert d[:4] == b"DDS "
+        d[80] = 18  # DDS_PIXELFORMAT.dwFlags
+    return bytes(d)
+
+
+@pytest.mark.parametrize("kind", ["OverflowError", "NotImplementedError"])
+def test_damage_pillow_reports_with_any_exception_type_is_a_decode_error(tmp_path, kind):
+    (tmp_path / "bad.jpg").write_bytes(_damaged(kind))  # Pillow opens by content, not by name
+    with pytest.raises(ImageDecodeError, match=f"^{kind}: "):
+        decode.load_array(tmp_path / "bad.jpg", 16, "center-crop")
+    with pytest.raises(ImageDecodeError, match=f"^{kind}: "):
+        decode.load_jpeg(tmp_path / "bad.jpg", 16, 90)
+    # the loader's fallback for a damaged LMDB record (Pillow, after libjpeg-turbo refused it) names its position
+    with pytest.raises(ImageDecodeError, match=f"^{kind}: ") as info:
+        jpeg_read.decode_jpeg(_damaged(kind), 16)
+    assert info.value.position == 0
+
+
+def test_on_error_skip_survives_damage_pillow_reports_with_any_exception_type(tmp_path, capsys):
+    """An OverflowError (TIFF) or NotImplementedError (DDS) escaped the workers and ended the run with a
+    traceback and no manifest."""
+    import json
+
+    from fastdata.cli.main import main
+
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (40, 40), (i * 40, 0, 0)).save(src / f"{i}.png")
+    (src / "1bad.tif").write_bytes(_damaged("OverflowError"))
+    (src / "2bad.jpg").write_bytes(_damaged("NotImplementedError"))
+    out = tmp_path / "out"
+    assert main(["preprocess", "images", str(tmp_path / "src"), str(out), "--size", "16", "--workers", "1",
+                 "--quiet"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["num_samples"] == 4
+    assert {s["path"]: s["reason"].split(":")[0] for s in m["skipped"]} == {
+        "cat/1bad.tif": "OverflowError", "cat/2bad.jpg": "NotImplementedError"}
+
+
+def _keyed_png(path, img, key):
+    img.save(path, transparency=key)
+    assert "transparency" in Image.open(path).info  # the file really holds a tRNS colour key
+
+
+def test_a_colour_key_is_composited_on_white_like_alpha(tmp_path):
+    """PNG tRNS on L, RGB and 16-bit grey: the keyed pixels are transparent, so white (docs/preprocess.md)."""
+    grey = np.full((8, 8), 128, np.uint8)
+    grey[:, :4] = 0
+    _keyed_png(tmp_path / "l.png", Image.fromarray(grey), 0)
+    rgb = np.full((8, 8, 3), 128, np.uint8)
+    rgb[:, :4] = (10, 20, 30)
+    _keyed_png(tmp_path / "rgb.png", Image.fromarray(rgb), (10, 20, 30))
+    wide = np.full((8, 8), 40000, np.uint16)
+    wide[:, :4] = 0x8001  # the key; 0x80xx values scale to 128 too, so it must be matched before scaling
+    wide[:, 6:] = 0x8002
+    _keyed_png(tmp_path / "i16.png", Image.fromarray(wide), 0x8001)
+    for name, right in [("l.png", 128), ("rgb.png", 128), ("i16.png", 40000 >> 8)]:
+        out = px(tmp_path / name, 8, "squash")
+        assert (out[:, :4] == 255).all(), name  # the keyed half: white
+        assert (out[:, 4:6] == right).all(), name  # the rest: opaque, as stored
+    assert (px(tmp_path / "i16.png", 8, "squash")[:, 6:] == 0x80).all()  # near the key, not it: opaque grey
+
+
 def _halves(w, h):
     img = np.zeros((h, w, 3), np.uint8)
     img[:, : w // 2] = (200, 0, 0)

@@ -323,6 +323,45 @@ def test_bad_records_are_skipped_or_fail_with_the_record_named(tmp_path):
         preprocess(tmp_path / "recs.jsonl", tmp_path / "out2", size=64, on_error="fail")
 
 
+def test_a_mask_pillow_refuses_with_any_exception_type_is_a_bad_record(tmp_path):
+    """A mask PNG claiming 100000 x 100000 pixels (a decompression bomb) ended the run with a traceback."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    (tmp_path / "src" / "images").mkdir(parents=True)
+    (tmp_path / "src" / "masks").mkdir()
+    for i in range(3):
+        Image.new("RGB", (40, 30), (i * 50, 0, 0)).save(tmp_path / "src" / "images" / f"{i}.png")
+        Image.new("L", (40, 30), i).save(tmp_path / "src" / "masks" / f"{i}.png")
+    (tmp_path / "src" / "masks" / "1.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
+    m = preprocess(tmp_path / "src", tmp_path / "out", size=16)
+    assert m["num_samples"] == 2 and [s["path"] for s in m["skipped"]] == ["images/1.png"]
+    assert m["skipped"][0]["reason"].startswith("mask masks/1.png: DecompressionBombError: ")
+
+
+def test_a_big_endian_16_bit_mask_tiff_gives_the_same_ids_as_a_little_endian_one(tmp_path):
+    """ImageJ/Fiji save 16-bit TIFFs big-endian (Pillow's I;16B); they were refused as not 16-bit."""
+    ids = (np.arange(40 * 40).reshape(40, 40) % 300).astype(np.uint16)  # 300 ids: past 8 bits
+    for order in ("LE", "BE"):
+        src = tmp_path / order
+        (src / "images").mkdir(parents=True)
+        (src / "masks").mkdir()
+        Image.new("RGB", (40, 40), (60, 0, 0)).save(src / "images" / "0.png")
+        big = Image.frombytes("I;16B", (40, 40), ids.astype(">u2").tobytes())
+        mask = Image.fromarray(ids) if order == "LE" else big
+        mask.save(src / "masks" / "0.tif")
+        assert Image.open(src / "masks" / "0.tif").mode == {"LE": "I;16", "BE": "I;16B"}[order]
+        m = preprocess(src, tmp_path / f"out_{order}", size=40, mask_dtype="uint16")  # the stored size: a cut
+        assert m["num_samples"] == 1 and m["skipped"] == [], m["skipped"]
+        got = FastDataset(tmp_path / f"out_{order}", storage="ram").get_batch([0])["mask"][0].numpy()
+        assert np.array_equal(got.astype(np.int64), ids), order
+
+
 def test_an_unknown_coco_category_is_a_bad_record(tmp_path):
     records = make_scenes(tmp_path, 3, jpeg_big=False)
     coco_json(records, tmp_path / "instances.json", extra_ann=[

@@ -106,10 +106,11 @@ def _decode(path: Path | str | BinaryIO, size: int,
         img.load()
         img = _upright(img)
         return to_rgb(img), full, orientation
-    except ImageDecodeError:
+    except (ImageDecodeError, MemoryError):  # MemoryError: the machine's trouble, not the file's
         raise
-    except (OSError, SyntaxError, ValueError, TypeError, Image.DecompressionBombError, EOFError) as exc:
-        # Pillow reports damage through many types: truncated data (OSError), bad headers (SyntaxError)...
+    except Exception as exc:  # noqa: BLE001 - Pillow reports damage through many types: truncated data
+        # (OSError), bad headers (SyntaxError), a TIFF's damaged offsets (OverflowError), a DDS's unknown pixel
+        # format (NotImplementedError); any of them must skip the file, not end the run
         raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -167,13 +168,21 @@ def _upright(img: Image.Image) -> Image.Image:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> 8-bit RGB: alpha composited on `BACKGROUND`, 16-bit scaled (not clipped)."""
+    """Any Pillow mode -> 8-bit RGB: alpha (or a colour key) composited on `BACKGROUND`, 16-bit scaled (not
+    clipped)."""
     mode = img.mode
-    if mode == "RGB":
+    # a colour key (PNG tRNS on P, L or RGB) is transparency too: convert("RGBA") applies it
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
+    if mode == "RGB" and not has_alpha:
         return img
     if mode.startswith("I;16") or mode in ("I", "F"):
-        return Image.fromarray(_to_uint8(np.asarray(img), mode), "L").convert("RGB")
-    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in img.info)
+        arr = np.asarray(img)
+        grey = Image.fromarray(_to_uint8(arr, mode), "L")
+        if not has_alpha:
+            return grey.convert("RGB")
+        # a 16-bit key is matched before scaling: 256 values share each 8-bit one
+        alpha = np.where(arr == img.info["transparency"], 0, 255).astype(np.uint8)
+        img = Image.merge("LA", (grey, Image.fromarray(alpha, "L")))
     if has_alpha:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))

@@ -153,13 +153,16 @@ class RecordDecoder:
         try:
             with Image.open(path if isinstance(path, Blob) else io.BytesIO(decode.read_image_file(path))) as m:
                 m.load()
-                if m.mode not in ("L", "P", "I", "I;16", "I;16L", "1"):
+                # I;16B: ImageJ/Fiji's TIFFs; np.asarray reads them as >u2, the same ids
+                if m.mode not in ("L", "P", "I", "I;16", "I;16L", "I;16B", "I;16N", "1"):
                     raise ImageDecodeError(f"mask {rel} is {m.mode}: a mask is one channel of class ids "
                                            "(L, P or 16-bit)")
                 arr = np.asarray(m)
         except UnidentifiedImageError:  # Pillow names an in-memory buffer by its address: the mask, not it
             raise ImageDecodeError(f"mask {rel}: UnidentifiedImageError: not an image Pillow can read") from None
-        except (OSError, SyntaxError, ValueError) as exc:
+        except (ImageDecodeError, MemoryError):  # MemoryError: the machine's trouble, not the mask's
+            raise
+        except Exception as exc:  # noqa: BLE001 - Pillow's damage comes in many types (a bomb: DecompressionBombError)
             raise ImageDecodeError(f"mask {rel}: {type(exc).__name__}: {exc}") from exc
         if arr.shape != (h, w):
             raise ImageDecodeError(f"mask {rel} is {arr.shape[1]}x{arr.shape[0]}, the image {w}x{h}: they must match")
