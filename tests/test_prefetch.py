@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 import torch
 from conftest import INDEXED_N, sample_ids
 
 from fastdata.datasets.images import FastDataset
+from fastdata.errors import ConfigError
 from fastdata.gpu.prefetch import CUDAPrefetcher
 from fastdata.gpu.transfer import move
 from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
@@ -730,3 +732,67 @@ def test_run_ahead_batches_are_read_only_after_the_side_streams_work():
             yield x, torch.full((4,), i, device="cuda"), i
     for x, y, i in RunAhead(produce, torch.device("cuda")):
         assert torch.equal(x, torch.full_like(x, float(i + 1))) and torch.equal(y, torch.full_like(y, i))
+
+
+ENDS_OPEN = """
+import sys, torch
+from fastdata.gpu.prefetch import CUDAPrefetcher
+from fastdata.imaging.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop
+from fastdata.loading.run_ahead import RunAhead
+
+if sys.argv[1] == "prefetcher":
+    batches = [(torch.randint(0, 256, (32, 160, 160, 3), dtype=torch.uint8), torch.arange(32)) for _ in range(8)]
+    it = iter(CUDAPrefetcher(batches, device="cpu", depth=2, run_ahead=True,
+                             transforms=Compose([RandomResizedCrop(128), RandomHorizontalFlip()])))
+else:  # DALILoader's loader thread, its producer busy in torch ops
+    def produce(caught_up):
+        big = torch.randint(0, 256, (32, 3, 256, 256), dtype=torch.uint8)
+        for i in range(1000):
+            yield torch.nn.functional.interpolate(big.float(), size=(224, 224), mode="bilinear"), torch.arange(32), i
+
+    it = iter(RunAhead(produce, torch.device("cpu")))
+for _ in range(3):  # (a max_steps loop over a kept iterator, then the script ends)
+    next(it)
+print("ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("thread", ["prefetcher", "run_ahead"])
+def test_a_script_that_ends_with_an_iteration_open_exits_cleanly(thread):
+    """The look-ahead thread is a daemon: one still inside a torch op when the interpreter finalised was
+    unwound through C++ frames, and the finished script died with 'terminate called without an active
+    exception' (exit status 134)."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", ENDS_OPEN, thread], capture_output=True, text=True, timeout=300)
+        assert (run.returncode, run.stdout) == (0, "ended\n"), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transforms_set_between_epochs_take_effect_after_a_capture(device):
+    """Progressive resizing (``pf.transforms = ...`` between epochs): on a GPU the graphs captured of the
+    old transforms were keyed by batch shape only, so every later batch replayed the old crop size."""
+    batches = [(torch.randint(0, 256, (8, 20, 20, 3), dtype=torch.uint8), torch.arange(8)) for _ in range(4)]
+    pf = CUDAPrefetcher(batches, device=device, transforms=Compose([RandomResizedCrop(12), RandomHorizontalFlip()]))
+    for _ in range(3):  # (a shape is captured once seen twice)
+        assert {tuple(x.shape) for x, _ in pf} == {(8, 3, 12, 12)}
+    pf.transforms = Compose([RandomResizedCrop(16), RandomHorizontalFlip()])
+    assert {tuple(x.shape) for x, _ in pf} == {(8, 3, 16, 16)}
+    pf.transforms = None
+    got = [x for x, _ in pf]
+    assert {tuple(x.shape) for x in got} == {(8, 3, 20, 20)}
+    want = CUDAPrefetcher(batches, device=device)
+    assert all(torch.equal(a, b) for (b, _), a in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"seed": -1}, "seed must be an integer >= 0, got seed=-1"), ({"seed": 1.5}, "got seed=1.5"),
+    ({"transforms": [RandomHorizontalFlip()]}, "wrap the list in Compose"),
+    ({"transforms": "flip"}, "transforms must be a fastdata transform"),
+])
+def test_a_bad_seed_or_transforms_is_refused_when_the_prefetcher_is_made(kwargs, needle):
+    # each failed only at the first batch: numpy's "expected non-negative integer", "'list' object is not callable"
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        CUDAPrefetcher([], device="cpu", **kwargs)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..distributed import check_cuda, dist_rank_world
-from ..errors import ConfigError
+from ..errors import ConfigError, is_whole
 from ..imaging.draws import Draws, batch_seed
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalize, Rng, Transform
 from ..loading.sampler import LiveIteration
@@ -81,7 +81,7 @@ class CUDAPrefetcher(LiveIteration):
         dtype: The images' floating dtype on the device (default ``torch.float32``; ``torch.bfloat16`` halves
             the bytes).
         transforms: A transform (or `Compose` of them) run on the uint8 NCHW batch before Normalize
-            (default None).
+            (default None). It may be set again between epochs (progressive resizing): ``pf.transforms = ...``.
         depth: Batches in flight ahead of the one the model computes on, >= 1 (default 1).
         seed: The seed of the transforms' random draws (default 0).
         cuda_graphs: Replay the image conversion from CUDA graphs where its ops allow (default True;
@@ -91,8 +91,9 @@ class CUDAPrefetcher(LiveIteration):
             the thread converts the batches ahead.
 
     Raises:
-        ConfigError: ``device`` is CUDA where torch sees no GPU, ``depth`` is not an integer >= 1, or ``mean``
-            / ``std`` / ``dtype`` are bad (both or neither, ``std`` > 0, a floating dtype).
+        ConfigError: ``device`` is CUDA where torch sees no GPU, ``depth`` or ``seed`` is not an integer (>= 1,
+            >= 0), ``transforms`` is not callable, or ``mean`` / ``std`` / ``dtype`` are bad (both or neither,
+            ``std`` > 0, a floating dtype).
 
     Examples:
         >>> loader = FastLoader(FastDataset("data/train"), batch_size=256)
@@ -113,14 +114,32 @@ class CUDAPrefetcher(LiveIteration):
             raise ConfigError(f"depth must be an integer >= 1, got depth={depth!r}")
         self.normalize = Normalize(mean if normalize else None, std if normalize else None, dtype,
                                    memory_format=torch.channels_last)
-        self.transforms, self.depth, self.seed, self.run_ahead = transforms, depth, seed, bool(run_ahead)
-        graphed = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled() and capturable(transforms)
-        # NOTE [graphed convert]; with run_ahead, captured on the training thread (its 13)
-        self._graphed = GraphedConvert(self._image_float32, defer=self.run_ahead) if graphed else None
+        if not is_whole(seed) or seed < 0:  # (numpy refused it at the first batch)
+            raise ConfigError(f"seed must be an integer >= 0, got seed={seed!r}")
+        self.depth, self.seed, self.run_ahead = depth, int(seed), bool(run_ahead)
+        self._cuda_graphs = self.device.type == "cuda" and cuda_graphs and cuda_graphs_enabled()
+        self.transforms = transforms
         self._stream: Optional[torch.cuda.Stream] = None
         self._epoch_counter = 0
         self._unserved: deque[tuple[int, int]] = deque()  # (epoch, position) of batches fetched, not yet yielded
         self._fetched_all: Optional[int] = None  # the epoch whose every batch is fetched, its iteration not over
+
+    @property
+    def transforms(self) -> Optional[Transform]:
+        """The transforms run before Normalize; setting them (a new crop size) drops the graphs captured of the
+        old ones, which would otherwise be replayed for every batch shape they saw."""
+        return self._transforms
+
+    @transforms.setter
+    def transforms(self, transforms: Optional[Transform]) -> None:
+        if isinstance(transforms, (list, tuple)):
+            raise ConfigError(f"transforms must be one transform: wrap the list in Compose([...]), got {transforms!r}")
+        if transforms is not None and not callable(transforms):
+            raise ConfigError(f"transforms must be a fastdata transform (or Compose of them), got {transforms!r}")
+        self._transforms = transforms
+        graphed = self._cuda_graphs and capturable(transforms)
+        # NOTE [graphed convert]; with run_ahead, captured on the training thread (its 13)
+        self._graphed = GraphedConvert(self._image_float32, defer=self.run_ahead) if graphed else None
 
     # -- proxies --------------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -23,11 +23,16 @@ NOTE [prefetch thread]: what moves off the training thread, and what stays.
    (on the CPU: clones) such a batch before handing it over, as the inline path pins it before launching.
 9. On the CPU the same thread runs the synchronous conversion: the tests exercise the ordering, the
    release of buffers and the early close without a GPU.
+10. A script may end with an iteration still open (a ``max_steps`` loop over ``iter(prefetcher)``). The
+    thread is a daemon, so the interpreter does not wait for it, but one still inside a torch op when the
+    interpreter takes the GIL away is unwound through C++ frames: ``std::terminate``, exit status 134. So
+    an exit hook (``weakref.finalize``, run before that) cancels and joins it, as `close` does.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,6 +75,7 @@ class SideThread:
         self.cancelled = threading.Event()
         self.thread = threading.Thread(target=self._work, name="fastdata-prefetch", daemon=True)
         self.thread.start()
+        self._stop_at_exit = weakref.finalize(self, _stop, self.jobs, self.cancelled, self.thread)  # (note 10)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -102,3 +108,11 @@ class SideThread:
             self.cancelled.set()
         self.jobs.put(None)
         self.thread.join()
+        self._stop_at_exit.detach()
+
+
+def _stop(jobs: queue.SimpleQueue, cancelled: threading.Event, thread: threading.Thread) -> None:
+    """At exit (NOTE [prefetch thread] 10): skip the jobs not begun, end the thread and wait for it."""
+    cancelled.set()
+    jobs.put(None)
+    thread.join()

@@ -13,6 +13,9 @@ served once it is handed out), given to ``on_take`` on the consumer's thread as 
 (DALILoader advances its sampler there). A producer that must restart from the sampler's position (after
 a decode error) calls ``caught_up()`` first, which returns once ``on_take`` has run for every item it
 produced before.
+
+The thread is a daemon, and an exit hook stops it (as NOTE [prefetch thread] 10 in fastdata/gpu/side_thread.py
+says why): a script that ends with an iteration still open would otherwise be killed by ``std::terminate``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -51,6 +55,7 @@ class RunAhead:
         self.busy_s = 0.0  # seconds the thread spent producing (not waiting on the queue): diagnostics
         self.thread = threading.Thread(target=self._work, name="fastdata-run-ahead", daemon=True)
         self.thread.start()
+        self._stop_at_exit = weakref.finalize(self, _stop, self.stop, self.taken, self.queue, self.thread)
 
     def _caught_up(self) -> None:
         with self.taken:
@@ -113,12 +118,17 @@ class RunAhead:
 
     def close(self) -> None:
         """Stop the thread and wait for it; what it had queued is dropped."""
-        self.stop.set()
-        with self.taken:
-            self.taken.notify_all()
-        while self.thread.is_alive():
-            try:
-                self.queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self.thread.join()
+        self._stop_at_exit()
+
+
+def _stop(stop: threading.Event, taken: threading.Condition, items: queue.Queue, thread: threading.Thread) -> None:
+    """`RunAhead.close`, also run at exit (it names none of the RunAhead: the exit hook must not keep it)."""
+    stop.set()
+    with taken:
+        taken.notify_all()
+    while thread.is_alive():
+        try:
+            items.get(timeout=0.05)
+        except queue.Empty:
+            pass
+    thread.join()
