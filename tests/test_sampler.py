@@ -269,7 +269,7 @@ def test_streamed_batches_are_the_epoch_order_split_across_ranks(nodes, node_siz
     perm = ranks[0].permutation()
     assert sorted(perm.tolist()) == list(range(n))  # a permutation, however the windows are dealt
     due = ranks[0]._due(0)
-    rest = np.r_[perm, perm[::-1][:due - n]] if due > n else perm[:due]  # NOTE [epoch plan]: padded or cut
+    rest = np.r_[perm, perm[n - (due - n):]] if due > n else perm[:due]  # NOTE [epoch plan]: padded or cut
     for r, s in enumerate(ranks):
         streamed = np.concatenate(list(s.batches()))
         assert np.array_equal(streamed, rest[r::world]) and np.array_equal(streamed, s.rank_indices())
@@ -366,23 +366,48 @@ def test_an_unwindowed_order_is_held_once_by_the_sampler_and_its_planner():
     assert all(np.array_equal(a, b) for a, b in zip(s.coming_batches(), plain.batches(), strict=False))
 
 
-def test_nodes_of_different_sizes_share_one_stream_and_serve_every_sample_once(monkeypatch):
+@pytest.mark.parametrize("sizes", [(4, 2), (1, 2, 3), (3, 1, 2), (2, 2, 2)])
+def test_nodes_of_different_sizes_agree_on_the_layout_and_serve_every_sample_once(monkeypatch, sizes):
     """torchrun allows nodes of different sizes: each rank took its own node's LOCAL_WORLD_SIZE for the
-    layout, so a node of 4 and a node of 2 drew different orders and lost about a quarter of the samples."""
-    n, shard, world = 960, 40, 6
-    seen = Counter()
-    for rank in range(world):
-        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4" if rank < 4 else "2")
-        s = DistributedBatchSampler(n, 8, seed=4, rank=rank, world_size=world, shuffle_window=3,
-                                    shard_bounds=_bounds(n, shard))
-        assert s.layout == (1, 1)
-        for batch in s:
-            seen.update(batch)
+    layout, so a node of 4 and a node of 2 drew different orders and lost about a quarter of the samples
+    (and a check of GROUP_WORLD_SIZE x LOCAL_WORLD_SIZE against the world passed the 2 of 1+2+3)."""
+    n, shard, world = 960, 40, sum(sizes)
+    seen, layouts = Counter(), set()
+    monkeypatch.setenv("GROUP_WORLD_SIZE", str(len(sizes)))
+    for node, size in enumerate(sizes):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(size))
+        for rank in range(sum(sizes[:node]), sum(sizes[:node + 1])):
+            s = DistributedBatchSampler(n, 8, seed=4, rank=rank, world_size=world, shuffle_window=3,
+                                        shard_bounds=_bounds(n, shard))
+            layouts.add(s.layout)
+            for batch in s:
+                seen.update(batch)
+    assert layouts == {(len(sizes), world // len(sizes))}  # (the same on every rank)
     assert set(seen) == set(range(n)) and sum(seen.values()) == n
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # (2 nodes of 3: dealt to nodes, as before)
-    assert DistributedBatchSampler(n, 8, rank=0, world_size=6, shuffle_window=3,
-                                   shard_bounds=_bounds(n, shard)).layout == (2, 3)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="GROUP_WORLD_SIZE='two' is not a number of nodes"):
+        DistributedBatchSampler(n, 8, rank=0, world_size=6, shuffle_window=3, shard_bounds=_bounds(n, shard))
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (11, 5), (7, 4), (101, 8)])
+def test_a_rank_never_serves_one_sample_twice_in_an_epoch(n, world):
+    """Padding with the epoch's last samples in reverse put a pad on the rank of its own sample (its last
+    batch [2, 5, 8, 8]): in-batch negatives of a contrastive loss met themselves."""
+    for rank in range(world):
+        mine = DistributedBatchSampler(n, 3, seed=1, rank=rank, world_size=world).rank_indices()
+        assert len(set(mine.tolist())) == len(mine), (rank, mine)
+
+
+def test_a_sampler_can_be_copied_and_pickled_midway():
+    import copy
+    import pickle
+
+    s = DistributedBatchSampler(100, 8, seed=1, rank=1, world_size=2, shuffle_window=2, shard_bounds=_bounds(100, 10))
+    next(iter(s))
+    for other in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
+        assert other.state_dict() == s.state_dict()
+        assert all(np.array_equal(a, b) for a, b in zip(other.batches(), s.batches(), strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(other.coming_batches(), s.coming_batches(), strict=True))
 
 
 @pytest.mark.parametrize("window", [None, 2])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -160,6 +160,14 @@ class EpochOrder:
         if self.shuffle and not self.windowed:
             return self._whole()[lo:hi]
         return self.at(np.arange(lo, hi, dtype=np.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy leaves out the permutation made whole (made again when read) and its lock."""
+        return {**self.__dict__, "_full": None, "_full_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._full_lock = threading.Lock()
 
     def _whole(self) -> np.ndarray:
         """The permutation made whole (no window), int64."""

@@ -3,13 +3,14 @@ resumable mid-epoch, even with another world size.
 
 NOTE [epoch plan]: an epoch is the permutation ``perm`` of ``range(N)`` drawn from ``(seed, epoch)``.
 A resumed epoch starts at a global position ``start``: the samples still due are ``rest = perm[start:]``.
-Without ``drop_last``, ``rest`` is padded with the epoch's last samples (``perm[N - 1], perm[N - 2], ...``) up
-to a multiple of the world size (at most ``world - 1`` repeats, as ``DistributedSampler`` does): they are
-``rest``'s own (while it holds that many), so nothing is served twice across a resume, and they do not
-depend on ``start``, so an epoch resumed at the same world size serves exactly what the uninterrupted one
-would. With ``drop_last`` it is cut to a multiple of ``world * batch_size`` (nothing repeats, every batch is
-full); with ``pad=False`` (for evaluation) it is neither, so every sample is served exactly once and ranks
-may serve one sample, and so one batch, fewer. Rank ``r`` takes ``rest[r::world]``, so after every rank
+Without ``drop_last``, ``rest`` is padded with the epoch's last ``P`` samples, in order, up to a multiple of
+the world size (``P`` < world: as many repeats as ``DistributedSampler``; each lands ``P`` positions after
+its sample, so on another rank). They are ``rest``'s own while it holds that many, so nothing is served twice
+across a resume, and at the same world size they do not depend on ``start`` (a multiple of the world): an
+epoch resumed so serves exactly what the uninterrupted one would. With ``drop_last`` it is cut to a
+multiple of ``world * batch_size`` (nothing repeats, every batch is full); with ``pad=False`` (for
+evaluation) it is neither, so every sample is served exactly once and ranks may serve one sample, and so
+one batch, fewer. Rank ``r`` takes ``rest[r::world]``, so after every rank
 has served ``k`` samples the served set is exactly the prefix ``rest[:k * world]``: the position to resume
 from is ``start + k * world``, whatever the new world size.
 
@@ -120,20 +121,33 @@ class DistributedBatchSampler:
         self._pass_out = 0  # batches that pass has handed out
 
     def _layout(self, node_size: Optional[int]) -> tuple[int, int]:
-        """``(nodes, ranks a node)`` for dealing windows to nodes: torchrun's ``LOCAL_WORLD_SIZE`` unless given.
-        Every rank must reach the same layout: nodes of different sizes (torchrun allows them) each see their
-        own ``LOCAL_WORLD_SIZE``, so torchrun's node count ``GROUP_WORLD_SIZE`` must agree with it."""
+        """``(nodes, ranks a node)`` for dealing windows to nodes, unless given: torchrun's ``GROUP_WORLD_SIZE``
+        nodes of ``world / nodes`` ranks, else ``LOCAL_WORLD_SIZE`` ranks a node. Every rank must reach the same
+        layout, or ranks draw different orders: nodes of different sizes (torchrun allows them) each see
+        their own ``LOCAL_WORLD_SIZE``, while the node count and the world size are the same everywhere (such
+        nodes then read each other's shards; every sample is still served once)."""
         if self.shuffle_window is None:
             return (1, 1)
-        if node_size is None:
+        groups = os.environ.get("GROUP_WORLD_SIZE") if node_size is None else None
+        if groups is not None:  # torchrun's node count, the same on every rank (LOCAL_WORLD_SIZE may not be)
+            if not groups.isdigit() or int(groups) < 1:
+                raise ConfigError(f"GROUP_WORLD_SIZE={groups!r} is not a number of nodes: unset it, or pass "
+                                  "node_size")
+            node_size = self.world_size // int(groups) if self.world_size % int(groups) == 0 else self.world_size
+        elif node_size is None:
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            groups = os.environ.get("GROUP_WORLD_SIZE")
-            if groups is not None and int(groups) * node_size != self.world_size:
-                return (1, 1)
         if not isinstance(node_size, int) or node_size < 1:
             raise ConfigError(f"node_size must be a positive number of ranks, got node_size={node_size!r}")
         nodes = self.world_size // node_size
         return (nodes, node_size) if nodes > 1 and nodes * node_size == self.world_size else (1, 1)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy) leaves out the orders made, a cache, and their lock."""
+        return {**self.__dict__, "_orders": {}, "_orders_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._orders_lock = threading.Lock()
 
     # -- the plan -------------------------------------------------------------------------------------
     def order(self, epoch: Optional[int] = None) -> EpochOrder:
@@ -175,10 +189,11 @@ class DistributedBatchSampler:
 
     def _positions(self, start: int, i0: int, i1: int) -> np.ndarray:
         """Positions in ``perm`` of this rank's samples ``i0 .. i1 - 1`` of the epoch resumed at ``start``
-        (padding repeats the epoch's last samples: NOTE [epoch plan])."""
+        (padding repeats the epoch's last samples, in order: NOTE [epoch plan])."""
         p = start + np.arange(i0, i1, dtype=np.int64) * self.world_size + self.rank
         n = self.num_samples
-        return np.where(p < n, p, n - 1 - (p - n) % n)
+        pads = start + self._due(start) - n  # (fewer than the world: a pad lands on another rank than its sample)
+        return np.where(p < n, p, (p - pads) % n)
 
     def _stream(self, epoch: int, start: int, served: int, order: Optional[EpochOrder] = None
                 ) -> Iterator[np.ndarray]:
