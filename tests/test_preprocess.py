@@ -293,29 +293,53 @@ def test_on_error_fail_names_the_file_without_traceback_and_skip_takes_the_run_o
     assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
 
 
-def test_a_failed_run_keeps_the_shards_its_commit_thread_was_writing(awkward_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("disk", ["slow", "fast", "full"])
+def test_a_failed_run_keeps_the_shards_its_commit_thread_was_writing(tmp_path, monkeypatch, disk):
     """A unit handed to the commit thread before a file failed to decode was written, then dropped from the
     journal (made again by the rerun, though the error says the shards made so far are kept): on a busy
-    machine every unit. A slow disk, here a commit that takes a while, shows it each time."""
+    machine every unit ("slow": a commit that takes a while). So was a unit whose commit had ended just
+    before the failing chunk ("fast"), and the units committed before a commit that failed ("full")."""
+    import errno
     import time
 
+    from fastdata.errors import DiskFullError
     from fastdata.formats import base
     from fastdata.preprocess import journal
 
-    committed = base._committed
+    committed, append, calls = base._committed, base.UnitWriter.append, []
 
     def slow(commit, then):
+        calls.append(1)
         time.sleep(0.3)
+        if disk == "full" and len(calls) == 3:
+            raise DiskFullError(f"{errno.ENOSPC}: no space left on the device")
         return committed(commit, then)
 
+    def settled_first(self, *a, **kw):  # (every commit under way ends before the next chunk is written)
+        for _, future in self._pending:
+            future.exception()
+        return append(self, *a, **kw)
+
+    src = tmp_path / "src"  # two units of good images, then one led by a file that does not decode
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+    for i in range(8):
+        Image.fromarray(np.full((20, 20, 3), i * 20, np.uint8)).save(src / "a" / f"{i}.png")
+    (src / "b" / "0bad.jpg").write_bytes(b"not a jpeg")
+    for i in range(1, 4):
+        Image.fromarray(np.full((20, 20, 3), i, np.uint8)).save(src / "b" / f"{i}.png")
     monkeypatch.setattr(base, "_committed", slow)
-    args = [str(awkward_folder), str(tmp_path / "o"), "--workers", "1", "--shard-size", "4", "--quiet"]
-    assert main(["preprocess", "images", *args, "--on-error", "fail"]) == 1
+    if disk == "fast":
+        monkeypatch.setattr(base.UnitWriter, "append", settled_first)
+    args = [str(src), str(tmp_path / "o"), "--workers", "1", "--shard-size", "4", "--size", "8", "--quiet"]
+    assert main(["preprocess", "images", *args, *(["--on-error", "fail"] if disk != "full" else [])]) == 1
     done = journal.load(journal.partial_dir(tmp_path / "o")).units
     assert [u["index"] for u in done] == [0, 1] and [u["source_end"] for u in done] == [4, 8]
     assert all((tmp_path / "o" / f["path"]).is_file() for u in done for f in u["files"])
+    calls.clear()
+    monkeypatch.setattr(base, "_committed", committed)
     assert main(["preprocess", "images", *args]) == 0  # (the unit holding the bad files: made by the rerun)
-    assert main(["preprocess", "images", str(awkward_folder), str(tmp_path / "ref"), *args[2:]]) == 0
+    assert main(["preprocess", "images", str(src), str(tmp_path / "ref"), *args[2:]]) == 0
     assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
 
 

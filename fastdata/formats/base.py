@@ -64,6 +64,7 @@ class UnitWriter:
         self._committer: Optional[ThreadPoolExecutor] = None
         self._pending: deque[tuple[dict[str, Any], Future]] = deque()
         self._broken = False  # a commit failed: the units after it are not the journal's next
+        self._unsaid: list[dict[str, Any]] = []  # complete units a failed commit kept from its caller
         # called on the commit thread with a unit's files once they are durable (a store's put: it overlaps
         # the next unit's decoding instead of holding up the caller)
         self.on_commit: Optional[Callable[[list[dict[str, Any]]], None]] = None
@@ -120,7 +121,7 @@ class UnitWriter:
             try:
                 record["files"] = future.result()  # a failed commit (a full disk) raises here, in the caller
             except BaseException:
-                self._broken = True
+                self._broken, self._unsaid = True, done  # (the units before it are complete: `settle` says so)
                 raise
             done.append(record)
         if wait:
@@ -136,7 +137,7 @@ class UnitWriter:
         """On errors and interrupts, before `abort`: wait for the units handed to the commit thread and return
         those complete, in order up to the first that failed (none after a failed commit), so that the run
         keeps them instead of making them again."""
-        done: list[dict[str, Any]] = []
+        done, self._unsaid = self._unsaid, []
         while self._pending and not self._broken:
             record, future = self._pending[0]
             if future.exception() is not None:  # (waits; its error is the rerun's to meet again)

@@ -385,27 +385,30 @@ def _run(config: ImagePreprocessConfig, source: Listed, jr: journal.Journal, par
     slot_bytes = max_files * plan.row_bytes if config.format == "npy" else 0
     fn = work_fields if fields else work
     handled = start  # the source position up to which every failure is in `skipped`
+    done: list[dict[str, Any]] = []  # complete units not yet journaled
     try:
         for result, view in parallel.ordered_map(fn, tasks(), workers, slot_bytes):
             u, b, piece, labels = held.popleft()
             done, failures = plan.feed(writer, result, view, labels, u, b)
             failed(named(failures, piece, u))
             handled = b
-            for unit in done:
-                record(unit)
+            while done:
+                record(done.pop(0))
             bar.update(b - bar.n)
-        for unit in writer.finish(total):
-            record(unit)
+        done = writer.finish(total)
+        while done:
+            record(done.pop(0))
         jr.skipped = skipped
     except BaseException:
         # the error says the shards made so far are kept: those the commit thread was writing too, up to the
         # failures handled (a unit past them would be kept without its skipped files listed)
         try:
-            for unit in itertools.takewhile(lambda d: d["source_end"] <= handled, writer.settle()):
+            for unit in itertools.takewhile(lambda d: d["source_end"] <= handled, [*done, *writer.settle()]):
                 record(unit)
         except Exception:  # noqa: BLE001 - (they are made again by the rerun; the run's own error is the one to say)
-            pass
-        writer.abort()
+            log.debug("units left for the rerun to make again", exc_info=True)
+        finally:  # (a second Ctrl-C while settling still removes the unit in progress)
+            writer.abort()
         raise
     finally:
         bar.close()
