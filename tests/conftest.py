@@ -9,6 +9,7 @@ import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -29,8 +30,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs nvidia-dali (pip install fastdata[dali])"))
 
 
-def write_png_rgb16(path: Path, rgb: np.ndarray) -> None:
-    """A 48-bit RGB PNG written by hand (Pillow cannot write one): ``rgb`` is (H, W, 3) uint16."""
+def write_png_rgb16(path: Path, rgb: np.ndarray, key: Optional[tuple[int, int, int]] = None) -> None:
+    """A 48-bit RGB PNG written by hand (Pillow cannot write one): ``rgb`` is (H, W, 3) uint16; ``key``: a
+    colour key (tRNS) in 16-bit values."""
     h, w, _ = rgb.shape
     raw = b"".join(b"\x00" + rgb[y].astype(">u2").tobytes() for y in range(h))
 
@@ -38,6 +40,7 @@ def write_png_rgb16(path: Path, rgb: np.ndarray) -> None:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+    png += chunk(b"tRNS", struct.pack(">HHH", *key)) if key is not None else b""
     png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
     path.write_bytes(png)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import quadrants, save_with_orientation
+from conftest import quadrants, save_with_orientation, write_png_rgb16
 from PIL import Image
 
 from fastdata.errors import ImageDecodeError
@@ -130,6 +130,11 @@ def test_a_colour_key_is_composited_on_white_like_alpha(tmp_path):
         assert (out[:, :4] == 255).all(), name  # the keyed half: white
         assert (out[:, 4:6] == right).all(), name  # the rest: opaque, as stored
     assert (px(tmp_path / "i16.png", 8, "squash")[:, 6:] == 0x80).all()  # near the key, not it: opaque grey
+    # a 48-bit key: Pillow loads 8 bits a channel, where a black key would match every near-black pixel
+    dark = np.zeros((8, 8, 3), np.uint16)
+    dark[:, 4:] = (200, 100, 50)  # (0, 0, 0) in 8 bits, yet not the key
+    write_png_rgb16(tmp_path / "rgb48.png", dark, key=(0, 0, 0))
+    assert (px(tmp_path / "rgb48.png", 8, "squash") == 0).all()  # opaque black, never white
 
 
 def _halves(w, h):

@@ -155,7 +155,9 @@ class TokenDataset(StreamedReads, torch.utils.data.Dataset):
         self._shm_dir = shm_dir
         info = self.manifest["tokenizer"]
         if tokenizer is not None:
-            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)  # (a str or a Path)
+            # a spec (a str, a Path) is loaded; an object with a tokenizer's identity is used as it is
+            spec = isinstance(tokenizer, (str, os.PathLike)) or not hasattr(tokenizer, "definition_hash")
+            tok = load_tokenizer(tokenizer) if spec else tokenizer
             if (tok.kind, tok.vocab_size, tok.eos_id, tok.definition_hash) != (
                     info["kind"], info["vocab_size"], info["eos_id"], info["definition_sha256"]):
                 raise FormatError(f"{self.root} was tokenised with {info['spec']} ({info['kind']}, vocab "

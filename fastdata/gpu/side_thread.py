@@ -26,7 +26,8 @@ NOTE [prefetch thread]: what moves off the training thread, and what stays.
 10. A script may end with an iteration still open (a ``max_steps`` loop over ``iter(prefetcher)``). The
     thread is a daemon, so the interpreter does not wait for it, but one still inside a torch op when the
     interpreter takes the GIL away is unwound through C++ frames: ``std::terminate``, exit status 134. So
-    an exit hook (``weakref.finalize``, run before that) cancels and joins it, as `close` does.
+    an exit hook (``weakref.finalize``, run before that) cancels it and waits for it, as `close` does, for
+    at most `EXIT_WAIT` seconds (a thread stuck for longer would otherwise hang the exit).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+
+from ..loading.run_ahead import EXIT_WAIT
 
 
 class Job:
@@ -75,7 +78,7 @@ class SideThread:
         self.cancelled = threading.Event()
         self.thread = threading.Thread(target=self._work, name="fastdata-prefetch", daemon=True)
         self.thread.start()
-        self._stop_at_exit = weakref.finalize(self, _stop, self.jobs, self.cancelled, self.thread)  # (note 10)
+        self._stop_at_exit = weakref.finalize(self, _stop, self.jobs, self.cancelled, self.thread, EXIT_WAIT)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -111,8 +114,8 @@ class SideThread:
         self._stop_at_exit.detach()
 
 
-def _stop(jobs: queue.SimpleQueue, cancelled: threading.Event, thread: threading.Thread) -> None:
+def _stop(jobs: queue.SimpleQueue, cancelled: threading.Event, thread: threading.Thread, wait: float) -> None:
     """At exit (NOTE [prefetch thread] 10): skip the jobs not begun, end the thread and wait for it."""
     cancelled.set()
     jobs.put(None)
-    thread.join()
+    thread.join(wait)

@@ -92,6 +92,10 @@ def _decode(path: Path | str | BinaryIO, size: int,
             img = Image.open(io.BytesIO(data))
         except UnidentifiedImageError:  # name the file, not the in-memory buffer (messages stay reproducible)
             raise ImageDecodeError(f"UnidentifiedImageError: cannot identify image file {str(path)!r}") from None
+        if img.mode == "RGB" and any(";16" in str(t[3]) for t in img.tile):  # (before a PNG's getexif loads it)
+            # a 48-bit image's colour key is in 16-bit values, and Pillow loads 8 bits a channel: a black key
+            # would match every near-black pixel, so the key is not applied (the image stays opaque)
+            img.info.pop("transparency", None)
         w, h = img.size
         orientation = _exif_orientation(img)
         full = (h, w) if orientation in (5, 6, 7, 8) else (w, h)  # those orientations turn 90 degrees

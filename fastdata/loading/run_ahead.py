@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+EXIT_WAIT = 30.0  # seconds an exit waits for a look-ahead thread (NOTE [prefetch thread] 10)
 Item = tuple[torch.Tensor, torch.Tensor, Any]  # (x, y, tag)
 Produce = Callable[[Callable[[], None]], Iterator[Item]]  # produce(caught_up)
 
@@ -55,7 +56,7 @@ class RunAhead:
         self.busy_s = 0.0  # seconds the thread spent producing (not waiting on the queue): diagnostics
         self.thread = threading.Thread(target=self._work, name="fastdata-run-ahead", daemon=True)
         self.thread.start()
-        self._stop_at_exit = weakref.finalize(self, _stop, self.stop, self.taken, self.queue, self.thread)
+        self._stop_at_exit = weakref.finalize(self, _stop, self.stop, self.taken, self.queue, self.thread, EXIT_WAIT)
 
     def _caught_up(self) -> None:
         with self.taken:
@@ -118,17 +119,20 @@ class RunAhead:
 
     def close(self) -> None:
         """Stop the thread and wait for it; what it had queued is dropped."""
-        self._stop_at_exit()
+        if self._stop_at_exit.detach() is not None:
+            _stop(self.stop, self.taken, self.queue, self.thread, None)
 
 
-def _stop(stop: threading.Event, taken: threading.Condition, items: queue.Queue, thread: threading.Thread) -> None:
-    """`RunAhead.close`, also run at exit (it names none of the RunAhead: the exit hook must not keep it)."""
+def _stop(stop: threading.Event, taken: threading.Condition, items: queue.Queue, thread: threading.Thread,
+          wait: Optional[float]) -> None:
+    """`RunAhead.close`, also run at exit for at most ``wait`` seconds (it names none of the RunAhead: the exit
+    hook must not keep it alive)."""
     stop.set()
     with taken:
         taken.notify_all()
-    while thread.is_alive():
+    until = None if wait is None else time.monotonic() + wait
+    while thread.is_alive() and (until is None or time.monotonic() < until):
         try:
             items.get(timeout=0.05)
         except queue.Empty:
             pass
-    thread.join()
