@@ -437,7 +437,8 @@ def contained_stat(root: Path, rel: str) -> Optional[os.stat_result]:
     leaves ``root`` by its text or through a link (NOTE [manifest paths] 2).
 
     Raises:
-        FormatError: ``rel`` is not a plain relative path, or a link in it leads outside ``root``.
+        FormatError: ``rel`` is not a plain relative path, no path this file system can open (a name too long,
+            a loop of links), or a link in it leads outside ``root``.
     """
     plain_relative(root, rel)
     here = os.fspath(root)
@@ -448,18 +449,21 @@ def contained_stat(root: Path, rel: str) -> Optional[os.stat_result]:
         here = os.path.join(here, part)
         try:
             st = os.lstat(here)
+            if stat.S_ISLNK(st.st_mode):
+                return os.stat(resolved_inside(os.path.join(root, rel), folder_prefix(root), rel))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if stat.S_ISLNK(st.st_mode):
-            full = resolved_inside(os.path.join(root, rel), folder_prefix(root), rel)
-            try:
-                return os.stat(full)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
+        except OSError as exc:
+            if exc.errno not in _NO_PATH:
+                raise
+            raise FormatError(f"{root}: the manifest names {rel[:200]!r}, which this file system cannot open "
+                              f"({exc.strerror}): the dataset's files are not the ones its manifest names; "
+                              "preprocess or download it again") from None
     return st if st is not None else os.stat(root)
 
 
 _NOT_NAMES = ("", ".", "..")
+_NO_PATH = (errno.ENAMETOOLONG, errno.ELOOP)  # a manifest's path no file can have here: refused, not missing
 
 
 def contained_sizes(root: Path, rels: Sequence[Any]) -> np.ndarray:
@@ -477,6 +481,11 @@ def contained_sizes(root: Path, rels: Sequence[Any]) -> np.ndarray:
                     st = os.stat(rel, dir_fd=fd, follow_symlinks=False) if fd is not None else lstat(prefix + rel)
                 except (FileNotFoundError, NotADirectoryError):
                     add(-1)
+                    continue
+                except OSError as exc:
+                    if exc.errno not in _NO_PATH:
+                        raise
+                    add(-3)
                     continue
                 kind = stat.S_IFMT(st.st_mode)
                 if kind != stat.S_IFLNK:  # (a link is resolved and checked by contained_stat)

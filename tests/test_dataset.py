@@ -1,6 +1,7 @@
 """FastDataset: values in every storage mode, batch gathers, torch DataLoader drop-in, damaged shards."""
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import subprocess
@@ -235,6 +236,25 @@ def test_tampered_shard_is_refused(npy_copy, tmp_path, storage, kw):
         assert shm.list_copies(tmp_path / "shm") == [] and not list((tmp_path / "shm").glob("*.tmp*"))
 
 
+@pytest.mark.parametrize("name", ["x" * 300 + ".npy", "loop/images-00001.npy"])
+def test_a_manifest_path_no_file_can_have_is_a_format_error(npy_copy, name):
+    """A name past the file system's 255 bytes, or one through a loop of links, was a raw OSError (ENAMETOOLONG,
+    ELOOP) at opening and in `fastdata verify`."""
+    from fastdata.errors import FormatError
+    from fastdata.formats.integrity import verify
+
+    (npy_copy / "loop").symlink_to("loop")
+    m = json.loads((npy_copy / "manifest.json").read_text())
+    for f in m["files"]:
+        if f["path"] == "images-00001.npy":
+            f["path"] = name
+    m["shards"][1]["images"] = name
+    (npy_copy / "manifest.json").write_text(json.dumps(m))
+    for call in (lambda: FastDataset(npy_copy), lambda: verify(npy_copy)):
+        with pytest.raises(FormatError, match="which this file system cannot open"):
+            call()
+
+
 def test_shm_one_copy_shared_by_two_processes(indexed_datasets, tmp_path):
     d = tmp_path / "shm"
     d.mkdir()
@@ -366,6 +386,10 @@ def test_a_train_split_holds_its_validation_set_not_its_own_indices(indexed_data
         train.rows(np.array([len(want)]))
     with pytest.raises(ConfigError, match="either indices= .* or excluded="):
         DatasetView(ds)
+    with pytest.raises(ConfigError, match="takes sample indices \\(integers\\), got bool"):
+        DatasetView(ds, excluded=np.zeros(len(ds), bool))
+    with pytest.raises(ConfigError, match=f"names samples 3..{len(ds)}, outside the dataset's 0..{len(ds) - 1}"):
+        DatasetView(ds, excluded=[3, len(ds)])
 
     class Huge:  # (a base of 2x10^9 samples, on paper: the view's arithmetic, never its samples)
         sample_shape, sample_dtype, device = (3, 8, 8), torch.uint8, torch.device("cpu")

@@ -149,6 +149,31 @@ def test_a_corrupted_object_is_never_used_and_the_error_names_it(s3, indexed_dat
     assert RemoteDataset(url, cache_dir=tmp_path / "cache").local() == remote.dir
 
 
+@pytest.mark.parametrize("storage", ["ram", "mmap"])
+def test_an_object_deleted_from_the_store_is_named_in_every_storage_mode(s3, indexed_datasets, tmp_path, storage,
+                                                                         capsys):
+    """Only the streamed mmap path wrapped a missing object: storage="ram", `fastdata cache fetch` and token
+    datasets raised a raw FileNotFoundError, whose text printed an http URL's password."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+    from fastdata.storage.push import push
+
+    url = s3(f"gone-{storage}") + "/ds"
+    push(indexed_datasets["npy"], url)
+    s3.client.delete_object(Bucket=f"gone-{storage}", Key="ds/images-00001.npy")
+    with pytest.raises(FormatError, match=r"cannot fetch s3://gone-\w+/ds/images-00001\.npy: FileNotFoundError: "
+                                          r".*check that the dataset is intact in the store \(`fastdata verify URL`\)"):
+        ds = FastDataset(url, cache_dir=tmp_path / "c", storage=storage)
+        ds.get_batch(np.arange(len(ds)))
+    if storage == "ram":
+        from fastdata.cli.main import main
+
+        capsys.readouterr()
+        assert main(["cache", "fetch", url, "--dir", str(tmp_path / "c2"), "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "cannot fetch" in err and "images-00001.npy" in err, err
+
+
 def test_a_half_pushed_or_hostile_dataset_is_refused(s3, indexed_datasets, tmp_path):
     from fastdata.datasets.images import FastDataset
     from fastdata.errors import FormatError

@@ -71,6 +71,30 @@ def test_a_token_manifest_that_cannot_describe_its_shards_is_refused(tmp_path, e
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("claimed", [1000, 1 << 42])
+@pytest.mark.parametrize("storage", ["mmap", "ram", "shm"])
+def test_a_shard_whose_token_count_is_not_its_files_is_refused_in_every_storage(tmp_path, storage, claimed):
+    """storage="shm" built its copy's header from the manifest's counts and its size from the files: a shard
+    claiming fewer tokens than it holds was served cut short, and 2^42 tokens left a copy naming that shape
+    in the shm folder; storage="ram" asked numpy for 8 TiB before comparing."""
+    from fastdata.errors import FormatError
+    from fastdata.storage import shm
+
+    out = tmp_path / "out"
+    preprocess(write_jsonl(tmp_path / "d.jsonl", make_docs(200)), out, "--shard-tokens", "100000")
+    m = json.loads((out / "manifest.json").read_text())
+    assert len(m["splits"]["train"]["shards"]) == 1
+    m["splits"]["train"]["shards"][0]["tokens"] = m["splits"]["train"]["tokens"] = claimed
+    (out / "manifest.json").write_text(json.dumps(m))
+    folder = tmp_path / "shm"
+    folder.mkdir(0o700)
+    kw = {"shm_dir": folder} if storage == "shm" else {}
+    with pytest.raises(FormatError, match="the manifest is damaged|holds .* the manifest says"):
+        TokenDataset(out, seq_len=16, storage=storage, verify=True, **kw)
+    if storage == "shm":
+        assert shm.list_copies(folder) == []
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_bytes_round_trip_across_many_shards(tmp_path, gz):
     docs = make_docs(300)

@@ -38,9 +38,13 @@ class DatasetView:
         self._indices = None if indices is None else np.asarray(indices, dtype=np.int64)
         self._excluded = self._gaps = None
         if excluded is not None:
-            self._excluded = np.unique(np.asarray(excluded, dtype=np.int64))
+            given = np.asarray(excluded)
+            if given.size and given.dtype.kind not in "iu":  # (floats and bools would be cast silently)
+                raise ConfigError(f"excluded= takes sample indices (integers), got {given.dtype} values")
+            self._excluded = np.unique(given.astype(np.int64))
             if len(self._excluded) and not 0 <= self._excluded[0] <= self._excluded[-1] < len(base):
-                raise ConfigError(f"excluded= names samples outside the dataset's 0..{len(base) - 1}")
+                raise ConfigError(f"excluded= names samples {self._excluded[0]}..{self._excluded[-1]}, outside the "
+                                  f"dataset's 0..{len(base) - 1}: pass indices of this dataset")
             # the view's i-th sample is base sample i + (excluded samples at or before it): `_gaps[k]` is how
             # many of the view's samples come before the k-th excluded one
             self._gaps = self._excluded - np.arange(len(self._excluded), dtype=np.int64)

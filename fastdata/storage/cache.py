@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import scrub, user_stacklevel
-from ..errors import ChecksumError, ConfigError, FastdataError, FormatError, is_whole
+from ..errors import ChecksumError, ConfigError, FastdataError, is_whole
 from ..formats.integrity import check_file, damaged_error
 from . import evict
 from .plan import Plan, horizon
@@ -424,14 +424,7 @@ class ShardCache:
         return got
 
     def _get(self, name: str) -> bool:
-        try:
-            return self.remote.get(self.remote.entry(name), self.progress)
-        except FastdataError:  # (names the object already)
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. the object deleted from the store after opening
-            raise FormatError(f"cannot fetch {scrub(self.remote.url)}/{name}: {type(exc).__name__}: "
-                              f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
-                              "the store (`fastdata verify URL`)") from exc
+        return self.remote.get(self.remote.entry(name), self.progress)
 
     def set_limit(self, limit: Optional[int]) -> None:
         """A new bound, in bytes, from now on (a Mixture re-splitting one node budget when its weights change):

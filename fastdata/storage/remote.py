@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .._io import HASH_NAME, disk_error, fsync_dir, map_threads, new_hash, open_new, scrub, write_bytes_atomic
-from ..errors import ChecksumError, FormatError
+from ..errors import ChecksumError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, parse_manifest
 from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
@@ -214,7 +214,14 @@ class RemoteDataset:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
             if cached_size(self.dir, name) == entry.get("bytes"):
                 return False
-            self.retry(f"{self.url}/{name}", download)
+            try:
+                self.retry(f"{self.url}/{name}", download)
+            except FastdataError:  # (names the object already)
+                raise
+            except Exception as exc:  # noqa: BLE001 - final errors (the object deleted from the store since)
+                raise FormatError(f"cannot fetch {scrub(self.url)}/{name}: {type(exc).__name__}: "
+                                  f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
+                                  "the store (`fastdata verify URL`)") from exc
         return True
 
     def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
