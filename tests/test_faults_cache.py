@@ -817,3 +817,49 @@ def test_a_plain_shuffle_over_10_8_samples_keeps_the_plan_within_its_horizon():
     assert plan.known == 2 * epoch
     assert largest <= bound and peak <= learning, (largest, bound, peak, learning)
     assert learnt <= runs + Plan.CHUNK + batch
+
+
+def test_a_cache_folder_under_a_folder_another_user_could_swap_is_refused(tmp_path, monkeypatch):
+    """A folder above the dataset's (the cache root, or one above it) that is another user's and writable by
+    others lets them rename our private folder away and put planted shards at its name: refused before
+    anything is made there. Root's sticky folders (/tmp) and this user's are fine."""
+    from fastdata.errors import OutputError
+    from fastdata.storage.cache_folders import cache_folder
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the folders of another user are made with os.chown")
+    monkeypatch.delenv("FASTDATA_CACHE_MODE", raising=False)
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chown(root, 12345, 12345)
+    for mode in (0o777, 0o1777, 0o770):  # a sticky bit does not help: the folder's owner may rename anything in it
+        os.chmod(root, mode)
+        with pytest.raises(OutputError, match=rf"{root}, on the way to the node cache folder {root}/ds, belongs to "
+                                              rf"user 12345 and others may write to it \(mode {mode:o}\): .*set "
+                                              r"cache_dir / \$FASTDATA_CACHE to a folder of your own"):
+            cache_folder(root / "ds")
+        assert not (root / "ds").exists()
+    os.chmod(root, 0o755)  # another user's, but only they may write to it
+    cache_folder(root / "ds")
+    os.chmod(root, 0o777)  # opened after the dataset's folder was made: its subfolders are refused too
+    with pytest.raises(OutputError, match=rf"{root}, on the way"):
+        cache_folder(root / "ds" / ".locks")
+    with pytest.raises(OutputError, match=rf"{root}, on the way"):  # and a cache root below it, however private
+        cache_folder(root / "ds" / "deeper" / "id")
+
+    os.symlink(root, tmp_path / "link")
+    os.lchown(tmp_path / "link", 12345, 12345)
+    os.chown(root, 0, 0)
+    os.chmod(root, 0o1777)  # root's sticky folder, like /tmp: fine, but not through another user's link
+    cache_folder(root / "ds2")
+    with pytest.raises(OutputError, match=rf"{tmp_path}/link, on the way .* is a link of user 12345"):
+        cache_folder(tmp_path / "link" / "ds3")
+
+    shared = tmp_path / "shared"  # a project folder of this user's group, made by another member: trusted
+    shared.mkdir()
+    os.chown(shared, 12345, os.getegid())
+    os.chmod(shared, 0o2770)
+    cache_folder(shared / "ds")
+    os.chown(shared, 12345, 54321)  # (a group this user is not in)
+    with pytest.raises(OutputError, match=rf"{shared}, on the way"):
+        cache_folder(shared / "ds2")

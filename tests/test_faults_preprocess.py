@@ -220,3 +220,60 @@ def test_a_run_killed_while_indexing_tars_resumes_without_listing_them_again(tmp
     os.utime(tar0, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert main([*args, str(out)]) == 0
     assert tree_bytes(out) == tree_bytes(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("name", ["fastdata-next", "fastdata-old"])
+def test_a_link_planted_beside_out_is_refused_and_what_it_points_to_untouched(photo_folder, tmp_path, capsys, name):
+    """NOTE [overwrite] rule 5: a link at the staging (or old) name, to another dataset, planted in a shared
+    parent: the overwrite refuses it before any work, and neither dataset changes."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    args = ["preprocess", "images", str(photo_folder), "--workers", "1", "--quiet", "--size"]
+    assert main([*args[:3], str(out), *args[3:], "16"]) == 0
+    assert main([*args[:3], str(other), *args[3:], "16"]) == 0
+    before, was = tree_bytes(other), tree_bytes(out)
+    planted = tmp_path / f".out.{name}"
+    planted.symlink_to(other)
+    capsys.readouterr()
+    assert main([*args[:3], str(out), *args[3:], "24", "--overwrite"]) != 0
+    err = capsys.readouterr().err
+    assert f"{planted} is a symbolic link" in err and f"remove it (`rm -r {planted}`" in err, err
+    assert tree_bytes(other) == before and tree_bytes(out) == was
+    assert planted.is_symlink()  # (not ours to remove either)
+
+
+def test_an_overwrite_builds_in_a_private_folder_and_keeps_outs_mode(photo_folder, tmp_path, monkeypatch):
+    """NOTE [overwrite] rule 5: the staging folder is made 0700 (nobody else reads the dataset being built);
+    the dataset swapped in gets the mode OUT had."""
+    import os
+    import stat
+
+    out = tmp_path / "out"
+    args = ["preprocess", "images", str(photo_folder), str(out), "--workers", "1", "--quiet", "--size"]
+    assert main([*args, "16"]) == 0
+    os.chmod(out, 0o750)
+    modes, swap = [], journal._swap
+    monkeypatch.setattr(journal, "_swap", lambda o, s: modes.append(stat.S_IMODE(s.stat().st_mode)) or swap(o, s))
+    assert main([*args, "24", "--overwrite"]) == 0
+    assert modes == [0o700] and stat.S_IMODE(out.stat().st_mode) == 0o750
+
+
+def test_another_users_folder_at_the_staging_name_is_refused(photo_folder, tmp_path, capsys):
+    """NOTE [overwrite] rule 5: a folder planted (0777) at the staging name by another user in a shared parent
+    would receive the new dataset, readable by them: refused, nothing written into it."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the folder of another user is made with os.chown")
+    out = tmp_path / "out"
+    args = ["preprocess", "images", str(photo_folder), str(out), "--workers", "1", "--quiet", "--size"]
+    assert main([*args, "16"]) == 0
+    was = tree_bytes(out)
+    planted = journal.staging_dir(out)
+    planted.mkdir(mode=0o777)
+    os.chmod(planted, 0o777)
+    os.chown(planted, 12345, 12345)
+    capsys.readouterr()
+    assert main([*args, "24", "--overwrite"]) != 0
+    err = capsys.readouterr().err
+    assert f"{planted} is a folder of user 12345, not of this user (0)" in err and "remove it" in err, err
+    assert list(planted.iterdir()) == [] and tree_bytes(out) == was

@@ -27,6 +27,10 @@ NOTE [overwrite]: ``--overwrite`` never deletes a finished dataset before its re
    away and the new folder renamed in: a crash between those two renames leaves OUT missing, the old
    dataset in ``.NAME.fastdata-old`` and the new one in ``.NAME.fastdata-next``. Where nothing can be made
    beside OUT (its parent read-only, or OUT a mount point) the old dataset is deleted first, as a warning says.
+5. Both names beside OUT are used only when nothing or a folder of this user is there (`_check_beside`): in a
+   shared parent (/tmp) another user could plant a folder there to read the new dataset, or a link to have the
+   clean-up delete and overwrite another dataset. Anything else is refused, before any work; the staging folder
+   is made 0700 and given OUT's mode just before the exchange.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,10 +353,11 @@ def output(out: Path, fingerprint: str, overwrite: bool, continues: tuple[str, .
         ``folder`` and writes its manifest there.
 
     Raises:
-        OutputError: OUT holds something else, or a dataset made otherwise and ``overwrite`` is not set.
+        OutputError: OUT holds something else, or a dataset made otherwise and ``overwrite`` is not set, or
+            an overwrite's name beside OUT holds a link or another user's folder (NOTE [overwrite] rule 5).
     """
     with exclusive(out):
-        if (out / MANIFEST_NAME).exists():
+        if (out / MANIFEST_NAME).exists() and _not_ours(_trash_dir(out)) is None:
             shutil.rmtree(_trash_dir(out), ignore_errors=True)  # the last overwrite's old dataset (rule 2)
         staging = staging_dir(out)
         if not (overwrite and (out / MANIFEST_NAME).exists() and _can_stage(out)):
@@ -360,6 +366,14 @@ def output(out: Path, fingerprint: str, overwrite: bool, continues: tuple[str, .
                             "the old dataset before the new one exists", out)
             yield Target(out, prepare_output(out, fingerprint, overwrite, continues))
             return
+        _check_beside(_trash_dir(out), out, "moves the old dataset to")
+        try:
+            os.mkdir(staging, 0o700)  # (rule 5; mkdir makes nothing through a link at the name)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise disk_error(exc, staging) from exc
+        _check_beside(staging, out, "builds the new dataset in")  # (after mkdir: what is there now is judged)
         with exclusive(staging):
             try:
                 done = prepare_output(staging, fingerprint, overwrite=False, continues=continues)
@@ -368,6 +382,31 @@ def output(out: Path, fingerprint: str, overwrite: bool, continues: tuple[str, .
             yield Target(staging, done)
             if (staging / MANIFEST_NAME).exists():
                 _swap(out, staging)
+
+
+def _not_ours(path: Path) -> Optional[str]:
+    """Why the name ``path`` beside OUT is not this user's own folder; None when it is, or when nothing is there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if info.st_uid != os.geteuid():
+        return f"is a folder of user {info.st_uid}, not of this user ({os.geteuid()})"
+    return None
+
+
+def _check_beside(path: Path, out: Path, what: str) -> None:
+    """Refuse a name beside OUT that an overwrite uses when something not of this user's making is there
+    (NOTE [overwrite] rule 5); ``what`` says what the overwrite does with it."""
+    why = _not_ours(path)
+    if why is not None:
+        raise OutputError(f"{path} {why}: --overwrite of {out} {what} it, and someone may have put it there to read "
+                          f"or replace what is written; remove it (`rm -r {path}`, as its owner or root) and rerun, "
+                          "or choose another OUT")
 
 
 def _can_stage(out: Path) -> bool:
@@ -381,8 +420,10 @@ def _can_stage(out: Path) -> bool:
 def _swap(out: Path, staging: Path) -> None:
     """Put the complete dataset in ``staging`` at OUT and delete the old one (NOTE [overwrite] rule 2)."""
     real, trash = out.resolve(), _trash_dir(out)
+    _check_beside(trash, out, "moves the old dataset to")  # (again: planted while the new one was built)
     shutil.rmtree(trash, ignore_errors=True)
     try:
+        os.chmod(staging, stat.S_IMODE(os.stat(real).st_mode))  # (made 0700: rule 5) the dataset keeps OUT's mode
         exchanged = _exchange(staging, real)
         if not exchanged:  # rule 4
             os.replace(real, trash)

@@ -59,11 +59,17 @@ def cache_modes() -> tuple[int, int]:
 def cache_folder(path: Path) -> Path:
     """``path`` made (with any missing parent) with the cache's folder mode (`cache_modes`), or an
     existing one checked: this user's is given that mode; another user's is refused unless the cache is
-    shared with a group this user is in (its files could have been planted there)."""
+    shared with a group this user is in (its files could have been planted there). The folders above it are
+    checked too (`_check_above`).
+
+    Raises:
+        OutputError: ``path``, or a folder above it, could be swapped by another user.
+    """
     mode, missing, folder = cache_modes()[0], [], path
     while not os.path.lexists(folder):
         missing.append(folder)
         folder = folder.parent
+    _check_above(folder if missing else path.parent, path)  # (before anything is made there)
     for folder in reversed(missing):
         try:
             os.mkdir(folder, mode)
@@ -84,6 +90,37 @@ def cache_folder(path: Path) -> Path:
         _refuse_planted(path, stat.S_IMODE(info.st_mode), mode)
         os.chmod(path, mode)  # (a folder made before modes were set, or under the other mode)
     return path
+
+
+def _check_above(start: Path, path: Path) -> None:
+    """Refuse the cache folder ``path`` when ``start`` (its nearest existing parent) or a folder above it, up
+    to ``/``, is another user's and open to writes by others: they could rename our private folder away and
+    put one with planted shards at its name, which a running job serves (NOTE [shard cache] 20 in cache.py).
+    1. A sticky bit does not help there: a folder's owner may rename any entry in it.
+    2. Root's and this user's folders are trusted whatever their mode (/tmp; a home left group-writable).
+    3. So is a folder only its group may write to, of a group this user is in (a project folder of a cluster:
+       its members are trusted as much as the cache shared with them under ``$FASTDATA_CACHE_MODE=group``).
+    4. A link on the way is another user's to point elsewhere; the folders it leads to are walked too.
+    One lstat a folder (~10 a call), each time a cache folder is opened: nothing beside a download."""
+    me, groups = os.geteuid(), {os.getegid(), *os.getgroups()}
+    seen: set[str] = set()
+    for here in (os.path.abspath(start), os.path.realpath(start)):
+        while here not in seen:
+            seen.add(here)
+            try:
+                info = os.lstat(here)
+            except OSError as exc:
+                raise disk_error(exc, Path(here), CACHE_FULL_ADVICE) from exc
+            if info.st_uid not in (me, 0) and info.st_mode & 0o022 and not (
+                    info.st_gid in groups and not info.st_mode & 0o002):
+                what = ("is a link of user {}, who may point it elsewhere" if stat.S_ISLNK(info.st_mode) else
+                        "belongs to user {} and others may write to it (mode {:o})")
+                raise OutputError(
+                    f"{here}, on the way to the node cache folder {path}, "
+                    + what.format(info.st_uid, stat.S_IMODE(info.st_mode)) + ": the cache's folders could be "
+                    "swapped for ones holding planted files; set cache_dir / $FASTDATA_CACHE to a folder of your "
+                    "own (a cache shared on purpose: $FASTDATA_CACHE_MODE=group)")
+            here = os.path.dirname(here)
 
 
 def _refuse_planted(path: Path, now: int, mode: int) -> None:
