@@ -412,6 +412,27 @@ def test_cuda_storage_without_a_gpu_says_what_to_pass_instead(indexed_datasets):
     assert FastDataset(indexed_datasets["npy"], storage="cuda", device="cpu").get_batch([3])[1].tolist() == [0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_device_storage_checks_tensor_indices_as_the_host_storages_do(indexed_datasets, device):
+    """storage="cuda" cast any tensor index with .long(): a bool mask of 2 samples served all 100 (samples
+    0 and 1 over and over), and float indices were truncated; negative ones failed inside torch."""
+    host = FastDataset(indexed_datasets["npy"])
+    dev = FastDataset(indexed_datasets["npy"], storage="cuda", device=device)
+    mask = torch.zeros(len(host), dtype=torch.bool)
+    mask[[5, 60]] = True
+    for idx in (mask, torch.tensor([60.9]), torch.tensor([[1, 2]])):
+        for ds, where in ((host, "cpu"), (dev, device), (dev, "cpu")):
+            with pytest.raises(IndexError, match="1-D"):
+                ds.get_batch(idx.to(where))
+    for idx in (torch.tensor([-1, 3, -100]), torch.tensor([-1, 3, -100], dtype=torch.int32)):
+        want = host.get_batch(idx)
+        for where in (device, "cpu"):
+            got = dev.get_batch(idx.to(where))
+            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    with pytest.raises(IndexError, match="out of range"):  # (indices on the host: checked by value too)
+        dev.get_batch(torch.tensor([len(host)]))
+
+
 def fs_calls(fn) -> int:
     """How many file-system calls (stat, lstat, open, listdir, scandir, readlink) ``fn()`` makes on this
     thread, counted by a profile hook: a count, not a timing, so it holds on any machine."""

@@ -115,6 +115,9 @@ def test_jsonl_records_round_trip_every_field(tmp_path, shuffle):
         records = [records[j] for j in np.random.default_rng(shuffle).permutation(6)]
     assert m["classes"] == ["green", "red"]  # class names sorted: green 0, red 1
     ids = {"green": 0, "red": 1}
+    # every class id counts, of label, labels and box_labels (those of the last two were counted as 0)
+    every = [n for r in records for n in [r["label"], *r["labels"], *r["box_labels"]]]
+    assert m["class_counts"] == [every.count("green"), every.count("red")]
     ds = FastDataset(tmp_path / "out")
     b = ds.get_batch(np.arange(6))
     off = b["boxes_offsets"].numpy()

@@ -303,10 +303,15 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         if self.fields is not None:
             return self._get_fields(indices, out)  # type: ignore[return-value]
         if self._dev is not None:
-            idx_t = (indices.to(self.device) if isinstance(indices, torch.Tensor) else
-                     torch.from_numpy(self._indices(indices)).to(self.device))
-            if idx_t.dtype != torch.int64:
-                idx_t = idx_t.long()
+            if isinstance(indices, torch.Tensor) and indices.device == self._dev.device:
+                # already on the device (FastLoader's): checked by kind, not by value (a sync every step), so a
+                # bool mask or float indices are refused; an index past the end fails in index_select
+                if indices.ndim != 1 or indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+                    raise IndexError(f"indices must be a 1-D tensor of integers, got shape {tuple(indices.shape)} "
+                                     f"dtype {indices.dtype}")
+                idx_t = torch.where(indices < 0, indices + len(self), indices).long()
+            else:
+                idx_t = torch.from_numpy(self._indices(indices)).to(self.device)
             x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)
             return x, self._dev_labels[idx_t]
         idx = self._indices(indices)

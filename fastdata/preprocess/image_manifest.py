@@ -88,11 +88,16 @@ def finish(config: Any, source: Listed, jr: journal.Journal, folder: Path,
         out = HashingWriter(folder / image_shards.ALL_LABELS_NAME)
         out.write(npy_header((n,), LABEL_DTYPE))
         for u in jr.units:
-            labels = _unit_labels(folder, u["index"], store)
+            labels = _unit_file(folder, image_shards.labels_name(u["index"]), store)
             class_counts += np.bincount(labels, minlength=len(class_counts))[:len(class_counts)]
             out.write(labels)
         files.append(out.commit())
         extra["all_labels" if config.format == "npy" else "labels"] = image_shards.ALL_LABELS_NAME
+    for f in fields:  # class ids of the other fields count too: a tag per sample, a box per object
+        if f.kind in ("labels", "box_labels"):
+            for u in jr.units:
+                ids = _unit_file(folder, f.files(u["index"])[0], store)
+                class_counts += np.bincount(ids, minlength=len(class_counts))[:len(class_counts)]
     class_counts = class_counts.tolist()
     manifest = new_manifest(
         fmt, version=version, num_samples=n, classes=source.classes, class_counts=class_counts,
@@ -110,9 +115,9 @@ def finish(config: Any, source: Listed, jr: journal.Journal, folder: Path,
     return manifest
 
 
-def _unit_labels(folder: Path, k: int, store: Optional[store_out.StoreOut]) -> np.ndarray:
-    """Unit ``k``'s labels file: in ``folder``, or fetched from the store (a unit of an earlier run)."""
-    name = image_shards.labels_name(k)
+def _unit_file(folder: Path, name: str, store: Optional[store_out.StoreOut]) -> np.ndarray:
+    """A unit's labels (or class-id field) file: in ``folder``, or fetched from the store (a unit of an earlier
+    run)."""
     if store is not None and not (folder / name).exists():
         store.get(name, folder / name)
     return np.load(folder / name, allow_pickle=False)
