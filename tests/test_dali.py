@@ -76,6 +76,21 @@ def test_two_ranks_and_resume(indexed_datasets, ahead):
     assert Counter(first + rest) == Counter(range(INDEXED_N))
 
 
+def test_a_state_saved_on_one_split_is_refused_on_the_other(indexed_datasets):
+    # DALILoader's state named no split: resuming the train split's state on the val split served it silently
+    from fastdata.datasets.splits import split
+    from fastdata.errors import ConfigError
+
+    train, val = split(FastDataset(indexed_datasets["lmdb"]), 0.5, seed=1)
+    a = loader(train, shuffle=True, seed=2)
+    next(iter(a))
+    state = a.state_dict()
+    assert state["dataset_key"]["split"] == "train"
+    loader(train, shuffle=True, seed=2).load_state_dict(state)
+    with pytest.raises(ConfigError, match="saved on other samples of the dataset"):
+        loader(val, shuffle=True, seed=2).load_state_dict(state)
+
+
 def test_training_mode_augments_and_casts(indexed_datasets):
     x, y = next(iter(loader(indexed_datasets["lmdb"], train=True, size=6, dtype=torch.bfloat16,
                             mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))))

@@ -165,6 +165,8 @@ class DALILoader(SamplerBacked):
         base, self.view = _lmdb_samples(path)
         self.root, self.manifest = base.root, base.manifest
         self.manifest_sha256 = base.manifest_sha256
+        # which samples a position means (a split's): a state saved on another split is refused, as FastLoader's
+        self.state_key = None if self.view is None else self.view.state_key
         if base.fields is not None:
             names = ", ".join(f.name for f in base.fields)
             raise ConfigError(f"{self.root} has sample fields ({names}): DALILoader serves (image, class) LMDBs; "
