@@ -1192,3 +1192,94 @@ def test_a_broken_pipe_ends_the_command_quietly(small_images):
     p.stdout.close()  # (before the command writes: it imports for a second or more)
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_token_model_on_images_is_refused_in_one_line(small_images, capsys):
+    """--model gpt-tiny on images (one dataset or a --mix) raised a TypeError traceback from GPT's constructor."""
+    from fastdata.train.models import image_models
+
+    assert image_models() == ["cnn-small", "resnet18", "resnet50"]
+    run = ["--model", "gpt-tiny", "--batch-size", "8", "--max-steps", "1", "--device", "cpu", "--quiet"]
+    for data, named in (([str(small_images)], str(small_images)), (["--mix", f"a={small_images}:1"], "--mix a")):
+        assert main(["train", *data, *run]) == 1
+        assert capsys.readouterr().err == (f"fastdata: error: --model gpt-tiny reads tokens; {named} holds images: "
+                                           "choose one of cnn-small, resnet18, resnet50\n")
+
+
+def test_an_image_model_on_tokens_names_the_dataset_by_its_folder(tmp_path, capsys):
+    """The message held the repr of the opened dataset: its whole manifest, 1,234 bytes on one line."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    tokens = tmp_path / "tok"
+    assert main(["preprocess", "text", str(src), str(tokens), "--workers", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(tokens), "--model", "cnn-small", "--max-steps", "1", "--device", "cpu", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"fastdata: error: {tokens} holds tokens: train --model gpt-tiny, not 'cnn-small'\n", err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--crop", "24"], "--crop sizes the crops of --augment rrc-flip or --backend dali: add one of them, or drop "
+                       "--crop 24 for --augment flip"),
+    (["--crop", "24", "--augment", "crop-flip"], "drop --crop 24 for --augment crop-flip"),
+    (["--crop", "0", "--augment", "rrc-flip"], "--crop must be a positive integer (the crops' side in pixels), got 0"),
+])
+def test_a_crop_nothing_reads_is_refused_by_name(small_images, capsys, flags, said):
+    """--crop was read by rrc-flip and DALI only, and ignored without a word elsewhere; --crop 0 fell back to 7/8
+    of the stored side."""
+    assert main(train_args(small_images, "--max-steps", "1", *flags)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastdata: error: ") and err.count("\n") == 1 and said in err, err
+
+
+def test_a_crop_sizes_the_rrc_flip_batches(small_images):
+    from fastdata.train.assemble import ImageRun, build
+
+    model, train, val = build(ImageRun(data=small_images, model="cnn-small", batch_size=8, augment="rrc-flip",
+                                       crop=24, val_fraction=0.25), torch.device("cpu"))
+    assert next(iter(train))[0].shape == (8, 3, 24, 24) and next(iter(val))[0].shape == (8, 3, 24, 24)
+    with pytest.raises(ConfigError, match=r"--crop must be a positive integer .* got 24\.0"):
+        ImageRun(data=small_images, augment="rrc-flip", crop=24.0)
+
+
+@pytest.mark.parametrize("kwargs, said", [  # each ran: 2.5 steps as 3, True as 1 epoch, inf made the weights nan
+    ({"max_steps": 2.5}, "max_steps must be a positive integer or None, got max_steps=2.5"),
+    ({"max_steps": True}, "max_steps must be a positive integer or None, got max_steps=True"),
+    ({"epochs": True}, "epochs must be a positive integer or None, got epochs=True"),
+    ({"log_every": 2.5}, "log_every must be a positive integer, got log_every=2.5"),
+    ({"accum": True}, "accum must be a positive integer, got accum=True"),
+    ({"warmup_steps": True}, "warmup_steps must be 0 or a positive integer, got warmup_steps=True"),
+    ({"lr": float("inf")}, "lr must be a positive number, got lr=inf"),
+    ({"lr": float("nan")}, "lr must be a positive number, got lr=nan"),
+    ({"momentum": 2}, "momentum must be in [0, 1), got momentum=2"),
+    ({"momentum": 1.0}, "momentum must be in [0, 1), got momentum=1.0"),
+])
+def test_train_config_refuses_counts_that_are_not_integers_and_rates_out_of_range(kwargs, said):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**kwargs)
+    assert str(e.value) == said
+
+
+def test_a_negative_field_of_a_duration_is_refused():
+    for text in ("1:-30", "-5", "1:nan"):  # "1:-30" was 60 - 30 = 30 s
+        with pytest.raises(ConfigError) as e:
+            parse_duration(text)
+        assert str(e.value) == f"max_time's fields must be 0 or more, as in DD:HH:MM:SS, got {text!r}"
+    assert parse_duration("1:00:30") == 3630 and parse_duration("0:30") == 30
+
+
+def test_resuming_with_val_fraction_added_or_dropped_names_the_split(small_images, tmp_path, capsys):
+    """A checkpoint of the whole dataset resumed with --val-fraction (or the other way round) was "another
+    dataset": the whole dataset's state has no split to compare, so the sample count answered first."""
+    for first, then, said in (
+            ([], ["--val-fraction", "0.25"], "the checkpoint's loader state is for all 48 samples of the dataset, and "
+             "this run trains on the train split of --val-fraction 0.25 (36 samples): resume without --val-fraction, "
+             "as the run started, or start the run over"),
+            (["--val-fraction", "0.25"], [], "the checkpoint's loader state is for the train split of --val-fraction "
+             "0.25 (36 samples), and this run trains on all 48 samples of the dataset: resume with --val-fraction "
+             "0.25, as the run started, or start the run over")):
+        ck = ["--checkpoint", str(tmp_path / f"ck{len(first)}")]
+        assert main(train_args(small_images, "--max-steps", "1", *ck, *first)) == 0
+        capsys.readouterr()
+        assert main(train_args(small_images, "--max-steps", "2", *ck, "--resume", *then)) == 1
+        assert capsys.readouterr().err == f"fastdata: error: {said}\n"

@@ -14,7 +14,7 @@ import torch
 from .._io import scrub
 from ..datasets.images import FastDataset
 from ..datasets.splits import split
-from ..errors import ConfigError
+from ..errors import ConfigError, is_whole
 from ..formats.manifest import TOKENS
 from ..gpu.dali_tune import valid_load
 from ..gpu.prefetch import CUDAPrefetcher
@@ -23,7 +23,7 @@ from ..loading.loader import FastLoader
 from ..storage.object_store import RETRY_SECONDS, is_url
 from ..storage.opening import OpenedPath, open_path
 from ..storage.streamed import streamed_files
-from .models import create_model
+from .models import MODELS, create_model, image_models
 
 AUGMENT = ("none", "flip", "crop-flip", "rrc-flip")
 
@@ -40,7 +40,7 @@ class ImageRun:
     storage: str = "mmap"
     threads: Optional[int] = None
     augment: str = "flip"
-    crop: Optional[int] = None  # rrc-flip: output side (default 7/8 of the stored side)
+    crop: Optional[int] = None  # rrc-flip or dali: output side (default 7/8 of the stored side)
     seed: int = 0
     backend: str = "native"  # "dali": decode an LMDB dataset's JPEGs with NVIDIA DALI
     shuffle_window: Optional[int] = None  # shuffle within windows of this many shards (FastLoader)
@@ -65,7 +65,21 @@ class ImageRun:
                               "fetch URL`)")
         if self.backend == "dali" and self.shuffle_window is not None:
             raise ConfigError("--shuffle-window applies to the native backend (DALI shuffles in its own reader)")
+        self._check_crop()
         self._check_hw_decoder_load()
+
+    def _check_crop(self) -> None:
+        """``--crop``: a side of at least 1 px, for the runs that crop to it (--augment rrc-flip, or the DALI
+        backend); refused elsewhere, where it was ignored without a word (the other augmentations keep the
+        stored side)."""
+        crop = self.crop
+        if crop is None:
+            return
+        if not is_whole(crop) or crop < 1:  # (0 fell back to 7/8 of the stored side)
+            raise ConfigError(f"--crop must be a positive integer (the crops' side in pixels), got {crop!r}")
+        if self.augment != "rrc-flip" and self.backend != "dali":
+            raise ConfigError(f"--crop sizes the crops of --augment rrc-flip or --backend dali: add one of them, or "
+                              f"drop --crop {crop} for --augment {self.augment}")
 
     def _check_hw_decoder_load(self) -> None:
         """``--hw-decoder-load``: a share in [0, 1] or "auto", for the DALI backend only (the native one
@@ -103,6 +117,7 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
     """Model, train loader and validation loader (None without --val / --val-fraction), on ``device``.
     ``opened``: ``p.data`` already opened (its manifest read once per run). The samples are decided once,
     as datasets or views of one; only the loader differs by backend."""
+    _check_image_model(scrub(str(p.data)), p.model)
     cache = {"cache_dir": p.cache_dir, "cache_limit": p.cache_limit, "retry_seconds": p.retry_seconds}
     ds = FastDataset(opened, storage=p.storage, device=device) if opened is not None else FastDataset(
         p.data, storage=p.storage, device=device, **cache)
@@ -163,9 +178,18 @@ def _check_lm_model(what: str, model: Optional[str]) -> None:
         raise ConfigError(f"{what} holds tokens: train --model gpt-tiny, not {model!r}")
 
 
+def _check_image_model(what: str, model: str) -> None:
+    """Image runs train an image model: a token model is refused by name (else a TypeError from its
+    constructor), before any data is read. An unknown name is left to `create_model`, which lists them all."""
+    if model in MODELS and model not in image_models():
+        raise ConfigError(f"--model {model} reads tokens; {what} holds images: choose one of "
+                          f"{', '.join(image_models())}")
+
+
 def image_model(name: str, num_classes: int, side: int) -> torch.nn.Module:
     """``create_model(name)`` for ``side`` x ``side`` inputs; refuses a side the model cannot take, before
     any data is read (a raw "Output size is too small" from the first forward tells the user nothing)."""
+    _check_image_model("the data", name)
     model = create_model(name, num_classes=num_classes)
     need = getattr(model, "min_input_size", 1)
     if side < need:
@@ -202,7 +226,8 @@ def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_siz
     ``tuned``: `loaders`' ``prefetch`` and ``pin_memory``."""
     from ..datasets.tokens import TokenDataset
 
-    _check_lm_model(scrub(str(data)), model)
+    where = data if not isinstance(data, OpenedPath) else data.remote.url if data.remote else data.root
+    _check_lm_model(scrub(str(where)), model)  # (an OpenedPath's repr is its whole manifest)
     if not isinstance(data, OpenedPath):  # the manifest read once, for both splits
         data = open_path(data, (TOKENS,), cache_dir=cache_dir, cache_limit=cache_limit,
                          streamed=lambda m: streamed_files(m, storage), retry_seconds=retry_seconds)
@@ -235,6 +260,7 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
         train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device, prefetch=p.prefetch,
                              pin_memory=p.pin_memory)
         return create_model("gpt-tiny", vocab_size=first.vocab_size, seq_len=seq_len), train, val
+    _check_image_model(f"--mix {mix.names[0]}", p.model)
     val_ds = None if p.val is None else _val_dataset(p, device, first.classes, f"--mix {mix.names[0]}",
                                                      first.sample_shape, **val_cache)
     return _image_run(p, device, mix, val_ds, first.sample_shape[0], len(first.classes), None)

@@ -7,12 +7,13 @@ option), so the CLI and the Python API behave alike.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..errors import ConfigError, require
+from ..errors import ConfigError, is_whole, require
 from ..storage.object_store import RETRY_SECONDS
 
 if TYPE_CHECKING:  # torch is imported where a device is checked: `fastdata preprocess` never loads it
@@ -31,6 +32,8 @@ def parse_duration(text: str | float | int | None) -> Optional[float]:
         raise ConfigError(f"max_time must look like DD:HH:MM:SS or a number of seconds, got {text!r}") from None
     if len(parts) > 4:
         raise ConfigError(f"max_time must look like DD:HH:MM:SS, got {text!r}")
+    if not all(p >= 0 for p in parts):  # ("1:-30" summed to 30 s; nan compares False too)
+        raise ConfigError(f"max_time's fields must be 0 or more, as in DD:HH:MM:SS, got {text!r}")
     return sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
 
 
@@ -125,24 +128,31 @@ class TrainConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, expected: str) -> None:
             require(ok, name, getattr(self, name), expected)
-        need(self.epochs is None or (isinstance(self.epochs, int) and self.epochs >= 1), "epochs",
+
+        def number(value: Any) -> bool:  # (a bool is an int to Python; lr=inf made every weight nan)
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+        # (max_steps=2.5 ran 3 steps, epochs=True one epoch)
+        need(self.epochs is None or (is_whole(self.epochs) and self.epochs >= 1), "epochs",
              "a positive integer or None")
-        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        need(self.max_steps is None or (is_whole(self.max_steps) and self.max_steps >= 1), "max_steps",
+             "a positive integer or None")
         need(self.max_time is None or self.max_time > 0, "max_time", "positive seconds")
-        need(self.lr > 0, "lr", "positive")
+        need(number(self.lr) and self.lr > 0, "lr", "a positive number")
         need(self.optimizer in ("sgd", "adamw"), "optimizer", "'sgd' or 'adamw'")
         need(self.schedule in ("cosine", "onecycle", "constant"), "schedule", "'cosine', 'onecycle' or 'constant'")
         need(self.amp in AMP, "amp", f"one of {AMP}")
-        need(isinstance(self.accum, int) and self.accum >= 1, "accum", "a positive integer")
+        need(is_whole(self.accum) and self.accum >= 1, "accum", "a positive integer")
         need(self.clip is None or self.clip > 0, "clip", "positive")
         need(0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)")
-        need(self.log_every >= 1, "log_every", "a positive integer")
-        need(isinstance(self.checkpoint_keep, int) and self.checkpoint_keep >= 1, "checkpoint_keep",
+        need(is_whole(self.log_every) and self.log_every >= 1, "log_every", "a positive integer")
+        need(is_whole(self.checkpoint_keep) and self.checkpoint_keep >= 1, "checkpoint_keep",
              "a positive integer")
         for name in ("warmup_steps", "checkpoint_every", "val_every", "val_every_steps", "early_stop_patience",
                      "profile_steps"):  # (a negative warm-up made the learning rate negative)
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "0 or a positive integer")
-        for name in ("momentum", "weight_decay", "early_stop_min_delta"):
+            need(is_whole(getattr(self, name)) and getattr(self, name) >= 0, name, "0 or a positive integer")
+        need(number(self.momentum) and 0 <= self.momentum < 1, "momentum", "in [0, 1)")  # (1 or more diverges)
+        for name in ("weight_decay", "early_stop_min_delta"):
             need(getattr(self, name) >= 0, name, "0 or more")
         need(self.checkpoint_dir is None or str(self.checkpoint_dir).strip() != "", "checkpoint_dir",
              "a folder or a URL, or None for no checkpoints")

@@ -165,6 +165,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def image_models() -> list[str]:
+    """The models that train on image batches, sorted: every model in `MODELS` but gpt-tiny (it reads tokens)."""
+    return sorted(m for m in MODELS if m != "gpt-tiny")
+
+
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build a model by name (see `MODELS`)."""
     if name not in MODELS:

@@ -522,6 +522,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         if state["loader"] is not None and hasattr(self.train_loader, "load_state_dict"):
+            _check_split(self.train_loader, state["loader"])
             self.train_loader.load_state_dict(state["loader"])
         elif self.dist.main:
             log.warning("the training loader has no state_dict(): the resumed run reads its data from the start")
@@ -557,6 +558,33 @@ def check_ranks(train_loader: Any, val_loader: Any, world_size: int) -> None:
             raise ConfigError(f"the {name} loader deals its data to {made_for} rank(s), this run has {world_size}: "
                               "make loaders after fastdata.init_distributed() (the Trainer joins the group then), "
                               "or pass rank and world_size")
+
+
+def _check_split(loader: Any, state: Any) -> None:
+    """Refuse, naming the split, a loader state saved with --val-fraction on a run without it, or the other way
+    round. A state of the whole dataset has no split key to compare, so the loader's count check answered
+    first and called it another dataset. Anything else is left to the loader's own checks."""
+    ds = getattr(loader, "dataset", None)
+    if not isinstance(state, dict) or "mixture" in state or not isinstance(state.get("num_samples"), int):
+        return
+    saved, version = state.get("dataset_sha256"), getattr(ds, "manifest_sha256", None)
+    if saved is not None and version is not None and saved != version:
+        return  # another version of the dataset: the loader says so
+    was, now, n = _fraction(state.get("dataset_key")), _fraction(getattr(ds, "state_key", None)), state["num_samples"]
+    base = getattr(ds, "base", None)  # (a split's dataset)
+    if was is None and now is not None and base is not None and n == len(base) != len(ds):
+        raise ConfigError(f"the checkpoint's loader state is for all {n} samples of the dataset, and this run trains "
+                          f"on the train split of --val-fraction {now} ({len(ds)} samples): resume without "
+                          "--val-fraction, as the run started, or start the run over")
+    if was is not None and now is None and ds is not None and n != len(ds):
+        raise ConfigError(f"the checkpoint's loader state is for the train split of --val-fraction {was} ({n} "
+                          f"samples), and this run trains on all {len(ds)} samples of the dataset: resume with "
+                          f"--val-fraction {was}, as the run started, or start the run over")
+
+
+def _fraction(key: Any) -> Optional[float]:
+    """A split's --val-fraction, from its state key (None: no split)."""
+    return key.get("val_fraction") if isinstance(key, dict) else None
 
 
 def _check_validation(cfg: TrainConfig, val_loader: Any) -> None:
