@@ -50,6 +50,12 @@ LOADERS = textwrap.dedent('''
 
     def token_batches():
         return [(torch.zeros(4, 128, dtype=torch.long), torch.zeros(4, 128, dtype=torch.long))] * 100
+
+    def one_shot():   # a generator: iterated again, it hands back itself, used up
+        return (torch.zeros(8, 3, 16, 16) for _ in range(3))
+
+    def one_shot_tokens():
+        return (torch.zeros(4, 128, dtype=torch.long) for _ in range(40))
 ''')
 
 
@@ -115,6 +121,20 @@ def test_batches_that_are_not_images_are_timed_without_a_model_step(user_loaders
     r = diagnose_loader("myloaders:token_batches", device="cpu", seconds=1)
     assert r["model"] is None and "not images" in r["model_skipped"] and r["batch_shape"] == [4, 128]
     assert "takes" in r["verdict"] and r["steps"] > 10
+
+
+def test_a_loader_that_runs_out_is_said_so_not_spun_on_until_the_budget(user_loaders, capsys):
+    from fastdata.cli.bench import diagnose_loader
+
+    # (before: it spun on the used-up generator for the whole --seconds, then judged it from 2 steps)
+    assert main(["bench", "--loader", "myloaders:one_shot", "--seconds", "10", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == (
+        "fastdata: error: --loader myloaders:one_shot ran out after 3 batches and yields nothing when iterated again "
+        "(a generator is used up after one pass): too few steps to measure; return a loader that can be iterated "
+        "again, e.g. a DataLoader\n")
+    r = diagnose_loader("myloaders:one_shot_tokens", device="cpu", seconds=60)  # enough steps: timed, and said
+    assert (r["steps"], r["ran_out"]) == (39, 40)
+    assert r["verdict"].endswith("(over 39 steps: the loader ran out after 40 batches and cannot be iterated again)")
 
 
 @pytest.mark.parametrize("spec, needle", [("myloaders:broken", "raised ValueError: no such bucket"),
@@ -210,6 +230,24 @@ def test_advice_names_partial_jpeg_decoding_only_for_a_jpeg_store_without_it(ind
     assert not any("fastdata[jpeg]" in t for t in advice(report, npy, torch.device("cpu")))
     monkeypatch.setattr(turbo, "library", lambda: object())
     assert not any("fastdata[jpeg]" in t for t in advice(report, lmdb, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("threads, more", [(4, False), (2, True)])
+def test_decode_bound_advice_asks_for_more_threads_only_while_cores_are_idle(monkeypatch, threads, more):
+    import os
+
+    import torch
+
+    from fastdata.cli.bench import advice
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    stage = {"images_per_s": 1e9, "gb_per_s": 1.0}
+    report = {"stages": {name: stage for name in ("storage read (page cache)", "batch gather", "FastLoader")},
+              "ceiling_images_per_s": 1.0, "samples": 100, "sample_shape": [3, 8, 8], "data_stall_pct": 0.0,
+              "machine": {"memory_bytes": 0}, "bottleneck": "decode", "num_threads": threads}
+    tip = ("JPEG decoding bounds the pipeline: " + "more loader threads (num_threads, up to 4), " * more
+           + "records stored smaller (`fastdata preprocess --size`), or decoding on the GPU (fastdata.dali.DALILoader)")
+    assert advice(report, object(), torch.device("cpu")) == [tip]  # (4 threads on 4 cores: "more threads", before)
 
 
 # -- the verdict: decode-, loader-, model-bound, in steady state ----------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import threading
 
 import pytest
@@ -275,3 +276,23 @@ def test_loader_threads_share_torchs_intraop_threads_and_leave_the_others_alone(
         assert fresh == [4]  # a thread started afterwards takes torch's setting, not a loader thread's
     finally:
         torch.set_num_threads(before)
+
+
+NOT_AUTOTUNE = "is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"storage": "ram", "loader": {"threads": 2}},
+     ": unknown loader settings ['threads'] (FastLoader takes ['num_threads', 'pin_memory', 'prefetch'])"),
+    ({"storage": "ram"}, " " + NOT_AUTOTUNE),  # (a bare KeyError: 'loader')
+    ({"loader": {"num_threads": 2}}, " " + NOT_AUTOTUNE)])
+def test_from_config_checks_a_dict_as_it_checks_a_file(ds, tmp_path, config, message):
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as from_file:
+        FastLoader.from_config(ds, 16, path)
+    with pytest.raises(ConfigError) as from_dict:  # (a raw TypeError from FastLoader's constructor, or none)
+        FastLoader.from_config(ds, 16, config)
+    assert (str(from_file.value), str(from_dict.value)) == (f"{path}{message}", f"the config dict{message}")
+    good = FastLoader.from_config(ds, 16, {"storage": "ram", "loader": {"num_threads": 2, "prefetch": 1}})
+    assert (good.num_threads, good.prefetch) == (2, 1)

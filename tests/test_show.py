@@ -89,6 +89,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert "no-such-folder does not exist: make it" in err and "argument data: an empty path" in err
 
 
+def test_the_count_printed_is_the_samples_drawn_not_n(tmp_path, capsys):
+    data, png = _detection(tmp_path), tmp_path / "g.png"  # 4 samples
+    capsys.readouterr()
+    assert main(["show", str(data), "-n", "1000", "-o", str(png)]) == 0
+    assert capsys.readouterr().out == f"{data}: 4 samples drawn in {png}\n"  # (said 1000)
+    assert show.show(data, 3, png) == (png, 3)
+
+
 def test_a_url_with_a_password_is_shown_without_it(tmp_path, capsys):
     """The success line printed the URL as given, its password included."""
     import functools

@@ -480,3 +480,73 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--per-class", "8"]) == 0
     out = capsys.readouterr().out
     assert "preprocessed 32 images" in out and "verify: OK" in out and "FastLoader" in out and "total time" in out
+
+
+def test_inspect_names_no_classes_or_label_dtype_for_a_dataset_without_class_labels(tmp_path, capsys):
+    from PIL import Image
+
+    src = tmp_path / "src"
+    for sub in ("images", "masks"):
+        (src / sub).mkdir(parents=True)
+    for i in range(3):  # a segmentation set: masks, no class labels
+        Image.new("RGB", (24, 24), (9 * i, 90, 200)).save(src / "images" / f"{i}.png")
+        Image.new("L", (24, 24), i).save(src / "masks" / f"{i}.png")
+    assert main(["preprocess", "images", str(src), str(tmp_path / "seg"), "--size", "16", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "seg")]) == 0
+    text = capsys.readouterr().out
+    assert "field:     mask: mask" in text  # (before: "label_dtype:  <i8" and "classes:   0")
+    assert not [line for line in text.splitlines() if line.startswith(("label_dtype:", "classes:"))]
+
+
+@pytest.mark.parametrize("args, name, what", [(["verify", ""], "path", "a folder, a file or a URL"),
+                                              (["inspect", ""], "path", "a folder, a file or a URL"),
+                                              (["push", "", "URL"], "data", "a dataset folder"),
+                                              (["bench", "", "--seconds", "1", "--model", "none", "--device", "cpu",
+                                                "--quiet"], "data", "a dataset folder")])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(indexed_datasets, tmp_path, monkeypatch, capsys,
+                                                                 args, name, what):
+    monkeypatch.chdir(indexed_datasets["npy"])  # (an unset variable: verify, inspect, push and bench read this)
+    args = [a.replace("URL", (tmp_path / "pushed").as_uri()) for a in args]
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"fastdata {args[0]}: error: argument {name}: an empty path: "
+                                                        f"give {what}")
+    assert not (tmp_path / "pushed").exists()
+
+
+def test_demo_remakes_its_jpegs_when_they_are_not_what_this_run_writes(tmp_path, capsys):
+    from fastdata.cli import demo
+    from fastdata.cli.synthetic import make_image_folder
+    from fastdata.errors import ConfigError
+
+    out, names = tmp_path / "demo", [f"class_{c}/img_{i:04d}.jpg" for c in range(4) for i in range(2)]
+    make_image_folder(out / "jpeg", per_class=3, sizes=((40, 30),))  # an earlier run's: 3 per class
+    assert main(["demo", "--out", str(out), "--per-class", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "writing 8 JPEG files" in text and "preprocessed 8 images" in text  # (before: 12, 4 of them stale)
+    assert sorted(p.relative_to(out / "jpeg").as_posix() for p in (out / "jpeg").rglob("*") if p.is_file()) == names
+    made = {p: p.stat().st_mtime_ns for p in (out / "jpeg").rglob("*.jpg")}
+    assert demo._demo_images(out, 4, 2, 0) == out / "jpeg" and capsys.readouterr().out == ""  # the same: reused
+    assert {p: p.stat().st_mtime_ns for p in (out / "jpeg").rglob("*.jpg")} == made
+    demo._demo_images(out, 4, 2, 1)  # another seed: the same names, other pixels
+    assert capsys.readouterr().out.startswith("writing 8 JPEG files")
+    (out / "jpeg" / "notes.txt").write_text("mine")  # a file the demo does not write: refused, kept
+    with pytest.raises(ConfigError, match="holds files the demo does not write \\(notes.txt\\)"):
+        demo._demo_images(out, 4, 3, 0)
+    assert (out / "jpeg" / "notes.txt").read_text() == "mine"
+
+
+def test_demo_out_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert main(["demo", "--out", str(afile)]) == 1  # (a NotADirectoryError traceback)
+    assert capsys.readouterr().err == (f"fastdata: error: demo folder {afile} is a file: give the demo a folder to "
+                                       "work in (fastdata demo --out DIR)\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "jpeg").write_text("mine")  # a file where the demo's JPEG folder goes
+    assert main(["demo", "--out", str(tmp_path / "out"), "--per-class", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastdata: error: cannot write {tmp_path / 'out' / 'jpeg'}: Not a directory; a file stands")
+    assert err.count("\n") == 1 and afile.read_text() == (tmp_path / "out" / "jpeg").read_text() == "mine"

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError, FastdataError, require
 from ..imaging import turbojpeg as turbo
+from ..train.models import image_models
 from .timing import (ModelStep, PlainCopies, Repeat, machine, read_rate, steady_pipeline, step_chunk, sync,
                      timed_rate)
 
@@ -34,13 +35,6 @@ def _check(batch_size: Optional[int], seconds: float) -> None:
     require(isinstance(seconds, (int, float)) and seconds >= 0, "seconds", seconds, "a number of seconds >= 0")
 
 
-def _image_models() -> list[str]:
-    """The models a bench step can train on image batches (gpt-tiny reads tokens)."""
-    from ..train.models import MODELS
-
-    return sorted(m for m in MODELS if m != "gpt-tiny")
-
-
 def _check_fits(model: str, height: int, width: int) -> None:
     """Refuse, before anything is measured, images smaller than ``model`` takes (as `fastdata train` does):
     else its first step fails once the stages' budget is spent."""
@@ -50,6 +44,7 @@ def _check_fits(model: str, height: int, width: int) -> None:
         image_model(model, 2, min(height, width))
 
 
+MIN_STEPS = 10  # --loader: fewer timed steps from a loader that ran out give no verdict (a mean of noise)
 LOADER, PINNED, PAGEABLE = "FastLoader", "host-to-device copy (pinned)", "host-to-device copy (pageable)"
 CEILING, FULL = "model step, synthetic data on the device (ceiling)", "full pipeline"
 
@@ -84,7 +79,7 @@ def bench_pipeline(data: Path, *, model: str = "resnet50", batch_size: int = 256
     from ..progress import progress_bar
 
     _check(batch_size, seconds)
-    require(model == "none" or model in _image_models(), "model", model, f"one of {_image_models()} or 'none'")
+    require(model == "none" or model in image_models(), "model", model, f"one of {image_models()} or 'none'")
     require(storage in ("mmap", "ram", "shm"), "storage", storage, "'mmap', 'ram' or 'shm'")
     require(num_threads is None or (isinstance(num_threads, int) and num_threads > 0), "num_threads", num_threads,
             "a positive integer")
@@ -205,10 +200,12 @@ def advice(report: dict[str, Any], ds: Any, dev: torch.device) -> list[str]:
     if st["storage read (page cache)"]["images_per_s"] < ceiling and fits:
         tips.append(f"the dataset ({dataset_bytes / 2**30:.1f} GiB) fits in RAM: storage='shm' (one copy per machine) "
                     "or 'ram' avoids reading files while training")
+    idle = (report.get("num_threads") or 0) < cores  # more threads only while cores are: N on N use every one
     if report.get("bottleneck") == "decode":
-        tips.append(f"JPEG decoding bounds the pipeline: more loader threads (num_threads, up to {cores}), records "
-                    "stored smaller (`fastdata preprocess --size`), or decoding on the GPU (fastdata.dali.DALILoader)")
-    elif loader < ceiling and loader < 2 * gather and cores > 2:
+        threads = f"more loader threads (num_threads, up to {cores}), " if idle else ""
+        tips.append(f"JPEG decoding bounds the pipeline: {threads}records stored smaller (`fastdata preprocess "
+                    "--size`), or decoding on the GPU (fastdata.dali.DALILoader)")
+    elif loader < ceiling and loader < 2 * gather and cores > 2 and idle:
         tips.append(f"FastLoader gives {loader:,.0f} images/s for a model that takes {ceiling:,.0f}: raise num_threads "
                     f"(up to {cores}) or run `fastdata bench --autotune`")
     if dev.type == "cuda":
@@ -315,7 +312,8 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     The model defaults to ``resnet50`` on a GPU and ``cnn-small`` on the CPU, and its step is split into
     chunks that fit the device (`fastdata.cli.timing.step_chunk`): a CPU machine gets a verdict in
     seconds, not a 19 GB ResNet-50 step. Batches that are not images are timed without a model step,
-    and the report says why.
+    and the report says why. A loader that cannot be iterated again (a generator) is timed over the batches
+    it gives, and refused when they are fewer than `MIN_STEPS`.
     """
     from ..distributed import check_cuda, resolve_device
 
@@ -325,7 +323,7 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
     dev = resolve_device(device)
     check_cuda(dev, "use --device cpu")
     name = model or ("resnet50" if dev.type == "cuda" else "cnn-small")
-    require(name in _image_models(), "model", name, f"one of {_image_models()}")
+    require(name in image_models(), "model", name, f"one of {image_models()}")
     factory = load_factory(spec)
     try:
         loader = factory()
@@ -358,18 +356,27 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
         net.step(x, y)  # warm-up outside the timed region
         sync()
     waits, works, t_end = [], [], time.perf_counter() + seconds
+    restarted, ran_out = False, None  # ran_out: the batches a one-shot loader gave before it was used up
     while time.perf_counter() < t_end and len(waits) < max_steps:
         t = time.perf_counter()
         batch = _next_batch(it, spec)  # the batch itself is not needed: only how long it took to come
         if batch is None:
-            it = iter(loader)
+            if restarted:  # iterated again, it gave nothing: a generator hands back itself, used up (else a busy spin)
+                ran_out = len(waits) + 1  # (+ the first batch, timed apart)
+                break
+            it, restarted = iter(loader), True
             continue
+        restarted = False
         t1 = time.perf_counter()
         if net is not None:
             net.step(x, y)
             sync()
         waits.append(t1 - t)
         works.append(time.perf_counter() - t1)
+    if ran_out is not None and len(waits) < MIN_STEPS:
+        raise FastdataError(f"--loader {spec} ran out after {ran_out} batch{'es' * (ran_out != 1)} and yields nothing "
+                            "when iterated again (a generator is used up after one pass): too few steps to measure; "
+                            "return a loader that can be iterated again, e.g. a DataLoader")
     if not waits:
         raise FastdataError(f"--loader {spec} yielded no batch in {seconds:.0f} s")
     wait, work = float(np.mean(waits)), float(np.mean(works))
@@ -381,12 +388,15 @@ def diagnose_loader(spec: str, *, model: Optional[str] = None, batch_size: Optio
                    f"{100 * share:.0f}% of the step")
     else:
         verdict = f"the loader keeps up: each step waits {1000 * wait:.1f} ms for data, {100 * share:.0f}% of the step"
+    if ran_out is not None:
+        verdict += (f" (over {len(waits)} steps: the loader ran out after {ran_out} batches and cannot be iterated "
+                    "again)")
     return {"loader": spec, "steps": len(waits), "wait_ms": 1000 * wait, "work_ms": 1000 * work, "wait_share": share,
             "bottleneck": share > 0.1, "verdict": verdict, "model": name if net is not None else None,
             "model_skipped": skipped, "batch_shape": list(x0.shape) if x0 is not None else None,
             "batch_dtype": str(x0.dtype) if x0 is not None else None,
             "model_input_shape": list(x.shape) if x is not None else None,
-            "model_chunk": net.max_chunk if net is not None else None, "first_batch_s": first_s,
+            "model_chunk": net.max_chunk if net is not None else None, "first_batch_s": first_s, "ran_out": ran_out,
             "batch_size": x.shape[0] if x is not None else (x0.shape[0] if x0 is not None and x0.ndim else None),
             "device": str(dev), "machine": machine()}
 

@@ -21,6 +21,22 @@ def add_retry_seconds(cmd: argparse.ArgumentParser) -> None:
                           "with one line (default 120; retried with backoff and jitter)")
 
 
+def path_or_url(text: str) -> str | Path:
+    """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    from ..storage.object_store import is_url
+
+    if not text.strip():  # (an unset shell variable: Path("") is the current folder)
+        raise argparse.ArgumentTypeError("an empty path: give a folder, a file or a URL")
+    return text if is_url(text) else Path(text)
+
+
+def local_path(text: str) -> Path:
+    """A local folder argument (``push DATA``, ``bench DATA``), refused when empty as `path_or_url` is."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a dataset folder")
+    return Path(text)
+
+
 def _verify(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..formats.manifest import load_columns, total_bytes
@@ -133,8 +149,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if info.get("num_samples") is not None:
         print(f"samples:   {info['num_samples']}" + (f" ({info['skipped']} source files skipped)" if info["skipped"]
                                                      else ""))
+    # (a dataset of fields has a label only in a field 'label': a mask's or a regression's manifest still
+    # names a label_dtype, which no batch carries)
+    labelled = "fields" not in info or "label" in info["fields"]
     for key in ("sample_shape", "dtype", "layout", "label_dtype", "shard_size", "max_short_side", "encoding"):
-        if key in info:
+        if key in info and (key != "label_dtype" or labelled):
             print(f"{key + ':':<13} {info[key]}")
     for name, desc in info.get("fields", {}).items():
         print(f"field:     {name}: {desc}")
@@ -150,7 +169,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"{name + ':':<10} {sp['tokens']:,} tokens{docs}, {sp['shards']} shards")
         if isinstance(info.get("bytes_per_token"), (int, float)):
             print(f"bytes/token: {info['bytes_per_token']:.2f}")
-    if "classes" in info:
+    if info.get("classes"):  # (none: no class labels, not "classes: 0")
         print(f"classes:   {len(info['classes'])}")
         for name, count in info["classes"].items():
             print(f"  {count:>8}  {name}")
@@ -248,8 +267,9 @@ def _add_list_remove(sub: Any, name: str, help: str, things: str, every: str, di
 def add_data_commands(sub: Any) -> None:
     """Register the commands above on the ``fastdata`` subparsers."""
     ver = sub.add_parser("verify", help="re-hash every file against the manifest (exit 0 only if intact)")
-    ver.add_argument("path", help="dataset folder or URL (s3://..., gs://...: the objects in the store are "
-                                  "hashed as they stream; this node's cache of it is checked apart)")
+    ver.add_argument("path", type=path_or_url,
+                     help="dataset folder or URL (s3://..., gs://...: the objects in the store are hashed as they "
+                          "stream; this node's cache of it is checked apart)")
     ver.add_argument("--quiet", action="store_true")
     ver.add_argument("--workers", type=int, default=None,
                      help="files hashed at once (default: this machine's cores, at most 8; a URL: 8 objects)")
@@ -257,7 +277,7 @@ def add_data_commands(sub: Any) -> None:
     ver.set_defaults(func=_verify)
 
     pu = sub.add_parser("push", help="upload a finished dataset to object storage (manifest last; reruns resume)")
-    pu.add_argument("data", type=Path)
+    pu.add_argument("data", type=local_path, help="dataset folder")
     pu.add_argument("url", help="fsspec URL: s3://bucket/prefix, gs://..., az://..., file://...")
     pu.add_argument("--workers", type=int, default=8, help="parallel uploads (default 8)")
     pu.add_argument("--quiet", action="store_true")
@@ -265,7 +285,7 @@ def add_data_commands(sub: Any) -> None:
     pu.set_defaults(func=_push)
 
     ins = sub.add_parser("inspect", help="what a dataset folder (or URL) holds")
-    ins.add_argument("path", help="dataset folder or URL (only its manifest is downloaded)")
+    ins.add_argument("path", type=path_or_url, help="dataset folder or URL (only its manifest is downloaded)")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     add_retry_seconds(ins)
     ins.set_defaults(func=_inspect)

@@ -7,15 +7,24 @@ crop) over the same files. Then a small CNN trains on 80% of the images through 
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from .._io import disk_error, make_folder, write_json_atomic
+from ..errors import ConfigError
 from ..formats.integrity import verify
 from ..imaging.decode_file import load_array
 from ..preprocess.images import ImagePreprocessConfig, preprocess_images
 from .synthetic import make_image_folder
+
+SIZES = ((500, 375), (375, 500))  # the demo's JPEGs, landscape and portrait
+STAMP = "jpeg.json"  # in out: the settings the JPEGs in out/jpeg were made with, written once they all are
+DEMO_FILE = re.compile(r"class_\d+/img_\d{4,}\.jpg")  # what make_image_folder writes, and nothing else
 
 
 class _PillowFiles:
@@ -78,17 +87,63 @@ def _train(data: Path, seed: int) -> tuple[float, float]:
     return trainer.evaluate()["val_accuracy"], time.perf_counter() - t
 
 
+def _read_stamp(stamp: Path) -> Optional[Any]:
+    try:
+        return json.loads(stamp.read_text())
+    except (OSError, ValueError):  # (none yet, or cut short: the images are made again)
+        return None
+
+
+def _demo_images(out: Path, num_classes: int, per_class: int, seed: int) -> Path:
+    """The demo's JPEG folder ``out/jpeg``, written unless it holds exactly what this run would write.
+
+    The demo owns that folder: one made with other settings, or cut short, is removed and made again (written
+    over, it kept an earlier run's extra files: 20 per class, then 5, preprocessed 80 images, not 20).
+
+    Raises:
+        ConfigError: The folder holds files the demo does not write (it is removed only when it holds none).
+        OutputError: ``out`` cannot be written (a file where the folder should be, no permission).
+    """
+    src, stamp = out / "jpeg", out / STAMP
+    want = {"num_classes": num_classes, "per_class": per_class, "seed": seed, "sizes": [list(s) for s in SIZES]}
+    names = {f"class_{c}/img_{i:04d}.jpg" for c in range(num_classes) for i in range(per_class)}
+    have = {p.relative_to(src).as_posix() for p in src.rglob("*") if not p.is_dir()} if src.is_dir() else set()
+    if have == names and _read_stamp(stamp) == want:
+        return src
+    strange = sorted(name for name in have if not DEMO_FILE.fullmatch(name))
+    if strange:
+        raise ConfigError(f"{src} holds files the demo does not write ({strange[0]}): give the demo a new folder "
+                          "(fastdata demo --out DIR)")
+    n = num_classes * per_class
+    print(f"writing {n} JPEG files ({num_classes} classes, 500x375 and 375x500) to {src}")
+    try:
+        stamp.unlink(missing_ok=True)
+        if src.is_symlink():
+            src.unlink()  # (the link alone: never the files it points to)
+        elif src.is_dir():
+            shutil.rmtree(src)
+    except OSError as exc:
+        raise disk_error(exc, src) from exc
+    make_image_folder(src, num_classes=num_classes, per_class=per_class, sizes=SIZES, seed=seed)
+    write_json_atomic(stamp, want)  # last: a run cut short leaves no stamp, and the next one starts over
+    return src
+
+
 def run_demo(out: Path, *, num_classes: int = 4, per_class: int = 100, size: int = 64, batch_size: int = 64,
              seed: int = 0) -> dict[str, float]:
-    """Run the demo in ``out`` (created; reused when it already holds the images); returns the figures."""
+    """Run the demo in ``out`` (created; its JPEGs reused when they are what this run would write); returns
+    the figures.
+
+    Raises:
+        ConfigError: ``out/jpeg`` holds files the demo does not write.
+        OutputError: ``out`` is a file, or cannot be written.
+    """
     t_start = time.perf_counter()
     out = Path(out)
-    src, data = out / "jpeg", out / "dataset"
-    n = num_classes * per_class
-    if len(list(src.rglob("*.jpg"))) != n:
-        print(f"writing {n} JPEG files ({num_classes} classes, 500x375 and 375x500) to {src}")
-        make_image_folder(src, num_classes=num_classes, per_class=per_class, sizes=((500, 375), (375, 500)),
-                          seed=seed)
+    make_folder(out, "demo folder", f"demo folder {out} is a file: give the demo a folder to work in "
+                "(fastdata demo --out DIR)")
+    src = _demo_images(out, num_classes, per_class, seed)
+    data = out / "dataset"
     t = time.perf_counter()
     manifest = preprocess_images(ImagePreprocessConfig(src=src, out=data, size=size, overwrite=True))
     t_pre = time.perf_counter() - t

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from .._io import disk_error, require_folder_of, scrub
 from ..errors import ConfigError, FastdataError
-from .data import add_data_commands, add_retry_seconds, retry_seconds
+from .data import add_data_commands, add_retry_seconds, local_path, path_or_url, retry_seconds
 
 
 def _preprocess_images(args: argparse.Namespace) -> int:
@@ -55,15 +55,6 @@ def _add_ray(parser: argparse.ArgumentParser) -> None:
                         help="run the work as Ray tasks on the cluster at ADDRESS (HOST:PORT; alone: the cluster "
                              "on this machine, or a new local one); the same output bytes (pip install "
                              "'fastdata[ray]')")
-
-
-def _path_or_url(text: str) -> str | Path:
-    """A dataset argument: a URL stays a string (``Path`` would fold ``s3://`` into ``s3:/``)."""
-    from ..storage.object_store import is_url
-
-    if not text.strip():  # (an unset shell variable: Path("") is the current folder)
-        raise argparse.ArgumentTypeError("an empty path: give a folder, a file or a URL")
-    return text if is_url(text) else Path(text)
 
 
 def _share_or_auto(text: str) -> float | str:
@@ -213,7 +204,8 @@ def _show(args: argparse.Namespace) -> int:
     from .show import show
 
     opts = {"cache_dir": args.cache_dir} if args.cache_dir else {}
-    print(f"{scrub(str(args.data))}: {args.n} samples drawn in {show(args.data, args.n, args.out, **opts)}")
+    out, drawn = show(args.data, args.n, args.out, **opts)  # (drawn < -n when the dataset has fewer samples)
+    print(f"{scrub(str(args.data))}: {drawn} samples drawn in {out}")
     return 0
 
 
@@ -237,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preprocess", help="turn raw data into a fastdata dataset folder")
     pre_sub = pre.add_subparsers(dest="kind", required=True, metavar="KIND")
     img = pre_sub.add_parser("images", help="images (and masks, boxes, labels, captions) -> .npy shards or JPEG LMDB")
-    img.add_argument("src", type=_path_or_url, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records "
+    img.add_argument("src", type=path_or_url, help="ImageFolder tree, a path,label .csv, a .jsonl/.csv of records "
                      "(with an 'image' column), a folder with images/ and masks/, .parquet file(s), WebDataset .tar "
                      "shards (a folder, a .tar, or a brace pattern such as shards/{00000..00009}.tar; a URL too), or "
                      "(with --coco) the image folder")
@@ -291,10 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     D = TrainConfig  # every training default lives in TrainConfig: one default per option
     tr = sub.add_parser("train", help="train a model on a dataset folder (add torchrun for DDP)")
-    tr.add_argument("data", type=_path_or_url, nargs="?", default=None,
+    tr.add_argument("data", type=path_or_url, nargs="?", default=None,
                     help="dataset folder made by `fastdata preprocess`, or its URL "
                                                     "(s3://..., gs://...: streamed through the node cache)")
-    tr.add_argument("--val", type=_path_or_url, default=None, help="validation dataset folder or URL")
+    tr.add_argument("--val", type=path_or_url, default=None, help="validation dataset folder or URL")
     tr.add_argument("--mix", action="append", default=None, metavar="NAME=PATH:WEIGHT",
                     help="train on a mixture instead of DATA: repeat for each source (or give one JSON/TOML file); "
                          "--resume with other weights goes on where every source stopped (docs/mixtures.md)")
@@ -351,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_train)
 
     be = sub.add_parser("bench", help="find where a training pipeline waits; --autotune the loader")
-    be.add_argument("data", type=Path, nargs="?", default=None, help="dataset folder")
+    be.add_argument("data", type=local_path, nargs="?", default=None, help="dataset folder")
     be.add_argument("--model", default=None, help="default resnet50; --loader: resnet50 on a GPU, cnn-small on the "
                     "CPU; 'none': the data pipeline alone, to the device")
     be.add_argument("--batch-size", type=int, default=None, help="default 256; --loader: the loader's own")
@@ -373,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=_bench)
 
     sh = sub.add_parser("show", help="draw a grid of samples (class names, masks, boxes, captions) into a PNG")
-    sh.add_argument("data", type=_path_or_url, help="image dataset folder or URL")
+    sh.add_argument("data", type=path_or_url, help="image dataset folder or URL")
     sh.add_argument("-n", type=int, default=16, help="how many samples, spread over the dataset (default 16)")
     sh.add_argument("-o", "--out", type=Path, default=Path("grid.png"), help="PNG to write (default grid.png)")
     sh.add_argument("--cache-dir", default=None, help="URL datasets: the node cache (default $FASTDATA_CACHE)")

@@ -153,17 +153,18 @@ def _tokenizer(manifest: dict[str, Any]) -> Optional[Any]:
         return None
 
 
-def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png", **open_kwargs: Any) -> Path:
+def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png",
+         **open_kwargs: Any) -> tuple[Path, int]:
     """Write a grid of ``n`` samples of the image dataset ``data`` (a folder or URL) to the PNG ``out``.
 
     Args:
         data: the dataset folder or URL.
-        n: how many samples (1..1024).
+        n: how many samples (1..1024; all of them when the dataset has fewer).
         out: the PNG file to write.
         **open_kwargs: passed to `FastDataset` (``cache_dir``, ``storage_options``, ...).
 
     Returns:
-        The PNG's path.
+        The PNG's path and how many samples it shows.
 
     Raises:
         ConfigError: ``n`` out of range, or ``out`` not a ``.png`` in a folder that exists.
@@ -179,7 +180,7 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
         raise ConfigError(f"out must be a .png file, got out={str(out)!r}")
     require_folder_of(out, "out")  # (said before any shard is read)
     # a URL's image shards stream through the node cache: only the shown samples' shards are fetched
-    grid, _ = render(FastDataset(data, storage="mmap", **open_kwargs), n)
+    grid, cells = render(FastDataset(data, storage="mmap", **open_kwargs), n)
     tmp = out.with_name(out.name + ".tmp")
     try:
         tmp.unlink(missing_ok=True)  # (a leftover, or a link at its name: never written through)
@@ -187,4 +188,4 @@ def show(data: Union[str, Path], n: int = 16, out: Union[str, Path] = "grid.png"
         tmp.replace(out)
     except OSError as exc:
         raise disk_error(exc, out) from exc
-    return out
+    return out, len(cells)  # (fewer than n for a smaller dataset)

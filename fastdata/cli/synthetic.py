@@ -11,6 +11,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from .._io import disk_error
+
 
 def synthetic_image(rng: np.random.Generator, label: int, num_classes: int, width: int, height: int) -> np.ndarray:
     """One ``(height, width, 3)`` uint8 image of class ``label``."""
@@ -29,17 +31,24 @@ def synthetic_image(rng: np.random.Generator, label: int, num_classes: int, widt
 def make_image_folder(root: Path | str, *, num_classes: int = 4, per_class: int = 25,
                       sizes: Sequence[tuple[int, int]] = ((500, 375), (375, 500), (640, 480)), ext: str = ".jpg",
                       quality: int = 90, seed: int = 0) -> list[Path]:
-    """Write an ImageFolder tree ``root/class_k/img_nnnn.ext``; returns the files in sample order."""
+    """Write an ImageFolder tree ``root/class_k/img_nnnn.ext``; returns the files in sample order.
+
+    Raises:
+        OutputError: A folder or file cannot be written (a file where a folder should be, a full disk).
+    """
     root = Path(root)
     rng = np.random.default_rng(seed)
     files = []
-    for c in range(num_classes):
-        folder = root / f"class_{c}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            w, h = sizes[(c * per_class + i) % len(sizes)]
-            path = folder / f"img_{i:04d}{ext}"
-            kwargs = {"quality": quality} if ext.lower() in (".jpg", ".jpeg") else {}
-            Image.fromarray(synthetic_image(rng, c, num_classes, w, h)).save(path, **kwargs)
-            files.append(path)
+    try:
+        for c in range(num_classes):
+            folder = root / f"class_{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                w, h = sizes[(c * per_class + i) % len(sizes)]
+                path = folder / f"img_{i:04d}{ext}"
+                kwargs = {"quality": quality} if ext.lower() in (".jpg", ".jpeg") else {}
+                Image.fromarray(synthetic_image(rng, c, num_classes, w, h)).save(path, **kwargs)
+                files.append(path)
+    except OSError as exc:  # (one line, not a NotADirectoryError traceback: a file where a folder should be)
+        raise disk_error(exc, root) from exc
     return files

@@ -63,11 +63,25 @@ def load_config(path: Union[Path, str]) -> dict[str, Any]:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
+    return check_config(cfg, str(path))
+
+
+def check_config(cfg: Any, where: str = "the config dict") -> dict[str, Any]:
+    """Refuse anything but an ``--autotune`` config (read from a file or given as a dict); returns ``cfg``.
+
+    Args:
+        cfg: The parsed config.
+        where: Its name in the messages (the file's path).
+
+    Raises:
+        ConfigError: ``cfg`` lacks ``storage`` or a ``loader`` dict, or has a loader setting FastLoader does not take.
+    """
     if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
-        raise ConfigError(f"{path} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
+        raise ConfigError(f"{where} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
     allowed = {"num_threads", "prefetch", "pin_memory"}
     if set(cfg["loader"]) - allowed:
-        raise ConfigError(f"{path}: unknown loader settings {sorted(set(cfg['loader']) - allowed)}")
+        raise ConfigError(f"{where}: unknown loader settings {sorted(set(cfg['loader']) - allowed)} (FastLoader "
+                          f"takes {sorted(allowed)})")
     return cfg
 
 
@@ -162,8 +176,13 @@ class FastLoader(SamplerBacked):
     @classmethod
     def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
         """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
-        The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``."""
-        cfg = config if isinstance(config, dict) else load_config(config)
+        The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``.
+
+        Raises:
+            ConfigError: The file cannot be read, or the config (file or dict) is not an ``--autotune`` one.
+        """
+        # a dict gets the checks a file gets: else an unknown key became a raw TypeError, no 'loader' a KeyError
+        cfg = check_config(config) if isinstance(config, dict) else load_config(config)
         tuned = dict(cfg["loader"])
         if not torch.cuda.is_available():  # (tuned on a GPU machine: pinned memory is for copies to a GPU)
             tuned.pop("pin_memory", None)

@@ -125,7 +125,8 @@ def _unit_file(folder: Path, name: str, store: Optional[store_out.StoreOut]) -> 
 
 def summary(manifest: dict[str, Any], limit: int = 10) -> str:
     """The one-paragraph report the CLI prints on stderr (skipped files named)."""
-    lines = [f"{manifest['num_samples']} samples in {len(manifest['classes'])} classes -> {manifest['format']}"]
+    classes = f" in {len(manifest['classes'])} classes" if manifest["classes"] else ""  # (masks, vectors: none)
+    lines = [f"{manifest['num_samples']} samples{classes} -> {manifest['format']}"]
     if "fields" in manifest:
         lines.append("fields: " + ", ".join(f"{f['name']} ({f['kind']})" for f in manifest["fields"]))
     skipped = manifest.get("skipped", [])
