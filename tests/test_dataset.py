@@ -424,7 +424,8 @@ def test_device_storage_checks_tensor_indices_as_the_host_storages_do(indexed_da
         for ds, where in ((host, "cpu"), (dev, device), (dev, "cpu")):
             with pytest.raises(IndexError, match="1-D"):
                 ds.get_batch(idx.to(where))
-    for idx in (torch.tensor([-1, 3, -100]), torch.tensor([-1, 3, -100], dtype=torch.int32)):
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        idx = torch.tensor([-1, 3, -100], dtype=dtype)
         want = host.get_batch(idx)
         for where in (device, "cpu"):
             got = dev.get_batch(idx.to(where))

@@ -847,13 +847,18 @@ def test_a_cache_folder_under_a_folder_another_user_could_swap_is_refused(tmp_pa
     with pytest.raises(OutputError, match=rf"{root}, on the way"):  # and a cache root below it, however private
         cache_folder(root / "ds" / "deeper" / "id")
 
-    os.symlink(root, tmp_path / "link")
-    os.lchown(tmp_path / "link", 12345, 12345)
     os.chown(root, 0, 0)
-    os.chmod(root, 0o1777)  # root's sticky folder, like /tmp: fine, but not through another user's link
+    os.chmod(root, 0o1777)  # root's sticky folder, like /tmp: fine, but not through another user's link in it
     cache_folder(root / "ds2")
-    with pytest.raises(OutputError, match=rf"{tmp_path}/link, on the way .* is a link of user 12345"):
-        cache_folder(tmp_path / "link" / "ds3")
+    target = tmp_path / "target"
+    target.mkdir()
+    for where in (tmp_path / "link", root / "link"):
+        os.symlink(target, where)
+        os.lchown(where, 12345, 12345)
+    cache_folder(tmp_path / "link" / "ds3")  # (a link's target cannot change; only this user may replace it here)
+    with pytest.raises(OutputError, match=rf"{root}/link, on the way .* is a link of user 12345, who may replace "
+                                          "it in a folder open to all"):
+        cache_folder(root / "link" / "ds4")
 
     shared = tmp_path / "shared"  # a project folder of this user's group, made by another member: trusted
     shared.mkdir()

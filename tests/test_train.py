@@ -1260,6 +1260,12 @@ def test_train_config_refuses_counts_that_are_not_integers_and_rates_out_of_rang
     assert str(e.value) == said
 
 
+def test_train_config_takes_whole_floats_as_counts_and_any_momentum_for_adamw():
+    # max_steps=1e4 and log_every=10.0 ran before the counts were checked; AdamW reads no momentum
+    c = TrainConfig(max_steps=1e4, log_every=10.0, epochs=3.0, optimizer="adamw", momentum=1.0)
+    assert (c.max_steps, c.log_every, c.epochs) == (10000, 10, 3) and type(c.max_steps) is int
+
+
 def test_a_negative_field_of_a_duration_is_refused():
     for text in ("1:-30", "-5", "1:nan"):  # "1:-30" was 60 - 30 = 30 s
         with pytest.raises(ConfigError) as e:

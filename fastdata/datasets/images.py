@@ -309,7 +309,8 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
                 if indices.ndim != 1 or indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
                     raise IndexError(f"indices must be a 1-D tensor of integers, got shape {tuple(indices.shape)} "
                                      f"dtype {indices.dtype}")
-                idx_t = torch.where(indices < 0, indices + len(self), indices).long()
+                idx_t = indices.long()  # (widened first: int16 indices + len would wrap)
+                idx_t = torch.where(idx_t < 0, idx_t + len(self), idx_t)
             else:
                 idx_t = torch.from_numpy(self._indices(indices)).to(self.device)
             x = torch.index_select(self._dev, 0, idx_t, out=out[: len(idx_t)] if out is not None else None)

@@ -16,6 +16,7 @@ are sequential in the page cache and let a multi-shard gather write each shard's
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -57,28 +58,37 @@ class SlotBuffers:
         return buf[:n].view(shape)
 
 
+AUTOTUNED = {"num_threads", "prefetch", "pin_memory"}  # what `--autotune` writes, and `train --config` reads
+
+
 def load_config(path: Union[Path, str]) -> dict[str, Any]:
     """Read an ``--autotune`` JSON (``{"storage", "loader": {...}, ...}``), refusing anything else."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read loader config {path}: {exc}") from exc
-    return check_config(cfg, str(path))
+    return check_config(cfg, str(path), storage=True)
 
 
-def check_config(cfg: Any, where: str = "the config dict") -> dict[str, Any]:
-    """Refuse anything but an ``--autotune`` config (read from a file or given as a dict); returns ``cfg``.
+def check_config(cfg: Any, where: str = "the config dict", storage: bool = False) -> dict[str, Any]:
+    """Refuse anything but a loader config: a ``loader`` dict of FastLoader's keyword arguments, or (with
+    ``storage``) an ``--autotune`` file: the dataset's ``storage`` and the loader settings it tunes, which
+    ``fastdata train --config`` reads; returns ``cfg``.
 
     Args:
         cfg: The parsed config.
         where: Its name in the messages (the file's path).
+        storage: Whether ``cfg`` is an ``--autotune`` file.
 
     Raises:
-        ConfigError: ``cfg`` lacks ``storage`` or a ``loader`` dict, or has a loader setting FastLoader does not take.
+        ConfigError: ``cfg`` lacks a ``loader`` dict (or ``storage``), or has a loader setting FastLoader does not
+            take.
     """
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or "storage" not in cfg:
-        raise ConfigError(f"{where} is not a `fastdata bench --autotune` config (needs 'storage' and 'loader')")
-    allowed = {"num_threads", "prefetch", "pin_memory"}
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("loader"), dict) or (storage and "storage" not in cfg):
+        needs = "'storage' and 'loader'" if storage else "a 'loader' dict"
+        raise ConfigError(f"{where} is not a `fastdata bench --autotune` config (needs {needs})")
+    allowed = AUTOTUNED if storage else set(inspect.signature(FastLoader.__init__).parameters) - {
+        "self", "dataset", "batch_size"}
     if set(cfg["loader"]) - allowed:
         raise ConfigError(f"{where}: unknown loader settings {sorted(set(cfg['loader']) - allowed)} (FastLoader "
                           f"takes {sorted(allowed)})")
@@ -175,13 +185,15 @@ class FastLoader(SamplerBacked):
 
     @classmethod
     def from_config(cls, dataset: Any, batch_size: int, config: Any, **kwargs: Any) -> "FastLoader":
-        """A loader with the settings of a ``fastdata bench --autotune`` JSON (path or dict); ``kwargs`` win.
-        The config's ``storage`` is for the dataset: open it with ``FastDataset(path, storage=cfg["storage"])``.
+        """A loader with the settings of a ``fastdata bench --autotune`` JSON file, or of a dict whose ``loader``
+        holds FastLoader's keyword arguments; ``kwargs`` win. A file's ``storage`` is for the dataset: open it
+        with ``FastDataset(path, storage=cfg["storage"])``.
 
         Raises:
-            ConfigError: The file cannot be read, or the config (file or dict) is not an ``--autotune`` one.
+            ConfigError: The file cannot be read or is not an ``--autotune`` one, or the dict has no ``loader``
+                dict or names an argument FastLoader does not take.
         """
-        # a dict gets the checks a file gets: else an unknown key became a raw TypeError, no 'loader' a KeyError
+        # a dict is checked too: else an unknown key became a raw TypeError, no 'loader' a KeyError
         cfg = check_config(config) if isinstance(config, dict) else load_config(config)
         tuned = dict(cfg["loader"])
         if not torch.cuda.is_available():  # (tuned on a GPU machine: pinned memory is for copies to a GPU)

@@ -64,11 +64,12 @@ class DistributedBatchSampler:
         shards: With ``shuffle_window``: each sample's shard (``num_samples`` entries).
         shard_bounds: With ``shuffle_window``: each shard's first sample, then ``num_samples`` (shards of
             consecutive samples; takes precedence over ``shards``).
-        node_size: Ranks per node, for dealing windows to nodes (default: torchrun's ``LOCAL_WORLD_SIZE``).
+        node_size: Ranks per node, for dealing windows to nodes (default: world / torchrun's ``GROUP_WORLD_SIZE``,
+            else ``LOCAL_WORLD_SIZE``).
 
     Raises:
-        ConfigError: An argument is out of range, or ``shuffle_window`` comes without ``shards`` or
-            ``shard_bounds``. ``load_state_dict`` raises it for a state of another dataset or order.
+        ConfigError: An argument (or ``$GROUP_WORLD_SIZE``) is out of range, or ``shuffle_window`` comes without
+            ``shards`` or ``shard_bounds``. ``load_state_dict`` raises it for a state of another dataset or order.
 
     Examples:
         >>> sampler = DistributedBatchSampler(len(ds), 256, seed=0)

@@ -100,7 +100,9 @@ def _check_above(start: Path, path: Path) -> None:
     2. Root's and this user's folders are trusted whatever their mode (/tmp; a home left group-writable).
     3. So is a folder only its group may write to, of a group this user is in (a project folder of a cluster:
        its members are trusted as much as the cache shared with them under ``$FASTDATA_CACHE_MODE=group``).
-    4. A link on the way is another user's to point elsewhere; the folders it leads to are walked too.
+    4. A link's own mode means nothing and its target cannot change: another user's link is refused only in a
+       sticky folder others may write to (/tmp), where its owner may replace it. The folders it leads to are
+       walked too.
     One lstat a folder (~10 a call), each time a cache folder is opened: nothing beside a download."""
     me, groups = os.geteuid(), {os.getegid(), *os.getgroups()}
     seen: set[str] = set()
@@ -111,16 +113,31 @@ def _check_above(start: Path, path: Path) -> None:
                 info = os.lstat(here)
             except OSError as exc:
                 raise disk_error(exc, Path(here), CACHE_FULL_ADVICE) from exc
-            if info.st_uid not in (me, 0) and info.st_mode & 0o022 and not (
-                    info.st_gid in groups and not info.st_mode & 0o002):
-                what = ("is a link of user {}, who may point it elsewhere" if stat.S_ISLNK(info.st_mode) else
-                        "belongs to user {} and others may write to it (mode {:o})")
+            if info.st_uid in (me, 0):
+                swappable = None
+            elif stat.S_ISLNK(info.st_mode):
+                swappable = "is a link of user {}, who may replace it in a folder open to all" if _open_sticky(
+                    os.path.dirname(here)) else None
+            elif info.st_mode & 0o022 and not (info.st_gid in groups and not info.st_mode & 0o002):
+                swappable = "belongs to user {} and others may write to it (mode {:o})"
+            else:
+                swappable = None
+            if swappable is not None:
                 raise OutputError(
                     f"{here}, on the way to the node cache folder {path}, "
-                    + what.format(info.st_uid, stat.S_IMODE(info.st_mode)) + ": the cache's folders could be "
-                    "swapped for ones holding planted files; set cache_dir / $FASTDATA_CACHE to a folder of your "
-                    "own (a cache shared on purpose: $FASTDATA_CACHE_MODE=group)")
+                    + swappable.format(info.st_uid, stat.S_IMODE(info.st_mode)) + ": the cache's folders could "
+                    "be swapped for ones holding planted files; set cache_dir / $FASTDATA_CACHE to a folder of "
+                    "your own (a cache shared on purpose: $FASTDATA_CACHE_MODE=group)")
             here = os.path.dirname(here)
+
+
+def _open_sticky(folder: str) -> bool:
+    """Whether ``folder`` is sticky and everyone may write to it (/tmp): each entry's owner may replace it."""
+    try:
+        mode = os.lstat(folder).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_ISVTX and mode & 0o002)
 
 
 def _refuse_planted(path: Path, now: int, mode: int) -> None:

@@ -286,7 +286,7 @@ def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) ->
 
 
 def rows_fill(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
-              dtype: np.dtype) -> np.ndarray:
+              dtype: np.dtype) -> list[int]:
     """Where each shard's rows begin in one array of ``shape`` (bytes), then its end: the shards' row bytes
     (their sizes less their headers) must be the bytes the manifest's row counts make.
 
@@ -295,9 +295,9 @@ def rows_fill(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]
     """
     need = int(np.prod(shape)) * dtype.itemsize
     offsets = body_offsets(rows_by(manifest["files"], (rel for rel, _ in bodies)), bodies)
-    if (offsets[-1] if len(bodies) else 0) != need:
-        raise FormatError(f"the shards of {root} hold {offsets[-1] if len(bodies) else 0} bytes of rows, the "
-                          f"manifest's counts {need}: the manifest is damaged; re-run `fastdata preprocess`")
+    if offsets[-1] != need:
+        raise FormatError(f"the shards of {root} hold {offsets[-1]} bytes of rows, the manifest's counts {need}: "
+                          "the manifest is damaged; re-run `fastdata preprocess`")
     return offsets
 
 

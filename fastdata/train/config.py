@@ -37,6 +37,10 @@ def parse_duration(text: str | float | int | None) -> Optional[float]:
     return sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
 
 
+COUNTS = ("epochs", "max_steps", "accum", "log_every", "checkpoint_keep", "warmup_steps", "checkpoint_every",
+          "val_every", "val_every_steps", "early_stop_patience", "profile_steps")  # TrainConfig's whole numbers
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything the training loop does, as one frozen dataclass validated on construction.
@@ -132,6 +136,10 @@ class TrainConfig:
         def number(value: Any) -> bool:  # (a bool is an int to Python; lr=inf made every weight nan)
             return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
+        for name in COUNTS:  # a whole float (max_steps=1e4) is its integer; 2.5 stays refused below
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
         # (max_steps=2.5 ran 3 steps, epochs=True one epoch)
         need(self.epochs is None or (is_whole(self.epochs) and self.epochs >= 1), "epochs",
              "a positive integer or None")
@@ -151,7 +159,8 @@ class TrainConfig:
         for name in ("warmup_steps", "checkpoint_every", "val_every", "val_every_steps", "early_stop_patience",
                      "profile_steps"):  # (a negative warm-up made the learning rate negative)
             need(is_whole(getattr(self, name)) and getattr(self, name) >= 0, name, "0 or a positive integer")
-        need(number(self.momentum) and 0 <= self.momentum < 1, "momentum", "in [0, 1)")  # (1 or more diverges)
+        # (SGD's momentum of 1 or more diverges; AdamW reads none)
+        need(number(self.momentum) and (self.optimizer != "sgd" or 0 <= self.momentum < 1), "momentum", "in [0, 1)")
         for name in ("weight_decay", "early_stop_min_delta"):
             need(getattr(self, name) >= 0, name, "0 or more")
         need(self.checkpoint_dir is None or str(self.checkpoint_dir).strip() != "", "checkpoint_dir",

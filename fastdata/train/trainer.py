@@ -564,21 +564,25 @@ def _check_split(loader: Any, state: Any) -> None:
     """Refuse, naming the split, a loader state saved with --val-fraction on a run without it, or the other way
     round. A state of the whole dataset has no split key to compare, so the loader's count check answered
     first and called it another dataset. Anything else is left to the loader's own checks."""
-    ds = getattr(loader, "dataset", None)
-    if not isinstance(state, dict) or "mixture" in state or not isinstance(state.get("num_samples"), int):
+    ds = getattr(loader, "view", None)  # (a DALILoader's split: its dataset is the loader itself)
+    ds = getattr(loader, "dataset", None) if ds is None else ds
+    samples = getattr(getattr(loader, "sampler", None), "num_samples", None)
+    if not isinstance(state, dict) or "mixture" in state or not isinstance(state.get("num_samples"), int) or \
+            not isinstance(samples, int):
         return
-    saved, version = state.get("dataset_sha256"), getattr(ds, "manifest_sha256", None)
+    saved, version = state.get("dataset_sha256"), getattr(loader, "manifest_sha256", None)
+    version = version if version is not None else getattr(ds, "manifest_sha256", None)
     if saved is not None and version is not None and saved != version:
         return  # another version of the dataset: the loader says so
     was, now, n = _fraction(state.get("dataset_key")), _fraction(getattr(ds, "state_key", None)), state["num_samples"]
     base = getattr(ds, "base", None)  # (a split's dataset)
-    if was is None and now is not None and base is not None and n == len(base) != len(ds):
+    if was is None and now is not None and base is not None and n == len(base) != samples:
         raise ConfigError(f"the checkpoint's loader state is for all {n} samples of the dataset, and this run trains "
-                          f"on the train split of --val-fraction {now} ({len(ds)} samples): resume without "
+                          f"on the train split of --val-fraction {now} ({samples} samples): resume without "
                           "--val-fraction, as the run started, or start the run over")
-    if was is not None and now is None and ds is not None and n != len(ds):
+    if was is not None and now is None and n != samples:
         raise ConfigError(f"the checkpoint's loader state is for the train split of --val-fraction {was} ({n} "
-                          f"samples), and this run trains on all {len(ds)} samples of the dataset: resume with "
+                          f"samples), and this run trains on all {samples} samples of the dataset: resume with "
                           f"--val-fraction {was}, as the run started, or start the run over")
 
 
