@@ -343,6 +343,40 @@ def test_a_failed_run_keeps_the_shards_its_commit_thread_was_writing(tmp_path, m
     assert tree_bytes(tmp_path / "o") == tree_bytes(tmp_path / "ref")
 
 
+def test_a_ctrl_c_while_the_last_units_are_committed_keeps_them(tmp_path, monkeypatch):
+    """A Ctrl-C while finish() waited for the commit thread marked the unit under way as a failed commit, so
+    it was dropped from the journal (and made again by the rerun) although its commit completed."""
+    import _thread
+    import threading
+    import time
+
+    from fastdata.formats import base
+    from fastdata.preprocess import journal
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    for i in range(8):
+        Image.fromarray(np.full((20, 20, 3), i * 20, np.uint8)).save(src / f"{i}.png")
+    committed, finish, finishing, calls = base._committed, base.UnitWriter.finish, threading.Event(), []
+
+    def interrupted(commit, then):  # (the last unit's commit: Ctrl-C while the run waits for it)
+        calls.append(1)
+        if len(calls) == 2 and finishing.wait(10):
+            _thread.interrupt_main()
+            time.sleep(0.3)
+        return committed(commit, then)
+
+    def marked_finish(self, *a, **kw):
+        finishing.set()
+        return finish(self, *a, **kw)
+
+    monkeypatch.setattr(base, "_committed", interrupted)
+    monkeypatch.setattr(base.UnitWriter, "finish", marked_finish)
+    args = [str(tmp_path / "src"), str(tmp_path / "o"), "--workers", "1", "--shard-size", "4", "--size", "8", "--quiet"]
+    assert main(["preprocess", "images", *args]) == 130
+    assert [u["source_end"] for u in journal.load(journal.partial_dir(tmp_path / "o")).units] == [4, 8]
+
+
 def _file(p: Path) -> Path:
     p.write_text("x")
     return p

@@ -1253,6 +1253,8 @@ def test_a_crop_sizes_the_rrc_flip_batches(small_images):
     ({"lr": float("nan")}, "lr must be a positive number, got lr=nan"),
     ({"momentum": 2}, "momentum must be in [0, 1), got momentum=2"),
     ({"momentum": 1.0}, "momentum must be in [0, 1), got momentum=1.0"),
+    ({"weight_decay": float("inf")}, "weight_decay must be 0 or more, got weight_decay=inf"),
+    ({"early_stop_min_delta": float("inf")}, "early_stop_min_delta must be 0 or more, got early_stop_min_delta=inf"),
 ])
 def test_train_config_refuses_counts_that_are_not_integers_and_rates_out_of_range(kwargs, said):
     with pytest.raises(ConfigError) as e:

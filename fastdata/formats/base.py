@@ -117,12 +117,17 @@ class UnitWriter:
     def _completed(self, wait: bool) -> list[dict[str, Any]]:
         done = []
         while self._pending and (wait or self._pending[0][1].done()):
-            record, future = self._pending.popleft()
+            record, future = self._pending[0]
             try:
                 record["files"] = future.result()  # a failed commit (a full disk) raises here, in the caller
             except BaseException:
-                self._broken, self._unsaid = True, done  # (the units before it are complete: `settle` says so)
+                self._unsaid = done  # (the units before it are complete: `settle` says so)
+                if future.done() and future.exception() is not None:  # the commit failed; else the wait was
+                    # interrupted (a Ctrl-C): the commit goes on, and `settle` waits for it
+                    self._pending.popleft()
+                    self._broken = True
                 raise
+            self._pending.popleft()
             done.append(record)
         if wait:
             self._stop()

@@ -161,8 +161,8 @@ class TrainConfig:
             need(is_whole(getattr(self, name)) and getattr(self, name) >= 0, name, "0 or a positive integer")
         # (SGD's momentum of 1 or more diverges; AdamW reads none)
         need(number(self.momentum) and (self.optimizer != "sgd" or 0 <= self.momentum < 1), "momentum", "in [0, 1)")
-        for name in ("weight_decay", "early_stop_min_delta"):
-            need(getattr(self, name) >= 0, name, "0 or more")
+        for name in ("weight_decay", "early_stop_min_delta"):  # (inf: every weight nan; no step ever better)
+            need(number(getattr(self, name)) and getattr(self, name) >= 0, name, "0 or more")
         need(self.checkpoint_dir is None or str(self.checkpoint_dir).strip() != "", "checkpoint_dir",
              "a folder or a URL, or None for no checkpoints")
         if self.checkpoint_dir is not None:  # a Path too (saved in each checkpoint as a string: no pickled class)
