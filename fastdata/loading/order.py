@@ -47,6 +47,12 @@ def group_by_shard(shards: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]
     return bounds, np.argsort(shards, kind="stable").astype(np.int64)
 
 
+def windowed(shuffle: bool, window: Optional[int], bounds: Optional[np.ndarray]) -> bool:
+    """Whether an order of these settings is made a window at a time (else a whole permutation, or none): a
+    window narrower than the shards (``bounds``: their first samples, then the end)."""
+    return bool(shuffle and window is not None and bounds is not None and window < len(bounds) - 1)
+
+
 class EpochOrder:
     """``perm`` of one epoch (NOTE [streamed order]); `at` gives ``perm[positions]``.
 
@@ -61,7 +67,7 @@ class EpochOrder:
         self._full: Optional[np.ndarray] = None
         self._full_lock = threading.Lock()  # (a cache's planning thread reads the permutation too)
         self.layout = (1, 1)  # (streams, positions a block) in effect
-        self.windowed = bool(shuffle and window is not None and bounds is not None and window < len(bounds) - 1)
+        self.windowed = windowed(shuffle, window, bounds)
         if not self.windowed:
             return
         assert bounds is not None and window is not None

@@ -10,9 +10,9 @@ across a resume, and at the same world size they do not depend on ``start`` (a m
 epoch resumed so serves exactly what the uninterrupted one would. With ``drop_last`` it is cut to a
 multiple of ``world * batch_size`` (nothing repeats, every batch is full); with ``pad=False`` (for
 evaluation) it is neither, so every sample is served exactly once and ranks may serve one sample, and so
-one batch, fewer. Rank ``r`` takes ``rest[r::world]``, so after every rank
-has served ``k`` samples the served set is exactly the prefix ``rest[:k * world]``: the position to resume
-from is ``start + k * world``, whatever the new world size.
+one batch, fewer. Rank ``r`` takes ``rest[r::world]``, so after every rank has served ``k`` samples the served
+set is exactly the prefix ``rest[:k * world]``: the position to resume from is ``start + k * world``, whatever
+the new world size.
 
 NOTE [windowed shuffle]: with ``shuffle_window=K`` and the samples each shard holds, ``perm`` is drawn
 in two steps from ``(seed, epoch)``: the shards in a random order, then the samples of each window of K
@@ -36,7 +36,7 @@ import numpy as np
 
 from ..distributed import dist_rank_world
 from ..errors import ConfigError, is_whole
-from .order import EpochOrder, group_by_shard
+from .order import EpochOrder, group_by_shard, windowed
 
 
 class DistributedBatchSampler:
@@ -232,8 +232,9 @@ class DistributedBatchSampler:
     def _shared_order(self, epoch: int) -> EpochOrder:
         """Epoch ``epoch``'s order for another thread: the sampler's own where it is a whole permutation (read
         only; a copy would be 8 bytes a sample more), a new one where it makes windows as it is read."""
-        order = self.order(epoch)
-        return self._new_order(epoch) if order.windowed else order
+        if windowed(self.shuffle, self.shuffle_window, self._bounds):
+            return self._new_order(epoch)
+        return self.order(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         # (a DataLoader with worker processes takes batches ahead of its consumer: `state_dict(batches=k)`

@@ -88,9 +88,11 @@ def open_shards(shards: ShardSet, storage: str, *, verify: bool, device: Union[s
         return OpenedShards(maps=[map_npy(shards.root, rel, (n, *shards.row_shape), shards.dtype)
                                   for rel, n in shards.files])
     if storage == "shm":
-        rows_fill(shards.root, shards.manifest, shards.bodies(), shape, shards.dtype)  # (the header says `shape`)
+        bodies = shards.bodies()
+        rows_fill(shards.root, rows_by(shards.manifest["files"], (rel for rel, _ in bodies)), bodies, shape,
+                  shards.dtype)  # (the copy's header says `shape`)
         header = npy_header(shape, shards.dtype)
-        path = shm.ensure_copy(shards.root, shards.manifest, shards.bodies(), header, shm_dir, key=shards.key,
+        path = shm.ensure_copy(shards.root, shards.manifest, bodies, header, shm_dir, key=shards.key,
                                verify=verify)
         arr = load_npy(path, "r")
         if arr.shape != shape or arr.dtype != shards.dtype:
@@ -285,16 +287,17 @@ def verify_hashes(root: Path, manifest: dict[str, Any], paths: Sequence[str]) ->
         require_intact(root, entries[rel], advice=cache_advice(root))
 
 
-def rows_fill(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, int]], shape: tuple[int, ...],
-              dtype: np.dtype) -> list[int]:
+def rows_fill(root: Path, entries: dict[str, dict[str, Any]], bodies: list[tuple[str, int]],
+              shape: tuple[int, ...], dtype: np.dtype) -> list[int]:
     """Where each shard's rows begin in one array of ``shape`` (bytes), then its end: the shards' row bytes
-    (their sizes less their headers) must be the bytes the manifest's row counts make.
+    (their sizes, from their manifest ``entries``, less their headers) must be the bytes the manifest's row
+    counts make.
 
     Raises:
         FormatError: They differ (a manifest whose counts are not its files').
     """
     need = int(np.prod(shape)) * dtype.itemsize
-    offsets = body_offsets(rows_by(manifest["files"], (rel for rel, _ in bodies)), bodies)
+    offsets = body_offsets(entries, bodies)
     if offsets[-1] != need:
         raise FormatError(f"the shards of {root} hold {offsets[-1]} bytes of rows, the manifest's counts {need}: "
                           "the manifest is damaged; re-run `fastdata preprocess`")
@@ -306,7 +309,8 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
     """One contiguous array from ``.npy`` shards given as ``(file, header length)``, in one read per file,
     hashing each file as it is read when ``verify``; ``workers`` files at once (default: the cores, at most 8:
     sha256 takes a core per file, and NVMe drives read faster with several reads in flight)."""
-    offsets = rows_fill(root, manifest, bodies, shape, dtype)  # (before memory for a shape no file holds)
+    entries = rows_by(manifest["files"], (rel for rel, _ in bodies))
+    offsets = rows_fill(root, entries, bodies, shape, dtype)  # (before memory for a shape no file holds)
     need = int(offsets[-1])
     avail = _available_memory()
     if avail is not None and need > avail:
@@ -315,7 +319,6 @@ def load_bodies(root: Path, manifest: dict[str, Any], bodies: list[tuple[str, in
                       "avoid a private copy", ResourceWarning, stacklevel=4)
     flat = np.empty(shape, dtype)
     view = memoryview(flat.reshape(-1).view(np.uint8))
-    entries = rows_by(manifest["files"], (rel for rel, _ in bodies))
 
     def load(k: int) -> None:  # (sizes were checked: each file fills its own slice, in any order)
         rel, skip = bodies[k]
