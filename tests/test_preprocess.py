@@ -417,6 +417,14 @@ def test_bad_csv_row_is_one_line_error(tmp_path):
     assert r.returncode == 1 and "l.csv:2" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_quiet_prints_the_summary_only_when_files_were_skipped(photo_folder, tmp_path, capsys):
+    args = [str(photo_folder), "--size", "16", "--workers", "1"]
+    assert main(["preprocess", "images", args[0], str(tmp_path / "q"), *args[1:], "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # (the skipped case: test_npy_output_values_labels_and_manifest)
+    assert main(["preprocess", "images", args[0], str(tmp_path / "v"), *args[1:]]) == 0
+    assert "42 samples in 3 classes" in capsys.readouterr().err
+
+
 def test_invalid_option_values(photo_folder, tmp_path, capsys):
     assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "o"), "--shard-size", "0"]) == 1
     assert "shard_size=0" in capsys.readouterr().err

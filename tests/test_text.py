@@ -286,6 +286,16 @@ def test_bad_documents_are_skipped_and_reported(tmp_path, capsys):
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "a.jsonl:3: invalid UTF-8" in r.stderr
 
 
+def test_quiet_prints_the_summary_only_when_documents_were_skipped(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", ["good one", "good two"])
+    assert main(["preprocess", "text", str(src), str(tmp_path / "q"), "--val-fraction", "0", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["preprocess", "text", str(src), str(tmp_path / "v"), "--val-fraction", "0"]) == 0
+    assert "2 documents" in capsys.readouterr().err
+
+
 def test_offsets_beyond_2_31_and_2_32():
     offsets = np.array([0, 3_000_000_000, 6_000_000_000, 9_500_000_000], dtype=np.int64)
     starts = np.array([0, 2**31 + 5, 2_999_999_999, 3_000_000_000, 2**32 + 7, 9_499_999_999], dtype=np.int64)

@@ -28,7 +28,8 @@ def _preprocess_images(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, progress=not args.quiet, coco=args.coco, mask_dtype=args.mask_dtype,
         tokenizer=args.tokenizer, shuffle_seed=args.shuffle, **_engine(args))
     manifest = preprocess_images(config)
-    print(summary(manifest), file=sys.stderr)
+    if not args.quiet or manifest.get("skipped"):  # (--quiet: only what was lost is worth a line)
+        print(summary(manifest), file=sys.stderr)
     return 0
 
 
@@ -39,7 +40,9 @@ def _preprocess_text(args: argparse.Namespace) -> int:
                                   val_fraction=args.val_fraction, workers=args.workers, on_error=args.on_error,
                                   shard_tokens=args.shard_tokens, seed=args.seed, overwrite=args.overwrite,
                                   progress=not args.quiet, **_engine(args))
-    print(summary(preprocess_text(config)), file=sys.stderr)
+    manifest = preprocess_text(config)
+    if not args.quiet or manifest["skipped_count"]:
+        print(summary(manifest), file=sys.stderr)
     return 0
 
 
@@ -257,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="store the samples in a random order drawn from SEED (default: the source's order, "
                           "class after class for a folder), so a small FastLoader shuffle_window mixes classes")
     img.add_argument("--overwrite", action="store_true", help="replace a dataset made with other arguments")
-    img.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    img.add_argument("--quiet", action="store_true", help="no progress bar or log lines; the summary only if "
+                     "files were skipped")
     img.set_defaults(func=_preprocess_images)
 
     txt = pre_sub.add_parser("text", help=".txt / .jsonl (.gz, .zst too), .json.gz / .json.zst (JSON Lines), "
@@ -276,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     txt.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 64 Mi)")
     txt.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     txt.add_argument("--overwrite", action="store_true")
-    txt.add_argument("--quiet", action="store_true")
+    txt.add_argument("--quiet", action="store_true", help="no progress bar; the summary only if documents "
+                     "were skipped")
     txt.set_defaults(func=_preprocess_text)
 
     add_data_commands(sub)
