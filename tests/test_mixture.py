@@ -369,6 +369,10 @@ def test_fastdata_train_mix_of_tokens_validates_on_val(tmp_path, capsys):
     assert main([*common, "--val", str(sets["web"])]) == 1  # web holds no val split: said, not ignored
     err = capsys.readouterr().err
     assert f"--val {sets['web']} has 0 tokens in its val split" in err
+    for flags, said in ((["--crop", "8"], "--crop"), (["--augment", "rrc-flip", "--crop", "8"],
+                                                      "--crop, --augment rrc-flip")):  # (both were ignored)
+        assert main([*common, *flags]) == 1
+        assert f"fastdata: error: --mix web holds tokens: drop {said}, for image" in capsys.readouterr().err
 
 
 def test_fastdata_train_allow_new_sources_resumes_a_mix_with_another_source(tmp_path, capsys):

@@ -1143,7 +1143,8 @@ def test_validation_data_of_another_size_is_refused_before_training(small_images
 
 
 def test_image_flags_on_a_token_dataset_are_refused_by_name(tmp_path, capsys):
-    """A token dataset validates on its own val split: --val, --val-fraction and --backend dali were ignored."""
+    """A token dataset validates on its own val split: --val, --val-fraction, --backend dali and --augment were
+    ignored."""
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
     tokens = tmp_path / "tok"
@@ -1151,7 +1152,8 @@ def test_image_flags_on_a_token_dataset_are_refused_by_name(tmp_path, capsys):
                  "--quiet"]) == 0
     run = ["train", str(tokens), "--seq-len", "16", "--batch-size", "4", "--max-steps", "1", "--device", "cpu",
            "--quiet"]
-    for flags in (["--val", str(tokens)], ["--val-fraction", "0.5"], ["--backend", "dali"]):
+    for flags in (["--val", str(tokens)], ["--val-fraction", "0.5"], ["--backend", "dali"],
+                  ["--augment", "rrc-flip"]):
         capsys.readouterr()
         assert main([*run, *flags]) == 1, flags
         err = capsys.readouterr().err

@@ -69,17 +69,11 @@ class ImageRun:
         self._check_hw_decoder_load()
 
     def _check_crop(self) -> None:
-        """``--crop``: a side of at least 1 px, for the runs that crop to it (--augment rrc-flip, or the DALI
-        backend); refused elsewhere, where it was ignored without a word (the other augmentations keep the
-        stored side)."""
+        """``--crop``: a side of at least 1 px (0 fell back to 7/8 of the stored side). Whether anything reads
+        it is said where the data's kind is known (`_image_run`, `build_mix`)."""
         crop = self.crop
-        if crop is None:
-            return
-        if not is_whole(crop) or crop < 1:  # (0 fell back to 7/8 of the stored side)
+        if crop is not None and (not is_whole(crop) or crop < 1):
             raise ConfigError(f"--crop must be a positive integer (the crops' side in pixels), got {crop!r}")
-        if self.augment != "rrc-flip" and self.backend != "dali":
-            raise ConfigError(f"--crop sizes the crops of --augment rrc-flip or --backend dali: add one of them, or "
-                              f"drop --crop {crop} for --augment {self.augment}")
 
     def _check_hw_decoder_load(self) -> None:
         """``--hw-decoder-load``: a share in [0, 1] or "auto", for the DALI backend only (the native one
@@ -165,6 +159,9 @@ def _val_dataset(p: ImageRun, device: torch.device, classes: list[str], of: str,
 def _image_run(p: ImageRun, device: torch.device, train_ds: Any, val_ds: Any, side: int, num_classes: int,
                shuffle_window: Optional[int]) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """The model and prefetched loaders of an image run on ``side`` px samples, with ``p.augment``'s transforms."""
+    if p.crop is not None and p.augment != "rrc-flip":  # (the other augmentations keep the stored side)
+        raise ConfigError(f"--crop sizes the crops of --augment rrc-flip or --backend dali: add one of them, or "
+                          f"drop --crop {p.crop} for --augment {p.augment}")
     train_tf, eval_tf = transforms(p, side)
     model = image_model(p.model, num_classes, crop_side(p, side) if p.augment == "rrc-flip" else side)
     train, val = loaders(train_ds, val_ds, p.batch_size, p.seed, p.threads, device, train_tf, eval_tf,
@@ -256,6 +253,10 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
     val_cache = {"cache_dir": p.cache_dir, "retry_seconds": p.retry_seconds}  # (cache_limit: the sources' budget)
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
+        given = [flag for flag, on in (("--crop", p.crop is not None), ("--augment " + p.augment, p.augment != "flip"))
+                 if on]
+        if given:  # (ignored without a word before; --hw-decoder-load needs --backend dali, refused above)
+            raise ConfigError(f"--mix {mix.names[0]} holds tokens: drop {', '.join(given)}, for image datasets only")
         val_ds = None if p.val is None else _token_val(p, first, seq_len, **val_cache)
         train, val = loaders(mix, val_ds, p.batch_size, p.seed, p.threads, device, prefetch=p.prefetch,
                              pin_memory=p.pin_memory)
