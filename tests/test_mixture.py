@@ -400,6 +400,52 @@ def test_fastdata_train_allow_new_sources_resumes_a_mix_with_another_source(tmp_
     assert "--allow-new-sources applies to --mix" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_drop_last_without_pad_serves_only_full_batches(mixed_sets, world):
+    """As a single dataset's: drop_last cuts each epoch to whole steps whatever ``pad`` says (a 17-position
+    epoch at batch 4 ended with a batch of 1)."""
+    mix = open_mixture(mixed_sets, seed=3, epoch_size=17)
+    for rank in range(world):
+        s = MixtureSampler(mix, 4, drop_last=True, pad=False, rank=rank, world_size=world)
+        for _ in range(2):
+            counted = len(s)
+            sizes = [len(b) for b in s]
+            assert sizes == [4] * (16 // (4 * world)) and counted == len(sizes), (rank, sizes)
+
+
+@pytest.mark.parametrize("stop, world, rank", [("first", 1, 0), ("all", 2, 1), (None, 2, 0)])
+def test_epochs_batches_counts_each_coming_epoch_as_served(mixed_sets, stop, world, rank):
+    """A learning-rate schedule over --epochs needs every epoch's length: with ``stop`` they differ, and
+    ``len`` counts the current one only."""
+    s = MixtureSampler(open_mixture(mixed_sets, seed=4, stop=stop), 8, rank=rank, world_size=world)
+    counts = s.epochs_batches(6)
+    assert counts == [sum(1 for _ in s) for _ in range(6)]
+    assert (len(set(counts)) > 1) == (stop is not None), counts  # (with stop, epochs end where sources do)
+    assert s.epochs_batches(2) == [sum(1 for _ in s) for _ in range(2)]  # from the current epoch on
+
+
+def test_a_resume_says_when_its_weights_or_its_source_order_are_not_the_saved_ones(mixed_sets, caplog):
+    """A --resume without the :WEIGHTs trained on equal weights without a word; another order of the same
+    sources continues each exactly once, but not the saved interleaving."""
+    import logging
+
+    s = MixtureSampler(open_mixture(mixed_sets, seed=2), 4, rank=0, world_size=1)
+    it = iter(s)
+    for _ in range(3):
+        next(it)
+    state = s.state_dict()
+    with caplog.at_level(logging.INFO, logger="fastdata.loading.mixing"):
+        MixtureSampler(open_mixture(mixed_sets, seed=2), 4, rank=0, world_size=1).load_state_dict(state)
+        assert caplog.text == ""
+        equal = open_mixture(mixed_sets, seed=2, weights={"a": 1, "b": 1, "c": 1})
+        MixtureSampler(equal, 4, rank=0, world_size=1).load_state_dict(state)
+        assert ("mixture weights {a: 0.5, b: 0.3, c: 0.2} (saved) -> {a: 0.333, b: 0.333, c: 0.333} from epoch 0, "
+                "position 12") in caplog.text
+        reordered = open_mixture({k: mixed_sets[k] for k in "cab"}, seed=2)
+        MixtureSampler(reordered, 4, rank=0, world_size=1).load_state_dict(state)
+        assert "mixture sources in another order than saved (a, b, c, now c, a, b)" in caplog.text
+
+
 def test_stop_first_and_all_end_the_epoch_with_the_sources(mixed_sets):
     for stop in ("first", "all"):
         s = MixtureSampler(open_mixture(mixed_sets, seed=1, stop=stop), 4, rank=0, world_size=1)
@@ -1048,6 +1094,27 @@ def test_a_streamed_source_from_loopback_s3_gives_the_local_batches(mixed_sets, 
     report = remote.download_report()
     assert report["a"] == report["c"] == []  # local: nothing downloaded
     assert report["b"][0]["downloads"] == 3 and report["b"][0]["repeats"] == 0  # its 3 shards, once each
+
+
+def test_a_split_of_a_streamed_source_mixes_with_datasets_plans_and_takes_its_budget_share(mixed_sets, tmp_path,
+                                                                                            s3):
+    """A split's view was refused beside a FastDataset ("differ": the class names did), and a view of a streamed
+    dataset got no planned prefetch and no share of the mixture's cache budget."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.datasets.splits import split
+    from fastdata.storage.push import push
+
+    url = s3("mixture-split") + "/b"
+    push(mixed_sets["b"], url)
+    local = Mixture({"a": FastDataset(mixed_sets["a"]), "b": split(FastDataset(mixed_sets["b"]), 0.25)[0]},
+                    weights=[0.6, 0.4], seed=2)
+    view = split(FastDataset(url, cache_dir=tmp_path / "cache"), 0.25)[0]
+    remote = Mixture({"a": FastDataset(mixed_sets["a"]), "b": view}, weights=[0.6, 0.4], seed=2, cache_limit=50_000)
+    assert view.streamed and remote.cache_limits() == {"b": 50_000} and view.base.cache_limit == 50_000
+    want = [(x.clone(), y.clone()) for x, y in FastLoader(local, 8, num_threads=2)]
+    got = [(x.clone(), y.clone()) for x, y in FastLoader(remote, 8, num_threads=2)]
+    assert len(got) == len(want) and all(torch.equal(a, b) for p, q in zip(got, want) for a, b in zip(p, q))
+    assert view.download_report()[0]["downloads"] == 3  # planned: b's 3 shards, each once
 
 
 @pytest.mark.filterwarnings("ignore:cache_limit=.* holds about")  # a at 10 kB under a plain shuffle: expected

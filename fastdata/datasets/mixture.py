@@ -14,22 +14,23 @@ fastdata/loading/mixing.py, the schedule in fastdata/loading/schedule.py):
    mixture's seed and the source's name) with its own cursor ``(epoch, position)``: the ``j``-th draw of a
    source is sample ``order(j // N)[j % N]``. So every source is served exactly once per source epoch,
    across all ranks, whatever the weights did meanwhile; a source that runs out starts its next epoch.
-4. A mixture epoch ends after ``epoch_size`` positions (default: the sources' total), or with
-   ``stop="first"`` when the first source finishes the source epoch it was in when the mixture's epoch
-   began, ``stop="all"`` when every source (of positive weight) has. It is served in whole steps of
-   ``world * batch_size`` positions (rounded up; down with ``drop_last``): the extra positions are the
-   stream's next draws, never repeats, and the next epoch starts where this one stopped. An epoch of
-   ``stop="first"`` or ``"all"`` that ``drop_last`` would round down to no step (a source's rest after the
-   epoch before, sources smaller than a step) is never empty: a source whose rest its first step takes
-   runs on to the end of its next epoch. ``stop=None`` with ``drop_last`` refuses an ``epoch_size`` under
-   one step.
+4. A mixture epoch ends after ``epoch_size`` draws (default: the sources' total; ``mix="batch"``: rounded up to
+   whole batches), or with ``stop="first"`` when the first source finishes the source epoch it was in when the
+   mixture's epoch began, ``stop="all"`` when every source (of positive weight) has. It is served in whole steps
+   of ``world * batch_size`` positions (rounded up; down with ``drop_last``, whatever ``pad`` says; exactly with
+   ``pad=False`` alone): the extra positions are the stream's next draws, never repeats, and the next epoch
+   starts where this one stopped. An epoch of ``stop="first"`` or ``"all"`` that ``drop_last`` would round down
+   to no step (a source's rest after the epoch before, sources smaller than a step) is never empty: a source
+   whose rest its first step takes runs on to the end of its next epoch. ``stop=None`` with ``drop_last`` refuses
+   an ``epoch_size`` under one step.
 5. ``mix="batch"``: the schedule deals whole batches instead of samples (a position is one batch of
    ``batch_size`` consecutive draws of one source); batches say their source (``(x, y, source)``, or a
    ``"source"`` entry), ``source`` being each row's number in `Mixture.names`.
 6. The state (loader.state_dict()) holds the position, each source's cursor and the weights; loaded into
    the same mixture it continues the same stream at any world size. New weights (``set_weights`` after
    loading, or a Mixture made with other weights) apply from the resumed position on: the cursors carry
-   over, so no source repeats or skips a sample within its epoch.
+   over, so no source repeats or skips a sample within its epoch. The same sources in another order carry
+   over too, but the schedule deals by source index: the interleaving from there on is another one.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def _signature(ds: Any) -> tuple[Any, ...]:
     tok = getattr(ds, "manifest", {}).get("tokenizer") if hasattr(ds, "manifest") else None
     return (tuple(ds.sample_shape), ds.sample_dtype,
             None if fields is None else tuple(fields),
-            type(ds).__name__, None if tok is None else tok.get("definition_sha256"),
+            "tokens" if hasattr(ds, "vocab_size") else "images",  # (a split's view mixes with a dataset)
+            None if tok is None else tok.get("definition_sha256"),
             str(getattr(ds, "device", "cpu")))
 
 
@@ -104,8 +106,9 @@ class Mixture:
         seed: fixes the schedule and every source's order.
         mix: ``"sample"`` (a batch mixes sources) or ``"batch"`` (each batch from one source, which the batch
             says: ``(x, y, source)`` or a ``"source"`` entry).
-        stop: None (a mixture epoch is ``epoch_size`` positions), ``"first"`` or ``"all"`` (NOTE [mixture] 4).
-        epoch_size: positions a mixture epoch takes with ``stop=None`` (default: the sources' total).
+        stop: None (a mixture epoch is ``epoch_size`` samples), ``"first"`` or ``"all"`` (NOTE [mixture] 4).
+        epoch_size: samples a mixture epoch takes with ``stop=None`` (default: the sources' total; with
+            ``mix="batch"``, rounded up to whole batches).
         shuffle: each source's order shuffled: one bool, a list of bools in source order, or ``{name: bool}``
             (a source it does not name is shuffled).
         shuffle_window: windows of shards for a source's order (NOTE [windowed shuffle]): one value, a list in

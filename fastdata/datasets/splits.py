@@ -142,6 +142,19 @@ class DatasetView:
     def download_report(self) -> list[dict[str, Optional[int]]]:
         return self.base.download_report()
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the base reads through a node cache (a Mixture plans its downloads and shares its budget)."""
+        return getattr(self.base, "streamed", False)
+
+    @property
+    def cache_limit(self) -> Optional[int]:
+        return getattr(self.base, "cache_limit", None)
+
+    def set_cache_limit(self, limit: Any) -> None:
+        """The base's node cache limit (`FastDataset.set_cache_limit`): views of one base share its cache."""
+        self.base.set_cache_limit(limit)
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         return self.base[int(self.rows(np.array([i]))[0])]
 

@@ -17,6 +17,7 @@ NOTE [mixture order]: the rules are NOTE [mixture] in fastdata/datasets/mixture.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
@@ -29,6 +30,8 @@ from .mixture_state import END, check_state
 from .order import EpochOrder, group_by_shard
 from .sampler import DistributedBatchSampler
 from .schedule import Schedule, quantise
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,7 +61,8 @@ class MixtureSampler:
         mixture: the Mixture.
         batch_size: samples a batch.
         drop_last: round each epoch down to whole steps of ``world * batch_size`` instead of up.
-        pad: False serves exactly each epoch's positions (ranks may get a batch fewer; for evaluation).
+        pad: False serves exactly each epoch's positions (ranks may get a batch fewer; for evaluation); with
+            ``drop_last`` too, the epoch is cut to whole steps as with padding (every batch full).
         rank, world_size: default: torch.distributed's, else ``(0, 1)``.
         shuffle, seed, shuffle_window: FastLoader's; a mixture's own apply (these must be left as they are).
     """
@@ -85,7 +89,7 @@ class MixtureSampler:
         self._quantised: Optional[tuple[tuple[float, ...], list[int]]] = None
         self._previous_end = 0
         self.seg = self._first_segment(0, np.zeros(len(self.sizes), dtype=np.int64))
-        if mixture.stop is None and drop_last and pad and self.seg.length < self.world_size * self.per:
+        if mixture.stop is None and drop_last and self.seg.length < self.world_size * self.per:
             raise ConfigError(f"epoch_size={mixture.epoch_size} is less than one step of {self.world_size} ranks "
                               f"x batch_size={batch_size} and drop_last=True drops it: every epoch would be "
                               "empty; raise epoch_size or pass drop_last=False")
@@ -128,7 +132,7 @@ class MixtureSampler:
         targets = (cursors // self.sizes + 1) * self.sizes  # the end of each source's current epoch
         seg = self._segment(epoch, 0, cursors, targets, self.mixture._weights)
         step = self.world_size * self.per
-        if self.mixture.stop is not None and self.pad and self.drop_last and 0 < seg.length < step:
+        if self.mixture.stop is not None and self.drop_last and 0 < seg.length < step:
             # Rounded down to no step, nothing would be served and nothing move: every epoch after it empty
             # too (a source's rest after an epoch rounded down, or sources smaller than a step). A source
             # whose rest the first step takes aims at the end of its epoch after the draws that step gives it.
@@ -153,9 +157,9 @@ class MixtureSampler:
     def _end(self, seg: Segment, start: int) -> int:
         """Where the epoch resumed at ``start`` stops: its rest in whole steps (NOTE [mixture] 4)."""
         rest, step = max(0, seg.length - start), self.world_size * self.per
-        if not self.pad:
-            return start + rest
-        return start + (rest // step * step if self.drop_last else -(-rest // step) * step)
+        if self.drop_last:  # (with pad=False too: a single dataset's drop_last cuts to full batches either way)
+            return start + rest // step * step
+        return start + (-(-rest // step) * step if self.pad else rest)
 
     def _next(self, seg: Segment, start: int) -> Segment:
         """The next epoch's first segment, after this one served from ``start`` to its end."""
@@ -312,6 +316,16 @@ class MixtureSampler:
         seg, start, served = self._synced()
         return -(-self._rank_count(seg, start) // self.per) - served
 
+    def epochs_batches(self, epochs: int) -> list[int]:
+        """Batches this rank serves in each of the next ``epochs`` epochs from the current one's start, under
+        the weights of this moment: with ``stop``, an epoch ends when its sources do, so epochs differ (a
+        learning-rate schedule over ``--epochs`` sums them; ``len`` is the current epoch's only)."""
+        seg, counts = self._synced()[0], []
+        for _ in range(epochs):
+            counts.append(-(-self._rank_count(seg, 0) // self.per))
+            seg = self._next(seg, 0)
+        return counts
+
     # -- progress and resumption ----------------------------------------------------------------------
     def advance(self, batches: int = 1) -> None:
         self.served += batches
@@ -401,9 +415,18 @@ class MixtureSampler:
                                 weights)
             if self._quantise(self.mixture._weights) == seg.weights:
                 seg.shares = list(self.mixture._weights)
+            else:  # (a --resume without the :WEIGHTs gives equal ones: said, not silent)
+                log.info("mixture weights %s (saved) -> %s from epoch %d, position %d",
+                         _shares(saved_names, [w / sum(weights) for w in weights]),
+                         _shares(self.mixture.names, self.mixture._weights), epoch, position)
             self.seg, self.start, self.served, self._previous = seg, position, 0, None
             self._sync()  # the mixture's own weights, when they are not the saved ones
             return
+        if sorted(saved_names) == sorted(self.mixture.names):  # (the schedule deals by source index)
+            log.info("mixture sources in another order than saved (%s, now %s): each source continues its own "
+                     "order, exactly once, but the interleaving from position %d on is not the saved run's; keep "
+                     "the order to resume it bit for bit", ", ".join(saved_names), ", ".join(self.mixture.names),
+                     position)
         # other sources (allow_new_sources): each cursor at the position, by the saved schedule; a new segment
         saved = Schedule(weights, (self.seed, epoch, int(rec["start"])))
         at = {n: int(rec["cursors"][n]) + saved.count(i, position - int(rec["start"])) * self.unit
@@ -414,6 +437,10 @@ class MixtureSampler:
     def _by_name(self, values: dict[str, Any], default: np.ndarray) -> np.ndarray:
         """Per source of this mixture, ``values[name]``, or ``default``'s entry for a source not in them."""
         return np.array([int(values.get(n, d)) for n, d in zip(self.mixture.names, default.tolist())], dtype=np.int64)
+
+
+def _shares(names: list[str], shares: Any) -> str:
+    return "{" + ", ".join(f"{n}: {float(w):.3g}" for n, w in zip(names, shares)) + "}"
 
 
 class Coming:
