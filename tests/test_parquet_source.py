@@ -275,6 +275,27 @@ def test_max_side_and_shuffle_are_refused_before_any_file_is_read(tmp_path, caps
     assert "missing.parquet does not exist" in capsys.readouterr().err
 
 
+def test_a_token_in_a_parquet_urls_query_names_no_row(tmp_path):
+    # an Azure SAS / CDN token in the query, the same for every file: each row's name (a skipped row in the
+    # manifest, a row's message) held it whole
+    from test_wds_source import served
+
+    from fastdata.preprocess.parquet import ParquetSource
+
+    write_parts(tmp_path / "good", [5], empty=(2,))
+    write_parts(tmp_path / "bad", [2], lambda i: {**_columns(i), "label": [i, 1]})
+    for area in ("a", "b"):
+        (tmp_path / area).mkdir()
+    with served(tmp_path) as base:
+        urls = {k: f"{base}/{k}/part-00.parquet?sv=2022-11-02&sig=TOPSECRET%3D" for k in ("good", "bad")}
+        good, bad = (ParquetSource.of(f"{base}/{k}", [urls[k]]) for k in ("good", "bad"))
+        indexed = good.index(good.area(tmp_path / "a"), lambda fn, tasks: map(fn, tasks))
+        assert indexed.piece(0, 5).load().paths == [f"part-00.parquet#{r}" for r in range(5)]
+        with pytest.raises(SourceError) as err:
+            bad.index(bad.area(tmp_path / "b"), lambda fn, tasks: map(fn, tasks))
+    assert str(err.value).startswith("part-00.parquet#0: 'label' holds [0, 1]: ") and "TOPSECRET" not in str(err.value)
+
+
 def test_the_driver_holds_a_count_per_file_at_a_billion_rows(tmp_path):
     # 10^9 rows in 10^5 files of 10^4 (a LAION-sized dataset in Hugging Face's layout), by simulation: the
     # driver merges one summary per file, and a shard's task carries its own files only

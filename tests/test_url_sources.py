@@ -297,3 +297,37 @@ def test_tars_at_a_url_are_listed_through_faults_to_the_local_bytes(s3, proxy, t
     remote = preprocess(url, tmp_path / "remote", "--workers", "2")
     assert_same_output(local, remote, url)
     assert sum(proxy.faults.values()) == 6
+
+
+def test_a_token_in_a_tar_urls_query_or_user_info_reaches_no_sample_name_message_or_file(tmp_path, capsys):
+    # an Azure SAS / CDN token, the same for every tar: each sample's path (manifest and stderr) held it whole,
+    # and a tar shorter than its index named its URL unscrubbed
+    from test_wds_source import _image, served, write_tar
+
+    from fastdata.errors import ImageDecodeError
+    from fastdata.preprocess.tars import TarBlobs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for t in range(2):
+        write_tar(src / f"{t:05d}.tar", [m for s in range(3) for m in (
+            (f"{t}{s:04d}.png", b"junk" if (t, s) == (1, 1) else _image(s, "PNG")), (f"{t}{s:04d}.cls", b"0"))])
+    (src / "short.tar").write_bytes(bytes(2048))
+    sas = "sv=2022-11-02&sp=rl&se=2030-01-01&sig=TOPSECRET%3D"
+    with served(src) as base:
+        assert main(["preprocess", "images", f"{base}/{{00000..00001}}.tar?{sas}", str(tmp_path / "out"), "--size",
+                     "8", "--quiet"]) == 0
+        errors = []
+        for url in (f"{base}/short.tar?sig=TOPSECRET", base.replace("://", "://user:TOPSECRET@") + "/short.tar"):
+            with pytest.raises(ImageDecodeError) as err:
+                TarBlobs([url], [(0, 1024, 4096)]).read(0)
+            errors.append(str(err.value))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skipped"] == [{"path": "00001.tar/10001.png", "reason": "UnidentifiedImageError: cannot "
+                                    "identify image file '00001.tar/10001.png'"}]
+    stderr = capsys.readouterr().err
+    assert "00001.tar/10001.png" in stderr and "TOPSECRET" not in stderr, stderr
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file() and b"TOPSECRET" in p.read_bytes()]
+    assert errors == [f"{base}/short.tar?sig=*** ends inside this sample's image (it changed since it was listed?)",
+                      base.replace("://", "://user:***@") + "/short.tar ends inside this sample's image (it changed "
+                      "since it was listed?)"]

@@ -2,6 +2,7 @@
 written with tarfile, JPEG/PNG members made with Pillow, through ``fastdata preprocess images``."""
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Iterator, Optional
 
 import numpy as np
 import pytest
@@ -577,3 +579,115 @@ def test_hidden_files_in_a_tar_folder_are_not_tars(tmp_path):
     (src / ".00001.tar").mkdir()
     assert preprocess(src, tmp_path / "out") == 0
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_samples"] == 2 * PER_TAR
+
+
+@contextlib.contextmanager
+def served(folder: Path) -> Iterator[str]:
+    """``folder``'s files over loopback HTTP with Range reads and no listings (`_RangeHandler`); yields the
+    base URL."""
+    import functools
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def _raw_member(name: str, data: bytes, size: Optional[int] = None) -> bytes:
+    """One member's header and padded data, as tar writes them; ``size`` is what the header claims."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data) if size is None else size  # (GNU format: a size past 8 GiB or below 0 in base-256)
+    return info.tobuf(format=tarfile.GNU_FORMAT) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+_CLAIMS = """
+import json, sys
+from fastdata.preprocess.tars import members
+print(json.dumps([[[key, sorted(group), reason] for key, group, reason in members(u, "x.tar")] for u in sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_member_claiming_bytes_the_tar_does_not_hold_cuts_it_short(tmp_path, where):
+    # a size field of 2^62 (base-256) kept tarfile's stream mode stepping past the end for ever (the run hung at
+    # 100% CPU), and a negative one stopped the run ("seeking backwards"): the sample it cuts is a bad record
+    src = tmp_path / "src"
+    src.mkdir()
+    cases = [(ext, size) for ext in ("png", "cls", "bin") for size in (1 << 62, -1024)]
+    for t, (ext, size) in enumerate(cases):
+        (src / f"{t:05d}.tar").write_bytes(
+            _raw_member("000.png", _image(0, "PNG")) + _raw_member("000.cls", b"0")
+            + _raw_member(f"001.{ext}", b"", size) + bytes(1024)
+            + _raw_member("002.png", _image(2, "PNG")) + _raw_member("002.cls", b"1") + bytes(1024))
+    names = [f"{t:05d}.tar" for t in range(len(cases))]
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(served(src)) if where == "http" else str(src)
+        r = subprocess.run([sys.executable, "-c", _CLAIMS, *[f"{base}/{n}" for n in names]], capture_output=True,
+                           text=True, timeout=60)  # (before: no end)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [
+        [["000", ["cls", "png"], None],
+         ["001", [ext], f"x.tar is cut short in sample 001 (ReadError: a member claims {size} bytes, which the "
+                        "archive does not hold)"]] for ext, size in cases]
+    if where == "local":
+        assert preprocess(src, tmp_path / "out") == 0
+        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert manifest["num_samples"] == len(cases)
+        assert [s["path"] for s in manifest["skipped"]] == [f"{n}/001.{'png' if ext == 'png' else 'jpg'}"
+                                                            for n, (ext, _) in zip(names, cases)]
+
+
+def test_a_json_caption_of_numbers_is_a_bad_record_naming_it(tmp_path, capsys):
+    # the caption key fell between the rules: kept whatever its value (the text field's key), typed a vector by
+    # records.py, then missing from the vectors' lengths: a KeyError traceback
+    for caption, shown in ((3, "3"), ([101, 2023, 102], "[101, 2023, 102]")):
+        only = tmp_path / f"only-{shown}"  # every sample's caption numbers: one line, no traceback
+        only.mkdir()
+        write_tar(only / "00000.tar", [m for i in range(2) for m in (
+            (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.json", json.dumps({"caption": caption}).encode()))])
+        capsys.readouterr()
+        assert preprocess(only, tmp_path / f"none-{shown}") == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"'caption' holds {shown}: a caption is text" in err, err
+        src = tmp_path / f"src-{shown}"  # among text captions: that sample is listed, the others kept
+        src.mkdir()
+        metas = [{"caption": "a dog"}, {"caption": caption}, {"caption": caption}, {"caption": "an emu"}]
+        write_tar(src / "00000.tar", [m for i, meta in enumerate(metas) for m in (
+            (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.json", json.dumps(meta).encode()),
+            *([(f"{i:03d}.txt", b"a cat")] if i == 2 else []))])  # a .txt is the caption: the JSON one unused
+        assert preprocess(src, tmp_path / f"out-{shown}") == 0
+        manifest = json.loads((tmp_path / f"out-{shown}" / "manifest.json").read_text())
+        assert manifest["skipped"] == [{"path": "00000.tar/001.png", "reason": "00000.tar: sample 001 has bad "
+                                        f"metadata (ValueError: 'caption' holds {shown}: a caption is text (a .txt "
+                                        "member, or a JSON string); store numbers under another key)"}]
+        b = FastDataset(tmp_path / f"out-{shown}").get_batch(np.arange(3))
+        offsets = b["caption_offsets"].tolist()
+        assert [bytes(b["caption"][lo:hi].numpy().astype(np.uint8)).decode() for lo, hi in
+                zip(offsets, offsets[1:])] == ["a dog", "a cat", "an emu"]
+        assert sample_ids(b["image"]).tolist() == [0, 2, 3]
+
+
+def test_a_folder_of_tars_beside_class_folders_of_images_is_refused_naming_both(tmp_path, capsys):
+    # the archive kept beside the folder extracted from it: the folder's labelled images were dropped, unsaid
+    src = make_tars(tmp_path / "train", count=1)
+    (src / "logs").mkdir()
+    (src / "logs" / "stats.json").write_text("{}")  # no image under it: still a folder of tars
+    assert preprocess(src, tmp_path / "tars") == 0
+    assert json.loads((tmp_path / "tars" / "manifest.json").read_text())["num_samples"] == PER_TAR
+    for c in ("cat", "dog"):
+        (src / c / "deeper").mkdir(parents=True)
+        (src / c / "deeper" / "0.png").write_bytes(_image(0, "PNG"))
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"source {src} holds .tar files (00000.tar) and class folders of images (cat/): " \
+        f"pass the tars alone (one .tar, or a brace pattern such as {src}/{{00000..00009}}.tar), or move the .tar " \
+        "files out of the image folder" in err, err
+    assert preprocess(src / "{00000..00000}.tar", tmp_path / "braced") == 0  # the tars alone, as it says
+    assert tree_bytes(tmp_path / "braced").keys() == tree_bytes(tmp_path / "tars").keys()
+    (src / "00000.tar").rename(tmp_path / "00000.tar")
+    assert preprocess(src, tmp_path / "images") == 0  # the image folder alone
+    manifest = json.loads((tmp_path / "images" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 2 and manifest["classes"] == ["cat", "dog", "logs"]

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import posixpath
+import urllib.parse
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,14 @@ def file_stats(files: list[str]) -> list[tuple[int, str]]:
 def label_of(path: str) -> str:
     """A file as messages name it: a URL without secrets, a local file by its name."""
     return scrub(path) if is_url(path) else Path(path).name
+
+
+def name_of(path: str) -> str:
+    """A file's name as its samples' paths (in the manifest) begin: a local file's name, a URL's last path
+    part; never a URL's query (a SAS or CDN token, the same for every file) nor its user info."""
+    if is_url(path):
+        path = urllib.parse.urlsplit(path, allow_fragments=False).path
+    return posixpath.basename(path.rstrip("/"))
 
 
 def load_schema(area: Area, sha256: str) -> Schema:

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import posixpath
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from ..errors import ImageDecodeError, MissingDependencyError, SourceError
 from ..formats.schema import valid_name
 from ..storage.object_store import is_url
 from .index_schema import summarize_records
-from .indexed import FileSource, Indexed, Piece, label_of, load_schema, schema_extras
+from .indexed import FileSource, Indexed, Piece, label_of, load_schema, name_of, schema_extras
 from .records import from_records
 from .sources import Source, listed
 from .url_reads import UrlReader, parent, url_listing
@@ -223,7 +222,7 @@ def summary_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
     """
     t, path, area = task
     pf, identity, column, masks, others = _columns(path)
-    name = posixpath.basename(path.rstrip("/"))
+    name = name_of(path)
     if _group_bytes(pf, [column, *masks]) > _BIG_GROUP:
         log.warning("%s has row groups of over %d MB of images: each shard's task reads a whole row group; write "
                     "smaller ones (Hugging Face writes 100 rows)", label_of(path), _BIG_GROUP >> 20)
@@ -333,7 +332,7 @@ class ParquetPiece(Piece):
             pf, identity, _, _, others = _columns(path)
             if identity != self.digests[j]:
                 raise _changed(path)
-            name, first = posixpath.basename(path.rstrip("/")), 0
+            name, first = name_of(path), 0
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
                 if first < hi and first + n > lo:

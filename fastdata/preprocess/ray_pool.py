@@ -140,8 +140,11 @@ class RayPool:
 
         Args:
             address: As `connect`.
-            workers_per_node: Tasks at once on each node (each asks for ``CPUs / workers_per_node`` of the
-                smallest node); None: one task per CPU of the cluster.
+            workers_per_node: Tasks at once on the smallest node: each task asks for its ``CPUs /
+                workers_per_node`` (whole CPUs when that is 1 or more: Ray gives fractions of one CPU only), so
+                a node with more CPUs runs proportionally more at once (nodes of 1 and 3 CPUs, 1: one and
+                three); the pool's ``workers`` is ``workers_per_node`` x nodes, twice that submitted at once.
+                None: one task per CPU of the cluster.
             needs: As the class takes it.
 
         Returns:

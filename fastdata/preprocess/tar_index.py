@@ -18,7 +18,6 @@ NOTE [tar index]:
 from __future__ import annotations
 
 import logging
-import posixpath
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,7 +25,7 @@ from typing import Any, Optional
 from .._io import scrub
 from ..errors import SourceError
 from .index_schema import summarize
-from .indexed import Area, FileSource, Piece, label_of, load_schema, schema_extras, with_bad
+from .indexed import Area, FileSource, Piece, label_of, load_schema, name_of, schema_extras, with_bad
 from .records import from_records
 from .sources import Source
 from .tars import IMAGE_EXTS, TarBlobs, Where, members, record
@@ -59,7 +58,7 @@ def index_task(task: tuple, slot: Optional[int] = None) -> dict[str, Any]:
 def _listing(tar: str) -> dict[str, list[Any]]:
     """One tar's index: each sample's name, its image's ``[offset, size]`` or why it is a bad record, and its
     metadata record (None for a bad one)."""
-    label, name = label_of(tar), posixpath.basename(tar.rstrip("/"))
+    label, name = label_of(tar), name_of(tar)
     keys: list[str] = []
     raw: list[str] = []  # (the samples' keys)
     where: list[Any] = []

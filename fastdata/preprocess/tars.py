@@ -7,7 +7,8 @@ NOTE [tar source]:
    last part; a sample's members are consecutive). The image is the first ``jpg|jpeg|png|webp|...`` member.
 2. ``cls`` is the ``label`` (an id, or a class name), ``txt`` (or a JSON ``caption``) the ``caption`` text
    field, JSON keys holding a number or a list of numbers in every sample ``vector`` fields (the JSONL
-   source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored.
+   source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored. A JSON
+   ``caption`` of numbers (token ids) without a ``txt`` makes its sample a bad record: a caption is text.
 3. The order is the tars' sorted names, then member order. Every tar is read once, streamed (``tarfile``
    mode ``r|``, nothing extracted to disk), by a task of its own that writes its index (NOTE [tar index] in
    fastdata/preprocess/tar_index.py); workers then read their samples' image bytes by offset, one ranged
@@ -27,8 +28,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import posixpath
 import re
+import stat
 import tarfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -36,8 +39,9 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .sources import IMAGE_EXTENSIONS, fits_float, is_id, listed, shown
-from .url_reads import open_binary, store_call
+from .indexed import label_of
+from .sources import IMAGE_EXTENSIONS, fits_float, is_id, is_image_name, listed, shown
+from .url_reads import UrlReader, open_binary, store_call
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
@@ -72,7 +76,12 @@ def expand_braces(pattern: str) -> list[str]:
 
 def is_tar_source(src: Union[str, Path]) -> bool:
     """Whether ``src`` names WebDataset tars: a ``.tar`` (or a brace pattern of them), or a folder (local or
-    a URL) holding ``*.tar`` files."""
+    a URL) holding ``*.tar`` files.
+
+    Raises:
+        SourceError: A local folder holds ``*.tar`` files and class folders of images (either source), or a
+            folder at a URL cannot be listed within the retry budget.
+    """
     text = str(src)
     if text.endswith(".tar"):
         return True
@@ -87,7 +96,24 @@ def is_tar_source(src: Union[str, Path]) -> bool:
         except Exception:  # noqa: BLE001 - unreadable: tar_files() says so in one line
             return True
     p = Path(text)
-    return p.is_dir() and any(listed(c.name, ".tar") and c.is_file() for c in p.iterdir())
+    tars = sorted(c.name for c in p.iterdir() if listed(c.name, ".tar") and c.is_file()) if p.is_dir() else []
+    if not tars:
+        return False
+    # tars never name files beside them (a Parquet file's mask paths do): class folders of images beside
+    # them are an image folder too (the archive kept beside the folder extracted from it), and reading
+    # either would drop the other without a word
+    classes = sorted(c.name for c in p.iterdir() if c.is_dir() and not c.name.startswith("."))
+    images = next((c for c in classes if _holds_image(p / c)), None)
+    if images is not None:
+        raise SourceError(f"source {p} holds .tar files ({tars[0]}) and class folders of images ({images}/): pass "
+                          f"the tars alone (one .tar, or a brace pattern such as {p / '{00000..00009}.tar'}), or move "
+                          "the .tar files out of the image folder")
+    return True
+
+
+def _holds_image(folder: Path) -> bool:
+    """Whether an image file lies anywhere under ``folder`` (the walk stops at the first)."""
+    return any(is_image_name(f) for _, _, files in os.walk(folder) for f in files)
 
 
 def tar_files(src: Union[str, Path]) -> list[str]:
@@ -158,6 +184,7 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
         with f, tarfile.open(fileobj=seen, mode="r|") as t:
             for m in t:
                 if not (m.isfile() or m.islnk()) or posixpath.basename(m.name).startswith("."):
+                    seen.within(m, t.offset)
                     continue
                 k, ext = _split(m.name)
                 if k != key and key is not None:
@@ -167,6 +194,7 @@ def members(tar: str, label: str) -> Iterator[tuple[str, dict[str, Any], Optiona
                     twice = f"{label}: sample {key} has two .{ext} members (a sample's members are named once)"
                 key = k
                 group[ext] = None  # named even if its data is cut short: the listing names the cut member
+                seen.within(m, t.offset)
                 group[ext] = value = kept.value(m, ext, t)
                 if isinstance(value, str):
                     group[ext] = f"{label}: sample {key}'s .{ext} {value}"
@@ -243,10 +271,20 @@ class _Kept:
 
 
 class _Seen:
-    """A stream reader that remembers how many bytes went by and the last of them: to see how a tar ends."""
+    """A stream reader that remembers how many bytes went by and the last of them: to see how a tar ends; and
+    the stream's size, to refuse a member that runs past it."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.n, self.prev, self.last = f, 0, b"", b""
+        self.total = _size(f)
+
+    def within(self, m: tarfile.TarInfo, end: int) -> None:
+        """Raise ReadError where member ``m``'s data (up to ``end``, where tarfile reads the next header) is
+        not in the stream: tarfile's stream mode steps over a member by reading 10 KB at a time to its end,
+        so a size field of 2^62 (base-256) would keep it reading for ever after the stream ended, and a
+        negative one would fail the whole tar (seeking backwards)."""
+        if end < m.offset_data or self.total is not None and end > self.total:
+            raise tarfile.ReadError(f"a member claims {m.size} bytes, which the archive does not hold")
 
     def read(self, size: int = -1) -> bytes:
         data = self.f.read(size)
@@ -262,9 +300,20 @@ class _Seen:
         return held[start:start + tarfile.BLOCKSIZE] if start >= 0 else b""
 
 
+def _size(f: Any) -> Optional[int]:
+    """The size of a stream `open_binary` opened: a URL's from its listing or a metadata request, a regular
+    file's from its inode; None for a pipe or a device (no end known before it ends)."""
+    raw = getattr(f, "raw", f)
+    if isinstance(raw, UrlReader):
+        return raw.size
+    info = os.fstat(f.fileno())
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
 def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata
-    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack)."""
+    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack, a
+    JSON caption of numbers where no .txt gives the text)."""
     image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
@@ -277,6 +326,9 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
         for k, v in meta.items():
             numeric = isinstance(v, (int, float)) and not isinstance(v, bool) or (
                 isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))
+            if k == "caption" and numeric and "txt" not in group:  # (the key of the text field: never a vector)
+                raise ValueError(f"'caption' holds {shown(v)}: a caption is text (a .txt member, or a JSON "
+                                 "string); store numbers under another key")
             if k in ("label", "labels", "boxes", "box_labels") or (k == "caption" and isinstance(v, str)) or numeric:
                 rec[k] = v
         if _LONG_INT.search(group["json"]):  # rare: only then look for a number no float field can hold
@@ -331,7 +383,8 @@ class TarBlobs:
             buf = self._buf = (t, off, self._read(t, off, end))
         piece = buf[2][off - buf[1]:off - buf[1] + size]
         if len(piece) != size:
-            raise ImageDecodeError(f"{self.tars[t]} ends inside this sample's image (it changed since it was listed?)")
+            raise ImageDecodeError(f"{label_of(self.tars[t])} ends inside this sample's image (it changed since it "
+                                  "was listed?)")
         return piece
 
     def _read(self, t: int, start: int, end: int) -> bytes:
