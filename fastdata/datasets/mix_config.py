@@ -85,7 +85,10 @@ def parse_mix(values: Sequence[str]) -> MixSpec:
 def _from_file(path: Path) -> MixSpec:
     try:
         if path.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package (a dependency there)
+                import tomli as tomllib
 
             raw = tomllib.loads(path.read_text())
         else:
