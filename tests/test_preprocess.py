@@ -425,6 +425,18 @@ def test_quiet_prints_the_summary_only_when_files_were_skipped(photo_folder, tmp
     assert "42 samples in 3 classes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("resize", ["squash", "pad"])
+def test_lmdb_without_fields_refuses_a_resize_it_would_ignore(photo_folder, tmp_path, capsys, resize):
+    """LMDB records of plain images keep their aspect: --resize squash|pad wrote the default's bytes without a
+    word, and a rerun with another --resize was "already complete"."""
+    out = tmp_path / "out"
+    assert main(["preprocess", "images", str(photo_folder), str(out), "--format", "lmdb", "--resize", resize,
+                 "--size", "16", "--workers", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"--resize {resize} makes S x S samples, and {photo_folder} has no fields" in err and "Traceback" not in err
+    assert not out.exists() or not (out / "manifest.json").exists()
+
+
 def test_invalid_option_values(photo_folder, tmp_path, capsys):
     assert main(["preprocess", "images", str(photo_folder), str(tmp_path / "o"), "--shard-size", "0"]) == 1
     assert "shard_size=0" in capsys.readouterr().err

@@ -53,7 +53,8 @@ class ImagePreprocessConfig:
         size: npy: the side of the square uint8 samples; LMDB: the largest short side of the stored JPEGs
             (the largest longer side with ``resize="max-side"``); 8..8192 (default 256).
         resize: How an image becomes a ``size`` square (npy, and LMDB with sample fields): ``"center-crop"``
-            (default), ``"squash"`` or ``"pad"`` (letterboxed with black).
+            (default), ``"squash"`` or ``"pad"`` (letterboxed with black); LMDB without fields stores each
+            image at its aspect, so it refuses the last two.
             LMDB only: ``"max-side"`` keeps the aspect with the longer side at most ``size``, never upscaled
             (FFCV's ``max_resolution``).
         format: ``"npy"`` (uint8 shards, no decoding while training) or ``"lmdb"`` (re-encoded JPEGs, decoded
@@ -77,7 +78,8 @@ class ImagePreprocessConfig:
             (default ``"bytes"``).
         shuffle_seed: Store the samples in a random order drawn from this seed (default None: source order).
         engine: ``"local"`` (default: a process pool here) or ``"ray"`` (Ray tasks on a cluster; the same bytes,
-            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node.
+            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node of the
+            smallest size (`RayPool.open`).
         ray_address: The Ray cluster's ``HOST:PORT`` (default None: the one on this machine, or a new local one).
 
     Raises:
@@ -249,6 +251,8 @@ def _ready(config: ImagePreprocessConfig, source: Union[Source, FileSource], are
         source = source.index(area, functools.partial(_index_run, config, pool, source.noun))
     if config.resize == MAX_SIDE and source.kinds:
         raise ConfigError(_MAX_SIDE_FIELDS.format(src=config.src, fields=", ".join(source.kinds)))
+    if config.format == "lmdb" and config.resize in ("squash", "pad") and not source.kinds:
+        raise ConfigError(_LMDB_SQUARE.format(resize=config.resize, src=config.src))
     return source if config.shuffle_seed is None else source.shuffled(config.shuffle_seed)
 
 
@@ -283,6 +287,11 @@ def _index_run(config: ImagePreprocessConfig, pool: Optional[ray_pool.RayPool], 
 
 _MAX_SIDE_FIELDS = (f"--resize {MAX_SIDE} stores each image at its own aspect, but {{src}} has fields ({{fields}}) "
                     "that need the square geometry: use --resize center-crop, squash or pad")
+
+
+_LMDB_SQUARE = ("--resize {resize} makes S x S samples, and {src} has no fields, so --format lmdb stores each image "
+                "at its own aspect (shorter side S, or longer side S with --resize max-side), cropped when read: "
+                "--resize {resize} would change nothing; use --format npy for its squares, or drop --resize")
 
 
 def _params(config: ImagePreprocessConfig, source: Listed) -> dict[str, Any]:
