@@ -1076,6 +1076,14 @@ def test_a_state_from_another_mixture_is_refused_by_name(mixed_sets):
 
 
 # -- streamed sources ------------------------------------------------------------------------------------
+def test_cache_shares_takes_weights_as_a_mixture_does():
+    """A list of weights (Mixture's other spelling) was an AttributeError."""
+    assert cache_shares("200GB", [0.7, 0.3]) == {"0": 140_000_000_000, "1": 60_000_000_000}
+    assert cache_shares(1000, {"web": 1, "books": 3}) == {"web": 250, "books": 750}
+    with pytest.raises(ConfigError, match="not all zero"):
+        cache_shares(1000, [0, 0])
+
+
 def test_a_streamed_source_from_loopback_s3_gives_the_local_batches(mixed_sets, tmp_path, s3):
     from fastdata.datasets.images import FastDataset
     from fastdata.storage.push import push

@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the shorter side at most S)")
     img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
     img.add_argument("--workers", type=int, default=None,
-                     help="decoding processes (default: all cores); with --ray, tasks at once per node")
+                     help="decoding processes (default: all cores); with --ray, per node of the smallest size "
+                          "(docs/cluster.md)")
     _add_ray(img)
     img.add_argument("--shard-size", type=int, default=1024, help="samples per shard (default 1024)")
     img.add_argument("--on-error", choices=ON_ERROR, default="skip", help="unreadable images: skip (default) or fail")
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "column")
     txt.add_argument("--val-fraction", type=float, default=0.001, help="documents held out for validation")
     txt.add_argument("--workers", type=int, default=None,
-                     help="tokenizing processes (default: all cores); with --ray, tasks at once per node")
+                     help="tokenizing processes (default: all cores); with --ray, per node of the smallest size "
+                          "(docs/cluster.md)")
     _add_ray(txt)
     txt.add_argument("--on-error", choices=("skip", "fail"), default="skip")
     txt.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 64 Mi)")

@@ -488,10 +488,18 @@ def _reorder(batch: Any, inverse: np.ndarray) -> Any:
     return tuple(take(t) for t in batch)
 
 
-def cache_shares(total: Union[int, str], weights: Mapping[str, float]) -> dict[str, int]:
+def cache_shares(total: Union[int, str], weights: Union[Mapping[str, float], Sequence[float]]
+                 ) -> dict[str, int]:
     """One node-cache budget split among streamed sources by weight: each source's ``cache_limit``.
 
     Example: ``FastDataset(url, cache_limit=cache_shares("200GB", {"web": 0.7, "books": 0.3})["web"])``.
+
+    Args:
+        total: The node's budget, in bytes or as a size such as ``"200GB"``.
+        weights: ``{name: weight}``, or a list (as `Mixture` takes it: the sources named ``"0"``, ``"1"``...).
+
+    Returns:
+        ``{name: bytes}``.
 
     Raises:
         ConfigError: a bad size, or weights that are negative, NaN or all zero.
@@ -499,6 +507,8 @@ def cache_shares(total: Union[int, str], weights: Mapping[str, float]) -> dict[s
     limit = parse_size(total)
     if limit is None:
         raise ConfigError("total must be a number of bytes or a size such as '200GB', got total=None")
+    if not isinstance(weights, Mapping):
+        weights = {str(k): w for k, w in enumerate(weights)}
     values = list(weights.values())
     if not values or any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
         raise ConfigError(f"weights must be finite, non-negative and not all zero, got {dict(weights)}")

@@ -75,7 +75,8 @@ class TextPreprocessConfig:
             (default False).
         progress: Show a progress bar (default True).
         engine: ``"local"`` (default: a process pool here) or ``"ray"`` (Ray tasks on a cluster; the same bytes,
-            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node.
+            NOTE [ray byte-identity] in fastdata/preprocess/ray_pool.py); with Ray, ``workers`` is per node of the
+            smallest size (`RayPool.open`).
         ray_address: The Ray cluster's ``HOST:PORT`` (default None: the one on this machine, or a new local one).
 
     Raises:

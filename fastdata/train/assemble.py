@@ -119,7 +119,7 @@ def build(p: ImageRun, device: torch.device, opened: Optional[OpenedPath] = None
         fields = ", ".join(f.name for f in ds.fields or [])
         raise ConfigError(f"{scrub(str(p.data))} has no 'label' field ({fields}): `fastdata train` trains "
                           "classifiers; train a model of your own with Trainer(model, loader, config=..., "
-                          "loss_fn=lambda out, batch: ...) in Python (README: Samples with fields)")
+                          "loss_fn=lambda out, batch: ...) in Python (docs/fields.md)")
     train_ds: Any = ds
     val_ds: Any = None
     if p.val is not None:
