@@ -151,3 +151,26 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path):
                       "[d](gone.md) [e](RESULTS.md#no-such-row)\n")
     assert broken_links(readme, tmp_path) == ["gone.md: no file gone.md",
                                               "RESULTS.md#no-such-row: no heading or id #no-such-row in RESULTS.md"]
+
+
+def test_every_option_says_its_default_in_help():
+    """`fastdata train --help` showed no default for --batch-size (set by the CLI, not TrainConfig), --augment,
+    --lr, --optimizer or --amp; training.md pointed at TrainConfig for defaults the CLI sets."""
+    import argparse
+
+    from fastdata.cli.main import build_parser
+
+    def options(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from options(child, f"{name} {sub}")
+            elif action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                yield name, action
+
+    parser = build_parser()
+    silent = [f"{name} {a.option_strings[-1]}" for name, a in options(parser, "fastdata")
+              if not isinstance(a, (argparse._HelpAction, argparse._VersionAction)) and "default" not in (a.help or "")]
+    assert silent == []
+    train = parser._subparsers._group_actions[0].choices["train"].format_help()
+    assert "per process (default 256)" in " ".join(train.split()) and "default flip" in train

@@ -383,7 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="working folder (default ./demo-out)")
     demo.add_argument("--per-class", type=int, default=100, help="images per class (4 classes)")
     demo.set_defaults(func=_demo)
+    _say_defaults(parser)
     return parser
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's default in ``--help`` where its help does not say it already (a flag's default that
+    is set here, not TrainConfig's, was said nowhere); None (decided later) and off switches say nothing."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _say_defaults(child)
+            continue
+        given = action.default
+        if (not action.option_strings or given is None or given is False or given is argparse.SUPPRESS
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+                or "default" in (action.help or "")):
+            continue
+        action.help = f"{action.help} (default %(default)s)" if action.help else "default %(default)s"
 
 
 def _version() -> str:
