@@ -3,7 +3,9 @@ served and moved with the image by every geometric transform."""
 from __future__ import annotations
 
 import csv
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +375,128 @@ def test_an_unknown_coco_category_is_a_bad_record(tmp_path):
     assert m["num_samples"] == 2 and "unknown class" in m["skipped"][0]["reason"]
 
 
+def test_a_box_of_no_area_drops_only_itself_and_its_class(tmp_path):
+    """A zero-width COCO box (a sliver: bbox w 0) refused its whole image with every good box on it."""
+    for i in range(3):
+        Image.new("RGB", (40, 40), (60 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    anns = [([5, 5, 10, 10], 1, 0), ([20, 20, 0.0, 4], 2, 0), ([30, 12, -8, 3], 2, 0),  # no width, inverted
+            ([1, 1, 3, 3], 2, 1), ([39.5, 40, 0, 0], 1, 1),  # on the edge, no area: dropped, the image kept
+            ([5, 5, 10, 10], 1, 2), ([500, 5, 0, 4], 2, 2)]  # no area but outside the image: a bad record
+    (tmp_path / "inst.json").write_text(json.dumps({
+        "images": [{"id": i, "file_name": f"{i}.png"} for i in range(3)],
+        "categories": [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}],
+        "annotations": [{"id": k, "image_id": im, "bbox": bbox, "category_id": c}
+                        for k, (bbox, c, im) in enumerate(anns)]}))
+    m = preprocess(tmp_path, tmp_path / "out", size=40, coco=tmp_path / "inst.json")
+    assert m["num_samples"] == 2
+    assert [(s["path"], s["reason"]) for s in m["skipped"]] == [
+        ("2.png", "box [500.0, 5.0, 500.0, 9.0] is outside the 40x40 image (xyxy pixels)")]
+    b = FastDataset(tmp_path / "out").get_batch([0, 1])
+    assert b["boxes"].tolist() == [[5, 5, 15, 15], [1, 1, 4, 4]] and b["boxes_offsets"].tolist() == [0, 1, 2]
+    assert b["box_labels"].tolist() == [0, 1] and m["class_counts"] == [1, 1]
+    (tmp_path / "r.jsonl").write_text(json.dumps({"image": "0.png", "boxes": [[1, 1, 5, 5], [float("nan"), 1, 5, 5]],
+                                                  "box_labels": [0, 1]}) + "\n" + '{"image": "1.png"}\n')
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "nan", size=40)  # not finite: still a bad record
+    assert m["skipped"] == [{"path": "0.png", "reason": "box [nan, 1.0, 5.0, 5.0] is not finite (xyxy pixels)"}]
+
+
+@pytest.mark.parametrize("first, second", [("cat dog", ["cat"]), (["cat", "dog"], "cat;dog"), ("0 3", [1])])
+def test_labels_as_text_and_as_a_list_in_one_source_are_each_read_by_their_type(tmp_path, first, second):
+    """Text in one record and a list in another: a TypeError traceback, or a made-up class 'cat dog'."""
+    for i in range(2):
+        Image.new("RGB", (20, 20), (90 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"image": f"{i}.png", "labels": v}) + "\n"
+                                              for i, v in enumerate([first, second])))
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=20)
+    b = FastDataset(tmp_path / "out").get_batch([0, 1])
+    if first == "0 3":  # tags all spelling ids stay ids beside a list of ids
+        assert m["classes"] == ["0", "1", "2", "3"] and b["labels"].tolist() == [0, 3, 1]
+    else:
+        assert m["classes"] == ["cat", "dog"]
+        assert b["labels"].tolist() == ([0, 1, 0] if first == "cat dog" else [0, 1, 0, 1])
+    # the same records in a WebDataset tar: read by the same rules
+    with tarfile.open(tmp_path / "t.tar", "w") as tf:
+        for i, v in enumerate([first, second]):
+            for name, data in ((f"{i:04d}.png", (tmp_path / f"{i}.png").read_bytes()),
+                               (f"{i:04d}.json", json.dumps({"labels": v}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    tm = preprocess(tmp_path / "t.tar", tmp_path / "tar", size=20)
+    assert FastDataset(tmp_path / "tar").get_batch([0, 1])["labels"].tolist() == b["labels"].tolist()
+    assert tm["classes"] == m["classes"]
+
+
+def test_a_float_field_that_is_not_finite_is_a_bad_record_naming_it(tmp_path):
+    """NaN, inf and a number past float32 (1e39: inf once stored) were stored silently, in JSONL and CSV
+    (where a "nan" cell even made the column a caption of byte tokens)."""
+    for i in range(4):
+        Image.new("RGB", (20, 20), (60 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    scores = [[0.5, 1.0], [float("nan"), 1.0], [float("inf"), 2.0], [1e39, 3.0]]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"image": f"{i}.png", "score": s}) + "\n"
+                                              for i, s in enumerate(scores)))  # json writes NaN and Infinity
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=20)
+    assert m["num_samples"] == 1 and FastDataset(tmp_path / "out").get_batch([0])["score"].tolist() == [[0.5, 1.0]]
+    assert [(s["path"], s["reason"].split(":")[0]) for s in m["skipped"]] == [
+        ("1.png", "score holds [nan, 1.0]"), ("2.png", "score holds [inf, 2.0]"), ("3.png", "score holds [1e+39, 3.0]")]
+    assert m["skipped"][0]["reason"].endswith("a float field needs finite numbers (float32: at most 3.4e38 in size)")
+    with pytest.raises(ImageDecodeError, match=r"1.png.*score holds \[nan, 1.0\]"):
+        preprocess(tmp_path / "r.jsonl", tmp_path / "fail", size=20, on_error="fail")
+    # in a CSV, a "nan" or "inf" cell is a number (the column stays a float field) and its record a bad one;
+    # an empty cell is a missing value, refused for the whole file as a JSON record without the key
+    (tmp_path / "r.csv").write_text("image,score\n0.png,0.5\n1.png,nan\n2.png,-inf\n3.png,2.5\n")
+    m = preprocess(tmp_path / "r.csv", tmp_path / "csv", size=20)
+    assert {f["name"]: f["kind"] for f in m["fields"]}["score"] == "vector"
+    assert FastDataset(tmp_path / "csv").get_batch([0, 1])["score"].tolist() == [0.5, 2.5]
+    assert [(s["path"], s["reason"].split(":")[0]) for s in m["skipped"]] == [
+        ("1.png", "score holds nan"), ("2.png", "score holds -inf")]
+    (tmp_path / "e.csv").write_text("image,score\n0.png,0.5\n1.png,\n")
+    with pytest.raises(SourceError, match="'score' is missing from some records"):
+        preprocess(tmp_path / "e.csv", tmp_path / "empty", size=20)
+
+
+def test_boxes_that_are_not_lists_of_four_numbers_are_bad_records_listing_no_class(tmp_path):
+    """Text, bools and a polygon's 8 numbers were cast into boxes (the 8 numbers split into 2 boxes), and the
+    class names of a record refused for its boxes stayed in the class list."""
+    for i in range(6):
+        Image.new("RGB", (40, 40), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    recs = [{"boxes": [[1, 2, 30, 31]], "box_labels": ["cat"]},
+            {"boxes": [["1", "2", "30", "31"]], "box_labels": ["text"]},
+            {"boxes": [[True, 2, 30, 31]], "box_labels": ["bool"]},
+            {"boxes": [[1, 2, 10, 11, 12, 13, 30, 31]], "box_labels": ["poly", "gon"]},
+            {"boxes": [1, 2, 30, 31], "box_labels": ["flat"]},
+            {"boxes": [[1, 2, 30, 31]], "box_labels": ["two", "labels"]}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"image": f"{i}.png", **r}) + "\n"
+                                              for i, r in enumerate(recs)))
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=40)
+    assert m["num_samples"] == 1 and m["classes"] == ["cat"]
+    reasons = [s["reason"] for s in m["skipped"]]
+    assert [s["path"] for s in m["skipped"]] == ["1.png", "2.png", "3.png", "4.png", "5.png"]
+    assert all(r.endswith("are not [[x1, y1, x2, y2], ...] of numbers a float holds") for r in reasons[:4]), reasons
+    assert reasons[4].startswith("1 boxes but 2 box_labels ['two', 'labels']: give one class per box")
+    assert FastDataset(tmp_path / "out").get_batch([0])["boxes"].tolist() == [[1, 2, 30, 31]]
+
+
+def test_a_bare_csv_box_labels_cell_is_one_box_class(tmp_path):
+    """A bare id after a JSON list of ids was refused as ids mixed with names; "cat dog" for two boxes was
+    refused but left a class 'cat dog'."""
+    for i in range(3):
+        Image.new("RGB", (30, 30), (60 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    (tmp_path / "ids.csv").write_text('image,boxes,box_labels\n0.png,"[[1,1,5,5],[6,6,9,9]]","[0,1]"\n'
+                                      '1.png,"[[1,1,5,5]]",2\n2.png,,\n')
+    m = preprocess(tmp_path / "ids.csv", tmp_path / "ids", size=30)
+    assert m["classes"] == ["0", "1", "2"] and not m["skipped"]
+    assert FastDataset(tmp_path / "ids").get_batch([0, 1, 2])["box_labels"].tolist() == [0, 1, 2]
+    (tmp_path / "names.csv").write_text('image,boxes,box_labels\n0.png,"[[1,1,5,5],[6,6,9,9]]",cat dog\n'
+                                        '1.png,"[[1,1,5,5]]",traffic light\n2.png,"[[2,2,8,8]]",cat\n')
+    m = preprocess(tmp_path / "names.csv", tmp_path / "names", size=30)
+    assert m["classes"] == ["cat", "traffic light"]  # one name a cell, spaces and all (COCO's names have them)
+    assert [(s["path"], s["reason"]) for s in m["skipped"]] == [
+        ("0.png", "2 boxes but 1 box_labels ['cat dog']: give one class per box (in a CSV, a JSON list: "
+                  '["cat", "dog"])')]
+    assert FastDataset(tmp_path / "names").get_batch([0, 1])["box_labels"].tolist() == [1, 0]
+
+
 def test_malformed_sources_name_file_and_line(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"image": "x.png"}\n[1, 2]\n')
     with pytest.raises(SourceError, match=r"a.jsonl:2"):
@@ -610,7 +734,7 @@ def test_the_cli_detects_the_source_and_inspect_lists_the_fields(tmp_path, capsy
     records = make_scenes(tmp_path, 3, jpeg_big=False)
     coco_json(records, tmp_path / "instances.json")
     assert main(["preprocess", "images", str(tmp_path), str(tmp_path / "det"), "--size", "32", "--coco",
-                 str(tmp_path / "instances.json"), "--workers", "1", "--quiet"]) == 0
+                 str(tmp_path / "instances.json"), "--workers", "1"]) == 0  # (--quiet: no summary, nothing skipped)
     assert "fields: image (image), boxes (boxes), box_labels (box_labels)" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "det")]) == 0
     out = capsys.readouterr().out

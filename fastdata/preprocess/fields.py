@@ -10,7 +10,9 @@ padded, along an axis an EXIF turn or mirror reversed). The map is the one ``res
 pixels (its integer cut, its rounding), expressed in full-size pixels through ``d``, so the three stay
 aligned as a PNG of the same picture is. A mask is resampled by nearest
 neighbour (a label is never interpolated; padding is 0); boxes are mapped, clipped to the picture and
-dropped (with their class ids) when nothing of them is left.
+dropped (with their class ids) when nothing of them is left. A given box of no area (``x2 <= x1`` or
+``y2 <= y1``: COCO's slivers of width 0) is dropped the same way, box by box as torchvision's and
+mmdetection's COCO readers do; a box that is not finite or lies outside its image refuses the record.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.object_store import is_url
+from .records import box_count
 from .sources import shown
 from .url_reads import UrlBlobs
 
@@ -129,7 +132,7 @@ class RecordDecoder:
             elif kind == "labels":
                 fields[name] = self._ids(v, name)
             elif kind == "vector":
-                fields[name] = np.asarray(v, np.float32)
+                fields[name] = self._vector(v, name)
             elif kind == "tokens":
                 fields[name] = self._tokens(v if v is not None else "")
         return fields
@@ -139,6 +142,14 @@ class RecordDecoder:
         bad = arr[(arr < 0) | (arr >= self.num_classes)]
         if bad.size:
             raise ImageDecodeError(f"{name}: unknown class {int(bad[0])} (the dataset has {self.num_classes} classes)")
+        return arr
+
+    def _vector(self, v: Any, name: str) -> np.ndarray:
+        with np.errstate(over="ignore"):  # past float32's 3.4e38 is inf: refused below, not a warning
+            arr = np.asarray(v, np.float32)
+        if not np.isfinite(arr).all():  # one NaN target makes a whole run's loss NaN
+            raise ImageDecodeError(f"{name} holds {shown(v, 80)}: a float field needs finite numbers (float32: "
+                                   "at most 3.4e38 in size)")
         return arr
 
     def _mask(self, rel: Union[str, "Blob", None], w: int, h: int, g: Geometry, name: str) -> np.ndarray:
@@ -173,18 +184,26 @@ class RecordDecoder:
 
     def _boxes(self, boxes: list[Any], labels: list[int], w: int, h: int, g: Geometry
                ) -> tuple[np.ndarray, np.ndarray]:
+        count = box_count(boxes)
         try:
-            arr = np.asarray(boxes, np.float64).reshape(-1, 4)
-        except (ValueError, TypeError, OverflowError) as exc:  # Overflow: an integer past 1.8e308
+            arr = None if count is None else np.asarray(boxes, np.float64).reshape(-1, 4)
+        except OverflowError:  # an integer past 1.8e308
+            arr = None
+        if arr is None or count is None:
             raise ImageDecodeError(f"boxes {shown(boxes, 80)} are not [[x1, y1, x2, y2], ...] of numbers a float "
-                                   "holds") from exc
+                                   "holds")
+        if len(labels) != count:  # (before the ids: the source left such a record's box_labels as given)
+            raise ImageDecodeError(f"{count} boxes but {len(labels)} box_labels {shown(labels, 60)}: give one class "
+                                   "per box (in a CSV, a JSON list: [\"cat\", \"dog\"])")
         ids = self._ids(labels, "box_labels")
-        if len(ids) != len(arr):
-            raise ImageDecodeError(f"{len(arr)} boxes but {len(ids)} box_labels: give one class per box")
-        for b in arr:
-            if not (np.isfinite(b).all() and b[2] > b[0] and b[3] > b[1] and b[0] >= -BOX_SLACK and b[1] >= -BOX_SLACK
-                    and b[2] <= w + BOX_SLACK and b[3] <= h + BOX_SLACK):
-                raise ImageDecodeError(f"box {b.tolist()} is empty or outside the {w}x{h} image (xyxy pixels)")
+        bad = ~np.isfinite(arr).all(1)
+        if bad.any():
+            raise ImageDecodeError(f"box {arr[bad][0].tolist()} is not finite (xyxy pixels)")
+        bad = ((arr < -BOX_SLACK) | (arr > np.array([w, h, w, h]) + BOX_SLACK)).any(1)
+        if bad.any():
+            raise ImageDecodeError(f"box {arr[bad][0].tolist()} is outside the {w}x{h} image (xyxy pixels)")
+        some = (arr[:, 2] > arr[:, 0]) & (arr[:, 3] > arr[:, 1])  # no area: dropped with its class, not the image
+        arr, ids = arr[some], ids[some]
         np.clip(arr, 0, [w, h, w, h], out=arr)
         mapped, keep = map_boxes(arr, g)
         return mapped.astype(np.float32), ids[keep]

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .records import CLASS_KEYS, from_records, kind_of, split_labels
+from .records import CLASS_KEYS, from_records, kind_of, one_class_per_box, split_labels
 from .sources import class_ids, id_classes
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,13 @@ def keep_keys(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tu
 
 
 def class_values(rec: dict[str, Any]) -> list[Any]:
-    """A record's class ids or names, as records.py reads them (a ``labels`` string is split)."""
+    """A record's class ids or names, as records.py reads them (a ``labels`` string is split; the
+    ``box_labels`` of a record its worker refuses for its boxes are none)."""
     out: list[Any] = []
     for key in CLASS_KEYS:
         v = rec.get(key)
+        if key == "box_labels" and not one_class_per_box(rec.get("boxes"), v):
+            continue
         if isinstance(v, str) and key == "labels":
             v = split_labels(v)
         if v is not None:
@@ -119,6 +122,8 @@ class Schema:
         rec = {k: v for k, v in rec.items() if k in FIXED or k in self.keep}
         for key in CLASS_KEYS:
             v = rec.get(key)
+            if key == "box_labels" and not one_class_per_box(rec.get("boxes"), v):
+                continue  # (its worker refuses it for its boxes: its names were never listed)
             if v is not None:
                 rec[key] = self.class_id(split_labels(v) if key == "labels" and isinstance(v, str) else v)
         return rec

@@ -10,15 +10,17 @@ Record keys (JSONL objects, CSV columns): ``image`` (a path relative to the file
 ``;``), ``mask`` (a path), ``boxes`` (``[[x1, y1, x2, y2], ...]`` in the image's pixels) with
 ``box_labels`` (one id or name per box); any other key holding a number or a list of numbers is a float
 ``vector`` field, and one holding text is a ``tokens`` field (a caption, tokenised at preprocess time).
+A record whose ``box_labels`` are not one class per box of well-formed ``boxes`` is refused by its worker,
+so its box classes are left out of the class list (`one_class_per_box`).
 """
 from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import posixpath
 import re
+from numbers import Real
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -37,6 +39,25 @@ _SPLIT = re.compile(r"[;\s]+")
 def split_labels(text: str) -> list[str]:
     """A ``labels`` value given as text (CSV: ``"cat dog"`` or ``"cat;dog"``) as its class names."""
     return [t for t in _SPLIT.split(text) if t]
+
+
+def box_count(boxes: Any) -> Optional[int]:
+    """How many boxes ``boxes`` holds when it is ``[[x1, y1, x2, y2], ...]`` of numbers; None otherwise (text,
+    bools, a flat list, a polygon's 8 numbers: a bad record, never boxes of a guessed shape)."""
+    if not isinstance(boxes, list):
+        return None
+    for b in boxes:
+        if not (isinstance(b, list) and len(b) == 4
+                and all(isinstance(x, Real) and not isinstance(x, bool) for x in b)):
+            return None
+    return len(boxes)
+
+
+def one_class_per_box(boxes: Any, box_labels: Any) -> bool:
+    """Whether a record's ``box_labels`` (a list, or one bare id or name) give one class per box of its
+    well-formed ``boxes`` (None: the record has none); its worker refuses the record otherwise."""
+    count = 0 if box_labels is None else len(box_labels) if isinstance(box_labels, list) else 1
+    return box_count([] if boxes is None else boxes) == count
 
 
 def _rel(root: Where, rel: Any, where: str, folders: Optional[dict[str, Path]] = None) -> str:
@@ -102,7 +123,15 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
     extras: dict[str, list[Any]] = {}
     for key, col in raw.items():
         extras[key] = _column(key, kinds[key], col, location, root, paths)
+    # a record refused for its boxes ("cat dog" for 2 boxes) lists no class: its box_labels stay as given
+    given_box_labels = extras.get("box_labels", [])
+    refused = {i for i, (b, c) in enumerate(zip(extras.get("boxes", []), given_box_labels))
+               if not one_class_per_box(b, c)}
+    if refused:
+        extras["box_labels"] = [[] if i in refused else c for i, c in enumerate(given_box_labels)]
     classes, extras = _classes(extras, location, None if given else n, paths)
+    if refused:
+        extras["box_labels"] = [given_box_labels[i] if i in refused else c for i, c in enumerate(extras["box_labels"])]
     has_label = "label" in extras
     labels = extras.pop("label") if has_label else [0] * n
     kinds.pop("label", None)
@@ -133,11 +162,14 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
             i, v = next((i, v) for i, v in enumerate(col) if not fits_float(v))
             raise SourceError(f"{location}: {key!r} of record {i + 1} ({paths[i]}) is {shown(v)}, too large for a "
                               "float field (at most 1.8e308): fix or drop that record") from None
-    if kind == "labels" and col and isinstance(next((v for v in col if v is not None), []), str):
-        col = [None if v is None else split_labels(v) for v in col]  # CSV: "cat dog", "0 3"
-        if all(is_id(t) for v in col if v is not None for t in v):  # ids only when every tag is one (as `label`)
-            col = [None if v is None else [int(t) for t in v] for v in col]
-    if kind in ("labels", "boxes", "box_labels"):
+    if kind == "labels":  # each value by its own type: text (CSV: "cat dog", "0 3") or a list (JSON may mix them)
+        text = [isinstance(v, str) for v in col]
+        col = [split_labels(v) if t else v for v, t in zip(col, text)]
+        if any(text) and all(is_id(x) for v, t in zip(col, text) if t for x in v):  # ids when every tag is one
+            col = [[int(x) for x in v] if t else v for v, t in zip(col, text)]
+    if kind == "box_labels":  # one bare id or name: one box's class
+        return [[] if v is None else v if isinstance(v, list) else [v] for v in col]
+    if kind in ("labels", "boxes"):
         return [[] if v is None else v for v in col]
     if kind == "label" and any(v is None for v in col):
         raise SourceError(f"{location}: 'label' is missing from record {col.index(None)}; give every record one")
@@ -231,7 +263,7 @@ def is_record_csv(path: Where) -> bool:
 def csv_records(path: Where) -> Source:
     """The records of a CSV with an ``image`` column. A column is numbers only when every cell of it is one
     (read once before the records: a caption "1984" among text ones stays text); ``boxes`` cells are JSON
-    (``[[x1, y1, x2, y2], ...]``), as ``box_labels`` cells starting with ``[``."""
+    (``[[x1, y1, x2, y2], ...]``), as ``box_labels`` cells starting with ``[`` (any other is one box's class)."""
     def cells() -> Iterator[tuple[int, dict[str, str]]]:
         try:
             with open_text(path) as f:
@@ -256,26 +288,30 @@ def csv_records(path: Where) -> Source:
 
 
 def _number(text: str) -> Union[int, float, None]:
-    """The number a CSV cell spells, or None."""
+    """The number a CSV cell spells, or None. ``nan`` and ``inf`` (and ``1e999``) are numbers: a column of
+    them stays a float field, whose worker refuses that record (a bad record, as JSON's ``NaN`` and a
+    Parquet NaN are), where text would turn the column into a caption; an empty cell is a missing value."""
     try:
         return int(text)
     except ValueError:
         pass
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         return None
-    return value if math.isfinite(value) else None
 
 
 def _cell(key: str, text: str, numbers: bool) -> Any:
     """A CSV cell as JSON would give it: numbers for a column of numbers only, text otherwise (paths, names,
-    captions); ``boxes`` (and ``box_labels`` as a list) parsed as JSON."""
+    captions); ``boxes`` (and ``box_labels`` as a list) parsed as JSON; a bare ``box_labels`` cell is one
+    box's class (``3``: an id; ``traffic light``: one name, never split as ``labels`` are)."""
     if key == "boxes" or (key == "box_labels" and text.startswith("[")):
         try:
             return json.loads(text)
         except (ValueError, RecursionError):
-            return text  # (refused with the record named, as any malformed box)
+            return text  # (boxes: refused with the record named; box_labels: one name, as a bare cell)
+    if key == "box_labels":
+        return [int(text) if is_id(text) else text]
     if key in ("image", "mask", "labels") or not numbers:
         return text
     return _number(text)
