@@ -26,11 +26,15 @@ from fastdata.train.trainer import Trainer
 WORKER = Path(__file__).parent / "dist_train_worker.py"
 
 
-def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps: int = 5) -> dict:
-    out = tmp_path / f"w{nproc}-b{batch}-a{accum}-s{steps}.pt"
+def worker(tmp_path: Path, data: Path, nproc: int, batch: int, accum: int, steps: int = 5, *checkpoint: str,
+           name: str = "") -> dict:
+    """The worker's rank-0 weights; ``checkpoint``: its checkpoint folder [and "resume"]; ``name``: its files'."""
+    out = tmp_path / (name or f"w{nproc}-b{batch}-a{accum}-s{steps}.pt")
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash in a rank prints every thread's Python stack
-    r = torchrun(nproc, str(WORKER), str(data), str(out), str(batch), str(accum), str(steps), env=env)
+    r = torchrun(nproc, str(WORKER), str(data), str(out), str(batch), str(accum), str(steps), *checkpoint, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    if name:
+        (tmp_path / f"{name}.stderr").write_text(r.stderr)
     return torch.load(out, weights_only=True)
 
 
@@ -64,6 +68,31 @@ def test_epochs_that_end_mid_accumulation_keep_two_ranks_equal_to_one_big_batch(
     two = worker(tmp_path, indexed_datasets["npy"], 2, 2, 4, steps=100)
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5), k
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_random_state_and_another_world_size_rank_0s(indexed_datasets, tmp_path):
+    """Ranks seeded apart (a dropout mask of their own each): every rank resumed rank 0's random state, so the
+    resumed run's masks, and weights, drifted from a run never stopped (0.11 on a Linear's weights)."""
+    data, ck = indexed_datasets["npy"], str(tmp_path / "ck")
+
+    def draws(name: str, ranks: int) -> list[list[float]]:
+        return [json.loads((tmp_path / f"{name}.pt.val{r}.json").read_text())["draws"] for r in range(ranks)]
+
+    straight = worker(tmp_path, data, 2, 8, 1, 6, str(tmp_path / "ck-straight"), name="straight.pt")
+    worker(tmp_path, data, 2, 8, 1, 3, ck, name="cut.pt")
+    saved = torch.load(Path(ck) / "checkpoint.pt", weights_only=True)
+    resumed = worker(tmp_path, data, 2, 8, 1, 6, ck, "resume", name="resumed.pt")
+    assert draws("resumed", 2) == draws("straight", 2) and draws("straight", 2)[0] != draws("straight", 2)[1]
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    assert len(saved["rng_ranks"]) == 2 and torch.equal(saved["rng"]["torch"], saved["rng_ranks"][0]["torch"])
+    assert not torch.equal(saved["rng_ranks"][0]["torch"], saved["rng_ranks"][1]["torch"])
+    assert "holds the random states" not in (tmp_path / "resumed.pt.stderr").read_text()
+    worker(tmp_path, data, 1, 16, 1, 8, ck, "resume", name="alone.pt")  # another world size: rank 0's, said once
+    said = (tmp_path / "alone.pt.stderr").read_text()
+    assert said.count("holds the random states of 2 rank(s), this run has 1: every rank resumes rank 0's") == 1, said
 
 
 @pytest.mark.slow
@@ -360,6 +389,98 @@ def test_a_periodic_checkpoint_holds_its_steps_validation(small_images, tmp_path
     assert (ck["step"], ck["best"], ck["bad_evals"]) == (2, 1.0, 0)
     resumed = run(None, True)
     assert (resumed.step, resumed.history[-1]["reason"]) == (4, "early_stop")
+
+
+def _val_steps(trainer: Trainer) -> list[int]:
+    return [r["step"] for r in trainer.history if r["event"] == "val"]
+
+
+def test_a_stop_owes_its_steps_validation_and_the_resumed_run_makes_it_first(small_images, tmp_path):
+    """SIGTERM during step 2 with val_every_steps=2: the stop saved before step 2's validation, and the resumed
+    run went on from step 3, so that validation was never made and early stopping fired at step 6, not 4."""
+    val_loss = {2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0}  # by step: only step 2's is an improvement
+    ds = FastDataset(small_images)
+
+    def run(folder: str, signal_in_step: int = 0, **kwargs) -> Trainer:
+        def loss_fn(out, y):
+            if trainer.model.training:
+                if trainer.step + 1 == signal_in_step:  # the preemption notice comes while that step runs
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return torch.nn.functional.cross_entropy(out, y)
+            return out.sum() * 0 + val_loss[trainer.step]
+
+        torch.manual_seed(0)
+        cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2,
+                          early_stop_patience=1, checkpoint_dir=str(tmp_path / folder), **kwargs)
+        trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                          loss_fn=loss_fn, config=cfg)
+        trainer.fit()
+        return trainer
+
+    ref = run("ref")
+    assert (_val_steps(ref), ref.history[-1]["reason"], ref.step) == ([2, 4], "early_stop", 4)
+    cut = run("cut", signal_in_step=2)
+    assert (_val_steps(cut), cut.history[-1]["reason"], cut.step) == ([], "signal SIGTERM", 2)
+    saved = load_ckpt(tmp_path / "cut")
+    resumed = run("cut", resume=True)
+    assert (_val_steps(resumed), resumed.history[-1]["reason"], resumed.step) == ([2, 4], "early_stop", 4)
+    assert saved["val_due"] is True
+    for k, v in ref.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+    # a signal during the last step (--max-steps 2): the ended run makes that step's validation, as a run never
+    # stopped did there, once; a larger --max-steps then goes on to stop early at step 4
+    run("last", signal_in_step=2, max_steps=2)
+    ended = run("last", resume=True, max_steps=2)
+    assert (_val_steps(ended), ended.history[-1]["reason"]) == ([2], "max_steps")
+    assert load_ckpt(tmp_path / "last")["val_due"] is False  # (saved: made once)
+    assert _val_steps(run("last", resume=True, max_steps=2)) == []
+    more = run("last", resume=True)
+    assert (_val_steps(more), more.history[-1]["reason"], more.step) == ([4], "early_stop", 4)
+
+
+def test_a_stop_at_an_epochs_partial_last_step_owes_the_epochs_validation(small_images, tmp_path):
+    """48 images at batch 4 and accum 5: 12 micro-batches an epoch, so its last step (3) is a partial one. A
+    SIGTERM during it saved the step past the epoch's end, before the epoch's validation, which the resumed run
+    never made; nor did a run resumed with a larger --max-steps after --max-steps 3 ended there."""
+    ds = FastDataset(small_images)
+
+    def run(folder: str, signal_in_micro: int = 0, **kwargs) -> Trainer:
+        micros = [0]
+
+        def loss_fn(out, y):
+            if trainer.model.training:
+                micros[0] += 1
+                if micros[0] == signal_in_micro:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return torch.nn.functional.cross_entropy(out, y)
+            return out.sum() * 0 + 1.0
+
+        torch.manual_seed(0)
+        cfg = TrainConfig(epochs=2, accum=5, schedule="constant", device="cpu", progress=False,
+                          checkpoint_dir=str(tmp_path / folder), **kwargs)
+        trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                          loss_fn=loss_fn, config=cfg)
+        trainer.fit()
+        return trainer
+
+    def vals(t: Trainer) -> list[tuple[int, int]]:
+        return [(r["epoch"], r["step"]) for r in t.history if r["event"] == "val"]
+
+    ref = run("ref")
+    assert vals(ref) == [(1, 3), (2, 6)]
+    cut = run("cut", signal_in_micro=12)
+    assert (vals(cut), cut.history[-1]["reason"]) == ([], "signal SIGTERM")
+    ck = load_ckpt(tmp_path / "cut")
+    short = run("short", max_steps=3)
+    assert (vals(short), short.history[-1]["reason"]) == ([], "max_steps")
+    assert vals(run("short", resume=True, max_steps=3)) == []  # ended: as the run with --max-steps 3 did
+    for folder in ("cut", "short"):
+        resumed = run(folder, resume=True)
+        assert (vals(resumed), resumed.history[-1]["reason"]) == ([(1, 3), (2, 6)], "epochs"), folder
+        for k, v in ref.model.state_dict().items():
+            assert torch.equal(v, resumed.model.state_dict()[k]), (folder, k)
+    assert (ck["epoch"], ck["step"], ck["val_due"]) == (1, 3, True)
 
 
 def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
@@ -1129,6 +1250,96 @@ def test_resuming_with_another_optimizer_is_refused_in_one_line(small_images, tm
     assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2", "--optimizer", "adamw")) == 1
     err = capsys.readouterr().err  # before: a KeyError traceback from inside AdamW's step
     assert "was trained with --optimizer sgd, this run asks for adamw: resume with --optimizer sgd" in err, err
+
+
+def test_resuming_with_another_lr_weight_decay_or_momentum_is_refused_by_name(small_images, tmp_path, capsys):
+    """The saved optimizer and scheduler states put the saved lr and weight decay back: a run resumed with --lr
+    0.001 trained on at 0.1 while its checkpoint's config said 0.001."""
+    ck = ["--max-steps", "1", "--checkpoint", str(tmp_path)]
+    assert main(train_args(small_images, *ck)) == 0  # --lr 0.05, --weight-decay 0.0005 (the default)
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2", "--lr", "0.001", "--weight-decay",
+                           "0")) == 1
+    assert capsys.readouterr().err == (
+        f"fastdata: error: checkpoint {tmp_path / 'checkpoint.pt'} was trained with --lr 0.05 and --weight-decay "
+        "0.0005, this run asks for --lr 0.001 and --weight-decay 0.0: a resumed run goes on with its saved optimizer "
+        "state, which holds them; resume with --lr 0.05 --weight-decay 0.0005 (lr=0.05, weight_decay=0.0005), or "
+        "train a new run with the new values in another --checkpoint folder\n")
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    cfg = TrainConfig(lr=0.05, momentum=0.5, max_steps=2, checkpoint_dir=str(tmp_path), resume=True, device="cpu",
+                      progress=False)  # (Python alone sets momentum)
+    with pytest.raises(ConfigError, match=r"was trained with momentum=0\.9, this run asks for momentum=0\.5: .* "
+                                          r"resume with momentum=0\.9 \(momentum=0\.9\)"):
+        Trainer(create_model("cnn-small", num_classes=3), FastLoader(FastDataset(small_images), 8), config=cfg)
+    assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2")) == 0  # the same values resume
+    assert load_ckpt(tmp_path)["step"] == 2
+
+
+@pytest.fixture(scope="module")
+def one_step_checkpoint(small_images, tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("one-step")
+    assert main(train_args(small_images, "--max-steps", "1", "--checkpoint", str(folder))) == 0
+    return load_ckpt(folder)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda good: [1, 2, 3], "(it holds a list, not a dict)"),
+    (lambda good: {"model": good["model"], "model_class": good["model_class"]}, "(missing 'optimizer')"),
+    (lambda good: {k: v for k, v in good.items() if k != "rng"}, "(missing 'rng')"),
+    (lambda good: {**good, "epoch": "1"}, "(its 'epoch' is '1', not a whole number >= 0)"),
+    (lambda good: {**good, "step": -5}, "(its 'step' is -5, not a whole number >= 0)"),
+    (lambda good: {**good, "bad_evals": 1.5}, "(its 'bad_evals' is 1.5, not a whole number >= 0)"),
+    (lambda good: {**good, "rng_ranks": [good["rng"], {}]}, "(its 'rng_ranks' is a list, not a list of each "
+                                                            "rank's random states)"),
+], ids=["list", "weights only", "no rng", "epoch as text", "negative step", "bad_evals", "rng_ranks"])
+def test_a_file_that_is_not_a_trainers_checkpoint_is_refused_by_its_first_bad_key(
+        small_images, tmp_path, capsys, one_step_checkpoint, change, said):
+    """Files that load weights-only but that no Trainer saved: tracebacks (AttributeError, KeyError, TypeError)
+    on --resume, or a run that trained on from step -5."""
+    torch.save(change(one_step_checkpoint), tmp_path / "checkpoint.pt")
+    capsys.readouterr()
+    assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path), "--resume")) == 1
+    assert capsys.readouterr().err == (
+        f"fastdata: error: checkpoint {tmp_path / 'checkpoint.pt'} is not a fastdata training checkpoint {said}: "
+        "resume from a checkpoint that fastdata train (a Trainer) saved, or give --checkpoint another folder (or "
+        "move this file away to start afresh)\n")
+
+
+def test_a_checkpoint_saved_before_the_later_keys_still_resumes(small_images, tmp_path, one_step_checkpoint):
+    old = {k: v for k, v in one_step_checkpoint.items() if k not in ("val_step", "val_due", "config", "rng_ranks")}
+    torch.save(old, tmp_path / "checkpoint.pt")
+    assert main(train_args(small_images, "--max-steps", "2", "--checkpoint", str(tmp_path), "--resume")) == 0
+    assert load_ckpt(tmp_path)["step"] == 2
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--checkpoint-every", "1"], "--checkpoint-every 1 (checkpoint_every) needs a checkpoint folder, and this run "
+                                  "has none: give --checkpoint DIR (checkpoint_dir), or drop it"),
+    (["--early-stop-patience", "2", "--val-fraction", "0.25", "--val-every", "0"],
+     "--early-stop-patience 2 (early_stop_patience) needs validations, and this run makes none: --val-every 0 "
+     "(val_every) and --val-every-steps 0 (val_every_steps) never validate; give either a number the run reaches, "
+     "or drop it"),
+    (["--early-stop-patience", "2", "--val-fraction", "0.25", "--epochs", "2", "--val-every", "3"],
+     "--early-stop-patience 2 (early_stop_patience) needs validations, and this run makes none: --val-every 3 "
+     "(val_every) is more than the run's 2 epoch(s) and --val-every-steps 0 (val_every_steps) never validate; give "
+     "either a number the run reaches, or drop it"),
+    (["--warmup-steps", "5", "--schedule", "onecycle"], "--warmup-steps 5 (warmup_steps) does nothing with "
+     "--schedule onecycle, which warms up over its first 30% of steps: drop it, or use --schedule cosine or "
+     "constant"),
+], ids=["checkpoint-every", "val-every 0", "val-every past the epochs", "onecycle warm-up"])
+def test_options_that_would_do_nothing_are_refused_by_name(small_images, capsys, flags, said):
+    """Each was accepted and did nothing (rc 0): no checkpoint written, no validation to stop early on (a quarter
+    of the data held out for nothing), a warm-up the one-cycle schedule never reads."""
+    assert main(train_args(small_images, "--max-steps", "1", *flags)) == 1
+    assert capsys.readouterr().err == f"fastdata: error: {said}\n"
+    with pytest.raises(ConfigError) as e:  # the same in Python
+        TrainConfig(checkpoint_every=5)
+    assert str(e.value).startswith("--checkpoint-every 5 (checkpoint_every) needs a checkpoint folder")
+    for fine in (dict(checkpoint_every=5, checkpoint_dir="ck"), dict(val_every=0, val_every_steps=3,
+                 early_stop_patience=2), dict(epochs=2, val_every=2, early_stop_patience=2),
+                 dict(max_steps=10, val_every=3, early_stop_patience=2), dict(warmup_steps=5, schedule="constant")):
+        TrainConfig(**fine)
 
 
 def test_validation_data_of_another_size_is_refused_before_training(small_images, tmp_path, capsys):

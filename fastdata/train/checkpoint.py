@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from .._io import FILES_HELD, disk_error, fsync_dir, make_folder, process_alive, scrub
-from ..distributed import broadcast_bytes
+from ..distributed import broadcast_bytes, group_size
 from ..errors import ConfigError, FormatError, OutputError
 from ..storage.object_store import RETRY_SECONDS, StoreFolder, is_url
 
@@ -68,6 +68,32 @@ def rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def rng_states_of_ranks() -> Optional[list[dict[str, Any]]]:
+    """Every rank's `rng_state()`, in rank order, on rank 0 (None on the others, and without a process group):
+    ranks seeded apart (``manual_seed(1337 + rank)``, for their own dropout masks) each resume their own. A
+    collective: every rank calls it at the same point. Each state travels as `torch.save` bytes in uint8
+    tensors (two all-gathers; 15.6 kB a rank on a CPU) and is read back weights-only: nothing is pickled."""
+    if group_size() == 1:
+        return None
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = io.BytesIO()
+    torch.save(rng_state(), buf)
+    mine = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=device))
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:len(mine)] = mine.to(device)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    if dist.get_rank() != 0:
+        return None
+    return [torch.load(io.BytesIO(part[:int(n)].cpu().numpy().tobytes()), weights_only=True)
+            for part, n in zip(parts, sizes)]
 
 
 def set_rng_state(rng: dict[str, Any]) -> None:
@@ -428,14 +454,16 @@ def rank0_bytes(path: Optional[Location], main: bool, data: Optional[bytes] = No
 
 def read(path: Location, device: torch.device, model: nn.Module, data: Optional[bytes] = None) -> dict[str, Any]:
     """Load ``path`` (or ``data``, its bytes) for ``model`` (weights loaded into it), refusing a file that is
-    unreadable or was written for another model, with a message that says what to do."""
+    unreadable, is not a Trainer's checkpoint (naming its first missing or bad key) or was written for another
+    model, with a message that says what to do."""
     where = scrub(str(path))
     try:
         state = torch.load(io.BytesIO(data) if data is not None else path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error for the user
         raise FormatError(f"cannot read checkpoint {where}: {exc}") from exc
-    if state.get("model_class") != type(model).__name__:
-        raise FormatError(f"checkpoint {where} holds a {state.get('model_class')}, not a {type(model).__name__}: "
+    _check_keys(state, where)
+    if state["model_class"] != type(model).__name__:
+        raise FormatError(f"checkpoint {where} holds a {state['model_class']}, not a {type(model).__name__}: "
                           "resume with the same --model, or use another --checkpoint folder")
     try:
         model.load_state_dict(state["model"])
@@ -444,3 +472,58 @@ def read(path: Location, device: torch.device, model: nn.Module, data: Optional[
         raise FormatError(f"checkpoint {where} does not fit this model ({first}): resume with the same model "
                           "and dataset, or use another --checkpoint folder") from None
     return state
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rng(value: Any) -> bool:
+    return isinstance(value, dict) and {"torch", "python", "numpy", "cuda"} <= set(value)  # (`set_rng_state`'s)
+
+
+# What `read` requires of a checkpoint (the Trainer's keys, each with its test and what it must be), in the order
+# they are checked; other keys are optional ("config", "val_step" and "val_due" came later, and "rng_ranks" only
+# under torchrun: files without them still load).
+_KEYS: tuple[tuple[str, Any, str], ...] = (
+    ("model", lambda v: isinstance(v, dict), "a state_dict"),
+    ("model_class", lambda v: isinstance(v, str), "a class name"),
+    ("optimizer", lambda v: isinstance(v, dict), "an optimizer's state_dict"),
+    ("scheduler", lambda v: isinstance(v, dict), "a scheduler's state_dict"),
+    ("scaler", lambda v: isinstance(v, dict), "a GradScaler's state_dict"),
+    ("loader", None, ""),  # (any loader's own state, or None)
+    ("epoch", _whole, "a whole number >= 0"),
+    ("step", _whole, "a whole number >= 0"),
+    ("best", lambda v: v is None or _number(v), "a number or None"),
+    ("bad_evals", _whole, "a whole number >= 0"),
+    ("rng", _rng, "the random generators' states"),
+)
+_OPTIONAL: tuple[tuple[str, Any, str], ...] = (
+    ("config", lambda v: v is None or isinstance(v, dict), "the run's settings"),
+    ("val_step", lambda v: v is None or _whole(v), "a whole number >= 0 or None"),
+    ("val_due", lambda v: isinstance(v, bool), "True or False"),
+    ("rng_ranks", lambda v: isinstance(v, list) and all(map(_rng, v)), "a list of each rank's random states"),
+)
+
+
+def _check_keys(state: Any, where: str) -> None:
+    """Refuse, naming the first missing or bad key, a file that loads weights-only but is not a Trainer's
+    checkpoint (a list, a model's state_dict saved there, a hand-edited epoch): resuming it failed with a
+    KeyError, TypeError or AttributeError traceback, or trained on from a negative step."""
+    advice = ("resume from a checkpoint that fastdata train (a Trainer) saved, or give --checkpoint another folder "
+              "(or move this file away to start afresh)")
+    if not isinstance(state, dict):
+        raise FormatError(f"checkpoint {where} is not a fastdata training checkpoint (it holds a "
+                          f"{type(state).__name__}, not a dict): {advice}")
+    for key, _, _ in _KEYS:
+        if key not in state:
+            raise FormatError(f"checkpoint {where} is not a fastdata training checkpoint (missing {key!r}): {advice}")
+    for key, ok, expected in (*_KEYS, *((k, o, e) for k, o, e in _OPTIONAL if k in state)):
+        if ok is not None and not ok(state[key]):
+            shown = repr(state[key]) if len(repr(state[key])) <= 40 else f"a {type(state[key]).__name__}"
+            raise FormatError(f"checkpoint {where} is not a fastdata training checkpoint (its {key!r} is {shown}, "
+                              f"not {expected}): {advice}")

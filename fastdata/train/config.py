@@ -58,7 +58,8 @@ class TrainConfig:
         momentum: SGD's momentum (default 0.9).
         weight_decay: Weight decay on weights only, never on norms or biases (default 5e-4).
         schedule: ``"cosine"`` (after warm-up), ``"onecycle"`` or ``"constant"`` (default ``"cosine"``).
-        warmup_steps: Optimizer steps of linear warm-up (default 0).
+        warmup_steps: Optimizer steps of linear warm-up (default 0; not with ``"onecycle"``, which warms up over
+            its first 30% of steps).
         label_smoothing: The default loss's label smoothing, in [0, 1) (default 0.0).
         amp: Autocast precision: ``"bf16"``, ``"fp16"`` (with a GradScaler; CUDA only) or ``"none"`` (default).
         accum: Micro-batches accumulated per optimizer step (default 1).
@@ -70,16 +71,19 @@ class TrainConfig:
         checkpoint_dir: The folder of ``checkpoint.pt``, or a URL (``s3://bucket/run``, with the ``remote``
             extra) where a preempted job that comes back on another machine finds it (default None: no
             checkpoints).
-        checkpoint_every: Also save every this many optimizer steps (default 0: at epoch ends and when stopping).
+        checkpoint_every: Also save every this many optimizer steps (default 0: at epoch ends and when stopping;
+            needs ``checkpoint_dir``).
         checkpoint_keep: Checkpoint generations kept, >= 1: ``checkpoint.pt``, ``checkpoint.prev.pt``...
             (default 2; NOTE [checkpoint generations] in fastdata/train/checkpoint.py).
-        resume: Continue from ``checkpoint_dir``'s newest intact checkpoint (default False).
+        resume: Continue from ``checkpoint_dir``'s newest intact checkpoint (default False); its ``optimizer``,
+            ``lr``, ``weight_decay`` and ``momentum`` must be the checkpoint's (the optimizer's saved state holds
+            them).
         retry_seconds: How long object storage may fail before a checkpoint save or load at a URL gives up
             (default 120; NOTE [retry budget] in fastdata/storage/object_store.py).
         val_every: Validate every this many epochs (default 1; 0: never at epoch ends).
         val_every_steps: Also validate every this many optimizer steps (default 0: never).
         early_stop_patience: Validations without an improvement of the validation loss before stopping
-            (default 0: off).
+            (default 0: off; needs ``val_every`` or ``val_every_steps`` to validate).
         early_stop_min_delta: The least decrease of the validation loss that counts as an improvement
             (default 0.0).
         log_every: Optimizer steps per log record (default 50).
@@ -90,7 +94,9 @@ class TrainConfig:
         progress: Show a progress bar and log lines on rank 0 (default True).
 
     Raises:
-        ConfigError: A field is out of range; the message names the field and echoes the value.
+        ConfigError: A field is out of range; the message names the field and echoes the value. An option with
+            nothing to act on is refused too: ``checkpoint_every`` without ``checkpoint_dir``,
+            ``early_stop_patience`` where no validation runs, ``warmup_steps`` with the one-cycle schedule.
 
     Examples:
         >>> cfg = TrainConfig(epochs=16, lr=0.2, amp="bf16", warmup_steps=500, checkpoint_dir="runs/r50")
@@ -170,6 +176,25 @@ class TrainConfig:
         need(isinstance(self.retry_seconds, (int, float)) and not isinstance(self.retry_seconds, bool)
              and 0 <= self.retry_seconds < float("inf"), "retry_seconds", "a number of seconds >= 0")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu or cuda")
+        self._refuse_without_effect()
+
+    def _refuse_without_effect(self) -> None:
+        """Refuse, by flag, options that this config gives nothing to act on: they are refused, not ignored
+        (each was accepted and did nothing)."""
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every} (checkpoint_every) needs a checkpoint "
+                              "folder, and this run has none: give --checkpoint DIR (checkpoint_dir), or drop it")
+        by_epochs = self.val_every and self.val_every <= self.num_epochs
+        if self.early_stop_patience and not (by_epochs or self.val_every_steps):
+            never = (f"--val-every {self.val_every} (val_every) is more than the run's {self.num_epochs} epoch(s)"
+                     if self.val_every else "--val-every 0 (val_every)")
+            raise ConfigError(f"--early-stop-patience {self.early_stop_patience} (early_stop_patience) needs "
+                              f"validations, and this run makes none: {never} and --val-every-steps 0 "
+                              "(val_every_steps) never validate; give either a number the run reaches, or drop it")
+        if self.warmup_steps and self.schedule == "onecycle":
+            raise ConfigError(f"--warmup-steps {self.warmup_steps} (warmup_steps) does nothing with --schedule "
+                              "onecycle, which warms up over its first 30% of steps: drop it, or use --schedule "
+                              "cosine or constant")
 
     @property
     def num_epochs(self) -> int:

@@ -6,6 +6,10 @@ systemd, ``kill`` and torchrun's agent send) and SIGUSR1 (what SLURM's ``--signa
 the process at once: the handler only records the signal, and the loop stops at an optimizer-step boundary,
 where weights, optimizer, scheduler and loader position agree, saves a checkpoint there and returns. A
 signal that arrived mid-step would otherwise be a checkpoint of a half-applied step, or none at all.
+A validation due at that step (``val_every_steps``, or the epoch's end) is not run before the save: a pass
+over the validation set can outlast the grace period (torchrun's is 30 s) and lose the checkpoint. The
+checkpoint says it is owed (``val_due``), and the resumed run runs it before its first step, so it validates,
+and stops early, at the same steps as a run never stopped (a ``max_time`` stop owes it the same way).
 Further signals while stopping are ignored (``kill -9`` still ends the process). Ctrl-C (SIGINT) stops at
 once as it always has: the last checkpoint written is the one ``--resume`` continues from (at a URL, once
 the upload under way lands: Ctrl-C again leaves it; NOTE [checkpoint generations] rule 5). Handlers are

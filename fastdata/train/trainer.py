@@ -78,8 +78,9 @@ class Trainer:
             dict batch on its ``label``, or per pixel on its ``mask``; see `default_loss`).
 
     Raises:
-        ConfigError: The checkpoint folder holds another run's checkpoint and ``resume`` is off, the training
-            loader serves no batch, a loader without ``len()`` comes without ``max_steps``, or the device cannot
+        ConfigError: The checkpoint folder holds another run's checkpoint and ``resume`` is off, ``resume`` met a
+            checkpoint trained with another optimizer, lr, weight decay or momentum, the training loader serves no
+            batch, a loader without ``len()`` comes without ``max_steps``, or the device cannot
             run the config (fp16 or sync_bn on the CPU, bf16 on a GPU without it, CUDA where there is none).
         OutputError: The checkpoint folder cannot be written (at a URL: the store refuses a probe object).
         FormatError: ``resume`` met a checkpoint that cannot be read or does not fit the model.
@@ -152,6 +153,7 @@ class Trainer:
         self.best: Optional[float] = None
         self.bad_evals = 0
         self._val_step: Optional[int] = None  # the step last validated: never twice at one step (same weights)
+        self._val_due_at: Optional[int] = None  # the step whose validation is due (`_val_owed`)
         self.history: list[dict[str, Any]] = []
         self._waited = self._busy = 0.0  # seconds waiting for data / in logged intervals, for the whole run
         self._log_file = Path(cfg.log_file) if cfg.log_file and self.dist.main else None
@@ -230,7 +232,8 @@ class Trainer:
                                 self._waited) if cfg.profile_steps and not ended else None
         with EarlyStops(cfg.checkpoint_dir is not None, cfg.max_time, self.dist.world_size == 1) as self._stops:
             try:
-                stop = ended or self._epochs(bar, profiler)  # (an early stop saved a checkpoint where it stopped)
+                # first the validation a stop left owed (NOTE [stop signals]); an ended run's stop saved where it was
+                stop = self._owed_validation(ended) or ended or self._epochs(bar, profiler)
             except BaseException:  # an error, Ctrl-C: the save on its way still lands (rank 0 alone, no collective)
                 if self.dist.main:
                     self._saves.finish(quiet=True)
@@ -291,9 +294,12 @@ class Trainer:
     def _epoch_end(self, meter: Meter, bar: Any, profiler: Any, micros: int) -> Optional[str]:
         """The epoch's batches ran out (its loader moved on to the next epoch): the step of an accumulation they
         left unfinished (``micros`` micro-batches), then the epoch's validation and checkpoint; a stop at that
-        step skips them, as a stop at any step does."""
+        step skips them, as a stop at any step does (its checkpoint owes the validation: `_owed_validation`)."""
         cfg = self.cfg
         self.epoch += 1  # (first: a checkpoint at the step below resumes past this epoch's batches, as its loader)
+        due = self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0
+        if due:  # at the epoch's last step: a stop there saves it as owed (NOTE [stop signals])
+            self._val_due_at = self.step + (1 if micros else 0)
         stop = None
         if micros:  # an epoch that ends mid-accumulation still steps, as any step
             self._partial_accumulation(micros)
@@ -303,7 +309,6 @@ class Trainer:
             self._log_interval(meter, bar)  # the epoch's last, partial interval
         if stop:
             return stop
-        due = self.val_loader is not None and cfg.val_every and self.epoch % cfg.val_every == 0
         if due and self._val_step != self.step:  # (validated at this step already: the same weights, whose second
             stop = self._validate_and_check()  # loss would count as no improvement)
         self.save_checkpoint(wait=False)
@@ -331,6 +336,24 @@ class Trainer:
             log.warning("the resumed run had already ended at step %d: it %s; nothing to train", self.step, why)
         return reason
 
+    def _val_owed(self) -> bool:
+        """Whether the validation due at this step (``val_every_steps``, or the epoch's end) has not run: a
+        stop saves before it (NOTE [stop signals]), and the checkpoint says so (``val_due``)."""
+        return self.val_loader is not None and self._val_due_at == self.step and self._val_step != self.step
+
+    def _owed_validation(self, ended: Optional[str]) -> Optional[str]:
+        """Run the validation owed at this step (`_val_owed`) before any other, as the run that was not stopped
+        did there; ``"early_stop"`` when it ends the run. A run that had ended at ``max_steps`` owes only that
+        step's ``val_every_steps`` validation (``max_steps`` skips the epoch's end), one that stopped early none."""
+        cfg = self.cfg
+        by_steps = cfg.val_every_steps and self.step % cfg.val_every_steps == 0
+        if not self._val_owed() or ended == "early_stop" or (ended == "max_steps" and not by_steps):
+            return None
+        stop = self._validate_and_check()
+        if stop or ended:  # else the run's next checkpoint records it; a run that trains no further saves it now
+            self.save_checkpoint(wait=False)
+        return stop
+
     def _partial_accumulation(self, micros: int) -> None:
         """An epoch ended after ``micros`` of ``accum`` micro-batches: their gradients, as one batch of them, and
         averaged over ranks here (they ran under ``no_sync()``: ranks stepped on their own and drifted apart)."""
@@ -357,12 +380,14 @@ class Trainer:
             profiler.step(self.step, self._waited)
         if self.step % cfg.log_every == 0:
             self._log_interval(meter, bar)
+        due = self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0
+        if due:
+            self._val_due_at = self.step
         stop = self._stops.due()
-        if stop:
+        if stop:  # saved with its validation owed, not made: NOTE [stop signals]
             return stop
-        if self.val_loader is not None and cfg.val_every_steps and self.step % cfg.val_every_steps == 0:
-            if self._validate_and_check():
-                return "early_stop"  # (saved by the caller, with this validation)
+        if due and self._validate_and_check():
+            return "early_stop"  # (saved by the caller, with this validation)
         if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:  # after the step's validation: a
             self.save_checkpoint(wait=False)  # resumed run's early stopping starts from its best and bad_evals
         if cfg.max_steps and self.step >= cfg.max_steps:
@@ -458,8 +483,12 @@ class Trainer:
         if path is None:
             return
         loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
+        rng_ranks = checkpoint.rng_states_of_ranks()  # (a collective: on every rank)
         failed: Optional[Exception] = None
         if self.dist.main:
+            rng = {"rng": checkpoint.rng_state()}
+            if rng_ranks is not None:  # (rank 0's stays under "rng", where any version reads it)
+                rng = {"rng": rng_ranks[0], "rng_ranks": rng_ranks}
             try:
                 self._saves.save(path, keep=self.cfg.checkpoint_keep, retry_seconds=self.cfg.retry_seconds,
                                  wait=wait, label=f"step {self.step}", state={
@@ -468,7 +497,7 @@ class Trainer:
                                      "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                                      "loader": loader_state, "epoch": self.epoch, "step": self.step,
                                      "best": self.best, "bad_evals": self.bad_evals, "val_step": self._val_step,
-                                     "config": self._config_saved(), "rng": checkpoint.rng_state()})
+                                     "val_due": self._val_owed(), "config": self._config_saved(), **rng})
             except Exception as exc:  # noqa: BLE001 - told to the other ranks below, then raised here
                 failed = exc
         self._agree(failed)
@@ -518,6 +547,7 @@ class Trainer:
             raise ConfigError(f"checkpoint {scrub(str(chosen or path))} was trained with --optimizer {saved}, this "
                               f"run asks for {self.cfg.optimizer}: resume with --optimizer {saved} "
                               f"(optimizer={saved!r}), or use another --checkpoint folder")
+        self._check_settings(state, scrub(str(chosen or path)))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -529,10 +559,47 @@ class Trainer:
         self.epoch, self.step = state["epoch"], state["step"]
         self.best, self.bad_evals = state["best"], state["bad_evals"]
         self._val_step = state.get("val_step")  # (absent from checkpoints saved before it)
-        checkpoint.set_rng_state(state["rng"])
+        self._val_due_at = self.step if state.get("val_due") else None  # (likewise)
+        self._set_rng(state, scrub(str(chosen or path)))
         if self.dist.main and self.cfg.progress:
             log.info("resumed from %s: epoch %d, step %d", scrub(str(chosen)), self.epoch, self.step)
         return True
+
+    def _check_settings(self, state: dict[str, Any], where: str) -> None:
+        """Refuse another lr, weight decay or momentum than the checkpoint's, as another optimizer is refused:
+        its optimizer and scheduler states put the saved ones back, while the config saved with the run claimed
+        the new ones. Applying them instead would break what a resume promises, the weights of a run never
+        stopped (docs/training.md), for a requeued job whose flags changed by mistake."""
+        cfg = self.cfg
+        group = (state["optimizer"].get("param_groups") or [{}])[0]  # (param_groups: the decay group first)
+        lr = (state["scheduler"].get("base_lrs") or [group.get("initial_lr")])[0]
+        saved = {"lr": lr, "weight_decay": group.get("weight_decay"),
+                 "momentum": group.get("momentum") if cfg.optimizer == "sgd" else None}  # (AdamW reads none)
+        changed = [(name, was) for name, was in saved.items() if isinstance(was, (int, float))
+                   and not math.isclose(was, getattr(cfg, name), rel_tol=1e-9, abs_tol=1e-12)]
+        if not changed:
+            return
+        flag = {"lr": "--lr ", "weight_decay": "--weight-decay ", "momentum": "momentum="}  # (no --momentum flag)
+        was = " and ".join(f"{flag[name]}{value!r}" for name, value in changed)
+        now = " and ".join(f"{flag[name]}{getattr(cfg, name)!r}" for name, _ in changed)
+        python = ", ".join(f"{name}={value!r}" for name, value in changed)
+        raise ConfigError(f"checkpoint {where} was trained with {was}, this run asks for {now}: a resumed run goes "
+                          "on with its saved optimizer state, which holds them; resume with "
+                          f"{was.replace(' and ', ' ')} ({python}), or train a new run with the new values in another "
+                          "--checkpoint folder")
+
+    def _set_rng(self, state: dict[str, Any], where: str) -> None:
+        """Each rank's own random state where the checkpoint has every rank's at this world size; else rank 0's,
+        on every rank (said once: ranks seeded apart then draw alike)."""
+        ranks, world = state.get("rng_ranks"), self.dist.world_size
+        if ranks is not None and len(ranks) == world:
+            checkpoint.set_rng_state(ranks[self.dist.rank])
+            return
+        if self.dist.main and (ranks is not None or world > 1):
+            log.warning("checkpoint %s holds the random states of %d rank(s), this run has %d: every rank resumes "
+                        "rank 0's (ranks seeded apart draw other dropout masks than a run never stopped would)",
+                        where, len(ranks) if ranks is not None else 1, world)
+        checkpoint.set_rng_state(state["rng"])
 
     # -- progress bar and profiler --------------------------------------------------------------------
     def _progress(self) -> Any:
