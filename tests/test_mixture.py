@@ -312,6 +312,25 @@ def test_the_trainer_resumes_a_mixture_with_new_weights(mixed_sets, tmp_path, de
     assert final["sources"] == want.state_dict()["sources"] and final["weights"] == pytest.approx(new_w)
 
 
+def test_the_trainers_schedule_spans_the_epochs_a_stop_first_mixture_serves(mixed_sets):
+    """Epochs of stop="first" end with their sources, so they differ in length: the schedule (and the bar)
+    took every epoch as long as the first, and --epochs 4 ended at 32 of 48 steps, lr at a quarter of its peak."""
+    from fastdata.gpu.prefetch import CUDAPrefetcher
+    from fastdata.train.config import TrainConfig
+    from fastdata.train.trainer import Trainer
+
+    mix = open_mixture(mixed_sets, seed=4, stop="first")
+    counts = MixtureSampler(mix, 8, rank=0, world_size=1).epochs_batches(4)
+    assert len(set(counts)) > 1  # (else this test shows nothing)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 3))
+    t = Trainer(model, CUDAPrefetcher(FastLoader(mix, 8, num_threads=1), device="cpu"),
+                config=TrainConfig(epochs=4, accum=3, device="cpu", progress=False))
+    assert t.total_steps == sum(-(-c // 3) for c in counts)
+    t.fit()
+    assert t.step == t.total_steps and t.optimizer.param_groups[0]["lr"] < 1e-3  # the cosine ran to its end
+
+
 def test_fastdata_train_mix_logs_each_source_and_resumes_with_new_weights(tmp_path):
     from test_text import make_docs, preprocess, write_jsonl
 

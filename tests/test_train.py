@@ -1353,6 +1353,17 @@ def test_validation_data_of_another_size_is_refused_before_training(small_images
     assert f"--val {small} holds 16x16x3 samples, {small_images} 32x32x3" in capsys.readouterr().err
 
 
+def test_a_fastloaders_uint8_batches_that_the_model_cannot_take_say_how_to_convert_them(small_images):
+    """docs/training.md's Trainer takes "any loader": a plain FastLoader's uint8 NHWC batches gave torch's "Input
+    type (unsigned char) and bias type (float) should be the same"."""
+    model = create_model("cnn-small", num_classes=3)
+    t = Trainer(model, FastLoader(FastDataset(small_images), 8), config=TrainConfig(max_steps=1, device="cpu",
+                                                                                   progress=False))
+    with pytest.raises(ConfigError, match=r"uint8 images of shape \(8, 32, 32, 3\) \(NHWC\).* wrap the loader in "
+                                          r"CUDAPrefetcher\(loader, device=...\)"):
+        t.fit()
+
+
 def test_image_flags_on_a_token_dataset_are_refused_by_name(tmp_path, capsys):
     """A token dataset validates on its own val split: --val, --val-fraction, --backend dali and --augment were
     ignored."""

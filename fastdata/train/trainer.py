@@ -143,7 +143,7 @@ class Trainer:
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr)
         # the schedule spans the run: max_steps, or the epochs' steps where they end first
-        by_epochs = cfg.num_epochs * max(1, math.ceil(batches / cfg.accum)) if batches is not None else None
+        by_epochs = _epochs_steps(train_loader, cfg, batches)
         self.total_steps = min(n for n in (cfg.max_steps, by_epochs) if n)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.amp == "fp16")
@@ -276,7 +276,7 @@ class Trainer:
                 sync = contextlib.nullcontext() if (self.ddp is None or last_micro) else self.ddp.no_sync()
                 with sync:
                     with self._autocast():
-                        out = model(x)
+                        out = _forward(model, x)
                         loss = self.loss_fn(out, y)
                     self.scaler.scale(loss / cfg.accum).backward()
                 meter.add(loss.detach(), out.detach(), y)
@@ -437,7 +437,7 @@ class Trainer:
         for batch in loader:
             x, y = self._inputs(batch)
             with self._autocast():
-                out = forward(x)
+                out = _forward(forward, x)
                 loss = self.loss_fn(out, y)
             meter.add(loss, out, y)
             language_model = out.ndim == 3
@@ -608,6 +608,33 @@ class Trainer:
         from tqdm import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _epochs_steps(loader: Any, cfg: TrainConfig, batches: Optional[int]) -> Optional[int]:
+    """Optimizer steps in ``cfg.epochs`` epochs of ``loader`` (None without ``len``): a Mixture's epochs that
+    end with their sources (``stop``) differ in length, and its sampler counts each (`epochs_batches`); any
+    other loader's are ``len(loader)`` each. An epoch's last, partial accumulation is a step too."""
+    if batches is None:
+        return None
+    samplers = (getattr(layer, "sampler", None) for layer in _layers(loader))
+    sampler = next((s for s in samplers if hasattr(s, "epochs_batches")), None)
+    if cfg.epochs is not None and sampler is not None:
+        return sum(max(1, math.ceil(b / cfg.accum)) for b in sampler.epochs_batches(cfg.epochs))
+    return cfg.num_epochs * max(1, math.ceil(batches / cfg.accum))
+
+
+def _forward(model: Any, x: Any) -> Any:
+    """``model(x)``; a uint8 NHWC batch that the model cannot take (a FastLoader's, not converted) says how
+    to convert it, instead of torch's "Input type (unsigned char) and bias type (float)"."""
+    try:
+        return model(x)
+    except RuntimeError as exc:
+        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 4:
+            raise ConfigError(f"the model got uint8 images of shape {tuple(x.shape)} (NHWC), as FastLoader serves "
+                              "them, and failed on them: wrap the loader in CUDAPrefetcher(loader, device=...) (on "
+                              "the CPU too), which converts them to normalised float NCHW, or convert them in "
+                              f"the model ({str(exc).splitlines()[0][:120]})") from exc
+        raise
 
 
 def check_ranks(train_loader: Any, val_loader: Any, world_size: int) -> None:
