@@ -377,20 +377,23 @@ def test_an_unknown_coco_category_is_a_bad_record(tmp_path):
 
 def test_a_box_of_no_area_drops_only_itself_and_its_class(tmp_path):
     """A zero-width COCO box (a sliver: bbox w 0) refused its whole image with every good box on it."""
-    for i in range(3):
+    for i in range(4):
         Image.new("RGB", (40, 40), (60 * i, 0, 0)).save(tmp_path / f"{i}.png")
-    anns = [([5, 5, 10, 10], 1, 0), ([20, 20, 0.0, 4], 2, 0), ([30, 12, -8, 3], 2, 0),  # no width, inverted
+    anns = [([5, 5, 10, 10], 1, 0), ([20, 20, 0.0, 4], 2, 0),  # no width: dropped, the image kept
             ([1, 1, 3, 3], 2, 1), ([39.5, 40, 0, 0], 1, 1),  # on the edge, no area: dropped, the image kept
-            ([5, 5, 10, 10], 1, 2), ([500, 5, 0, 4], 2, 2)]  # no area but outside the image: a bad record
+            ([5, 5, 10, 10], 1, 2), ([500, 5, 0, 4], 2, 2),  # no area but outside the image: a bad record
+            ([5, 5, 10, 10], 1, 3), ([30, 12, -8, 3], 2, 3)]  # inverted: a bad record, never silently dropped
     (tmp_path / "inst.json").write_text(json.dumps({
-        "images": [{"id": i, "file_name": f"{i}.png"} for i in range(3)],
+        "images": [{"id": i, "file_name": f"{i}.png"} for i in range(4)],
         "categories": [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}],
         "annotations": [{"id": k, "image_id": im, "bbox": bbox, "category_id": c}
                         for k, (bbox, c, im) in enumerate(anns)]}))
     m = preprocess(tmp_path, tmp_path / "out", size=40, coco=tmp_path / "inst.json")
     assert m["num_samples"] == 2
     assert [(s["path"], s["reason"]) for s in m["skipped"]] == [
-        ("2.png", "box [500.0, 5.0, 500.0, 9.0] is outside the 40x40 image (xyxy pixels)")]
+        ("2.png", "box [500.0, 5.0, 500.0, 9.0] is outside the 40x40 image (xyxy pixels)"),
+        ("3.png", "box [30.0, 12.0, 22.0, 15.0] has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, y2] (an "
+                  "[x, y, w, h] box is [x, y, x + w, y + h])")]
     b = FastDataset(tmp_path / "out").get_batch([0, 1])
     assert b["boxes"].tolist() == [[5, 5, 15, 15], [1, 1, 4, 4]] and b["boxes_offsets"].tolist() == [0, 1, 2]
     assert b["box_labels"].tolist() == [0, 1] and m["class_counts"] == [1, 1]
@@ -472,8 +475,9 @@ def test_boxes_that_are_not_lists_of_four_numbers_are_bad_records_listing_no_cla
     assert m["num_samples"] == 1 and m["classes"] == ["cat"]
     reasons = [s["reason"] for s in m["skipped"]]
     assert [s["path"] for s in m["skipped"]] == ["1.png", "2.png", "3.png", "4.png", "5.png"]
-    assert all(r.endswith("are not [[x1, y1, x2, y2], ...] of numbers a float holds") for r in reasons[:4]), reasons
-    assert reasons[4].startswith("1 boxes but 2 box_labels ['two', 'labels']: give one class per box")
+    assert all(r.endswith("are not [[x1, y1, x2, y2], ...] of numbers a float holds") for r in reasons[:3]), reasons
+    assert reasons[3].endswith("of numbers a float holds (a single box too is a list in the list)")
+    assert reasons[4].startswith("1 box but 2 box_labels ['two', 'labels']: give one class per box")
     assert FastDataset(tmp_path / "out").get_batch([0])["boxes"].tolist() == [[1, 2, 30, 31]]
 
 

@@ -10,9 +10,10 @@ padded, along an axis an EXIF turn or mirror reversed). The map is the one ``res
 pixels (its integer cut, its rounding), expressed in full-size pixels through ``d``, so the three stay
 aligned as a PNG of the same picture is. A mask is resampled by nearest
 neighbour (a label is never interpolated; padding is 0); boxes are mapped, clipped to the picture and
-dropped (with their class ids) when nothing of them is left. A given box of no area (``x2 <= x1`` or
-``y2 <= y1``: COCO's slivers of width 0) is dropped the same way, box by box as torchvision's and
-mmdetection's COCO readers do; a box that is not finite or lies outside its image refuses the record.
+dropped (with their class ids) when nothing of them is left. A given box of no area (``x2 == x1`` or
+``y2 == y1``: COCO's slivers of width 0) is dropped the same way, box by box as torchvision's and
+mmdetection's COCO readers do; a box that is not finite, is inverted (``x2 < x1``: often an ``[x, y, w,
+h]`` box under the corners' key) or lies outside its image refuses the record.
 """
 from __future__ import annotations
 
@@ -190,15 +191,21 @@ class RecordDecoder:
         except OverflowError:  # an integer past 1.8e308
             arr = None
         if arr is None or count is None:
+            one = box_count([boxes]) == 1  # (four numbers: one box, not wrapped in its list)
             raise ImageDecodeError(f"boxes {shown(boxes, 80)} are not [[x1, y1, x2, y2], ...] of numbers a float "
-                                   "holds")
+                                   "holds" + (" (a single box too is a list in the list)" if one else ""))
         if len(labels) != count:  # (before the ids: the source left such a record's box_labels as given)
-            raise ImageDecodeError(f"{count} boxes but {len(labels)} box_labels {shown(labels, 60)}: give one class "
-                                   "per box (in a CSV, a JSON list: [\"cat\", \"dog\"])")
+            raise ImageDecodeError(f"{count} box{'es' if count != 1 else ''} but {len(labels)} box_labels "
+                                   f"{shown(labels, 60)}: give one class per box (in a CSV, a JSON list: "
+                                   "[\"cat\", \"dog\"])")
         ids = self._ids(labels, "box_labels")
         bad = ~np.isfinite(arr).all(1)
         if bad.any():
             raise ImageDecodeError(f"box {arr[bad][0].tolist()} is not finite (xyxy pixels)")
+        bad = (arr[:, 2] < arr[:, 0]) | (arr[:, 3] < arr[:, 1])  # (xywh boxes under the xyxy key, often)
+        if bad.any():
+            raise ImageDecodeError(f"box {arr[bad][0].tolist()} has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, "
+                                   "y2] (an [x, y, w, h] box is [x, y, x + w, y + h])")
         bad = ((arr < -BOX_SLACK) | (arr > np.array([w, h, w, h]) + BOX_SLACK)).any(1)
         if bad.any():
             raise ImageDecodeError(f"box {arr[bad][0].tolist()} is outside the {w}x{h} image (xyxy pixels)")
