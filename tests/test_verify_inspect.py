@@ -425,6 +425,8 @@ def test_a_manifest_whose_numbers_cannot_describe_its_files_is_refused(dataset, 
 
         with pytest.raises(FormatError, match=r"images-00000\.lmdb holds 16 records, the manifest says 15"):
             FastDataset(dataset).get_batch(np.arange(4))
+        assert main(["verify", str(dataset), "--quiet"]) == 1  # (which verify finds before any read)
+        assert "images-00000.lmdb: holds 16 records, the manifest says 15" in capsys.readouterr().err
         return
     with pytest.raises(FormatError, match="the manifest is damaged") as err:
         load_manifest(dataset)
@@ -432,6 +434,80 @@ def test_a_manifest_whose_numbers_cannot_describe_its_files_is_refused(dataset, 
     assert main(["verify", str(dataset), "--quiet"]) == 1
     out = capsys.readouterr().err
     assert needle in out and len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+def _labels_key(m: dict) -> str:
+    return "labels" if m["format"].endswith("lmdb") else "all_labels"
+
+
+@pytest.mark.parametrize("lmdb_only, edit, needle", [
+    (False, lambda m: m.update(skipped=3), "'skipped' (the list of inputs left out) is 3"),
+    (False, lambda m: m.update(class_counts=None), "class_counts None is not a count for each of its 3 classes"),
+    (False, lambda m: m.update(class_counts=[14, 14]), "class_counts [14, 14] is not a count for each of its 3 "
+                                                       "classes"),
+    (False, lambda m: m.update(class_counts=[14, -1, 14]), "class_counts [14, -1, 14] is not a count"),
+    (False, lambda m: m.update({_labels_key(m): "x"}), "names 'x' as the file of every sample's label, but its files "
+                                                       "do not list it"),
+    (False, lambda m: m.update({_labels_key(m): 3}), "(the file of every sample's label) is 3"),
+    (True, lambda m: m.pop("labels"), "'labels' (the file of every sample's label) is missing"),
+    (True, lambda m: m.pop("max_short_side"), "max_short_side (the stored images' largest shorter side, in pixels) "
+                                              "is missing"),
+    (True, lambda m: m.update(max_short_side=0), "max_short_side (the stored images' largest shorter side, in "
+                                                 "pixels) is 0"),
+    (True, lambda m: m.update(max_side="80"), "max_side (the stored images' largest longer side, in pixels) is '80'"),
+], ids=["skipped", "class_counts_null", "class_counts_short", "class_counts_negative", "labels_unlisted",
+        "labels_not_a_name", "labels_missing", "max_short_side_missing", "max_short_side_0", "max_side_text"])
+def test_a_manifest_with_a_damaged_key_beside_its_numbers_is_one_line_naming_the_key(dataset, lmdb_only, edit, needle,
+                                                                                    capsys):
+    """inspect raised TypeError tracebacks (skipped as a number, class_counts null); an LMDB without max_short_side
+    failed at its first batch inside torch; a labels file the files do not list was a bare FileNotFoundError, a
+    missing one a KeyError 'shards'."""
+    from fastdata.datasets.images import FastDataset
+
+    m = json.loads((dataset / "manifest.json").read_text())
+    if lmdb_only and not m["format"].endswith("lmdb"):
+        pytest.skip("an LMDB's key (an npy dataset made before all_labels has none: it reads each shard's labels)")
+    edit(m)
+    (dataset / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="the manifest is damaged; re-run `fastdata preprocess`") as err:
+        load_manifest(dataset)
+    assert needle in str(err.value)
+    with pytest.raises(FormatError) as err:
+        FastDataset(dataset).get_batch([0, 1])
+    assert needle in str(err.value)
+    for cmd in (["inspect", str(dataset)], ["inspect", str(dataset), "--json"], ["verify", str(dataset), "--quiet"]):
+        assert main(cmd) == 1
+        out = capsys.readouterr().err
+        assert needle in out and len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+def test_verify_compares_each_lmdb_stores_record_count_with_the_manifest(photo_folder, tmp_path, capsys):
+    """Counts moved between shards (the same total): every checksum matched and verify said OK, then reads failed
+    with "the manifest is damaged". One read-only open a store, shared with a reader open in the process."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.formats.integrity import verify
+
+    ds = tmp_path / "ds"
+    assert main(["preprocess", "images", str(photo_folder), str(ds), "--size", "16", "--shard-size", "16",
+                 "--format", "lmdb", "--workers", "1", "--quiet"]) == 0
+    m = json.loads((ds / "manifest.json").read_text())
+    assert [s["samples"] for s in m["lmdb_shards"]] == [16, 16, 10]
+    m["lmdb_shards"][0]["samples"], m["lmdb_shards"][2]["samples"] = 15, 11
+    (ds / "manifest.json").write_text(json.dumps(m))
+    reader = FastDataset(ds)
+    assert reader.get_batch([20])[0].shape == (1, 16, 16, 3)  # (its store 1 is open in this process)
+    want = ["images-00000.lmdb: holds 16 records, the manifest says 15 (the manifest is damaged: re-run "
+            "`fastdata preprocess`, or restore the dataset's own manifest.json)",
+            "images-00002.lmdb: holds 10 records, the manifest says 11 (the manifest is damaged: re-run "
+            "`fastdata preprocess`, or restore the dataset's own manifest.json)"]
+    assert verify(ds) == want
+    assert main(["verify", str(ds), "--quiet"]) == 1
+    assert capsys.readouterr().err.splitlines()[1:] == [f"  {line}" for line in want]
+    with pytest.raises(FormatError, match=r"images-00000\.lmdb holds 16 records, the manifest says 15"):
+        reader.get_batch([0])  # (what a read says of it)
+    assert reader.get_batch([20])[0].shape == (1, 16, 16, 3)  # (the store verify opened too: still served)
+    (ds / "images-00001.lmdb").write_bytes(b"x" * (ds / "images-00001.lmdb").stat().st_size)
+    assert [p.split(":")[0] for p in verify(ds)] == ["images-00001.lmdb"] + [w.split(":")[0] for w in want]
 
 
 @pytest.mark.parametrize("change, needle", [({"dtype": "<f4"}, "image dtype '<f4'"),

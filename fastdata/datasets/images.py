@@ -158,7 +158,9 @@ class FastDataset(StreamedReads, torch.utils.data.Dataset):
         trim_heap(len(self.manifest["files"]))
 
     def _set_crop(self, crop: str, fraction: float, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
-        decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio))  # checks them
+        bounds = (self.manifest.get("max_short_side"), self.manifest.get("max_side")) if self.is_lmdb else (None, None)
+        # (checks them; the bounds refuse a record whose frame header claims more: NOTE [damaged records])
+        decoder = BatchDecoder(self.size or 0, crop, float(fraction), tuple(scale), tuple(ratio), *bounds)
         if crop == "random" and fraction != 1.0:  # (else unused: the random box is its own fraction)
             raise ConfigError(f"crop_fraction={fraction!r} sizes the centre square of crop='center'; crop='random' "
                               "draws its box by scale and ratio: pass those instead")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
-from .._io import HASH_NAME, HASH_WORKERS, contained_stat, hash_file, map_threads, safe_join
+from .._io import HASH_NAME, HASH_WORKERS, contained_stat, folder_prefix, hash_file, map_threads, safe_join
 from ..errors import ChecksumError, ConfigError, FormatError
-from .manifest import MANIFEST_NAME, load_columns
+from .lmdb_envs import CALLS, Holds
+from .lmdb_store import lmdb_shards
+from .manifest import IMAGES_LMDB, MANIFEST_NAME, load_columns, shard_starts
+from .rows import column
 
 
 # NOTE [file check]: every reader, `fastdata verify`, the shm copy and the preprocess journal compare a file
@@ -87,7 +90,8 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
 
     Returns:
         One line per problem (a file missing, of the wrong size, or whose checksum differs), in the
-        manifest's order; empty when the dataset is intact.
+        manifest's order, then (LMDB datasets) one per intact store whose record count is not the manifest's;
+        empty when the dataset is intact.
 
     Raises:
         ConfigError: ``workers`` is not a positive integer.
@@ -119,11 +123,44 @@ def verify(root: Path | str, progress: Optional[Callable[[int], None]] = None, *
         if problem == "hash":
             return f"{entry['path']}: {HASH_NAME} mismatch (file was modified or damaged)"
         return None
-    problems = [p for p in map_threads(problem_of, manifest["files"], workers, "fastdata-verify") if p is not None]
+    found = map_threads(problem_of, manifest["files"], workers, "fastdata-verify")
+    problems = [p for p in found if p is not None]
+    if manifest["format"] == IMAGES_LMDB:  # (the stores' bytes are as written: are their counts the manifest's?)
+        intact = {path for path, p in zip(column(manifest["files"], "path"), found) if p is None}
+        problems += record_count_problems(root, manifest, intact)
     if problems and _identity(root) != before:  # its files are another dataset's now: none of them is damage
         raise FormatError(f"{root} was replaced while it was verified (a `fastdata preprocess --overwrite` or a new "
                           "copy): run `fastdata verify` again")
     return problems
+
+
+def record_count_problems(root: Path, manifest: dict[str, Any], intact: Collection[str]) -> list[str]:
+    """An LMDB dataset's stores among ``intact`` (paths whose bytes matched the manifest) whose record counts
+    are not the manifest's, one line each: its checksums can all match while its counts were edited, and a
+    reader then refuses the store (`LmdbReader`) or reads another shard's rows. One read-only open a store,
+    through the environments the readers share (NOTE [shared environments] in lmdb_envs.py)."""
+    import lmdb
+
+    holds = Holds(None, folder_prefix(root))
+    out = []
+    starts = shard_starts(manifest)
+    for s, name in enumerate(lmdb_shards(manifest)):
+        if name not in intact or not os.path.isfile(safe_join(root, name)):  # (partial: evicted meanwhile)
+            continue
+        path = str(safe_join(root, name))
+        want = int(starts[s + 1] - starts[s])
+        try:
+            with CALLS:
+                have = int(holds.env(path)[0].stat()["entries"])
+        except (lmdb.Error, FormatError) as exc:  # (FormatError: a link that leaves the folder)
+            out.append(f"{name}: cannot be read as an LMDB store ({type(exc).__name__}: {exc})")
+            continue
+        finally:
+            holds.release(Path(path))
+        if have != want:
+            out.append(f"{name}: holds {have} records, the manifest says {want} (the manifest is damaged: re-run "
+                       "`fastdata preprocess`, or restore the dataset's own manifest.json)")
+    return out
 
 
 def _identity(root: Path) -> Optional[tuple[int, ...]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -182,12 +182,17 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     """Refuse a manifest whose numbers cannot describe its files (an edited or damaged one). Readers map
     sample ``i`` to its shard by the shards' sample counts (`ShardIndex`) and a token window to its shard by
     the shards' token counts: a wrong count, shape or dtype would serve wrong rows, or fail deep inside a
-    batch, instead of here with one line."""
+    batch, instead of here with one line. So would the keys beside them that readers and ``inspect`` use:
+    the labels file, an LMDB's stored sizes, the class counts, the skipped inputs."""
     def refuse(what: str) -> None:
         raise FormatError(f"{where}: {what}: the manifest is damaged; re-run `fastdata preprocess` (or restore "
                           "the dataset's own manifest.json)")
 
     fmt = manifest["format"]
+    if not isinstance(manifest.get("skipped", []), list):
+        refuse(f"'skipped' (the list of inputs left out) is {_brief(manifest['skipped'])}")
+    if "skipped_count" in manifest and not _count(manifest["skipped_count"]):
+        refuse(f"skipped_count is {_brief(manifest['skipped_count'])}, not a count")
     if fmt == TOKENS:
         if manifest.get("dtype") not in ("<u2", "<u4"):
             refuse(f"token dtype {manifest.get('dtype')!r} is not '<u2' or '<u4'")
@@ -219,6 +224,15 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     classes = manifest.get("classes")
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
         refuse("'classes' is not a list of names")
+    counts = manifest.get("class_counts", [0] * len(classes))
+    if not (isinstance(counts, list) and len(counts) == len(classes) and all(_count(c) for c in counts)):
+        refuse(f"class_counts {_brief(counts)} is not a count for each of its {len(classes)} classes")
+    _check_labels_file(manifest, where, refuse)
+    if fmt == IMAGES_LMDB:
+        for key, side in (("max_short_side", "shorter"), ("max_side", "longer")):  # (max_side: --resize max-side)
+            value = manifest.get(key)
+            if (key in manifest or key == "max_short_side") and not (_count(value) and value > 0):
+                refuse(f"{key} (the stored images' largest {side} side, in pixels) is {_shown(manifest, key)}")
     if fmt == IMAGES_NPY:
         shape = manifest.get("sample_shape")
         if (not isinstance(shape, list) or len(shape) != 3 or not all(_count(d) and d > 0 for d in shape)
@@ -246,6 +260,32 @@ def check_layout(manifest: dict[str, Any], where: str) -> None:
     if wrong:
         refuse(f"its {len(counts)} shards hold {counts[:3]}{'...' if len(counts) > 3 else ''} samples, not "
                f"{n} samples in shards of {size}")
+
+
+def _check_labels_file(manifest: dict[str, Any], where: str, refuse: Callable[[str], None]) -> None:
+    """The file holding every label (an LMDB's ``labels``, an npy dataset's ``all_labels``) is one the manifest
+    lists, so that it is sized and checked like the others: an LMDB with class labels must name one; an npy
+    dataset made before ``all_labels`` reads each shard's labels file instead."""
+    key = "labels" if manifest["format"] == IMAGES_LMDB else "all_labels"
+    fields = fields_of(manifest, where)
+    if key not in manifest and not (key == "labels" and (fields is None or any(f.kind == "label" for f in fields))):
+        return
+    name, files = manifest.get(key), manifest["files"]
+    if not isinstance(name, str):
+        refuse(f"'{key}' (the file of every sample's label) is {_shown(manifest, key)}")
+    if (files.find("path", name) is None) if isinstance(files, Rows) else all(e["path"] != name for e in files):
+        refuse(f"'{key}' names {name!r} as the file of every sample's label, but its files do not list it")
+
+
+def _brief(value: Any) -> str:
+    """``value`` as a message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _shown(manifest: dict[str, Any], key: str) -> str:
+    """``manifest[key]`` as a message shows it, or "missing"."""
+    return _brief(manifest[key]) if key in manifest else "missing"
 
 
 def shard_starts(manifest: dict[str, Any]) -> np.ndarray:

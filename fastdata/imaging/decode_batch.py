@@ -4,13 +4,14 @@ path]). The loader's decode path; preprocessing's is in imaging/decode_file.py.
 """
 from __future__ import annotations
 
+import functools
 import io
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ..errors import ConfigError, ImageDecodeError
 from . import turbojpeg as turbo, turbojpeg_loop as turbo_loop
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 # full decode plus a resize (their scaled IDCTs have no SIMD). The resize is torch's antialiased bilinear on
 # uint8, written into the row (several times faster than Pillow's bilinear). Where libturbojpeg 3 is at hand
 # only the box is decoded (NOTE [partial decode] in fastdata/imaging/turbojpeg.py: the same pixels, in less
-# time). Whatever libjpeg-turbo cannot read (CMYK, damaged data) is decoded by Pillow and goes through the
-# same box. The figures behind these choices are in benchmarks/RESULTS.md.
+# time). What libjpeg-turbo's API cannot give as RGB (CMYK) is decoded by Pillow and goes through the same
+# box; damaged records are refused (NOTE [damaged records]). The figures behind these choices are in
+# benchmarks/RESULTS.md.
 # Two loader threads share one GIL, so the Python around the two long GIL-free calls (the decode, the
 # resize) is kept short and holds the GIL throughout. A batch is planned at once: every frame header read,
 # then the boxes, libjpeg scales and iMCU-aligned regions computed in numpy for the whole batch, so the
@@ -40,6 +42,26 @@ if TYPE_CHECKING:
 # releases it: views, PyDLL and the batch plan each cut those sleeps. Where numba is installed the loop over
 # records is compiled and releases the GIL once a batch (NOTE [nogil loop] in
 # fastdata/imaging/turbojpeg_loop.py), which cuts them again.
+#
+# NOTE [damaged records]: what a record must be to be decoded. Pillow decodes damaged JPEGs loosely (a record
+# cut short comes out grey below the cut; a frame header damaged to claim 13000 x 13000 pixels, as a flat grey
+# tile after 2 GB and 4 s of work, with a warning at most), so a damaged record must never reach it: damage is
+# an `ImageDecodeError` naming the sample, as DALILoader stops on a record it cannot decode (docs/gpu.md).
+# 1. Its size is known before it is decoded: from its frame header (`jpeg_header`), read for the whole batch
+#    at once, else (another format, or a JPEG with bytes out of place before that header) from its header as
+#    libjpeg or Pillow read it (`_size_of`), whose random crop is then drawn for the decoded image. A record
+#    of no size is refused; DALILoader's host check refuses every record without a JPEG frame header.
+# 2. The size is one the dataset's records can have: the shorter side at most the manifest's max_short_side,
+#    the longer side at most its max_side (--resize max-side), and at most PIL.Image.MAX_IMAGE_PIXELS in any
+#    case (`check_sizes`): a damaged size field costs nothing.
+# 3. libjpeg-turbo reads it without a warning: the partial decoder and simplejpeg decode strictly, so data cut
+#    short, bytes out of place or a bad Huffman code are errors, at any libjpeg scale.
+# 4. Pillow decodes only what libjpeg-turbo's API cannot give as RGB: CMYK and YCCK records (converted as
+#    preprocessing converts them), once libjpeg-turbo has read them whole at 1/8 scale without a warning, and
+#    the rare header simplejpeg cannot describe (a subsampling it has no name for, such as 4:4:1).
+# 5. The partial decoder reads a box's rows only: damage below the box is found when a box reaches it (records
+#    cut short are sent the whole-image way by `looks_like_jpeg`). `fastdata verify` finds stores damaged after
+#    they were written.
 FAST_DECODE = {"fastdct": True, "fastupsample": True}
 DCT_DENOMINATORS = (8, 4, 2)  # libjpeg scales 1/8, 1/4, 1/2: faster than a full decode (see the NOTE)
 Box = tuple[int, int, int, int]  # top, left, height, width in stored pixels
@@ -143,22 +165,34 @@ def dct_denominator(box_h: int, box_w: int, size: int) -> int:
 
 
 def turbo_decode(data: bytes, denominator: int = 1) -> np.ndarray | None:
-    """RGB pixels at libjpeg scale ``1/denominator`` (the fast modes of NOTE [jpeg read path]); None when
-    simplejpeg is not installed or cannot decode ``data`` (the caller falls back to Pillow)."""
+    """RGB pixels at libjpeg scale ``1/denominator`` (the fast modes of NOTE [jpeg read path]); None where
+    libjpeg-turbo's API does not give them (simplejpeg not installed, a header it cannot describe, a CMYK or
+    YCCK record it has read without a warning): the caller asks Pillow (NOTE [damaged records] 4).
+
+    Raises:
+        ImageDecodeError: libjpeg-turbo found the record damaged (a warning included: data cut short, bytes
+            out of place), which Pillow would have decoded as grey or garbled pixels.
+    """
     try:
         import simplejpeg
     except ImportError:
         return None
+    try:  # leniently: finding damage is the strict decode's job, which names it
+        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data, strict=False)
+    except (ValueError, OSError, KeyError):  # (a KeyError: simplejpeg's header of 4:4:1 subsampling)
+        return None
     try:
-        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-        if colorspace not in ("Gray", "YCbCr", "RGB"):  # CMYK/YCCK: Pillow converts them as preprocessing does
+        if colorspace in ("CMYK", "YCCK"):  # Pillow converts them as preprocessing does, once read whole here:
+            simplejpeg.decode_jpeg(data, "CMYK", min_height=1, min_width=1, **FAST_DECODE)  # (at 1/8: every byte)
+            return None
+        if colorspace not in ("Gray", "YCbCr", "RGB"):
             return None
         if denominator == 1:
             return simplejpeg.decode_jpeg(data, "RGB", **FAST_DECODE)
         return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-h // denominator), min_width=-(-w // denominator),
                                       **FAST_DECODE)
-    except (ValueError, OSError, KeyError):  # damaged or unsupported (a KeyError: simplejpeg's header of 4:4:1
-        return None                         # subsampling): let Pillow try, and report it if it cannot
+    except (ValueError, OSError) as exc:
+        raise ImageDecodeError(f"libjpeg-turbo: {exc}") from None
 
 
 def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: Box | None = None,
@@ -177,14 +211,19 @@ def decode_jpeg(data: bytes, size: int, out: np.ndarray | None = None, *, box: B
 
 def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads: Optional[np.ndarray] = None,
                  boxes: Optional[np.ndarray] = None, flips: Optional[Sequence[bool]] = None,
-                 fraction: float = 1.0) -> None:
+                 fraction: float = 1.0, max_short_side: Optional[int] = None, max_side: Optional[int] = None,
+                 redraw: Optional[Callable[[int, tuple[int, int]], Box]] = None) -> None:
     """Decode ``blobs`` (LMDB records, any buffers) into ``x``, ``(n, size, size, 3)`` uint8: each record's
     box (``boxes``, ``(n, 4)`` stored pixels; default the centre square of side ``fraction``) cut or resized
     to ``size``, mirrored where ``flips``. ``heads``: `record_headers` of ``blobs`` when the caller
-    has them. A record that cannot be decoded raises `ImageDecodeError` with ``position`` set to its
-    index in ``blobs``. See NOTE [jpeg read path]."""
+    has them. ``max_short_side``, ``max_side``: the largest sides the dataset stores (its manifest's), which
+    a record's header may not exceed. ``redraw(j, (height, width))``: record ``j``'s random box drawn for that
+    size, for a record whose frame header ``heads`` has no size of (NOTE [damaged records] 1). A record that
+    cannot be decoded, or is damaged (NOTE [damaged records]), raises `ImageDecodeError` with ``position`` set
+    to its index in ``blobs``. See NOTE [jpeg read path]."""
     n = len(blobs)
     heads = record_headers(blobs) if heads is None else heads
+    check_sizes(heads, max_short_side, max_side)
     plan_boxes = center_boxes(heads[:, 0], heads[:, 1], fraction) if boxes is None else np.asarray(boxes)
     flip = [False] * n if flips is None else np.asarray(flips, dtype=bool).reshape(n).tolist()
     pixels = x.numpy()  # the batch's rows as HWC arrays (no per-row tensor views: a cut needs none)
@@ -202,11 +241,46 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
             done[j] = True
     for j in np.flatnonzero(~done).tolist():  # what the partial decoder did not take, record by record
         try:
-            _decode_whole(blobs[j], size, pixels[j], None if boxes is None else
-                          tuple(plan_boxes[j].tolist()), flip[j], fraction, tuple(heads[j, :2].tolist()))
+            _decode_whole(blobs[j], size, pixels[j], None if boxes is None else tuple(plan_boxes[j].tolist()),
+                          flip[j], fraction, tuple(heads[j, :2].tolist()), (max_short_side, max_side),
+                          None if redraw is None else functools.partial(redraw, j))
         except ImageDecodeError as exc:
             exc.position = j  # type: ignore[attr-defined]
             raise
+
+
+def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_side: Optional[int] = None) -> None:
+    """Refuse the first record whose header (``heads``: `record_headers`) gives a size no record of the dataset
+    can have (NOTE [damaged records] 2): `ImageDecodeError` with ``position`` set. Rows of no size at all
+    (``0, 0``: no frame header the parser reads) are left to the decode, which sizes them (`_size_of`)."""
+    h, w = heads[:, 0], heads[:, 1]
+    shorter, longer = np.minimum(h, w), np.maximum(h, w)
+    limit = Image.MAX_IMAGE_PIXELS
+    bad = (shorter == 0) & (longer > 0)
+    if limit is not None:
+        bad |= h * w > limit
+    if max_short_side is not None:
+        bad |= shorter > max_short_side
+    if max_side is not None:
+        bad |= longer > max_side
+    if not bad.any():
+        return
+    j = int(np.flatnonzero(bad)[0])
+    claim = f"its header says {h[j]} x {w[j]} pixels"
+    if shorter[j] == 0:
+        why = f"{claim}: the header is damaged (or the height comes later, in a DNL marker, which libjpeg cannot read)"
+    elif max_short_side is not None and shorter[j] > max_short_side:
+        why = (f"{claim}, but the dataset stores images with the shorter side at most {max_short_side} (its "
+               "manifest's max_short_side): the header is damaged, or the record was not written for this dataset")
+    elif max_side is not None and longer[j] > max_side:
+        why = (f"{claim}, but the dataset stores images with the longer side at most {max_side} (its manifest's "
+               "max_side): the header is damaged, or the record was not written for this dataset")
+    else:
+        why = (f"{claim}, {h[j] * w[j]} pixels: it exceeds limit of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS, "
+               "against decompression bombs): the header is damaged, or the image is real and that limit too low")
+    exc = ImageDecodeError(why)
+    exc.position = j  # type: ignore[attr-defined]
+    raise exc
 
 
 @dataclass(frozen=True)
@@ -214,13 +288,17 @@ class BatchDecoder:
     """How an LMDB dataset decodes a batch of records to ``size`` x ``size``: the centre square of side
     ``fraction`` of the short side (``crop="center"``), or a random-resized crop (``scale``, ``ratio`` as
     torchvision) of the whole stored image mirrored half the time (``crop="random"``), drawn from a batch's
-    ``(seed, epoch, position, rank)`` key (NOTE [crop draws] in fastdata/imaging/draws.py) before anything is decoded."""
+    ``(seed, epoch, position, rank)`` key (NOTE [crop draws] in fastdata/imaging/draws.py) before anything is decoded.
+    ``max_short_side``, ``max_side``: the manifest's bounds on the stored images, which refuse a record whose
+    frame header claims more (NOTE [damaged records] 2); None: no bound."""
 
     size: int
     crop: str = "center"
     fraction: float = 1.0
     scale: tuple[float, float] = SCALE
     ratio: tuple[float, float] = RATIO
+    max_short_side: Optional[int] = None
+    max_side: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.crop not in ("center", "random"):
@@ -237,13 +315,22 @@ class BatchDecoder:
         """Decode ``blobs`` into ``x`` (`decode_batch`), random boxes drawn from ``draw``; without one
         (``ds[i]``, a DataLoader), from torch's global generator (seeded per worker by DataLoader)."""
         heads = record_headers(blobs)  # each frame header read once, here (a damaged one fails at decode)
-        boxes = flips = None
+        boxes = flips = redraw = None
         if self.random:
             import torch
 
             key = draw if draw is not None else (int(torch.randint(0, 2**62, ()).item()), 0, 0, 0)
             boxes, flips = draw_resized_crops(key, heads[:, :2], self.scale, self.ratio)
-        decode_batch(blobs, self.size, x, heads=heads, boxes=boxes, flips=flips, fraction=self.fraction)
+            redraw = functools.partial(self._redraw, key, heads[:, :2])
+        decode_batch(blobs, self.size, x, heads=heads, boxes=boxes, flips=flips, fraction=self.fraction,
+                     max_short_side=self.max_short_side, max_side=self.max_side, redraw=redraw)
+
+    def _redraw(self, key: tuple[int, int, int, int], sizes: np.ndarray, j: int, hw: tuple[int, int]) -> Box:
+        """Row ``j``'s random box for an image of ``hw``, a size known once it is decoded (NOTE [damaged records]
+        1): drawn as `decode` drew the batch's, each row drawing the same whatever the others' sizes."""
+        sizes = sizes.copy()
+        sizes[j] = hw
+        return tuple(draw_resized_crops(key, sizes, self.scale, self.ratio)[0][j].tolist())  # type: ignore
 
 
 def region_plan(heads: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
@@ -253,33 +340,50 @@ def region_plan(heads: np.ndarray, boxes: np.ndarray, size: int) -> np.ndarray:
     d = dct_denominators(boxes[:, 2], boxes[:, 3], size)
     scaled = _scaled_boxes(boxes, heads[:, :2], -(-heads[:, :2] // d[:, None]))  # libjpeg: ceil(side / d)
     plan = turbo.aligned_regions(scaled, d, mcu_h, mcu_w)
-    plan[(mcu_h == 0) | (H == 0) | (W == 0) | (H * W > _bomb_limit()), 0] = 0
+    plan[(mcu_h == 0) | (H == 0) | (W == 0), 0] = 0
     return plan
 
 
-def _bomb_limit() -> float:
-    """Pillow's decompression-bomb limit in pixels (twice ``MAX_IMAGE_PIXELS``, where it refuses). A damaged
-    header can claim 65535 x 65535: decoding that would write gigabytes before failing, and simplejpeg has
-    no limit of its own, so such a record goes to Pillow, which refuses it (an ImageDecodeError)."""
-    limit = Image.MAX_IMAGE_PIXELS
-    return float("inf") if limit is None else 2 * limit
-
-
-def _decode_whole(data: bytes, size: int, out: np.ndarray, box: Box | None, flip: bool,
-                  fraction: float, hw: tuple[int, int]) -> None:
-    """One record the partial decoder did not take: the whole image decoded by simplejpeg at the box's
-    libjpeg scale, else by Pillow (CMYK, damage it can name), and the same box placed into ``out``."""
-    if box is None and hw != (0, 0):
-        box = center_box(*hw, fraction)
-    src = None
-    if box is not None and hw != (0, 0) and hw[0] * hw[1] <= _bomb_limit():
-        arr = turbo_decode(data, dct_denominator(box[2], box[3], size))
-        src = None if arr is None else _cut(arr, box, hw)
-    if src is None:
+def _decode_whole(data: bytes, size: int, out: np.ndarray, box: Box | None, flip: bool, fraction: float,
+                  hw: tuple[int, int], bounds: tuple[Optional[int], Optional[int]] = (None, None),
+                  redraw: Optional[Callable[[tuple[int, int]], Box]] = None) -> None:
+    """One record the partial decoder did not take: the whole image decoded by libjpeg-turbo at the box's
+    libjpeg scale, else by Pillow (CMYK: NOTE [damaged records] 4), and the same box placed into ``out``.
+    ``hw``: its frame header's size, checked (`check_sizes`); ``(0, 0)``: none, so it is sized by its header
+    first and checked against ``bounds`` (max_short_side, max_side), and its box (``redraw`` for a random one)
+    taken from the decoded image."""
+    sized = hw != (0, 0)
+    if sized:
+        box = center_box(*hw, fraction) if box is None else box
+    else:
+        check_sizes(np.array([[*_size_of(data), 0, 0]]), *bounds)  # (before anything is decoded)
+    arr = turbo_decode(data, dct_denominator(box[2], box[3], size) if box is not None and sized else 1)
+    if arr is None:
         arr = np.array(open_rgb(io.BytesIO(data), FULL_SIZE, "shorter-side"))  # writable: torch reads it
-        hw = arr.shape[:2] if hw == (0, 0) else hw
-        src = _cut(arr, center_box(*hw, fraction) if box is None else box, hw)
-    _place(src, out, flip)
+    if not sized:
+        hw = arr.shape[:2]
+        box = redraw(hw) if redraw is not None else center_box(*hw, fraction) if box is None else box
+    _place(_cut(arr, box, hw), out, flip)
+
+
+def _size_of(data: bytes) -> tuple[int, int]:
+    """``(height, width)`` of a record whose JPEG frame header `jpeg_header` cannot read (another format, or a
+    JPEG with bytes out of place before that header), from its header as libjpeg reads it (leniently: the strict
+    decode names what is out of place), else as Pillow reads it."""
+    try:
+        import simplejpeg
+
+        h, w = simplejpeg.decode_jpeg_header(data, strict=False)[:2]
+        return int(h), int(w)
+    except (ImportError, ValueError, OSError, KeyError):
+        pass
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size[1], img.size[0]
+    except UnidentifiedImageError:
+        raise ImageDecodeError("not an image: no JPEG frame header, nor another format Pillow reads") from None
+    except Exception as exc:  # noqa: BLE001 - Pillow reports damage through many types (see decode_file._decode)
+        raise ImageDecodeError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _place(src: np.ndarray, out: np.ndarray, flip: bool) -> None:
