@@ -1380,6 +1380,7 @@ def test_image_flags_on_a_token_dataset_are_refused_by_name(tmp_path, capsys):
         assert main([*run, *flags]) == 1, flags
         err = capsys.readouterr().err
         assert f"holds tokens: drop {flags[0]}" in err and "for image datasets only" in err, err
+    assert main([*run, "--augment", "none"]) == 0  # (what a token run does: asked for, not refused)
 
 
 def test_autotuned_prefetch_and_pin_memory_reach_the_loaders(small_images, tmp_path, monkeypatch):

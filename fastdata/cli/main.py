@@ -154,7 +154,7 @@ def _refuse_image_flags(args: argparse.Namespace) -> None:
     given = [flag for flag, on in (("--val", args.val is not None), ("--val-fraction", bool(args.val_fraction)),
                                    ("--backend dali", args.backend == "dali"), ("--crop", args.crop is not None),
                                    ("--hw-decoder-load", args.hw_decoder_load is not None),
-                                   (f"--augment {args.augment}", args.augment != "flip")) if on]
+                                   (f"--augment {args.augment}", args.augment not in ("flip", "none"))) if on]
     if given:
         raise ConfigError(f"{scrub(str(args.data))} holds tokens: drop {', '.join(given)}, for image datasets only "
                           "(a token dataset validates on its own val split, made by `fastdata preprocess text "
@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("out", help="output dataset folder, or a URL (s3://bucket/prefix)")
     img.add_argument("--size", type=int, default=256, help="output side S in pixels (default 256)")
     img.add_argument("--resize", choices=RESIZE_MODES, default="center-crop",
-                     help="npy: how to reach SxS; lmdb: max-side keeps the aspect with the longer side at most S "
-                          "(default: the shorter side at most S)")
+                     help="npy: how to reach SxS (default center-crop); lmdb: max-side keeps the aspect with the "
+                          "longer side at most S (default: the shorter side at most S)")
     img.add_argument("--format", choices=FORMATS, default="npy", help="npy shards (default) or lmdb (JPEG bytes)")
     img.add_argument("--workers", type=int, default=None,
                      help="decoding processes (default: all cores); with --ray, per node of the smallest size "

@@ -415,14 +415,14 @@ class MixtureSampler:
                                 weights)
             if self._quantise(self.mixture._weights) == seg.weights:
                 seg.shares = list(self.mixture._weights)
-            else:  # (a --resume without the :WEIGHTs gives equal ones: said, not silent)
+            elif self.rank == 0:  # (a --resume without the :WEIGHTs gives equal ones: said, once, not silent)
                 log.info("mixture weights %s (saved) -> %s from epoch %d, position %d",
                          _shares(saved_names, [w / sum(weights) for w in weights]),
                          _shares(self.mixture.names, self.mixture._weights), epoch, position)
             self.seg, self.start, self.served, self._previous = seg, position, 0, None
             self._sync()  # the mixture's own weights, when they are not the saved ones
             return
-        if sorted(saved_names) == sorted(self.mixture.names):  # (the schedule deals by source index)
+        if sorted(saved_names) == sorted(self.mixture.names) and self.rank == 0:  # (the schedule deals by index)
             log.info("mixture sources in another order than saved (%s, now %s): each source continues its own "
                      "order, exactly once, but the interleaving from position %d on is not the saved run's; keep "
                      "the order to resume it bit for bit", ", ".join(saved_names), ", ".join(self.mixture.names),
