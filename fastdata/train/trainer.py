@@ -629,7 +629,8 @@ def _forward(model: Any, x: Any) -> Any:
     try:
         return model(x)
     except RuntimeError as exc:
-        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 4:
+        if (isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.ndim == 4
+                and not isinstance(exc, torch.cuda.OutOfMemoryError)):  # (a model that converts them itself)
             raise ConfigError(f"the model got uint8 images of shape {tuple(x.shape)} (NHWC), as FastLoader serves "
                               "them, and failed on them: wrap the loader in CUDAPrefetcher(loader, device=...) (on "
                               "the CPU too), which converts them to normalised float NCHW, or convert them in "
