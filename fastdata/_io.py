@@ -44,8 +44,9 @@ _SECRETS = (  # (pattern, replacement), applied in order
     (re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^/\s@:'\"]*):[^\s'\"]+?@(?=[^\s'\"@/]*(?:[/\s'\"]|$))"),
      r"\1:***@"),
     (re.compile(r"\b((?:https?|ftp|wss?)://)[^/\s@:'\"]+@"), r"\1***@"),  # a token as the user name
-    # a URL's netloc a library echoes without its scheme (botocore: Invalid bucket name "key:secret@bucket")
-    (re.compile(r"((?:^|[\s\"'(=])[^/\s@:'\"()=]+):(?!\*\*\*@)[^/\s'\"@]+@(?=\w)"), r"\1:***@"),
+    # a URL's netloc a library echoes without its scheme (botocore: Invalid bucket name "key:secret@bucket"),
+    # or as a path after a '/' (fsspec's memory store: FileNotFoundError: /user:secret@store/ds/x.npy)
+    (re.compile(r"((?:^|[\s\"'(=/])[^/\s@:'\"()=]+):(?!\*\*\*@)[^/\s'\"@]+@(?=\w)"), r"\1:***@"),
 )
 
 

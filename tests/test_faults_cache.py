@@ -642,6 +642,100 @@ def test_10000_pins_hold_one_descriptor():
         other.close()
 
 
+@pytest.mark.parametrize("kind", ["ofd", "flock"])
+def test_a_folder_held_whole_keeps_every_eviction_off_it_and_waits_for_one_under_way(tmp_path, monkeypatch, kind):
+    """A reader of every file (storage="ram") holds the cache folder whole: no eviction of any shard, by another
+    object or another process, until it lets go; holding waits for an eviction under way to end (its files
+    are then fetched again), and evictions do not exclude each other (OFD locks: a test, not a lock)."""
+    import fcntl
+
+    from fastdata.storage.cache_folders import ShardPins
+
+    if kind == "flock":
+        monkeypatch.delattr(fcntl, "F_OFD_GETLK")
+    folder = tmp_path / ".locks"
+    folder.mkdir()
+    a, b, c = ShardPins(folder), ShardPins(folder), ShardPins(folder)
+
+    def free(pins, name):
+        with pins.evicting(name) as ok:
+            return ok
+    with b.evicting("w.npy") as ok:  # an eviction under way: holding the folder waits for it to end
+        assert ok
+        if kind == "ofd":
+            assert free(c, "v.npy")  # (another eviction meanwhile is not refused)
+        t, outcome = _run(a.hold_all)
+        t.join(0.3)
+        assert t.is_alive()
+    t.join(10)
+    assert not t.is_alive() and "error" not in outcome
+    assert not free(b, "w.npy") and not free(c, "any/other.npy") and not free(a, "x.npy")
+    with subprocess.Popen([sys.executable, "-c", _PIN_CHILD, str(folder), kind], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(Path(__file__).parent.parent), *sys.path])}) as child:
+        try:
+            assert child.stdout.readline().split() == ["x", "False"]  # another process may evict nothing either
+        finally:
+            child.kill()
+    a.close()
+    assert free(b, "w.npy") and free(c, "any/other.npy")  # let go of
+    b.close()
+    c.close()
+
+
+_EVICTOR = """
+import os, sys
+from fastdata.datasets.images import FastDataset
+ds = FastDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=1)  # another job, of a limit of one byte
+ds.set_cache_limit(1)  # evicts every shard it may at once
+print(*sorted(n for n in os.listdir(ds.root) if n.startswith("images-")))
+"""
+
+
+@pytest.mark.parametrize("storage", ["ram", "shm"])
+def test_a_reader_of_every_file_keeps_them_from_a_job_with_a_limit_sharing_its_cache(s3, indexed_datasets, tmp_path,
+                                                                                     monkeypatch, storage):
+    """storage="ram" (or "shm", "cuda") downloads every file, then reads them: another job with a cache_limit
+    sharing the cache folder evicted them in between, and the reader died with "images-00000.npy is missing:
+    the dataset is incomplete; re-run `fastdata preprocess`" (the store's copy intact). The other job runs, as
+    another process, at that worst moment (just before the shards are read): it evicts none of them now, and
+    all of them once the reader is closed. A file missing from a node cache is said to be the cache's."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+    from fastdata.storage import images
+
+    url = _pushed(s3, indexed_datasets, f"whole-{storage}")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+
+    def other_job() -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _EVICTOR, url, str(cache)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.split()
+    seen = []
+    real = images.open_shards
+
+    def open_shards(*args, **kwargs):  # (the shards downloaded, not read yet: the other job runs now)
+        seen.append(other_job())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(images, "open_shards", open_shards)
+    (tmp_path / "shm").mkdir(mode=0o700)
+    ds = FastDataset(url, cache_dir=cache, storage=storage, shm_dir=tmp_path / "shm")
+    local = FastDataset(indexed_datasets["npy"])
+    assert seen and all(names == [f"images-{k:05d}.npy" for k in range(7)] for names in seen)  # none evicted
+    for a, b in zip(ds.get_batch(range(100)), local.get_batch(range(100))):
+        assert np.array_equal(a.numpy(), b.numpy())
+    monkeypatch.setattr(images, "open_shards", real)
+    ds.close()
+    assert other_job() == []  # closed: let go of
+    if storage == "ram":  # a reader of the opened dataset finds a file gone from the cache: the cache's advice
+        with pytest.raises(FormatError, match=r"images-00000\.npy is missing") as err:
+            FastDataset(ds._opened, storage=storage)
+        assert "fastdata cache remove " + ds._opened.remote.id in str(err.value), str(err.value)
+        assert "preprocess" not in str(err.value), str(err.value)
+
+
 _FETCH = """
 import sys
 from fastdata.storage.remote import RemoteDataset

@@ -179,6 +179,137 @@ def test_the_cli_gives_up_on_a_refusing_store_in_one_line(s3, proxy, indexed_dat
     assert f"{url}/manifest.json" in err and "retry_seconds=1" in err and "Traceback" not in err, err
 
 
+def test_closing_a_dataset_during_an_outage_stops_its_downloads_at_once(s3, proxy, indexed_datasets, tmp_path):
+    """The store refuses connections while a loader's first batch waits for its shard and the prefetches of the
+    others retry: close() waited for them to spend their budget (retry_seconds=30: 30 s; 2 minutes by
+    default). It returns at once now; the waiting batch is told the dataset was closed; no partial file stays."""
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import ConfigError
+    from fastdata.loading.loader import FastLoader
+
+    url = _pushed(s3, indexed_datasets, "close-outage")
+    ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=30)
+    proxy.refuse(60)
+    t, outcome = _thread(lambda: next(iter(FastLoader(ds, 16, shuffle=False, num_threads=1))))
+    deadline = time.monotonic() + 10
+    while len(ds._cache._fetching) < 2 and time.monotonic() < deadline:  # (the batch's shard and prefetches)
+        time.sleep(0.05)
+    time.sleep(0.5)  # (failing and retrying)
+    assert len(ds._cache._fetching) >= 2 and t.is_alive()
+    t0 = time.monotonic()
+    ds.close()
+    took = time.monotonic() - t0
+    t.join(10)
+    assert took < 3, took
+    assert not t.is_alive() and isinstance(outcome.get("error"), ConfigError), outcome
+    assert "closed" in str(outcome["error"]) and "images-00000.npy" in str(outcome["error"]), outcome
+    assert not list(ds.root.rglob("*.part-*"))
+
+
+_EXITS = """
+import sys, threading, time
+from fastdata.datasets.images import FastDataset
+from fastdata.loading.loader import FastLoader
+ds = FastDataset(sys.argv[1], cache_dir=sys.argv[2], retry_seconds=30)
+print("opened", flush=True)
+sys.stdin.readline()  # (the store refuses connections from now on)
+it = iter(FastLoader(ds, 16, shuffle=False, num_threads=1))
+threading.Thread(target=lambda: next(it), daemon=True).start()  # a batch waits, prefetches retry
+time.sleep(1.5)
+print("exiting", len(ds._cache._fetching) >= 2, flush=True)  # (the script ends: an exception, Ctrl-C)
+"""
+
+
+def test_a_script_ending_during_an_outage_exits_without_waiting_out_the_budget(s3, proxy, indexed_datasets,
+                                                                              tmp_path):
+    """A script ending (an exception, Ctrl-C) while its dataset's downloads retry in an outage: Python joined
+    their threads at exit, before any close, so it exited only once their budget was spent (30 s here)."""
+    import subprocess
+    import sys
+
+    url = _pushed(s3, indexed_datasets, "exit-outage")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+    with subprocess.Popen([sys.executable, "-c", _EXITS, url, str(tmp_path / "cache")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) as child:
+        try:
+            assert child.stdout.readline().strip() == "opened"
+            proxy.refuse(60)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().split() == ["exiting", "True"]
+            t0 = time.monotonic()
+            child.wait(60)
+            took = time.monotonic() - t0
+        finally:
+            child.kill()
+    assert took < 5, took
+    assert not list((tmp_path / "cache").rglob("*.part-*"))
+
+
+def test_a_trickling_body_is_a_failed_try_within_the_budget_not_a_hang(s3, indexed_datasets, tmp_path,
+                                                                       monkeypatch):
+    """A store that sends a shard's body a byte at a time (a stalled but live link) never hits the client's read
+    timeout, which each byte resets: the read hung far past retry_seconds (3,200 bytes at a byte every 50 ms:
+    160 s). A ranged read has a deadline from its size now, max(60 s, bytes at 64 KiB/s) (1 s here), and
+    missing it is a failure like any other: the budget ends the read with one line."""
+    from conftest import fresh_fs
+    from s3_faults import FaultProxy
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+    from fastdata.storage import object_store
+
+    url = _pushed(s3, indexed_datasets, "trickle")
+
+    class Trickle(FaultProxy):
+        def _send(self, h, data) -> None:
+            if h.command == "GET" and "images-00000" in h.path:
+                try:
+                    for b in range(len(data)):
+                        h.wfile.write(data[b:b + 1])
+                        h.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:  # (the client gave up on it)
+                    pass
+                return
+            super()._send(h, data)
+    proxy = Trickle(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    fresh_fs()
+    monkeypatch.setattr(object_store, "_SHORTEST_TRY", 1.0)  # (60 s, scaled down)
+    try:
+        ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=2)
+        t0 = time.monotonic()
+        t, outcome = _thread(lambda: ds.get_batch([0]))
+        t.join(30)
+        took = time.monotonic() - t0
+        assert not t.is_alive(), "still reading after 30 s"
+        msg = str(outcome.get("error"))
+        assert isinstance(outcome.get("error"), FormatError) and "images-00000.npy" in msg, outcome
+        assert "TimeoutError" in msg and "retry_seconds=2" in msg and "\n" not in msg, msg
+        assert took < 2 + 2 * 1.0 + 3, took  # the budget, its last try, and the first try before it began
+        assert not list(ds.root.rglob("*.part-*"))
+    finally:
+        proxy.close()
+        fresh_fs()
+
+
+def _thread(fn):
+    """``fn()`` on a thread of its own; ``(thread, outcome)``: outcome holds its result or its error."""
+    import threading
+
+    outcome = {}
+
+    def body():
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome["error"] = exc
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, outcome
+
+
 def test_one_outage_is_given_up_on_once_not_once_per_read():
     from fastdata.errors import ConfigError, FormatError
     from fastdata.storage.object_store import Retry
@@ -662,6 +793,7 @@ SECRETS = [  # (text, the secret in it)
     ("gs://b/ds?key=AIzaKEY", "AIzaKEY"),
     ('Invalid bucket name "AKIAEXAMPLE:hunter2secret@bucket": Bucket name must match', "hunter2secret"),
     ("ParamValidationError: AKIAEXAMPLE:hunter2secret@bucket/ds", "hunter2secret"),
+    ("FileNotFoundError: /user:hunter2@store/ds/images-00003.npy", "hunter2"),  # (fsspec's memory store)
 ]
 
 
@@ -737,6 +869,54 @@ def test_secrets_in_a_url_reach_no_message_cache_file_listing_or_inspect(indexed
         Retry(0)("https://bob:pw9@h/k?token=abc", fails)
     msg = str(err.value)
     assert "\n" not in msg and all(s not in msg for s in ("pw9", "abc", "xyz", "SECRET")), msg
+
+
+@pytest.mark.parametrize("store", ["http", "memory"])
+def test_a_failed_downloads_traceback_holds_no_secret_of_the_url(indexed_datasets, tmp_path, store):
+    """A shard deleted from the store after it was published: the message was scrubbed, but its chained cause
+    (the store's FileNotFoundError, naming the raw URL) is printed whole in every traceback (a script dying
+    uncaught, logging.exception); fsspec's memory store echoed the path as ``/user:secret@store/...``."""
+    import functools
+    import shutil
+    import threading
+    import traceback
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    pytest.importorskip("fsspec")
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FormatError
+
+    if store == "http":
+        pytest.importorskip("aiohttp")
+        www = tmp_path / "www"
+        shutil.copytree(indexed_datasets["npy"], www / "ds")
+        (www / "ds" / "images-00003.npy").unlink()
+
+        class Quiet(SimpleHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+        server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(www)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://user:S3CRETTOKEN@127.0.0.1:{server.server_address[1]}/ds"
+    else:
+        import fsspec
+
+        from fastdata.storage.push import push
+
+        url = "memory://user:S3CRETTOKEN@chained/ds"
+        push(indexed_datasets["npy"], url)
+        fs = fsspec.filesystem("memory")
+        fs.rm(next(p for p in fs.find("/") if "chained/ds/images-00003.npy" in p))
+    try:
+        ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=2)
+        with pytest.raises(FormatError) as err:
+            ds.get_batch([50])  # (shard 3)
+    finally:
+        if store == "http":
+            server.shutdown()
+    said = "".join(traceback.format_exception(err.value))
+    assert "cannot fetch" in str(err.value) and "images-00003.npy" in str(err.value), str(err.value)
+    assert "user:***@" in str(err.value) and "S3CRETTOKEN" not in said, said
 
 
 def test_forked_dataloader_workers_stream_after_the_parent_used_the_store(s3, indexed_datasets, tmp_path):

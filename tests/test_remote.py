@@ -428,6 +428,59 @@ def test_each_file_is_one_ranged_get_and_big_files_come_in_pieces(s3, proxy, ind
     assert sum(v for k, v in proxy.gets.items() if k.endswith(big["path"])) == 1
 
 
+def test_a_fault_on_one_piece_of_a_big_file_fetches_that_piece_again_not_the_file(s3, indexed_datasets, tmp_path,
+                                                                                  monkeypatch):
+    """A file in pieces (over 64 MB: pieces of 8 MB, scaled down here) whose store answers one GET in four with
+    503 SlowDown: each failed piece is fetched again on its own (before, the whole file from byte 0, so it never
+    arrived: 75% of the GETs answered, the budget spent on restarts). Only a whole body that fails its sha256 is
+    fetched again from its first byte."""
+    import itertools
+
+    from conftest import fresh_fs
+    from s3_faults import FaultProxy
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage import remote as remote_mod
+    from fastdata.storage.push import push
+
+    url = s3("pieces-503") + "/ds"
+    push(indexed_datasets["npy"], url)
+    count = itertools.count(1)
+
+    class Throttled(FaultProxy):
+        def _fault_for(self, method, path):
+            if method == "GET" and "images-00000" in path and next(count) % 4 == 0:
+                with self.lock:
+                    self.faults["503"] += 1
+                return "503"
+            return super()._fault_for(method, path)
+    proxy = Throttled(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    fresh_fs()
+    monkeypatch.setattr(remote_mod, "_WHOLE", 256)  # (64 MB and 8 MB, scaled down: a shard of 3,200 bytes)
+    monkeypatch.setattr(remote_mod, "_BLOCK", 256)
+    try:
+        ds = FastDataset(url, cache_dir=tmp_path / "cache", retry_seconds=5)
+        local = FastDataset(indexed_datasets["npy"])
+        for a, b in zip(ds.get_batch(range(16)), local.get_batch(range(16))):
+            assert np.array_equal(a.numpy(), b.numpy())
+        pieces = -(-(indexed_datasets["npy"] / "images-00000.npy").stat().st_size // 256)
+        answered = sum(v for k, v in proxy.gets.items() if k.endswith("images-00000.npy"))
+        assert answered == pieces and proxy.faults["503"] == (pieces - 1) // 3, (answered, dict(proxy.faults))
+        ds.close()
+        # a piece whose bytes were flipped on the way: the whole body fails its sha256, and comes again whole
+        proxy.clear()
+        proxy.inject("corrupt", r"images-00001\.npy")
+        ds = FastDataset(url, cache_dir=tmp_path / "cache2", retry_seconds=5)
+        for a, b in zip(ds.get_batch(range(16, 32)), local.get_batch(range(16, 32))):
+            assert np.array_equal(a.numpy(), b.numpy())
+        assert sum(v for k, v in proxy.gets.items() if k.endswith("images-00001.npy")) == 2 * pieces
+        ds.close()
+    finally:
+        proxy.close()
+        fresh_fs()
+
+
 def _size_now(path) -> int:
     """A cached file's size, 0 when the prefetcher evicted it since it was listed."""
     try:

@@ -63,11 +63,13 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -86,6 +88,17 @@ from .streamed import FileGroups
 
 IN_FLIGHT = 512 << 20
 REQUESTS = 8
+# At exit Python joins the download threads (a pool's) before atexit hooks and finalizers run, so a close from
+# there came after the downloads' retries ran out (2 minutes during an outage): they are stopped first.
+_LIVE: "weakref.WeakSet[ShardCache]" = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for cache in list(_LIVE):
+        cache._stop.set()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_stop_all)  # (before threads are joined, as futures' own)
 
 
 class ShardCache:
@@ -158,6 +171,8 @@ class ShardCache:
         self._warned = self._warned_order = False
         self._stalled: Optional[int] = None  # plan position at which a prefetch found no room
         self._closed = False
+        self._stop = threading.Event()  # set by close: downloads under way give up at their next try or piece
+        _LIVE.add(self)
         self._thread: Optional[threading.Thread] = None
 
     def _check_pid(self) -> None:
@@ -424,7 +439,7 @@ class ShardCache:
         return got
 
     def _get(self, name: str) -> bool:
-        return self.remote.get(self.remote.entry(name), self.progress)
+        return self.remote.get(self.remote.entry(name), self.progress, stop=self._stop)
 
     def set_limit(self, limit: Optional[int]) -> None:
         """A new bound, in bytes, from now on (a Mixture re-splitting one node budget when its weights change):
@@ -632,7 +647,10 @@ class ShardCache:
         return None
 
     def close(self) -> None:
-        """Stop prefetching (downloads under way finish) and close every opened shard."""
+        """Stop prefetching and close every opened shard. Downloads under way end at their next try or piece
+        (during an outage at once, not after the retry budget: 2 minutes by default), their partial files
+        removed; a batch waiting for one is told the dataset was closed."""
+        self._stop.set()
         with self._cond:
             self._closed = True
             self._cond.notify_all()

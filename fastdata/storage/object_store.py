@@ -17,6 +17,9 @@ budget, ``retry_seconds`` (default 120):
    do. Nothing partial has a final name, so a rerun resumes from the files cached.
 5. The client's own retry loops would multiply the wait (s3fs tries 5 times, botocore 5 times each): an
    ``s3://`` client tries once per call; the timeouts of one try stay s3fs's (connect 5 s, read 15 s).
+   A read timeout restarts at each byte, so a link that trickles (a byte every few seconds) never hits it: a
+   ranged read of a download has a deadline of its own, `read_range`'s (max(60 s, its bytes at 64 KiB/s)),
+   and one past it is a failed try.
 6. Not retried: an answer that trying again does not change (no such object, access denied, the same
    wrong bytes twice, a full cache disk, a request the client refuses to send: an invalid bucket name).
 """
@@ -26,6 +29,7 @@ import os
 import posixpath
 import random
 import re
+import threading
 import time
 import urllib.parse
 import uuid
@@ -41,6 +45,10 @@ _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"
 RETRY_SECONDS = 120.0  # the outage a read rides out by default: throttling, a failover, a DNS blip
 RERUN_ADVICE = "a rerun resumes from what is cached"  # what a spent budget's message ends with, by default
 _FIRST_WAIT, _LONGEST_WAIT = 0.2, 10.0  # seconds: the bound of the first wait, doubled per try up to this
+# A ranged read's deadline (`read_range`): 64 KiB/s is below any working link even with the 8 downloads of a
+# node cache sharing it (4 Mbit/s in all), so only a stalled or trickling one misses it: 128 s for a piece of
+# 8 MB, 17 min for a whole file of 64 MB; 60 s at least (a small file, a slow first byte).
+_SHORTEST_TRY, _SLOWEST_RATE = 60.0, 64 << 10
 
 
 def is_url(path: Union[str, Path]) -> bool:
@@ -89,11 +97,30 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     except ImportError as exc:
         package = _PROTOCOL_PACKAGES.get(protocol, f"the fsspec backend for {protocol}://")
         raise MissingDependencyError(f"{scrub(url)}: {protocol}:// needs {package} ({REMOTE_EXTRA})") from exc
-    except ValueError as exc:  # an unknown protocol
-        raise ConfigError(f"{scrub(url)}: {scrub(str(exc))}") from exc
+    except ValueError as exc:  # an unknown protocol (from None: a chained cause is printed unscrubbed)
+        raise ConfigError(f"{scrub(url)}: {scrub(str(exc))}") from None
     if protocol in ("s3", "s3a"):  # (an instance of its own: fsspec caches one per set of options, and these
         fs.retries = 1             # options are ours)
     return fs, path
+
+
+def read_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """``fs.cat_file(path, start, end)``, given up on (a TimeoutError: `Retry` tries again) when its bytes have
+    not all come after max(60 s, its bytes at 64 KiB/s): a trickling link resets a read timeout at each byte,
+    so a read would hang far past the retry budget (NOTE [retry budget] 5). On the async clients (s3fs, gcsfs,
+    adlfs, http) the request is cancelled; a local or memory store never stalls."""
+    if not getattr(fs, "async_impl", False) or not hasattr(fs, "_cat_file"):
+        return fs.cat_file(path, start=start, end=end)
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    seconds = max(_SHORTEST_TRY, (end - start) / _SLOWEST_RATE)
+    try:
+        return sync(fs.loop, asyncio.wait_for, fs._cat_file(path, start=start, end=end), seconds)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{end - start} bytes not all in after {seconds:.0f} s (a stalled or trickling "
+                           "connection)") from None
 
 
 def object_version(info: dict[str, Any]) -> str:
@@ -145,10 +172,15 @@ class Retry:
         self.advice = advice
         self.failing_since: Optional[float] = None  # monotonic time of the first failure since the last success
 
-    def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read") -> Any:
-        """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``."""
+    def __call__(self, what: str, fn: Callable[[], Any], doing: str = "read",
+                 stop: Optional[threading.Event] = None) -> Any:
+        """``fn()``, tried until it succeeds or the budget is spent; then one FormatError naming ``what``.
+        ``stop`` set (its reader was closed): no try more, and a wait between tries ends at once (a
+        ConfigError), so a close during an outage does not wait out the budget."""
         start, tries, failed = time.monotonic(), 0, None
         while True:
+            if stop is not None and stop.is_set():
+                raise stopped(what, doing)
             tries += 1
             try:
                 result = fn()
@@ -172,10 +204,20 @@ class Retry:
                         "the store is up and reachable, or raise retry_seconds (`--retry-seconds`) to ride out a "
                         f"longer outage{'; ' + self.advice if self.advice else ''}") from None
                 bound = min(_LONGEST_WAIT, _FIRST_WAIT * 2 ** min(tries - 1, 30))
-                time.sleep(min(random.uniform(0, bound), deadline - now))  # full jitter, the last try at the deadline
+                pause = min(random.uniform(0, bound), deadline - now)  # full jitter, the last try at the deadline
+                if stop is None:
+                    time.sleep(pause)
+                else:
+                    stop.wait(pause)
                 continue
             self.failing_since = None
             return result
+
+
+def stopped(what: str, doing: str = "read") -> ConfigError:
+    """The error of a call to the store given up on because its reader was closed (`Retry`'s ``stop``)."""
+    return ConfigError(f"cannot {doing} {scrub(what)}: its reader was closed meanwhile; open the dataset again to "
+                       "read it")
 
 
 class StoreFolder:

@@ -110,7 +110,8 @@ def open_path(path: Union[str, Path, OpenedPath], formats: tuple[str, ...], *,
         raise ConfigError(f"reading {scrub(remote.url)} this way needs all of it ({need} bytes) in the cache, more "
                           f"than cache_limit={limit}: raise the limit, or stream it (npy images or tokens with "
                           "storage='mmap')")
-    return OpenedPath(remote.prepare(stream | unread), manifest, remote, limit)
+    # a reader of every file holds the folder until it is closed: a job with a limit sharing it would evict them
+    return OpenedPath(remote.prepare(stream | unread, hold=not stream), manifest, remote, limit)
 
 
 def _job_remote(url: str, **options: Any) -> RemoteDataset:
@@ -133,11 +134,13 @@ def _job_remote(url: str, **options: Any) -> RemoteDataset:
     return remote if remote is not None else RemoteDataset(url, manifest_bytes=raw, **options)
 
 
-def _release(cache: Optional["ShardCache"], reader: Any) -> None:
+def _release(cache: Optional["ShardCache"], reader: Any, remote: Optional[RemoteDataset] = None) -> None:
     if cache is not None:
         cache.close()
     if reader is not None:
         reader.close()
+    if remote is not None:
+        remote.release()
 
 
 class StreamedReads:
@@ -146,12 +149,14 @@ class StreamedReads:
     (it maps samples to shards)."""
 
     _cache: Optional["ShardCache"]
+    _remote: Optional[RemoteDataset]
 
     def _hold(self, reader: Any = None) -> None:
         """Called once opened: closing the dataset, or dropping it, stops the cache's threads, lets go of its
-        pins and closes ``reader`` (LMDB environments). The finalizer refers to them, never to the dataset,
-        so a dropped dataset is collected."""
-        self._released = weakref.finalize(self, _release, self._cache, reader)
+        pins (and of the cache folder a reader of every file holds: `RemoteDataset.prepare`) and closes
+        ``reader`` (LMDB environments). The finalizer refers to them, never to the dataset, so a dropped
+        dataset is collected."""
+        self._released = weakref.finalize(self, _release, self._cache, reader, getattr(self, "_remote", None))
 
     def close(self) -> None:
         """Release what the dataset holds: prefetch threads, pinned shards, LMDB environments and memory maps

@@ -16,6 +16,10 @@ of the wrong size while the store says the object has that size too (a body cut 
 the manifest's size, is a network fault).
 A network fault is retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not
 free space): the partial file is removed and one line says what to do (DiskFullError; a rerun keeps what is cached).
+A file over 64 MB comes in 8 MB ranged pieces, each retried on its own, the ``.part`` file and its running sha256
+kept: a fault on piece k does not throw away pieces 0..k-1 (restarting whole, a store answering one GET in 10
+with 503 delivered a 25-piece shard on 7% of tries); only a whole body whose size or sha256 fails its check is
+fetched again from its first byte.
 The cache is private: folders 0700, files 0600, an existing folder of another user refused (its files could be
 planted); ``$FASTDATA_CACHE_MODE=group`` shares it with the folders' group instead (02770, 0660).
 """
@@ -38,9 +42,10 @@ from ..errors import ChecksumError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, parse_manifest
 from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
-from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size,
+from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, ShardPins, cache_folder, cache_modes, cached_size,
                             copy_advice, default_cache_dir, lock_file)
-from .object_store import RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, stored_size
+from .object_store import (RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, read_range, stopped,
+                           stored_size)
 
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
@@ -96,6 +101,7 @@ class RemoteDataset:
         self.dir = self.dir / self.id
         self.fetched = {"files": 0, "bytes": 0}  # downloads made by this process (benchmarks, tests)
         self._count = threading.Lock()
+        self._holding: Optional[tuple[int, ShardPins]] = None  # (pid, the folder held whole: `prepare(hold=True)`)
 
     def _fetch_manifest(self) -> bytes:
         try:
@@ -115,19 +121,28 @@ class RemoteDataset:
         return self._fs
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
-        return {k: v for k, v in self.__dict__.items() if k not in ("_count", "_fs", "_fs_pid", "_entries")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_count", "_fs", "_fs_pid", "_entries",
+                                                                  "_holding")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._count = threading.Lock()
         self._fs, self._fs_pid = None, None  # made on first use in this process
+        self._holding = None  # (the sending process holds the folder while it lives)
 
-    def prepare(self, skip: frozenset[str] = frozenset(),
-                progress: Optional[Callable[[int], None]] = None) -> Path:
+    def prepare(self, skip: frozenset[str] = frozenset(), progress: Optional[Callable[[int], None]] = None, *,
+                hold: bool = False) -> Path:
         """The cache folder with the manifest and every file but ``skip`` (those are fetched on demand, see
-        `fastdata.storage.cache.ShardCache`), each downloaded once per node and verified."""
+        `fastdata.storage.cache.ShardCache`), each downloaded once per node and verified. ``hold``: a reader
+        of every file (storage "ram", "shm", "cuda"; an LMDB of version 1) holds the folder from before the
+        downloads until `release`, so that a job with a cache_limit sharing it evicts none of the files it
+        reads (`ShardPins.hold_all`; its workers may read them again)."""
         cache_folder(self.dir)
         cache_folder(self.dir / ".locks")
+        if hold:
+            if self._holding is None or self._holding[0] != os.getpid():  # (a forked child holds none of its parent's)
+                self._holding = (os.getpid(), ShardPins(self.dir / ".locks"))
+            self._holding[1].hold_all()  # (before a file is looked at: one evicted meanwhile is fetched below)
         self._clean_leftovers()
         if not (self.dir / MANIFEST_NAME).is_file():  # the folder's id is this manifest's hash: always the same
             with lock_file(self.dir / ".locks" / "manifest.lock") as lock:
@@ -144,6 +159,12 @@ class RemoteDataset:
         entries = list(rows_by(files, (path for path in column(files, "path") if path not in skip)).values())
         map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
+
+    def release(self) -> None:
+        """Let go of the folder `prepare` held (``hold``): other jobs may evict its files again."""
+        held, self._holding = self._holding, None
+        if held is not None and held[0] == os.getpid():
+            held[1].close()
 
     def local(self, progress: Optional[Callable[[int], None]] = None) -> Path:
         """Download (once per node) and verify every file; the local folder, an ordinary dataset folder."""
@@ -186,10 +207,12 @@ class RemoteDataset:
         self.get(entry, progress)
         return self.dir / entry["path"]
 
-    def get(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> bool:
+    def get(self, entry: dict[str, Any], progress: Optional[Callable[[int], None]] = None,
+            stop: Optional[threading.Event] = None) -> bool:
         """`fetch`, saying whether this call downloaded the file (False: it was cached already, or
-        another thread or process on the node fetched it meanwhile)."""
-        name = entry["path"]
+        another thread or process on the node fetched it meanwhile). ``stop`` set (the reader was closed):
+        the download gives up at its next try or piece, a ConfigError (`Retry`)."""
+        name, what = entry["path"], f"{self.url}/{entry['path']}"
         final = self.dir / name
         if cached_size(self.dir, name) == entry.get("bytes"):
             return False  # only verified bytes ever get a final name
@@ -200,7 +223,7 @@ class RemoteDataset:
 
         def download() -> None:
             try:
-                self._download(entry, final, progress)
+                self._download(entry, final, progress, stop)
             except _WrongBytes as exc:
                 bad.append(exc.digest)
                 if bad.count(exc.digest) > 1:  # the same wrong bytes twice: the stored object, not the network
@@ -211,20 +234,23 @@ class RemoteDataset:
                                         "object)") from None
                 raise
         with lock_file(lock_path) as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process downloading it: wait for its result
+            _wait_lock(lock, what, stop)  # another process downloading it: wait for its result
             if cached_size(self.dir, name) == entry.get("bytes"):
                 return False
             try:
-                self.retry(f"{self.url}/{name}", download)
+                self.retry(what, download, stop=stop)  # (again from byte 0: a whole body failed its checks)
             except FastdataError:  # (names the object already)
                 raise
             except Exception as exc:  # noqa: BLE001 - final errors (the object deleted from the store since)
+                # (from None, as `Retry`: the store's own error echoes the unscrubbed URL, and a traceback
+                # prints a chained cause whole: a script dying uncaught, logging.exception, a job's log)
                 raise FormatError(f"cannot fetch {scrub(self.url)}/{name}: {type(exc).__name__}: "
                                   f"{scrub(' '.join(str(exc).split()))[:300]}; check that the dataset is intact in "
-                                  "the store (`fastdata verify URL`)") from exc
+                                  "the store (`fastdata verify URL`)") from None
         return True
 
-    def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]]) -> None:
+    def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]],
+                  stop: Optional[threading.Event] = None) -> None:
         tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
         digest, size = new_hash(), 0
 
@@ -236,7 +262,8 @@ class RemoteDataset:
         try:
             dst = local(lambda: open_new(tmp, cache_modes()[1]))
             try:
-                for block in self._blocks(object_path(self.root, entry["path"]), int(entry["bytes"])):
+                for block in self._blocks(object_path(self.root, entry["path"]), int(entry["bytes"]),
+                                          f"{self.url}/{entry['path']}", stop):
                     digest.update(block)
                     local(lambda: dst.write(block))
                     size += len(block)
@@ -270,15 +297,17 @@ class RemoteDataset:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _blocks(self, path: str, size: int) -> Iterator[bytes]:
+    def _blocks(self, path: str, size: int, what: str = "",
+                stop: Optional[threading.Event] = None) -> Iterator[bytes]:
         """The object's ``size`` bytes (the manifest's size) in ranged GETs: one for files up to ``_WHOLE``,
         else ``_BLOCK`` pieces. A ranged read is one request on every fsspec backend; a whole-object read or
         an ``open`` makes s3fs ask for the size first: a HEAD per shard, half the requests, and a large share of
-        the server's CPU per byte (benchmarks/RESULTS.md)."""
+        the server's CPU per byte (benchmarks/RESULTS.md). Each piece is retried on its own within the budget
+        (NOTE [remote cache]), named ``what``; ``stop``: `Retry`'s."""
         step = size if size <= _WHOLE else _BLOCK
         for start in range(0, size, step):
             end = min(size, start + step)
-            block = self.fs.cat_file(path, start=start, end=end)
+            block = self.retry(what or path, lambda: read_range(self.fs, path, start, end), stop=stop)
             yield block
             if len(block) > end - start:  # a server that ignores Range sent the whole object: the checks judge it
                 return
@@ -321,6 +350,21 @@ class RemoteDataset:
                 part.unlink(missing_ok=True)
 
 
+def _wait_lock(lock: Any, what: str, stop: Optional[threading.Event]) -> None:
+    """Take download lock ``lock`` (another process downloading the file: wait for its result); with ``stop``,
+    polled 10 times a second, so a closed reader does not wait out another's retries."""
+    if stop is None:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if stop.wait(0.1):
+                raise stopped(what) from None
+
+
 # names the node cache keeps for itself in a dataset's folder: its manifest, source, locks, partial downloads
 _CACHE_NAMES = re.compile(r"(?:\A|\n)(?:\.locks(?:/[^\n]*)?|" + re.escape(SOURCE_NAME) + "|" + re.escape(MANIFEST_NAME)
                           + r")(?:\n|\Z)|\.part-[^\n/]*(?:\n|\Z)")
@@ -361,7 +405,7 @@ def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]
             if stored != size:
                 return f"{stored} bytes in the store, manifest says {size} (truncated or replaced)"
             h = new_hash()
-            for block in remote._blocks(path, size):
+            for block in remote._blocks(path, size, f"{remote.url}/{entry['path']}"):
                 h.update(block)
                 if progress is not None:
                     progress(len(block))

@@ -265,7 +265,8 @@ def check_sizes(root: Path, manifest: dict[str, Any], paths: Optional[Collection
     for i in np.flatnonzero(bad)[:1].tolist():  # (the first problem in the manifest's order)
         if found[i] == -3:
             contained_stat(root, names[i])  # (raises: the path leaves the folder)
-        raise file_error(root, {"path": names[i], "bytes": int(expected[i])}, "size" if found[i] >= 0 else "missing")
+        raise file_error(root, {"path": names[i], "bytes": int(expected[i])}, "size" if found[i] >= 0 else "missing",
+                         cache_advice(root))  # (a node cache's copy: not mended by a new preprocess)
     return [n for n, size in zip(names, found.tolist()) if size != -1] if present_only else names
 
 
