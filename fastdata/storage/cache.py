@@ -575,7 +575,8 @@ class ShardCache:
         try:
             self._prefetch_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            exc.add_note(f"(in the prefetch thread of {scrub(self.remote.url)})")
+            if hasattr(exc, "add_note"):  # (Python 3.11+; 3.10 raises it without the note)
+                exc.add_note(f"(in the prefetch thread of {scrub(self.remote.url)})")
             with self._cond:
                 self._failed = self._failed or exc
                 self._cond.notify_all()
