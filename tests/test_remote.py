@@ -188,6 +188,37 @@ def test_a_half_pushed_or_hostile_dataset_is_refused(s3, indexed_datasets, tmp_p
         FastDataset(url + "/evil", cache_dir=tmp_path / "c")
 
 
+def test_a_push_of_another_version_that_stops_midway_leaves_no_manifest_to_read(s3, indexed_datasets, tmp_path):
+    """A push over another version kept the old manifest until its own went up: one that stopped midway left it
+    beside new objects, so the URL passed for complete (inspect said so) and every job failed at its first
+    replaced shard with a checksum error."""
+    import shutil
+
+    import torch
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.errors import FastdataError, FormatError
+    from fastdata.storage.push import push
+
+    url = s3("repush") + "/ds"
+    push(indexed_datasets["npy"], url)
+    v2 = tmp_path / "v2"
+    shutil.copytree(indexed_datasets["lmdb"], v2)
+    last = [e["path"] for e in json.loads((v2 / "manifest.json").read_text())["files"] if ".lmdb" in e["path"]][-1]
+    data = bytearray((v2 / last).read_bytes())
+    (v2 / last).write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))  # damaged here: the push stops at it
+    with pytest.raises(FastdataError, match=last):
+        push(v2, url, workers=1)
+    assert s3.client.list_objects_v2(Bucket="repush", Prefix="ds/manifest.json")["KeyCount"] == 0
+    with pytest.raises(FormatError, match="no manifest.json.*push` has not finished"):
+        FastDataset(url, cache_dir=tmp_path / "c")
+    (v2 / last).write_bytes(bytes(data))
+    assert push(v2, url, workers=1)["skipped"] > 0  # (the objects up before the stop stay)
+    local, remote = FastDataset(v2), FastDataset(url, cache_dir=tmp_path / "c")
+    assert torch.equal(remote.get_batch(range(len(local)))[0], local.get_batch(range(len(local)))[0])
+    assert push(v2, url)["uploaded"] == 0  # a rerun of the same version keeps its manifest
+
+
 def test_a_manifests_names_are_checked_at_once_as_one_at_a_time():
     """`check_object_names` (one regex over every name joined) refuses exactly what `object_path` refuses,
     naming the first bad name in order, over random names of separators, dots, backslashes and newlines."""

@@ -4,7 +4,9 @@ NOTE [push]: data files go up first, each followed by a small marker ``.fastdata
 (object stores write whole objects: a marker exists only after its object is complete; an object's old
 marker is deleted before the object is put, so a push killed between the two never leaves a marker naming
 other bytes); the manifest goes last, so a reader never sees a half-uploaded dataset. A rerun skips objects
-whose size and marker match.
+whose size and marker match. A push over another version first deletes that version's manifest: its objects
+are about to be replaced, and a reader meanwhile must find no manifest ("push not finished"), not the old one
+beside new objects (which passed for complete and failed every job at its first replaced shard).
 """
 from __future__ import annotations
 
@@ -63,9 +65,12 @@ def push(local: Union[str, Path], url: str, *, workers: int = 8, storage_options
             progress(int(entry["bytes"]))
 
     data = (local / MANIFEST_NAME).read_bytes()
+    target = object_path(root, MANIFEST_NAME)
     try:
+        if retry(f"{url}/{MANIFEST_NAME}", lambda: _stored(fs, target)) not in (None, data):  # another version
+            retry(f"{url}/{MANIFEST_NAME}", lambda: _drop(fs, target), "upload")  # (before any object: NOTE [push])
         map_threads(one, manifest["files"], max(1, workers), "fastdata-push")
-        retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, object_path(root, MANIFEST_NAME), data), "upload")
+        retry(f"{url}/{MANIFEST_NAME}", lambda: pipe_file(fs, target, data), "upload")
     except FileNotFoundError as exc:  # s3fs: no such bucket (a local file missing is refused by require_intact)
         raise no_bucket(f"push to {scrub(url)}", exc) from None
     return counts
@@ -85,6 +90,14 @@ def _folders(fs: Any) -> Callable[..., None]:
             except OSError as exc:
                 raise disk_error(exc, Path(path)) from exc
     return make
+
+
+def _stored(fs: Any, key: str) -> Optional[bytes]:
+    """The object at ``key``, or None where there is none (a first push)."""
+    try:
+        return fs.cat_file(key)
+    except FileNotFoundError:
+        return None
 
 
 def _drop(fs: Any, key: str) -> None:
