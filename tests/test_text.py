@@ -309,7 +309,7 @@ def test_offsets_beyond_2_31_and_2_32():
 def test_inspect_verify_and_tiktoken_offline(token_folder, capsys):
     assert main(["inspect", str(token_folder)]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer: bytes" in out and "documents" in out and "bytes/token" in out
+    assert "tokenizer: bytes" in out and "documents" in out and "source bytes/token" in out
     assert main(["verify", str(token_folder), "--quiet"]) == 0
     r = subprocess.run([sys.executable, "-m", "fastdata", "preprocess", "text", str(token_folder / "x.txt"),
                         str(token_folder.parent / "o"), "--tokenizer", "tiktoken:gpt2"], capture_output=True,

@@ -168,7 +168,8 @@ def _inspect(args: argparse.Namespace) -> int:
             docs = f", {sp['documents']:,} documents" if isinstance(sp.get("documents"), int) else ""
             print(f"{name + ':':<10} {sp['tokens']:,} tokens{docs}, {sp['shards']} shards")
         if isinstance(info.get("bytes_per_token"), (int, float)):
-            print(f"bytes/token: {info['bytes_per_token']:.2f}")
+            print(f"source bytes/token: {info['bytes_per_token']:.2f} (the files as stored: a compressed one "
+                  "counts its compressed bytes)")
     if info.get("classes"):  # (none: no class labels, not "classes: 0")
         print(f"classes:   {len(info['classes'])}")
         for name, count in info["classes"].items():

@@ -321,7 +321,7 @@ def summary(manifest: dict[str, Any], limit: int = 5) -> str:
     s = manifest["splits"]
     lines = [f"{s['train']['documents'] + s['val']['documents']} documents, {s['train']['tokens']:,} train + "
              f"{s['val']['tokens']:,} val tokens ({manifest['tokenizer']['kind']}, vocab "
-             f"{manifest['tokenizer']['vocab_size']}, {manifest['bytes_per_token']:.2f} bytes/token)"]
+             f"{manifest['tokenizer']['vocab_size']}, {manifest['bytes_per_token']:.2f} source bytes/token)"]
     if manifest["skipped_count"]:
         lines.append(f"skipped {manifest['skipped_count']} document(s) (first ones listed in manifest.json):")
         for e in manifest["skipped"][:limit]:
