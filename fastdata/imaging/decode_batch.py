@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 #    libjpeg or Pillow read it (`_size_of`), whose random crop is then drawn for the decoded image. A record
 #    of no size is refused; DALILoader's host check refuses every record without a JPEG frame header.
 # 2. The size is one the dataset's records can have: the shorter side at most the manifest's max_short_side,
-#    the longer side at most its max_side (--resize max-side), and at most PIL.Image.MAX_IMAGE_PIXELS in any
-#    case (`check_sizes`): a damaged size field costs nothing.
+#    the longer side at most its max_side (--resize max-side), and at most twice PIL.Image.MAX_IMAGE_PIXELS
+#    in any case, where Pillow (and so preprocessing) refuses an image (`check_sizes`): a damaged size field
+#    costs nothing.
 # 3. libjpeg-turbo reads it without a warning: the partial decoder and simplejpeg decode strictly, so data cut
 #    short, bytes out of place or a bad Huffman code are errors, at any libjpeg scale.
 # 4. Pillow decodes only what libjpeg-turbo's API cannot give as RGB: CMYK and YCCK records (converted as
@@ -255,7 +256,9 @@ def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_sid
     (``0, 0``: no frame header the parser reads) are left to the decode, which sizes them (`_size_of`)."""
     h, w = heads[:, 0], heads[:, 1]
     shorter, longer = np.minimum(h, w), np.maximum(h, w)
-    limit = Image.MAX_IMAGE_PIXELS
+    # twice Pillow's limit: where Pillow refuses; preprocessing (Pillow) keeps an image up to it with a warning,
+    # so a valid record of a long panorama stored at a large --size can pass the limit itself
+    limit = None if Image.MAX_IMAGE_PIXELS is None else 2 * Image.MAX_IMAGE_PIXELS
     bad = (shorter == 0) & (longer > 0)
     if limit is not None:
         bad |= h * w > limit
@@ -276,8 +279,9 @@ def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_sid
         why = (f"{claim}, but the dataset stores images with the longer side at most {max_side} (its manifest's "
                "max_side): the header is damaged, or the record was not written for this dataset")
     else:
-        why = (f"{claim}, {h[j] * w[j]} pixels: it exceeds limit of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS, "
-               "against decompression bombs): the header is damaged, or the image is real and that limit too low")
+        why = (f"{claim}, {h[j] * w[j]} pixels: it exceeds limit of {limit} pixels (twice PIL.Image."
+               "MAX_IMAGE_PIXELS, against decompression bombs, where preprocessing refuses an image too): the header "
+               "is damaged, or the image is real and that limit too low")
     exc = ImageDecodeError(why)
     exc.position = j  # type: ignore[attr-defined]
     raise exc
