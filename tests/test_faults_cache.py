@@ -736,6 +736,29 @@ def test_a_reader_of_every_file_keeps_them_from_a_job_with_a_limit_sharing_its_c
         assert "preprocess" not in str(err.value), str(err.value)
 
 
+def test_two_readers_of_one_opened_path_each_hold_the_folder_until_each_is_closed(s3, indexed_datasets, tmp_path):
+    """The hold was the opened path's: closing one of two readers of it let go of the other's, and a job with a
+    limit then evicted the files the other still reads (a spawned worker of it: "images-00000.npy is
+    missing")."""
+    from fastdata.datasets.images import FastDataset
+
+    url = _pushed(s3, indexed_datasets, "whole-two")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+
+    def other_job() -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _EVICTOR, url, str(cache)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.split()
+    first = FastDataset(url, cache_dir=cache, storage="ram")
+    second = FastDataset(first._opened, storage="ram")
+    second.close()
+    assert other_job() == [f"images-{k:05d}.npy" for k in range(7)]  # the first still holds every file
+    first.close()
+    assert other_job() == []
+
+
 _FETCH = """
 import sys
 from fastdata.storage.remote import RemoteDataset

@@ -24,6 +24,7 @@ from .streamed import unread_files
 
 if TYPE_CHECKING:
     from .cache import ShardCache
+    from .cache_folders import ShardPins
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
@@ -134,13 +135,13 @@ def _job_remote(url: str, **options: Any) -> RemoteDataset:
     return remote if remote is not None else RemoteDataset(url, manifest_bytes=raw, **options)
 
 
-def _release(cache: Optional["ShardCache"], reader: Any, remote: Optional[RemoteDataset] = None) -> None:
+def _release(cache: Optional["ShardCache"], reader: Any, whole: Optional[ShardPins] = None) -> None:
     if cache is not None:
         cache.close()
     if reader is not None:
         reader.close()
-    if remote is not None:
-        remote.release()
+    if whole is not None:
+        whole.close()
 
 
 class StreamedReads:
@@ -153,10 +154,12 @@ class StreamedReads:
 
     def _hold(self, reader: Any = None) -> None:
         """Called once opened: closing the dataset, or dropping it, stops the cache's threads, lets go of its
-        pins (and of the cache folder a reader of every file holds: `RemoteDataset.prepare`) and closes
-        ``reader`` (LMDB environments). The finalizer refers to them, never to the dataset, so a dropped
-        dataset is collected."""
-        self._released = weakref.finalize(self, _release, self._cache, reader, getattr(self, "_remote", None))
+        pins (and of its own hold on the cache folder, where it reads every file: `RemoteDataset.hold_whole`)
+        and closes ``reader`` (LMDB environments). The finalizer refers to them, never to the dataset, so a
+        dropped dataset is collected."""
+        remote = getattr(self, "_remote", None)
+        whole = remote.hold_whole() if remote is not None else None
+        self._released = weakref.finalize(self, _release, self._cache, reader, whole)
 
     def close(self) -> None:
         """Release what the dataset holds: prefetch threads, pinned shards, LMDB environments and memory maps

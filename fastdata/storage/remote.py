@@ -102,6 +102,7 @@ class RemoteDataset:
         self.fetched = {"files": 0, "bytes": 0}  # downloads made by this process (benchmarks, tests)
         self._count = threading.Lock()
         self._holding: Optional[tuple[int, ShardPins]] = None  # (pid, the folder held whole: `prepare(hold=True)`)
+        self.whole_reader = False  # prepared for readers of every file: each holds the folder (`hold_whole`)
 
     def _fetch_manifest(self) -> bytes:
         try:
@@ -136,10 +137,12 @@ class RemoteDataset:
         `fastdata.storage.cache.ShardCache`), each downloaded once per node and verified. ``hold``: a reader
         of every file (storage "ram", "shm", "cuda"; an LMDB of version 1) holds the folder from before the
         downloads until `release`, so that a job with a cache_limit sharing it evicts none of the files it
-        reads (`ShardPins.hold_all`; its workers may read them again)."""
+        reads (`ShardPins.hold_all`; its workers may read them again); each reader then takes its own
+        (`hold_whole`)."""
         cache_folder(self.dir)
         cache_folder(self.dir / ".locks")
         if hold:
+            self.whole_reader = True
             if self._holding is None or self._holding[0] != os.getpid():  # (a forked child holds none of its parent's)
                 self._holding = (os.getpid(), ShardPins(self.dir / ".locks"))
             self._holding[1].hold_all()  # (before a file is looked at: one evicted meanwhile is fetched below)
@@ -159,6 +162,17 @@ class RemoteDataset:
         entries = list(rows_by(files, (path for path in column(files, "path") if path not in skip)).values())
         map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
+
+    def hold_whole(self) -> Optional[ShardPins]:
+        """A reader's own hold on the folder, where `prepare` held it for readers of every file (else None):
+        each reader keeps its own until it is closed, so closing one of two readers of one opened path leaves
+        the other's; the opening's hold is let go, now that the reader holds the folder."""
+        if not self.whole_reader:
+            return None
+        pins = ShardPins(self.dir / ".locks")
+        pins.hold_all()
+        self.release()
+        return pins
 
     def release(self) -> None:
         """Let go of the folder `prepare` held (``hold``): other jobs may evict its files again."""
