@@ -5,6 +5,7 @@ throughout: the moto S3 server on 127.0.0.1 behind the loopback fault proxy, who
 back to order the threads, real files and locks, real processes."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -692,6 +693,15 @@ print(*sorted(n for n in os.listdir(ds.root) if n.startswith("images-")))
 """
 
 
+def _other_job(url: str, cache: Path) -> list[str]:
+    """`_EVICTOR` run as another process (another job sharing the cache): the shards left after it evicted."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", _EVICTOR, url, str(cache)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
 @pytest.mark.parametrize("storage", ["ram", "shm"])
 def test_a_reader_of_every_file_keeps_them_from_a_job_with_a_limit_sharing_its_cache(s3, indexed_datasets, tmp_path,
                                                                                      monkeypatch, storage):
@@ -706,13 +716,7 @@ def test_a_reader_of_every_file_keeps_them_from_a_job_with_a_limit_sharing_its_c
 
     url = _pushed(s3, indexed_datasets, f"whole-{storage}")
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
-
-    def other_job() -> list[str]:
-        done = subprocess.run([sys.executable, "-c", _EVICTOR, url, str(cache)], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.split()
+    other_job = functools.partial(_other_job, url, cache)
     seen = []
     real = images.open_shards
 
@@ -744,13 +748,7 @@ def test_two_readers_of_one_opened_path_each_hold_the_folder_until_each_is_close
 
     url = _pushed(s3, indexed_datasets, "whole-two")
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
-
-    def other_job() -> list[str]:
-        done = subprocess.run([sys.executable, "-c", _EVICTOR, url, str(cache)], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.split()
+    other_job = functools.partial(_other_job, url, cache)
     first = FastDataset(url, cache_dir=cache, storage="ram")
     second = FastDataset(first._opened, storage="ram")
     second.close()
