@@ -253,8 +253,8 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
     val_cache = {"cache_dir": p.cache_dir, "retry_seconds": p.retry_seconds}  # (cache_limit: the sources' budget)
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
-        given = [flag for flag, on in (("--crop", p.crop is not None), ("--augment " + p.augment, p.augment not in ("flip", "none")))
-                 if on]
+        image_only = (("--crop", p.crop is not None), ("--augment " + p.augment, p.augment not in ("flip", "none")))
+        given = [flag for flag, on in image_only if on]
         if given:  # (ignored without a word before; --hw-decoder-load needs --backend dali, refused above)
             raise ConfigError(f"--mix {mix.names[0]} holds tokens: drop {', '.join(given)}, for image datasets only")
         val_ds = None if p.val is None else _token_val(p, first, seq_len, **val_cache)
