@@ -151,10 +151,12 @@ def _train(args: argparse.Namespace) -> int:
 
 def _refuse_image_flags(args: argparse.Namespace) -> None:
     """Flags that a token dataset's run would ignore, refused by name: it validates on its own val split."""
+    from ..train.assemble import image_flags
+
     given = [flag for flag, on in (("--val", args.val is not None), ("--val-fraction", bool(args.val_fraction)),
-                                   ("--backend dali", args.backend == "dali"), ("--crop", args.crop is not None),
-                                   ("--hw-decoder-load", args.hw_decoder_load is not None),
-                                   (f"--augment {args.augment}", args.augment not in ("flip", "none"))) if on]
+                                   ("--backend dali", args.backend == "dali"),
+                                   ("--hw-decoder-load", args.hw_decoder_load is not None)) if on]
+    given += image_flags(args.crop, args.augment)
     if given:
         raise ConfigError(f"{scrub(str(args.data))} holds tokens: drop {', '.join(given)}, for image datasets only "
                           "(a token dataset validates on its own val split, made by `fastdata preprocess text "

@@ -309,7 +309,7 @@ class MixtureSampler:
     def epoch_batches(self) -> int:
         """Batches this rank serves in the current epoch from its start (under weights set since: the next
         iteration's)."""
-        return -(-self._rank_count(self._synced()[0], 0) // self.per)
+        return self.epochs_batches(1)[0]
 
     def __len__(self) -> int:
         """Batches this rank serves in the rest of the current epoch (under weights set since)."""
@@ -321,9 +321,10 @@ class MixtureSampler:
         the weights of this moment: with ``stop``, an epoch ends when its sources do, so epochs differ (a
         learning-rate schedule over ``--epochs`` sums them; ``len`` is the current epoch's only)."""
         seg, counts = self._synced()[0], []
-        for _ in range(epochs):
+        for k in range(epochs):
             counts.append(-(-self._rank_count(seg, 0) // self.per))
-            seg = self._next(seg, 0)
+            if k + 1 < epochs:  # (the epoch after the last one counted is not made)
+                seg = self._next(seg, 0)
         return counts
 
     # -- progress and resumption ----------------------------------------------------------------------

@@ -236,6 +236,13 @@ def build_lm(data: Union[str, Path, OpenedPath], model: Optional[str], batch_siz
     return create_model("gpt-tiny", vocab_size=train_ds.vocab_size, seq_len=seq_len), train, val
 
 
+def image_flags(crop: Optional[int], augment: str) -> list[str]:
+    """``--crop`` and an image ``--augment`` where given: flags a token run would ignore, refused by name
+    (``none`` and the default ``flip`` ask for nothing a token run does not do)."""
+    given = (("--crop", crop is not None), (f"--augment {augment}", augment not in ("flip", "none")))
+    return [flag for flag, on in given if on]
+
+
 def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model: Optional[str] = None
               ) -> tuple[torch.nn.Module, CUDAPrefetcher, Optional[CUDAPrefetcher]]:
     """Model and loaders of a run on a Mixture (``fastdata train --mix``; docs/mixtures.md): image sources train
@@ -253,8 +260,7 @@ def build_mix(spec: Any, p: ImageRun, device: torch.device, seq_len: int, model:
     val_cache = {"cache_dir": p.cache_dir, "retry_seconds": p.retry_seconds}  # (cache_limit: the sources' budget)
     if hasattr(first, "vocab_size"):  # token sources
         _check_lm_model(f"--mix {mix.names[0]}", model)
-        image_only = (("--crop", p.crop is not None), ("--augment " + p.augment, p.augment not in ("flip", "none")))
-        given = [flag for flag, on in image_only if on]
+        given = image_flags(p.crop, p.augment)
         if given:  # (ignored without a word before; --hw-decoder-load needs --backend dali, refused above)
             raise ConfigError(f"--mix {mix.names[0]} holds tokens: drop {', '.join(given)}, for image datasets only")
         val_ds = None if p.val is None else _token_val(p, first, seq_len, **val_cache)
