@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import logging
 import os
 import struct
 import subprocess
@@ -299,13 +298,11 @@ def corrupt_lmdb_copy(src: Path, dst: Path, sample: int, huffman: bool = False) 
 def s3():
     """A moto S3 server on loopback; yields a function making a fresh bucket and returning its URL."""
     pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     import boto3
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request would bury a failure's message
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._server.server_port}"
+    server = _MotoProcess()
+    endpoint = f"http://127.0.0.1:{server.port}"
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
     old = {k: os.environ.get(k) for k in env}
@@ -319,7 +316,7 @@ def s3():
         made.append(name)
         return f"s3://{name}"
     bucket.client = client
-    bucket.port = server._server.server_port
+    bucket.port = server.port
     try:
         yield bucket
     finally:
@@ -330,6 +327,53 @@ def s3():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_MOTO = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request would bury a failure's message
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+server.start()
+print("port", server._server.server_port, flush=True)
+sys.stdin.read()  # until the tests close the pipe, or end
+server.stop()
+"""
+
+
+class _MotoProcess:
+    """moto's threaded S3 server in a process of its own: in the tests' process, the server and the client
+    under test took turns on one interpreter lock (a push of 300 shards took 1.75 times as long)."""
+
+    def __init__(self) -> None:
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        for line in self.proc.stdout:
+            if line.startswith("port "):
+                self.port = int(line.split()[1])
+                return
+        self.proc.wait(10)
+        raise RuntimeError(f"the moto server did not start (exit {self.proc.returncode})")
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def upload(local: Path, url: str) -> None:
+    """The dataset folder ``local`` copied to ``url`` as `aws s3 sync` would: one PUT a file, no push markers (a
+    fifth of `push`'s requests), for tests of reading many shards; `push` itself is tested in test_remote.py."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.put(f"{local}/", f"{path}/", recursive=True)
 
 
 def fresh_fs() -> None:

@@ -18,11 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import disk_of
+from conftest import disk_of, upload
 
 pytestmark = pytest.mark.faults
 
 MANY = 1300  # shards of one sample: more than the common soft limit of 1,024 open files
+# Streamed, each shard is uploaded to the loopback store first: those tests pass the same bounds at a third of
+# the size, a limit of 400 open files (256 of them kept free) and 450 shards.
+FEW, FEW_LIMIT = 450, 400
 SIDE = 8
 
 
@@ -67,6 +70,11 @@ def many_shards(root: Path, n: int = MANY) -> Path:
 @pytest.fixture(scope="module")
 def many(tmp_path_factory) -> Path:
     return many_shards(tmp_path_factory.mktemp("many") / "ds")
+
+
+@pytest.fixture(scope="module")
+def few(tmp_path_factory) -> Path:
+    return many_shards(tmp_path_factory.mktemp("few") / "ds", FEW)
 
 
 def limited(soft: int, hard: int | None = None):
@@ -122,23 +130,22 @@ def test_1300_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(many, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.remote
-@pytest.mark.parametrize("hard, limited_cache", [(None, False), (1024, False), (1024, True)])
-def test_1300_streamed_shards_serve_an_epoch_under_ulimit_1024_with_4_workers(s3, many, tmp_path, hard,
-                                                                              limited_cache):
-    """hard=1024: shards are mapped as batches read them, not as they arrive (before 2026-11-27, evening:
-    "Too many open files" once ~1,000 shards had arrived). With a cache_limit (half the shards), the batch over
-    every shard pins all 1,300 of them (until 2026-11-27: a pin file each, "Too many open files")."""
-    from fastdata.storage.push import push
-
+@pytest.mark.parametrize("hard, limited_cache", [(None, False), (True, False), (True, True)])
+def test_streamed_shards_past_the_limit_on_open_files_serve_an_epoch_with_4_workers(s3, few, tmp_path, hard,
+                                                                                   limited_cache):
+    """450 shards under a soft limit of 400 (hard=None: raised) or a hard one (hard=True): shards are mapped as
+    batches read them, not as they arrive (before 2026-11-27, evening: "Too many open files" once ~1,000 of
+    1,300 shards had arrived under 1,024). With a cache_limit (half the shards), the batch over every shard pins
+    all of them (until 2026-11-27: a pin file each, "Too many open files")."""
     url = s3("many-shards") + "/ds"
-    push(many, url, workers=8)
+    upload(few, url)
     extra = {"cache_dir": str(tmp_path / "cache")}
     if limited_cache:
-        extra["cache_limit"] = sum(f.stat().st_size for f in many.glob("images-*.npy")) // 2
+        extra["cache_limit"] = sum(f.stat().st_size for f in few.glob("images-*.npy")) // 2
     # spawned workers: s3fs refuses to be used in a forked child ("This class is not fork-safe")
-    r = run_child(EPOCH, url, "mmap", repr(extra), "spawn", preexec=limited(1024, hard))
+    r = run_child(EPOCH, url, "mmap", repr(extra), "spawn", preexec=limited(FEW_LIMIT, FEW_LIMIT if hard else None))
     said = "raised this process's limit on open files" if hard is None else "allows to keep open: at most"
-    assert f"served {MANY}" in r.stdout and said in r.stderr
+    assert f"served {FEW}" in r.stdout and said in r.stderr
 
 
 def many_token_shards(root: Path, n: int = MANY, size: int = 64) -> Path:
@@ -164,16 +171,16 @@ def many_token_shards(root: Path, n: int = MANY, size: int = 64) -> Path:
 @pytest.mark.slow
 @pytest.mark.remote
 @pytest.mark.parametrize("streamed", [False, True])
-def test_1300_token_shards_serve_batches_over_every_shard_under_a_hard_limit_of_1024(s3, tmp_path, streamed):
-    """Token shards, local or streamed, past a hard limit on open files: mapped as batches read them (the
-    streamed ones failed with "Too many open files" before 2026-11-27, evening)."""
-    root = many_token_shards(tmp_path / "tokens")
+def test_token_shards_past_a_hard_limit_on_open_files_serve_batches_over_every_shard(s3, tmp_path, streamed):
+    """Token shards, local (1,300 under 1,024) or streamed (450 under 400), past a hard limit on open files:
+    mapped as batches read them (the streamed ones failed with "Too many open files" before 2026-11-27,
+    evening)."""
+    shards, limit = (FEW, FEW_LIMIT) if streamed else (MANY, 1024)
+    root = many_token_shards(tmp_path / "tokens", shards)
     path = root
     if streamed:
-        from fastdata.storage.push import push
-
         path = s3("many-tokens") + "/tokens"
-        push(root, path, workers=8)
+        upload(root, path)
     r = run_child("""
         import sys, numpy as np
         from fastdata.datasets.tokens import TokenDataset
@@ -186,7 +193,7 @@ def test_1300_token_shards_serve_batches_over_every_shard_under_a_hard_limit_of_
                 want = ds.starts(idx)[:, None] + np.arange(41)
                 assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
         print("served", len(ds))
-    """, str(path), str(tmp_path / "cache"), preexec=limited(1024, 1024))
+    """, str(path), str(tmp_path / "cache"), preexec=limited(limit, limit))
     assert "served" in r.stdout and "allows to keep open: at most" in r.stderr
 
 
@@ -256,7 +263,7 @@ LMDB_EPOCH = """
     order = np.random.default_rng(0).permutation(len(ds))
     check(*ds.get_batch(order))  # one batch over every store: more than the limit on open files
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(4) as pool:  # four threads at once, 650 stores a batch
+    with ThreadPoolExecutor(4) as pool:  # four threads at once, half the stores a batch
         for x, y in pool.map(ds.get_batch, [order[k::2] for k in (0, 1, 1, 0)]):
             check(x, y)
     seen = []  # ... and so do 4 loader workers
@@ -269,19 +276,18 @@ LMDB_EPOCH = """
 
 @pytest.mark.slow
 @pytest.mark.remote
-def test_1300_streamed_lmdb_stores_with_a_cache_limit_serve_an_epoch_under_a_hard_limit_of_1024(s3, many_lmdb,
-                                                                                             tmp_path):
-    """Streamed through a node cache holding half the stores: the batch over every store pins all 1,300 of
-    them (until 2026-11-27: a pin file each, "Too many open files")."""
-    from fastdata.storage.push import push
-
+def test_streamed_lmdb_stores_with_a_cache_limit_serve_an_epoch_past_a_hard_limit_on_open_files(s3, tmp_path):
+    """450 stores under a hard limit of 400, streamed through a node cache holding half the stores: the batch
+    over every store pins all of them (until 2026-11-27: a pin file each, "Too many open files", with 1,300
+    stores under 1,024)."""
+    few_lmdb = many_lmdb_stores(tmp_path / "ds", FEW)
     url = s3("many-lmdb") + "/ds"
-    push(many_lmdb, url, workers=8)
-    limit = sum(f.stat().st_size for f in many_lmdb.glob("*.lmdb")) // 2
+    upload(few_lmdb, url)
+    limit = sum(f.stat().st_size for f in few_lmdb.glob("*.lmdb")) // 2
     # spawned workers: s3fs refuses to be used in a forked child
     r = run_child(LMDB_EPOCH, url, repr({"cache_dir": str(tmp_path / "cache"), "cache_limit": limit}), "spawn",
-                  preexec=limited(1024, 1024))
-    assert int(r.stdout.split()[1]) == MANY
+                  preexec=limited(FEW_LIMIT, FEW_LIMIT))
+    assert int(r.stdout.split()[1]) == FEW
 
 
 @pytest.mark.slow

@@ -55,13 +55,14 @@ def _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage: float, budget:
     epoch completes with the local dataset's batches, every sample once, each shard downloaded once."""
     from fastdata.datasets.images import FastDataset
     from fastdata.loading.loader import FastLoader
+    from fastdata.storage.object_store import _LONGEST_WAIT
 
     url = _pushed(s3, indexed_datasets, "outage")
     proxy.clear()
     proxy.refuse(outage)
     t0 = time.monotonic()
     ds = FastDataset(url, cache_dir=tmp_path / "cache", cache_limit=3 * SHARD_BYTES, retry_seconds=budget)
-    assert time.monotonic() - t0 >= outage - 1  # it opened once the store came back
+    assert outage - 1 <= time.monotonic() - t0 < outage + _LONGEST_WAIT + 3  # it opened once the store came back
     want = _epoch(FastLoader(FastDataset(indexed_datasets["npy"]), 16, shuffle=False))
     got = []
     for k, (x, y) in enumerate(FastLoader(ds, 16, shuffle=False, num_threads=2)):
@@ -78,12 +79,9 @@ def _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage: float, budget:
 
 
 def test_outages_at_opening_and_mid_epoch_within_the_budget_are_ridden_out(s3, proxy, indexed_datasets, tmp_path):
-    _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage=6, budget=20)
-
-
-@pytest.mark.slow
-def test_a_minute_of_outage_at_opening_and_mid_epoch_is_ridden_out_by_default(s3, proxy, indexed_datasets,
-                                                                             tmp_path):
+    """Within the budget the outage's length changes nothing but the waits, which stop growing at
+    _LONGEST_WAIT (the opening's bound below): a minute of outage under the default two minutes took two
+    minutes of test and showed nothing this does not."""
     import inspect
 
     from fastdata.datasets.images import FastDataset
@@ -91,7 +89,7 @@ def test_a_minute_of_outage_at_opening_and_mid_epoch_is_ridden_out_by_default(s3
 
     for cls in (FastDataset, TokenDataset):  # the default budget rides out two minutes
         assert inspect.signature(cls).parameters["retry_seconds"].default >= 120
-    _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage=60, budget=120)
+    _refused_epoch(s3, proxy, indexed_datasets, tmp_path, outage=6, budget=20)
 
 
 def test_an_outage_longer_than_the_budget_is_one_line_and_a_rerun_resumes(s3, proxy, indexed_datasets, tmp_path):
@@ -1132,6 +1130,10 @@ def test_a_save_to_a_url_killed_mid_upload_leaves_the_last_save_and_nothing_in_t
         assert child.wait(30) == -9
     finally:
         proxy.unstall.set()
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        child.stderr.close()  # (left open, its ResourceWarning became a later test's setup error)
     assert list(tmp.iterdir()) == []  # 20 MB spooled without a name: gone with the process
     chosen, data = checkpoint.newest(path)
     assert chosen == path and torch.load(io.BytesIO(data), weights_only=True)["i"] == 0

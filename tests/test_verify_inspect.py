@@ -440,7 +440,7 @@ def _labels_key(m: dict) -> str:
     return "labels" if m["format"].endswith("lmdb") else "all_labels"
 
 
-@pytest.mark.parametrize("lmdb_only, edit, needle", [
+_KEY_CASES = [  # (LMDB only, edit, what the message says)
     (False, lambda m: m.update(skipped=3), "'skipped' (the list of inputs left out) is 3"),
     (False, lambda m: m.update(class_counts=None), "class_counts None is not a count for each of its 3 classes"),
     (False, lambda m: m.update(class_counts=[14, 14]), "class_counts [14, 14] is not a count for each of its 3 "
@@ -455,18 +455,23 @@ def _labels_key(m: dict) -> str:
     (True, lambda m: m.update(max_short_side=0), "max_short_side (the stored images' largest shorter side, in "
                                                  "pixels) is 0"),
     (True, lambda m: m.update(max_side="80"), "max_side (the stored images' largest longer side, in pixels) is '80'"),
-], ids=["skipped", "class_counts_null", "class_counts_short", "class_counts_negative", "labels_unlisted",
-        "labels_not_a_name", "labels_missing", "max_short_side_missing", "max_short_side_0", "max_side_text"])
-def test_a_manifest_with_a_damaged_key_beside_its_numbers_is_one_line_naming_the_key(dataset, lmdb_only, edit, needle,
-                                                                                    capsys):
+]
+_KEY_IDS = ["skipped", "class_counts_null", "class_counts_short", "class_counts_negative", "labels_unlisted",
+            "labels_not_a_name", "labels_missing", "max_short_side_missing", "max_short_side_0", "max_side_text"]
+
+
+# The LMDB-only keys (an npy dataset made before all_labels has none: it reads each shard's labels) run on LMDB only.
+@pytest.mark.parametrize("dataset, edit, needle", [
+    pytest.param(fmt, edit, needle, id=f"{name}-{fmt}")
+    for (lmdb_only, edit, needle), name in zip(_KEY_CASES, _KEY_IDS)
+    for fmt in (("lmdb",) if lmdb_only else ("npy", "lmdb"))], indirect=["dataset"])
+def test_a_manifest_with_a_damaged_key_beside_its_numbers_is_one_line_naming_the_key(dataset, edit, needle, capsys):
     """inspect raised TypeError tracebacks (skipped as a number, class_counts null); an LMDB without max_short_side
     failed at its first batch inside torch; a labels file the files do not list was a bare FileNotFoundError, a
     missing one a KeyError 'shards'."""
     from fastdata.datasets.images import FastDataset
 
     m = json.loads((dataset / "manifest.json").read_text())
-    if lmdb_only and not m["format"].endswith("lmdb"):
-        pytest.skip("an LMDB's key (an npy dataset made before all_labels has none: it reads each shard's labels)")
     edit(m)
     (dataset / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="the manifest is damaged; re-run `fastdata preprocess`") as err:
