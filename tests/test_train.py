@@ -1,6 +1,8 @@
 """The training loop with real processes: DDP equivalence, accumulation, kill + resume, stops, checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -481,6 +483,50 @@ def test_a_stop_at_an_epochs_partial_last_step_owes_the_epochs_validation(small_
         for k, v in ref.model.state_dict().items():
             assert torch.equal(v, resumed.model.state_dict()[k]), (folder, k)
     assert (ck["epoch"], ck["step"], ck["val_due"]) == (1, 3, True)
+
+
+class Killed(Exception):
+    """The process dying (``kill -9`` after the grace period, an OOM kill): no checkpoint is saved."""
+
+
+def test_the_owed_validation_is_saved_at_once_and_a_second_preemption_does_not_repeat_it(small_images, tmp_path):
+    """SIGUSR1 during step 2 (val_every_steps=2) owed step 2's validation; the resumed run made it, then died in
+    step 3, before its next checkpoint: that checkpoint still said owed, and the next resume made step 2's
+    validation again (its result, the best loss, was lost meanwhile)."""
+    val_loss = {2: 1.0, 4: 2.0, 6: 3.0}  # by step: only step 2's is an improvement
+    ds = FastDataset(small_images)
+
+    def run(folder: str, signal_in_step: int = 0, dies_in_step: int = 0, **kwargs) -> Trainer:
+        def loss_fn(out, y):
+            if trainer.model.training:
+                if trainer.step + 1 == signal_in_step:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                if trainer.step + 1 == dies_in_step:
+                    raise Killed
+                return torch.nn.functional.cross_entropy(out, y)
+            return out.sum() * 0 + val_loss[trainer.step]
+
+        torch.manual_seed(0)
+        cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2,
+                          early_stop_patience=1, checkpoint_dir=str(tmp_path / folder), **kwargs)
+        trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                          loss_fn=loss_fn, config=cfg)
+        with pytest.raises(Killed) if dies_in_step else contextlib.nullcontext():
+            trainer.fit()
+        return trainer
+
+    ref = run("ref")
+    cut = run("cut", signal_in_step=2)
+    assert (_val_steps(cut), cut.history[-1]["reason"], load_ckpt(tmp_path / "cut")["val_due"]) == (
+        [], "signal SIGUSR1", True)
+    died = run("cut", dies_in_step=3, resume=True)
+    assert _val_steps(died) == [2]
+    ck = load_ckpt(tmp_path / "cut")
+    assert (ck["step"], ck["val_due"], ck["val_step"], ck["best"], ck["bad_evals"]) == (2, False, 2, 1.0, 0)
+    again = run("cut", resume=True)
+    assert (_val_steps(again), again.history[-1]["reason"], again.step) == ([4], "early_stop", 4)
+    for k, v in ref.model.state_dict().items():
+        assert torch.equal(v, again.model.state_dict()[k]), k
 
 
 def test_bf16_autocast_on_cpu_and_metrics_log(small_images, tmp_path):
@@ -1261,17 +1307,23 @@ def test_resuming_with_another_lr_weight_decay_or_momentum_is_refused_by_name(sm
     capsys.readouterr()
     assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2", "--lr", "0.001", "--weight-decay",
                            "0")) == 1
-    assert capsys.readouterr().err == (
-        f"fastdata: error: checkpoint {tmp_path / 'checkpoint.pt'} was trained with --lr 0.05 and --weight-decay "
-        "0.0005, this run asks for --lr 0.001 and --weight-decay 0.0: a resumed run goes on with its saved optimizer "
-        "state, which holds them; resume with --lr 0.05 --weight-decay 0.0005 (lr=0.05, weight_decay=0.0005), or "
-        "train a new run with the new values in another --checkpoint folder\n")
+    assert capsys.readouterr().err == (  # each setting as flag and keyword, as every message names options
+        f"fastdata: error: checkpoint {tmp_path / 'checkpoint.pt'} was trained with --lr 0.05 (lr=0.05) and "
+        "--weight-decay 0.0005 (weight_decay=0.0005), this run asks for --lr 0.001 (lr=0.001) and --weight-decay 0.0 "
+        "(weight_decay=0.0): a resumed run goes on with its saved optimizer state, which holds them; resume with the "
+        "checkpoint's values, or train a new run with the new ones in another --checkpoint folder (checkpoint_dir)\n")
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     cfg = TrainConfig(lr=0.05, momentum=0.5, max_steps=2, checkpoint_dir=str(tmp_path), resume=True, device="cpu",
                       progress=False)  # (Python alone sets momentum)
-    with pytest.raises(ConfigError, match=r"was trained with momentum=0\.9, this run asks for momentum=0\.5: .* "
-                                          r"resume with momentum=0\.9 \(momentum=0\.9\)"):
+    with pytest.raises(ConfigError) as e:
         Trainer(create_model("cnn-small", num_classes=3), FastLoader(FastDataset(small_images), 8), config=cfg)
+    assert "was trained with momentum=0.9 (TrainConfig's: fastdata train has no flag for it), this run asks for " \
+           "momentum=0.5: a resumed run goes on" in str(e.value) and "--momentum" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # two settings, one with a flag: each named in its own form
+        Trainer(create_model("cnn-small", num_classes=3), FastLoader(FastDataset(small_images), 8),
+                config=dataclasses.replace(cfg, lr=0.2))
+    assert "was trained with --lr 0.05 (lr=0.05) and momentum=0.9 (TrainConfig's: fastdata train has no flag for " \
+           "it), this run asks for --lr 0.2 (lr=0.2) and momentum=0.5: " in str(e.value)
     assert main(train_args(small_images, *ck, "--resume", "--max-steps", "2")) == 0  # the same values resume
     assert load_ckpt(tmp_path)["step"] == 2
 
@@ -1340,6 +1392,40 @@ def test_options_that_would_do_nothing_are_refused_by_name(small_images, capsys,
                  early_stop_patience=2), dict(epochs=2, val_every=2, early_stop_patience=2),
                  dict(max_steps=10, val_every=3, early_stop_patience=2), dict(warmup_steps=5, schedule="constant")):
         TrainConfig(**fine)
+
+
+@pytest.mark.parametrize("flags, first", [
+    (["--max-steps", "3"], "at the end of epoch 1 (--val-every 1 (val_every)), which follows its last step, 5; give "
+                           "--max-steps 6 or more"),
+    (["--max-steps", "5"], "at the end of epoch 1 (--val-every 1 (val_every)), which follows its last step, 5; give "
+                           "--max-steps 6 or more"),
+    (["--max-steps", "3", "--val-every-steps", "4"], "at step 4 (--val-every-steps 4 (val_every_steps)); give "
+                                                     "--max-steps 4 or more"),
+], ids=["before the epoch's end", "at the epoch's last step", "before val-every-steps"])
+def test_early_stopping_that_max_steps_ends_before_the_first_validation_is_refused(small_images, capsys, flags,
+                                                                                    first):
+    """36 training samples at batch 8: 5 steps an epoch. --max-steps 5 or less ended the run before the epoch's
+    validation (a stop at --max-steps comes before its epoch's end), and early stopping did nothing (rc 0)."""
+    args = ["--val-fraction", "0.25", "--early-stop-patience", "2", *flags]
+    assert main(train_args(small_images, *args)) == 1
+    steps = flags[1]
+    assert capsys.readouterr().err == (
+        f"fastdata: error: --early-stop-patience 2 (early_stop_patience) needs validations, and this run makes none: "
+        f"--max-steps {steps} (max_steps) ends it before its first, {first}, validate sooner with --val-every-steps "
+        "(val_every_steps), or drop it\n")
+    cfg = TrainConfig(max_steps=2, val_every=0, val_every_steps=3, early_stop_patience=1, device="cpu",
+                      progress=False)  # the same in Python, by the Trainer, which knows the epoch's steps
+    ds = FastDataset(small_images)
+    with pytest.raises(ConfigError, match=r"--max-steps 2 \(max_steps\) ends it before its first, at step 3 "):
+        Trainer(Linear(), FastLoader(ds, 8), FastLoader(ds, 8, shuffle=False, pad=False), config=cfg)
+
+
+def test_early_stopping_with_a_max_steps_past_the_first_validation_validates(small_images, tmp_path):
+    log = tmp_path / "log.jsonl"
+    assert main(train_args(small_images, "--val-fraction", "0.25", "--early-stop-patience", "2", "--max-steps", "6",
+                           "--log-file", str(log))) == 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "val"] == [5] and events[-1]["reason"] == "max_steps"
 
 
 def test_validation_data_of_another_size_is_refused_before_training(small_images, tmp_path, capsys):

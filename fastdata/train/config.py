@@ -83,7 +83,8 @@ class TrainConfig:
         val_every: Validate every this many epochs (default 1; 0: never at epoch ends).
         val_every_steps: Also validate every this many optimizer steps (default 0: never).
         early_stop_patience: Validations without an improvement of the validation loss before stopping
-            (default 0: off; needs ``val_every`` or ``val_every_steps`` to validate).
+            (default 0: off; needs ``val_every`` or ``val_every_steps`` to validate, before ``max_steps``:
+            `check_first_validation`).
         early_stop_min_delta: The least decrease of the validation loss that counts as an improvement
             (default 0.0).
         log_every: Optimizer steps per log record (default 50).
@@ -215,6 +216,38 @@ def check_device(cfg: TrainConfig, device: "torch.device") -> None:
         raise ConfigError("sync_bn needs CUDA devices (SyncBatchNorm has no CPU kernel): drop --sync-bn on the CPU")
     if cfg.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("this GPU has no bf16 support: use amp='fp16'")
+
+
+def check_first_validation(cfg: TrainConfig, epochs_steps: Callable[[int], Optional[int]]) -> None:
+    """Refuse ``early_stop_patience`` where ``max_steps`` ends the run before its first validation: it did
+    nothing (the Trainer calls it, knowing the loader). No validation is made at the run's end, and a stop at
+    ``max_steps`` on an epoch's last step comes before that epoch's end and its validation.
+
+    Args:
+        cfg: The run's config.
+        epochs_steps: The optimizer steps of the first N epochs (None when the loader has no ``len``).
+
+    Raises:
+        ConfigError: Naming ``--early-stop-patience``, ``--max-steps`` and the first validation's step.
+    """
+    if not (cfg.early_stop_patience and cfg.max_steps):
+        return
+    firsts = []  # (the least max_steps that reaches it, the first validation)
+    if cfg.val_every_steps:
+        firsts.append((cfg.val_every_steps, f"at step {cfg.val_every_steps} (--val-every-steps {cfg.val_every_steps} "
+                                            "(val_every_steps))"))
+    if cfg.val_every and cfg.val_every <= cfg.num_epochs:
+        steps = epochs_steps(cfg.val_every)
+        if steps is None:  # (epochs of unknown length: one may end first)
+            return
+        firsts.append((steps + 1, f"at the end of epoch {cfg.val_every} (--val-every {cfg.val_every} (val_every)), "
+                                  f"which follows its last step, {steps}"))
+    reach, first = min(firsts)  # (one at least: TrainConfig refused the run without validations)
+    if cfg.max_steps < reach:
+        raise ConfigError(f"--early-stop-patience {cfg.early_stop_patience} (early_stop_patience) needs validations, "
+                          f"and this run makes none: --max-steps {cfg.max_steps} (max_steps) ends it before its "
+                          f"first, {first}; give --max-steps {reach} or more, validate sooner with --val-every-steps "
+                          "(val_every_steps), or drop it")
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:

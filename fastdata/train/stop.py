@@ -9,7 +9,8 @@ signal that arrived mid-step would otherwise be a checkpoint of a half-applied s
 A validation due at that step (``val_every_steps``, or the epoch's end) is not run before the save: a pass
 over the validation set can outlast the grace period (torchrun's is 30 s) and lose the checkpoint. The
 checkpoint says it is owed (``val_due``), and the resumed run runs it before its first step, so it validates,
-and stops early, at the same steps as a run never stopped (a ``max_time`` stop owes it the same way).
+and stops early, at the same steps as a run never stopped (a ``max_time`` stop owes it the same way). It saves a
+checkpoint right after it, so a second stop or a kill before the next save does not make it again.
 Further signals while stopping are ignored (``kill -9`` still ends the process). Ctrl-C (SIGINT) stops at
 once as it always has: the last checkpoint written is the one ``--resume`` continues from (at a URL, once
 the upload under way lands: Ctrl-C again leaves it; NOTE [checkpoint generations] rule 5). Handlers are

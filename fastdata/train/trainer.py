@@ -25,7 +25,7 @@ from ..distributed import broadcast_bytes, hold_group, init_distributed, release
 from ..errors import ConfigError, OutputError
 from ..storage.object_store import is_url
 from . import checkpoint
-from .config import TrainConfig, check_device, lr_lambda, param_groups
+from .config import TrainConfig, check_device, check_first_validation, lr_lambda, param_groups
 from .meter import Meter, StepProfiler
 from .models import is_convnet
 from .stop import EarlyStops, signal_name
@@ -114,6 +114,7 @@ class Trainer:
             raise ConfigError("the training loader has no len() (an iterable dataset): pass max_steps (--max-steps) "
                               "so that the run, and its learning-rate schedule, have a length")
         _check_validation(cfg, val_loader)
+        check_first_validation(cfg, lambda epochs: _epochs_steps(train_loader, cfg, batches, epochs))
         self.dist = init_distributed(cfg.device)
         self.device = self.dist.device
         if cfg.checkpoint_dir and self.dist.main:  # rank 0 writes them
@@ -343,16 +344,16 @@ class Trainer:
 
     def _owed_validation(self, ended: Optional[str]) -> Optional[str]:
         """Run the validation owed at this step (`_val_owed`) before any other, as the run that was not stopped
-        did there; ``"early_stop"`` when it ends the run. A run that had ended at ``max_steps`` owes only that
-        step's ``val_every_steps`` validation (``max_steps`` skips the epoch's end), one that stopped early none."""
+        did there, saved at once; ``"early_stop"`` when it ends the run. A run that had ended at ``max_steps`` owes
+        only that step's ``val_every_steps`` validation (``max_steps`` skips the epoch's end), one that stopped early
+        none."""
         cfg = self.cfg
         by_steps = cfg.val_every_steps and self.step % cfg.val_every_steps == 0
         if not self._val_owed() or ended == "early_stop" or (ended == "max_steps" and not by_steps):
             return None
         stop = self._validate_and_check()
-        if stop or ended:  # else the run's next checkpoint records it; a run that trains no further saves it now
-            self.save_checkpoint(wait=False)
-        return stop
+        self.save_checkpoint(wait=False)  # now (with checkpoints): a run stopped again, or killed, before its next
+        return stop  # save would make it again, and lose its best and bad_evals meanwhile
 
     def _partial_accumulation(self, micros: int) -> None:
         """An epoch ended after ``micros`` of ``accum`` micro-batches: their gradients, as one batch of them, and
@@ -579,14 +580,17 @@ class Trainer:
                    and not math.isclose(was, getattr(cfg, name), rel_tol=1e-9, abs_tol=1e-12)]
         if not changed:
             return
-        flag = {"lr": "--lr ", "weight_decay": "--weight-decay ", "momentum": "momentum="}  # (no --momentum flag)
-        was = " and ".join(f"{flag[name]}{value!r}" for name, value in changed)
-        now = " and ".join(f"{flag[name]}{getattr(cfg, name)!r}" for name, _ in changed)
-        python = ", ".join(f"{name}={value!r}" for name, value in changed)
+
+        def named(name: str, value: float, said: str = "") -> str:  # "--flag value (keyword=value)", as all do
+            flag = {"lr": "--lr", "weight_decay": "--weight-decay"}.get(name)  # (Python alone sets momentum)
+            return f"{flag} {value!r} ({name}={value!r})" if flag else f"{name}={value!r}{said}"
+
+        was = " and ".join(named(name, value, " (TrainConfig's: fastdata train has no flag for it)")
+                           for name, value in changed)
+        now = " and ".join(named(name, getattr(cfg, name)) for name, _ in changed)
         raise ConfigError(f"checkpoint {where} was trained with {was}, this run asks for {now}: a resumed run goes "
-                          "on with its saved optimizer state, which holds them; resume with "
-                          f"{was.replace(' and ', ' ')} ({python}), or train a new run with the new values in another "
-                          "--checkpoint folder")
+                          "on with its saved optimizer state, which holds them; resume with the checkpoint's values, "
+                          "or train a new run with the new ones in another --checkpoint folder (checkpoint_dir)")
 
     def _set_rng(self, state: dict[str, Any], where: str) -> None:
         """Each rank's own random state where the checkpoint has every rank's at this world size; else rank 0's,
@@ -610,17 +614,20 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
 
-def _epochs_steps(loader: Any, cfg: TrainConfig, batches: Optional[int]) -> Optional[int]:
-    """Optimizer steps in ``cfg.epochs`` epochs of ``loader`` (None without ``len``): a Mixture's epochs that
-    end with their sources (``stop``) differ in length, and its sampler counts each (`epochs_batches`); any
-    other loader's are ``len(loader)`` each. An epoch's last, partial accumulation is a step too."""
+def _epochs_steps(loader: Any, cfg: TrainConfig, batches: Optional[int],
+                  epochs: Optional[int] = None) -> Optional[int]:
+    """Optimizer steps in the first ``epochs`` (default ``cfg.epochs``) epochs of ``loader`` (None without
+    ``len``): a Mixture's epochs that end with their sources (``stop``) differ in length, and its sampler counts
+    each (`epochs_batches`); any other loader's are ``len(loader)`` each. An epoch's last, partial accumulation
+    is a step too."""
     if batches is None:
         return None
+    epochs = cfg.epochs if epochs is None else epochs
     samplers = (getattr(layer, "sampler", None) for layer in _layers(loader))
     sampler = next((s for s in samplers if hasattr(s, "epochs_batches")), None)
-    if cfg.epochs is not None and sampler is not None:
-        return sum(max(1, math.ceil(b / cfg.accum)) for b in sampler.epochs_batches(cfg.epochs))
-    return cfg.num_epochs * max(1, math.ceil(batches / cfg.accum))
+    if epochs is not None and sampler is not None:
+        return sum(max(1, math.ceil(b / cfg.accum)) for b in sampler.epochs_batches(epochs))
+    return (epochs or cfg.num_epochs) * max(1, math.ceil(batches / cfg.accum))
 
 
 def _forward(model: Any, x: Any) -> Any:
