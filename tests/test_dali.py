@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import INDEXED_N, corrupt_lmdb_copy, sample_ids
+from conftest import INDEXED_N, corrupt_lmdb_copy, indexed_source, sample_ids
 
 from fastdata.datasets.images import FastDataset
 from fastdata.loading.loader import FastLoader
@@ -168,6 +168,84 @@ def test_corrupt_record_fails_clearly_or_is_skipped(indexed_datasets, tmp_path):
     dl = loader(root, on_error="skip")
     seen = [i for x, _ in dl for i in ids(x)]
     assert sorted(seen) == [i for i in range(INDEXED_N) if i != 5] and dl.skipped == [5]
+
+
+def claiming_copy(src, dst, sample: int, height: int, width: int):
+    """A copy of an LMDB dataset whose record ``sample`` has its frame header damaged in place to claim ``height`` x
+    ``width`` pixels, its data unchanged: a whole JPEG by its markers (damaged as `corrupt_lmdb_copy` damages)."""
+    import shutil
+    import struct
+
+    from fastdata.formats.lmdb_store import open_lmdb
+    from fastdata.formats.manifest import load_manifest
+    from fastdata.imaging.decode_batch import jpeg_size, looks_like_jpeg
+
+    root = shutil.copytree(src, dst)
+    reader = open_lmdb(root, load_manifest(root))
+    blob, store = reader.get_many([sample])[0], reader.path_of(sample)
+    sof = blob.index(b"\xff\xc0")
+    bad = blob[:sof + 5] + struct.pack(">HH", height, width) + blob[sof + 9:]
+    assert jpeg_size(bad) == (height, width) and looks_like_jpeg(bad)
+    data = store.read_bytes()
+    at = data.find(blob)
+    store.write_bytes(data[:at] + bad + data[at + len(blob):])
+    return root
+
+
+def test_a_header_claiming_13000_pixels_is_refused_before_dali_as_fastdataset_refuses_it(indexed_datasets, tmp_path,
+                                                                                          ahead):
+    # The host check asked only for a whole JPEG: a header damaged to claim 13000 x 13000 went to DALI's decoder
+    # (half a GB for a grey tile, or a DALI error). FastDataset's bounds (NOTE [damaged records] 2) now refuse it
+    # on the host, with FastDataset's words
+    from fastdata.errors import ImageDecodeError
+
+    root = claiming_copy(indexed_datasets["lmdb"], tmp_path / "lm", 5, 13000, 13000)
+    with pytest.raises(ImageDecodeError) as native:
+        FastDataset(root).get_batch([4, 5])
+    for train in (False, True):
+        with pytest.raises(ImageDecodeError, match=r"sample 5 is not a decodable JPEG \(its header says 13000 x 13000 "
+                                                   r"pixels, but the dataset stores images with the shorter side at "
+                                                   r"most 8 \(its manifest's max_short_side\)") as got:
+            list(loader(root, train=train, run_ahead=ahead))
+        assert str(got.value).startswith(str(native.value)) and str(got.value).endswith("or pass on_error='skip'")
+    # skipped as a record that is not a JPEG at all is: the same samples, crops, flips and state
+    kw = {"train": True, "shuffle": True, "seed": 1, "on_error": "skip", "run_ahead": ahead}
+    got = loader(root, **kw)
+    want = loader(corrupt_lmdb_copy(indexed_datasets["lmdb"], tmp_path / "zeroed", 5), **kw)
+    served = 0
+    for a, b in itertools.zip_longest(got, want):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and got.state_dict() == want.state_dict()
+        served += len(a[1])
+    assert served == INDEXED_N - 1 and got.skipped == want.skipped == [5]
+
+
+@pytest.mark.parametrize("bound", ["zero_side", "max_side", "pillow_limit"])
+def test_every_bound_of_fastdatasets_header_check_refuses_a_record_before_dali(indexed_datasets, tmp_path, monkeypatch,
+                                                                             bound):
+    # A side of 0, a longer side over the manifest's max_side (--resize max-side), or over twice Pillow's pixel
+    # limit: refused as FastDataset refuses them, or skipped. Before, DALI decoded the last two (a tile of grey
+    # below the data) and called the first "not a whole JPEG"
+    from PIL import Image
+
+    from fastdata.cli.main import main
+    from fastdata.errors import ImageDecodeError
+
+    src, n = indexed_datasets["lmdb"], INDEXED_N
+    if bound == "zero_side":
+        claim, needle = (0, 8), r"0 x 8 pixels: the header is damaged"
+    elif bound == "max_side":
+        src, n = tmp_path / "max-side", 20
+        assert main(["preprocess", "images", str(indexed_source(tmp_path / "src", n)), str(src), "--size", "8",
+                     "--format", "lmdb", "--resize", "max-side", "--workers", "1", "--quiet", "--quality", "95"]) == 0
+        claim, needle = (8, 20), r"8 x 20 pixels, but the dataset stores images with the longer side at most 8 \(its"
+    else:  # the dataset bounds only the shorter side (8): a panorama's longer side is bounded by Pillow's limit
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # (lowered: the old way decoded the claim)
+        claim, needle = (8, 400), r"8 x 400 pixels, 3200 pixels: it exceeds limit of 2000 pixels"
+    root = claiming_copy(src, tmp_path / "lm", 5, *claim)
+    with pytest.raises(ImageDecodeError, match=rf"sample 5 is not a decodable JPEG \(its header says {needle}"):
+        list(loader(root, batch_size=8))
+    dl = loader(root, batch_size=8, on_error="skip")
+    assert sorted(i for x, _ in dl for i in ids(x)) == [i for i in range(n) if i != 5] and dl.skipped == [5]
 
 
 def test_a_jpeg_dali_cannot_decode_follows_the_same_policy(photo_folder, tmp_path, ahead):

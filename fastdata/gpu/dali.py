@@ -39,7 +39,7 @@ from ..datasets.images import FastDataset
 from ..datasets.splits import DatasetView
 from ..distributed import check_cuda
 from ..errors import ConfigError, ImageDecodeError, MissingDependencyError
-from ..imaging.decode_batch import decode_jpeg, jpeg_size, looks_like_jpeg
+from ..imaging.decode_batch import check_sizes, decode_jpeg, jpeg_size, looks_like_jpeg, size_faults
 from ..imaging.draws import draw_resized_crops
 from ..imaging.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..loading.run_ahead import RunAhead
@@ -82,6 +82,20 @@ def _lmdb_samples(data: Union[str, Path, OpenedPath, FastDataset, DatasetView]
     return data, view
 
 
+def _damaged(sizes: np.ndarray, bounds: tuple[Optional[int], Optional[int]]) -> dict[int, str]:
+    """The positions in a batch of the records whose frame header (``sizes``: ``(n, 2)`` heights and widths, ``0,
+    0`` where there is none) claims a size no record of the dataset can have, with why: the manifest's
+    ``bounds`` (max_short_side, max_side), as FastDataset refuses them (NOTE [damaged records] 2). One
+    vectorised check a batch; `check_sizes` words each record found."""
+    found: dict[int, str] = {}
+    for j in np.flatnonzero(size_faults(sizes, *bounds)).tolist():
+        try:
+            check_sizes(sizes[j:j + 1], *bounds)
+        except ImageDecodeError as exc:
+            found[j] = str(exc)
+    return found
+
+
 def _stream_outputs(pipe: Any) -> bool:
     """Whether ``pipe.run`` can hand its outputs to a CUDA stream instead of the host: DALI's default executor
     since DALI 1.4x (``exec_dynamic``), whose ``run`` takes the stream."""
@@ -122,8 +136,9 @@ class DALILoader(SamplerBacked):
         std: Per-channel standard deviation in 0-1 units (default: ImageNet's).
         dtype: ``torch.float32`` (default), ``torch.float16`` or ``torch.bfloat16``.
         num_threads: DALI's CPU threads (default: ``min(4, torch.get_num_threads())``).
-        on_error: ``"fail"`` (default) raises on a record that does not decode; ``"skip"`` leaves it out and
-            lists it in `skipped`.
+        on_error: ``"fail"`` (default) raises on a record that does not decode, or whose frame header claims a
+            size the dataset cannot hold (NOTE [damaged records] in fastdata/imaging/decode_batch.py: checked on
+            the host, before DALI decodes it); ``"skip"`` leaves it out and lists it in `skipped`.
         pad: Repeat a few samples so every rank serves as many batches (default None: ``train``).
         rank: This process's rank (default: torch.distributed's when initialised, else 0).
         world_size: The number of ranks (default: torch.distributed's when initialised, else 1).
@@ -192,6 +207,8 @@ class DALILoader(SamplerBacked):
         # NOTE [loader thread]: on a GPU, pipe.run and the feed run on a loader thread (fastdata/loading/run_ahead.py)
         self.run_ahead = self.device.type == "cuda" if run_ahead is None else bool(run_ahead)
         self.reader = base.lmdb_reader
+        # the largest sides the dataset stores: a record whose frame header claims more is damaged
+        self._bounds = (self.manifest.get("max_short_side"), self.manifest.get("max_side"))
         self.labels = base.targets
         n = len(self.labels) if self.view is None else len(self.view)
         self.batch_size, self.size, self.train, self.dtype, self.on_error = batch_size, size, train, dtype, on_error
@@ -306,7 +323,7 @@ class DALILoader(SamplerBacked):
         x = x.permute(0, 3, 1, 2)  # NHWC -> NCHW view: channels_last, as CUDAPrefetcher yields
         return x.to(self.dtype) if x.dtype != self.dtype else x
 
-    def _crops(self, sizes: list[tuple[int, int]], good: np.ndarray,
+    def _crops(self, sizes: Union[np.ndarray, list[tuple[int, int]]], good: np.ndarray,
                position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Crop anchors (x, y), shapes (w, h) and flips (int32) for the good samples of one batch, drawn
         from ``(seed, epoch, position, rank)``: one draw per sample of the batch, skipped ones included,
@@ -316,10 +333,10 @@ class DALILoader(SamplerBacked):
         top, left, h, w = boxes[good].astype(np.int32).T
         return np.stack([left, top], 1), np.stack([w, h], 1), flips[good].astype(np.int32)
 
-    def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[memoryview], list[tuple[int, int]], np.ndarray]]:
+    def _plan(self) -> Iterator[tuple[int, int, np.ndarray, list[memoryview], np.ndarray, np.ndarray]]:
         """This epoch's batches from the sampler's position: (batches served once this one is handed out, its
-        global position, rows, the JPEG records as views valid until the next batch is planned, sizes, good
-        mask). Only reads; the sampler advances when a batch reaches the consumer."""
+        global position, rows, the JPEG records as views valid until the next batch is planned, their ``(n, 2)``
+        sizes, good mask). Only reads; the sampler advances when a batch reaches the consumer."""
         s = self.sampler
         first = s.served
         for k, idx in enumerate(s.batches(), 1):
@@ -330,14 +347,13 @@ class DALILoader(SamplerBacked):
             # each batch when it is fed, within the call that pulled it, and the read transaction stays open
             # until the next batch is planned.
             with self.reader.views(rows) as blobs:
-                sizes = [jpeg_size(b) if b is not None and looks_like_jpeg(b) else (0, 0) for b in blobs]
-                good = np.array([h > 0 and w > 0 for h, w in sizes], dtype=bool)
+                sizes = np.array([jpeg_size(b) if b is not None and looks_like_jpeg(b) else (0, 0) for b in blobs],
+                                 dtype=np.int64).reshape(-1, 2)
+                damaged = _damaged(sizes, self._bounds)  # NOTE [damaged records]: refused before DALI decodes them
+                good = sizes.all(1)
+                good[list(damaged)] = False
                 if not good.all():
-                    bad = rows[~good].tolist()
-                    if self.on_error == "fail":
-                        raise ImageDecodeError(f"{self.reader.path}: samples {bad} are not whole JPEGs: run "
-                                               "`fastdata verify`, or pass on_error='skip'")
-                    self._skip(bad)
+                    self._refuse(rows, good, damaged)
                 if self._undecodable:
                     good &= ~np.isin(rows, list(self._undecodable))
                 yield first + k, s.batch_position(first + k - 1), rows, blobs, sizes, good
@@ -411,6 +427,23 @@ class DALILoader(SamplerBacked):
             pass
         self._rebuild()
         self._feed = None
+
+    def _refuse(self, rows: np.ndarray, good: np.ndarray, damaged: dict[int, str]) -> None:
+        """A planned batch's records DALI must not see (``~good``: not whole JPEGs, or ``damaged``, a position's
+        frame header claiming a size the dataset cannot hold): `ImageDecodeError` naming a sample, as FastDataset
+        raises, or (``on_error="skip"``) left out."""
+        if self.on_error == "skip":
+            self._skip(rows[~good].tolist())
+            return
+        unread = ~good
+        unread[list(damaged)] = False
+        if unread.any():
+            raise ImageDecodeError(f"{self.reader.path}: samples {rows[unread].tolist()} are not whole JPEGs: run "
+                                   "`fastdata verify`, or pass on_error='skip'")
+        j = min(damaged)
+        i = int(rows[j])
+        raise ImageDecodeError(f"{self.reader.path_of(i)}: sample {i} is not a decodable JPEG ({damaged[j]}): run "
+                               "`fastdata verify` on the dataset, or pass on_error='skip'")
 
     def _skip(self, rows: list[int]) -> None:
         """Record samples left out (once each: a batch may be planned again after a decode error)."""

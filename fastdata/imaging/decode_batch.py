@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 # 1. Its size is known before it is decoded: from its frame header (`jpeg_header`), read for the whole batch
 #    at once, else (another format, or a JPEG with bytes out of place before that header) from its header as
 #    libjpeg or Pillow read it (`_size_of`), whose random crop is then drawn for the decoded image. A record
-#    of no size is refused; DALILoader's host check refuses every record without a JPEG frame header.
+#    of no size is refused; DALILoader's host check refuses every record without a JPEG frame header, and by
+#    rule 2 every record whose header claims more than the manifest's bounds (`size_faults`, once a batch).
 # 2. The size is one the dataset's records can have: the shorter side at most the manifest's max_short_side,
 #    the longer side at most its max_side (--resize max-side), and at most twice PIL.Image.MAX_IMAGE_PIXELS
 #    in any case, where Pillow (and so preprocessing) refuses an image (`check_sizes`): a damaged size field
@@ -250,15 +251,15 @@ def decode_batch(blobs: Sequence[bytes], size: int, x: "torch.Tensor", *, heads:
             raise
 
 
-def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_side: Optional[int] = None) -> None:
-    """Refuse the first record whose header (``heads``: `record_headers`) gives a size no record of the dataset
-    can have (NOTE [damaged records] 2): `ImageDecodeError` with ``position`` set. Rows of no size at all
-    (``0, 0``: no frame header the parser reads) are left to the decode, which sizes them (`_size_of`)."""
+def size_faults(heads: np.ndarray, max_short_side: Optional[int] = None, max_side: Optional[int] = None
+                ) -> np.ndarray:
+    """Which records' headers (``heads``: `record_headers`, or ``(n, 2)`` heights and widths) give a size no
+    record of the dataset can have (NOTE [damaged records] 2), as a bool mask; `check_sizes` says why."""
     h, w = heads[:, 0], heads[:, 1]
     shorter, longer = np.minimum(h, w), np.maximum(h, w)
     # twice Pillow's limit: where Pillow refuses; preprocessing (Pillow) keeps an image up to it with a warning,
     # so a valid record of a long panorama stored at a large --size can pass the limit itself
-    limit = None if Image.MAX_IMAGE_PIXELS is None else 2 * Image.MAX_IMAGE_PIXELS
+    limit = _pixel_limit()
     bad = (shorter == 0) & (longer > 0)
     if limit is not None:
         bad |= h * w > limit
@@ -266,8 +267,23 @@ def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_sid
         bad |= shorter > max_short_side
     if max_side is not None:
         bad |= longer > max_side
+    return bad
+
+
+def _pixel_limit() -> Optional[int]:
+    return None if Image.MAX_IMAGE_PIXELS is None else 2 * Image.MAX_IMAGE_PIXELS
+
+
+def check_sizes(heads: np.ndarray, max_short_side: Optional[int] = None, max_side: Optional[int] = None) -> None:
+    """Refuse the first record whose header (``heads``: `record_headers`) gives a size no record of the dataset
+    can have (`size_faults`): `ImageDecodeError` with ``position`` set. Rows of no size at all (``0, 0``: no
+    frame header the parser reads) are left to the decode, which sizes them (`_size_of`)."""
+    bad = size_faults(heads, max_short_side, max_side)
     if not bad.any():
         return
+    h, w = heads[:, 0], heads[:, 1]
+    shorter, longer = np.minimum(h, w), np.maximum(h, w)
+    limit = _pixel_limit()
     j = int(np.flatnonzero(bad)[0])
     claim = f"its header says {h[j]} x {w[j]} pixels"
     if shorter[j] == 0:
