@@ -501,6 +501,66 @@ def test_a_bare_csv_box_labels_cell_is_one_box_class(tmp_path):
     assert FastDataset(tmp_path / "names").get_batch([0, 1])["box_labels"].tolist() == [1, 0]
 
 
+def test_a_record_refused_for_any_reason_lists_no_class(tmp_path):
+    """Only a record refused for its box labels left its classes out: the label of a record with a missing
+    image or mask, a NaN float, an inverted box or a lone surrogate still named a class (a class of no
+    sample, which a classifier's head then learnt to never predict)."""
+    (tmp_path / "masks").mkdir()
+    for i in range(7):
+        Image.new("RGB", (20, 20), (30 * i, 0, 0)).save(tmp_path / f"{i}.png")
+        Image.new("L", (20, 20), 1).save(tmp_path / "masks" / f"{i}.png")
+    (tmp_path / "masks" / "4.png").unlink()
+    good = {"score": 1.0, "boxes": [[1, 1, 5, 5]], "box_labels": ["bird"], "caption": "ok"}
+    recs = [{"label": "cat"},
+            {"image": "gone.png", "label": "ghost", "box_labels": ["ghost_box"]},  # no such image file
+            {"label": "nan", "labels": ["nan_tag"], "score": float("nan")},
+            {"label": "inverted", "boxes": [[9, 1, 5, 5]], "box_labels": ["inverted_box"]},
+            {"label": "unmasked", "labels": ["unmasked_tag"]},  # its mask file is missing
+            {"label": "surrogate", "box_labels": ["surrogate_box"], "caption": "x\udc80y"},
+            {"label": "dog", "labels": ["dog_tag"], "box_labels": ["fish"]}]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"image": f"{i}.png", "mask": f"masks/{i}.png",
+                                                          **good, **r}) + "\n" for i, r in enumerate(recs)))
+    m = preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=20)
+    assert m["classes"] == ["bird", "cat", "dog", "dog_tag", "fish"]
+    reasons = {s["path"]: s["reason"] for s in m["skipped"]}
+    assert list(reasons) == ["gone.png", "2.png", "3.png", "4.png", "5.png"] and "gone.png" in reasons["gone.png"]
+    assert reasons["2.png"].startswith("score holds nan: a float field needs finite numbers")
+    assert reasons["3.png"].startswith("box [9.0, 1.0, 5.0, 5.0] has x2 < x1 or y2 < y1")
+    assert reasons["4.png"].startswith("mask masks/4.png") and "FileNotFoundError" in reasons["4.png"]
+    assert reasons["5.png"].startswith("the caption holds a lone surrogate '\\udc80' at character 1")
+    b = FastDataset(tmp_path / "out").get_batch([0, 1])
+    assert b["label"].tolist() == [1, 2] and b["box_labels"].tolist() == [0, 4] and b["labels"].tolist() == [3]
+    # ids: the classes run to the largest id a kept record names; a path,label list's missing file names none
+    (tmp_path / "ids.jsonl").write_text('{"image": "0.png", "label": 1, "score": 1}\n{"image": "2.png", "label": 9, '
+                                        '"score": NaN}\n{"image": "3.png", "label": 0, "score": 2}\n')
+    assert preprocess(tmp_path / "ids.jsonl", tmp_path / "ids", size=20)["classes"] == ["0", "1"]
+    (tmp_path / "list.csv").write_text("0.png,cat\ngone.png,ghost\n1.png,dog\nnotes.txt,memo\n")
+    m = preprocess(tmp_path / "list.csv", tmp_path / "list", size=20)
+    assert m["classes"] == ["cat", "dog"] and [s["path"] for s in m["skipped"]] == ["gone.png"]
+    assert FastDataset(tmp_path / "list").get_batch([0, 1])[1].tolist() == [0, 1]
+    (tmp_path / "list_ids.csv").write_text("0.png,0\ngone.png,7\n1.png,1\n")
+    assert preprocess(tmp_path / "list_ids.csv", tmp_path / "list_ids", size=20)["classes"] == ["0", "1"]
+
+
+def test_a_list_of_texts_in_records_is_one_line_saying_a_text_field_holds_one(tmp_path):
+    """COCO-style captions (five an image) were refused as any value that cannot be stored, without saying
+    what a list of texts is or what to do; a null caption is a missing one."""
+    for i in range(3):
+        Image.new("RGB", (20, 20), (60 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    (tmp_path / "r.jsonl").write_text('{"image": "0.png", "caption": "a dog"}\n{"image": "1.png", "caption": null}\n'
+                                      '{"image": "2.png", "caption": ["a cat", "a cat on a mat"]}\n')
+    with pytest.raises(SourceError) as err:
+        preprocess(tmp_path / "r.jsonl", tmp_path / "out", size=20)
+    assert str(err.value) == (f"{tmp_path / 'r.jsonl'}:3: 'caption' holds 2 texts ['a cat', 'a cat on a mat']: a text "
+                              "field holds one text (a caption): keep one as 'caption' and store the others under "
+                              "keys of their own, one text each, or leave them out")
+    (tmp_path / "r.jsonl").write_text('{"image": "0.png", "caption": "a dog"}\n{"image": "1.png", "caption": null}\n'
+                                      '{"image": "2.png"}\n')
+    assert preprocess(tmp_path / "r.jsonl", tmp_path / "ok", size=20)["num_samples"] == 3
+    b = FastDataset(tmp_path / "ok").get_batch([0, 1, 2])
+    assert b["caption_offsets"].tolist() == [0, 5, 5, 5]  # null and missing: the same empty caption
+
+
 def test_malformed_sources_name_file_and_line(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"image": "x.png"}\n[1, 2]\n')
     with pytest.raises(SourceError, match=r"a.jsonl:2"):

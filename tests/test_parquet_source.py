@@ -382,3 +382,46 @@ def test_a_label_that_is_no_id_or_name_is_one_line_naming_its_record(tmp_path, c
     assert preprocess(src, tmp_path / "out") == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_a_parquet_file_beside_class_folders_of_images_is_refused_naming_both(tmp_path, capsys):
+    # the Parquet file won and the labelled images beside it were dropped without a word (as tars beside them
+    # are refused: tests/test_wds_source.py)
+    src = write_parts(tmp_path / "src", [3], meta=None)
+    for c in ("cat", "dog"):
+        (src / c / "deeper").mkdir(parents=True)
+        (src / c / "deeper" / "0.png").write_bytes(_image(0))
+    assert preprocess(src, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"source {src} holds .parquet files (part-00.parquet) and class folders of " \
+        "images (cat/): pass the Parquet files alone (a .parquet file, or a folder holding only them), or move the " \
+        ".parquet files out of the image folder" in err, err
+    assert preprocess(src / "part-00.parquet", tmp_path / "file") == 0  # the file alone, as it says
+    (src / "part-00.parquet").rename(tmp_path / "part-00.parquet")
+    assert preprocess(src, tmp_path / "images") == 0  # the image folder alone
+    assert json.loads((tmp_path / "images" / "manifest.json").read_text())["classes"] == ["cat", "dog"]
+    # a string column 'mask' names files beside the file: a folder of them is its masks, not an image folder
+    masked = write_parts(tmp_path / "masked", [2], lambda i: {"mask": f"masks/{i}.png"}, meta=None)
+    (masked / "masks").mkdir()
+    for i in range(2):
+        Image.new("L", (40, 30), i + 1).save(masked / "masks" / f"{i}.png")
+    assert preprocess(masked, tmp_path / "masks") == 0
+    manifest = json.loads((tmp_path / "masks" / "manifest.json").read_text())
+    assert manifest["source"]["kind"] == "parquet" and "mask" in {f["name"] for f in manifest["fields"]}
+
+
+def test_a_row_refused_for_its_values_lists_no_class_and_a_list_of_texts_is_one_line(tmp_path, capsys):
+    # a row with a NaN float (a bad record) still put its label into the class list
+    src = write_parts(tmp_path / "src", [4], lambda i: {"label": ["cat", "ghost", "dog", "cat"][i],
+                                                        "score": float("nan") if i == 1 else i / 2}, meta=None)
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["classes"] == ["cat", "dog"] and [s["path"] for s in manifest["skipped"]] == ["part-00.parquet#1"]
+    assert FastDataset(tmp_path / "out").get_batch(np.arange(3))["label"].tolist() == [0, 1, 0]
+    # COCO-style captions, a list of texts a row: one line saying a text field holds one text
+    captions = write_parts(tmp_path / "captions", [2], lambda i: {"caption": ["a cat", "a cat on a mat"]}, meta=None)
+    capsys.readouterr()
+    assert preprocess(captions, tmp_path / "none") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "part-00.parquet#0: 'caption' holds 2 texts ['a cat', 'a cat on a mat']: a text " \
+        "field holds one text (a caption): keep one as 'caption' and store the others under keys of their own" in err

@@ -367,3 +367,22 @@ def test_a_parquet_class_id_far_past_the_samples_is_refused_naming_the_file(tmp_
                              "label": pa.array([0, 1, 2 ** 63 + 5], pa.uint64())}), tmp_path / "a.parquet")
     assert _preprocess(tmp_path / "a.parquet", tmp_path / "out") == 1
     assert "a.parquet: class id 9223372036854775813 is too large for 3 samples" in capsys.readouterr().err
+
+
+def test_a_listed_row_whose_file_appears_before_it_is_read_is_a_bad_record_not_a_sample_of_no_class(tmp_path):
+    """A path,label row whose file is missing when the list is read names no class (its label is one past the
+    last); should the file appear before a worker reads it, it was stored with that label, a class the
+    dataset does not have (an index error at the model's loss)."""
+    from fastdata.preprocess.image_tasks import Plan, work
+
+    for name in ("0.png", "1.png"):
+        _png(tmp_path / name)
+    (tmp_path / "list.csv").write_text("0.png,cat\nlate.png,ghost\n1.png,dog\n")
+    source = discover(tmp_path / "list.csv")
+    assert source.classes == ["cat", "dog"] and source.labels == [0, 2, 1]
+    _png(tmp_path / "late.png")  # (it appears)
+    plan = Plan("npy", 8, 16, (), True, "center-crop", "lanczos", 90, "uint8", "bytes")
+    ok, samples, failures = work(next(plan.tasks(source, 0, [(0, 3)])))
+    assert ok == [0, 2] and len(samples) == 2
+    assert failures == [(1, "its file was missing when the source was listed, so it has no class: re-run "
+                            "`fastdata preprocess` to list it")]

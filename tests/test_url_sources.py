@@ -3,6 +3,7 @@ with masks, a segmentation pair, Parquet and text, on the loopback moto S3 serve
 byte-identical to the run over the same files on local disk."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import importlib.util
@@ -10,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from conftest import fresh_fs
@@ -331,3 +333,68 @@ def test_a_token_in_a_tar_urls_query_or_user_info_reaches_no_sample_name_message
     assert errors == [f"{base}/short.tar?sig=*** ends inside this sample's image (it changed since it was listed?)",
                       base.replace("://", "://user:***@") + "/short.tar ends inside this sample's image (it changed "
                       "since it was listed?)"]
+
+
+@contextlib.contextmanager
+def _presigned(folder: Path, token: str) -> Iterator[str]:
+    """``folder``'s files over loopback HTTP with Range reads, each answered only where its request carries
+    ``sig=token`` (a presigned or SAS URL's query), as a store answers them; yields the base URL."""
+    import functools
+    import http.server
+    import threading
+    import urllib.parse
+
+    from test_wds_source import _RangeHandler
+
+    class Presigned(_RangeHandler):
+        def send_head(self):
+            if f"sig={token}" not in urllib.parse.urlsplit(self.path).query.split("&"):
+                self.send_error(403)
+                return None
+            return super().send_head()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Presigned, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_a_presigned_tar_or_parquet_url_is_read_by_its_path_and_its_query_kept_out_of_the_output(tmp_path, capsys):
+    # `x.tar?sig=...` was taken for a folder by its suffix (a brace pattern of them worked): "has no class
+    # sub-folders", the single file never read
+    from test_parquet_source import write_parts
+    from test_wds_source import _image, write_tar
+
+    root = tmp_path / "src"
+    (root / "wds").mkdir(parents=True)
+    write_tar(root / "wds" / "00000.tar", [m for i in range(5) for m in (
+        (f"{i:04d}.png", b"junk" if i == 2 else _image(i, "PNG")), (f"{i:04d}.cls", str(i % 2).encode()))])
+    write_parts(root / "hf", [5], empty=(2,))
+    token = "sv=2022-11-02&sp=r&sig=TOPSECRET"
+    with _presigned(root, "TOPSECRET") as base:
+        for rel, bad in (("wds/00000.tar", "00000.tar/0002.png"), ("hf/part-00.parquet", "part-00.parquet#2")):
+            local = preprocess(root / rel, tmp_path / "local" / rel.split("/")[0])
+            remote = preprocess(f"{base}/{rel}?{token}", tmp_path / "remote" / rel.split("/")[0])
+            digests = lambda m: {f["path"]: f["sha256"] for f in m["files"]}  # noqa: E731
+            assert digests(remote) == digests(local) and remote["num_samples"] == local["num_samples"] == 4
+            assert [s["path"] for s in remote["skipped"]] == [s["path"] for s in local["skipped"]] == [bad]
+            assert remote["source"]["path"] == f"{base}/{rel}?sv=2022-11-02&sp=r&sig=***"
+    assert not [p for p in (tmp_path / "remote").rglob("*") if p.is_file() and b"TOPSECRET" in p.read_bytes()]
+    assert "TOPSECRET" not in capsys.readouterr().err
+
+
+def test_parquet_files_beside_class_folders_of_images_at_a_url_are_refused_as_on_disk(s3, tmp_path):
+    from test_parquet_source import _image, write_parts
+
+    root = write_parts(tmp_path / "src", [2], meta=None)
+    (root / "cat").mkdir()
+    (root / "cat" / "0.png").write_bytes(_image(0))
+    url = upload(s3, "parquet-beside", root, "mixed")
+    for src in (root, url):
+        with pytest.raises(SourceError) as err:
+            discover_source(src)
+        assert str(err.value) == f"source {src} holds .parquet files (part-00.parquet) and class folders of images " \
+            "(cat/): pass the Parquet files alone (a .parquet file, or a folder holding only them), or move the " \
+            ".parquet files out of the image folder"

@@ -691,3 +691,50 @@ def test_a_folder_of_tars_beside_class_folders_of_images_is_refused_naming_both(
     assert preprocess(src, tmp_path / "images") == 0  # the image folder alone
     manifest = json.loads((tmp_path / "images" / "manifest.json").read_text())
     assert manifest["num_samples"] == 2 and manifest["classes"] == ["cat", "dog", "logs"]
+
+
+def _captions(b: dict) -> list[str]:
+    offsets = b["caption_offsets"].tolist()
+    return [bytes(b["caption"][lo:hi].numpy().astype(np.uint8)).decode() for lo, hi in zip(offsets, offsets[1:])]
+
+
+def test_a_json_caption_of_several_texts_is_a_bad_record_and_a_null_one_no_caption(tmp_path):
+    # COCO-style captions (a list of texts) were dropped without a word: the sample kept with no caption
+    metas = [{"caption": "a dog"}, {"caption": ["a cat", "a cat on a mat"]}, {"caption": ["x", "y"]},
+             {"caption": None}, {"key": "004"}]
+    src = tmp_path / "src"
+    src.mkdir()
+    write_tar(src / "00000.tar", [m for i, meta in enumerate(metas) for m in (
+        (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.json", json.dumps(meta).encode()),
+        *([(f"{i:03d}.txt", b"a cow")] if i == 2 else []))])  # a .txt is the caption: the JSON list unused
+    assert preprocess(src, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skipped"] == [{"path": "00000.tar/001.png", "reason": "00000.tar: sample 001 has bad metadata "
+                                    "(ValueError: 'caption' holds 2 texts ['a cat', 'a cat on a mat']: a caption is "
+                                    "one text: keep one as 'caption' and store the others under another key, or give "
+                                    "the caption as a .txt member)"}]
+    b = FastDataset(tmp_path / "out").get_batch(np.arange(4))
+    assert _captions(b) == ["a dog", "a cow", "", ""]  # null: no caption, as a sample without the key
+    assert sample_ids(b["image"]).tolist() == [0, 2, 3, 4]
+
+
+def test_a_sample_refused_for_its_json_lists_no_class(tmp_path):
+    # a sample refused for a NaN float or an inverted box still put its .cls name into the class list
+    metas = [{"score": 1.0}, {"score": float("nan")}, {"score": 2.0, "boxes": [[9, 1, 5, 5]], "box_labels": ["inv"]},
+             {"score": 3.0, "boxes": [[10, 5, 30, 25]], "box_labels": ["emu"]}]
+    src = tmp_path / "src"
+    src.mkdir()
+    names = ["cat", "nan", "box", "dog"]
+    write_tar(src / "00000.tar", [m for i, meta in enumerate(metas) for m in (
+        (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.cls", names[i].encode()),
+        (f"{i:03d}.json", json.dumps(meta).encode()))])
+    assert preprocess(src, tmp_path / "out", "--workers", "1") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["classes"] == ["cat", "dog", "emu"]
+    assert [(s["path"], s["reason"]) for s in manifest["skipped"]] == [
+        ("00000.tar/001.png", "00000.tar: sample 001 has bad metadata (ValueError: score holds nan: a float field "
+                              "needs finite numbers (float32: at most 3.4e38 in size))"),
+        ("00000.tar/002.png", "box [9.0, 1.0, 5.0, 5.0] has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, y2] "
+                              "(an [x, y, w, h] box is [x, y, x + w, y + h])")]
+    b = FastDataset(tmp_path / "out").get_batch(np.arange(2))
+    assert b["label"].tolist() == [0, 1] and b["box_labels"].tolist() == [2] and b["score"].tolist() == [1.0, 3.0]

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import posixpath
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from .._io import scrub
 from ..errors import SourceError
 from ..storage.object_store import is_url
 from .indexed import FileSource
-from .parquet import ParquetSource, is_parquet
+from .parquet import ParquetSource, images_beside, is_parquet
 from .records import coco, csv_records, discover_any, is_record_csv, jsonl_records, segmentation_pair
-from .sources import IMAGE_EXTENSIONS, Source, discover, url_folder
+from .sources import IMAGE_EXTENSIONS, Source, discover, is_image_name, listed, url_folder
 from .tar_index import TarSource
 from .tars import is_tar_source, tar_files
-from .url_reads import url_listing
+from .url_reads import url_listing, url_path
 
 
 def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> Union[Source, FileSource]:
@@ -42,8 +42,9 @@ def discover_source(src: Union[str, Path], coco_json: Optional[Path] = None) -> 
 
 
 def _discover_url(url: str, coco_json: Optional[Path]) -> Union[Source, FileSource]:
-    """`discover_any` at a URL: a records file by its suffix, else a folder, listed once."""
-    suffix = posixpath.splitext(url.rstrip("/"))[1].lower()
+    """`discover_any` at a URL: a records file by its path's suffix (a presigned URL's query follows it), else a
+    folder, listed once."""
+    suffix = posixpath.splitext(url_path(url).rstrip("/"))[1].lower()
     if coco_json is not None:
         source = coco(url, coco_json)
     elif suffix == ".jsonl":
@@ -57,9 +58,23 @@ def _discover_url(url: str, coco_json: Optional[Path]) -> Union[Source, FileSour
         if {"images", "masks"} <= {n.split("/", 1)[0] for n in listing if "/" in n}:
             source = segmentation_pair(url, listing)
         elif any("/" not in n and n.endswith(".parquet") for n in listing):
+            files = sorted(n for n in listing if "/" not in n and listed(n, ".parquet")
+                           and listing[n].get("type", "file") == "file")
+            if files:  # (as a local folder: class folders of images beside them are refused)
+                images_beside(url, f"{url.rstrip('/')}/{files[0]}", _image_class(listing))
             return ParquetSource.at(url)
         else:
             source = url_folder(url, listing)
     if not source.paths:
         raise SourceError(f"source {url} holds no samples (image extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
     return source
+
+
+def _image_class(listing: dict[str, dict[str, Any]]) -> Optional[str]:
+    """The first class folder of a folder's listing that holds an image, as `url_folder` finds them."""
+    for rel in sorted(listing):
+        parts = rel.split("/")
+        if (len(parts) > 1 and not any(p.startswith(".") for p in parts[:-1]) and is_image_name(parts[-1])
+                and listing[rel].get("type") != "directory"):
+            return parts[0]
+    return None

@@ -14,11 +14,25 @@ dropped (with their class ids) when nothing of them is left. A given box of no a
 ``y2 == y1``: COCO's slivers of width 0) is dropped the same way, box by box as torchvision's and
 mmdetection's COCO readers do; a box that is not finite, is inverted (``x2 < x1``: often an ``[x, y, w,
 h]`` box under the corners' key) or lies outside its image refuses the record.
+
+NOTE [refused records]:
+1. What a record alone holds can refuse it before its image is read: boxes that are not lists of four
+   numbers, not one class per box, not finite or inverted; a float value past float32 (NaN, inf, 1e39); a
+   text with a lone surrogate. `record_flaw` says why, in the worker; `refusals` finds the same records of
+   a whole source, column by column, for the source.
+2. A source lists no class of a record it knows its worker refuses: those records, a record whose image or
+   mask file is missing where the source is listed (a path that is no file; at a URL only a read tells), and
+   a record without a mask. So a class that only refused records name is not in the class list.
+3. Such a record's class values become one past the last class (``len(classes)``), which the worker refuses
+   as unknown should its file appear after the listing (never a wrong class); box classes of a record
+   refused for its boxes stay as given, for the message. A record refused for what its image shows (it
+   cannot be decoded, a box outside it) is only known once decoded: its classes stay listed.
 """
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -30,11 +44,11 @@ from ..errors import ImageDecodeError
 from ..formats.tokenizer import cached_tokenizer
 from ..imaging import decode_file as decode
 from ..storage.object_store import is_url
-from .records import box_count
 from .sources import shown
 from .url_reads import UrlBlobs
 
 BOX_SLACK = 1.0  # pixels a box may overhang its image (annotation tools round): clipped, not refused
+_ROWS = 1 << 16  # records `refusals` converts at a time (a float field of 512 numbers: 128 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,112 @@ def map_boxes(boxes: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
     return out[keep], keep
 
 
+# -- what the record alone refuses (NOTE [refused records]) --------------------------------------------------
+def box_count(boxes: Any) -> Optional[int]:
+    """How many boxes ``boxes`` holds when it is ``[[x1, y1, x2, y2], ...]`` of numbers; None otherwise (text,
+    bools, a flat list, a polygon's 8 numbers: a bad record, never boxes of a guessed shape)."""
+    if not isinstance(boxes, list):
+        return None
+    for b in boxes:
+        if not (isinstance(b, list) and len(b) == 4
+                and all(isinstance(x, Real) and not isinstance(x, bool) for x in b)):
+            return None
+    return len(boxes)
+
+
+def box_flaw(boxes: Any, labels: list[Any]) -> Optional[str]:
+    """Why a record's ``boxes`` with its ``box_labels`` refuse it whatever its image, or None."""
+    count = box_count(boxes)
+    try:
+        arr = None if count is None else np.asarray(boxes, np.float64).reshape(-1, 4)
+    except OverflowError:  # an integer past 1.8e308
+        arr = None
+    if arr is None or count is None:
+        one = box_count([boxes]) == 1  # (four numbers: one box, not wrapped in its list)
+        return (f"boxes {shown(boxes, 80)} are not [[x1, y1, x2, y2], ...] of numbers a float holds"
+                + (" (a single box too is a list in the list)" if one else ""))
+    if len(labels) != count:
+        return (f"{count} box{'es' if count != 1 else ''} but {len(labels)} box_labels {shown(labels, 60)}: give one "
+                "class per box (in a CSV, a JSON list: [\"cat\", \"dog\"])")
+    bad = ~np.isfinite(arr).all(1)
+    if bad.any():
+        return f"box {arr[bad][0].tolist()} is not finite (xyxy pixels)"
+    bad = (arr[:, 2] < arr[:, 0]) | (arr[:, 3] < arr[:, 1])  # (xywh boxes under the xyxy key, often)
+    if bad.any():
+        return (f"box {arr[bad][0].tolist()} has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, y2] (an [x, y, "
+                "w, h] box is [x, y, x + w, y + h])")
+    return None
+
+
+def unfinite(column: list[Any]) -> np.ndarray:
+    """Which values of a float field (numbers, or lists of one length) float32 cannot hold: NaN, inf, past
+    3.4e38 (one NaN target makes a whole run's loss NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # past float32's 3.4e38 is inf: refused, not a warning
+        arr = np.asarray(column, np.float32).reshape(len(column), -1)
+    return ~np.isfinite(arr).all(1)
+
+
+def vector_flaw(v: Any, name: str) -> Optional[str]:
+    """Why a float field's value refuses its record, or None."""
+    if not unfinite([v])[0]:
+        return None
+    return f"{name} holds {shown(v, 80)}: a float field needs finite numbers (float32: at most 3.4e38 in size)"
+
+
+def text_flaw(text: Any) -> Optional[str]:
+    """Why a text field's value (str, or None: empty) refuses its record, or None."""
+    if not isinstance(text, str) or text.isascii():  # (isascii: a flag of the string, no scan)
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" without its pair
+        return (f"the caption holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not text "
+                "(a JSON \\u escape without its pair): fix or drop that record")
+    return None
+
+
+def record_flaw(kinds: dict[str, str], values: dict[str, Any]) -> Optional[str]:
+    """Why one record is refused whatever its image shows (NOTE [refused records] rule 1), or None."""
+    for name, kind in kinds.items():
+        v = values.get(name)
+        if kind == "boxes":
+            flaw = box_flaw([] if v is None else v, values.get("box_labels") or [])
+        elif kind == "vector":
+            flaw = None if v is None else vector_flaw(v, name)
+        elif kind == "tokens":
+            flaw = text_flaw(v)
+        else:
+            continue
+        if flaw:
+            return flaw
+    return None
+
+
+def refusals(kinds: dict[str, str], extras: dict[str, list[Any]]) -> tuple[set[int], set[int]]:
+    """The records of a source that `record_flaw` refuses or that have no mask, and those of them refused
+    for their boxes (their box classes stay as given: NOTE [refused records] rule 3); column by column.
+
+    Args:
+        kinds: The source's field kinds.
+        extras: Each field's values, one per record (as records.py stores them: None or [] where absent).
+    """
+    boxed: set[int] = set()
+    bad: set[int] = set()
+    for name, kind in kinds.items():
+        col = extras[name]
+        if kind == "boxes":
+            labels = extras.get("box_labels") or [[]] * len(col)
+            boxed = {i for i, (b, c) in enumerate(zip(col, labels)) if (b or c) and box_flaw(b, c)}
+        elif kind == "vector":
+            for a in range(0, len(col), _ROWS):
+                bad.update((a + np.flatnonzero(unfinite(col[a:a + _ROWS]))).tolist())
+        elif kind == "tokens":
+            bad.update(i for i, v in enumerate(col) if text_flaw(v))
+        elif kind == "mask":
+            bad.update(i for i, v in enumerate(col) if v is None)
+    return bad | boxed, boxed
+
+
 class RecordDecoder:
     """Turns sample ``i`` of a source into its image row and field values (one per worker process)."""
 
@@ -117,18 +237,22 @@ class RecordDecoder:
         self.tokenizer = tokenizer
 
     def decode(self, src: Any, values: dict[str, Any], label: Optional[int], out: np.ndarray) -> dict[str, Any]:
-        """Write the image into ``out``; return the fields. Raises ImageDecodeError naming what is wrong."""
+        """Write the image into ``out``; return the fields. Raises ImageDecodeError naming what is wrong: the
+        image, then what the record alone refuses, then its masks, then its classes (a record its source
+        refused has its classes one past the last: NOTE [refused records] rule 3)."""
         img, (w, h), mirrored = decode.open_rgb_sized(src, self.size, self.mode)
         out[...] = np.asarray(decode.resize(img, self.size, self.mode, self.resample))
         g = geometry(w, h, self.size, self.mode, img.size, mirrored)
+        flaw = record_flaw(self.kinds, values)
+        if flaw:
+            raise ImageDecodeError(flaw)
+        fields = {name: self._mask(values.get(name), w, h, g, name) for name, kind in self.kinds.items()
+                  if kind == "mask"}
         if label is not None:
             self._ids([label], "label")
-        fields: dict[str, Any] = {}
         for name, kind in self.kinds.items():
             v = values.get(name)
-            if kind == "mask":
-                fields[name] = self._mask(v, w, h, g, name)
-            elif kind == "boxes":
+            if kind == "boxes":
                 fields["boxes"], fields["box_labels"] = self._boxes(v, values.get("box_labels", []), w, h, g)
             elif kind == "labels":
                 fields[name] = self._ids(v, name)
@@ -146,12 +270,7 @@ class RecordDecoder:
         return arr
 
     def _vector(self, v: Any, name: str) -> np.ndarray:
-        with np.errstate(over="ignore"):  # past float32's 3.4e38 is inf: refused below, not a warning
-            arr = np.asarray(v, np.float32)
-        if not np.isfinite(arr).all():  # one NaN target makes a whole run's loss NaN
-            raise ImageDecodeError(f"{name} holds {shown(v, 80)}: a float field needs finite numbers (float32: "
-                                   "at most 3.4e38 in size)")
-        return arr
+        return np.asarray(v, np.float32)  # (finite: `record_flaw` refused the rest)
 
     def _mask(self, rel: Union[str, "Blob", None], w: int, h: int, g: Geometry, name: str) -> np.ndarray:
         if rel is None:
@@ -185,27 +304,9 @@ class RecordDecoder:
 
     def _boxes(self, boxes: list[Any], labels: list[int], w: int, h: int, g: Geometry
                ) -> tuple[np.ndarray, np.ndarray]:
-        count = box_count(boxes)
-        try:
-            arr = None if count is None else np.asarray(boxes, np.float64).reshape(-1, 4)
-        except OverflowError:  # an integer past 1.8e308
-            arr = None
-        if arr is None or count is None:
-            one = box_count([boxes]) == 1  # (four numbers: one box, not wrapped in its list)
-            raise ImageDecodeError(f"boxes {shown(boxes, 80)} are not [[x1, y1, x2, y2], ...] of numbers a float "
-                                   "holds" + (" (a single box too is a list in the list)" if one else ""))
-        if len(labels) != count:  # (before the ids: the source left such a record's box_labels as given)
-            raise ImageDecodeError(f"{count} box{'es' if count != 1 else ''} but {len(labels)} box_labels "
-                                   f"{shown(labels, 60)}: give one class per box (in a CSV, a JSON list: "
-                                   "[\"cat\", \"dog\"])")
+        # well-formed, one class a box, finite and not inverted: `record_flaw` refused the rest
+        arr = np.asarray(boxes, np.float64).reshape(-1, 4)
         ids = self._ids(labels, "box_labels")
-        bad = ~np.isfinite(arr).all(1)
-        if bad.any():
-            raise ImageDecodeError(f"box {arr[bad][0].tolist()} is not finite (xyxy pixels)")
-        bad = (arr[:, 2] < arr[:, 0]) | (arr[:, 3] < arr[:, 1])  # (xywh boxes under the xyxy key, often)
-        if bad.any():
-            raise ImageDecodeError(f"box {arr[bad][0].tolist()} has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, "
-                                   "y2] (an [x, y, w, h] box is [x, y, x + w, y + h])")
         bad = ((arr < -BOX_SLACK) | (arr > np.array([w, h, w, h]) + BOX_SLACK)).any(1)
         if bad.any():
             raise ImageDecodeError(f"box {arr[bad][0].tolist()} is outside the {w}x{h} image (xyxy pixels)")
@@ -218,16 +319,7 @@ class RecordDecoder:
     def _tokens(self, text: Any) -> np.ndarray:
         if not isinstance(text, str):
             raise ImageDecodeError(f"expected text for a caption, got {text!r}")
-        try:
-            return cached_tokenizer(self.tokenizer).encode_batch([text])[0]
-        except (UnicodeEncodeError, TypeError):  # what the tokenizers raise for text that is no UTF-8
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" without its pair
-                raise ImageDecodeError(f"the caption holds a lone surrogate {text[exc.start]!r} at character "
-                                       f"{exc.start}, which is not text (a JSON \\u escape without its pair): fix or "
-                                       "drop that record") from None
-            raise
+        return cached_tokenizer(self.tokenizer).encode_batch([text])[0]  # (UTF-8: `record_flaw` refused the rest)
 
 
 def mask_readers(kinds: dict[str, str], values: dict[str, list[Any]]) -> dict[str, UrlBlobs]:

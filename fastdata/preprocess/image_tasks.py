@@ -57,9 +57,10 @@ class Plan:
                 spec = (piece.kinds, len(piece.classes), self.mask_dtype, self.tokenizer, piece.has_label)
                 yield (str(piece.root), piece.paths[i:j], a, self.format, self.size, self.resize, self.filter,
                        {k: v[i:j] for k, v in piece.extras.items()}, piece.labels[i:j], spec, blobs, self.quality)
-            else:
+            else:  # the rows' labels too: a row missing when listed has none of the classes (NOTE [refused records])
+                unlisted = len(piece.classes) if self.has_label and piece.classes else None
                 yield (str(piece.root), piece.paths[i:j], a, self.format, self.size, self.resize, self.quality,
-                       self.filter, blobs)
+                       self.filter, blobs, None if unlisted is None else (piece.labels[i:j], unlisted))
 
     def feed(self, writer: Any, result: tuple, view: Optional[memoryview], labels: np.ndarray, first: int,
              end: int) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
@@ -187,7 +188,7 @@ def work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[
 
     npy pixels go into the shared slot when there is one (the samples returned are then ``None``).
     """
-    root, paths, first, fmt, size, resize, quality, filter_name, blobs = task
+    root, paths, first, fmt, size, resize, quality, filter_name, blobs, classed = task
     resample = decode.FILTERS[filter_name]
     ok: list[int] = []
     failures: list[tuple[int, str]] = []
@@ -196,6 +197,10 @@ def work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[
     if fmt == "npy":
         samples = pixel_rows(shared, len(paths), size)
     for j, rel in enumerate(paths):
+        if classed is not None and classed[0][j] >= classed[1]:  # missing when listed: stored with no class
+            failures.append((first + j, "its file was missing when the source was listed, so it has no class: "
+                                        "re-run `fastdata preprocess` to list it"))
+            continue
         try:
             path = open_source(Path(root), rel, blobs, j)
             if fmt == "npy":

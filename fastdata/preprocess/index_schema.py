@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ..errors import SourceError
 from ..formats.schema import valid_name
-from .records import CLASS_KEYS, from_records, kind_of, one_class_per_box, split_labels
+from .records import CLASS_KEYS, from_records, kind_of, split_labels
 from .sources import class_ids, id_classes
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,11 @@ def summarize(label: str, index: dict[str, list[Any]]) -> dict[str, Any]:
     numeric = [k for k in seen if all(_numeric(r.get(k)) for _, r in rows)]
     problems = {k: p for k in numeric if (p := _problem(label, k, [r[k] for _, r in rows]))}
     local = keep_keys(rows, set(numeric) - set(problems))
+    refused: set[int] = set()
     part = from_records(iter(local), label, Path("."), "webdataset",
-                        paths=[k for k, r in zip(keys, recs) if r is not None])
-    return {"samples": len(keys), "seen": seen, "numeric": numeric, "problems": problems, **_found(part, local)}
+                        paths=[k for k, r in zip(keys, recs) if r is not None], refused=refused)
+    return {"samples": len(keys), "seen": seen, "numeric": numeric, "problems": problems,
+            **_found(part, local, refused)}
 
 
 def summarize_records(label: str, rows: list[tuple[str, dict[str, Any]]], root: Any, kind: str) -> dict[str, Any]:
@@ -54,14 +56,16 @@ def summarize_records(label: str, rows: list[tuple[str, dict[str, Any]]], root: 
     Raises:
         SourceError: A row's value cannot be stored, or the file's rows disagree (records.py's messages).
     """
-    part = from_records(iter(rows), label, root, kind, paths=[w for w, _ in rows])
+    refused: set[int] = set()
+    part = from_records(iter(rows), label, root, kind, paths=[w for w, _ in rows], refused=refused)
     seen = sorted({k for _, r in rows for k in r})
-    return {"samples": len(rows), "seen": seen, "numeric": seen, "problems": {}, **_found(part, rows)}
+    return {"samples": len(rows), "seen": seen, "numeric": seen, "problems": {}, **_found(part, rows, refused)}
 
 
-def _found(part: Any, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """A summary's fields, kinds, vector lengths and class values, from its good rows as records.py read them."""
-    values = [v for _, r in rows for v in class_values(r)]
+def _found(part: Any, rows: list[tuple[str, dict[str, Any]]], refused: set[int]) -> dict[str, Any]:
+    """A summary's fields, kinds, vector lengths and class values, from its good rows as records.py read them
+    (the class values of those their workers refuse left out: NOTE [refused records] in fields.py)."""
+    values = [v for i, (_, r) in enumerate(rows) if i not in refused for v in class_values(r)]
     ids = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
     return {"good": len(rows), "kinds": [[k, v] for k, v in part.kinds.items()], "has_label": part.has_label,
             "vectors": {k: (len(c[0]) if isinstance(c[0], list) else -1) for k, c in part.extras.items()
@@ -85,13 +89,10 @@ def keep_keys(rows: list[tuple[str, dict[str, Any]]], keep: set[str]) -> list[tu
 
 
 def class_values(rec: dict[str, Any]) -> list[Any]:
-    """A record's class ids or names, as records.py reads them (a ``labels`` string is split; the
-    ``box_labels`` of a record its worker refuses for its boxes are none)."""
+    """A record's class ids or names, as records.py reads them (a ``labels`` string is split)."""
     out: list[Any] = []
     for key in CLASS_KEYS:
         v = rec.get(key)
-        if key == "box_labels" and not one_class_per_box(rec.get("boxes"), v):
-            continue
         if isinstance(v, str) and key == "labels":
             v = split_labels(v)
         if v is not None:
@@ -118,15 +119,9 @@ class Schema:
         return v if self.ids is None else self.ids[str(v)]
 
     def record(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """A record with the source's keys only and its classes as the source's ids."""
-        rec = {k: v for k, v in rec.items() if k in FIXED or k in self.keep}
-        for key in CLASS_KEYS:
-            v = rec.get(key)
-            if key == "box_labels" and not one_class_per_box(rec.get("boxes"), v):
-                continue  # (its worker refuses it for its boxes: its names were never listed)
-            if v is not None:
-                rec[key] = self.class_id(split_labels(v) if key == "labels" and isinstance(v, str) else v)
-        return rec
+        """A record with the source's keys only (`records.from_records` gives its classes the source's ids
+        with ``schema=``, but for a record its worker refuses: their names may be in no class list)."""
+        return {k: v for k, v in rec.items() if k in FIXED or k in self.keep}
 
     def to_json(self) -> dict[str, Any]:
         return {"keep": sorted(self.keep), "kinds": [[k, v] for k, v in self.kinds.items()], "vectors": self.vectors,

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,8 @@ from ..storage.object_store import is_url
 from .index_schema import summarize_records
 from .indexed import FileSource, Indexed, Piece, label_of, load_schema, name_of, schema_extras
 from .records import from_records
-from .sources import Source, listed
-from .url_reads import UrlReader, parent, url_listing
+from .sources import Source, holds_image, listed
+from .url_reads import UrlReader, parent, url_listing, url_path
 
 log = logging.getLogger(__name__)
 RESERVED = ("image", "label", "labels", "boxes", "box_labels")  # fields of their own kinds (formats/schema.py)
@@ -73,7 +74,7 @@ def parquet_files(src: Where) -> list[str]:
         SourceError: ``src`` does not exist.
     """
     if isinstance(src, str) and is_url(src):
-        if src.lower().endswith(".parquet"):
+        if url_path(src).lower().endswith(".parquet"):  # (a presigned URL's query follows its path)
             return [src]
         base = src.rstrip("/")
         listing = url_listing(src)
@@ -89,9 +90,51 @@ def parquet_files(src: Where) -> list[str]:
 
 def is_parquet(src: Path) -> bool:
     """A local ``.parquet`` file or folder (Spark writes a table as a folder ``x.parquet/``), or a folder
-    holding ``.parquet`` files (a folder of images beside a subfolder ``x.parquet/`` is a folder of images)."""
-    return src.suffix.lower() == ".parquet" or (src.is_dir() and any(
-        listed(p.name, ".parquet") and p.is_file() for p in src.iterdir()))
+    holding ``.parquet`` files (a folder of images beside a subfolder ``x.parquet/`` is a folder of images).
+
+    Raises:
+        SourceError: The folder holds ``.parquet`` files and class folders of images (`images_beside`).
+    """
+    if src.suffix.lower() == ".parquet":
+        return True
+    files = sorted(p for p in src.iterdir() if listed(p.name, ".parquet") and p.is_file()) if src.is_dir() else []
+    if files:
+        classes = sorted(c.name for c in src.iterdir() if c.is_dir() and not c.name.startswith("."))
+        images_beside(src, str(files[0]), next((c for c in classes if holds_image(src / c)), None))
+    return bool(files)
+
+
+def images_beside(src: Where, first: str, images: Optional[str]) -> None:
+    """Refuse a folder holding Parquet files beside class folders of images: both are sources, and reading
+    one would drop the other without a word; unless the files' string column ``mask`` names files beside
+    them (NOTE [parquet source] rule 2), as those folders may be.
+
+    Args:
+        src: The folder (a path or a URL).
+        first: Its first Parquet file.
+        images: Its first class folder holding an image (None: there is none).
+
+    Raises:
+        SourceError: ``images`` is a folder and the files have no ``mask`` column of paths.
+    """
+    if images is None or _mask_paths(first):
+        return
+    name = posixpath.basename(url_path(first))
+    raise SourceError(f"source {scrub(str(src))} holds .parquet files ({name}) and class folders of images "
+                      f"({images}/): pass the Parquet files alone (a .parquet file, or a folder holding only them), "
+                      "or move the .parquet files out of the image folder")
+
+
+def _mask_paths(path: str) -> bool:
+    """Whether a Parquet file has a string column ``mask`` (paths of files beside it), from its footer; False
+    where it cannot be read (then it is no source of those folders either)."""
+    try:
+        import pyarrow as pa
+
+        field = _open(path)[0].schema_arrow.field("mask")
+    except Exception:  # noqa: BLE001 - no pyarrow, no such column, not a readable Parquet file
+        return False
+    return pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
 
 
 
@@ -342,7 +385,7 @@ class ParquetPiece(Piece):
                         where.append((j, g, r))
                         rows.append((paths[-1], s.record(rec)))
                 first += n
-        part = from_records(iter(rows), self.location, parent(self.files[0]), "parquet", paths=paths)
+        part = from_records(iter(rows), self.location, parent(self.files[0]), "parquet", paths=paths, schema=s)
         kinds, extras = schema_extras(s, part, len(paths))  # a mask column's values: read with the image
         labels = part.labels if s.has_label else [0] * len(paths)
         return Source("parquet", self.location, self.root, paths, labels, s.classes, kinds, extras, s.has_label,

@@ -10,8 +10,8 @@ Record keys (JSONL objects, CSV columns): ``image`` (a path relative to the file
 ``;``), ``mask`` (a path), ``boxes`` (``[[x1, y1, x2, y2], ...]`` in the image's pixels) with
 ``box_labels`` (one id or name per box); any other key holding a number or a list of numbers is a float
 ``vector`` field, and one holding text is a ``tokens`` field (a caption, tokenised at preprocess time).
-A record whose ``box_labels`` are not one class per box of well-formed ``boxes`` is refused by its worker,
-so its box classes are left out of the class list (`one_class_per_box`).
+A record its worker refuses whatever its image shows, or whose image or mask file is missing, lists no
+class (NOTE [refused records] in fastdata/preprocess/fields.py).
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import json
 import os
 import posixpath
 import re
-from numbers import Real
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from ..errors import SourceError, is_whole
 from ..formats.schema import valid_name
-from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, inside, is_id, is_image_name,
+from .fields import refusals
+from .sources import (Source, class_ids, discover, fits_float, id_classes, id_limit, is_id, is_image_name, locate,
                       mixed_ids, mixing_message, shown)
 from .url_reads import UrlBlobs, open_text, parent
 
@@ -41,30 +41,12 @@ def split_labels(text: str) -> list[str]:
     return [t for t in _SPLIT.split(text) if t]
 
 
-def box_count(boxes: Any) -> Optional[int]:
-    """How many boxes ``boxes`` holds when it is ``[[x1, y1, x2, y2], ...]`` of numbers; None otherwise (text,
-    bools, a flat list, a polygon's 8 numbers: a bad record, never boxes of a guessed shape)."""
-    if not isinstance(boxes, list):
-        return None
-    for b in boxes:
-        if not (isinstance(b, list) and len(b) == 4
-                and all(isinstance(x, Real) and not isinstance(x, bool) for x in b)):
-            return None
-    return len(boxes)
-
-
-def one_class_per_box(boxes: Any, box_labels: Any) -> bool:
-    """Whether a record's ``box_labels`` (a list, or one bare id or name) give one class per box of its
-    well-formed ``boxes`` (None: the record has none); its worker refuses the record otherwise."""
-    count = 0 if box_labels is None else len(box_labels) if isinstance(box_labels, list) else 1
-    return box_count([] if boxes is None else boxes) == count
-
-
-def _rel(root: Where, rel: Any, where: str, folders: Optional[dict[str, Path]] = None) -> str:
-    """A record's path, relative to ``root`` and never outside it (``folders``: `inside`'s, for a source)."""
+def _rel(root: Where, rel: Any, where: str, folders: Optional[dict[str, Path]] = None) -> tuple[str, bool]:
+    """A record's path, relative to ``root`` and never outside it (``folders``: `locate`'s, for a source), and
+    whether a worker can read it (`locate`)."""
     if not isinstance(rel, str) or not rel.strip():
         raise SourceError(f"{where}: expected a relative file path, got {rel!r}")
-    return inside(root, rel.strip(), where, "the folder", folders)
+    return locate(root, rel.strip(), where, "the folder", folders)
 
 
 def kind_of(key: str, value: Any) -> Optional[str]:
@@ -82,22 +64,33 @@ def kind_of(key: str, value: Any) -> Optional[str]:
 
 
 def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, root: Where, kind: str,
-                 paths: Optional[list[str]] = None) -> Source:
+                 paths: Optional[list[str]] = None, schema: Any = None, refused: Optional[set[int]] = None) -> Source:
     """A Source from ``(where, record)`` pairs (``where`` names the file and line for messages); ``paths``
     given (Parquet, tars: the images are in the rows) replace the records' ``image`` paths, and integer class
     ids are left to the merged schema (NOTE [class ids] rule 4 in sources.py: ``classes`` is then ``[]``). A
-    URL ``root`` gives a Source that reads its images (and masks) there."""
+    URL ``root`` gives a Source that reads its images (and masks) there. A record its worker will refuse
+    lists no class (NOTE [refused records] in fastdata/preprocess/fields.py).
+
+    Args:
+        schema: The merged `index_schema.Schema` of an indexed source's piece: its ``class_id`` gives the
+            records' class ids (``classes`` is then ``[]``).
+        refused: Filled with the positions of the records that list no class, where given.
+    """
     given = paths is not None
     paths = list(paths) if given else []
     raw: dict[str, list[Any]] = {}
     kinds: dict[str, str] = {}
-    folders: dict[str, Path] = {}  # (`inside`'s resolved folders, kept across the rows)
+    folders: dict[str, Path] = {}  # (`locate`'s resolved folders, kept across the rows)
+    unread: set[int] = set()  # records whose image or mask is no file a worker reads
     n = 0
     for where, rec in rows:
         if not given and "image" not in rec:
             raise SourceError(f"{where}: the record has no 'image' path (keys: {sorted(rec)})")
         if not given:
-            paths.append(_rel(root, rec["image"], where, folders))
+            path, found = _rel(root, rec["image"], where, folders)
+            paths.append(path)
+            if not found:
+                unread.add(n)
         for key, value in rec.items():
             if key == "image" or value is None:
                 continue
@@ -105,6 +98,10 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
             if key == "label" and isinstance(value, (list, tuple, dict)):
                 raise SourceError(f"{where}: 'label' holds {shown(value)}: a sample's class is one id or name; "
                                   "give several classes as 'labels' (a list)")
+            if k is None and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                raise SourceError(f"{where}: {key!r} holds {len(value)} texts {shown(value)}: a text field holds one "
+                                  f"text (a caption): keep one as {key!r} and store the others under keys of their "
+                                  "own, one text each, or leave them out")
             if k is None or not valid_name(key):
                 raise SourceError(f"{where}: cannot store {key!r} = {value!r}: use a lower-case name and a number, "
                                   "a list of numbers, a class id/name, a path ('mask') or text")
@@ -122,16 +119,18 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
         raise SourceError(f"{location}: records give 'boxes' and 'box_labels' together (one class per box)")
     extras: dict[str, list[Any]] = {}
     for key, col in raw.items():
-        extras[key] = _column(key, kinds[key], col, location, root, paths)
-    # a record refused for its boxes ("cat dog" for 2 boxes) lists no class: its box_labels stay as given
-    given_box_labels = extras.get("box_labels", [])
-    refused = {i for i, (b, c) in enumerate(zip(extras.get("boxes", []), given_box_labels))
-               if not one_class_per_box(b, c)}
-    if refused:
-        extras["box_labels"] = [[] if i in refused else c for i, c in enumerate(given_box_labels)]
-    classes, extras = _classes(extras, location, None if given else n, paths)
-    if refused:
-        extras["box_labels"] = [given_box_labels[i] if i in refused else c for i, c in enumerate(extras["box_labels"])]
+        extras[key] = _column(key, kinds[key], col, location, root, paths, unread, schema is None)
+    bad, boxed = refusals(kinds, extras)
+    bad |= unread
+    if refused is not None:
+        refused.update(bad)
+    listed = {k: extras[k] for k in CLASS_KEYS if k in extras}  # (the refused records' values, as given)
+    if schema is None:
+        classes, extras = _classes(extras, location, None if given else n, paths, bad)
+    else:
+        classes, extras = [], _schema_ids(extras, schema, bad, location)
+    if bad:
+        extras = _refused_ids(extras, listed, bad, boxed, len(schema.classes if schema is not None else classes))
     has_label = "label" in extras
     labels = extras.pop("label") if has_label else [0] * n
     kinds.pop("label", None)
@@ -141,13 +140,24 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
     return Source(kind, location, root, paths, labels, classes, kinds, extras, has_label)
 
 
-def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, paths: list[str]) -> list[Any]:
+def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, paths: list[str],
+            unread: set[int], tag_ids: bool = True) -> list[Any]:
     """One field's values, checked for what the source alone can tell; None stays where a record lacks it.
-    Masks at a URL become full URLs (the worker reads them: fastdata/preprocess/fields.py)."""
+    Masks at a URL become full URLs (the worker reads them: fastdata/preprocess/fields.py); a mask that is no
+    file a worker reads adds its record to ``unread``; ``tag_ids``: text ``labels`` of digits only become ids."""
     if kind == "mask":
         full = (lambda rel: posixpath.join(root, rel)) if isinstance(root, str) else (lambda rel: rel)
         folders: dict[str, Path] = {}
-        return [None if v is None else full(_rel(root, v, f"{location}: {key}", folders)) for v in col]
+        out = []
+        for i, v in enumerate(col):
+            if v is None:
+                out.append(None)
+                continue
+            rel, found = _rel(root, v, f"{location}: {key}", folders)
+            out.append(full(rel))
+            if not found:
+                unread.add(i)
+        return out
     if kind == "vector":
         shapes = {(len(v) if isinstance(v, list) else -1) for v in col if v is not None}
         if len(shapes) > 1:
@@ -165,7 +175,8 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
     if kind == "labels":  # each value by its own type: text (CSV: "cat dog", "0 3") or a list (JSON may mix them)
         text = [isinstance(v, str) for v in col]
         col = [split_labels(v) if t else v for v, t in zip(col, text)]
-        if any(text) and all(is_id(x) for v, t in zip(col, text) if t for x in v):  # ids when every tag is one
+        # ids when every tag is one (in a piece of an indexed source its schema says: "007" is its own class)
+        if tag_ids and any(text) and all(is_id(x) for v, t in zip(col, text) if t for x in v):
             col = [[int(x) for x in v] if t else v for v, t in zip(col, text)]
     if kind == "box_labels":  # one bare id or name: one box's class
         return [[] if v is None else v if isinstance(v, list) else [v] for v in col]
@@ -176,11 +187,15 @@ def _column(key: str, kind: str, col: list[Any], location: Where, root: Where, p
     return col
 
 
-def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[int], paths: list[str]
-             ) -> tuple[list[str], dict[str, list[Any]]]:
+def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[int], paths: list[str],
+             unlisted: Optional[set[int]] = None) -> tuple[list[str], dict[str, list[Any]]]:
     """One class list for label/labels/box_labels: integer ids keep their ids (below `id_limit` of ``samples``;
-    None: a file of an indexed source, NOTE [class ids] in sources.py), names are sorted."""
-    names = [v for key in CLASS_KEYS if key in extras for rec in extras[key]
+    None: a file of an indexed source, NOTE [class ids] in sources.py), names are sorted. The records in
+    ``unlisted`` list none: their values come back None (`_refused_ids` replaces them)."""
+    if unlisted:
+        extras = {k: [None if i in unlisted else v for i, v in enumerate(col)] if k in CLASS_KEYS else col
+                  for k, col in extras.items()}
+    names = [v for key in CLASS_KEYS if key in extras for rec in extras[key] if rec is not None
              for v in (rec if isinstance(rec, list) else [rec])]
     if not names:
         return [], extras
@@ -205,7 +220,7 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
                           f"{_sample_of(extras, bad, paths)}, but {shown(names[0])}, the "
                           f"{_sample_of(extras, names[0], paths)}, is {'an id' if ids else 'a name'}: give every "
                           "label as an integer id >= 0, or every one as a name")
-    single = [*extras.get("label", ()), *(v for rec in extras.get("box_labels", ()) for v in rec)]
+    single = [*extras.get("label", ()), *(v for rec in extras.get("box_labels", ()) if rec is not None for v in rec)]
     mixed = mixed_ids(single)  # (the tags of `labels` may mix: "cat 2024")
     if mixed is not None:
         an_id, name = (f"{single[i]!r} (the {_sample_of(extras, single[i], paths)})" for i in mixed)
@@ -215,8 +230,43 @@ def _classes(extras: dict[str, list[Any]], location: Where, samples: Optional[in
     out = dict(extras)
     for key in CLASS_KEYS:
         if key in extras:
-            out[key] = [[ids[v] for v in rec] if isinstance(rec, list) else ids[rec] for rec in extras[key]]
+            out[key] = [None if rec is None else [ids[v] for v in rec] if isinstance(rec, list) else ids[rec]
+                        for rec in extras[key]]
     return classes, out
+
+
+def _schema_ids(extras: dict[str, list[Any]], schema: Any, bad: set[int], location: Where) -> dict[str, list[Any]]:
+    """A piece's class values as the merged schema's ids (``schema.class_id``), the records in ``bad`` left
+    as they are (`_refused_ids` replaces them).
+
+    Raises:
+        SourceError: A value is not in the schema: its file changed since the run summarised it.
+    """
+    out = dict(extras)
+    for key in CLASS_KEYS:
+        if key in extras:
+            try:
+                out[key] = [v if i in bad else schema.class_id(v) for i, v in enumerate(extras[key])]
+            except KeyError as exc:
+                raise SourceError(f"{location}: class {exc.args[0]!r} is not in this run's class list: its files "
+                                  "changed since the run listed them; rerun with --overwrite") from None
+    return out
+
+
+def _refused_ids(extras: dict[str, list[Any]], listed: dict[str, list[Any]], bad: set[int], boxed: set[int],
+                 top: int) -> dict[str, list[Any]]:
+    """The class values of the records in ``bad`` (``listed``: as given) as ``top``, one past the last class,
+    which the worker refuses should such a record be read after all (its file appeared since), one a value;
+    the box classes of those refused for their boxes stay as given, for their message (NOTE [refused
+    records] rule 3)."""
+    out = dict(extras)
+    for key, given in listed.items():
+        col = list(extras[key])
+        for i in bad:
+            v = given[i]
+            col[i] = v if key == "box_labels" and i in boxed else [top] * len(v) if isinstance(v, list) else top
+        out[key] = col
+    return out
 
 
 def _sample_of(extras: dict[str, list[Any]], value: Any, paths: list[str]) -> str:
@@ -371,7 +421,7 @@ def coco(root: Where, annotations: Path) -> Source:
     ids = [i for i in files]  # the file's order
     base = root.rstrip("/") if isinstance(root, str) else root.resolve()
     folders: dict[str, Path] = {}
-    paths = [_rel(base, files[i], f"{annotations}: image {i}", folders) for i in ids]
+    paths = [_rel(base, files[i], f"{annotations}: image {i}", folders)[0] for i in ids]
     url = isinstance(base, str)  # then the location names the images' URL (the annotations are a local file)
     return Source("coco", root if url else Path(annotations), Path(".") if url else base, paths, [0] * len(ids),
                   [names[c] for c in order], {"boxes": "boxes", "box_labels": "box_labels"},

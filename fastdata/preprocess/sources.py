@@ -34,7 +34,7 @@ import numpy as np
 from .._io import scrub
 from ..errors import SourceError
 from ..storage.object_store import is_url
-from .url_reads import UrlBlobs, open_text, parent, url_listing
+from .url_reads import UrlBlobs, open_text, parent, url_listing, url_path
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,17 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
+def holds_image(folder: Path) -> bool:
+    """Whether an image file lies anywhere under ``folder`` (the walk stops at the first)."""
+    return any(is_image_name(f) for _, _, files in os.walk(folder) for f in files)
+
+
 def discover(src: Path | str) -> Source:
     """An ImageFolder tree when ``src`` is a folder, a ``path,label`` list when it is a ``.csv`` file; local
     or at a URL (NOTE [url source])."""
     if is_url(src):
         try:
-            source = _from_csv(str(src)) if str(src).lower().endswith(".csv") else url_folder(str(src))
+            source = _from_csv(str(src)) if url_path(src).lower().endswith(".csv") else url_folder(str(src))
         except SourceError as exc:  # a list's messages name its file and line: its URL, scrubbed
             raise SourceError(scrub(str(exc))) from None
         if not source.paths:
@@ -239,15 +244,25 @@ def inside(root: Union[Path, str], rel: str, where: str, folder: str,
     ``..``). ``folders``: a source's resolved folders, kept across its rows (a realpath walks every part of a
     path: 14M rows of a list were minutes; a folder is resolved once, and a row's own name resolved only
     where it is a link)."""
+    return locate(root, rel, where, folder, folders)[0]
+
+
+def locate(root: Union[Path, str], rel: str, where: str, folder: str,
+           folders: Optional[dict[str, Path]] = None) -> tuple[str, bool]:
+    """`inside`'s path, and whether it names a file a worker reads: a regular file or a FIFO, links followed
+    (not a missing file, a folder or a socket: a bad record, which lists no class; NOTE [refused records] in
+    fastdata/preprocess/fields.py). At a URL it is True: only a read tells. The one ``lstat`` that looks for
+    a link tells, at no cost."""
     if isinstance(root, str):
         norm = posixpath.normpath(rel)
         plain = posixpath.normpath(unquote(rel))  # what an http:// server resolves, after our check
         if is_url(rel) or any(p == ".." or p.startswith(("../", "/")) for p in (norm, plain)):
             raise SourceError(f"{where}: {rel!r} is outside {folder} {scrub(root)}; paths must be relative to it")
-        return norm
+        return norm, True
     head, name = os.path.split(rel)
     if folders is None or name in ("", ".", ".."):
         full = (root / rel).resolve()
+        info = _stat(full, os.stat)
     else:
         base = folders.get(head)
         if base is None:
@@ -255,11 +270,21 @@ def inside(root: Union[Path, str], rel: str, where: str, folder: str,
                 folders.clear()
             base = folders[head] = (root / head).resolve()
         full = base / name
-        if full.is_symlink():  # (one lstat: the file itself a link, resolved as realpath would)
+        info = _stat(full, os.lstat)
+        if info is not None and stat.S_ISLNK(info.st_mode):  # the file itself a link, resolved as realpath would
             full = full.resolve()
+            info = _stat(full, os.stat)
     if Path(rel).is_absolute() or not full.is_relative_to(root):
         raise SourceError(f"{where}: {rel!r} is outside {folder} {root}; paths must be relative to it")
-    return full.relative_to(root).as_posix()
+    readable = info is not None and (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode))
+    return full.relative_to(root).as_posix(), readable
+
+
+def _stat(path: Path, how: Any) -> Optional[os.stat_result]:
+    try:
+        return how(path)
+    except (OSError, ValueError):  # (ValueError: a NUL in the name)
+        return None
 
 
 def _from_folder(root: Path) -> Source:
@@ -341,6 +366,7 @@ def _regular(e: os.DirEntry) -> bool:
 def _from_csv(path: Union[Path, str]) -> Source:
     root = parent(path)
     rows: list[tuple[str, str]] = []
+    unread: set[int] = set()  # rows whose file is no file a worker reads: they list no class
     folders: dict[str, Path] = {}
     try:
         with open_text(path) as f:
@@ -351,24 +377,32 @@ def _from_csv(path: Union[Path, str]) -> Source:
                     continue
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
                     raise SourceError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
-                rows.append((inside(root, row[0].strip(), f"{path}:{lineno}", "the list's folder", folders),
-                             row[1].strip()))
+                rel, found = locate(root, row[0].strip(), f"{path}:{lineno}", "the list's folder", folders)
+                if is_image_name(os.path.basename(rel)):  # (other files are no samples)
+                    if not found:
+                        unread.add(len(rows))
+                    rows.append((rel, row[1].strip()))
     except UnicodeDecodeError as exc:
         raise SourceError(f"{path} is not UTF-8 text ({exc.reason}): save the list as UTF-8 CSV") from exc
     except csv.Error as exc:
         raise SourceError(f"{path}: malformed CSV ({exc})") from exc
     except OSError as exc:
         raise SourceError(f"cannot read {path}: {exc.strerror}") from exc
-    mixed = mixed_ids([label for _, label in rows])
+    named = [label for i, (_, label) in enumerate(rows) if i not in unread]
+    mixed = mixed_ids(named)
     if mixed is not None:
-        an_id, name = (f"{rows[i][1]!r} (the label of {rows[i][0]})" for i in mixed)
+        good = [p for i, (p, _) in enumerate(rows) if i not in unread]
+        an_id, name = (f"{named[i]!r} (the label of {good[i]})" for i in mixed)
         raise SourceError(mixing_message(str(path), an_id, name))
-    classes, ids = class_ids([label for _, label in rows], len(rows), str(path))
-    kept = [(p, i) for (p, _), i in zip(rows, ids) if is_image_name(os.path.basename(p))]
-    paths = [p for p, _ in kept]
+    classes, ids = class_ids(named, len(rows), str(path))
+    # a row whose file is missing lists no class: its label is one past the last class (NOTE [refused records]
+    # rule 3 in fastdata/preprocess/fields.py), out of range should its file appear before it is read
+    it = iter(ids)
+    labels = [len(classes) if i in unread else next(it) for i in range(len(rows))]
+    paths = [p for p, _ in rows]
     if isinstance(root, str):
-        return Source("csv", path, Path("."), paths, [i for _, i in kept], classes, blobs=UrlBlobs(root, paths))
-    return Source("csv", path, root, paths, [i for _, i in kept], classes)
+        return Source("csv", path, Path("."), paths, labels, classes, blobs=UrlBlobs(root, paths))
+    return Source("csv", path, root, paths, labels, classes)
 
 
 def url_folder(url: str, listing: Optional[dict[str, dict[str, Any]]] = None) -> Source:

@@ -140,7 +140,7 @@ class TarPiece(Piece):
                 if rec is not None:
                     rows.append((f"{label}: sample {name.split('/', 1)[-1]}", s.record(rec)))
         ok = [p for p, at in zip(paths, where) if not isinstance(at, str)]
-        part = from_records(iter(rows), self.location, self.root, "webdataset", paths=ok)
+        part = from_records(iter(rows), self.location, self.root, "webdataset", paths=ok, schema=s)
         kinds, extras = schema_extras(s, part, len(ok))
         labels, extras = with_bad(part.labels if s.has_label else [0] * len(ok), extras,
                                   [isinstance(w, str) for w in where])

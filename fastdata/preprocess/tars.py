@@ -8,7 +8,11 @@ NOTE [tar source]:
 2. ``cls`` is the ``label`` (an id, or a class name), ``txt`` (or a JSON ``caption``) the ``caption`` text
    field, JSON keys holding a number or a list of numbers in every sample ``vector`` fields (the JSONL
    source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored. A JSON
-   ``caption`` of numbers (token ids) without a ``txt`` makes its sample a bad record: a caption is text.
+   ``caption`` that is not one text (token ids, a list of captions as COCO gives five) without a ``txt``
+   makes its sample a bad record that says so; ``"caption": null`` is no caption, as a missing key. A JSON
+   number a float field cannot hold (NaN, inf, past float32's 3.4e38) makes its sample a bad record when
+   the tar is listed, whether or not every tar stores its key: so its classes are never listed (NOTE
+   [refused records] in fastdata/preprocess/fields.py).
 3. The order is the tars' sorted names, then member order. Every tar is read once, streamed (``tarfile``
    mode ``r|``, nothing extracted to disk), by a task of its own that writes its index (NOTE [tar index] in
    fastdata/preprocess/tar_index.py); workers then read their samples' image bytes by offset, one ranged
@@ -39,9 +43,10 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
+from .fields import vector_flaw
 from .indexed import label_of
-from .sources import IMAGE_EXTENSIONS, fits_float, is_id, is_image_name, listed, shown
-from .url_reads import UrlReader, open_binary, store_call
+from .sources import IMAGE_EXTENSIONS, fits_float, holds_image, is_id, listed, shown
+from .url_reads import UrlReader, open_binary, store_call, url_path
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
@@ -51,7 +56,8 @@ _SPAN = 64 << 20  # but no request longer than this
 _META = ("cls", "json", "txt")  # the members record() reads: the only ones read whole
 _META_MAX = 16 << 20  # a metadata member past this is a bad record (img2dataset writes ~1 KB of .json)
 _KEEP = 32 << 20  # metadata bytes a listing keeps for hard links to them (img2dataset: ~1.5 KB a sample, 10^4 a tar)
-_LONG_INT = re.compile(rb"\d{309}")  # a JSON integer this long is past a float's range (1.8e308)
+# a JSON number float32 may not hold: NaN, Infinity, an exponent of two digits, 39 digits (3.4e38 has 39)
+_ODD_NUMBER = re.compile(rb"NaN|Infinity|\d[eE]\+?\d\d|\d{39}")
 Where = Union[tuple[int, int, int], str]  # (tar, offset, size) of a sample's image, or why it is a bad record
 
 
@@ -83,10 +89,10 @@ def is_tar_source(src: Union[str, Path]) -> bool:
             folder at a URL cannot be listed within the retry budget.
     """
     text = str(src)
-    if text.endswith(".tar"):
+    if url_path(text).endswith(".tar"):  # (at a URL, its path: a presigned one's query follows it)
         return True
     if is_url(text):
-        if text.lower().endswith((".jsonl", ".csv", ".parquet")):
+        if url_path(text).lower().endswith((".jsonl", ".csv", ".parquet")):
             return False  # a records file: no listing needed to tell
         try:  # an outage is ridden out under the retry budget (NOTE [url source] rule 3)
             fs, root = filesystem(text)
@@ -103,17 +109,12 @@ def is_tar_source(src: Union[str, Path]) -> bool:
     # them are an image folder too (the archive kept beside the folder extracted from it), and reading
     # either would drop the other without a word
     classes = sorted(c.name for c in p.iterdir() if c.is_dir() and not c.name.startswith("."))
-    images = next((c for c in classes if _holds_image(p / c)), None)
+    images = next((c for c in classes if holds_image(p / c)), None)
     if images is not None:
         raise SourceError(f"source {p} holds .tar files ({tars[0]}) and class folders of images ({images}/): pass "
                           f"the tars alone (one .tar, or a brace pattern such as {p / '{00000..00009}.tar'}), or move "
                           "the .tar files out of the image folder")
     return True
-
-
-def _holds_image(folder: Path) -> bool:
-    """Whether an image file lies anywhere under ``folder`` (the walk stops at the first)."""
-    return any(is_image_name(f) for _, _, files in os.walk(folder) for f in files)
 
 
 def tar_files(src: Union[str, Path]) -> list[str]:
@@ -125,7 +126,7 @@ def tar_files(src: Union[str, Path]) -> list[str]:
             missing = [n for n in names if not Path(n).is_file()]
             if missing:
                 raise SourceError(f"{src}: {len(missing)} of the {len(names)} tars do not exist (first: {missing[0]})")
-    elif is_url(text) and not text.endswith(".tar"):
+    elif is_url(text) and not url_path(text).endswith(".tar"):
         fs, root = filesystem(text)
         try:
             names = [fs.unstrip_protocol(p) for p in _url_tars(text, fs, root)]
@@ -312,8 +313,8 @@ def _size(f: Any) -> Optional[int]:
 
 def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata
-    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack, a
-    JSON caption of numbers where no .txt gives the text)."""
+    (not JSON, a number of over 4300 digits, past a float's range or not finite in float32, nesting deeper than
+    the parser's stack, a JSON caption that is not one text where no .txt gives the text)."""
     image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
@@ -326,12 +327,11 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
         for k, v in meta.items():
             numeric = isinstance(v, (int, float)) and not isinstance(v, bool) or (
                 isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v))
-            if k == "caption" and numeric and "txt" not in group:  # (the key of the text field: never a vector)
-                raise ValueError(f"'caption' holds {shown(v)}: a caption is text (a .txt member, or a JSON "
-                                 "string); store numbers under another key")
+            if k == "caption" and v is not None and not isinstance(v, str) and "txt" not in group:
+                raise ValueError(_not_one_text(v, numeric))  # (the key of the text field: never a vector)
             if k in ("label", "labels", "boxes", "box_labels") or (k == "caption" and isinstance(v, str)) or numeric:
                 rec[k] = v
-        if _LONG_INT.search(group["json"]):  # rare: only then look for a number no float field can hold
+        if _ODD_NUMBER.search(group["json"]):  # rare: only then look for a number no float field can hold
             _floats(rec)
     if "cls" in group:
         text = group["cls"].decode("utf-8-sig").strip()  # a BOM, as Windows editors write, is no part of the id
@@ -341,11 +341,28 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     return image, rec
 
 
+def _not_one_text(v: Any, numeric: bool) -> str:
+    """Why a JSON caption ``v`` (not text, not null) makes its sample a bad record, and what to do."""
+    if numeric:
+        return f"'caption' holds {shown(v)}: a caption is text (a .txt member, or a JSON string); store numbers " \
+               "under another key"
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):  # COCO's five captions an image
+        return f"'caption' holds {len(v)} texts {shown(v)}: a caption is one text: keep one as 'caption' and store " \
+               "the others under another key, or give the caption as a .txt member"
+    return f"'caption' holds {shown(v)}: a caption is one text (a .txt member, or a JSON string)"
+
+
 def _floats(rec: dict[str, Any]) -> None:
-    """Raise ValueError for a record's number (or list of them) past a float's range: a vector field's values."""
+    """Raise ValueError for a record's number (or list of them) that a float field cannot hold: past a float's
+    range, or not finite in float32 (the worker's rule: `fields.vector_flaw`)."""
     for k, v in rec.items():
-        if k not in ("label", "labels", "boxes", "box_labels", "caption") and not fits_float(v):
+        if k in ("label", "labels", "boxes", "box_labels", "caption"):
+            continue
+        if not fits_float(v):
             raise ValueError(f"{k!r} is {shown(v)}, past a float's range (1.8e308)")
+        flaw = vector_flaw([float(x) for x in v] if isinstance(v, list) else float(v), k)
+        if flaw:
+            raise ValueError(flaw)
 
 
 class TarBlobs:

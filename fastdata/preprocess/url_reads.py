@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO, Union
@@ -35,10 +36,18 @@ _POOL: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, threads): see _r
 
 
 def parent(location: Union[Path, str]) -> Union[Path, str]:
-    """The folder a records file's paths are relative to: a resolved path, or the file's folder URL."""
+    """The folder a records file's paths are relative to: a resolved path, or the file's folder URL (without
+    the file's query, a presigned URL's token for that file)."""
     if isinstance(location, str) and is_url(location):
-        return location.rsplit("/", 1)[0]
+        return location.split("?", 1)[0].rsplit("/", 1)[0]
     return Path(location).parent.resolve()
+
+
+def url_path(location: Union[Path, str]) -> str:
+    """What a source's suffix is read from: a URL's path, without its query (a presigned or SAS URL,
+    ``.../x.tar?sig=...``, is a ``.tar``; the query stays in the URL read), or a local path as given."""
+    text = str(location)
+    return urllib.parse.urlsplit(text, allow_fragments=False).path if is_url(text) else text
 
 
 def store_call(url: str, fn: Callable[[], Any], doing: str = "read") -> Any:
