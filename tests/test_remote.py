@@ -1115,3 +1115,153 @@ def test_a_dataset_with_fields_streams_every_fields_files_with_their_shard(s3, p
     cached = sum(_size_now(p) for p in (tmp_path / "cache").rglob("*-0*") if ".offsets-" not in p.name
                  and p.suffix in (".npy", ".lmdb"))
     assert cached <= 3 * per_shard
+
+
+@pytest.mark.parametrize("change", ["cut-at-a-piece", "cut-mid-piece", "replaced-longer"])
+def test_an_object_changed_since_its_manifest_fails_at_once_not_after_the_budget(s3, proxy, indexed_datasets,
+                                                                                 tmp_path, monkeypatch, change):
+    """A file read in pieces (over 64 MB: pieces of 8 MB, scaled down to 256 bytes) whose object was overwritten
+    with a shorter one: the piece past its new end was refused (416 InvalidRange) and retried for the whole
+    budget (2 minutes by default), then blamed on the network; one replaced by a longer one was downloaded
+    twice. One look at the object's size (a HEAD) now names it at once, and says what to do."""
+    from fastdata.errors import ChecksumError
+    from fastdata.storage import remote as remote_mod
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    bucket = f"changed-{change}"
+    url = s3(bucket) + "/ds"
+    push(indexed_datasets["npy"], url)
+    body = (indexed_datasets["npy"] / "images-00002.npy").read_bytes()
+    new = {"cut-at-a-piece": body[:768], "cut-mid-piece": body[:1000],
+           "replaced-longer": bytes(255 - b for b in body) + bytes(100)}[change]
+    s3.client.put_object(Bucket=bucket, Key="ds/images-00002.npy", Body=new)
+    monkeypatch.setattr(remote_mod, "_WHOLE", 256)
+    monkeypatch.setattr(remote_mod, "_BLOCK", 256)
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", retry_seconds=20)
+    remote.prepare(frozenset({"images-00002.npy"}))
+    proxy.clear()
+    began = time.monotonic()
+    with pytest.raises(ChecksumError) as err:
+        remote.fetch(remote.entry("images-00002.npy"))
+    assert time.monotonic() - began < 5  # (before: 20 s, the whole budget, for a cut object)
+    msg = str(err.value)
+    assert f"images-00002.npy: the store's object has {len(new)} bytes, not the manifest's {len(body)}" in msg, msg
+    assert "changed since the manifest was written" in msg and "another writer" in msg and "`fastdata push`" in msg
+    assert "`fastdata preprocess`" in msg and "tries" not in msg and "\n" not in msg, msg
+    pieces = -(-len(body) // 256)
+    gets = sum(v for k, v in proxy.gets.items() if k.endswith("images-00002.npy"))
+    assert gets == {"cut-at-a-piece": 3, "cut-mid-piece": 4, "replaced-longer": pieces}[change]  # once, not twice
+    assert sum(v for k, v in proxy.heads.items() if k.endswith("images-00002.npy")) == 1
+    assert not (remote.dir / "images-00002.npy").exists() and not list(remote.dir.rglob("*.part-*"))
+
+
+def test_a_file_fetched_again_from_its_first_byte_counts_its_bytes_once(s3, proxy, indexed_datasets, tmp_path,
+                                                                        monkeypatch):
+    """A file in pieces (over 64 MB: pieces of 8 MB, scaled down) whose body failed its sha256 (a piece flipped on
+    the way: a ranged answer carries no checksum the client checks) is fetched again from byte 0: the progress
+    callback (the download bar) was given its bytes twice, so the bar reached its end with files still to come.
+    The failed try takes back what it counted: the total is the file's size, and never passes it."""
+    from fastdata.storage import remote as remote_mod
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    url = s3("count-once") + "/ds"
+    push(indexed_datasets["npy"], url)
+    monkeypatch.setattr(remote_mod, "_WHOLE", 256)
+    monkeypatch.setattr(remote_mod, "_BLOCK", 256)
+    remote = RemoteDataset(url, cache_dir=tmp_path / "cache", retry_seconds=10)
+    remote.prepare(frozenset(f["path"] for f in remote.manifest["files"]))
+    size = (indexed_datasets["npy"] / "images-00001.npy").stat().st_size
+    proxy.clear()
+    proxy.inject("corrupt", r"images-00001\.npy")
+    counted: list[int] = []
+    path = remote.fetch(remote.entry("images-00001.npy"), counted.append)
+    assert path.read_bytes() == (indexed_datasets["npy"] / "images-00001.npy").read_bytes()
+    assert proxy.faults == {"corrupt": 1}
+    assert sum(counted) == size and max(np.cumsum(counted)) == size, counted  # (before: 2 x size)
+    assert sum(v for k, v in proxy.gets.items() if k.endswith("images-00001.npy")) == 2 * -(-size // 256)
+
+
+def _other_version(s3, bucket: str, raw: bytes, k: int) -> None:
+    """Push another version of ``bucket``'s dataset: its manifest with other bytes (spaces), the same files."""
+    s3.client.put_object(Bucket=bucket, Key="ds/manifest.json", Body=raw.replace(b"{", b"{" + b" " * k, 1))
+
+
+@pytest.mark.parametrize("kind", ["ofd", "flock"])
+def test_a_dataset_pushed_again_leaves_no_old_version_in_the_cache_once_no_reader_holds_it(
+        s3, indexed_datasets, tmp_path, monkeypatch, kind):
+    """Each push of a new version gave the node cache a new folder and left the old ones, outside every
+    cache_limit (each bounds its own version): the cache grew with every push. Opening a version now removes the
+    folders of the URL's other versions that no reader holds; one a live reader holds (a streamed reader, a
+    reader of every file) stays until it is closed. ``flock``: where the system has no OFD locks."""
+    import fcntl
+
+    from fastdata.datasets.images import FastDataset
+    from fastdata.storage.push import push
+
+    if kind == "flock":
+        monkeypatch.delattr(fcntl, "F_OFD_GETLK")
+    url = s3(f"versions-{kind}") + "/ds"
+    push(indexed_datasets["npy"], url)
+    raw = (indexed_datasets["npy"] / "manifest.json").read_bytes()
+    cache = tmp_path / "cache"
+    local = FastDataset(indexed_datasets["npy"])
+
+    def folders() -> set[str]:
+        return {p.name for p in cache.iterdir()}
+    streamed = FastDataset(url, cache_dir=cache, cache_limit=4 * 3200)  # version 0, read in shards
+    streamed.get_batch([0, 40])
+    _other_version(s3, f"versions-{kind}", raw, 1)
+    whole = FastDataset(url, cache_dir=cache, storage="ram")  # version 1, every file read at opening
+    assert folders() == {streamed.root.name, whole.root.name}  # version 0 is in use: it stays
+    assert np.array_equal(streamed.get_batch([70])[0].numpy(), local.get_batch([70])[0].numpy())  # (fetched)
+    streamed.close()
+    _other_version(s3, f"versions-{kind}", raw, 2)
+    newest = FastDataset(url, cache_dir=cache)  # version 2: version 0 goes, version 1 (in use) stays
+    assert folders() == {whole.root.name, newest.root.name}
+    for ds in (whole, newest):
+        assert np.array_equal(ds.get_batch([5, 99])[0].numpy(), local.get_batch([5, 99])[0].numpy())
+    whole.close()
+    again = FastDataset(url, cache_dir=cache)  # version 2 opened again: version 1 goes now
+    assert folders() == {newest.root.name} and again.root == newest.root
+    assert np.array_equal(again.get_batch([1, 97])[0].numpy(), local.get_batch([1, 97])[0].numpy())
+    assert not [p for p in tmp_path.rglob("*") if ".removing-" in p.name]
+
+
+def test_a_folder_removed_while_an_opening_waits_for_it_is_made_again(s3, indexed_datasets, tmp_path):
+    """An opening that comes while another version's opening removes its folder (no reader held it) waits for
+    the removal, finds the folder gone, and makes it again: it never reads from a folder being deleted. A
+    removal cut short (the folder renamed away, not deleted: a killed process) is finished by the next opening."""
+    import threading
+
+    from fastdata.storage.cache_folders import ShardPins
+    from fastdata.storage.push import push
+    from fastdata.storage.remote import RemoteDataset
+
+    url = s3("removed-meanwhile") + "/ds"
+    push(indexed_datasets["npy"], url)
+    first = RemoteDataset(url, cache_dir=tmp_path / "cache")
+    folder = first.prepare()
+    first.release()
+    claim = ShardPins(folder / ".locks", reader=False)  # a removal under way: every reader kept off
+    assert claim.claim()
+    opening = RemoteDataset(url, cache_dir=tmp_path / "cache")
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.setdefault("dir", opening.prepare()))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # waiting for the removal to end
+    os.rename(folder, tmp_path / "cache" / ".removing-x")  # (then killed: never deleted)
+    claim.close()
+    t.join(30)
+    assert not t.is_alive() and done["dir"] == folder and (folder / "manifest.json").read_bytes() == (
+        indexed_datasets["npy"] / "manifest.json").read_bytes()
+    assert all((folder / f["path"]).is_file() for f in opening.manifest["files"])
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]  # (.removing-x went)
+    again = RemoteDataset(url, cache_dir=tmp_path / "cache")  # the same version: its folder stays
+    again.prepare()
+    assert folder.is_dir() and not claim.claim()  # (held by both openings)
+    claim.close()
+    opening.release()
+    again.release()

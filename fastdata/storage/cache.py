@@ -33,7 +33,11 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     (bounded maps) pins a batch's shards while the batch is read, finding one evicted since it was opened
     and fetching it again (pins held for every open shard cost a lock each: 10^5 of them, minutes). (Pins
     until 2026-11-27 were a file per shard: a job of an older fastdata sharing a cache folder does not see
-    these.)
+    these.) A reader of every file (storage "ram", "shm", "cuda"; an LMDB of version 1) pins no shard: it
+    holds the folder whole from before its downloads until it is closed (`RemoteDataset.hold_whole`:
+    `ShardPins.hold_all`), and no process evicts any of its files meanwhile. Every `ShardPins` also holds
+    the folder as read while it lives, so the opening of another version of the dataset never removes a
+    folder in use (`cache_folders.remove_other_versions`).
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).

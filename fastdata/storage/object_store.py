@@ -123,6 +123,24 @@ def read_range(fs: Any, path: str, start: int, end: int) -> bytes:
                            "connection)") from None
 
 
+def range_refused(exc: BaseException) -> bool:
+    """Whether a failed ranged read may be the store refusing a range past the object's end (HTTP 416: S3's
+    InvalidRange, which s3fs raises as an OSError of EINVAL; aiohttp's and gcsfs's errors carry the status): the
+    object is shorter than its manifest says, a change no retry mends (`RemoteDataset` then looks at its size
+    once). A wrong guess costs one HEAD."""
+    for e in (exc, exc.__cause__):
+        if e is None:
+            continue
+        if 416 in (getattr(e, "status", None), getattr(e, "code", None)):
+            return True
+        response = getattr(e, "response", None)  # (botocore's ClientError, s3fs's cause)
+        if isinstance(response, dict) and (response.get("Error", {}).get("Code") == "InvalidRange" or
+                                           response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416):
+            return True
+    text = str(exc).lower()
+    return "range" in text and ("satisf" in text or "invalid" in text)
+
+
 def object_version(info: dict[str, Any]) -> str:
     """What changes when an object does, from an fsspec ``info``/``ls`` entry: its ETag (S3, GCS, Azure),
     else its modification time; "" when the store says neither."""

@@ -9,11 +9,14 @@ and sha256, then renamed: nothing partial or corrupt ever has a final name. A pe
 a killed downloader (``.part-*`` whose file's lock is free) are removed. The folder holds the manifest from the
 start (its id is that manifest's hash) and the files as they arrive: FastDataset streams image shards into it as
 batches need them (storage/cache.py), any other reader waits for every file, and then it is an ordinary dataset
-folder. The next job on the same data reuses it; ``fastdata cache list|fetch|remove`` manage the folders. A download
+folder. The next job on the same data reuses it; ``fastdata cache list|fetch|remove`` manage the folders. Each
+opening removes the folders of the URL's other versions that no reader holds (every opening and reader holds its
+own folder: `ShardPins` rule 4), so a dataset pushed again leaves no old copy outside every cache_limit. A download
 whose bytes do not match while the remote manifest changed is refused: a job never mixes two versions of a dataset.
-An object replaced after `fastdata push` is named at once, not retried: a body of the wrong sha256 twice, or one
-of the wrong size while the store says the object has that size too (a body cut on its way, the object still of
-the manifest's size, is a network fault).
+An object replaced after `fastdata push` is named at once, not retried: a body of the wrong sha256 twice, a body
+or a piece that fails its check (or a range refused as past the object's end) while the store says the object is
+of another size than the manifest's (one HEAD; a body cut on its way, the object still of the manifest's size, is
+a network fault).
 A network fault is retried (NOTE [retry budget] in object_store.py); a full cache disk is not (trying again does not
 free space): the partial file is removed and one line says what to do (DiskFullError; a rerun keeps what is cached).
 A file over 64 MB comes in 8 MB ranged pieces, each retried on its own, the ``.part`` file and its running sha256
@@ -32,6 +35,7 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -42,10 +46,10 @@ from ..errors import ChecksumError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, parse_manifest
 from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
-from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, ShardPins, cache_folder, cache_modes, cached_size,
-                            copy_advice, default_cache_dir, lock_file)
-from .object_store import (RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, read_range, stopped,
-                           stored_size)
+from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, FolderRemoved, ShardPins, cache_folder, cache_modes,
+                            cached_size, copy_advice, default_cache_dir, lock_file, remove_other_versions)
+from .object_store import (RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, range_refused,
+                           read_range, stopped, stored_size)
 
 _BLOCK = 8 << 20
 _WHOLE = 64 << 20
@@ -138,14 +142,13 @@ class RemoteDataset:
         of every file (storage "ram", "shm", "cuda"; an LMDB of version 1) holds the folder from before the
         downloads until `release`, so that a job with a cache_limit sharing it evicts none of the files it
         reads (`ShardPins.hold_all`; its workers may read them again); each reader then takes its own
-        (`hold_whole`)."""
-        cache_folder(self.dir)
-        cache_folder(self.dir / ".locks")
+        (`hold_whole`). Every opening holds the folder as read from here until `release` (or until its reader
+        holds it: `hold_whole`), so that the opening of another version leaves it (`remove_other_versions`);
+        the folders of other versions of this URL that no reader holds are removed."""
+        pins = self._hold_folder()
         if hold:
             self.whole_reader = True
-            if self._holding is None or self._holding[0] != os.getpid():  # (a forked child holds none of its parent's)
-                self._holding = (os.getpid(), ShardPins(self.dir / ".locks"))
-            self._holding[1].hold_all()  # (before a file is looked at: one evicted meanwhile is fetched below)
+            pins.hold_all()  # (before a file is looked at: one evicted meanwhile is fetched below)
         self._clean_leftovers()
         if not (self.dir / MANIFEST_NAME).is_file():  # the folder's id is this manifest's hash: always the same
             with lock_file(self.dir / ".locks" / "manifest.lock") as lock:
@@ -157,17 +160,37 @@ class RemoteDataset:
                         mode=mode)
                     write_bytes_atomic(self.dir / MANIFEST_NAME, self.manifest_bytes(), CACHE_FULL_ADVICE, mode=mode)
                     fsync_dir(self.dir)
+        remove_other_versions(self.dir, scrub(self.url))  # (before the downloads: their disk comes back first)
         self._manifest_bytes = None  # (read back from the cache when asked for, not held by every process)
         files = self.manifest["files"]
         entries = list(rows_by(files, (path for path in column(files, "path") if path not in skip)).values())
         map_threads(lambda e: self.fetch(e, progress), entries, self.workers, "fastdata-fetch-files")
         return self.dir
 
+    def _hold_folder(self) -> ShardPins:
+        """This opening's hold on its cache folder (a reader of it: `ShardPins`), the folder made first, and
+        made again where the opening of another version removed it meanwhile (no reader held it then)."""
+        if self._holding is not None and self._holding[0] == os.getpid():  # (a forked child holds none of its parent's)
+            return self._holding[1]
+        for _ in range(8):  # (each turn needs another process to remove the folder between two of our calls)
+            cache_folder(self.dir)
+            cache_folder(self.dir / ".locks")
+            try:
+                pins = ShardPins(self.dir / ".locks")
+            except FolderRemoved:
+                continue
+            weakref.finalize(self, pins.close)  # (a dropped opening lets go: no lock or descriptor outlives it)
+            self._holding = (os.getpid(), pins)
+            return pins
+        raise FolderRemoved(self.dir)
+
     def hold_whole(self) -> Optional[ShardPins]:
         """A reader's own hold on the folder, where `prepare` held it for readers of every file (else None):
         each reader keeps its own until it is closed, so closing one of two readers of one opened path leaves
-        the other's; the opening's hold is let go, now that the reader holds the folder."""
+        the other's; the opening's hold is let go, now that the reader holds the folder (a streamed reader's
+        through the pins of its `ShardCache`)."""
         if not self.whole_reader:
+            self.release()
             return None
         pins = ShardPins(self.dir / ".locks")
         pins.hold_all()
@@ -175,7 +198,8 @@ class RemoteDataset:
         return pins
 
     def release(self) -> None:
-        """Let go of the folder `prepare` held (``hold``): other jobs may evict its files again."""
+        """Let go of the folder `prepare` held: other jobs may evict its files again (``hold``), and the
+        opening of another version may remove it once no reader holds it."""
         held, self._holding = self._holding, None
         if held is not None and held[0] == os.getpid():
             held[1].close()
@@ -266,7 +290,7 @@ class RemoteDataset:
     def _download(self, entry: dict[str, Any], final: Path, progress: Optional[Callable[[int], None]],
                   stop: Optional[threading.Event] = None) -> None:
         tmp = final.with_name(f"{final.name}.part-{os.getpid()}-{secrets.token_hex(4)}")
-        digest, size = new_hash(), 0
+        digest, size, done = new_hash(), 0, False
 
         def local(op: Callable[[], Any]) -> Any:  # this machine's side: its errors are not the network's
             try:
@@ -291,25 +315,22 @@ class RemoteDataset:
                     pass
             problem = file_problem(entry, size, digest.hexdigest())
             if problem is not None and self._manifest_changed():
-                raise FormatError(f"{scrub(self.url)} changed while this job was reading it (its {MANIFEST_NAME} "
-                                  "is not the one this job started with): refusing to mix two versions; restart "
-                                  "the job to read the new one") from None
+                raise self._changed_under_job() from None
+            if problem is not None:  # the store's object of another size (grown, cut): named now, not retried
+                self._check_object(object_path(self.root, entry["path"]), int(entry["bytes"]))
             if problem == "hash":  # a corrupted body: retried by the caller, never renamed
                 raise _WrongBytes(digest.hexdigest())
-            if problem is not None:  # a body cut on its way (retried), or the store's object is of another size
-                stored = stored_size(self.fs, object_path(self.root, entry["path"]))  # (a HEAD, asked afresh)
-                if stored is not None and stored != int(entry["bytes"]):
-                    raise ChecksumError(f"cannot read {scrub(self.url)}/{entry['path']}: the store's object has "
-                                        f"{stored} bytes, not the manifest's {entry['bytes']}: it was replaced or "
-                                        "damaged after `fastdata push`; push the dataset again (`fastdata verify "
-                                        "URL` lists every such object)") from None
+            if problem is not None:  # a body cut on its way: retried
                 raise IOError(f"the downloaded bytes' {problem} differs from the manifest's (truncated on the way)")
             local(lambda: os.replace(tmp, final))
+            done = True
             with self._count:
                 self.fetched["files"] += 1
                 self.fetched["bytes"] += size
         finally:
             tmp.unlink(missing_ok=True)
+            if not done and size and progress is not None:  # the next try counts from byte 0: a bar counts once
+                progress(-size)
 
     def _blocks(self, path: str, size: int, what: str = "",
                 stop: Optional[threading.Event] = None) -> Iterator[bytes]:
@@ -317,14 +338,57 @@ class RemoteDataset:
         else ``_BLOCK`` pieces. A ranged read is one request on every fsspec backend; a whole-object read or
         an ``open`` makes s3fs ask for the size first: a HEAD per shard, half the requests, and a large share of
         the server's CPU per byte (benchmarks/RESULTS.md). Each piece is retried on its own within the budget
-        (NOTE [remote cache]), named ``what``; ``stop``: `Retry`'s."""
+        (NOTE [remote cache]), named ``what``; ``stop``: `Retry`'s. A piece refused as past the object's end, or
+        one that comes short, is one look at the object's size: another than the manifest's is an error at once
+        (`_check_object`), not a fault retried for the whole budget."""
         step = size if size <= _WHOLE else _BLOCK
         for start in range(0, size, step):
             end = min(size, start + step)
-            block = self.retry(what or path, lambda: read_range(self.fs, path, start, end), stop=stop)
+            block = self.retry(what or path, lambda: self._piece(path, start, end, size), stop=stop)
             yield block
             if len(block) > end - start:  # a server that ignores Range sent the whole object: the checks judge it
                 return
+
+    def _piece(self, path: str, start: int, end: int, size: int) -> bytes:
+        """Bytes ``start:end`` of object ``path`` (of the manifest's ``size``); a try of `_blocks`."""
+        try:
+            block = read_range(self.fs, path, start, end)
+        except Exception as exc:  # noqa: BLE001 - re-raised: `Retry` judges it
+            if range_refused(exc):
+                self._check_object(path, size)
+            raise
+        if len(block) < end - start:  # (a range is never past the manifest's size: the object is shorter, or cut)
+            self._check_object(path, size)
+            raise IOError(f"{len(block)} bytes of a piece of {end - start} came (cut on the way)")
+        return block
+
+    def _check_object(self, path: str, size: int) -> None:
+        """Raise when the store's object ``path`` is not of the manifest's ``size`` now (one HEAD): it changed
+        since the manifest was written, which no retry mends; a new manifest (a push under this job) is said
+        first. Nothing when it is of that size: the caller's fault is the network's.
+
+        Raises:
+            FormatError: The dataset's manifest changed while this job reads it.
+            ChecksumError: The object alone changed: replaced, cut, or written by another writer.
+        """
+        stored = stored_size(self.fs, path)  # (a HEAD, asked afresh)
+        if stored is None or stored == size:
+            return
+        if self._manifest_changed():  # (from None: called while a store's error, naming the URL, is handled)
+            raise self._changed_under_job() from None
+        root = self.root.rstrip("/")
+        name = path[len(root) + 1:] if root else path  # (`object_path`'s name)
+        raise ChecksumError(f"cannot read {scrub(self.url)}/{name}: the store's object has {stored} bytes, not the "
+                            f"manifest's {size}: it was replaced or damaged after `fastdata push` (changed since the "
+                            "manifest was written: a push or preprocess run over it that did not finish, or another "
+                            "writer at this URL); check that no other job writes there, then push the dataset again "
+                            "(`fastdata push`) or re-run `fastdata preprocess` to this URL (`fastdata verify URL` "
+                            "lists every such object)") from None
+
+    def _changed_under_job(self) -> FormatError:
+        return FormatError(f"{scrub(self.url)} changed while this job was reading it (its {MANIFEST_NAME} is not the "
+                           "one this job started with): refusing to mix two versions; restart the job to read the "
+                           "new one")
 
     def manifest_bytes(self) -> bytes:
         """The manifest's bytes as this dataset read them: held until the node cache has them, then read back
@@ -428,6 +492,8 @@ def verify_store(remote: RemoteDataset, progress: Optional[Callable[[int], None]
             problem = remote.retry(f"{remote.url}/{entry['path']}", digest)
         except FileNotFoundError:
             problem = "missing"
+        except ChecksumError:  # (`_check_object`: it changed while it was hashed)
+            problem = "replaced while it was read (its size is no longer the manifest's)"
         return None if problem is None else f"{scrub(remote.url)}/{entry['path']}: {problem}"
 
     return [p for p in map_threads(check, remote.manifest["files"], remote.workers, "fastdata-verify-store")
