@@ -1235,7 +1235,7 @@ def test_a_folder_removed_while_an_opening_waits_for_it_is_made_again(s3, indexe
     removal cut short (the folder renamed away, not deleted: a killed process) is finished by the next opening."""
     import threading
 
-    from fastdata.storage.cache_folders import ShardPins
+    from fastdata.storage.cache_locks import ShardPins
     from fastdata.storage.push import push
     from fastdata.storage.remote import RemoteDataset
 

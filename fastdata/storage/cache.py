@@ -37,7 +37,7 @@ NOTE [shard cache]: the rules of fetching and evicting a remote dataset's shards
     holds the folder whole from before its downloads until it is closed (`RemoteDataset.hold_whole`:
     `ShardPins.hold_all`), and no process evicts any of its files meanwhile. Every `ShardPins` also holds
     the folder as read while it lives, so the opening of another version of the dataset never removes a
-    folder in use (`cache_folders.remove_other_versions`).
+    folder in use (`cache_locks.remove_other_versions`).
 12. The pin is not the download lock, so a reader holding pins never waits on a download that waits on it.
 13. Every rank on a node shares the cache folder and downloads each shard once (the per-file locks of
     `RemoteDataset.fetch`).
@@ -86,7 +86,8 @@ from ..errors import ChecksumError, ConfigError, FastdataError, is_whole
 from ..formats.integrity import check_file, damaged_error
 from . import evict
 from .plan import Plan, horizon
-from .cache_folders import ShardPins, cached_size, on_disk, remove_cached_file
+from .cache_folders import cached_size, on_disk, remove_cached_file
+from .cache_locks import ShardPins
 from .remote import RemoteDataset, download_bar
 from .streamed import FileGroups
 

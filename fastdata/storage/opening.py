@@ -24,7 +24,7 @@ from .streamed import unread_files
 
 if TYPE_CHECKING:
     from .cache import ShardCache
-    from .cache_folders import ShardPins
+    from .cache_locks import ShardPins
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}

@@ -46,8 +46,9 @@ from ..errors import ChecksumError, FastdataError, FormatError
 from ..formats.manifest import MANIFEST_NAME, parse_manifest
 from ..formats.integrity import file_problem
 from ..formats.rows import Rows, column, int_column, is_rows, lookup, rows_by
-from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, FolderRemoved, ShardPins, cache_folder, cache_modes,
-                            cached_size, copy_advice, default_cache_dir, lock_file, remove_other_versions)
+from .cache_folders import (CACHE_FULL_ADVICE, SOURCE_NAME, cache_folder, cache_modes, cached_size, copy_advice,
+                            default_cache_dir, lock_file)
+from .cache_locks import FolderRemoved, ShardPins, remove_other_versions
 from .object_store import (RETRY_SECONDS, Retry, check_object_names, filesystem, object_path, range_refused,
                            read_range, stopped, stored_size)
 
