@@ -32,8 +32,8 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # or `inspect` goes through scrub(), the one place that knows the forms a secret takes in them.
 _SECRET_NAME = (r"(?:[A-Za-z0-9]+[_-])*(?:secret|password|passwd|secret[_-]access[_-]key|session[_-]token|"
                 r"security[_-]token|access[_-]token|refresh[_-]token|sas[_-]token|account[_-]?key|api[_-]?key|"
-                r"private[_-]key|client[_-]secret)|X-Amz-[A-Za-z-]+|Signature|SharedAccessSignature|"
-                r"AWSAccessKeyId|Authorization")
+                r"private[_-]key|client[_-]secret)|X-Amz-[A-Za-z-]+|X-Goog-[A-Za-z-]+|Signature|SharedAccessSignature|"
+                r"AWSAccessKeyId|GoogleAccessId|Authorization")
 _SECRETS = (  # (pattern, replacement), applied in order
     (re.compile(r"\b(Bearer|Basic)\s+[^\s'\",;&]+", re.I), r"\1 ***"),
     (re.compile(rf"(?<![A-Za-z0-9_-])((?:{_SECRET_NAME})[\"']?\s*[:=]\s*[\"']?)"  # name: value, name='value'
@@ -53,7 +53,7 @@ _SECRETS = (  # (pattern, replacement), applied in order
 def scrub(text: str) -> str:
     """``text`` without the secrets URLs and exception texts carry, safe for messages and logs: the password
     of ``user:secret@host`` (and an http user name, often a token), signed-URL and credential query values
-    (``X-Amz-Signature=``, ``sig=``, ``token=``, ``password=``), ``Authorization``/``Bearer`` values, and
+    (``X-Amz-Signature=``, GCS's ``X-Goog-Signature=``, ``sig=``, ``token=``, ``password=``), ``Authorization``/``Bearer`` values, and
     ``aws_secret_access_key=``/``'secret': ...`` assignments; each value becomes ``***``."""
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)

@@ -789,6 +789,9 @@ SECRETS = [  # (text, the secret in it)
     ('{"secret": "s3cr3t", "region": "us-east-1"}', "s3cr3t"),
     ("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=abc123==;EndpointSuffix=x", "abc123"),
     ("gs://b/ds?key=AIzaKEY", "AIzaKEY"),
+    ("https://storage.googleapis.com/b/x.tar?X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Credential=sa%40p.iam"
+     "&X-Goog-Signature=9f1c0ffee", "9f1c0ffee"),  # (a GCS V4 signed URL)
+    ("https://storage.googleapis.com/b/x.tar?GoogleAccessId=sa@p.iam&Expires=1&Signature=Zm9v", "Zm9v"),
     ('Invalid bucket name "AKIAEXAMPLE:hunter2secret@bucket": Bucket name must match', "hunter2secret"),
     ("ParamValidationError: AKIAEXAMPLE:hunter2secret@bucket/ds", "hunter2secret"),
     ("FileNotFoundError: /user:hunter2@store/ds/images-00003.npy", "hunter2"),  # (fsspec's memory store)
