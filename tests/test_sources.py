@@ -8,6 +8,7 @@ import os
 import re
 import threading
 
+import numpy as np
 import pytest
 from conftest import AWKWARD_BAD, AWKWARD_GOOD
 from PIL import Image
@@ -375,14 +376,20 @@ def test_a_listed_row_whose_file_appears_before_it_is_read_is_a_bad_record_not_a
     dataset does not have (an index error at the model's loss)."""
     from fastdata.preprocess.image_tasks import Plan, work
 
-    for name in ("0.png", "1.png"):
-        _png(tmp_path / name)
+    _png(tmp_path / "0.png")
+    _png(tmp_path / "1.png", (10, 200, 10))
     (tmp_path / "list.csv").write_text("0.png,cat\nlate.png,ghost\n1.png,dog\n")
     source = discover(tmp_path / "list.csv")
     assert source.classes == ["cat", "dog"] and source.labels == [0, 2, 1]
-    _png(tmp_path / "late.png")  # (it appears)
+    _png(tmp_path / "late.png", (10, 10, 200))  # (it appears)
     plan = Plan("npy", 8, 16, (), True, "center-crop", "lanczos", 90, "uint8", "bytes")
     ok, samples, failures = work(next(plan.tasks(source, 0, [(0, 3)])))
     assert ok == [0, 2] and len(samples) == 2
-    assert failures == [(1, "its file was missing when the source was listed, so it has no class: re-run "
-                            "`fastdata preprocess` to list it")]
+    assert failures == [(1, "it was no file when the source was listed, so it has no class: re-run `fastdata "
+                            "preprocess` to list it")]
+    unlabelled = Plan("npy", 8, 16, (), False, "center-crop", "lanczos", 90, "uint8", "bytes")
+    every = work(next(unlabelled.tasks(source, 0, [(0, 3)])))[1]  # (no labels: the three rows)
+    assert np.array_equal(samples, every[[0, 2]]) and not np.array_equal(every[1], every[2])
+    jpeg = Plan("lmdb", 8, 16, (), True, "center-crop", "lanczos", 90, "uint8", "bytes")
+    ok, blobs, failures = work(next(jpeg.tasks(source, 0, [(0, 3)])))
+    assert ok == [0, 2] and len(blobs) == 2 and [f[0] for f in failures] == [1]

@@ -197,10 +197,6 @@ def work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[
     if fmt == "npy":
         samples = pixel_rows(shared, len(paths), size)
     for j, rel in enumerate(paths):
-        if classed is not None and classed[0][j] >= classed[1]:  # missing when listed: stored with no class
-            failures.append((first + j, "its file was missing when the source was listed, so it has no class: "
-                                        "re-run `fastdata preprocess` to list it"))
-            continue
         try:
             path = open_source(Path(root), rel, blobs, j)
             if fmt == "npy":
@@ -211,6 +207,12 @@ def work(task: tuple, slot: Optional[int] = None) -> tuple[list[int], Any, list[
                 samples.append(decode.load_jpeg(path, size, quality, resample))
         except (ImageDecodeError, OSError) as exc:
             failures.append((first + j, reason_of(exc)))
+            continue
+        if classed is not None and classed[0][j] >= classed[1]:  # read now, but no file when listed: no class
+            if fmt != "npy":
+                samples.pop()  # (an npy row is written over by the next)
+            failures.append((first + j, "it was no file when the source was listed, so it has no class: re-run "
+                                        "`fastdata preprocess` to list it"))
             continue
         ok.append(first + j)
     if fmt == "npy":
