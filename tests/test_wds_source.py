@@ -718,23 +718,28 @@ def test_a_json_caption_of_several_texts_is_a_bad_record_and_a_null_one_no_capti
     assert sample_ids(b["image"]).tolist() == [0, 2, 3, 4]
 
 
-def test_a_sample_refused_for_its_json_lists_no_class(tmp_path):
-    # a sample refused for a NaN float or an inverted box still put its .cls name into the class list
-    metas = [{"score": 1.0}, {"score": float("nan")}, {"score": 2.0, "boxes": [[9, 1, 5, 5]], "box_labels": ["inv"]},
-             {"score": 3.0, "boxes": [[10, 5, 30, 25]], "box_labels": ["emu"]}]
+def test_a_sample_refused_for_its_json_lists_no_class_but_a_nan_only_where_its_key_is_stored(tmp_path):
+    # a sample refused for an inverted box still put its .cls name into the class list. A NaN refuses its
+    # sample only where its key is stored (in every sample a number): its class stays listed (NOTE [refused
+    # records] rule 4), and a key another sample gives as null (img2dataset's pwatermark) refuses nothing
+    metas = [{"score": 1.0, "pwatermark": 0.5}, {"score": float("nan"), "pwatermark": float("nan")},
+             {"score": 2.0, "boxes": [[9, 1, 5, 5]], "box_labels": ["inv"], "pwatermark": None},
+             {"score": 3.0, "boxes": [[10, 5, 30, 25]], "box_labels": ["emu"], "pwatermark": float("nan")},
+             {"score": 4.0, "pwatermark": float("inf")}]
     src = tmp_path / "src"
     src.mkdir()
-    names = ["cat", "nan", "box", "dog"]
+    names = ["cat", "nan", "box", "dog", "cat"]
     write_tar(src / "00000.tar", [m for i, meta in enumerate(metas) for m in (
         (f"{i:03d}.png", _image(i, "PNG")), (f"{i:03d}.cls", names[i].encode()),
         (f"{i:03d}.json", json.dumps(meta).encode()))])
     assert preprocess(src, tmp_path / "out", "--workers", "1") == 0
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["classes"] == ["cat", "dog", "emu"]
+    assert manifest["classes"] == ["cat", "dog", "emu", "nan"]
     assert [(s["path"], s["reason"]) for s in manifest["skipped"]] == [
-        ("00000.tar/001.png", "00000.tar: sample 001 has bad metadata (ValueError: score holds nan: a float field "
-                              "needs finite numbers (float32: at most 3.4e38 in size))"),
+        ("00000.tar/001.png", "score holds nan: a float field needs finite numbers (float32: at most 3.4e38 in "
+                              "size)"),
         ("00000.tar/002.png", "box [9.0, 1.0, 5.0, 5.0] has x2 < x1 or y2 < y1: boxes are corners [x1, y1, x2, y2] "
                               "(an [x, y, w, h] box is [x, y, x + w, y + h])")]
-    b = FastDataset(tmp_path / "out").get_batch(np.arange(2))
-    assert b["label"].tolist() == [0, 1] and b["box_labels"].tolist() == [2] and b["score"].tolist() == [1.0, 3.0]
+    b = FastDataset(tmp_path / "out").get_batch(np.arange(3))
+    assert b["label"].tolist() == [0, 1, 0] and b["box_labels"].tolist() == [2]
+    assert b["score"].tolist() == [1.0, 3.0, 4.0] and "pwatermark" not in b

@@ -27,6 +27,11 @@ NOTE [refused records]:
    as unknown should its file appear after the listing (never a wrong class); box classes of a record
    refused for its boxes stay as given, for the message. A record refused for what its image shows (it
    cannot be decoded, a box outside it) is only known once decoded: its classes stay listed.
+4. In a tar or Parquet source, each file is summarised before the files' keys are merged, and only keys
+   every file holds as numbers are stored: a record's float value past float32 refuses it only where its
+   key is stored, so the summaries list its classes (`from_records`' ``refused`` leaves float refusals out)
+   and its piece refuses it (rule 3). img2dataset's metadata holds NaN in keys that other samples give as
+   null: those samples are kept.
 """
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
     Args:
         schema: The merged `index_schema.Schema` of an indexed source's piece: its ``class_id`` gives the
             records' class ids (``classes`` is then ``[]``).
-        refused: Filled with the positions of the records that list no class, where given.
+        refused: Filled with the positions of the records that list no class in a file's summary, where
+            given: those refused for a float value are not (NOTE [refused records] rule 4).
     """
     given = paths is not None
     paths = list(paths) if given else []
@@ -122,8 +123,8 @@ def from_records(rows: Iterator[tuple[str, dict[str, Any]]], location: Where, ro
         extras[key] = _column(key, kinds[key], col, location, root, paths, unread, schema is None)
     bad, boxed = refusals(kinds, extras)
     bad |= unread
-    if refused is not None:
-        refused.update(bad)
+    if refused is not None:  # (a float refuses only where its key is stored: NOTE [refused records] rule 4)
+        refused.update(unread, refusals({k: v for k, v in kinds.items() if v != "vector"}, extras)[0])
     listed = {k: extras[k] for k in CLASS_KEYS if k in extras}  # (the refused records' values, as given)
     if schema is None:
         classes, extras = _classes(extras, location, None if given else n, paths, bad)

@@ -10,9 +10,10 @@ NOTE [tar source]:
    source's rules: preprocess/records.py); other JSON keys (urls, hashes, status) are not stored. A JSON
    ``caption`` that is not one text (token ids, a list of captions as COCO gives five) without a ``txt``
    makes its sample a bad record that says so; ``"caption": null`` is no caption, as a missing key. A JSON
-   number a float field cannot hold (NaN, inf, past float32's 3.4e38) makes its sample a bad record when
-   the tar is listed, whether or not every tar stores its key: so its classes are never listed (NOTE
-   [refused records] in fastdata/preprocess/fields.py).
+   number a float field cannot hold (NaN, inf, past float32's 3.4e38) makes its sample a bad record only
+   where its key is stored (every tar's samples hold a number there), in the worker: img2dataset's metadata
+   holds NaN in keys (``pwatermark``) that other samples give as null (NOTE [refused records] rule 4 in
+   fastdata/preprocess/fields.py).
 3. The order is the tars' sorted names, then member order. Every tar is read once, streamed (``tarfile``
    mode ``r|``, nothing extracted to disk), by a task of its own that writes its index (NOTE [tar index] in
    fastdata/preprocess/tar_index.py); workers then read their samples' image bytes by offset, one ranged
@@ -43,7 +44,6 @@ from typing import Any, Iterator, Optional, Union
 from .._io import scrub
 from ..errors import ImageDecodeError, SourceError
 from ..storage.object_store import filesystem, is_url
-from .fields import vector_flaw
 from .indexed import label_of
 from .sources import IMAGE_EXTENSIONS, fits_float, holds_image, is_id, listed, shown
 from .url_reads import UrlReader, open_binary, store_call, url_path
@@ -56,8 +56,7 @@ _SPAN = 64 << 20  # but no request longer than this
 _META = ("cls", "json", "txt")  # the members record() reads: the only ones read whole
 _META_MAX = 16 << 20  # a metadata member past this is a bad record (img2dataset writes ~1 KB of .json)
 _KEEP = 32 << 20  # metadata bytes a listing keeps for hard links to them (img2dataset: ~1.5 KB a sample, 10^4 a tar)
-# a JSON number float32 may not hold: NaN, Infinity, an exponent of two digits, 39 digits (3.4e38 has 39)
-_ODD_NUMBER = re.compile(rb"NaN|Infinity|\d[eE]\+?\d\d|\d{39}")
+_LONG_INT = re.compile(rb"\d{309}")  # a JSON integer this long is past a float's range (1.8e308)
 Where = Union[tuple[int, int, int], str]  # (tar, offset, size) of a sample's image, or why it is a bad record
 
 
@@ -313,8 +312,7 @@ def _size(f: Any) -> Optional[int]:
 
 def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata
-    (not JSON, a number of over 4300 digits, past a float's range or not finite in float32, nesting deeper than
-    the parser's stack, a JSON caption that is not one text where no .txt gives the text)."""
+    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack, a JSON caption that is not one text where no .txt gives the text)."""
     image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
@@ -331,7 +329,7 @@ def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
                 raise ValueError(_not_one_text(v, numeric))  # (the key of the text field: never a vector)
             if k in ("label", "labels", "boxes", "box_labels") or (k == "caption" and isinstance(v, str)) or numeric:
                 rec[k] = v
-        if _ODD_NUMBER.search(group["json"]):  # rare: only then look for a number no float field can hold
+        if _LONG_INT.search(group["json"]):  # rare: only then look for a number no float field can hold
             _floats(rec)
     if "cls" in group:
         text = group["cls"].decode("utf-8-sig").strip()  # a BOM, as Windows editors write, is no part of the id
@@ -353,16 +351,10 @@ def _not_one_text(v: Any, numeric: bool) -> str:
 
 
 def _floats(rec: dict[str, Any]) -> None:
-    """Raise ValueError for a record's number (or list of them) that a float field cannot hold: past a float's
-    range, or not finite in float32 (the worker's rule: `fields.vector_flaw`)."""
+    """Raise ValueError for a record's number (or list of them) past a float's range: a vector field's values."""
     for k, v in rec.items():
-        if k in ("label", "labels", "boxes", "box_labels", "caption"):
-            continue
-        if not fits_float(v):
+        if k not in ("label", "labels", "boxes", "box_labels", "caption") and not fits_float(v):
             raise ValueError(f"{k!r} is {shown(v)}, past a float's range (1.8e308)")
-        flaw = vector_flaw([float(x) for x in v] if isinstance(v, list) else float(v), k)
-        if flaw:
-            raise ValueError(flaw)
 
 
 class TarBlobs:
