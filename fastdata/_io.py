@@ -53,8 +53,9 @@ _SECRETS = (  # (pattern, replacement), applied in order
 def scrub(text: str) -> str:
     """``text`` without the secrets URLs and exception texts carry, safe for messages and logs: the password
     of ``user:secret@host`` (and an http user name, often a token), signed-URL and credential query values
-    (``X-Amz-Signature=``, GCS's ``X-Goog-Signature=``, ``sig=``, ``token=``, ``password=``), ``Authorization``/``Bearer`` values, and
-    ``aws_secret_access_key=``/``'secret': ...`` assignments; each value becomes ``***``."""
+    (``X-Amz-Signature=``, GCS's ``X-Goog-Signature=``, ``sig=``, ``token=``, ``password=``),
+    ``Authorization``/``Bearer`` values, and ``aws_secret_access_key=``/``'secret': ...`` assignments; each
+    value becomes ``***``."""
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)
     return text

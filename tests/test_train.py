@@ -397,27 +397,42 @@ def _val_steps(trainer: Trainer) -> list[int]:
     return [r["step"] for r in trainer.history if r["event"] == "val"]
 
 
+class Killed(Exception):
+    """The process dying (``kill -9`` after the grace period, an OOM kill): no checkpoint is saved."""
+
+
+def _owing_run(ds, checkpoints: Path, val_loss: dict[int, float], signum: int = signal.SIGTERM,
+               signal_in_step: int = 0, dies_in_step: int = 0, **kwargs) -> Trainer:
+    """One epoch of ``ds`` validated every 2 steps with patience 1 (validation losses ``val_loss`` by step),
+    checkpointed to ``checkpoints``: ``signum`` sent while step ``signal_in_step`` runs (the preemption
+    notice), or the process dying (`Killed`) in step ``dies_in_step``."""
+    def loss_fn(out, y):
+        if trainer.model.training:
+            if trainer.step + 1 == signal_in_step:
+                os.kill(os.getpid(), signum)
+            if trainer.step + 1 == dies_in_step:
+                raise Killed
+            return torch.nn.functional.cross_entropy(out, y)
+        return out.sum() * 0 + val_loss[trainer.step]
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2, early_stop_patience=1,
+                      checkpoint_dir=str(checkpoints), **kwargs)
+    trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
+                      loss_fn=loss_fn, config=cfg)
+    with pytest.raises(Killed) if dies_in_step else contextlib.nullcontext():
+        trainer.fit()
+    return trainer
+
+
 def test_a_stop_owes_its_steps_validation_and_the_resumed_run_makes_it_first(small_images, tmp_path):
     """SIGTERM during step 2 with val_every_steps=2: the stop saved before step 2's validation, and the resumed
     run went on from step 3, so that validation was never made and early stopping fired at step 6, not 4."""
     val_loss = {2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0}  # by step: only step 2's is an improvement
     ds = FastDataset(small_images)
 
-    def run(folder: str, signal_in_step: int = 0, **kwargs) -> Trainer:
-        def loss_fn(out, y):
-            if trainer.model.training:
-                if trainer.step + 1 == signal_in_step:  # the preemption notice comes while that step runs
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return torch.nn.functional.cross_entropy(out, y)
-            return out.sum() * 0 + val_loss[trainer.step]
-
-        torch.manual_seed(0)
-        cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2,
-                          early_stop_patience=1, checkpoint_dir=str(tmp_path / folder), **kwargs)
-        trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
-                          loss_fn=loss_fn, config=cfg)
-        trainer.fit()
-        return trainer
+    def run(folder: str, **kwargs) -> Trainer:
+        return _owing_run(ds, tmp_path / folder, val_loss, **kwargs)
 
     ref = run("ref")
     assert (_val_steps(ref), ref.history[-1]["reason"], ref.step) == ([2, 4], "early_stop", 4)
@@ -485,10 +500,6 @@ def test_a_stop_at_an_epochs_partial_last_step_owes_the_epochs_validation(small_
     assert (ck["epoch"], ck["step"], ck["val_due"]) == (1, 3, True)
 
 
-class Killed(Exception):
-    """The process dying (``kill -9`` after the grace period, an OOM kill): no checkpoint is saved."""
-
-
 def test_the_owed_validation_is_saved_at_once_and_a_second_preemption_does_not_repeat_it(small_images, tmp_path):
     """SIGUSR1 during step 2 (val_every_steps=2) owed step 2's validation; the resumed run made it, then died in
     step 3, before its next checkpoint: that checkpoint still said owed, and the next resume made step 2's
@@ -496,24 +507,8 @@ def test_the_owed_validation_is_saved_at_once_and_a_second_preemption_does_not_r
     val_loss = {2: 1.0, 4: 2.0, 6: 3.0}  # by step: only step 2's is an improvement
     ds = FastDataset(small_images)
 
-    def run(folder: str, signal_in_step: int = 0, dies_in_step: int = 0, **kwargs) -> Trainer:
-        def loss_fn(out, y):
-            if trainer.model.training:
-                if trainer.step + 1 == signal_in_step:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-                if trainer.step + 1 == dies_in_step:
-                    raise Killed
-                return torch.nn.functional.cross_entropy(out, y)
-            return out.sum() * 0 + val_loss[trainer.step]
-
-        torch.manual_seed(0)
-        cfg = TrainConfig(epochs=1, device="cpu", progress=False, val_every=0, val_every_steps=2,
-                          early_stop_patience=1, checkpoint_dir=str(tmp_path / folder), **kwargs)
-        trainer = Trainer(Linear(), FastLoader(ds, 4, seed=0), FastLoader(ds, 8, shuffle=False, pad=False),
-                          loss_fn=loss_fn, config=cfg)
-        with pytest.raises(Killed) if dies_in_step else contextlib.nullcontext():
-            trainer.fit()
-        return trainer
+    def run(folder: str, **kwargs) -> Trainer:
+        return _owing_run(ds, tmp_path / folder, val_loss, signal.SIGUSR1, **kwargs)
 
     ref = run("ref")
     cut = run("cut", signal_in_step=2)

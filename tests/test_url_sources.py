@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from conftest import fresh_fs
@@ -335,16 +334,12 @@ def test_a_token_in_a_tar_urls_query_or_user_info_reaches_no_sample_name_message
                       "since it was listed?)"]
 
 
-@contextlib.contextmanager
-def _presigned(folder: Path, token: str) -> Iterator[str]:
+def _presigned(folder: Path, token: str) -> contextlib.AbstractContextManager[str]:
     """``folder``'s files over loopback HTTP with Range reads, each answered only where its request carries
     ``sig=token`` (a presigned or SAS URL's query), as a store answers them; yields the base URL."""
-    import functools
-    import http.server
-    import threading
     import urllib.parse
 
-    from test_wds_source import _RangeHandler
+    from test_wds_source import _RangeHandler, served
 
     class Presigned(_RangeHandler):
         def send_head(self):
@@ -353,12 +348,7 @@ def _presigned(folder: Path, token: str) -> Iterator[str]:
                 return None
             return super().send_head()
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Presigned, directory=str(folder)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    return served(folder, Presigned)
 
 
 def test_a_presigned_tar_or_parquet_url_is_read_by_its_path_and_its_query_kept_out_of_the_output(tmp_path, capsys):

@@ -582,13 +582,14 @@ def test_hidden_files_in_a_tar_folder_are_not_tars(tmp_path):
 
 
 @contextlib.contextmanager
-def served(folder: Path) -> Iterator[str]:
-    """``folder``'s files over loopback HTTP with Range reads and no listings (`_RangeHandler`); yields the
-    base URL."""
+def served(folder: Path, handler: Optional[type] = None) -> Iterator[str]:
+    """``folder``'s files over loopback HTTP with Range reads and no listings (``handler``, default
+    `_RangeHandler`); yields the base URL."""
     import functools
     import threading
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(folder)))
+    handler = functools.partial(handler or _RangeHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -312,7 +312,8 @@ def _size(f: Any) -> Optional[int]:
 
 def record(group: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
     """A sample's image extension and its record (NOTE [tar source] rule 2); raises ValueError for bad metadata
-    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack, a JSON caption that is not one text where no .txt gives the text)."""
+    (not JSON, a number of over 4300 digits or past a float's range, nesting deeper than the parser's stack, a
+    JSON caption that is not one text where no .txt gives the text)."""
     image = next((e for e in group if e in IMAGE_EXTS), None)
     rec: dict[str, Any] = {}
     if "json" in group:
