@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import fresh_fs
+from conftest import fresh_fs, upload as upload_folder
 from PIL import Image
 from test_fields import coco_json, make_scenes
 
@@ -30,11 +30,9 @@ pytestmark = pytest.mark.remote
 
 def upload(s3, bucket: str, root: Path, prefix: str) -> str:
     """Every file under ``root`` to ``s3://bucket/prefix/...``; returns that folder's URL."""
-    url = s3(bucket)
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            s3.client.put_object(Bucket=bucket, Key=f"{prefix}/{p.relative_to(root).as_posix()}", Body=p.read_bytes())
-    return f"{url}/{prefix}"
+    url = f"{s3(bucket)}/{prefix}"
+    upload_folder(root, url)
+    return url
 
 
 def preprocess(src, out: Path, *extra: str) -> dict:

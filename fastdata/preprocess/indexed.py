@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import posixpath
-import urllib.parse
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from ..formats.manifest import PARTIAL_DIR
 from ..storage.object_store import filesystem, is_url, object_version
 from .index_schema import Merge, Schema
 from .sources import where_of
-from .url_reads import store_call
+from .url_reads import store_call, url_path
 
 _AHEAD = 64  # summaries read ahead on a rerun: a store answers each small read in a round trip
 _schemas: dict[str, Schema] = {}  # by sha256: one per run, read once per process
@@ -141,9 +140,7 @@ def label_of(path: str) -> str:
 def name_of(path: str) -> str:
     """A file's name as its samples' paths (in the manifest) begin: a local file's name, a URL's last path
     part; never a URL's query (a SAS or CDN token, the same for every file) nor its user info."""
-    if is_url(path):
-        path = urllib.parse.urlsplit(path, allow_fragments=False).path
-    return posixpath.basename(path.rstrip("/"))
+    return posixpath.basename(url_path(path).rstrip("/"))
 
 
 def load_schema(area: Area, sha256: str) -> Schema:
